@@ -1,0 +1,99 @@
+// Plain parameter structs for the forward and backward passes.
+//
+// Filled in exactly one place (make_forward_params / make_backward_params in api.h),
+// after validation; every backend reads only these. Pointers are raw device (or host)
+// pointers, strides are in elements (int64), a broadcast dimension has stride 0, and a
+// null pointer switches a feature off (no mask, no bias, no dbias).
+#pragma once
+
+#include <cstdint>
+
+#include "dmattn/types.h"
+
+namespace dmattn {
+
+// A mask or bias viewed as (B, H, Sq, Sk) through its strides.
+//   element (b, h, i, j) lives at ptr[b*stride_b + (h / head_div)*stride_h + i*stride_q + j*stride_k]
+// A dimension of size 1 has stride 0 and is "broadcast"; the head dimension may hold H heads
+// (head_div = 1), Hkv heads (head_div = H / Hkv, one entry per GQA group) or 1 (stride 0).
+// The sizes are the operand's own (1 or full), so that dbias reductions know which
+// dimensions to sum over even if a caller passed a stride-0 expanded view of full size.
+struct BroadcastOperand {
+  const void* ptr = nullptr;  // null = absent
+  DType dtype = DType::kOther;
+  int64_t stride_b = 0, stride_h = 0, stride_q = 0, stride_k = 0;
+  int64_t size_b = 1, size_h = 1, size_q = 1, size_k = 1;
+  int64_t head_div = 1;
+
+  bool present() const { return ptr != nullptr; }
+  int64_t offset(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    return b * stride_b + (h / head_div) * stride_h + i * stride_q + j * stride_k;
+  }
+};
+
+// Strides of a (B, S, H, D) tensor with a contiguous last dimension.
+struct SeqTensor {
+  int64_t batch_stride = 0, row_stride = 0, head_stride = 0;
+  int64_t offset(int64_t b, int64_t s, int64_t h) const {
+    return b * batch_stride + s * row_stride + h * head_stride;
+  }
+};
+
+struct ForwardParams {
+  DType dtype = DType::kOther;  // element type of q, k, v and out
+  DeviceKind device = DeviceKind::kCPU;
+  int32_t device_id = 0;
+  void* stream = nullptr;       // cudaStream_t for CUDA, unused on CPU
+
+  int64_t batch = 0, seqlen_q = 0, seqlen_k = 0;
+  int64_t num_heads = 0, num_heads_kv = 0, head_dim = 0;
+
+  const void* q = nullptr;  SeqTensor q_strides;
+  const void* k = nullptr;  SeqTensor k_strides;
+  const void* v = nullptr;  SeqTensor v_strides;
+  void* out = nullptr;      SeqTensor out_strides;
+  // (B, H, Sq), contiguous. float32, or float64 when dtype is float64. Empty rows get -inf.
+  void* lse = nullptr;
+
+  BroadcastOperand mask;  // dtype kBool: true = may attend
+  BroadcastOperand bias;  // dtype == dtype or kFloat32: added to the (scaled, capped) scores
+
+  double scale = 1.0;
+  double softcap = 0.0;  // 0 = off
+  bool causal = false;
+  // After normalization: causal folded in (window_right = 0 when causal), -1 = unbounded.
+  // Key j is allowed for query i iff
+  //   (window_left  < 0 || j >= i + seqlen_k - seqlen_q - window_left) &&
+  //   (window_right < 0 || j <= i + seqlen_k - seqlen_q + window_right)
+  int64_t window_left = -1, window_right = -1;
+
+  int64_t group_size() const { return num_heads_kv > 0 ? num_heads / num_heads_kv : 1; }
+};
+
+struct BackwardParams {
+  ForwardParams fwd;  // inputs, out and lse of the forward pass (read only here)
+
+  const void* dout = nullptr;  SeqTensor dout_strides;
+  void* dq = nullptr;          SeqTensor dq_strides;
+  void* dk = nullptr;          SeqTensor dk_strides;  // (B, Sk, Hkv, D): summed over each GQA group
+  void* dv = nullptr;          SeqTensor dv_strides;
+
+  // Same dtype, sizes and broadcast structure as fwd.bias, its own strides. Null = bias
+  // does not require grad. Every element is written (sums over broadcast dims, 0 where
+  // nothing is allowed).
+  void* dbias = nullptr;
+  int64_t dbias_stride_b = 0, dbias_stride_h = 0, dbias_stride_q = 0, dbias_stride_k = 0;
+
+  // Optional scratch provided by the caller (CUDA backend): null on CPU, which keeps its own.
+  void* softmax_delta = nullptr;  // (B, H, Sq) float32: rowsum(dO * O)
+  void* dq_accum = nullptr;       // float32 accumulator for dq
+
+  bool deterministic = false;
+
+  int64_t dbias_offset(int64_t b, int64_t hb, int64_t i, int64_t j) const {
+    // hb is the bias head index (already divided by head_div).
+    return b * dbias_stride_b + hb * dbias_stride_h + i * dbias_stride_q + j * dbias_stride_k;
+  }
+};
+
+}  // namespace dmattn

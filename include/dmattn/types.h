@@ -1,0 +1,37 @@
+// Element types, devices and a framework-free tensor description.
+//
+// The binding turns DLPack tensors into TensorDesc; everything below the binding
+// (validation, parameter filling, backends, C++ tests) sees only these types.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dmattn {
+
+enum class DType : int32_t { kFloat32, kFloat16, kBFloat16, kFloat64, kBool, kInt32, kOther };
+
+enum class DeviceKind : int32_t { kCPU, kCUDA, kOther };
+
+const char* dtype_name(DType dtype);
+size_t dtype_size(DType dtype);
+const char* device_name(DeviceKind device);
+
+// A strided view of memory, in elements. Rank 0..N; strides may be 0 (broadcast).
+struct TensorDesc {
+  void* data = nullptr;
+  DType dtype = DType::kOther;
+  DeviceKind device = DeviceKind::kCPU;
+  int32_t device_id = 0;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;
+
+  int64_t rank() const { return static_cast<int64_t>(shape.size()); }
+  int64_t numel() const;
+  // "(2, 16, 128, 64)"
+  std::string shape_str() const;
+};
+
+}  // namespace dmattn
