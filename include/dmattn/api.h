@@ -27,14 +27,16 @@ ForwardParams make_forward_params(const TensorDesc& q, const TensorDesc& k, cons
                                   const AttentionOptions& options);
 
 // Same, plus dout (like q), dq (like q), dk/dv (like k), dbias (null, or bias's exact shape and
-// dtype), optional CUDA scratch (softmax_delta (B, H, Sq) float32, dq_accum float32).
+// dtype), optional CUDA scratch (softmax_delta (B, H, Sq) float32, dq_accum (B, Sq, H, D)
+// float32, dbias_accum float32 with the bias's sizes); the CPU backend ignores the scratch.
 BackwardParams make_backward_params(const TensorDesc& q, const TensorDesc& k, const TensorDesc& v,
                                     const TensorDesc& out, const TensorDesc& lse,
                                     const TensorDesc* mask, const TensorDesc* bias,
                                     const TensorDesc& dout, const TensorDesc& dq,
                                     const TensorDesc& dk, const TensorDesc& dv,
                                     const TensorDesc* dbias, const TensorDesc* softmax_delta,
-                                    const TensorDesc* dq_accum, const AttentionOptions& options);
+                                    const TensorDesc* dq_accum, const TensorDesc* dbias_accum,
+                                    const AttentionOptions& options);
 
 // Run on params.device. CPU always available; CUDA when built with it (otherwise an Error).
 void run_forward(const ForwardParams& params);

@@ -86,7 +86,10 @@ struct BackwardParams {
 
   // Optional scratch provided by the caller (CUDA backend): null on CPU, which keeps its own.
   void* softmax_delta = nullptr;  // (B, H, Sq) float32: rowsum(dO * O)
-  void* dq_accum = nullptr;       // float32 accumulator for dq
+  void* dq_accum = nullptr;       // (B, Sq, H, D) float32, contiguous: accumulator for dq
+  // (size_b, size_h, size_q, size_k) float32, contiguous: accumulator for a dbias that is
+  // reduced across CTAs (bias broadcast over batch or heads); null when not needed.
+  void* dbias_accum = nullptr;
 
   bool deterministic = false;
 
