@@ -1,0 +1,14 @@
+"""dmattn: fast, numerically safe attention with dynamic masks and learnable biases.
+
+    import dmattn
+    out = dmattn.attention(q, k, v, mask=mask, bias=bias, causal=True)
+
+See README.md and docs/semantics.md.
+"""
+
+from ._lib import cuda_available
+from .interface import attention, flash_dmattn_func
+
+__version__ = "0.1.0"
+
+__all__ = ["attention", "flash_dmattn_func", "cuda_available", "__version__"]

@@ -1,0 +1,127 @@
+"""User-facing functions: dmattn.attention and the flash-dmattn drop-in flash_dmattn_func.
+
+Python-level checks here cover only what the native validation cannot see (argument types,
+Python values); shapes, dtypes, devices and strides are checked once, in C++
+(src/api/make_params.cpp), for every backend.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from .ops import attention_forward
+
+__all__ = ["attention", "flash_dmattn_func"]
+
+
+def _require_tensor(x, name: str, optional: bool = False) -> None:
+    if x is None and optional:
+        return
+    if not isinstance(x, torch.Tensor):
+        expected = "a torch.Tensor or None" if optional else "a torch.Tensor"
+        raise TypeError(f"{name}: expected {expected}, got {type(x).__name__}")
+
+
+def _last_dim_contiguous(x: Tensor) -> Tensor:
+    # As FlashAttention: kernels need unit stride along head_dim; copy only when it is not.
+    return x if x.dim() == 0 or x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
+
+
+def _parse_window(window) -> Tuple[int, int]:
+    if (not isinstance(window, Sequence) or isinstance(window, str) or len(window) != 2
+            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window)):
+        raise TypeError(f"window: expected a pair of ints (left, right), -1 = unbounded, got {window!r}")
+    left, right = int(window[0]), int(window[1])
+    if left < -1 or right < -1:
+        raise ValueError(f"window: expected values >= -1 (-1 = unbounded), got {(left, right)}")
+    return left, right
+
+
+def _parse_float(x, name: str, allow_none: bool) -> Optional[float]:
+    if x is None and allow_none:
+        return None
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name}: expected a float, got {type(x).__name__}")
+    return float(x)
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    *,
+    causal: bool = False,
+    window: Tuple[int, int] = (-1, -1),
+    scale: Optional[float] = None,
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    return_lse: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Attention with an optional boolean mask and an optional learnable additive bias.
+
+    q: (B, Sq, H, D); k, v: (B, Sk, Hkv, D) with H % Hkv == 0 (GQA/MQA).
+    mask: bool, broadcastable to (B, H, Sq, Sk) (each dim 1 or full; head dim may be Hkv);
+        True = may attend.
+    bias: q's dtype or float32, same broadcast rule; added to the scaled (and soft-capped)
+        scores. Receives a gradient of its own shape when it requires grad.
+    causal: bottom-right aligned (key j allowed for query i iff j <= i + Sk - Sq).
+    window: (left, right), -1 = unbounded, aligned like causal.
+    scale: softmax scale, default 1/sqrt(D).  softcap: 0 = off, else softcap*tanh(s/softcap).
+    deterministic: bitwise-reproducible gradients.
+    Returns out (B, Sq, H, D), plus lse (B, H, Sq) when return_lse (rows with no allowed key:
+    out 0, lse -inf). See docs/semantics.md.
+    """
+    _require_tensor(q, "q")
+    _require_tensor(k, "k")
+    _require_tensor(v, "v")
+    _require_tensor(mask, "mask", optional=True)
+    _require_tensor(bias, "bias", optional=True)
+    left, right = _parse_window(window)
+    scale = _parse_float(scale, "scale", allow_none=True)
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale: expected a finite positive float or None, got {scale}")
+    softcap = _parse_float(softcap, "softcap", allow_none=False)
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap: expected a finite float >= 0 (0 = off), got {softcap}")
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    out, lse = attention_forward(q, k, v, mask, bias, bool(causal), left, right, scale,
+                                 softcap, bool(deterministic))
+    return (out, lse) if return_lse else out
+
+
+def flash_dmattn_func(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    attn_bias: Optional[Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    softcap: Optional[float] = None,
+    deterministic: Optional[bool] = None,
+    return_attn_probs: Optional[bool] = None,
+):
+    """Drop-in for flash-dmattn's flash_dmattn_func (same arguments and layout (B, S, H, D)).
+
+    None means the flash-dmattn default (not causal, no softcap, non-deterministic).
+    return_attn_probs=True returns (out, lse, None): like flash-dmattn, the probabilities
+    themselves are never materialized.
+    """
+    out, lse = attention(
+        query, key, value, attn_mask, attn_bias,
+        causal=bool(is_causal) if is_causal is not None else False,
+        scale=softmax_scale,
+        softcap=0.0 if softcap is None else softcap,
+        deterministic=bool(deterministic) if deterministic is not None else False,
+        return_lse=True,
+    )
+    if return_attn_probs:
+        return out, lse, None
+    return out

@@ -1,0 +1,138 @@
+// tvm-ffi binding: the library's only framework-facing file.
+//
+// Functions take DLPack tensors (torch, numpy, JAX, CuPy...) in destination-passing style:
+// the caller allocates every output and scratch buffer, so the Python layer stays in charge
+// of memory (caching allocator, CUDA graphs) and the C++ core never allocates device memory.
+// dmattn::Error is re-raised with its kind (ValueError / TypeError / RuntimeError) and its
+// message intact.
+#include <dlpack/dlpack.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/extra/c_env_api.h>
+#include <tvm/ffi/function.h>
+#include <tvm/ffi/optional.h>
+
+#include <string>
+
+#include "dmattn/api.h"
+
+namespace {
+
+using tvm::ffi::Optional;
+using tvm::ffi::TensorView;
+
+dmattn::DType to_dtype(DLDataType t) {
+  if (t.lanes != 1) return dmattn::DType::kOther;
+  switch (t.code) {
+    case kDLFloat:
+      if (t.bits == 32) return dmattn::DType::kFloat32;
+      if (t.bits == 16) return dmattn::DType::kFloat16;
+      if (t.bits == 64) return dmattn::DType::kFloat64;
+      break;
+    case kDLBfloat:
+      if (t.bits == 16) return dmattn::DType::kBFloat16;
+      break;
+    case kDLBool:
+      if (t.bits == 8) return dmattn::DType::kBool;
+      break;
+    case kDLInt:
+      if (t.bits == 32) return dmattn::DType::kInt32;
+      break;
+    default:
+      break;
+  }
+  return dmattn::DType::kOther;
+}
+
+dmattn::TensorDesc to_desc(const TensorView& view) {
+  dmattn::TensorDesc d;
+  d.dtype = to_dtype(view.dtype());
+  d.data = static_cast<char*>(view.data_ptr()) + view.byte_offset();
+  const DLDevice device = view.device();
+  d.device = device.device_type == kDLCPU    ? dmattn::DeviceKind::kCPU
+             : device.device_type == kDLCUDA ? dmattn::DeviceKind::kCUDA
+                                             : dmattn::DeviceKind::kOther;
+  d.device_id = device.device_id;
+  // tvm-ffi fills strides when it imports a DLPack tensor, compact ones included.
+  const auto shape = view.shape();
+  const auto strides = view.strides();
+  d.shape.assign(shape.begin(), shape.end());
+  d.strides.assign(strides.begin(), strides.end());
+  return d;
+}
+
+struct OptionalDesc {
+  dmattn::TensorDesc desc;
+  bool present = false;
+  explicit OptionalDesc(const Optional<TensorView>& t) {
+    if (t.has_value()) desc = to_desc(t.value()), present = true;
+  }
+  const dmattn::TensorDesc* get() const { return present ? &desc : nullptr; }
+};
+
+dmattn::AttentionOptions make_options(bool causal, int64_t window_left, int64_t window_right,
+                                      double scale, double softcap, bool deterministic) {
+  dmattn::AttentionOptions o;
+  o.causal = causal;
+  o.window_left = window_left;
+  o.window_right = window_right;
+  o.scale = scale;  // NaN = default 1/sqrt(D)
+  o.softcap = softcap;
+  o.deterministic = deterministic;
+  return o;
+}
+
+void* current_stream(const dmattn::ForwardParams& p) {
+  if (p.device != dmattn::DeviceKind::kCUDA) return nullptr;
+  return TVMFFIEnvGetStream(kDLCUDA, p.device_id);
+}
+
+// Runs `body`, translating dmattn::Error into a tvm-ffi error of the same Python kind.
+template <typename Body>
+void translate_errors(Body&& body) {
+  try {
+    body();
+  } catch (const dmattn::Error& e) {
+    throw tvm::ffi::Error(e.python_kind(), e.what(), "");
+  }
+}
+
+void forward(TensorView q, TensorView k, TensorView v, TensorView out, TensorView lse,
+             Optional<TensorView> mask, Optional<TensorView> bias, bool causal,
+             int64_t window_left, int64_t window_right, double scale, double softcap) {
+  translate_errors([&] {
+    const OptionalDesc mask_d(mask), bias_d(bias);
+    dmattn::ForwardParams p = dmattn::make_forward_params(
+        to_desc(q), to_desc(k), to_desc(v), to_desc(out), to_desc(lse), mask_d.get(),
+        bias_d.get(), make_options(causal, window_left, window_right, scale, softcap, false));
+    p.stream = current_stream(p);
+    dmattn::run_forward(p);
+  });
+}
+
+void backward(TensorView q, TensorView k, TensorView v, TensorView out, TensorView lse,
+              Optional<TensorView> mask, Optional<TensorView> bias, TensorView dout,
+              TensorView dq, TensorView dk, TensorView dv, Optional<TensorView> dbias,
+              Optional<TensorView> softmax_delta, Optional<TensorView> dq_accum,
+              Optional<TensorView> dbias_accum, bool causal, int64_t window_left,
+              int64_t window_right, double scale, double softcap, bool deterministic) {
+  translate_errors([&] {
+    const OptionalDesc mask_d(mask), bias_d(bias), dbias_d(dbias), delta_d(softmax_delta),
+        dq_accum_d(dq_accum), dbias_accum_d(dbias_accum);
+    dmattn::BackwardParams p = dmattn::make_backward_params(
+        to_desc(q), to_desc(k), to_desc(v), to_desc(out), to_desc(lse), mask_d.get(),
+        bias_d.get(), to_desc(dout), to_desc(dq), to_desc(dk), to_desc(dv), dbias_d.get(),
+        delta_d.get(), dq_accum_d.get(), dbias_accum_d.get(),
+        make_options(causal, window_left, window_right, scale, softcap, deterministic));
+    p.fwd.stream = current_stream(p.fwd);
+    dmattn::run_backward(p);
+  });
+}
+
+bool cuda_available() { return dmattn::cuda_available(); }
+
+}  // namespace
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward, forward);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(backward, backward);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(cuda_available, cuda_available);
