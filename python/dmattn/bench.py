@@ -1,0 +1,403 @@
+"""The main job: dmattn beside its peers on the same device, one table.
+
+    python -m dmattn.bench            # or: dmattn-bench
+    python -m dmattn.bench --quick --json results.json
+
+Every row runs the same inputs through each provider that supports the configuration,
+checks dmattn's output against a float64 reference on a slice of query rows (and every
+gradient for finiteness and against the peer), and reports the median time and TFLOP/s
+(FlashAttention's convention: forward 4*B*H*Sq*Sk*D, halved when causal; fwd+bwd 3.5x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from . import attention
+from ._lib import cuda_available
+
+
+@dataclass
+class Config:
+    name: str
+    batch: int
+    seqlen: int
+    heads: int
+    head_dim: int
+    causal: bool = False
+    bias: str = "none"        # "none" | "dense" (B,H,S,S) | "per_key" (B,H,1,S)
+    keep: int = 0             # per_key only: top-k keys kept per (b, h), 0 = all
+    heads_kv: int = 0         # 0 = heads
+    dtype: str = "bfloat16"
+
+    @property
+    def hkv(self) -> int:
+        return self.heads_kv or self.heads
+
+    def flops(self, backward: bool) -> float:
+        f = 4.0 * self.batch * self.heads * self.seqlen * self.seqlen * self.head_dim
+        f = f / 2 if self.causal else f
+        return f * 3.5 if backward else f
+
+
+@dataclass
+class Inputs:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: Optional[torch.Tensor]
+    bias: Optional[torch.Tensor]
+    dout: torch.Tensor
+
+
+@dataclass
+class Row:
+    config: str
+    provider: str
+    fwd_ms: float = math.nan
+    fwdbwd_ms: float = math.nan
+    fwd_tflops: float = math.nan
+    fwdbwd_tflops: float = math.nan
+    peak_mem_gib: float = math.nan
+    check: str = ""
+    note: str = ""
+
+
+def cpu_configs(quick: bool) -> List[Config]:
+    s = 512 if quick else 1024
+    return [
+        Config(f"dense S={s}", 1, s, 8, 64, dtype="float32"),
+        Config(f"dense causal S={s}", 1, s, 8, 64, causal=True, dtype="float32"),
+        Config(f"bias (B,H,S,S) S={s}", 1, s, 8, 64, bias="dense", dtype="float32"),
+        Config(f"bias causal S={s}", 1, s, 8, 64, causal=True, bias="dense", dtype="float32"),
+        Config(f"per-key bias + top-{s // 4} S={s}", 1, s, 8, 64, causal=True, bias="per_key",
+               keep=s // 4, dtype="float32"),
+        Config(f"bias bf16 S={s}", 1, s, 8, 64, bias="dense", dtype="bfloat16"),
+    ]
+
+
+def gpu_configs(quick: bool) -> List[Config]:
+    rows = []
+    for s, b in ((2048, 8), (8192, 2)):
+        for causal in (False, True):
+            rows.append(Config(f"dense S={s} B={b}{' causal' if causal else ''}", b, s, 16, 128, causal))
+    for s in (4096, 8192):
+        for causal in (False, True):
+            rows.append(Config(f"bias (B,H,S,S) S={s}{' causal' if causal else ''}", 2, s, 16, 128,
+                               causal, bias="dense"))
+            rows.append(Config(f"per-key bias top-2048 S={s}{' causal' if causal else ''}", 2, s, 16,
+                               128, causal, bias="per_key", keep=2048))
+    return rows[:3] if quick else rows
+
+
+def make_inputs(cfg: Config, device: str, seed: int = 0) -> Inputs:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    dtype = getattr(torch, cfg.dtype)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    q = randn(cfg.batch, cfg.seqlen, cfg.heads, cfg.head_dim)
+    k = randn(cfg.batch, cfg.seqlen, cfg.hkv, cfg.head_dim)
+    v = randn(cfg.batch, cfg.seqlen, cfg.hkv, cfg.head_dim)
+    dout = randn(cfg.batch, cfg.seqlen, cfg.heads, cfg.head_dim)
+    mask = bias = None
+    if cfg.bias == "dense":
+        bias = randn(cfg.batch, cfg.heads, cfg.seqlen, cfg.seqlen)
+    elif cfg.bias == "per_key":
+        bias = randn(cfg.batch, cfg.heads, 1, cfg.seqlen)
+        if 0 < cfg.keep < cfg.seqlen:
+            # Doge-style selection: the top-`keep` keys by (detached) bias, one set per (b, h).
+            idx = bias.detach().float().topk(cfg.keep, dim=-1).indices
+            mask = torch.zeros(bias.shape, dtype=torch.bool, device=device).scatter_(-1, idx, True)
+    if bias is not None:
+        bias.requires_grad_(True)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    return Inputs(q, k, v, mask, bias, dout)
+
+
+# ---------------------------------------------------------------------------------------------
+# Providers: each returns a function computing out (B, S, H, D) from Inputs, or None when it
+# cannot run the configuration (the reason goes into the table).
+# ---------------------------------------------------------------------------------------------
+
+def _dmattn(cfg: Config, x: Inputs):
+    return lambda: attention(x.q, x.k, x.v, x.mask, x.bias, causal=cfg.causal)
+
+
+def _sdpa_float_mask(x: Inputs, causal: bool):
+    """SDPA with the mask, the bias and causality folded into one float mask (its only bias path)."""
+    b, s, h, d = x.q.shape
+    hkv = x.k.shape[2]
+
+    def run():
+        q, k, v = (t.transpose(1, 2) for t in (x.q, x.k, x.v))
+        if hkv != h:
+            k, v = (t.repeat_interleave(h // hkv, dim=1) for t in (k, v))
+        attn = None
+        if x.bias is not None or x.mask is not None or causal:
+            attn = torch.zeros((), dtype=q.dtype, device=q.device)
+            if x.bias is not None:
+                attn = attn + x.bias
+            allowed = torch.ones((), dtype=torch.bool, device=q.device)
+            if x.mask is not None:
+                allowed = allowed & x.mask
+            if causal:
+                allowed = allowed & torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+            attn = attn.masked_fill(~allowed, float("-inf"))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn)
+        return o.transpose(1, 2)
+
+    return run
+
+
+def _sdpa_backend(backend_name: str):
+    def provider(cfg: Config, x: Inputs):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = getattr(SDPBackend, backend_name)
+        if x.bias is not None and backend_name != "EFFICIENT_ATTENTION":
+            return None
+        inner = _sdpa_float_mask(x, cfg.causal) if x.bias is not None else None
+
+        def run():
+            with sdpa_kernel(backend):
+                if inner is not None:
+                    return inner()
+                q, k, v = (t.transpose(1, 2) for t in (x.q, x.k, x.v))
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=cfg.causal, enable_gqa=x.k.shape[2] != x.q.shape[2])
+                return o.transpose(1, 2)
+
+        return run
+
+    return provider
+
+
+def _flex(cfg: Config, x: Inputs):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    b, s, h, d = x.q.shape
+    compiled = torch.compile(flex_attention, dynamic=False)
+    bias, mask, causal = x.bias, x.mask, cfg.causal
+
+    def mask_mod(bi, hi, qi, ki):
+        ok = qi >= 0
+        if causal:
+            ok = ok & (qi >= ki)
+        if mask is not None:
+            ok = ok & mask[bi, hi, 0, ki]
+        return ok
+
+    score_mod = None
+    if bias is not None:
+        if bias.shape[2] == 1:
+            def score_mod(score, bi, hi, qi, ki):
+                return score + bias[bi, hi, 0, ki]
+        else:
+            def score_mod(score, bi, hi, qi, ki):
+                return score + bias[bi, hi, qi, ki]
+    block_mask = create_block_mask(mask_mod, b, h, s, s, device=x.q.device) if (causal or mask is not None) else None
+
+    def run():
+        q, k, v = (t.transpose(1, 2) for t in (x.q, x.k, x.v))
+        o = compiled(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                     enable_gqa=x.k.shape[2] != x.q.shape[2])
+        return o.transpose(1, 2)
+
+    return run
+
+
+def providers_for(device: str) -> Dict[str, Callable]:
+    if device == "cpu":
+        return {"dmattn": _dmattn, "sdpa (cpu, float mask)": lambda c, x: _sdpa_float_mask(x, c.causal)}
+    table = {}
+    if cuda_available():
+        table["dmattn"] = _dmattn
+    table["sdpa flash (FA2)"] = _sdpa_backend("FLASH_ATTENTION")
+    table["sdpa cudnn"] = _sdpa_backend("CUDNN_ATTENTION")
+    table["sdpa mem-efficient"] = _sdpa_backend("EFFICIENT_ATTENTION")
+    table["flex (compiled)"] = _flex
+    return table
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing and checking
+# ---------------------------------------------------------------------------------------------
+
+def _time_ms(fn: Callable[[], object], device: str, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _grads(x: Inputs) -> List[torch.Tensor]:
+    return [t for t in (x.q, x.k, x.v, x.bias) if t is not None]
+
+
+def _fwd_bwd(run: Callable, x: Inputs) -> Callable[[], List[torch.Tensor]]:
+    leaves = _grads(x)
+
+    def step():
+        out = run()
+        return torch.autograd.grad(out, leaves, x.dout)
+
+    return step
+
+
+def _reference_rows(cfg: Config, x: Inputs, rows: torch.Tensor) -> torch.Tensor:
+    """float64 reference output for the query rows `rows` (every key), (B, len(rows), H, D)."""
+    q = x.q.detach()[:, rows].double().cpu()
+    k, v = (t.detach().double().cpu() for t in (x.k, x.v))
+    h, hkv = q.shape[2], k.shape[2]
+    k, v = (t.repeat_interleave(h // hkv, dim=2) for t in (k, v))
+    s = torch.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(cfg.head_dim)
+    allowed = torch.ones_like(s, dtype=torch.bool)
+    if x.bias is not None:
+        bias = x.bias.detach().double().cpu()
+        bias = bias[:, :, rows] if bias.shape[2] > 1 else bias
+        s = s + bias
+    if x.mask is not None:
+        m = x.mask.cpu()
+        allowed = allowed & (m[:, :, rows] if m.shape[2] > 1 else m)
+    if cfg.causal:
+        j = torch.arange(cfg.seqlen)
+        allowed = allowed & (j[None, :] <= rows[:, None])
+    s = s.masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhij,bjhd->bihd", p, v)
+
+
+def _check(cfg: Config, x: Inputs, out: torch.Tensor, grads, peer_grads) -> str:
+    rows = torch.unique(torch.linspace(0, cfg.seqlen - 1, steps=min(cfg.seqlen, 64)).long())
+    ref = _reference_rows(cfg, x, rows)
+    got = out.detach()[:, rows].double().cpu()
+    err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+    tol = 1e-4 if cfg.dtype == "float32" else 2e-2
+    finite = all(torch.isfinite(g).all().item() for g in grads) and torch.isfinite(out).all().item()
+    msg = f"out err {err:.1e}"
+    ok = finite and err <= tol
+    if peer_grads is not None:
+        worst = 0.0
+        for g, pg in zip(grads, peer_grads):
+            denom = max(pg.abs().max().item(), 1e-6)
+            worst = max(worst, (g.double() - pg.double()).abs().max().item() / denom)
+        msg += f", grads vs peer {worst:.1e}"
+        ok = ok and worst <= (1e-3 if cfg.dtype == "float32" else 5e-2)
+    return ("ok: " if ok else "FAIL: ") + msg + ("" if finite else ", NON-FINITE")
+
+
+def run_config(cfg: Config, device: str, warmup: int, iters: int) -> List[Row]:
+    x = make_inputs(cfg, device)
+    rows: List[Row] = []
+    dm_grads = None
+    peer_grads = None
+    dm_row = None
+    for name, provider in providers_for(device).items():
+        row = Row(cfg.name, name)
+        try:
+            run = provider(cfg, x)
+            if run is None:
+                row.note = "not supported"
+                rows.append(row)
+                continue
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            row.fwd_ms = _time_ms(lambda: run(), device, warmup, iters)
+            step = _fwd_bwd(run, x)
+            row.fwdbwd_ms = _time_ms(step, device, warmup, iters)
+            if device == "cuda":
+                row.peak_mem_gib = torch.cuda.max_memory_allocated() / 2**30
+            row.fwd_tflops = cfg.flops(False) / (row.fwd_ms * 1e-3) / 1e12
+            row.fwdbwd_tflops = cfg.flops(True) / (row.fwdbwd_ms * 1e-3) / 1e12
+            if name == "dmattn":
+                dm_grads = step()
+                dm_row = (row, run)
+            elif peer_grads is None:
+                peer_grads = step()
+        except Exception as e:  # a peer that fails is reported, not fatal
+            row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+        rows.append(row)
+    if dm_row is not None:
+        row, run = dm_row
+        with torch.no_grad():
+            out = run()
+        row.check = _check(cfg, x, out, dm_grads, peer_grads)
+    return rows
+
+
+def _fmt(v: float, spec: str) -> str:
+    return "-" if v != v else format(v, spec)
+
+
+def print_table(rows: List[Row], device_name: str, file=sys.stdout) -> None:
+    print(f"\ndmattn benchmark on {device_name} (median ms; TFLOP/s in FlashAttention's convention)", file=file)
+    header = f"| {'config':36} | {'provider':22} | fwd ms | fwd+bwd ms | fwd TF/s | f+b TF/s | check / note |"
+    print(header, file=file)
+    print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|", file=file)
+    for r in rows:
+        print(f"| {r.config:36} | {r.provider:22} | {_fmt(r.fwd_ms, '6.2f'):>6} | "
+              f"{_fmt(r.fwdbwd_ms, '10.2f'):>10} | {_fmt(r.fwd_tflops, '8.3f'):>8} | "
+              f"{_fmt(r.fwdbwd_tflops, '8.3f'):>8} | {r.check or r.note} |", file=file)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--quick", action="store_true", help="fewer, smaller configurations")
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--json", help="write the rows to this JSON file")
+    args = ap.parse_args(argv)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device visible to PyTorch")
+    warmup = args.warmup if args.warmup is not None else (3 if device == "cuda" else 1)
+    iters = args.iters if args.iters is not None else (10 if device == "cuda" else 3)
+    configs = gpu_configs(args.quick) if device == "cuda" else cpu_configs(args.quick)
+    device_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    if device == "cuda" and not cuda_available():
+        print("note: this dmattn build has no CUDA backend; showing the peers only", file=sys.stderr)
+    rows: List[Row] = []
+    for cfg in configs:
+        print(f"running: {cfg.name}", file=sys.stderr, flush=True)
+        rows.extend(run_config(cfg, device, warmup, iters))
+    print_table(rows, device_name)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device_name, "torch": torch.__version__,
+                       "configs": [asdict(c) for c in configs], "rows": [asdict(r) for r in rows]},
+                      f, indent=1)
+    failed = [r for r in rows if r.check.startswith("FAIL")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
