@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The whole GPU cycle in one command, for a GPU machine without a package registry
+# (the lent H100/H200): build the native library for the local GPU, run the GPU test group,
+# run the benchmark, optionally compute-sanitizer; logs and JSON go to $OUT.
+#
+# Carried from the development machine (see scripts/prepare_gpu_carry.sh):
+#   .whl/        apache-tvm-ffi wheel for the device's Python
+#   .devcarry/   cutlass_include.tgz (CuTe/CUTLASS headers from the nvidia-cutlass wheel)
+#
+# Usage on the device (repo root):  bash scripts/gpu_cycle.sh [steps...]
+#   steps: build test bench sanitize (default: build test bench)
+#   env:   OUT (default /tmp/dmattn-out), ARCHS (default 90a), PYTEST_ARGS, BENCH_ARGS
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-/tmp/dmattn-out}
+mkdir -p "$OUT"
+STEPS=${*:-build test bench}
+ARCHS=${ARCHS:-90a}
+export PYTHONUNBUFFERED=1
+status=0
+
+step() { echo; echo "=== $* ($(date +%T))"; }
+
+step "environment"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+
+step "dependencies"
+SITE=/tmp/dmattn-site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target "$SITE" .whl/*.whl || exit 1
+export PYTHONPATH="$PWD/python:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+CUTLASS_DIR=/tmp/dmattn-cutlass
+mkdir -p "$CUTLASS_DIR" && tar xzf .devcarry/cutlass_include.tgz -C "$CUTLASS_DIR" || exit 1
+
+if [[ " $STEPS " == *" build "* ]]; then
+  step "build (archs $ARCHS)"
+  start=$(date +%s)
+  cmake -S . -B /tmp/dmattn-build -G Ninja -DDMATTN_CUDA_ARCHS="$ARCHS" \
+    -DCUTLASS_INCLUDE_DIR="$CUTLASS_DIR" -DPython_EXECUTABLE="$(command -v python3)" \
+    > "$OUT/build.log" 2>&1 &&
+  cmake --build /tmp/dmattn-build -j "$(nproc)" >> "$OUT/build.log" 2>&1
+  rc=$?
+  grep -E "error|warning.*spill|Used [0-9]+ registers" "$OUT/build.log" | sort | uniq | head -40
+  echo "build rc=$rc in $(( $(date +%s) - start )) s"
+  [ $rc -eq 0 ] || { tail -60 "$OUT/build.log"; exit 1; }
+  cp /tmp/dmattn-build/libdmattn_ffi.so python/dmattn/
+fi
+python3 -c "import dmattn; print('dmattn CUDA backend:', dmattn.cuda_available())"
+
+if [[ " $STEPS " == *" test "* ]]; then
+  step "GPU tests"
+  # shellcheck disable=SC2086
+  python3 -m pytest tests/python -m gpu -q -x -p no:cacheprovider ${PYTEST_ARGS:-} \
+    2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if [[ " $STEPS " == *" bench "* ]]; then
+  step "benchmark"
+  # shellcheck disable=SC2086
+  python3 -m dmattn.bench --device cuda --json "$OUT/bench.json" ${BENCH_ARGS:-} \
+    2>"$OUT/bench.err" | tee "$OUT/bench.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if [[ " $STEPS " == *" sanitize "* ]]; then
+  step "compute-sanitizer (memcheck, racecheck) on a small configuration set"
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool "$tool" --error-exitcode 9 python3 tests/python/sanitizer_cases.py \
+      > "$OUT/sanitize_$tool.log" 2>&1
+    rc=$?
+    echo "$tool rc=$rc"; tail -5 "$OUT/sanitize_$tool.log"
+    [ $rc -eq 0 ] || status=1
+  done
+fi
+
+echo; echo "gpu_cycle status=$status"
+exit $status

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# On the development machine: gathers what scripts/gpu_cycle.sh needs on a registry-less GPU
+# machine into git-ignored folders, to pass as the device call's `carry: [".whl", ".devcarry"]`.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=${PYTHON:-python3}
+DEVICE_PY=${DEVICE_PY:-3.12}
+mkdir -p .whl .devcarry
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$DEVICE_PY" \
+  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+  "apache-tvm-ffi==$("$PY" -c 'import tvm_ffi; print(tvm_ffi.__version__)')"
+inc=$("$PY" -c "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))")
+tar czf .devcarry/cutlass_include.tgz -C "$inc" cute cutlass
+ls -la .whl .devcarry
