@@ -67,7 +67,7 @@ fi
 if [[ " $STEPS " == *" sanitize "* ]]; then
   step "compute-sanitizer (memcheck, racecheck) on a small configuration set"
   for tool in memcheck racecheck; do
-    compute-sanitizer --tool "$tool" --error-exitcode 9 python3 tests/python/sanitizer_cases.py \
+    compute-sanitizer --tool "$tool" --error-exitcode 9 python3 scripts/sanitizer_cases.py \
       > "$OUT/sanitize_$tool.log" 2>&1
     rc=$?
     echo "$tool rc=$rc"; tail -5 "$OUT/sanitize_$tool.log"

@@ -1,0 +1,30 @@
+"""A small set of CUDA calls for compute-sanitizer (memcheck / racecheck), run by
+scripts/gpu_cycle.sh with the step `sanitize`. Tails, broadcast mask/bias, GQA, causal and
+window, forward and backward; each call is checked for finiteness so a failing launch shows."""
+
+import torch
+
+import dmattn
+
+
+def case(b, sq, sk, h, hkv, d, dtype, mask_shape=None, bias_shape=None, **kw):
+    g = torch.Generator().manual_seed(sq * 1000 + sk)
+    dev = "cuda"
+    q = torch.randn(b, sq, h, d, generator=g).to(dev, dtype).requires_grad_()
+    k = torch.randn(b, sk, hkv, d, generator=g).to(dev, dtype).requires_grad_()
+    v = torch.randn(b, sk, hkv, d, generator=g).to(dev, dtype).requires_grad_()
+    mask = (torch.rand(mask_shape, generator=g) > 0.3).to(dev) if mask_shape else None
+    bias = torch.randn(bias_shape, generator=g).to(dev, dtype).requires_grad_() if bias_shape else None
+    out = dmattn.attention(q, k, v, mask, bias, **kw)
+    out.backward(torch.randn_like(out))
+    torch.cuda.synchronize()
+    for t in (out, q.grad, k.grad, v.grad) + ((bias.grad,) if bias is not None else ()):
+        assert torch.isfinite(t).all(), "non-finite value"
+
+
+for dtype in (torch.bfloat16, torch.float16):
+    case(1, 17, 33, 2, 1, 64, dtype, mask_shape=(1, 2, 17, 33), bias_shape=(1, 2, 17, 33))
+    case(2, 130, 77, 4, 2, 128, dtype, bias_shape=(2, 1, 1, 77), causal=True)
+    case(1, 64, 200, 2, 2, 72, dtype, mask_shape=(1, 1, 64, 200), window=(32, 8))
+    case(1, 1, 1, 1, 1, 64, dtype)
+print("sanitizer cases done")
