@@ -1,0 +1,328 @@
+// Backward pass, deterministic and without atomics, in three parallel passes:
+//   0. Delta_i = rowsum(dO_i * O_i), using out as stored, in accumulator precision.
+//   1. One task per (batch, kv head, key block): recomputes P = exp(S - lse) and
+//      dS = P * (dP - Delta) over every query head of the GQA group and every query block
+//      that the window lets reach the key block, accumulating dV = P^T dO, dK = scale *
+//      (dS * softcap')^T Q, and dbias. Dimensions along which the bias is broadcast would
+//      make tasks write the same dbias element, so they are folded into one task (see
+//      KeyTaskGrid). Each task sums dbias in the accumulator type and casts once.
+//   2. One task per (batch, head, query block): recomputes dS and accumulates
+//      dQ = scale * (dS * softcap') K.
+// Every output element is owned by one task with a fixed summation order, so the result is
+// bitwise identical for any number of threads.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "cpu/cpu_backend.h"
+#include "cpu/element_types.h"
+#include "cpu/score_mod.h"
+#include "cpu/tile_math.h"
+
+namespace dmattn::cpu {
+namespace {
+
+// Per-thread tile buffers shared by passes 1 and 2.
+template <typename Acc>
+struct BackwardTiles {
+  std::vector<Acc> q, dout, k, k_t, v_t;     // operand tiles
+  std::vector<Acc> probs, dprobs, cap_grad;  // P, dP then dS, softcap derivative
+  std::vector<Acc> lse, delta;               // per query row of the current block
+  std::vector<Acc> grad_a, grad_b;           // dK and dV (pass 1) or dQ (pass 2)
+  std::vector<Acc> dbias;                    // the dbias slab a pass-1 task owns
+  explicit BackwardTiles(int64_t dim)
+      : q(kBlockQ * dim), dout(kBlockQ * dim), k(kBlockK * dim), k_t(dim * kBlockK),
+        v_t(dim * kBlockK), probs(kBlockQ * kBlockK), dprobs(kBlockQ * kBlockK),
+        cap_grad(kBlockQ * kBlockK), lse(kBlockQ), delta(kBlockQ),
+        grad_a(std::max(kBlockQ, kBlockK) * dim), grad_b(kBlockK * dim) {}
+};
+
+// Everything a task needs besides its indices.
+template <typename T, typename Acc, typename BiasT>
+struct BackwardContext {
+  const BackwardParams& p;
+  const ForwardParams& f;
+  ScoreMod<Acc, BiasT> mod;
+  const std::vector<Acc>& delta;  // (B, H, Sq)
+  bool softcap_on;
+
+  BackwardContext(const BackwardParams& params, const std::vector<Acc>& delta_rows)
+      : p(params), f(params.fwd), mod(params.fwd), delta(delta_rows),
+        softcap_on(params.fwd.softcap > 0) {}
+
+  int64_t stat_index(int64_t b, int64_t h, int64_t i) const {
+    return (b * f.num_heads + h) * f.seqlen_q + i;
+  }
+
+  // Loads Q, dO, lse and Delta of query rows [i0, i0 + rows) of head h.
+  void load_query_side(int64_t b, int64_t h, int64_t i0, int64_t rows,
+                       BackwardTiles<Acc>& t) const {
+    const T* q = static_cast<const T*>(f.q) + f.q_strides.offset(b, i0, h);
+    const T* dout = static_cast<const T*>(p.dout) + p.dout_strides.offset(b, i0, h);
+    load_rows(q, f.q_strides.row_stride, rows, f.head_dim, t.q.data());
+    load_rows(dout, p.dout_strides.row_stride, rows, f.head_dim, t.dout.data());
+    const Acc* lse = static_cast<const Acc*>(f.lse) + stat_index(b, h, i0);
+    std::copy(lse, lse + rows, t.lse.begin());
+    std::copy(delta.begin() + stat_index(b, h, i0), delta.begin() + stat_index(b, h, i0) + rows,
+              t.delta.begin());
+  }
+
+  // Loads K (row-major and transposed) and V (transposed) of keys [j0, j0 + cols).
+  void load_key_side(int64_t b, int64_t kv_head, int64_t j0, int64_t cols,
+                     BackwardTiles<Acc>& t) const {
+    const T* k = static_cast<const T*>(f.k) + f.k_strides.offset(b, j0, kv_head);
+    const T* v = static_cast<const T*>(f.v) + f.v_strides.offset(b, j0, kv_head);
+    load_rows(k, f.k_strides.row_stride, cols, f.head_dim, t.k.data());
+    load_rows_transposed(k, f.k_strides.row_stride, cols, f.head_dim, t.k_t.data());
+    load_rows_transposed(v, f.v_strides.row_stride, cols, f.head_dim, t.v_t.data());
+  }
+
+  // From the loaded tiles: probs = P, dprobs = dS = P * (dP - Delta), cap_grad = softcap'.
+  // P is 0 at disallowed positions and on empty rows (lse = -inf), so dS is exactly 0 there.
+  void compute_ds(int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
+                  BackwardTiles<Acc>& t) const {
+    constexpr Acc kNegInf = -std::numeric_limits<Acc>::infinity();
+    const int64_t dim = f.head_dim;
+    matmul_into_scores(t.q.data(), t.k_t.data(), rows, cols, dim, t.probs.data());
+    mod.apply(b, h, i0, rows, j0, cols, t.probs.data(),
+              softcap_on ? t.cap_grad.data() : nullptr);
+    matmul_into_scores(t.dout.data(), t.v_t.data(), rows, cols, dim, t.dprobs.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      Acc* prob = t.probs.data() + r * kBlockK;
+      Acc* ds = t.dprobs.data() + r * kBlockK;
+      const Acc lse = t.lse[r], delta = t.delta[r];
+      for (int64_t c = 0; c < cols; ++c) {
+        const bool allowed = prob[c] != kNegInf && lse != kNegInf;
+        prob[c] = allowed ? std::exp(prob[c] - lse) : Acc(0);
+        ds[c] = allowed ? prob[c] * (ds[c] - delta) : Acc(0);
+      }
+    }
+  }
+
+  // dS * softcap' in place (the chain rule through s = softcap * tanh(x / softcap)).
+  void apply_softcap_grad(int64_t rows, int64_t cols, BackwardTiles<Acc>& t) const {
+    if (!softcap_on) return;
+    for (int64_t r = 0; r < rows; ++r) {
+      Acc* ds = t.dprobs.data() + r * kBlockK;
+      const Acc* g = t.cap_grad.data() + r * kBlockK;
+      for (int64_t c = 0; c < cols; ++c) ds[c] *= g[c];
+    }
+  }
+};
+
+// Pass 0: Delta_i = sum_d dO_id * O_id.
+template <typename T, typename Acc>
+std::vector<Acc> compute_delta(const BackwardParams& p) {
+  const ForwardParams& f = p.fwd;
+  std::vector<Acc> delta(static_cast<size_t>(f.batch * f.num_heads * f.seqlen_q));
+  const int64_t heads_total = f.batch * f.num_heads;
+#pragma omp parallel for schedule(static)
+  for (int64_t bh = 0; bh < heads_total; ++bh) {
+    const int64_t b = bh / f.num_heads, h = bh % f.num_heads;
+    for (int64_t i = 0; i < f.seqlen_q; ++i) {
+      const T* o = static_cast<const T*>(f.out) + f.out_strides.offset(b, i, h);
+      const T* dout = static_cast<const T*>(p.dout) + p.dout_strides.offset(b, i, h);
+      Acc sum = 0;
+      for (int64_t d = 0; d < f.head_dim; ++d) sum += load_as<Acc>(dout[d]) * load_as<Acc>(o[d]);
+      delta[bh * f.seqlen_q + i] = sum;
+    }
+  }
+  return delta;
+}
+
+// How pass-1 tasks are laid out. A task covers a range of batches, kv heads and key blocks:
+// a single one normally, all of them along a dimension over which dbias is broadcast (bias
+// batch size 1, bias head size 1, bias key size 1), so no two tasks write the same element.
+// Each task then owns exactly one dbias "slab": a fixed bias batch index, the bias heads of
+// its kv head(s), every bias query index, and the bias keys of its key block(s).
+struct KeyTaskGrid {
+  int64_t batch_tasks, head_tasks, key_tasks, key_blocks;
+  bool fold_batch, fold_heads, fold_keys;
+
+  KeyTaskGrid(const BackwardParams& p) {
+    const ForwardParams& f = p.fwd;
+    const bool has_dbias = p.dbias != nullptr;
+    key_blocks = ceil_div(f.seqlen_k, kBlockK);
+    fold_batch = has_dbias && f.bias.size_b == 1;
+    fold_heads = has_dbias && f.bias.size_h == 1;
+    fold_keys = has_dbias && f.bias.size_k == 1;
+    // A folded dimension is one task even if it is empty, so a size-1 dbias is still zeroed.
+    batch_tasks = fold_batch ? 1 : f.batch;
+    head_tasks = fold_heads ? 1 : f.num_heads_kv;
+    key_tasks = fold_keys ? 1 : key_blocks;
+  }
+  int64_t tasks() const { return batch_tasks * head_tasks * key_tasks; }
+};
+
+// The dbias elements owned by one pass-1 task, in a contiguous (heads, size_q, keys) buffer.
+struct DbiasSlab {
+  int64_t bias_batch = 0;               // bias batch index (0 when broadcast)
+  int64_t first_head = 0, heads = 1;    // bias head indices first_head .. + heads
+  int64_t first_key = 0, keys = 1;      // bias key indices first_key .. + keys
+  int64_t queries = 1;                  // bias query size (1 or Sq)
+
+  int64_t size() const { return heads * queries * keys; }
+  int64_t index(int64_t bias_head, int64_t bias_query, int64_t bias_key) const {
+    return ((bias_head - first_head) * queries + bias_query) * keys + (bias_key - first_key);
+  }
+};
+
+template <typename T, typename Acc, typename BiasT>
+void key_block_task(const BackwardContext<T, Acc, BiasT>& ctx, const KeyTaskGrid& grid,
+                    int64_t task, BackwardTiles<Acc>& t) {
+  const ForwardParams& f = ctx.f;
+  const BackwardParams& p = ctx.p;
+  const BroadcastOperand& bias = f.bias;
+  const int64_t dim = f.head_dim, group = f.group_size();
+
+  const int64_t key_task = task % grid.key_tasks;
+  const int64_t head_task = (task / grid.key_tasks) % grid.head_tasks;
+  const int64_t batch_task = task / (grid.key_tasks * grid.head_tasks);
+  const IndexRange batches = grid.fold_batch ? IndexRange{0, f.batch} : IndexRange{batch_task, batch_task + 1};
+  const IndexRange kv_heads = grid.fold_heads ? IndexRange{0, f.num_heads_kv} : IndexRange{head_task, head_task + 1};
+  const IndexRange key_blocks = grid.fold_keys ? IndexRange{0, grid.key_blocks} : IndexRange{key_task, key_task + 1};
+
+  const bool want_dbias = p.dbias != nullptr;
+  DbiasSlab slab;
+  if (want_dbias) {
+    slab.bias_batch = bias.size_b == 1 ? 0 : batch_task;
+    if (bias.size_h == 1) {
+      slab.first_head = 0, slab.heads = 1;
+    } else if (bias.head_div > 1) {  // one bias head per GQA group
+      slab.first_head = head_task, slab.heads = 1;
+    } else {  // one bias head per query head
+      slab.first_head = head_task * group, slab.heads = group;
+    }
+    slab.queries = bias.size_q;
+    if (bias.size_k != 1) {
+      slab.first_key = key_task * kBlockK;
+      slab.keys = std::min(kBlockK, f.seqlen_k - slab.first_key);
+    }
+    t.dbias.assign(static_cast<size_t>(slab.size()), Acc(0));
+  }
+
+  for (int64_t b = batches.begin; b < batches.end; ++b) {
+    for (int64_t kv_head = kv_heads.begin; kv_head < kv_heads.end; ++kv_head) {
+      for (int64_t kb = key_blocks.begin; kb < key_blocks.end; ++kb) {
+        const int64_t j0 = kb * kBlockK;
+        const int64_t cols = std::min(kBlockK, f.seqlen_k - j0);
+        ctx.load_key_side(b, kv_head, j0, cols, t);
+        Acc* dk = t.grad_a.data();
+        Acc* dv = t.grad_b.data();
+        std::fill(dk, dk + cols * dim, Acc(0));
+        std::fill(dv, dv + cols * dim, Acc(0));
+
+        const IndexRange queries = ctx.mod.window.queries_for_keys({j0, j0 + cols});
+        for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+          for (int64_t i0 = aligned_block_start(queries.begin, kBlockQ); i0 < queries.end;
+               i0 += kBlockQ) {
+            const int64_t rows = std::min(kBlockQ, f.seqlen_q - i0);
+            ctx.load_query_side(b, h, i0, rows, t);
+            ctx.compute_ds(b, h, i0, rows, j0, cols, t);
+            accumulate_transposed_product(t.probs.data(), t.dout.data(), rows, cols, dim, dv);
+            if (want_dbias) {
+              // dbias takes dS itself: the bias is added after scale and softcap.
+              const int64_t bias_head = bias.size_h == 1 ? 0 : h / bias.head_div;
+              for (int64_t r = 0; r < rows; ++r) {
+                const int64_t bias_query = bias.size_q == 1 ? 0 : i0 + r;
+                const Acc* ds = t.dprobs.data() + r * kBlockK;
+                Acc* out = t.dbias.data() + slab.index(bias_head, bias_query, slab.first_key);
+                if (bias.size_k == 1) {
+                  Acc row_sum = 0;
+                  for (int64_t c = 0; c < cols; ++c) row_sum += ds[c];
+                  out[0] += row_sum;
+                } else {
+                  for (int64_t c = 0; c < cols; ++c) out[c] += ds[c];
+                }
+              }
+            }
+            ctx.apply_softcap_grad(rows, cols, t);
+            accumulate_transposed_product(t.dprobs.data(), t.q.data(), rows, cols, dim, dk);
+          }
+        }
+        T* dk_out = static_cast<T*>(p.dk) + p.dk_strides.offset(b, j0, kv_head);
+        T* dv_out = static_cast<T*>(p.dv) + p.dv_strides.offset(b, j0, kv_head);
+        store_rows(dk, cols, dim, ctx.mod.scale, dk_out, p.dk_strides.row_stride);
+        store_rows(dv, cols, dim, Acc(1), dv_out, p.dv_strides.row_stride);
+      }
+    }
+  }
+
+  if (want_dbias) {  // cast once; elements nothing reached (disallowed) are written as 0
+    auto* dbias = static_cast<BiasT*>(p.dbias);
+    for (int64_t hb = slab.first_head; hb < slab.first_head + slab.heads; ++hb) {
+      for (int64_t iq = 0; iq < slab.queries; ++iq) {
+        for (int64_t jk = slab.first_key; jk < slab.first_key + slab.keys; ++jk) {
+          store_saturating(dbias + p.dbias_offset(slab.bias_batch, hb, iq, jk),
+                           t.dbias[slab.index(hb, iq, jk)]);
+        }
+      }
+    }
+  }
+}
+
+template <typename T, typename Acc, typename BiasT>
+void query_block_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int64_t h,
+                      int64_t query_block, BackwardTiles<Acc>& t) {
+  const ForwardParams& f = ctx.f;
+  const int64_t dim = f.head_dim;
+  const int64_t kv_head = h / f.group_size();
+  const int64_t i0 = query_block * kBlockQ;
+  const int64_t rows = std::min(kBlockQ, f.seqlen_q - i0);
+  ctx.load_query_side(b, h, i0, rows, t);
+  Acc* dq = t.grad_a.data();
+  std::fill(dq, dq + rows * dim, Acc(0));
+
+  const IndexRange keys = ctx.mod.window.keys_for_queries({i0, i0 + rows});
+  for (int64_t j0 = aligned_block_start(keys.begin, kBlockK); j0 < keys.end; j0 += kBlockK) {
+    const int64_t cols = std::min(kBlockK, f.seqlen_k - j0);
+    ctx.load_key_side(b, kv_head, j0, cols, t);
+    ctx.compute_ds(b, h, i0, rows, j0, cols, t);
+    ctx.apply_softcap_grad(rows, cols, t);
+    accumulate_product(t.dprobs.data(), t.k.data(), rows, cols, dim, dq);
+  }
+  T* dq_out = static_cast<T*>(ctx.p.dq) + ctx.p.dq_strides.offset(b, i0, h);
+  store_rows(dq, rows, dim, ctx.mod.scale, dq_out, ctx.p.dq_strides.row_stride);
+}
+
+template <typename T, typename BiasT>
+void backward_typed(const BackwardParams& p) {
+  using Acc = AccumulatorOf<T>;
+  const ForwardParams& f = p.fwd;
+  const std::vector<Acc> delta = compute_delta<T, Acc>(p);
+  const BackwardContext<T, Acc, BiasT> ctx(p, delta);
+
+  const KeyTaskGrid grid(p);
+  const int64_t key_tasks = grid.tasks();
+  const int64_t query_blocks = ceil_div(f.seqlen_q, kBlockQ);
+  const int64_t query_tasks = f.batch * f.num_heads * query_blocks;
+
+#pragma omp parallel
+  {
+    BackwardTiles<Acc> tiles(f.head_dim);
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < key_tasks; ++task) {
+      key_block_task(ctx, grid, task, tiles);
+    }
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < query_tasks; ++task) {
+      const int64_t query_block = task % query_blocks;
+      const int64_t h = (task / query_blocks) % f.num_heads;
+      const int64_t b = task / (query_blocks * f.num_heads);
+      query_block_task(ctx, b, h, query_block, tiles);
+    }
+  }
+}
+
+}  // namespace
+
+void backward(const BackwardParams& p) {
+  const ForwardParams& f = p.fwd;
+  const DType bias_dtype = f.bias.present() ? f.bias.dtype : f.dtype;
+  dispatch_element_types(f.dtype, bias_dtype, [&](auto element, auto bias_element) {
+    backward_typed<typename decltype(element)::type, typename decltype(bias_element)::type>(p);
+  });
+}
+
+}  // namespace dmattn::cpu
