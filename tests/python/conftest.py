@@ -1,0 +1,64 @@
+"""pytest configuration for the dmattn Python suite.
+
+* Every test starts from a fixed seed (``torch.manual_seed`` / ``random.seed``).
+* ``@pytest.mark.gpu`` tests are skipped when no CUDA device is visible.
+* The ``device`` fixture runs a test on "cpu" and, when available, on "cuda".
+* ``nan_poison``: while active, every torch.empty/empty_like/new_empty allocation (in particular
+  the outputs and scratch buffers the dmattn ops allocate) is filled with NaN, through
+  ``torch.use_deterministic_algorithms(True)`` + ``torch.utils.deterministic.
+  fill_uninitialized_memory`` (on CPU and CUDA). A kernel that leaves any element of its
+  outputs unwritten then fails the finiteness checks.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+CUDA = torch.cuda.is_available()
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    random.seed(0)
+    yield
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
+@pytest.fixture
+def nan_poison():
+    prev_det = torch.are_deterministic_algorithms_enabled()
+    prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    prev_fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = prev_fill
+        torch.use_deterministic_algorithms(prev_det, warn_only=prev_warn)
