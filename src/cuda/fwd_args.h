@@ -1,0 +1,38 @@
+// The forward kernel's own argument block, filled once on the host from ForwardParams
+// (make_fwd_args in fwd_launch.h). Plain data; device code reads nothing else.
+#pragma once
+
+#include <cstdint>
+
+namespace dmattn::cuda {
+
+// A mask or bias seen as (B, H, Sq, Sk) through element strides (0 = broadcast).
+struct OperandArgs {
+  const char* ptr = nullptr;  // null = absent
+  int64_t stride_b = 0, stride_h = 0, stride_q = 0, stride_k = 0;
+  int head_div = 1;
+  int esize = 1;           // bytes per element (1 bool, 2 fp16/bf16, 4 fp32)
+  bool vec = false;        // stride_k == 1 and 16-byte aligned rows: cp.async path
+  bool row_bcast = false;  // stride_q == 0: one row serves the whole query block
+};
+
+struct FwdArgs {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;  // (B, H, Sq) contiguous
+  int64_t q_bs = 0, q_rs = 0, q_hs = 0;
+  int64_t k_bs = 0, k_rs = 0, k_hs = 0;
+  int64_t v_bs = 0, v_rs = 0, v_hs = 0;
+  int64_t o_bs = 0, o_rs = 0, o_hs = 0;
+  int batch = 0, seqlen_q = 0, seqlen_k = 0, num_heads = 0, group = 1, head_dim = 0;
+  float scale = 1.f;
+  float softcap = 0.f;          // 0 = off
+  float scale_div_softcap = 0.f;
+  int64_t window_left = -1, window_right = -1;  // -1 = unbounded, causal folded in
+  OperandArgs mask, bias;
+  bool bias_fp32 = false;  // else bias has the element type of q
+};
+
+}  // namespace dmattn::cuda

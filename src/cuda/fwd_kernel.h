@@ -1,0 +1,197 @@
+// The forward kernel (FlashAttention-2 style): one CTA per (query block, head, batch),
+// key blocks walked from the last to the first, K of the next block prefetched while the
+// current block's softmax and P V run. Composes copy.h, gemm.h, mask.h, operand_tile.h,
+// bias.h, softmax.h and fwd_epilogue.h.
+//   kMaskBias: a bool mask and/or a bias is present (staged per key block in shared memory).
+#pragma once
+
+#include "cuda/bias.h"
+#include "cuda/copy.h"
+#include "cuda/fwd_args.h"
+#include "cuda/fwd_epilogue.h"
+#include "cuda/fwd_tile.h"
+#include "cuda/gemm.h"
+#include "cuda/mask.h"
+#include "cuda/operand_tile.h"
+#include "cuda/softmax.h"
+
+namespace dmattn::cuda {
+
+// Score transform of one key block, in place on the accumulator row/col view:
+//   s = scale * qk; softcap; s += bias; s = -inf where not allowed (mask, window, tail,
+//   bias == -inf). A disallowed score is replaced, never offset.
+// Per row, the window becomes a column range [lo, hi) relative to the thread's first column,
+// so the per-element tests compare against compile-time offsets (no per-element registers).
+template <bool kMaskBias, bool kPosMask, typename BiasT, int kBlockN, class S, class C>
+__device__ __forceinline__ void transform_scores(S& s, C const& coord, const FwdArgs& a, int m0, int n0,
+                                                 const WindowMask& win, const char* s_bias, int bias_pitch,
+                                                 const char* s_mask, int mask_pitch) {
+  using namespace cute;
+  if (a.softcap != 0.f) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(s); ++i) s(i) = a.softcap * tanhf(s(i) * a.scale_div_softcap);
+  } else {
+    CUTE_UNROLL
+    for (int i = 0; i < size(s); ++i) s(i) *= a.scale;
+  }
+  if constexpr (kMaskBias || kPosMask) {
+    const int col0 = get<1>(coord(0, 0));
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(s); ++r) {
+      const int row = get<0>(coord(r, 0));
+      int lo = 0, hi = kBlockN;
+      if constexpr (kPosMask) win.column_range(m0 + row, n0 + col0, kBlockN, lo, hi);
+      const BiasT* brow = kMaskBias && s_bias ? reinterpret_cast<const BiasT*>(s_bias) + row * bias_pitch + col0 : nullptr;
+      const uint8_t* mrow = kMaskBias && s_mask ? reinterpret_cast<const uint8_t*>(s_mask) + row * mask_pitch + col0 : nullptr;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s); ++c) {
+        const int cc = get<1>(coord(r, c)) - col0;  // compile-time after folding
+        float x = s(r, c);
+        bool ok = true;
+        if constexpr (kMaskBias) {
+          if (brow) {
+            float bv;
+            if constexpr (std::is_same_v<BiasT, float>) bv = brow[cc];
+            else bv = ElemInfo<BiasT>::to_float(brow + cc);
+            x += bv;
+            ok = bv != -INFINITY;
+          }
+          if (mrow) ok = ok && mrow[cc] != 0;
+        }
+        if constexpr (kPosMask) ok = ok && cc >= lo && cc < hi;
+        s(r, c) = ok ? x : -INFINITY;
+      }
+    }
+  }
+}
+
+template <class Tile, bool kMaskBias>
+__global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_constant__ FwdArgs a) {
+  using namespace cute;
+  using Element = typename Tile::Element;
+  constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN, kHeadDim = Tile::kHeadDim;
+  constexpr int kThreads = Tile::kNThreads;
+
+  extern __shared__ __align__(128) char smem[];
+  const int tid = threadIdx.x;
+  const int m_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int m0 = m_block * kBlockM;
+  const int h_kv = h / a.group;
+  const int rows_valid = min(kBlockM, a.seqlen_q - m0);
+
+  const WindowMask win{a.seqlen_q, a.seqlen_k, a.window_left, a.window_right};
+  int n_min, n_max;
+  win.key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
+
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Tile::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffK)), typename Tile::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffV)), typename Tile::SmemLayoutKV{});
+  Tensor sVt = make_tensor(sV.data(), typename Tile::SmemLayoutVt{});
+  Tensor sVtNoSwz = make_tensor(sV.data().get(), typename Tile::SmemLayoutVtNoSwizzle{});
+  char* s_bias = smem + Tile::kOffBias;
+  char* s_mask = smem + Tile::kOffMask;
+
+  typename Tile::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(tid);
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
+  Tensor tSrK = thr_mma.partition_fragment_B(sK);
+  Tensor tOrVt = thr_mma.partition_fragment_B(sVtNoSwz);
+  Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  clear(acc_o);
+  Tensor acc_o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
+
+  auto copy_q = make_tiled_copy_A(typename Tile::LdsmCopy{}, tiled_mma);
+  auto copy_k = make_tiled_copy_B(typename Tile::LdsmCopy{}, tiled_mma);
+  auto copy_v = make_tiled_copy_B(typename Tile::LdsmCopyT{}, tiled_mma);
+  Tensor tSsQ = copy_q.get_thread_slice(tid).partition_S(sQ);
+  Tensor tSsK = copy_k.get_thread_slice(tid).partition_S(sK);
+  Tensor tOsVt = copy_v.get_thread_slice(tid).partition_S(sVt);
+
+  // (row, col) of each score element in the block.
+  Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor tScS = thr_mma.partition_C(cS);
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+  constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
+
+  OnlineSoftmax<kRows> softmax;
+  softmax.init();
+
+  if (n_max > n_min) {
+    const Element* gQ = static_cast<const Element*>(a.q) + int64_t(b) * a.q_bs + int64_t(m0) * a.q_rs + int64_t(h) * a.q_hs;
+    const Element* gK = static_cast<const Element*>(a.k) + int64_t(b) * a.k_bs + int64_t(h_kv) * a.k_hs;
+    const Element* gV = static_cast<const Element*>(a.v) + int64_t(b) * a.v_bs + int64_t(h_kv) * a.v_hs;
+
+    OperandTile<kBlockM, kBlockN, kThreads> mask_tile, bias_tile;
+    if constexpr (kMaskBias) {
+      if (a.mask.ptr) mask_tile.init(a.mask, b, h, m0, a.seqlen_q, Tile::kMaskPitch);
+      if (a.bias.ptr) bias_tile.init(a.bias, b, h, m0, a.seqlen_q, Tile::kBiasPitch);
+    }
+
+    load_rows_async<kBlockM, kHeadDim, kThreads>(sQ, gQ, a.q_rs, rows_valid, a.head_dim, tid);
+    {
+      const int n0 = (n_max - 1) * kBlockN;
+      load_rows_async<kBlockN, kHeadDim, kThreads>(sK, gK + int64_t(n0) * a.k_rs, a.k_rs, a.seqlen_k - n0, a.head_dim, tid);
+    }
+    cp_async_commit();
+
+    for (int n = n_max - 1; n >= n_min; --n) {
+      const int n0 = n * kBlockN;
+      Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_s);
+      cp_async_wait<0>();
+      __syncthreads();  // K[n] landed; everyone is done with V / mask / bias of the last block
+      load_rows_async<kBlockN, kHeadDim, kThreads>(sV, gV + int64_t(n0) * a.v_rs, a.v_rs, a.seqlen_k - n0, a.head_dim, tid);
+      if constexpr (kMaskBias) {
+        if (a.mask.ptr) mask_tile.load(s_mask, Tile::kMaskPitch, n0, a.seqlen_k, tid);
+        if (a.bias.ptr) bias_tile.load(s_bias, Tile::kBiasPitch, n0, a.seqlen_k, tid);
+      }
+      cp_async_commit();
+
+      gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, copy_q, copy_k, tid);
+
+      cp_async_wait<0>();
+      __syncthreads();  // V[n], mask, bias landed; everyone is done with K[n]
+      if (n > n_min) {
+        const int n0_next = n0 - kBlockN;
+        load_rows_async<kBlockN, kHeadDim, kThreads>(sK, gK + int64_t(n0_next) * a.k_rs, a.k_rs, a.seqlen_k - n0_next, a.head_dim, tid);
+        cp_async_commit();
+      }
+
+      Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+      const bool pos_mask = win.block_needs_mask(m0, kBlockM, kBlockN, n);
+      if constexpr (kMaskBias) {
+        const char* sb = a.bias.ptr ? s_bias : nullptr;
+        const char* sm = a.mask.ptr ? s_mask : nullptr;
+        if (a.bias_fp32) {
+          if (pos_mask) transform_scores<true, true, float, kBlockN>(s_rc, tScS_rc, a, m0, n0, win, sb, bias_tile.pitch, sm, mask_tile.pitch);
+          else transform_scores<true, false, float, kBlockN>(s_rc, tScS_rc, a, m0, n0, win, sb, bias_tile.pitch, sm, mask_tile.pitch);
+        } else {
+          if (pos_mask) transform_scores<true, true, Element, kBlockN>(s_rc, tScS_rc, a, m0, n0, win, sb, bias_tile.pitch, sm, mask_tile.pitch);
+          else transform_scores<true, false, Element, kBlockN>(s_rc, tScS_rc, a, m0, n0, win, sb, bias_tile.pitch, sm, mask_tile.pitch);
+        }
+      } else {
+        if (pos_mask) transform_scores<false, true, Element, kBlockN>(s_rc, tScS_rc, a, m0, n0, win, nullptr, 0, nullptr, 0);
+        else transform_scores<false, false, Element, kBlockN>(s_rc, tScS_rc, a, m0, n0, win, nullptr, 0, nullptr, 0);
+      }
+      softmax.template update<kMaskBias>(s_rc, acc_o_rc);
+
+      Tensor rP = make_tensor<Element>(acc_s.layout());
+      convert_fragment<Element, false>(acc_s, rP);
+      Tensor tOrP = make_tensor(rP.data(), acc_to_a(rP.layout()));
+      gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, copy_v, tid);
+    }
+    __syncthreads();  // all warps are done with sQ before it is reused for O
+  }
+
+  float lse[kRows];
+  int rows[kRows];
+  softmax.finalize(acc_o_rc, lse);
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) rows[r] = get<0>(tScS_rc(r, 0));
+
+  Element* gO = static_cast<Element*>(a.out) + int64_t(b) * a.o_bs + int64_t(m0) * a.o_rs + int64_t(h) * a.o_hs;
+  float* g_lse = a.lse + (int64_t(b) * a.num_heads + h) * a.seqlen_q + m0;
+  fwd_epilogue<Tile>(acc_o, sQ, thr_mma, lse, rows, gO, a.o_rs, g_lse, rows_valid, a.head_dim, tid);
+}
+
+}  // namespace dmattn::cuda

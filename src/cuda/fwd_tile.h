@@ -1,0 +1,72 @@
+// Tile sizes and shared-memory layouts of the forward kernel: one traits struct per
+// (element type, instantiated head dim), read by both the launcher and the kernel.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/atom/copy_atom.hpp>
+#include <cutlass/numeric_types.h>
+
+#include <type_traits>
+
+namespace dmattn::cuda {
+
+// Head dims that have an instantiation, smallest first. Any D <= 256 with D % 8 == 0 runs on the
+// next one, with the extra columns zero-filled on load and never written.
+inline constexpr int kFwdHeadDims[] = {64, 128};
+inline constexpr int fwd_instantiated_head_dim(int d) {
+  for (int hd : kFwdHeadDims)
+    if (d <= hd) return hd;
+  return 0;  // unsupported
+}
+
+template <typename Element_, int kHeadDim_>
+struct FwdTile {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = kHeadDim <= 64 ? 128 : 64;
+  static constexpr int kNWarps = 8;  // 16 query rows per warp: no spills with mask + bias
+  static constexpr int kNThreads = kNWarps * 32;
+  static_assert(kHeadDim % 32 == 0 && kBlockN % 32 == 0);
+
+  // mma.sync m16n8k16, fp32 accumulate; warps stacked along M.
+  using MmaAtom = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
+                                     cute::MMA_Atom<cute::SM80_16x8x16_F32F16F16F32_TN>,
+                                     cute::MMA_Atom<cute::SM80_16x8x16_F32BF16BF16F32_TN>>;
+  using TiledMma = cute::TiledMMA<MmaAtom, cute::Layout<cute::Shape<cute::Int<kNWarps>, cute::_1, cute::_1>>,
+                                  cute::Tile<cute::Int<16 * kNWarps>, cute::_16, cute::_16>>;
+
+  // Swizzled (rows, D) tiles: 8-element chunks stay contiguous, ldmatrix is conflict free.
+  static constexpr int kSmemRowK = kHeadDim % 64 == 0 ? 64 : 32;
+  static constexpr int kSwizzleBits = kSmemRowK == 64 ? 3 : 2;
+  using SmemAtom = decltype(cute::composition(
+      cute::Swizzle<kSwizzleBits, 3, 3>{},
+      cute::Layout<cute::Shape<cute::_8, cute::Int<kSmemRowK>>, cute::Stride<cute::Int<kSmemRowK>, cute::_1>>{}));
+  using SmemLayoutQ = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+  // V viewed as (D, N) for the B operand of P V.
+  using SmemLayoutVt = decltype(cute::composition(
+      SmemLayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
+  using SmemLayoutVtNoSwizzle = decltype(cute::get_nonswizzle_portion(SmemLayoutVt{}));
+
+  using LdsmCopy = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Element>;
+  using LdsmCopyT = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
+
+  // Mask / bias tiles (kBlockM, kBlockN) in shared memory, padded rows (conflict-free reads in
+  // the accumulator layout; 16-byte aligned rows for cp.async).
+  static constexpr int kBiasPitch = kBlockN + 8;   // elements of 2 or 4 bytes
+  static constexpr int kMaskPitch = kBlockN + 16;  // bytes
+
+  static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kKVBytes = kBlockN * kHeadDim * int(sizeof(Element));
+  static constexpr int kBiasBytes = kBlockM * kBiasPitch * 4;
+  static constexpr int kMaskBytes = kBlockM * kMaskPitch;
+  static constexpr int kOffK = kQBytes, kOffV = kOffK + kKVBytes, kOffBias = kOffV + kKVBytes;
+  static constexpr int kOffMask = kOffBias + kBiasBytes;
+  static constexpr int smem_bytes(bool mask_or_bias) {
+    return mask_or_bias ? kOffMask + kMaskBytes : kOffBias;
+  }
+};
+
+}  // namespace dmattn::cuda

@@ -1,0 +1,65 @@
+// Mask and bias tiles: a (kBlockM, kBlockN) window of a broadcast (B, H, Sq, Sk) operand,
+// copied to shared memory through the operand's own strides (never expanded in memory) and
+// read back in the accumulator layout.
+//   vec path:  stride_k == 1 and 16-byte aligned rows -> cp.async, zero-filled tails.
+//   else:      element-wise loads (key-broadcast, unaligned or transposed operands).
+// A query-broadcast operand (stride_q == 0) loads a single row and reads it for every query.
+// Out-of-range elements are zero: mask false, bias 0 (positions are masked separately).
+#pragma once
+
+#include "cuda/fwd_args.h"
+#include "cuda/utils.h"
+
+namespace dmattn::cuda {
+
+template <int kBlockM, int kBlockN, int kThreads>
+struct OperandTile {
+  const char* base = nullptr;  // element (b, h, m0, 0)
+  int64_t stride_q = 0, stride_k = 0;
+  int esize = 1, pitch = 0;  // pitch: elements per shared row; 0 for a query-broadcast tile
+  bool vec = false;
+  int rows_valid = 0;        // query rows of this block inside Sq (1 for a broadcast row)
+
+  __device__ __forceinline__ void init(const OperandArgs& a, int b, int h, int m0, int seqlen_q,
+                                       int smem_pitch) {
+    esize = a.esize;
+    vec = a.vec;
+    stride_q = a.stride_q;
+    stride_k = a.stride_k;
+    base = a.ptr + (int64_t(b) * a.stride_b + int64_t(h / a.head_div) * a.stride_h +
+                    int64_t(m0) * a.stride_q) * esize;
+    pitch = a.row_bcast ? 0 : smem_pitch;
+    rows_valid = a.row_bcast ? 1 : min(kBlockM, seqlen_q - m0);
+  }
+
+  // Issues the copy of key block [n0, n0 + kBlockN) into smem (row pitch `smem_pitch` elements).
+  // vec path: cp.async (caller commits); else synchronous stores (visible after a barrier).
+  __device__ __forceinline__ void load(char* smem, int smem_pitch, int n0, int seqlen_k, int tid) const {
+    const int rows = pitch == 0 ? 1 : kBlockM;
+    const int cols_valid = min(kBlockN, seqlen_k - n0);
+    if (vec) {
+      const int chunk_elems = 16 / esize;
+      const int chunks_per_row = kBlockN / chunk_elems;
+      const char* g0 = base + int64_t(n0) * esize;
+      for (int idx = tid; idx < rows * chunks_per_row; idx += kThreads) {
+        const int r = idx / chunks_per_row, c = (idx % chunks_per_row) * chunk_elems;
+        int bytes = r < rows_valid ? (cols_valid - c) * esize : 0;
+        bytes = bytes < 0 ? 0 : (bytes > 16 ? 16 : bytes);
+        const char* src = bytes > 0 ? g0 + (int64_t(r) * stride_q + c) * esize : g0;
+        cp_async_16(smem + (r * smem_pitch + c) * esize, src, bytes);
+      }
+    } else {
+      for (int idx = tid; idx < rows * kBlockN; idx += kThreads) {
+        const int r = idx / kBlockN, c = idx % kBlockN;
+        const bool ok = r < rows_valid && c < cols_valid;
+        const char* src = base + (int64_t(r) * stride_q + int64_t(n0 + c) * stride_k) * esize;
+        char* dst = smem + (r * smem_pitch + c) * esize;
+        if (esize == 1) *reinterpret_cast<uint8_t*>(dst) = ok ? *reinterpret_cast<const uint8_t*>(src) : 0;
+        else if (esize == 2) *reinterpret_cast<uint16_t*>(dst) = ok ? __ldg(reinterpret_cast<const uint16_t*>(src)) : 0;
+        else *reinterpret_cast<uint32_t*>(dst) = ok ? __ldg(reinterpret_cast<const uint32_t*>(src)) : 0u;
+      }
+    }
+  }
+};
+
+}  // namespace dmattn::cuda

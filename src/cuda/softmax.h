@@ -1,0 +1,72 @@
+// Online softmax over key blocks for the rows a thread owns (accumulator row/col view).
+// Scores arrive in natural-log units with -inf at disallowed positions. The running max is
+// guarded: a row whose max is still -inf uses 0, so -inf never meets -inf.
+//   kSafeSub: p = exp2((s - m) * log2e), exact for scores near -FLT_MAX (a finfo.min bias on
+//   an allowed key); otherwise p = exp2(s * log2e - m * log2e) in one FMA.
+#pragma once
+
+#include <cmath>
+
+#include "cuda/utils.h"
+
+namespace dmattn::cuda {
+
+template <int kRows>
+struct OnlineSoftmax {
+  static constexpr float kLog2e = 1.4426950408889634f;
+  float row_max[kRows];
+  float row_sum[kRows];  // per-thread partial sums; reduced over the quad in finalize()
+
+  __device__ __forceinline__ void init() {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
+  }
+
+  // s: (kRows, cols) scores of one key block, overwritten with probabilities.
+  // o: (kRows, D) output accumulator, rescaled when the max grows.
+  template <bool kSafeSub, class S, class O>
+  __device__ __forceinline__ void update(S& s, O& o) {
+    using namespace cute;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float m = row_max[r];
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
+      m = quad_max(m);
+      const float m_use = m == -INFINITY ? 0.f : m;
+      {
+        const float alpha = exp2f((row_max[r] - m_use) * kLog2e);  // -inf old max -> 0
+        row_sum[r] *= alpha;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(o); ++c) o(r, c) *= alpha;
+      }
+      row_max[r] = m;
+      float sum = 0.f;
+      const float m_scaled = m_use * kLog2e;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s); ++c) {
+        const float p = kSafeSub ? exp2f((s(r, c) - m_use) * kLog2e) : exp2f(fmaf(s(r, c), kLog2e, -m_scaled));
+        s(r, c) = p;
+        sum += p;
+      }
+      row_sum[r] += sum;
+    }
+  }
+
+  // Normalizes o; lse[r] = m + log(l), -inf (and o = 0) for a row with no allowed key.
+  template <class O>
+  __device__ __forceinline__ void finalize(O& o, float (&lse)[kRows]) {
+    using namespace cute;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const float l = quad_sum(row_sum[r]);
+      const bool empty = !(l > 0.f);
+      const float inv = empty ? 0.f : 1.f / l;
+      lse[r] = empty ? -INFINITY : row_max[r] + logf(l);
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(o); ++c) o(r, c) *= inv;
+    }
+  }
+};
+
+}  // namespace dmattn::cuda

@@ -1,0 +1,88 @@
+// Small device helpers: cp.async, warp reductions, conversions, fragment layouts.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+namespace dmattn::cuda {
+
+// ---- cp.async ------------------------------------------------------------------------------
+// Copies src_bytes (0..16) and zero-fills the rest of the 16-byte destination chunk.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int src_bytes) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// ---- quad (4 threads sharing an accumulator row) reductions --------------------------------
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 2);
+  return x + __shfl_xor_sync(0xffffffff, x, 1);
+}
+
+// ---- conversions ---------------------------------------------------------------------------
+template <typename T> struct ElemInfo;
+template <> struct ElemInfo<cutlass::half_t> {
+  using Native2 = __half2;
+  static constexpr float kMax = 65504.f;
+  __device__ static Native2 pack(float a, float b) { return __floats2half2_rn(a, b); }
+  __device__ static float to_float(const void* p) { return __half2float(*static_cast<const __half*>(p)); }
+};
+template <> struct ElemInfo<cutlass::bfloat16_t> {
+  using Native2 = __nv_bfloat162;
+  static constexpr float kMax = 3.38953139e38f;
+  __device__ static Native2 pack(float a, float b) { return __floats2bfloat162_rn(a, b); }
+  __device__ static float to_float(const void* p) {
+    return __bfloat162float(*static_cast<const __nv_bfloat16*>(p));
+  }
+};
+
+// Converts an fp32 fragment to Element pairwise; kSaturate clamps to the finite range first,
+// so no finite fp32 value becomes Inf.
+template <typename Element, bool kSaturate, class TensorF, class TensorE>
+__device__ __forceinline__ void convert_fragment(TensorF const& src, TensorE& dst) {
+  static_assert(decltype(cute::size(src))::value % 2 == 0);
+  using Info = ElemInfo<Element>;
+  auto* out = reinterpret_cast<typename Info::Native2*>(dst.data());
+  CUTE_UNROLL
+  for (int i = 0; i < cute::size(src) / 2; ++i) {
+    float a = src(2 * i), b = src(2 * i + 1);
+    if constexpr (kSaturate) {
+      a = fminf(fmaxf(a, -Info::kMax), Info::kMax);
+      b = fminf(fmaxf(b, -Info::kMax), Info::kMax);
+    }
+    out[i] = Info::pack(a, b);
+  }
+}
+
+// ---- fragment layouts (mma.sync m16n8k16) ---------------------------------------------------
+// Accumulator ((2, 2), MMA_M, MMA_N) -> (rows (2, MMA_M), cols (2, MMA_N)).
+template <class Layout>
+__host__ __device__ constexpr auto acc_rowcol(Layout const& acc) {
+  using namespace cute;
+  static_assert(decltype(rank(acc))::value == 3);
+  auto l = logical_divide(acc, Shape<_2>{});  // ((2, 2), MMA_M, MMA_N)
+  return make_layout(make_layout(get<1>(get<0>(l)), get<1>(l)),
+                     make_layout(get<0>(get<0>(l)), get<2>(l)));
+}
+
+// Accumulator ((2, 2), MMA_M, MMA_N) of a QK^T tile -> A operand ((2, 2, 2), MMA_M, MMA_N / 2)
+// for the P V product: two adjacent n8 accumulator tiles form one k16 A tile.
+template <class Layout>
+__host__ __device__ constexpr auto acc_to_a(Layout const& acc) {
+  using namespace cute;
+  auto l = logical_divide(acc, Shape<Underscore, Underscore, _2>{});
+  return make_layout(make_layout(get<0>(get<0>(l)), get<1>(get<0>(l)), get<0>(get<2>(l))),
+                     get<1>(l), get<1>(get<2>(l)));
+}
+
+}  // namespace dmattn::cuda
