@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 import dmattn
-from reference import check_against_reference
+from reference import allowed_window, check_against_reference, expand_operand
 
 CPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 GPU_DTYPES = [torch.float16, torch.bfloat16]
@@ -87,6 +87,8 @@ class Case:
                   f" -inf={self.bias_neg_inf:.2f} min={self.bias_finfo_min:.2f}")
         if any(lay != "contiguous" for lay in self.layouts):
             s += f" layouts={self.layouts}"
+        if self.notes:
+            s += f" notes={self.notes}"
         return s + f" seed={self.seed}"
 
 
@@ -171,8 +173,30 @@ def make_inputs(c: Case, device: str) -> Inputs:
             base = base.transpose(-1, -2).contiguous().transpose(-1, -2)
         bias_leaf = base.to(device).requires_grad_(c.bias_grad)
         bias_arg = bias_leaf.expand(shape) if c.bias_layout == "expanded" else bias_leaf
+    if bias_leaf is not None and c.bias_finfo_min:
+        bias_leaf, bias_arg = _avoid_all_min_rows(c, mask, bias_leaf, bias_arg)
     dout = torch.randn(c.b, c.sq, c.h, c.d, generator=gen).to(c.dtype).to(device)
     return Inputs(q, k, v, mask, bias_leaf, bias_arg, dout)
+
+
+def _avoid_all_min_rows(c: Case, mask, bias_leaf, bias_arg):
+    """A row whose every allowed key has a bias of ~finfo.min is ill-conditioned in any floating
+    point format (c + x_j rounds to c, the x_j are lost), so the random cases avoid it: when
+    one occurs, the finfo.min entries become -inf instead. test_edge_cases covers such rows."""
+    big = torch.finfo(c.bias_dtype).min / 2
+    bias4 = expand_operand(bias_arg.detach().cpu(), c.b, c.h, c.hkv, c.sq, c.sk)
+    allowed = allowed_window(c.sq, c.sk, c.causal, c.window).expand(c.b, c.h, c.sq, c.sk)
+    if mask is not None:
+        allowed = allowed & expand_operand(mask.cpu(), c.b, c.h, c.hkv, c.sq, c.sk)
+    allowed = allowed & (bias4 != float("-inf"))
+    normal = allowed & (bias4 > big)
+    if not (allowed.any(-1) & ~normal.any(-1)).any():
+        return bias_leaf, bias_arg
+    c.notes["finfo_min_to_neg_inf"] = True
+    with torch.no_grad():
+        fixed = bias_leaf.detach().masked_fill(bias_leaf.detach() <= big, float("-inf"))
+    leaf = fixed.requires_grad_(c.bias_grad)
+    return leaf, (leaf.expand(bias_arg.shape) if c.bias_layout == "expanded" else leaf)
 
 
 def run_dmattn(c: Case, x: Inputs, backward: bool = True, deterministic: bool = False):
