@@ -1,5 +1,10 @@
 // Backward pass, deterministic and without atomics, in three parallel passes:
-//   0. Delta_i = rowsum(dO_i * O_i), using out as stored, in accumulator precision.
+//   0. One task per (batch, head, query block): Delta_i = sum_j P_ij dP_ij, with P recomputed
+//      from lse and dP = dO V^T, in accumulator precision. This equals rowsum(dO_i * O_i) for
+//      the unrounded O; the stored fp16/bf16 `out` is *not* used, because its rounding error
+//      (~2^-9 |dO||O| sqrt(D)) does not cancel in dS = P (dP - Delta): a bias broadcast over
+//      keys has dbias = sum_j dS_ij = Delta_exact - Delta_used, which is then pure rounding
+//      noise far above PyTorch's own error (and with P ~ 1 it also dominates dK, dQ).
 //   1. One task per (batch, kv head, key block): recomputes P = exp(S - lse) and
 //      dS = P * (dP - Delta) over every query head of the GQA group and every query block
 //      that the window lets reach the key block, accumulating dV = P^T dO, dK = scale *
@@ -44,10 +49,10 @@ struct BackwardContext {
   const BackwardParams& p;
   const ForwardParams& f;
   ScoreMod<Acc, BiasT> mod;
-  const std::vector<Acc>& delta;  // (B, H, Sq)
+  Acc* delta;  // (B, H, Sq): written by pass 0, read by passes 1 and 2
   bool softcap_on;
 
-  BackwardContext(const BackwardParams& params, const std::vector<Acc>& delta_rows)
+  BackwardContext(const BackwardParams& params, Acc* delta_rows)
       : p(params), f(params.fwd), mod(params.fwd), delta(delta_rows),
         softcap_on(params.fwd.softcap > 0) {}
 
@@ -55,7 +60,7 @@ struct BackwardContext {
     return (b * f.num_heads + h) * f.seqlen_q + i;
   }
 
-  // Loads Q, dO, lse and Delta of query rows [i0, i0 + rows) of head h.
+  // Loads Q, dO and lse of query rows [i0, i0 + rows) of head h.
   void load_query_side(int64_t b, int64_t h, int64_t i0, int64_t rows,
                        BackwardTiles<Acc>& t) const {
     const T* q = static_cast<const T*>(f.q) + f.q_strides.offset(b, i0, h);
@@ -64,8 +69,10 @@ struct BackwardContext {
     load_rows(dout, p.dout_strides.row_stride, rows, f.head_dim, t.dout.data());
     const Acc* lse = static_cast<const Acc*>(f.lse) + stat_index(b, h, i0);
     std::copy(lse, lse + rows, t.lse.begin());
-    std::copy(delta.begin() + stat_index(b, h, i0), delta.begin() + stat_index(b, h, i0) + rows,
-              t.delta.begin());
+  }
+
+  void load_delta(int64_t b, int64_t h, int64_t i0, int64_t rows, BackwardTiles<Acc>& t) const {
+    std::copy(delta + stat_index(b, h, i0), delta + stat_index(b, h, i0) + rows, t.delta.begin());
   }
 
   // Loads K (row-major and transposed) and V (transposed) of keys [j0, j0 + cols).
@@ -78,10 +85,11 @@ struct BackwardContext {
     load_rows_transposed(v, f.v_strides.row_stride, cols, f.head_dim, t.v_t.data());
   }
 
-  // From the loaded tiles: probs = P, dprobs = dS = P * (dP - Delta), cap_grad = softcap'.
-  // P is 0 at disallowed positions and on empty rows (lse = -inf), so dS is exactly 0 there.
-  void compute_ds(int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
-                  BackwardTiles<Acc>& t) const {
+  // From the loaded tiles: probs = P, dprobs = dP = dO V^T, cap_grad = softcap'.
+  // P is exactly 0 at disallowed positions and on empty rows (lse = -inf); exp never sees
+  // -inf - (-inf).
+  void compute_p_and_dp(int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0,
+                        int64_t cols, BackwardTiles<Acc>& t) const {
     constexpr Acc kNegInf = -std::numeric_limits<Acc>::infinity();
     const int64_t dim = f.head_dim;
     matmul_into_scores(t.q.data(), t.k_t.data(), rows, cols, dim, t.probs.data());
@@ -90,12 +98,22 @@ struct BackwardContext {
     matmul_into_scores(t.dout.data(), t.v_t.data(), rows, cols, dim, t.dprobs.data());
     for (int64_t r = 0; r < rows; ++r) {
       Acc* prob = t.probs.data() + r * kBlockK;
-      Acc* ds = t.dprobs.data() + r * kBlockK;
-      const Acc lse = t.lse[r], delta = t.delta[r];
+      const Acc lse = t.lse[r];
       for (int64_t c = 0; c < cols; ++c) {
         const bool allowed = prob[c] != kNegInf && lse != kNegInf;
         prob[c] = allowed ? std::exp(prob[c] - lse) : Acc(0);
-        ds[c] = allowed ? prob[c] * (ds[c] - delta) : Acc(0);
+      }
+    }
+  }
+
+  // dprobs: dP -> dS = P * (dP - Delta), exactly 0 where P is 0.
+  void compute_ds(int64_t rows, int64_t cols, BackwardTiles<Acc>& t) const {
+    for (int64_t r = 0; r < rows; ++r) {
+      const Acc* prob = t.probs.data() + r * kBlockK;
+      Acc* ds = t.dprobs.data() + r * kBlockK;
+      const Acc delta_r = t.delta[r];
+      for (int64_t c = 0; c < cols; ++c) {
+        ds[c] = prob[c] == Acc(0) ? Acc(0) : prob[c] * (ds[c] - delta_r);
       }
     }
   }
@@ -111,24 +129,30 @@ struct BackwardContext {
   }
 };
 
-// Pass 0: Delta_i = sum_d dO_id * O_id.
-template <typename T, typename Acc>
-std::vector<Acc> compute_delta(const BackwardParams& p) {
-  const ForwardParams& f = p.fwd;
-  std::vector<Acc> delta(static_cast<size_t>(f.batch * f.num_heads * f.seqlen_q));
-  const int64_t heads_total = f.batch * f.num_heads;
-#pragma omp parallel for schedule(static)
-  for (int64_t bh = 0; bh < heads_total; ++bh) {
-    const int64_t b = bh / f.num_heads, h = bh % f.num_heads;
-    for (int64_t i = 0; i < f.seqlen_q; ++i) {
-      const T* o = static_cast<const T*>(f.out) + f.out_strides.offset(b, i, h);
-      const T* dout = static_cast<const T*>(p.dout) + p.dout_strides.offset(b, i, h);
-      Acc sum = 0;
-      for (int64_t d = 0; d < f.head_dim; ++d) sum += load_as<Acc>(dout[d]) * load_as<Acc>(o[d]);
-      delta[bh * f.seqlen_q + i] = sum;
+// Pass 0: Delta_i = sum_j P_ij dP_ij for the rows of one query block.
+template <typename T, typename Acc, typename BiasT>
+void delta_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int64_t h,
+                int64_t query_block, BackwardTiles<Acc>& t) {
+  const ForwardParams& f = ctx.f;
+  const int64_t kv_head = h / f.group_size();
+  const int64_t i0 = query_block * kBlockQ;
+  const int64_t rows = std::min(kBlockQ, f.seqlen_q - i0);
+  ctx.load_query_side(b, h, i0, rows, t);
+  std::fill(t.delta.begin(), t.delta.begin() + rows, Acc(0));
+  const IndexRange keys = ctx.mod.window.keys_for_queries({i0, i0 + rows});
+  for (int64_t j0 = aligned_block_start(keys.begin, kBlockK); j0 < keys.end; j0 += kBlockK) {
+    const int64_t cols = std::min(kBlockK, f.seqlen_k - j0);
+    ctx.load_key_side(b, kv_head, j0, cols, t);
+    ctx.compute_p_and_dp(b, h, i0, rows, j0, cols, t);
+    for (int64_t r = 0; r < rows; ++r) {
+      const Acc* prob = t.probs.data() + r * kBlockK;
+      const Acc* dprob = t.dprobs.data() + r * kBlockK;
+      Acc block_sum = 0;
+      for (int64_t c = 0; c < cols; ++c) block_sum += prob[c] * dprob[c];
+      t.delta[r] += block_sum;
     }
   }
-  return delta;
+  std::copy(t.delta.begin(), t.delta.begin() + rows, ctx.delta + ctx.stat_index(b, h, i0));
 }
 
 // How pass-1 tasks are laid out. A task covers a range of batches, kv heads and key blocks:
@@ -219,7 +243,9 @@ void key_block_task(const BackwardContext<T, Acc, BiasT>& ctx, const KeyTaskGrid
                i0 += kBlockQ) {
             const int64_t rows = std::min(kBlockQ, f.seqlen_q - i0);
             ctx.load_query_side(b, h, i0, rows, t);
-            ctx.compute_ds(b, h, i0, rows, j0, cols, t);
+            ctx.load_delta(b, h, i0, rows, t);
+            ctx.compute_p_and_dp(b, h, i0, rows, j0, cols, t);
+            ctx.compute_ds(rows, cols, t);
             accumulate_transposed_product(t.probs.data(), t.dout.data(), rows, cols, dim, dv);
             if (want_dbias) {
               // dbias takes dS itself: the bias is added after scale and softcap.
@@ -271,6 +297,7 @@ void query_block_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int6
   const int64_t i0 = query_block * kBlockQ;
   const int64_t rows = std::min(kBlockQ, f.seqlen_q - i0);
   ctx.load_query_side(b, h, i0, rows, t);
+  ctx.load_delta(b, h, i0, rows, t);
   Acc* dq = t.grad_a.data();
   std::fill(dq, dq + rows * dim, Acc(0));
 
@@ -278,7 +305,8 @@ void query_block_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int6
   for (int64_t j0 = aligned_block_start(keys.begin, kBlockK); j0 < keys.end; j0 += kBlockK) {
     const int64_t cols = std::min(kBlockK, f.seqlen_k - j0);
     ctx.load_key_side(b, kv_head, j0, cols, t);
-    ctx.compute_ds(b, h, i0, rows, j0, cols, t);
+    ctx.compute_p_and_dp(b, h, i0, rows, j0, cols, t);
+    ctx.compute_ds(rows, cols, t);
     ctx.apply_softcap_grad(rows, cols, t);
     accumulate_product(t.dprobs.data(), t.k.data(), rows, cols, dim, dq);
   }
@@ -290,8 +318,8 @@ template <typename T, typename BiasT>
 void backward_typed(const BackwardParams& p) {
   using Acc = AccumulatorOf<T>;
   const ForwardParams& f = p.fwd;
-  const std::vector<Acc> delta = compute_delta<T, Acc>(p);
-  const BackwardContext<T, Acc, BiasT> ctx(p, delta);
+  std::vector<Acc> delta(static_cast<size_t>(f.batch * f.num_heads * f.seqlen_q));
+  const BackwardContext<T, Acc, BiasT> ctx(p, delta.data());
 
   const KeyTaskGrid grid(p);
   const int64_t key_tasks = grid.tasks();
@@ -301,6 +329,14 @@ void backward_typed(const BackwardParams& p) {
 #pragma omp parallel
   {
     BackwardTiles<Acc> tiles(f.head_dim);
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < query_tasks; ++task) {
+      const int64_t query_block = task % query_blocks;
+      const int64_t h = (task / query_blocks) % f.num_heads;
+      const int64_t b = task / (query_blocks * f.num_heads);
+      delta_task(ctx, b, h, query_block, tiles);
+    }
+    // (implicit barrier: passes 1 and 2 read every Delta)
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < key_tasks; ++task) {
       key_block_task(ctx, grid, task, tiles);
