@@ -77,9 +77,9 @@ inline RefResult naive_attention_reference(const RefProblem& pr) {
           double x = pr.scale * dot;
           cap_grad[j] = 1;
           if (pr.softcap > 0) {
-            const double t = std::tanh(x / pr.softcap);
-            x = pr.softcap * t;
-            cap_grad[j] = 1 - t * t;
+            const double y = x / pr.softcap;
+            x = pr.softcap * std::tanh(y);
+            cap_grad[j] = 1 / (std::cosh(y) * std::cosh(y));  // 1 - tanh^2 without cancellation
           }
           const int64_t off = Sk - Sq;
           bool ok = (pr.window_left < 0 || j >= i + off - pr.window_left) &&

@@ -46,7 +46,7 @@ CaseConfig random_config(std::mt19937_64& rng, DType dtype) {
   c.heads_kv = pick<int64_t>(rng, {1, 2});
   int64_t group = pick<int64_t>(rng, {1, 2, 3});
   // Keep the float64 reference cheap: shrink batch and heads of large problems.
-  while (c.batch * c.heads_kv * group * c.seqlen_q * c.seqlen_k * c.dim > 1500000) {
+  while (c.batch * c.heads_kv * group * c.seqlen_q * c.seqlen_k * c.dim > 2500000) {
     if (c.batch > 1) --c.batch;
     else if (group > 1) --group;
     else if (c.heads_kv > 1) --c.heads_kv;
@@ -89,10 +89,10 @@ void run_random_configs(DType dtype, int count, uint64_t seed) {
   }
 }
 
-TEST(CpuBackendRandom, Float32) { run_random_configs(DType::kFloat32, 90, 101); }
-TEST(CpuBackendRandom, BFloat16) { run_random_configs(DType::kBFloat16, 60, 202); }
-TEST(CpuBackendRandom, Float16) { run_random_configs(DType::kFloat16, 60, 303); }
-TEST(CpuBackendRandom, Float64) { run_random_configs(DType::kFloat64, 40, 404); }
+TEST(CpuBackendRandom, Float32) { run_random_configs(DType::kFloat32, 200, 101); }
+TEST(CpuBackendRandom, BFloat16) { run_random_configs(DType::kBFloat16, 120, 202); }
+TEST(CpuBackendRandom, Float16) { run_random_configs(DType::kFloat16, 120, 303); }
+TEST(CpuBackendRandom, Float64) { run_random_configs(DType::kFloat64, 60, 404); }
 
 // Every bias shape the spec allows (with dbias) and every mask shape, over two key blocks, a
 // GQA group of 2 and a tail query block.
