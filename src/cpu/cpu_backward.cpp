@@ -28,7 +28,7 @@
 namespace dmattn::cpu {
 namespace {
 
-// Per-thread tile buffers shared by passes 1 and 2.
+// Per-thread tile buffers, reused by all three passes.
 template <typename Acc>
 struct BackwardTiles {
   std::vector<Acc> q, dout, k, k_t, v_t;     // operand tiles
@@ -164,7 +164,7 @@ struct KeyTaskGrid {
   int64_t batch_tasks, head_tasks, key_tasks, key_blocks;
   bool fold_batch, fold_heads, fold_keys;
 
-  KeyTaskGrid(const BackwardParams& p) {
+  explicit KeyTaskGrid(const BackwardParams& p) {
     const ForwardParams& f = p.fwd;
     const bool has_dbias = p.dbias != nullptr;
     key_blocks = ceil_div(f.seqlen_k, kBlockK);
@@ -203,9 +203,12 @@ void key_block_task(const BackwardContext<T, Acc, BiasT>& ctx, const KeyTaskGrid
   const int64_t key_task = task % grid.key_tasks;
   const int64_t head_task = (task / grid.key_tasks) % grid.head_tasks;
   const int64_t batch_task = task / (grid.key_tasks * grid.head_tasks);
-  const IndexRange batches = grid.fold_batch ? IndexRange{0, f.batch} : IndexRange{batch_task, batch_task + 1};
-  const IndexRange kv_heads = grid.fold_heads ? IndexRange{0, f.num_heads_kv} : IndexRange{head_task, head_task + 1};
-  const IndexRange key_blocks = grid.fold_keys ? IndexRange{0, grid.key_blocks} : IndexRange{key_task, key_task + 1};
+  auto one_or_all = [](bool fold, int64_t index, int64_t count) {
+    return fold ? IndexRange{0, count} : IndexRange{index, index + 1};
+  };
+  const IndexRange batches = one_or_all(grid.fold_batch, batch_task, f.batch);
+  const IndexRange kv_heads = one_or_all(grid.fold_heads, head_task, f.num_heads_kv);
+  const IndexRange key_blocks = one_or_all(grid.fold_keys, key_task, grid.key_blocks);
 
   const bool want_dbias = p.dbias != nullptr;
   DbiasSlab slab;

@@ -70,7 +70,8 @@ void dispatch_element_types(DType dtype, DType bias_dtype, Fn&& fn) {
     case DType::kBFloat16: return dispatch_bias_type(bias_dtype, fn, TypeTag<BFloat16>{});
     case DType::kFloat64: return dispatch_bias_type(bias_dtype, fn, TypeTag<double>{});
     default:
-      fail(ErrorKind::kType, "q: the CPU backend supports float32, float16, bfloat16 and float64, got ",
+      fail(ErrorKind::kType,
+           "q: the CPU backend supports float32, float16, bfloat16 and float64, got ",
            dtype_name(dtype));
   }
 }

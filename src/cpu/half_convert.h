@@ -89,7 +89,9 @@ inline Half float_to_half(float f) {
 // bfloat16 (the upper half of a float32)
 // ---------------------------------------------------------------------------------------------
 
-inline float bfloat16_to_float(BFloat16 b) { return bits_to_float(static_cast<uint32_t>(b.bits) << 16); }
+inline float bfloat16_to_float(BFloat16 b) {
+  return bits_to_float(static_cast<uint32_t>(b.bits) << 16);
+}
 
 inline BFloat16 float_to_bfloat16(float f) {
   const uint32_t u = float_to_bits(f);

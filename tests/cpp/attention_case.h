@@ -65,7 +65,9 @@ inline std::string describe(const CaseConfig& c) {
      << " H=" << c.heads << " Hkv=" << c.heads_kv << " D=" << c.dim << " causal=" << c.causal
      << " window=(" << c.window_left << "," << c.window_right << ") scale=" << c.scale
      << " softcap=" << c.softcap;
-  if (c.mask_shape) os << " mask" << shape_string(*c.mask_shape) << " empty_rows=" << c.empty_mask_rows;
+  if (c.mask_shape) {
+    os << " mask" << shape_string(*c.mask_shape) << " empty_rows=" << c.empty_mask_rows;
+  }
   if (c.bias_shape) {
     os << " bias" << shape_string(*c.bias_shape) << ":" << short_name(c.bias_dtype)
        << (c.bias_grad ? "+grad" : "") << " -inf=" << c.bias_neg_inf << " min=" << c.bias_lowest;
@@ -240,12 +242,12 @@ inline void expect_close(const char* name, const TestTensor& got, const std::vec
   int64_t failures = 0;
   for (int64_t e = 0; e < got.numel(); ++e) {
     const double g = got.get(e);
-    bool ok;
-    if (std::isinf(ref[e])) ok = g == ref[e];
-    else ok = std::isfinite(g) && std::fabs(g - ref[e]) <= rel * mag[e] + (mag[e] > 0 ? underflow : 0);
+    const double allowed = rel * mag[e] + (mag[e] > 0 ? underflow : 0.0);
+    const bool ok = std::isinf(ref[e]) ? g == ref[e]
+                                       : std::isfinite(g) && std::fabs(g - ref[e]) <= allowed;
     if (!ok && ++failures <= 3) {
       ADD_FAILURE() << name << "[" << e << "] = " << g << ", reference " << ref[e]
-                    << ", allowed error " << rel * mag[e] << " (magnitude " << mag[e] << "); "
+                    << ", allowed error " << allowed << " (magnitude " << mag[e] << "); "
                     << where;
     }
   }
@@ -274,7 +276,8 @@ inline void check_case_against_reference(const CaseConfig& c) {
   expect_close("dk", t.dk, r.dk, r.dk_mag, tol, where);
   expect_close("dv", t.dv, r.dv, r.dv_mag, tol, where);
   if (t.has_dbias) {
-    expect_close("dbias", t.dbias, r.dbias, r.dbias_mag, tolerance_for(c.dtype, c.bias_dtype), where);
+    expect_close("dbias", t.dbias, r.dbias, r.dbias_mag, tolerance_for(c.dtype, c.bias_dtype),
+                 where);
   }
 }
 

@@ -114,7 +114,10 @@ inline RefResult naive_attention_reference(const RefProblem& pr) {
         for (int64_t j = 0; j < Sk; ++j) {
           if (!allowed[j]) continue;
           const double* v = &pr.v[kj(b, j, hk)];
-          for (int64_t d = 0; d < D; ++d) out[d] += p[j] * v[d], out_mag[d] += w[j] * std::fabs(v[d]);
+          for (int64_t d = 0; d < D; ++d) {
+            out[d] += p[j] * v[d];
+            out_mag[d] += w[j] * std::fabs(v[d]);
+          }
         }
 
         // Backward.
@@ -123,7 +126,10 @@ inline RefResult naive_attention_reference(const RefProblem& pr) {
           dp[j] = dp_mag[j] = 0;
           if (!allowed[j]) continue;
           const double* v = &pr.v[kj(b, j, hk)];
-          for (int64_t d = 0; d < D; ++d) dp[j] += dout[d] * v[d], dp_mag[j] += std::fabs(dout[d] * v[d]);
+          for (int64_t d = 0; d < D; ++d) {
+            dp[j] += dout[d] * v[d];
+            dp_mag[j] += std::fabs(dout[d] * v[d]);
+          }
           delta += p[j] * dp[j];
           delta_mag += w[j] * dp_mag[j];
         }

@@ -130,9 +130,9 @@ TEST(CpuBackend, EveryBroadcastShape) {
 TEST(CpuBackend, ZeroSizes) {
   struct Sizes { int64_t b, sq, sk; };
   for (Sizes s : {Sizes{0, 5, 7}, Sizes{2, 0, 7}, Sizes{2, 5, 0}, Sizes{2, 0, 0}}) {
-    for (auto bias_shape : {std::vector<int64_t>{1, 1, 1, 1}, std::vector<int64_t>{1, 3, 1, 1},
-                            std::vector<int64_t>{1, 3, s.sq, 1}, std::vector<int64_t>{1, 1, 1, s.sk},
-                            std::vector<int64_t>{s.b, 3, s.sq, s.sk}}) {
+    using Shape = std::vector<int64_t>;
+    for (const Shape& bias_shape : {Shape{1, 1, 1, 1}, Shape{1, 3, 1, 1}, Shape{1, 3, s.sq, 1},
+                                    Shape{1, 1, 1, s.sk}, Shape{s.b, 3, s.sq, s.sk}}) {
       CaseConfig c;
       c.batch = s.b, c.seqlen_q = s.sq, c.seqlen_k = s.sk, c.heads = 3, c.heads_kv = 1;
       c.dim = 8, c.bias_shape = bias_shape, c.mask_shape = std::vector<int64_t>{1, s.sk};

@@ -112,7 +112,11 @@ class TestTensor {
       case DType::kFloat32: { float v; std::memcpy(&v, p, 4); return v; }
       case DType::kFloat64: { double v; std::memcpy(&v, p, 8); return v; }
       case DType::kFloat16: { cpu::Half v; std::memcpy(&v, p, 2); return cpu::half_to_float(v); }
-      case DType::kBFloat16: { cpu::BFloat16 v; std::memcpy(&v, p, 2); return cpu::bfloat16_to_float(v); }
+      case DType::kBFloat16: {
+        cpu::BFloat16 v;
+        std::memcpy(&v, p, 2);
+        return cpu::bfloat16_to_float(v);
+      }
       case DType::kBool: return *p ? 1.0 : 0.0;
       default: throw std::logic_error("TestTensor: unsupported dtype");
     }
@@ -125,8 +129,16 @@ class TestTensor {
     switch (dtype_) {
       case DType::kFloat32: { float v = static_cast<float>(value); std::memcpy(p, &v, 4); return; }
       case DType::kFloat64: std::memcpy(p, &value, 8); return;
-      case DType::kFloat16: { cpu::Half v = cpu::float_to_half(static_cast<float>(value)); std::memcpy(p, &v, 2); return; }
-      case DType::kBFloat16: { cpu::BFloat16 v = cpu::float_to_bfloat16(static_cast<float>(value)); std::memcpy(p, &v, 2); return; }
+      case DType::kFloat16: {
+        const cpu::Half v = cpu::float_to_half(static_cast<float>(value));
+        std::memcpy(p, &v, 2);
+        return;
+      }
+      case DType::kBFloat16: {
+        const cpu::BFloat16 v = cpu::float_to_bfloat16(static_cast<float>(value));
+        std::memcpy(p, &v, 2);
+        return;
+      }
       case DType::kBool: *p = value != 0.0; return;
       default: throw std::logic_error("TestTensor: unsupported dtype");
     }
