@@ -43,23 +43,32 @@ __device__ __forceinline__ void transform_scores(S& s, C const& coord, const Fwd
       if constexpr (kPosMask) win.column_range(m0 + row, n0 + col0, kBlockN, lo, hi);
       const BiasT* brow = kMaskBias && s_bias ? reinterpret_cast<const BiasT*>(s_bias) + row * bias_pitch + col0 : nullptr;
       const uint8_t* mrow = kMaskBias && s_mask ? reinterpret_cast<const uint8_t*>(s_mask) + row * mask_pitch + col0 : nullptr;
+      // Columns come in adjacent pairs (c, c + 1): one 32/64-bit shared load per pair.
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) {
-        const int cc = get<1>(coord(r, c)) - col0;  // compile-time after folding
-        float x = s(r, c);
-        bool ok = true;
+      for (int c = 0; c < size<1>(s); c += 2) {
+        const int cc = get<1>(coord(r, c)) - col0;  // compile-time after folding, even
+        float x0 = s(r, c), x1 = s(r, c + 1);
+        bool ok0 = true, ok1 = true;
         if constexpr (kMaskBias) {
           if (brow) {
-            float bv;
-            if constexpr (std::is_same_v<BiasT, float>) bv = brow[cc];
-            else bv = ElemInfo<BiasT>::to_float(brow + cc);
-            x += bv;
-            ok = bv != -INFINITY;
+            float b0, b1;
+            read_bias_pair(brow + cc, b0, b1);
+            x0 += b0; x1 += b1;
+            ok0 = b0 != -INFINITY; ok1 = b1 != -INFINITY;
           }
-          if (mrow) ok = ok && mrow[cc] != 0;
+          if (mrow) {
+            bool m0, m1;
+            read_mask_pair(mrow + cc, m0, m1);
+            ok0 = ok0 && m0;
+            ok1 = ok1 && m1;
+          }
         }
-        if constexpr (kPosMask) ok = ok && cc >= lo && cc < hi;
-        s(r, c) = ok ? x : -INFINITY;
+        if constexpr (kPosMask) {
+          ok0 = ok0 && cc >= lo && cc < hi;
+          ok1 = ok1 && cc + 1 >= lo && cc + 1 < hi;
+        }
+        s(r, c) = ok0 ? x0 : -INFINITY;
+        s(r, c + 1) = ok1 ? x1 : -INFINITY;
       }
     }
   }

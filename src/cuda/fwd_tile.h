@@ -26,7 +26,10 @@ struct FwdTile {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = kHeadDim <= 64 ? 128 : 64;
-  static constexpr int kNWarps = 8;  // 16 query rows per warp: no spills with mask + bias
+#ifndef DMATTN_FWD_WARPS_HD128
+#define DMATTN_FWD_WARPS_HD128 8
+#endif
+  static constexpr int kNWarps = kHeadDim <= 64 ? 8 : DMATTN_FWD_WARPS_HD128;
   static constexpr int kNThreads = kNWarps * 32;
   static_assert(kHeadDim % 32 == 0 && kBlockN % 32 == 0);
 

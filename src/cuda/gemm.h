@@ -4,6 +4,10 @@
 
 #include "cuda/utils.h"
 
+#ifndef DMATTN_GEMM_PREFETCH
+#define DMATTN_GEMM_PREFETCH 1
+#endif
+
 namespace dmattn::cuda {
 
 // acc += A * B^T, both operands read from shared memory (tCsA / tCsB are the ldmatrix source
@@ -17,12 +21,25 @@ __device__ __forceinline__ void gemm_ss(Acc& acc, RA& tCrA, RB& tCrB, SA const& 
   auto thr_b = copy_b.get_thread_slice(tid);
   Tensor va = thr_a.retile_D(tCrA);
   Tensor vb = thr_b.retile_D(tCrB);
+#if DMATTN_GEMM_PREFETCH
+  copy(copy_a, tCsA(_, _, 0), va(_, _, 0));
+  copy(copy_b, tCsB(_, _, 0), vb(_, _, 0));
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(tCrA); ++k) {
+    if (k + 1 < size<2>(tCrA)) {
+      copy(copy_a, tCsA(_, _, k + 1), va(_, _, k + 1));
+      copy(copy_b, tCsB(_, _, k + 1), vb(_, _, k + 1));
+    }
+    cute::gemm(mma, tCrA(_, _, k), tCrB(_, _, k), acc);
+  }
+#else
   CUTE_UNROLL
   for (int k = 0; k < size<2>(tCrA); ++k) {
     copy(copy_a, tCsA(_, _, k), va(_, _, k));
     copy(copy_b, tCsB(_, _, k), vb(_, _, k));
     cute::gemm(mma, tCrA(_, _, k), tCrB(_, _, k), acc);
   }
+#endif
 }
 
 // acc += A * B^T with A already in registers (the probabilities P).
@@ -32,11 +49,20 @@ __device__ __forceinline__ void gemm_rs(Acc& acc, RA const& tCrA, RB& tCrB, SB c
   using namespace cute;
   auto thr_b = copy_b.get_thread_slice(tid);
   Tensor vb = thr_b.retile_D(tCrB);
+#if DMATTN_GEMM_PREFETCH
+  copy(copy_b, tCsB(_, _, 0), vb(_, _, 0));
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(tCrA); ++k) {
+    if (k + 1 < size<2>(tCrA)) copy(copy_b, tCsB(_, _, k + 1), vb(_, _, k + 1));
+    cute::gemm(mma, tCrA(_, _, k), tCrB(_, _, k), acc);
+  }
+#else
   CUTE_UNROLL
   for (int k = 0; k < size<2>(tCrA); ++k) {
     copy(copy_b, tCsB(_, _, k), vb(_, _, k));
     cute::gemm(mma, tCrA(_, _, k), tCrB(_, _, k), acc);
   }
+#endif
 }
 
 }  // namespace dmattn::cuda

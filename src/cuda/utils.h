@@ -36,6 +36,9 @@ template <> struct ElemInfo<cutlass::half_t> {
   static constexpr float kMax = 65504.f;
   __device__ static Native2 pack(float a, float b) { return __floats2half2_rn(a, b); }
   __device__ static float to_float(const void* p) { return __half2float(*static_cast<const __half*>(p)); }
+  __device__ static void to_float2(const void* p, float& a, float& b) {
+    const float2 f = __half22float2(*static_cast<const __half2*>(p)); a = f.x; b = f.y;
+  }
 };
 template <> struct ElemInfo<cutlass::bfloat16_t> {
   using Native2 = __nv_bfloat162;
@@ -43,6 +46,9 @@ template <> struct ElemInfo<cutlass::bfloat16_t> {
   __device__ static Native2 pack(float a, float b) { return __floats2bfloat162_rn(a, b); }
   __device__ static float to_float(const void* p) {
     return __bfloat162float(*static_cast<const __nv_bfloat16*>(p));
+  }
+  __device__ static void to_float2(const void* p, float& a, float& b) {
+    const float2 f = __bfloat1622float2(*static_cast<const __nv_bfloat162*>(p)); a = f.x; b = f.y;
   }
 };
 
