@@ -86,7 +86,9 @@ class TestTensor {
   }
 
   // Every byte 0xFF: a NaN in every floating type, "true" in a bool.
-  void poison() { std::memset(bytes_.data(), 0xFF, bytes_.size()); }
+  void poison() {
+    if (!bytes_.empty()) std::memset(bytes_.data(), 0xFF, bytes_.size());
+  }
 
   // After poison() and a call that should write only the logical elements: true if every
   // byte that is not part of a logical element is still 0xFF.
