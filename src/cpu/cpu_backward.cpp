@@ -1,11 +1,8 @@
 // Backward pass, deterministic and without atomics, in three parallel passes:
-//   0. One task per (batch, head, query block): Delta_i = sum_j P_ij dP_ij, with P recomputed
-//      from lse and dP = dO V^T, in accumulator precision. This equals rowsum(dO_i * O_i) for
-//      the unrounded O; the stored fp16/bf16 `out` is *not* used, because its rounding error
-//      (~2^-9 |dO||O| sqrt(D)) does not cancel in dS = P (dP - Delta): a bias broadcast over
-//      keys has dbias = sum_j dS_ij = Delta_exact - Delta_used, which is then pure rounding
-//      noise far above PyTorch's own error (and with P ~ 1 it also dominates dK, dQ).
-//   1. One task per (batch, kv head, key block): recomputes P = exp(S - lse) and
+//   0. One task per (batch, head, query block): recomputes the row statistics of the softmax
+//      (max m_i and sum l_i, online, exactly like the forward) and
+//      Delta_i = sum_j P_ij dP_ij with dP = dO V^T, all in accumulator precision.
+//   1. One task per (batch, kv head, key block): recomputes P = exp(S - m) / l and
 //      dS = P * (dP - Delta) over every query head of the GQA group and every query block
 //      that the window lets reach the key block, accumulating dV = P^T dO, dK = scale *
 //      (dS * softcap')^T Q, and dbias. Dimensions along which the bias is broadcast would
@@ -15,6 +12,16 @@
 //      dQ = scale * (dS * softcap') K.
 // Every output element is owned by one task with a fixed summation order, so the result is
 // bitwise identical for any number of threads.
+//
+// Why pass 0 instead of FlashAttention's P = exp(S - lse) and Delta = rowsum(dO * out):
+//  - lse = m + log(l) loses log(l) when |m| is huge: a row whose allowed keys all carry a bias
+//    of finfo.min has every score round to the same s, lse rounds to s, and exp(S - lse)
+//    gives P = 1 instead of 1/n (n times too large gradients). Keeping m and l separate
+//    reproduces the forward's P = 1/n; it is also more accurate whenever |lse| is large.
+//  - the stored fp16/bf16 `out` carries a rounding error (~2^-9 |dO||O| sqrt(D)) that does
+//    not cancel in dS: a bias broadcast over keys has dbias = sum_j dS_ij =
+//    Delta_exact - Delta_used, i.e. pure rounding noise, far above PyTorch's own error.
+// lse and out of the forward are therefore not read here.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -22,25 +29,35 @@
 
 #include "cpu/cpu_backend.h"
 #include "cpu/element_types.h"
+#include "cpu/online_softmax.h"
 #include "cpu/score_mod.h"
 #include "cpu/tile_math.h"
 
 namespace dmattn::cpu {
 namespace {
 
+// Per query row, from pass 0: softmax max m, 1 / sum l (0 for an empty row) and Delta.
+// Each is a (B, H, Sq) array.
+template <typename Acc>
+struct RowStats {
+  std::vector<Acc> max, inv_sum, delta;
+  explicit RowStats(size_t rows) : max(rows), inv_sum(rows), delta(rows) {}
+};
+
 // Per-thread tile buffers, reused by all three passes.
 template <typename Acc>
 struct BackwardTiles {
-  std::vector<Acc> q, dout, k, k_t, v_t;     // operand tiles
-  std::vector<Acc> probs, dprobs, cap_grad;  // P, dP then dS, softcap derivative
-  std::vector<Acc> lse, delta;               // per query row of the current block
-  std::vector<Acc> grad_a, grad_b;           // dK and dV (pass 1) or dQ (pass 2)
-  std::vector<Acc> dbias;                    // the dbias slab a pass-1 task owns
+  std::vector<Acc> q, dout, k, k_t, v_t;      // operand tiles
+  std::vector<Acc> probs, dprobs, cap_grad;   // scores then P, dP then dS, softcap derivative
+  std::vector<Acc> row_max, inv_sum, delta;   // RowStats of the current query block
+  std::vector<OnlineSoftmaxRow<Acc>> online;  // pass 0's running statistics
+  std::vector<Acc> grad_a, grad_b;            // dK and dV (pass 1) or dQ (pass 2)
+  std::vector<Acc> dbias;                     // the dbias slab a pass-1 task owns
   explicit BackwardTiles(int64_t dim)
       : q(kBlockQ * dim), dout(kBlockQ * dim), k(kBlockK * dim), k_t(dim * kBlockK),
         v_t(dim * kBlockK), probs(kBlockQ * kBlockK), dprobs(kBlockQ * kBlockK),
-        cap_grad(kBlockQ * kBlockK), lse(kBlockQ), delta(kBlockQ),
-        grad_a(std::max(kBlockQ, kBlockK) * dim), grad_b(kBlockK * dim) {}
+        cap_grad(kBlockQ * kBlockK), row_max(kBlockQ), inv_sum(kBlockQ), delta(kBlockQ),
+        online(kBlockQ), grad_a(std::max(kBlockQ, kBlockK) * dim), grad_b(kBlockK * dim) {}
 };
 
 // Everything a task needs besides its indices.
@@ -49,30 +66,40 @@ struct BackwardContext {
   const BackwardParams& p;
   const ForwardParams& f;
   ScoreMod<Acc, BiasT> mod;
-  Acc* delta;  // (B, H, Sq): written by pass 0, read by passes 1 and 2
+  RowStats<Acc>& stats;  // written by pass 0 (disjoint rows per task), read by passes 1, 2
   bool softcap_on;
 
-  BackwardContext(const BackwardParams& params, Acc* delta_rows)
-      : p(params), f(params.fwd), mod(params.fwd), delta(delta_rows),
+  BackwardContext(const BackwardParams& params, RowStats<Acc>& row_stats)
+      : p(params), f(params.fwd), mod(params.fwd), stats(row_stats),
         softcap_on(params.fwd.softcap > 0) {}
 
   int64_t stat_index(int64_t b, int64_t h, int64_t i) const {
     return (b * f.num_heads + h) * f.seqlen_q + i;
   }
 
-  // Loads Q, dO and lse of query rows [i0, i0 + rows) of head h.
+  // Loads Q and dO of query rows [i0, i0 + rows) of head h.
   void load_query_side(int64_t b, int64_t h, int64_t i0, int64_t rows,
                        BackwardTiles<Acc>& t) const {
     const T* q = static_cast<const T*>(f.q) + f.q_strides.offset(b, i0, h);
     const T* dout = static_cast<const T*>(p.dout) + p.dout_strides.offset(b, i0, h);
     load_rows(q, f.q_strides.row_stride, rows, f.head_dim, t.q.data());
     load_rows(dout, p.dout_strides.row_stride, rows, f.head_dim, t.dout.data());
-    const Acc* lse = static_cast<const Acc*>(f.lse) + stat_index(b, h, i0);
-    std::copy(lse, lse + rows, t.lse.begin());
   }
 
-  void load_delta(int64_t b, int64_t h, int64_t i0, int64_t rows, BackwardTiles<Acc>& t) const {
-    std::copy(delta + stat_index(b, h, i0), delta + stat_index(b, h, i0) + rows, t.delta.begin());
+  void load_row_stats(int64_t b, int64_t h, int64_t i0, int64_t rows,
+                      BackwardTiles<Acc>& t) const {
+    const int64_t first = stat_index(b, h, i0);
+    std::copy_n(stats.max.begin() + first, rows, t.row_max.begin());
+    std::copy_n(stats.inv_sum.begin() + first, rows, t.inv_sum.begin());
+    std::copy_n(stats.delta.begin() + first, rows, t.delta.begin());
+  }
+
+  void store_row_stats(int64_t b, int64_t h, int64_t i0, int64_t rows,
+                       const BackwardTiles<Acc>& t) const {
+    const int64_t first = stat_index(b, h, i0);
+    std::copy_n(t.row_max.begin(), rows, stats.max.begin() + first);
+    std::copy_n(t.inv_sum.begin(), rows, stats.inv_sum.begin() + first);
+    std::copy_n(t.delta.begin(), rows, stats.delta.begin() + first);
   }
 
   // Loads K (row-major and transposed) and V (transposed) of keys [j0, j0 + cols).
@@ -85,25 +112,39 @@ struct BackwardContext {
     load_rows_transposed(v, f.v_strides.row_stride, cols, f.head_dim, t.v_t.data());
   }
 
-  // From the loaded tiles: probs = P, dprobs = dP = dO V^T, cap_grad = softcap'.
-  // P is exactly 0 at disallowed positions and on empty rows (lse = -inf); exp never sees
-  // -inf - (-inf).
-  void compute_p_and_dp(int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0,
-                        int64_t cols, BackwardTiles<Acc>& t) const {
-    constexpr Acc kNegInf = -std::numeric_limits<Acc>::infinity();
+  // From the loaded tiles: probs = final scores (-inf where disallowed), dprobs = dP = dO V^T,
+  // cap_grad = softcap'.
+  void compute_scores_and_dp(int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0,
+                             int64_t cols, BackwardTiles<Acc>& t) const {
     const int64_t dim = f.head_dim;
     matmul_into_scores(t.q.data(), t.k_t.data(), rows, cols, dim, t.probs.data());
     mod.apply(b, h, i0, rows, j0, cols, t.probs.data(),
               softcap_on ? t.cap_grad.data() : nullptr);
     matmul_into_scores(t.dout.data(), t.v_t.data(), rows, cols, dim, t.dprobs.data());
+  }
+
+  // probs: scores -> P = exp(s - m) / l. Exactly 0 at disallowed positions and on empty rows
+  // (m = -inf); exp never sees -inf - (-inf).
+  void scores_to_probs(int64_t rows, int64_t cols, BackwardTiles<Acc>& t) const {
+    constexpr Acc kNegInf = -std::numeric_limits<Acc>::infinity();
     for (int64_t r = 0; r < rows; ++r) {
       Acc* prob = t.probs.data() + r * kBlockK;
-      const Acc lse = t.lse[r];
+      const Acc row_max = t.row_max[r], inv_sum = t.inv_sum[r];
+      if (row_max == kNegInf) {
+        std::fill(prob, prob + cols, Acc(0));
+        continue;
+      }
       for (int64_t c = 0; c < cols; ++c) {
-        const bool allowed = prob[c] != kNegInf && lse != kNegInf;
-        prob[c] = allowed ? std::exp(prob[c] - lse) : Acc(0);
+        prob[c] = prob[c] == kNegInf ? Acc(0) : std::exp(prob[c] - row_max) * inv_sum;
       }
     }
+  }
+
+  // Recomputes P and dP of one (query block, key block) tile from the loaded tiles and stats.
+  void compute_p_and_dp(int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0,
+                        int64_t cols, BackwardTiles<Acc>& t) const {
+    compute_scores_and_dp(b, h, i0, rows, j0, cols, t);
+    scores_to_probs(rows, cols, t);
   }
 
   // dprobs: dP -> dS = P * (dP - Delta), exactly 0 where P is 0.
@@ -129,30 +170,39 @@ struct BackwardContext {
   }
 };
 
-// Pass 0: Delta_i = sum_j P_ij dP_ij for the rows of one query block.
+// Pass 0: softmax statistics and Delta_i = sum_j P_ij dP_ij for the rows of one query block,
+// accumulated online: Delta is summed with the running max and rescaled like the row sum.
 template <typename T, typename Acc, typename BiasT>
-void delta_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int64_t h,
-                int64_t query_block, BackwardTiles<Acc>& t) {
+void row_stats_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int64_t h,
+                    int64_t query_block, BackwardTiles<Acc>& t) {
   const ForwardParams& f = ctx.f;
   const int64_t kv_head = h / f.group_size();
   const int64_t i0 = query_block * kBlockQ;
   const int64_t rows = std::min(kBlockQ, f.seqlen_q - i0);
   ctx.load_query_side(b, h, i0, rows, t);
-  std::fill(t.delta.begin(), t.delta.begin() + rows, Acc(0));
+  std::fill_n(t.online.begin(), rows, OnlineSoftmaxRow<Acc>{});
+  std::fill_n(t.delta.begin(), rows, Acc(0));  // unnormalized until the end
   const IndexRange keys = ctx.mod.window.keys_for_queries({i0, i0 + rows});
   for (int64_t j0 = aligned_block_start(keys.begin, kBlockK); j0 < keys.end; j0 += kBlockK) {
     const int64_t cols = std::min(kBlockK, f.seqlen_k - j0);
     ctx.load_key_side(b, kv_head, j0, cols, t);
-    ctx.compute_p_and_dp(b, h, i0, rows, j0, cols, t);
+    ctx.compute_scores_and_dp(b, h, i0, rows, j0, cols, t);
     for (int64_t r = 0; r < rows; ++r) {
-      const Acc* prob = t.probs.data() + r * kBlockK;
+      Acc* weight = t.probs.data() + r * kBlockK;  // becomes exp(s - running max)
+      const Acc rescale = t.online[r].update(weight, cols);
       const Acc* dprob = t.dprobs.data() + r * kBlockK;
       Acc block_sum = 0;
-      for (int64_t c = 0; c < cols; ++c) block_sum += prob[c] * dprob[c];
-      t.delta[r] += block_sum;
+      for (int64_t c = 0; c < cols; ++c) block_sum += weight[c] * dprob[c];
+      t.delta[r] = t.delta[r] * rescale + block_sum;
     }
   }
-  std::copy(t.delta.begin(), t.delta.begin() + rows, ctx.delta + ctx.stat_index(b, h, i0));
+  for (int64_t r = 0; r < rows; ++r) {
+    const OnlineSoftmaxRow<Acc>& row = t.online[r];
+    t.row_max[r] = row.max;  // -inf marks an empty row
+    t.inv_sum[r] = row.empty() ? Acc(0) : Acc(1) / row.sum;
+    t.delta[r] *= t.inv_sum[r];
+  }
+  ctx.store_row_stats(b, h, i0, rows, t);
 }
 
 // How pass-1 tasks are laid out. A task covers a range of batches, kv heads and key blocks:
@@ -246,7 +296,7 @@ void key_block_task(const BackwardContext<T, Acc, BiasT>& ctx, const KeyTaskGrid
                i0 += kBlockQ) {
             const int64_t rows = std::min(kBlockQ, f.seqlen_q - i0);
             ctx.load_query_side(b, h, i0, rows, t);
-            ctx.load_delta(b, h, i0, rows, t);
+            ctx.load_row_stats(b, h, i0, rows, t);
             ctx.compute_p_and_dp(b, h, i0, rows, j0, cols, t);
             ctx.compute_ds(rows, cols, t);
             accumulate_transposed_product(t.probs.data(), t.dout.data(), rows, cols, dim, dv);
@@ -300,7 +350,7 @@ void query_block_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int6
   const int64_t i0 = query_block * kBlockQ;
   const int64_t rows = std::min(kBlockQ, f.seqlen_q - i0);
   ctx.load_query_side(b, h, i0, rows, t);
-  ctx.load_delta(b, h, i0, rows, t);
+  ctx.load_row_stats(b, h, i0, rows, t);
   Acc* dq = t.grad_a.data();
   std::fill(dq, dq + rows * dim, Acc(0));
 
@@ -321,8 +371,8 @@ template <typename T, typename BiasT>
 void backward_typed(const BackwardParams& p) {
   using Acc = AccumulatorOf<T>;
   const ForwardParams& f = p.fwd;
-  std::vector<Acc> delta(static_cast<size_t>(f.batch * f.num_heads * f.seqlen_q));
-  const BackwardContext<T, Acc, BiasT> ctx(p, delta.data());
+  RowStats<Acc> stats(static_cast<size_t>(f.batch * f.num_heads * f.seqlen_q));
+  const BackwardContext<T, Acc, BiasT> ctx(p, stats);
 
   const KeyTaskGrid grid(p);
   const int64_t key_tasks = grid.tasks();
@@ -337,9 +387,9 @@ void backward_typed(const BackwardParams& p) {
       const int64_t query_block = task % query_blocks;
       const int64_t h = (task / query_blocks) % f.num_heads;
       const int64_t b = task / (query_blocks * f.num_heads);
-      delta_task(ctx, b, h, query_block, tiles);
+      row_stats_task(ctx, b, h, query_block, tiles);
     }
-    // (implicit barrier: passes 1 and 2 read every Delta)
+    // (implicit barrier: passes 1 and 2 read the statistics of every row)
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < key_tasks; ++task) {
       key_block_task(ctx, grid, task, tiles);

@@ -9,6 +9,7 @@
 
 #include "cpu/cpu_backend.h"
 #include "cpu/element_types.h"
+#include "cpu/online_softmax.h"
 #include "cpu/score_mod.h"
 #include "cpu/tile_math.h"
 
@@ -18,40 +19,12 @@ namespace {
 // Per-thread tile buffers.
 template <typename Acc>
 struct ForwardTiles {
-  std::vector<Acc> q, k_t, v, scores, out_acc, row_max, row_sum;
+  std::vector<Acc> q, k_t, v, scores, out_acc;
+  std::vector<OnlineSoftmaxRow<Acc>> row_stats;
   explicit ForwardTiles(int64_t dim)
       : q(kBlockQ * dim), k_t(dim * kBlockK), v(kBlockK * dim), scores(kBlockQ * kBlockK),
-        out_acc(kBlockQ * dim), row_max(kBlockQ), row_sum(kBlockQ) {}
+        out_acc(kBlockQ * dim), row_stats(kBlockQ) {}
 };
-
-// Online-softmax update of one row with a new block of scores (turned into p in place).
-// Rows that have seen no allowed key yet keep m = -inf and l = 0; exp is never evaluated on
-// -inf - (-inf).
-template <typename Acc>
-inline void online_softmax_row(Acc* scores, int64_t cols, int64_t dim, Acc& row_max,
-                               Acc& row_sum, Acc* out_row) {
-  constexpr Acc kNegInf = -std::numeric_limits<Acc>::infinity();
-  Acc block_max = kNegInf;
-  for (int64_t c = 0; c < cols; ++c) block_max = std::max(block_max, scores[c]);
-  const Acc new_max = std::max(row_max, block_max);
-  if (new_max == kNegInf) {  // nothing allowed so far: p = 0 for this block
-    for (int64_t c = 0; c < cols; ++c) scores[c] = Acc(0);
-    return;
-  }
-  Acc block_sum = 0;
-  for (int64_t c = 0; c < cols; ++c) {
-    // scores[c] == -inf gives exp(-inf) = 0, with new_max finite.
-    scores[c] = std::exp(scores[c] - new_max);
-    block_sum += scores[c];
-  }
-  if (row_max != new_max) {
-    const Acc rescale = row_max == kNegInf ? Acc(0) : std::exp(row_max - new_max);
-    row_sum *= rescale;
-    for (int64_t d = 0; d < dim; ++d) out_row[d] *= rescale;
-  }
-  row_sum += block_sum;
-  row_max = new_max;
-}
 
 template <typename T, typename Acc, typename BiasT>
 void forward_query_block(const ForwardParams& p, const ScoreMod<Acc, BiasT>& mod, int64_t b,
@@ -64,8 +37,7 @@ void forward_query_block(const ForwardParams& p, const ScoreMod<Acc, BiasT>& mod
   const T* q = static_cast<const T*>(p.q) + p.q_strides.offset(b, i0, h);
   load_rows(q, p.q_strides.row_stride, rows, dim, tiles.q.data());
   std::fill(tiles.out_acc.begin(), tiles.out_acc.end(), Acc(0));
-  std::fill(tiles.row_max.begin(), tiles.row_max.end(), -std::numeric_limits<Acc>::infinity());
-  std::fill(tiles.row_sum.begin(), tiles.row_sum.end(), Acc(0));
+  std::fill(tiles.row_stats.begin(), tiles.row_stats.end(), OnlineSoftmaxRow<Acc>{});
 
   // Key blocks that causal/window exclude for every row of this query block are skipped.
   const IndexRange keys = mod.window.keys_for_queries({i0, i0 + rows});
@@ -79,8 +51,11 @@ void forward_query_block(const ForwardParams& p, const ScoreMod<Acc, BiasT>& mod
     matmul_into_scores(tiles.q.data(), tiles.k_t.data(), rows, cols, dim, tiles.scores.data());
     mod.apply(b, h, i0, rows, j0, cols, tiles.scores.data(), nullptr);
     for (int64_t r = 0; r < rows; ++r) {
-      online_softmax_row(tiles.scores.data() + r * kBlockK, cols, dim, tiles.row_max[r],
-                         tiles.row_sum[r], tiles.out_acc.data() + r * dim);
+      const Acc rescale = tiles.row_stats[r].update(tiles.scores.data() + r * kBlockK, cols);
+      if (rescale != Acc(1)) {
+        Acc* out_row = tiles.out_acc.data() + r * dim;
+        for (int64_t d = 0; d < dim; ++d) out_row[d] *= rescale;
+      }
     }
     accumulate_product(tiles.scores.data(), tiles.v.data(), rows, cols, dim,
                        tiles.out_acc.data());
@@ -90,13 +65,13 @@ void forward_query_block(const ForwardParams& p, const ScoreMod<Acc, BiasT>& mod
   T* out = static_cast<T*>(p.out) + p.out_strides.offset(b, i0, h);
   Acc* lse = static_cast<Acc*>(p.lse) + (b * p.num_heads + h) * p.seqlen_q + i0;
   for (int64_t r = 0; r < rows; ++r) {
-    const bool empty = tiles.row_max[r] == -std::numeric_limits<Acc>::infinity();
-    const Acc inv_sum = empty ? Acc(0) : Acc(1) / tiles.row_sum[r];
+    const OnlineSoftmaxRow<Acc>& stats = tiles.row_stats[r];
+    const bool empty = stats.empty();
+    const Acc inv_sum = empty ? Acc(0) : Acc(1) / stats.sum;
     T* out_row = out + r * p.out_strides.row_stride;
     const Acc* acc_row = tiles.out_acc.data() + r * dim;
     for (int64_t d = 0; d < dim; ++d) store_saturating(out_row + d, acc_row[d] * inv_sum);
-    lse[r] = empty ? -std::numeric_limits<Acc>::infinity()
-                   : tiles.row_max[r] + std::log(tiles.row_sum[r]);
+    lse[r] = empty ? -std::numeric_limits<Acc>::infinity() : stats.max + std::log(stats.sum);
   }
 }
 

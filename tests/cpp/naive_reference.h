@@ -100,7 +100,8 @@ inline RefResult naive_attention_reference(const RefProblem& pr) {
         r.lse[(b * H + h) * Sq + i] = lse;
         double score_err = 0;  // softmax-weighted score magnitude: how far lse can drift
         for (int64_t j = 0; j < Sk; ++j) {
-          p[j] = allowed[j] ? std::exp(s[j] - lse) : 0.0;
+          // Not exp(s - lse): with a huge |max| (a bias of finfo.min), lse rounds to max.
+          p[j] = allowed[j] ? std::exp(s[j] - row_max) / sum : 0.0;
           if (p[j] > 0) score_err += p[j] * s_mag[j];  // s_mag is inf at -inf biases
         }
         r.lse_mag[(b * H + h) * Sq + i] = 1 + std::fabs(lse) + score_err;

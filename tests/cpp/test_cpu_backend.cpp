@@ -225,7 +225,7 @@ TEST(CpuBackend, DeterministicAcrossThreadCounts) {
 }
 
 // A bf16 bias of finfo(bf16).min at allowed positions (whole rows of it, and mixed with
-// ordinary values) gives finite outputs and gradients.
+// ordinary values) gives finite outputs and gradients that match the reference.
 TEST(CpuBackend, LowestBFloat16BiasKeepsEverythingFinite) {
   for (double lowest_fraction : {1.0, 0.5}) {
     CaseConfig c;
@@ -236,11 +236,42 @@ TEST(CpuBackend, LowestBFloat16BiasKeepsEverythingFinite) {
     c.softcap = lowest_fraction == 1.0 ? 0.0 : 10.0;
     SCOPED_TRACE(describe(c));
     CaseTensors t = make_case_tensors(c);
-    run_case(c, t);
+    check_tensors_against_reference(c, t, ErrorScale::kTensorMax);
     for (const TestTensor* x : {&t.out, &t.lse, &t.dq, &t.dk, &t.dv, &t.dbias}) {
       for (int64_t e = 0; e < x->numel(); ++e) ASSERT_TRUE(std::isfinite(x->get(e))) << e;
     }
-    check_case_against_reference(c);
+  }
+}
+
+// A row whose every allowed key has bias finfo(bf16).min (a fully padded query row in HF
+// style): every score rounds to the same value, so the forward sees a uniform distribution,
+// and the backward must use the same P = 1/n. (Recomputing P as exp(s - lse) would give
+// P = 1: lse = s + log(n) rounds back to s.)
+TEST(CpuBackend, RowOfLowestBiasIsUniformInForwardAndBackward) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat64}) {
+    CaseConfig c;
+    c.dtype = dtype, c.bias_dtype = DType::kFloat32;
+    c.seqlen_q = 16, c.seqlen_k = 70, c.dim = 16;
+    c.bias_shape = std::vector<int64_t>{1, 1, 16, 70};
+    c.mask_shape = std::vector<int64_t>{16, 70};
+    c.mask_keep = 0.6;
+    SCOPED_TRACE(describe(c));
+    CaseTensors t = make_case_tensors(c);
+    const int64_t row = 4;
+    for (int64_t j = 0; j < c.seqlen_k; ++j) t.bias.set(row * c.seqlen_k + j, -0x1.FEp127);
+    check_tensors_against_reference(c, t, ErrorScale::kTensorMax);
+    // out of that row = mean of v over the allowed keys.
+    int64_t allowed = 0;
+    std::vector<double> mean(c.dim, 0.0);
+    for (int64_t j = 0; j < c.seqlen_k; ++j) {
+      if (t.mask.get(row * c.seqlen_k + j) == 0) continue;
+      ++allowed;
+      for (int64_t d = 0; d < c.dim; ++d) mean[d] += t.v.get(j * c.dim + d);
+    }
+    ASSERT_GT(allowed, 0);
+    for (int64_t d = 0; d < c.dim; ++d) {
+      EXPECT_NEAR(t.out.get(row * c.dim + d), mean[d] / allowed, 1e-2) << d;
+    }
   }
 }
 

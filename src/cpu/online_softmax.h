@@ -1,0 +1,44 @@
+// Running (online) softmax statistics of one query row, shared by the forward pass and the
+// backward's statistics pass.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace dmattn::cpu {
+
+template <typename Acc>
+struct OnlineSoftmaxRow {
+  static constexpr Acc kNegInf = -std::numeric_limits<Acc>::infinity();
+  Acc max = kNegInf;  // running max over allowed scores; -inf while none was seen
+  Acc sum = 0;        // sum of exp(score - max) over allowed scores
+
+  bool empty() const { return max == kNegInf; }
+
+  // Folds one block of scores (disallowed = -inf) into the statistics and turns the block into
+  // exp(score - new max) in place (0 where disallowed). Returns the factor by which anything
+  // accumulated with the old max must be rescaled: exp(old max - new max), 0 before the first
+  // allowed key, 1 if the max did not move. exp never sees -inf - (-inf).
+  Acc update(Acc* scores, int64_t cols) {
+    Acc block_max = kNegInf;
+    for (int64_t c = 0; c < cols; ++c) block_max = std::max(block_max, scores[c]);
+    const Acc new_max = std::max(max, block_max);
+    if (new_max == kNegInf) {  // nothing allowed so far
+      std::fill(scores, scores + cols, Acc(0));
+      return Acc(1);
+    }
+    Acc block_sum = 0;
+    for (int64_t c = 0; c < cols; ++c) {
+      scores[c] = std::exp(scores[c] - new_max);  // -inf -> 0, new_max is finite
+      block_sum += scores[c];
+    }
+    const Acc rescale = max == new_max ? Acc(1) : (empty() ? Acc(0) : std::exp(max - new_max));
+    sum = sum * rescale + block_sum;
+    max = new_max;
+    return rescale;
+  }
+};
+
+}  // namespace dmattn::cpu
