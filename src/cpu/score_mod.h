@@ -69,7 +69,7 @@ struct ScoreMod {
   // Turns one tile of raw dot products <q_i, k_j> (rows x cols at query i0, key j0, leading
   // dimension kBlockK) into final scores in place; disallowed positions become -inf.
   // softcap_grad (nullable, same layout) receives d(capped)/d(scaled score): 1 - tanh^2
-  // (= sech^2) where the score is allowed and softcap is on, 1 otherwise.
+  // where the score is allowed and softcap is on, 1 otherwise.
   void apply(int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
              Acc* tile, Acc* softcap_grad) const {
     constexpr Acc kNegInf = -std::numeric_limits<Acc>::infinity();
@@ -90,15 +90,12 @@ struct ScoreMod {
       if (softcap > 0) {
         const Acc inv_softcap = Acc(1) / softcap;
         for (int64_t c = allowed_begin; c < allowed_end; ++c) {
-          const Acc y = scale * s[c] * inv_softcap;
-          s[c] = softcap * std::tanh(y);
-          if (grad) {
-            // 1 - tanh(y)^2 as sech(y)^2: the subtraction loses all relative precision once
-            // tanh(y) rounds near +-1 (|y| > ~4 in fp32), where the derivative is small but
-            // still multiplies large dS values. Dividing twice avoids overflowing cosh^2.
-            const Acc cosh_y = std::cosh(y);
-            grad[c] = Acc(1) / cosh_y / cosh_y;
-          }
+          const Acc t = std::tanh(scale * s[c] * inv_softcap);
+          s[c] = softcap * t;
+          // 1 - tanh^2, as PyTorch's tanh backward and the GPU kernels compute it: its error
+          // is absolute (~1 ulp of 1), so where tanh saturates it is 0 rather than the tiny
+          // sech^2 -- matching every other implementation there.
+          if (grad) grad[c] = Acc(1) - t * t;
         }
       } else {
         for (int64_t c = allowed_begin; c < allowed_end; ++c) s[c] *= scale;

@@ -143,7 +143,10 @@ inline RefResult naive_attention_reference(const RefProblem& pr) {
             r.dbias[e] += ds;
             r.dbias_mag[e] += ds_mag;
           }
-          const double g = pr.scale * ds * cap_grad[j], g_mag = pr.scale * ds_mag * cap_grad[j];
+          // An implementation computing 1 - tanh^2 in its accumulator type has an absolute
+          // error of a few ulps of 1 in the derivative, hence the "+ 1" in its magnitude.
+          const double cap_grad_mag = pr.softcap > 0 ? cap_grad[j] + 1 : 1;
+          const double g = pr.scale * ds * cap_grad[j], g_mag = pr.scale * ds_mag * cap_grad_mag;
           const double* k = &pr.k[kj(b, j, hk)];
           double* dq = &r.dq[qi(b, i, h)];
           double* dq_mag = &r.dq_mag[qi(b, i, h)];
