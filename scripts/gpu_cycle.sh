@@ -9,9 +9,12 @@
 #
 # Usage on the device (repo root):  bash scripts/gpu_cycle.sh [steps...]
 #   steps: build test bench sanitize (default: build test bench)
-#   env:   OUT (default /tmp/dmattn-out), ARCHS (default 90a), PYTEST_ARGS, BENCH_ARGS
+#   env:   OUT (default /tmp/dmattn-out), ARCHS (default 90a), PYTEST_ARGS, BENCH_ARGS,
+#          CARRY_ROOT (folder holding .whl/ and .devcarry/, default the repo root; lets a copy of
+#          a work tree staged inside the checkout reuse the checkout's carried folders)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+CARRY_ROOT=$(realpath "${CARRY_ROOT:-.}")
 OUT=${OUT:-/tmp/dmattn-out}
 mkdir -p "$OUT"
 STEPS=${*:-build test bench}
@@ -28,10 +31,10 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 step "dependencies"
 SITE=/tmp/dmattn-site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target "$SITE" .whl/*.whl || exit 1
+  --target "$SITE" "$CARRY_ROOT"/.whl/*.whl || exit 1
 export PYTHONPATH="$PWD/python:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 CUTLASS_DIR=/tmp/dmattn-cutlass
-mkdir -p "$CUTLASS_DIR" && tar xzf .devcarry/cutlass_include.tgz -C "$CUTLASS_DIR" || exit 1
+mkdir -p "$CUTLASS_DIR" && tar xzf "$CARRY_ROOT"/.devcarry/cutlass_include.tgz -C "$CUTLASS_DIR" || exit 1
 
 if [[ " $STEPS " == *" build "* ]]; then
   step "build (archs $ARCHS)"

@@ -7,7 +7,6 @@ Python values); shapes, dtypes, devices and strides are checked once, in C++
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Optional, Sequence, Tuple, Union
 
@@ -40,6 +39,12 @@ def _parse_window(window) -> Tuple[int, int]:
     if left < -1 or right < -1:
         raise ValueError(f"window: expected values >= -1 (-1 = unbounded), got {(left, right)}")
     return left, right
+
+
+def _is_finite(x: float) -> bool:
+    # Plain arithmetic instead of math.isfinite: torch.compile (dynamo) refuses to trace
+    # math.isfinite on a Python float, but folds comparisons. x - x is NaN for +-inf and NaN.
+    return x - x == 0
 
 
 def _parse_float(x, name: str, allow_none: bool) -> Optional[float]:
@@ -85,10 +90,10 @@ def attention(
     _require_tensor(bias, "bias", optional=True)
     left, right = _parse_window(window)
     scale = _parse_float(scale, "scale", allow_none=True)
-    if scale is not None and not (math.isfinite(scale) and scale > 0):
+    if scale is not None and not (_is_finite(scale) and scale > 0):
         raise ValueError(f"scale: expected a finite positive float or None, got {scale}")
     softcap = _parse_float(softcap, "softcap", allow_none=False)
-    if not (math.isfinite(softcap) and softcap >= 0):
+    if not (_is_finite(softcap) and softcap >= 0):
         raise ValueError(f"softcap: expected a finite float >= 0 (0 = off), got {softcap}")
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     out, lse = attention_forward(q, k, v, mask, bias, bool(causal), left, right, scale,

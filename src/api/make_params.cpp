@@ -44,13 +44,15 @@ void check_shape(const TensorDesc& t, const std::vector<int64_t>& expected, cons
 
 // The last dimension must be contiguous so rows can be loaded as vectors.
 void check_last_dim_contiguous(const TensorDesc& t, const char* name) {
-  if (t.rank() == 0 || t.shape.back() <= 1) return;
+  // An empty tensor has no element whose address a stride could change.
+  if (t.rank() == 0 || t.shape.back() <= 1 || t.numel() == 0) return;
   check(t.strides.back() == 1, ErrorKind::kValue, name,
         ": expected a contiguous last dimension (stride 1), got stride ", t.strides.back(),
         "; call .contiguous() first");
 }
 
 void check_contiguous(const TensorDesc& t, const char* name) {
+  if (t.numel() == 0) return;  // torch gives empty tensors arbitrary strides
   int64_t expected = 1;
   for (int64_t d = t.rank() - 1; d >= 0; --d) {
     if (t.shape[d] != 1) {
