@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -86,6 +87,7 @@ def cpu_configs(quick: bool) -> List[Config]:
 
 
 def gpu_configs(quick: bool) -> List[Config]:
+    """The configurations of ../shared/baselines/h100-2026-11-22.md (bf16, D=128, H=16)."""
     rows = []
     for s, b in ((2048, 8), (8192, 2)):
         for causal in (False, True):
@@ -96,6 +98,13 @@ def gpu_configs(quick: bool) -> List[Config]:
                                causal, bias="dense"))
             rows.append(Config(f"per-key bias top-2048 S={s}{' causal' if causal else ''}", 2, s, 16,
                                128, causal, bias="per_key", keep=2048))
+    for causal in (False, True):
+        rows.append(Config(f"GQA 32/8 bias (B,H,S,S) S=8192 B=1{' causal' if causal else ''}", 1, 8192,
+                           32, 128, causal, bias="dense", heads_kv=8))
+    # Scaling with S at a fixed kept-key count (B=1): work should follow `keep`, not S.
+    for s in (4096, 8192, 16384, 32768):
+        rows.append(Config(f"scaling per-key top-2048 S={s} B=1 causal", 1, s, 16, 128, True,
+                           bias="per_key", keep=2048))
     return rows[:3] if quick else rows
 
 
@@ -168,6 +177,9 @@ def _sdpa_backend(backend_name: str):
         backend = getattr(SDPBackend, backend_name)
         if x.bias is not None and backend_name != "EFFICIENT_ATTENTION":
             return None
+        b, s, h, _ = x.q.shape
+        if x.bias is not None and b * h * s * s * x.q.element_size() > _MAX_FLOAT_MASK_BYTES:
+            return None
         inner = _sdpa_float_mask(x, cfg.causal) if x.bias is not None else None
 
         def run():
@@ -218,6 +230,23 @@ def _flex(cfg: Config, x: Inputs):
     return run
 
 
+def _flash_dmattn(cfg: Config, x: Inputs):
+    """flash-dmattn's CUDA function, when that package is importable (it is not on PyPI wheels
+    for every torch; ../shared/baselines holds its figures measured on the same GPU)."""
+    try:
+        from flash_dmattn import flash_dmattn_func as peer  # type: ignore
+    except Exception:
+        return None
+    b, s, h, d = x.q.shape
+    mask = x.mask
+    if cfg.causal is False and mask is None and x.bias is None:
+        return lambda: peer(x.q, x.k, x.v)
+    return lambda: peer(x.q, x.k, x.v, attn_mask=mask, attn_bias=x.bias, is_causal=cfg.causal)
+
+
+_MAX_FLOAT_MASK_BYTES = 24 * 2**30  # SDPA's only bias path materializes (B, H, S, S)
+
+
 def providers_for(device: str) -> Dict[str, Callable]:
     if device == "cpu":
         return {"dmattn": _dmattn, "sdpa (cpu, float mask)": lambda c, x: _sdpa_float_mask(x, c.causal)}
@@ -228,6 +257,7 @@ def providers_for(device: str) -> Dict[str, Callable]:
     table["sdpa cudnn"] = _sdpa_backend("CUDNN_ATTENTION")
     table["sdpa mem-efficient"] = _sdpa_backend("EFFICIENT_ATTENTION")
     table["flex (compiled)"] = _flex
+    table["flash-dmattn"] = _flash_dmattn
     return table
 
 
@@ -299,10 +329,10 @@ def _check(cfg: Config, x: Inputs, out: torch.Tensor, grads, peer_grads) -> str:
     got = out.detach()[:, rows].double().cpu()
     err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
     tol = 1e-4 if cfg.dtype == "float32" else 2e-2
-    finite = all(torch.isfinite(g).all().item() for g in grads) and torch.isfinite(out).all().item()
+    finite = all(torch.isfinite(g).all().item() for g in (grads or [])) and torch.isfinite(out).all().item()
     msg = f"out err {err:.1e}"
     ok = finite and err <= tol
-    if peer_grads is not None:
+    if peer_grads is not None and grads is not None:
         worst = 0.0
         for g, pg in zip(grads, peer_grads):
             denom = max(pg.abs().max().item(), 1e-6)
@@ -312,13 +342,16 @@ def _check(cfg: Config, x: Inputs, out: torch.Tensor, grads, peer_grads) -> str:
     return ("ok: " if ok else "FAIL: ") + msg + ("" if finite else ", NON-FINITE")
 
 
-def run_config(cfg: Config, device: str, warmup: int, iters: int) -> List[Row]:
+def run_config(cfg: Config, device: str, warmup: int, iters: int, providers: Optional[str] = None,
+               fwd_only: bool = False) -> List[Row]:
     x = make_inputs(cfg, device)
     rows: List[Row] = []
     dm_grads = None
     peer_grads = None
     dm_row = None
     for name, provider in providers_for(device).items():
+        if providers and name != "dmattn" and not re.search(providers, name):
+            continue
         row = Row(cfg.name, name)
         try:
             run = provider(cfg, x)
@@ -328,12 +361,18 @@ def run_config(cfg: Config, device: str, warmup: int, iters: int) -> List[Row]:
                 continue
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            row.fwd_ms = _time_ms(lambda: run(), device, warmup, iters)
+            with torch.no_grad():
+                row.fwd_ms = _time_ms(lambda: run(), device, warmup, iters)
+            row.fwd_tflops = cfg.flops(False) / (row.fwd_ms * 1e-3) / 1e12
+            if fwd_only:
+                if name == "dmattn":
+                    dm_row = (row, run)
+                rows.append(row)
+                continue
             step = _fwd_bwd(run, x)
             row.fwdbwd_ms = _time_ms(step, device, warmup, iters)
             if device == "cuda":
                 row.peak_mem_gib = torch.cuda.max_memory_allocated() / 2**30
-            row.fwd_tflops = cfg.flops(False) / (row.fwd_ms * 1e-3) / 1e12
             row.fwdbwd_tflops = cfg.flops(True) / (row.fwdbwd_ms * 1e-3) / 1e12
             if name == "dmattn":
                 dm_grads = step()
@@ -341,7 +380,9 @@ def run_config(cfg: Config, device: str, warmup: int, iters: int) -> List[Row]:
             elif peer_grads is None:
                 peer_grads = step()
         except Exception as e:  # a peer that fails is reported, not fatal
-            row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+            row.note = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:80]}"
+            if name == "dmattn" and row.fwd_ms == row.fwd_ms:
+                dm_row = (row, run)  # the forward ran: still check it
         rows.append(row)
     if dm_row is not None:
         row, run = dm_row
@@ -373,6 +414,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--json", help="write the rows to this JSON file")
+    ap.add_argument("--filter", help="only configurations whose name contains this regex")
+    ap.add_argument("--providers", help="only providers whose name contains this regex")
+    ap.add_argument("--fwd-only", action="store_true", help="time the forward pass only")
     args = ap.parse_args(argv)
     device = args.device
     if device == "auto":
@@ -382,13 +426,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     warmup = args.warmup if args.warmup is not None else (3 if device == "cuda" else 1)
     iters = args.iters if args.iters is not None else (10 if device == "cuda" else 3)
     configs = gpu_configs(args.quick) if device == "cuda" else cpu_configs(args.quick)
+    if args.filter:
+        configs = [c for c in configs if re.search(args.filter, c.name)]
     device_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     if device == "cuda" and not cuda_available():
         print("note: this dmattn build has no CUDA backend; showing the peers only", file=sys.stderr)
     rows: List[Row] = []
     for cfg in configs:
         print(f"running: {cfg.name}", file=sys.stderr, flush=True)
-        rows.extend(run_config(cfg, device, warmup, iters))
+        rows.extend(run_config(cfg, device, warmup, iters, args.providers, args.fwd_only))
     print_table(rows, device_name)
     if args.json:
         with open(args.json, "w") as f:
