@@ -38,7 +38,44 @@ BackwardParams make_backward_params(const TensorDesc& q, const TensorDesc& k, co
                                     const TensorDesc* dq_accum, const TensorDesc* dbias_accum,
                                     const AttentionOptions& options);
 
+// ---- Packed variable-length batches (docs/semantics.md, "Packed variable-length batches").
+
+// How a varlen batch is packed: int32 cu_seqlens of length B + 1 (0, then running totals) and
+// upper bounds of the per-sequence lengths.
+struct VarlenPacking {
+  TensorDesc cu_seqlens_q, cu_seqlens_k;
+  int64_t max_seqlen_q = 0, max_seqlen_k = 0;
+};
+
+// Checks the *values* of host-resident cu_seqlens: first entry 0, non-decreasing, last entry
+// total_q / total_k, every length <= its max_seqlen. make_varlen_forward_params calls it for
+// CPU tensors; for CUDA tensors the caller copies cu_seqlens to the host and calls it itself
+// (the Python ops do), because the core never synchronizes with the device.
+void check_cu_seqlens_values(const VarlenPacking& packing, int64_t total_q, int64_t total_k);
+
+// Varlen counterpart of make_forward_params: q (total_q, H, D); k, v (total_k, Hkv, D); out
+// like q; lse (H, total_q) float32 (float64 for float64 inputs); mask/bias null or key-side
+// (Hb, total_k) with Hb in {1, Hkv, H}. Every dtype/device/stride/option rule of the dense
+// path applies unchanged.
+ForwardParams make_varlen_forward_params(const TensorDesc& q, const TensorDesc& k,
+                                         const TensorDesc& v, const VarlenPacking& packing,
+                                         const TensorDesc& out, const TensorDesc& lse,
+                                         const TensorDesc* mask, const TensorDesc* bias,
+                                         const AttentionOptions& options);
+
+// Varlen counterpart of make_backward_params: dout/dq like q, dk/dv like k, dbias like bias;
+// optional CUDA scratch softmax_delta (H, total_q), dq_accum (total_q, H, D), dbias_accum with
+// the bias's Hb * total_k elements, all float32.
+BackwardParams make_varlen_backward_params(
+    const TensorDesc& q, const TensorDesc& k, const TensorDesc& v, const VarlenPacking& packing,
+    const TensorDesc& out, const TensorDesc& lse, const TensorDesc* mask, const TensorDesc* bias,
+    const TensorDesc& dout, const TensorDesc& dq, const TensorDesc& dk, const TensorDesc& dv,
+    const TensorDesc* dbias, const TensorDesc* softmax_delta, const TensorDesc* dq_accum,
+    const TensorDesc* dbias_accum, const AttentionOptions& options);
+
 // Run on params.device. CPU always available; CUDA when built with it (otherwise an Error).
+// Varlen params (params.is_varlen()) run on the CPU; on CUDA they raise kNotImplemented until
+// the varlen kernels exist.
 void run_forward(const ForwardParams& params);
 void run_backward(const BackwardParams& params);
 

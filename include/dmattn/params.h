@@ -4,6 +4,9 @@
 // after validation; every backend reads only these. Pointers are raw device (or host)
 // pointers, strides are in elements (int64), a broadcast dimension has stride 0, and a
 // null pointer switches a feature off (no mask, no bias, no dbias).
+//
+// Packed variable-length batches (FlashAttention's "varlen" layout) use the same structs: a
+// non-null cu_seqlens_q switches ForwardParams to varlen mode; see the comment there.
 #pragma once
 
 #include <cstdint>
@@ -53,7 +56,11 @@ struct ForwardParams {
   const void* v = nullptr;  SeqTensor v_strides;
   void* out = nullptr;      SeqTensor out_strides;
   // (B, H, Sq), contiguous. float32, or float64 when dtype is float64. Empty rows get -inf.
+  // Varlen: (H, total_q), contiguous. Row i of sequence b, head h lives at
+  //   lse[b * lse_batch_stride + h * lse_head_stride + (varlen ? cu_seqlens_q[b] : 0) + i]
+  // dense: lse_batch_stride = H * Sq, lse_head_stride = Sq; varlen: 0 and total_q.
   void* lse = nullptr;
+  int64_t lse_batch_stride = 0, lse_head_stride = 0;
 
   BroadcastOperand mask;  // dtype kBool: true = may attend
   BroadcastOperand bias;  // dtype == dtype or kFloat32: added to the (scaled, capped) scores
@@ -67,6 +74,23 @@ struct ForwardParams {
   //   (window_right < 0 || j <= i + seqlen_k - seqlen_q + window_right)
   int64_t window_left = -1, window_right = -1;
 
+  // ---- Packed variable-length batch (FlashAttention varlen); cu_seqlens_q == null = dense.
+  // q, out (total_q, H, D) and k, v (total_k, Hkv, D) are SeqTensors with batch_stride 0:
+  // sequence b holds query rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and key rows
+  // [cu_seqlens_k[b], cu_seqlens_k[b + 1]), so its row i is at offset(0, cu_seqlens_q[b] + i, h).
+  // `batch` is the number of sequences, seqlen_q / seqlen_k are max_seqlen_q / max_seqlen_k
+  // (upper bounds of every sequence's length, for sizing grids). Causal and window are
+  // bottom-right aligned per sequence (offset = its own len_k - len_q).
+  // mask / bias are key-side, (Hb, total_k) with Hb in {1, Hkv, H}: size_b = size_q = 1,
+  // stride_b = stride_q = 0, size_k = total_k, and element (b, h, i, j) lives at
+  // ptr[(h / head_div) * stride_h + (cu_seqlens_k[b] + j) * stride_k] (shared by all queries).
+  // The cu_seqlens arrays are int32, (batch + 1,), contiguous, on `device` (host pointers on
+  // CPU, device pointers on CUDA); make_varlen_*_params checked their values when on the host.
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+  int64_t total_q = 0, total_k = 0;
+
+  bool is_varlen() const { return cu_seqlens_q != nullptr; }
   int64_t group_size() const { return num_heads_kv > 0 ? num_heads / num_heads_kv : 1; }
 };
 
@@ -78,13 +102,17 @@ struct BackwardParams {
   void* dk = nullptr;          SeqTensor dk_strides;  // (B, Sk, Hkv, D): summed over each GQA group
   void* dv = nullptr;          SeqTensor dv_strides;
 
-  // Same dtype, sizes and broadcast structure as fwd.bias, its own strides. Null = bias
+  // Same dtype, sizes and broadcast structure as fwd.bias, its own strides (varlen: (Hb,
+  // total_k), sequence b's keys at (cu_seqlens_k[b] + j) * dbias_stride_k). Null = bias
   // does not require grad. Every element is written (sums over broadcast dims, 0 where
   // nothing is allowed).
   void* dbias = nullptr;
   int64_t dbias_stride_b = 0, dbias_stride_h = 0, dbias_stride_q = 0, dbias_stride_k = 0;
 
   // Optional scratch provided by the caller (CUDA backend): null on CPU, which keeps its own.
+  // Varlen: softmax_delta is (H, total_q) and dq_accum (total_q, H, D), laid out like lse and
+  // q; they have no padding rows, so a kernel must predicate its reads and writes to the rows
+  // of the sequence it works on (never touch rows of a neighbouring sequence).
   void* softmax_delta = nullptr;  // (B, H, Sq) float32: rowsum(dO * O)
   void* dq_accum = nullptr;       // (B, Sq, H, D) float32, contiguous: accumulator for dq
   // (size_b, size_h, size_q, size_k) float32, contiguous: accumulator for a dbias that is

@@ -21,10 +21,22 @@ namespace {
        "q: got a CUDA tensor, but this build of dmattn has no CUDA backend (it was built without "
        "nvcc or with DMATTN_BUILD_CUDA=OFF); rebuild with CUDA or move the tensors to the CPU");
 }
+
+// The one place that keeps varlen params away from the CUDA kernels, which do not read
+// cu_seqlens yet (they would treat the packed batch as a dense one).
+void reject_cuda_varlen(const ForwardParams& params) {
+  check(!params.is_varlen(), ErrorKind::kNotImplemented,
+        "cu_seqlens_q: packed variable-length batches (attention_varlen) are not implemented "
+        "on CUDA yet (the varlen kernels are pending); run them on the CPU, or call "
+        "dmattn.attention per sequence");
+}
 }  // namespace
 
 void run_forward(const ForwardParams& params) {
-  if (params.device == DeviceKind::kCPU) return cpu::forward(params);
+  if (params.device == DeviceKind::kCPU) {
+    return params.is_varlen() ? cpu::forward_varlen(params) : cpu::forward(params);
+  }
+  reject_cuda_varlen(params);
 #ifdef DMATTN_WITH_CUDA
   return cuda::forward(params);
 #else
@@ -33,7 +45,10 @@ void run_forward(const ForwardParams& params) {
 }
 
 void run_backward(const BackwardParams& params) {
-  if (params.fwd.device == DeviceKind::kCPU) return cpu::backward(params);
+  if (params.fwd.device == DeviceKind::kCPU) {
+    return params.fwd.is_varlen() ? cpu::backward_varlen(params) : cpu::backward(params);
+  }
+  reject_cuda_varlen(params.fwd);
 #ifdef DMATTN_WITH_CUDA
   return cuda::backward(params);
 #else

@@ -4,64 +4,19 @@
 #include <cmath>
 #include <string>
 
+#include "api/tensor_checks.h"
 #include "dmattn/api.h"
 
 namespace dmattn {
 namespace {
+
+using namespace checks;  // NOLINT: the shared argument checks
 
 constexpr int64_t kMaxHeadDim = 256;
 
 bool is_float_dtype(DType d) {
   return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16 ||
          d == DType::kFloat64;
-}
-
-// The dtype lse (and the CPU backend's accumulator) uses for inputs of dtype `d`.
-DType stat_dtype(DType d) { return d == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32; }
-
-void check_same_device(const TensorDesc& ref, const TensorDesc& t, const char* name) {
-  check(t.device == ref.device && t.device_id == ref.device_id, ErrorKind::kValue, name,
-        ": expected a tensor on the same device as q (", device_name(ref.device), ":",
-        ref.device_id, "), got ", device_name(t.device), ":", t.device_id);
-}
-
-void check_rank(const TensorDesc& t, int64_t rank, const char* name, const char* layout) {
-  check(t.rank() == rank, ErrorKind::kValue, name, ": expected a ", rank, "-D tensor ", layout,
-        ", got shape ", t.shape_str());
-}
-
-void check_dtype(const TensorDesc& t, DType expected, const char* name) {
-  check(t.dtype == expected, ErrorKind::kType, name, ": expected dtype ", dtype_name(expected),
-        ", got ", dtype_name(t.dtype));
-}
-
-void check_shape(const TensorDesc& t, const std::vector<int64_t>& expected, const char* name) {
-  TensorDesc want;
-  want.shape = expected;
-  check(t.shape == expected, ErrorKind::kValue, name, ": expected shape ", want.shape_str(),
-        ", got ", t.shape_str());
-}
-
-// The last dimension must be contiguous so rows can be loaded as vectors.
-void check_last_dim_contiguous(const TensorDesc& t, const char* name) {
-  // An empty tensor has no element whose address a stride could change.
-  if (t.rank() == 0 || t.shape.back() <= 1 || t.numel() == 0) return;
-  check(t.strides.back() == 1, ErrorKind::kValue, name,
-        ": expected a contiguous last dimension (stride 1), got stride ", t.strides.back(),
-        "; call .contiguous() first");
-}
-
-void check_contiguous(const TensorDesc& t, const char* name) {
-  if (t.numel() == 0) return;  // torch gives empty tensors arbitrary strides
-  int64_t expected = 1;
-  for (int64_t d = t.rank() - 1; d >= 0; --d) {
-    if (t.shape[d] != 1) {
-      check(t.strides[d] == expected, ErrorKind::kValue, name,
-            ": expected a contiguous tensor, got strides that are not row-major for shape ",
-            t.shape_str());
-    }
-    expected *= t.shape[d];
-  }
 }
 
 SeqTensor seq_strides(const TensorDesc& t) { return {t.strides[0], t.strides[1], t.strides[2]}; }
@@ -197,6 +152,7 @@ ForwardParams make_forward_params(const TensorDesc& q, const TensorDesc& k, cons
   p.v = v.data, p.v_strides = seq_strides(v);
   p.out = out.data, p.out_strides = seq_strides(out);
   p.lse = lse.data;
+  p.lse_batch_stride = heads * seqlen_q, p.lse_head_stride = seqlen_q;
 
   const ProblemSize n{batch, seqlen_q, seqlen_k, heads, heads_kv};
   if (mask != nullptr) {

@@ -129,10 +129,75 @@ void backward(TensorView q, TensorView k, TensorView v, TensorView out, TensorVi
   });
 }
 
+// ---- Packed variable-length batches: q (total_q, H, D), k/v (total_k, Hkv, D), lse
+// (H, total_q), int32 cu_seqlens of length B + 1, key-side mask/bias (Hb, total_k).
+
+dmattn::VarlenPacking make_packing(const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k,
+                                   int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  dmattn::VarlenPacking packing;
+  packing.cu_seqlens_q = to_desc(cu_seqlens_q);
+  packing.cu_seqlens_k = to_desc(cu_seqlens_k);
+  packing.max_seqlen_q = max_seqlen_q;
+  packing.max_seqlen_k = max_seqlen_k;
+  return packing;
+}
+
+void forward_varlen(TensorView q, TensorView k, TensorView v, TensorView cu_seqlens_q,
+                    TensorView cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                    TensorView out, TensorView lse, Optional<TensorView> mask,
+                    Optional<TensorView> bias, bool causal, int64_t window_left,
+                    int64_t window_right, double scale, double softcap) {
+  translate_errors([&] {
+    const OptionalDesc mask_d(mask), bias_d(bias);
+    dmattn::ForwardParams p = dmattn::make_varlen_forward_params(
+        to_desc(q), to_desc(k), to_desc(v),
+        make_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), to_desc(out),
+        to_desc(lse), mask_d.get(), bias_d.get(),
+        make_options(causal, window_left, window_right, scale, softcap, false));
+    p.stream = current_stream(p);
+    dmattn::run_forward(p);
+  });
+}
+
+void backward_varlen(TensorView q, TensorView k, TensorView v, TensorView cu_seqlens_q,
+                     TensorView cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                     TensorView out, TensorView lse, Optional<TensorView> mask,
+                     Optional<TensorView> bias, TensorView dout, TensorView dq, TensorView dk,
+                     TensorView dv, Optional<TensorView> dbias, Optional<TensorView> softmax_delta,
+                     Optional<TensorView> dq_accum, Optional<TensorView> dbias_accum, bool causal,
+                     int64_t window_left, int64_t window_right, double scale, double softcap,
+                     bool deterministic) {
+  translate_errors([&] {
+    const OptionalDesc mask_d(mask), bias_d(bias), dbias_d(dbias), delta_d(softmax_delta),
+        dq_accum_d(dq_accum), dbias_accum_d(dbias_accum);
+    dmattn::BackwardParams p = dmattn::make_varlen_backward_params(
+        to_desc(q), to_desc(k), to_desc(v),
+        make_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), to_desc(out),
+        to_desc(lse), mask_d.get(), bias_d.get(), to_desc(dout), to_desc(dq), to_desc(dk),
+        to_desc(dv), dbias_d.get(), delta_d.get(), dq_accum_d.get(), dbias_accum_d.get(),
+        make_options(causal, window_left, window_right, scale, softcap, deterministic));
+    p.fwd.stream = current_stream(p.fwd);
+    dmattn::run_backward(p);
+  });
+}
+
+// The value checks of host copies of cu_seqlens (the Python ops call it for CUDA tensors,
+// whose values the core cannot read without a device synchronization).
+void check_cu_seqlens(TensorView cu_seqlens_q, TensorView cu_seqlens_k, int64_t max_seqlen_q,
+                      int64_t max_seqlen_k, int64_t total_q, int64_t total_k) {
+  translate_errors([&] {
+    dmattn::check_cu_seqlens_values(
+        make_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), total_q, total_k);
+  });
+}
+
 bool cuda_available() { return dmattn::cuda_available(); }
 
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward, forward);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(backward, backward);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward_varlen, forward_varlen);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(backward_varlen, backward_varlen);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(check_cu_seqlens, check_cu_seqlens);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(cuda_available, cuda_available);

@@ -15,4 +15,9 @@ void forward(const ForwardParams& p);
 // identical for any thread count (p.deterministic is therefore not needed here).
 void backward(const BackwardParams& p);
 
+// Packed variable-length batches (p.fwd.is_varlen()): the same, sequence by sequence
+// (cpu_varlen.cpp).
+void forward_varlen(const ForwardParams& p);
+void backward_varlen(const BackwardParams& p);
+
 }  // namespace dmattn::cpu

@@ -63,7 +63,7 @@ void forward_query_block(const ForwardParams& p, const ScoreMod<Acc, BiasT>& mod
 
   // Normalize and write. An empty row (m = -inf, l = 0) gets out = 0 and lse = -inf.
   T* out = static_cast<T*>(p.out) + p.out_strides.offset(b, i0, h);
-  Acc* lse = static_cast<Acc*>(p.lse) + (b * p.num_heads + h) * p.seqlen_q + i0;
+  Acc* lse = static_cast<Acc*>(p.lse) + b * p.lse_batch_stride + h * p.lse_head_stride + i0;
   for (int64_t r = 0; r < rows; ++r) {
     const OnlineSoftmaxRow<Acc>& stats = tiles.row_stats[r];
     const bool empty = stats.empty();

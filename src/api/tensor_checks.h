@@ -1,0 +1,60 @@
+// Argument checks shared by the dense and varlen validation (make_params.cpp,
+// make_varlen_params.cpp). Each throws dmattn::Error naming the argument.
+#pragma once
+
+#include <vector>
+
+#include "dmattn/error.h"
+#include "dmattn/types.h"
+
+namespace dmattn::checks {
+
+// The dtype lse (and the CPU backend's accumulator) uses for inputs of dtype `d`.
+inline DType stat_dtype(DType d) { return d == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32; }
+
+inline void check_same_device(const TensorDesc& ref, const TensorDesc& t, const char* name) {
+  check(t.device == ref.device && t.device_id == ref.device_id, ErrorKind::kValue, name,
+        ": expected a tensor on the same device as q (", device_name(ref.device), ":",
+        ref.device_id, "), got ", device_name(t.device), ":", t.device_id);
+}
+
+inline void check_rank(const TensorDesc& t, int64_t rank, const char* name, const char* layout) {
+  check(t.rank() == rank, ErrorKind::kValue, name, ": expected a ", rank, "-D tensor ", layout,
+        ", got shape ", t.shape_str());
+}
+
+inline void check_dtype(const TensorDesc& t, DType expected, const char* name) {
+  check(t.dtype == expected, ErrorKind::kType, name, ": expected dtype ", dtype_name(expected),
+        ", got ", dtype_name(t.dtype));
+}
+
+inline void check_shape(const TensorDesc& t, const std::vector<int64_t>& expected, const char* name) {
+  TensorDesc want;
+  want.shape = expected;
+  check(t.shape == expected, ErrorKind::kValue, name, ": expected shape ", want.shape_str(),
+        ", got ", t.shape_str());
+}
+
+// The last dimension must be contiguous so rows can be loaded as vectors.
+inline void check_last_dim_contiguous(const TensorDesc& t, const char* name) {
+  // An empty tensor has no element whose address a stride could change.
+  if (t.rank() == 0 || t.shape.back() <= 1 || t.numel() == 0) return;
+  check(t.strides.back() == 1, ErrorKind::kValue, name,
+        ": expected a contiguous last dimension (stride 1), got stride ", t.strides.back(),
+        "; call .contiguous() first");
+}
+
+inline void check_contiguous(const TensorDesc& t, const char* name) {
+  if (t.numel() == 0) return;  // torch gives empty tensors arbitrary strides
+  int64_t expected = 1;
+  for (int64_t d = t.rank() - 1; d >= 0; --d) {
+    if (t.shape[d] != 1) {
+      check(t.strides[d] == expected, ErrorKind::kValue, name,
+            ": expected a contiguous tensor, got strides that are not row-major for shape ",
+            t.shape_str());
+    }
+    expected *= t.shape[d];
+  }
+}
+
+}  // namespace dmattn::checks
