@@ -2,13 +2,15 @@
 
     import dmattn
     out = dmattn.attention(q, k, v, mask=mask, bias=bias, causal=True)
+    out = dmattn.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, mask=key_mask, bias=key_bias, causal=True)
 
 See README.md and docs/semantics.md.
 """
 
 from ._lib import cuda_available
-from .interface import attention, flash_dmattn_func
+from .interface import attention, attention_varlen, flash_dmattn_func
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "flash_dmattn_func", "cuda_available", "__version__"]
+__all__ = ["attention", "attention_varlen", "flash_dmattn_func", "cuda_available", "__version__"]

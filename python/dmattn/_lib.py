@@ -20,6 +20,10 @@ def lib():
     """The native module; its functions are forward, backward and cuda_available."""
     import tvm_ffi
 
+    # The core raises these kinds by name (dmattn::Error::python_kind); tvm-ffi knows the
+    # others (ValueError, TypeError, RuntimeError) already.
+    tvm_ffi.register_error("NotImplementedError", NotImplementedError)
+
     tried = []
     for path in _candidates():
         tried.append(str(path))

@@ -13,9 +13,9 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from .ops import attention_forward
+from .ops import attention_forward, attention_varlen_forward
 
-__all__ = ["attention", "flash_dmattn_func"]
+__all__ = ["attention", "attention_varlen", "flash_dmattn_func"]
 
 
 def _require_tensor(x, name: str, optional: bool = False) -> None:
@@ -55,6 +55,26 @@ def _parse_float(x, name: str, allow_none: bool) -> Optional[float]:
     return float(x)
 
 
+def _parse_options(window, scale, softcap) -> Tuple[int, int, Optional[float], float]:
+    """(left, right, scale, softcap), checked; shared by attention and attention_varlen."""
+    left, right = _parse_window(window)
+    scale = _parse_float(scale, "scale", allow_none=True)
+    if scale is not None and not (_is_finite(scale) and scale > 0):
+        raise ValueError(f"scale: expected a finite positive float or None, got {scale}")
+    softcap = _parse_float(softcap, "softcap", allow_none=False)
+    if not (_is_finite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap: expected a finite float >= 0 (0 = off), got {softcap}")
+    return left, right, scale, softcap
+
+
+def _parse_int(x, name: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, (numbers.Integral, torch.SymInt)):
+        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
+    if x < 0:
+        raise ValueError(f"{name}: expected an int >= 0, got {x}")
+    return int(x)
+
+
 def attention(
     q: Tensor,
     k: Tensor,
@@ -88,16 +108,59 @@ def attention(
     _require_tensor(v, "v")
     _require_tensor(mask, "mask", optional=True)
     _require_tensor(bias, "bias", optional=True)
-    left, right = _parse_window(window)
-    scale = _parse_float(scale, "scale", allow_none=True)
-    if scale is not None and not (_is_finite(scale) and scale > 0):
-        raise ValueError(f"scale: expected a finite positive float or None, got {scale}")
-    softcap = _parse_float(softcap, "softcap", allow_none=False)
-    if not (_is_finite(softcap) and softcap >= 0):
-        raise ValueError(f"softcap: expected a finite float >= 0 (0 = off), got {softcap}")
+    left, right, scale, softcap = _parse_options(window, scale, softcap)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     out, lse = attention_forward(q, k, v, mask, bias, bool(causal), left, right, scale,
                                  softcap, bool(deterministic))
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    mask: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    *,
+    causal: bool = False,
+    window: Tuple[int, int] = (-1, -1),
+    scale: Optional[float] = None,
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    return_lse: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Attention over a packed batch of variable-length sequences (FlashAttention's varlen).
+
+    q: (total_q, H, D); k, v: (total_k, Hkv, D). cu_seqlens_q / cu_seqlens_k: int32 of length
+    B + 1, starting at 0, non-decreasing, ending at total_q / total_k: sequence b holds query
+    rows cu_seqlens_q[b]:cu_seqlens_q[b+1] and key rows cu_seqlens_k[b]:cu_seqlens_k[b+1].
+    max_seqlen_q / max_seqlen_k: ints >= every sequence's length. Lengths may be 0.
+    mask (bool) / bias: key-side, (Hb, total_k) with Hb in {1, Hkv, H}, shared by all the
+    queries of each sequence (a padding mask, a per-key learnable bias); dbias has that shape.
+    causal / window: bottom-right aligned per sequence. Other arguments as in `attention`.
+    Returns out (total_q, H, D), plus lse (H, total_q) when return_lse. See docs/semantics.md.
+    """
+    for x, name in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"),
+                    (cu_seqlens_k, "cu_seqlens_k")):
+        _require_tensor(x, name)
+    _require_tensor(mask, "mask", optional=True)
+    _require_tensor(bias, "bias", optional=True)
+    for cu, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
+        # Checked natively too; here the message can name torch's dtype (often int64, from
+        # cumsum), which the native side does not represent.
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name}: expected dtype int32, got {cu.dtype}; use .to(torch.int32)")
+    max_seqlen_q = _parse_int(max_seqlen_q, "max_seqlen_q")
+    max_seqlen_k = _parse_int(max_seqlen_k, "max_seqlen_k")
+    left, right, scale, softcap = _parse_options(window, scale, softcap)
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    out, lse = attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                        max_seqlen_k, mask, bias, bool(causal), left, right,
+                                        scale, softcap, bool(deterministic))
     return (out, lse) if return_lse else out
 
 

@@ -1,4 +1,5 @@
-"""PyTorch custom ops over the native library: dmattn::fwd and dmattn::bwd.
+"""PyTorch custom ops over the native library: dmattn::fwd and dmattn::bwd, and their packed
+variable-length counterparts dmattn::fwd_varlen and dmattn::bwd_varlen.
 
 Both ops allocate their outputs (and the CUDA backend's scratch) with torch, so memory comes
 from PyTorch's caching allocator and the ops can be captured in CUDA graphs; the native
@@ -19,16 +20,17 @@ from torch import Tensor
 
 from ._lib import lib
 
-__all__ = ["attention_forward", "attention_backward"]
+__all__ = ["attention_forward", "attention_backward", "attention_varlen_forward",
+           "attention_varlen_backward"]
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _check_rank(t: Tensor, name: str, layout: str) -> None:
-    if t.dim() != 4:
-        raise ValueError(f"{name}: expected a 4-D tensor {layout}, got shape {tuple(t.shape)}")
+def _check_rank(t: Tensor, name: str, layout: str, rank: int = 4) -> None:
+    if t.dim() != rank:
+        raise ValueError(f"{name}: expected a {rank}-D tensor {layout}, got shape {tuple(t.shape)}")
 
 
 def _scale_arg(scale: Optional[float]) -> float:
@@ -150,3 +152,140 @@ def _backward(ctx, dout, _dlse):
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed variable-length batches: q (total_q, H, D), k/v (total_k, Hkv, D), int32 cu_seqlens of
+# length B + 1, key-side mask/bias (Hb, total_k), lse (H, total_q). See docs/semantics.md.
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_cu_seqlens_values(q: Tensor, k: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                             max_seqlen_q: int, max_seqlen_k: int) -> None:
+    """The native validation reads cu_seqlens itself when they are on the CPU. CUDA values are
+    checked here, on a host copy (one synchronization), by the same native routine; skipped
+    while a CUDA graph is being captured, where a copy to the host is not allowed."""
+    if cu_seqlens_q.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return
+    _check_rank(q, "q", "(total_q, num_heads, head_dim)", rank=3)
+    _check_rank(k, "k", "(total_k, num_heads_kv, head_dim)", rank=3)
+    lib().check_cu_seqlens(cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), max_seqlen_q, max_seqlen_k,
+                           q.shape[0], k.shape[0])
+
+
+def _varlen_lse_shape(q: Tensor) -> Tuple[int, int]:
+    _check_rank(q, "q", "(total_q, num_heads, head_dim)", rank=3)
+    return (q.shape[1], q.shape[0])
+
+
+@torch.library.custom_op("dmattn::fwd_varlen", mutates_args=())
+def attention_varlen_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    mask: Optional[Tensor],
+    bias: Optional[Tensor],
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    scale: Optional[float],
+    softcap: float,
+    deterministic: bool,
+) -> Tuple[Tensor, Tensor]:
+    """Returns (out, lse): out like q, lse (H, total_q) float32 (float64 for float64 inputs)."""
+    _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(_varlen_lse_shape(q), dtype=_lse_dtype(q), device=q.device)
+    lib().forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
+                         lse, mask, bias, causal, window_left, window_right, _scale_arg(scale),
+                         softcap)
+    return out, lse
+
+
+@attention_varlen_forward.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias, causal,
+      window_left, window_right, scale, softcap, deterministic):
+    return q.new_empty(q.shape), q.new_empty(_varlen_lse_shape(q), dtype=_lse_dtype(q))
+
+
+@torch.library.custom_op("dmattn::bwd_varlen", mutates_args=())
+def attention_varlen_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    out: Tensor,
+    lse: Tensor,
+    mask: Optional[Tensor],
+    bias: Optional[Tensor],
+    bias_requires_grad: bool,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    scale: Optional[float],
+    softcap: float,
+    deterministic: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns (dq, dk, dv, dbias); dbias is an empty tensor unless bias_requires_grad."""
+    _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dbias = None
+    if bias_requires_grad and bias is not None:
+        dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device)
+    delta = dq_accum = dbias_accum = None
+    if q.device.type == "cuda":
+        delta = torch.empty(_varlen_lse_shape(q), dtype=torch.float32, device=q.device)
+        dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        # A key-side dbias is reduced across the query heads that share a bias head.
+        if dbias is not None and bias.dim() == 2 and bias.shape[0] < q.shape[1]:
+            dbias_accum = torch.empty(bias.shape, dtype=torch.float32, device=q.device)
+    lib().backward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
+                          lse, mask, bias, dout, dq, dk, dv, dbias, delta, dq_accum, dbias_accum,
+                          causal, window_left, window_right, _scale_arg(scale), softcap,
+                          deterministic)
+    if dbias is None:
+        dbias = q.new_empty((0,))
+    return dq, dk, dv, dbias
+
+
+@attention_varlen_backward.register_fake
+def _(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, mask,
+      bias, bias_requires_grad, causal, window_left, window_right, scale, softcap, deterministic):
+    dbias = bias.new_empty(bias.shape) if (bias_requires_grad and bias is not None) else q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+
+def _setup_varlen_context(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias, causal,
+     window_left, window_right, scale, softcap, deterministic) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, mask, bias, out, lse)
+    ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
+    ctx.options = (causal, window_left, window_right, scale, softcap, deterministic)
+    ctx.bias_requires_grad = bias is not None and ctx.needs_input_grad[8]
+    ctx.mark_non_differentiable(lse)
+
+
+def _varlen_backward(ctx, dout, _dlse):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, mask, bias, out, lse = ctx.saved_tensors
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    dq, dk, dv, dbias = attention_varlen_backward(
+        dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, out, lse, mask, bias,
+        ctx.bias_requires_grad, *ctx.options)
+    # cu_seqlens, max_seqlen, mask and the options receive no gradient.
+    return (dq, dk, dv, None, None, None, None, None,
+            dbias if ctx.bias_requires_grad else None, None, None, None, None, None, None)
+
+
+attention_varlen_forward.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)
