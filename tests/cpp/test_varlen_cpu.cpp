@@ -274,6 +274,44 @@ TEST(CpuVarlen, NoSequences) {
   check_against_dense_per_sequence(c);
 }
 
+// The layout a varlen kernel reads (params.h): pins every field make_varlen_forward_params
+// fills differently from the dense path.
+TEST(CpuVarlen, ParamsFollowTheDocumentedLayout) {
+  VarlenConfig c;
+  c.lens_q = {3, 0, 4}, c.lens_k = {4, 1, 4}, c.heads = 4, c.heads_kv = 2;
+  c.mask_heads = 2, c.bias_heads = 4, c.strided = true;
+  PackedTensors t = make_packed(c);
+  TensorDesc mask = t.mask.desc(), bias = t.bias.desc();
+  const VarlenPacking packing = packing_of(t);
+  const ForwardParams p = make_varlen_forward_params(t.q.desc(), t.k.desc(), t.v.desc(), packing,
+                                                     t.out.desc(), t.lse.desc(), &mask, &bias,
+                                                     AttentionOptions{});
+  EXPECT_TRUE(p.is_varlen());
+  EXPECT_EQ(p.cu_seqlens_q, t.cu_q.data());
+  EXPECT_EQ(p.cu_seqlens_k, t.cu_k.data());
+  EXPECT_EQ(p.batch, 3);
+  EXPECT_EQ(p.seqlen_q, 4);  // max_seqlen_q
+  EXPECT_EQ(p.seqlen_k, 4);
+  EXPECT_EQ(p.total_q, 7);
+  EXPECT_EQ(p.total_k, 9);
+  EXPECT_EQ(p.q_strides.batch_stride, 0);
+  EXPECT_EQ(p.q_strides.row_stride, t.q.desc().strides[0]);
+  EXPECT_EQ(p.q_strides.head_stride, t.q.desc().strides[1]);
+  EXPECT_EQ(p.k_strides.row_stride, t.k.desc().strides[0]);
+  EXPECT_EQ(p.lse_batch_stride, 0);
+  EXPECT_EQ(p.lse_head_stride, 7);
+  EXPECT_EQ(p.mask.size_b, 1);
+  EXPECT_EQ(p.mask.size_h, 2);
+  EXPECT_EQ(p.mask.head_div, 2);  // Hb = Hkv: one row per GQA group
+  EXPECT_EQ(p.mask.size_q, 1);
+  EXPECT_EQ(p.mask.size_k, 9);
+  EXPECT_EQ(p.mask.stride_q, 0);
+  EXPECT_EQ(p.mask.stride_k, mask.strides[1]);
+  EXPECT_EQ(p.bias.size_h, 4);
+  EXPECT_EQ(p.bias.head_div, 1);
+  EXPECT_EQ(p.bias.stride_h, bias.strides[0]);
+}
+
 // ---- Errors ----------------------------------------------------------------------------
 
 // Runs make_varlen_forward_params on a valid batch (q (7, 4, 8), k/v (9, 2, 8), sequences of
