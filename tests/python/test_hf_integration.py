@@ -15,10 +15,14 @@ from dmattn.integrations import transformers as hf_dmattn
 
 try:
     import transformers
+    from transformers.utils import is_torch_available
+    if not is_torch_available():  # transformers refuses this torch (too old): no models
+        transformers = None
 except ImportError:
     transformers = None
 
-needs_transformers = pytest.mark.skipif(transformers is None, reason="transformers not installed")
+needs_transformers = pytest.mark.skipif(transformers is None,
+                                        reason="transformers (with torch support) not installed")
 
 
 def _dtype(device):
