@@ -19,7 +19,7 @@ __all__ = ["dynamic_mask"]
 _MAX_RANK = 4
 
 
-def _check_keep(keep) -> int:
+def check_keep(keep) -> int:
     if isinstance(keep, bool) or not isinstance(keep, numbers.Integral):
         raise TypeError(f"keep: expected a positive int, got {type(keep).__name__}")
     if keep <= 0:
@@ -47,6 +47,17 @@ def _check_mask(mask, bias: Tensor) -> None:
         raise ValueError(f"mask: on device {mask.device}, expected bias's device {bias.device}")
 
 
+def bias_over_keys(bias: Tensor, num_keys: int) -> Tensor:
+    """The bias as the selection must see it in an attention with ``num_keys`` keys: a key
+    dimension of 1 (or a scalar) broadcasts over all of them, i.e. ``num_keys`` tied keys.
+    A view; nothing is copied."""
+    if bias.dim() == 0:
+        return bias.expand(num_keys)
+    if bias.shape[-1] == 1 and num_keys != 1:
+        return bias.expand(*bias.shape[:-1], num_keys)
+    return bias
+
+
 def _result_shape(bias: Tensor, mask: Optional[Tensor]) -> Tuple[int, ...]:
     if mask is None:
         return tuple(bias.shape)
@@ -72,7 +83,7 @@ def dynamic_mask(bias: Tensor, keep: int, mask: Optional[Tensor] = None) -> Tens
     window constraints are not part of the selection (the attention call applies them).
     """
     _check_bias(bias)
-    keep = _check_keep(keep)
+    keep = check_keep(keep)
     if mask is not None:
         _check_mask(mask, bias)
     shape = _result_shape(bias, mask)

@@ -8,19 +8,9 @@ import torch
 from torch import Tensor
 
 from .interface import attention
-from .masks import dynamic_mask
+from .masks import bias_over_keys, check_keep, dynamic_mask
 
 __all__ = ["attention_topk"]
-
-
-def _selection_bias(bias: Tensor, num_keys: int) -> Tensor:
-    """The bias as seen by the selection: a key dimension of 1 broadcasts over the Sk keys,
-    so the selection must see Sk (all tied) keys, not one. A view; nothing is copied."""
-    if bias.dim() == 0:
-        return bias.expand(num_keys)
-    if bias.shape[-1] == 1 and num_keys != 1:
-        return bias.expand(*bias.shape[:-1], num_keys)
-    return bias
 
 
 def attention_topk(
@@ -56,6 +46,10 @@ def attention_topk(
     # For now the selection is materialized as a bool mask and the dense kernels skip the
     # unselected keys. A gather path in the kernels (reading only the kept keys) will replace
     # these two lines; the signature and the results of this function stay as they are.
-    selected = dynamic_mask(_selection_bias(bias, k.shape[1]), keep, mask)
+    num_keys = k.shape[1]
+    if check_keep(keep) >= num_keys:
+        selected = mask  # every allowed key is kept: no new (possibly broadcast-size) mask
+    else:
+        selected = dynamic_mask(bias_over_keys(bias, num_keys), keep, mask)
     return attention(q, k, v, selected, bias, causal=causal, window=window, scale=scale,
                      softcap=softcap, deterministic=deterministic, return_lse=return_lse)

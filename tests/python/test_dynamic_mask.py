@@ -220,6 +220,16 @@ def test_attention_topk_key_broadcast_bias_keeps_first_keys(device):
     assert torch.equal(out, dmattn.attention(q, k, v, first, bias))
 
 
+def test_attention_topk_keep_all_keys_is_plain_attention(device):
+    dtype = _dtypes(device)[0]
+    q, k, v = _qkv(2, 5, 9, 2, 1, 8, dtype, device)
+    bias = torch.randn(2, 2, 1, 9, dtype=dtype, device=device)
+    mask = torch.rand(2, 1, 5, 9, device=device) < 0.7
+    for keep in (9, 50):
+        out = dmattn.attention_topk(q, k, v, bias, keep, mask=mask, causal=True)
+        assert torch.equal(out, dmattn.attention(q, k, v, mask, bias, causal=True))
+
+
 def test_attention_topk_errors():
     q, k, v = _qkv(1, 4, 4, 2, 2, 8, torch.float32, "cpu")
     with pytest.raises(TypeError, match="bias: "):

@@ -23,8 +23,7 @@ import torch
 from torch import Tensor
 
 from ..interface import attention
-from ..masks import dynamic_mask
-from ..topk import _selection_bias
+from ..masks import bias_over_keys, dynamic_mask
 
 __all__ = ["register", "attention_forward"]
 
@@ -54,6 +53,16 @@ def register(name: str = "dmattn") -> None:
 # ---------------------------------------------------------------------------------------------
 # Inputs: dtypes and masks
 # ---------------------------------------------------------------------------------------------
+
+
+def _is_paged_cache(cache) -> bool:
+    if cache is None:
+        return False
+    try:
+        from transformers.generation.continuous_batching import PagedAttentionCache
+    except ImportError:
+        return False
+    return isinstance(cache, PagedAttentionCache)
 
 
 def _weight_dtype(module: torch.nn.Module) -> Optional[torch.dtype]:
@@ -154,9 +163,12 @@ def attention_forward(
     if dropout and getattr(module, "training", False):
         raise NotImplementedError(f"dropout: dmattn has no attention dropout, got {dropout} in "
                                   "training mode; set the model's attention_dropout to 0")
-    for unsupported in ("s_aux", "position_bias", "cache"):
+    for unsupported in ("s_aux", "position_bias"):
         if kwargs.get(unsupported) is not None:
             raise NotImplementedError(f"{unsupported}: not supported by the dmattn attention function")
+    if _is_paged_cache(kwargs.get("cache")):
+        raise NotImplementedError("cache: continuous batching (PagedAttentionCache) is not supported "
+                                  "by the dmattn attention function")
 
     dtypes = _cuda_dtypes(module, query)
     if dtypes is not None:
@@ -187,7 +199,7 @@ def attention_forward(
         raise ValueError("keep_window_size: needs attention_bias, the bias the kept keys are selected by")
     if keep is not None and not (isinstance(keep, int) and keep >= num_keys):
         # (keep >= Sk keeps every key: no selection, no extra mask.) dynamic_mask checks keep.
-        mask = dynamic_mask(_selection_bias(bias, num_keys), keep, mask)
+        mask = dynamic_mask(bias_over_keys(bias, num_keys), keep, mask)
 
     softcap = kwargs.get("softcap")
     out = attention(q, k, v, mask, _bias_for(bias, q.dtype), causal=causal, scale=scaling,
