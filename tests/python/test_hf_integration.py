@@ -217,6 +217,27 @@ def test_attention_bias_and_keep_window_size(device):
         hf_dmattn.attention_forward(module, q, k, v, mask, attention_bias=bias, keep_window_size=0)
 
 
+def test_bias_sources_combine(device):
+    dtype = _dtype(device)
+    q, k, v = _hf_qkv(B, H, HKV, SQ, SK, D, dtype, device)
+    module = TinyAttention(H, HKV, dtype=dtype).to(device)
+    allowed = (torch.rand(B, 1, SQ, SK) < 0.8).to(device)
+    additive = torch.randn(B, 1, SQ, SK).to(dtype).to(device)
+    float_mask = torch.where(allowed, additive, float("-inf"))
+    bias = torch.randn(B, HKV, 1, SK).half().to(device)  # neither q's dtype nor fp32: cast
+    out, _ = hf_dmattn.attention_forward(module, q, k, v, float_mask, attention_bias=bias)
+    expected = _direct(q, k, v, mask=allowed, bias=(bias + additive).to(dtype))
+    torch.testing.assert_close(out, expected, **_tol(device))
+
+
+def test_unsupported_kwargs(device):
+    q, k, v = _hf_qkv(B, H, HKV, SQ, SQ, D, _dtype(device), device)
+    module = TinyAttention(H, HKV, dtype=_dtype(device)).to(device)
+    for name in ("s_aux", "position_bias"):
+        with pytest.raises(NotImplementedError, match=name):
+            hf_dmattn.attention_forward(module, q, k, v, None, **{name: torch.zeros(H, device=device)})
+
+
 def test_attention_mask_errors():
     q, k, v = _hf_qkv(1, 2, 2, 3, 3, 8, torch.float32, "cpu")
     module = TinyAttention(2, 2)
