@@ -97,19 +97,18 @@ def dynamic_mask(bias: Tensor, keep: int, mask: Optional[Tensor] = None) -> Tens
     scores = bias.detach().expand(shape)
     allowed = None if mask is None else mask.expand(shape)
     if allowed is not None:
-        # Only the order matters, so masked keys may take -inf; the second sort below
-        # separates them from allowed keys whose bias is itself -inf.
         scores = scores.masked_fill(~allowed, float("-inf"))
-    # torch.topk leaves the order of equal values unspecified; a stable descending sort keeps
-    # equal biases in key order, which makes ties go to the lower key index on every device.
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    # torch.topk leaves the order of equal values unspecified, so only its values are used:
+    # the keep-th largest score per row is the threshold. Every key above it is kept, and the
+    # remaining places go to the keys equal to it in key order (lower index first); this is
+    # exact on every device and dtype, in O(Sk) per row.
+    threshold = torch.topk(scores, keep, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    above = scores > threshold  # masked keys hold -inf: never above
+    at = scores == threshold
     if allowed is not None:
-        # Allowed keys first, each group still in (bias desc, index asc) order.
-        allowed_first = torch.sort(allowed.gather(-1, order), dim=-1, descending=True, stable=True)
-        order = order.gather(-1, allowed_first.indices)
-    selected = torch.zeros(shape, dtype=torch.bool, device=bias.device)
-    selected.scatter_(-1, order[..., :keep], True)
-    if allowed is not None:
-        # A row with fewer than `keep` allowed keys picked some masked ones after its allowed keys.
-        selected &= allowed
+        # When fewer than keep keys are allowed and finite, the threshold is -inf, which masked
+        # keys share with allowed keys whose bias is -inf; only the allowed ones may fill in.
+        at &= allowed
+    places_left = keep - above.sum(dim=-1, keepdim=True)
+    selected = above | (at & (at.cumsum(dim=-1) <= places_left))
     return selected
