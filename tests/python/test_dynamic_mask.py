@@ -72,6 +72,19 @@ def test_selection_matches_brute_force(device, bias_shape, mask_shape, keep):
         assert torch.equal(got.cpu(), expected), f"dtype={dtype} keep={keep}"
 
 
+@pytest.mark.parametrize("keep", [1, 2, 17, 36])
+def test_selection_many_rows(device, keep):
+    # 200 rows of 37 keys: ties straddling the threshold, sparse and dense masks, -inf rows.
+    gen = torch.Generator().manual_seed(keep)
+    for dtype in _dtypes(device)[:2]:
+        bias = _tied_bias((8, 25, 37), dtype, device, gen)
+        bias[0, 0] = float("-inf")
+        density = torch.rand(8, 25, 1, generator=gen)
+        mask = (torch.rand(8, 25, 37, generator=gen) < density).to(device)
+        got = dmattn.dynamic_mask(bias, keep, mask)
+        assert torch.equal(got.cpu(), brute_force_selection(bias, keep, mask)), f"dtype={dtype}"
+
+
 def test_ties_go_to_lower_key_index(device):
     bias = torch.tensor([-0.0, 2.0, 1.0, 2.0, 2.0, 0.0, 1.0], device=device)  # -0.0 == 0.0
     for keep, kept in [(1, [1]), (2, [1, 3]), (4, [1, 2, 3, 4]), (6, [0, 1, 2, 3, 4, 6])]:
