@@ -398,13 +398,13 @@ def _fmt(v: float, spec: str) -> str:
 
 def print_table(rows: List[Row], device_name: str, file=sys.stdout) -> None:
     print(f"\ndmattn benchmark on {device_name} (median ms; TFLOP/s in FlashAttention's convention)", file=file)
-    header = f"| {'config':36} | {'provider':22} | fwd ms | fwd+bwd ms | fwd TF/s | f+b TF/s | check / note |"
+    header = f"| {'config':36} | {'provider':22} | fwd ms | fwd+bwd ms | fwd TF/s | f+b TF/s | peak GiB | check / note |"
     print(header, file=file)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|", file=file)
     for r in rows:
         print(f"| {r.config:36} | {r.provider:22} | {_fmt(r.fwd_ms, '6.2f'):>6} | "
               f"{_fmt(r.fwdbwd_ms, '10.2f'):>10} | {_fmt(r.fwd_tflops, '8.3f'):>8} | "
-              f"{_fmt(r.fwdbwd_tflops, '8.3f'):>8} | {r.check or r.note} |", file=file)
+              f"{_fmt(r.fwdbwd_tflops, '8.3f'):>8} | {_fmt(r.peak_mem_gib, '8.2f'):>8} | {r.check or r.note} |", file=file)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

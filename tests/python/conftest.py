@@ -22,7 +22,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 CUDA = torch.cuda.is_available()
-DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+# The CUDA parameter carries the gpu marker, so `pytest -m gpu` (scripts/gpu_cycle.sh) selects
+# every test's CUDA variant and `-m "not gpu"` the CPU ones.
+DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if CUDA else [])
 
 
 def pytest_configure(config):

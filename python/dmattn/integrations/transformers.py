@@ -1,0 +1,209 @@
+"""dmattn as a Hugging Face transformers attention implementation.
+
+    import dmattn
+    dmattn.integrations.transformers.register()
+    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="dmattn")
+
+transformers is imported only inside register(); importing dmattn never needs it.
+
+What the attention function accepts (HF layout (B, H, S, D), GQA through the k/v head count):
+* attention_mask: None; a 4D bool mask (True = attend) or a 4D float additive mask (0 where
+  allowed, finfo.min or -inf where not), each (B, 1 or H, Sq, Sk) and used without expansion;
+  or a 2D padding mask (B, Sk) (nonzero = attend), used as a key mask (B, 1, 1, Sk).
+* kwargs: is_causal, softcap, attention_bias (an additive, learnable bias broadcastable to
+  (B, H, Sq, Sk)) and keep_window_size (keep only that many keys per row, selected from
+  attention_bias by dmattn.dynamic_mask, as Doge / flash-dmattn do).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..interface import attention
+from ..masks import bias_over_keys, dynamic_mask
+
+__all__ = ["register", "attention_forward"]
+
+_INSTALL_HINT = ("dmattn.integrations.transformers.register() needs Hugging Face transformers: "
+                 "pip install transformers")
+
+
+def register(name: str = "dmattn") -> None:
+    """Registers dmattn under ``name`` with transformers' AttentionInterface (and, when the
+    name has no mask function yet, sdpa's mask function with AttentionMaskInterface)."""
+    try:
+        from transformers import AttentionInterface
+    except ImportError as err:
+        raise ImportError(_INSTALL_HINT) from err
+    AttentionInterface.register(name, attention_forward)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError:  # transformers before masking_utils: masks are built per model
+        return
+    # transformers builds masks only for implementations its mask registry knows and passes
+    # attention_mask=None to any other, which would silently drop padding. dmattn takes the
+    # masks sdpa takes (4D bool, or None when the pattern is purely causal).
+    if name not in AttentionMaskInterface():
+        AttentionMaskInterface.register(name, sdpa_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs: dtypes and masks
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_paged_cache(cache) -> bool:
+    if cache is None:
+        return False
+    try:
+        from transformers.generation.continuous_batching import PagedAttentionCache
+    except ImportError:
+        return False
+    return isinstance(cache, PagedAttentionCache)
+
+
+def _weight_dtype(module: torch.nn.Module) -> Optional[torch.dtype]:
+    for layer in module.modules():
+        if isinstance(layer, torch.nn.Linear):
+            return layer.weight.dtype
+    for p in module.parameters():
+        if p.dtype.is_floating_point:
+            return p.dtype
+    return None
+
+
+def _cuda_dtypes(module: torch.nn.Module, query: Tensor) -> Optional[Tuple[torch.dtype, torch.dtype]]:
+    """(compute dtype, output dtype) when fp32 q/k/v on CUDA must be cast (the CUDA kernels take
+    fp16/bf16 only); None when no cast is needed. fp32 on CPU is computed as is."""
+    if query.device.type != "cuda" or query.dtype != torch.float32:
+        return None
+    if torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")
+        return dtype, dtype
+    weights = _weight_dtype(module)
+    if weights in (torch.bfloat16, torch.float16):
+        # fp32 activations around half-precision weights (e.g. layer norms kept in fp32):
+        # the output goes back into the module's half-precision projections, as with HF's FA.
+        return weights, weights
+    # An fp32 model on CUDA: compute in bf16, hand fp32 back to the fp32 projections.
+    return torch.bfloat16, torch.float32
+
+
+def _float_mask_parts(mask: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+    """A float additive mask as (bool mask, additive bias or None), both in the mask's shape.
+
+    Values at or below finfo.min / 2 (HF uses finfo.min, some code -inf, and sums of them
+    saturate there) mean "masked"; any other nonzero value is a genuine additive bias.
+    """
+    blocked = mask <= torch.finfo(mask.dtype).min / 2
+    allowed = ~blocked
+    # One device sync: most HF masks are pure 0 / finfo.min, which needs no bias at all.
+    if bool(((mask != 0) & allowed).any()):
+        return allowed, mask.masked_fill(blocked, 0)
+    return allowed, None
+
+
+def _split_attention_mask(attention_mask, num_keys: int) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """HF's attention_mask as (bool mask for dmattn, additive bias or None), never expanded."""
+    if attention_mask is None:
+        return None, None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask: expected a torch.Tensor or None, got "
+                        f"{type(attention_mask).__name__} (flex_attention BlockMasks are not supported)")
+    if attention_mask.dim() == 2:  # padding mask (B, Sk), nonzero = attend
+        keys = attention_mask[:, :num_keys]
+        keys = keys if keys.dtype == torch.bool else keys != 0
+        return keys[:, None, None, :], None
+    if attention_mask.dim() != 4:
+        raise ValueError(f"attention_mask: expected a 2D padding mask (B, Sk) or a 4D mask "
+                         f"(B, 1 or H, Sq, Sk), got shape {tuple(attention_mask.shape)}")
+    mask = attention_mask[..., :num_keys]  # HF may hand a mask longer than the keys (as eager)
+    if mask.dtype == torch.bool:
+        return mask, None
+    if mask.dtype.is_floating_point:
+        return _float_mask_parts(mask)
+    raise TypeError(f"attention_mask: expected a bool or floating-point 4D mask, got dtype {mask.dtype}")
+
+
+def _add_biases(attention_bias: Optional[Tensor], additive: Optional[Tensor]) -> Optional[Tensor]:
+    if additive is None:
+        return attention_bias
+    return additive if attention_bias is None else attention_bias + additive
+
+
+def _bias_for(bias: Optional[Tensor], q_dtype: torch.dtype) -> Optional[Tensor]:
+    # dmattn takes a bias in q's dtype or fp32 (fp32 keeps a learnable bias's precision).
+    if bias is None or bias.dtype in (q_dtype, torch.float32):
+        return bias
+    return bias.to(q_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention function
+# ---------------------------------------------------------------------------------------------
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Optional[Tensor],
+    scaling: Optional[float] = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> Tuple[Tensor, None]:
+    """transformers attention function: query (B, H, Sq, D), key/value (B, Hkv, Sk, D).
+
+    Returns (attn_output (B, Sq, H, D), None): like sdpa and FlashAttention, no weights.
+    """
+    if dropout and getattr(module, "training", False):
+        raise NotImplementedError(f"dropout: dmattn has no attention dropout, got {dropout} in "
+                                  "training mode; set the model's attention_dropout to 0")
+    for unsupported in ("s_aux", "position_bias"):
+        if kwargs.get(unsupported) is not None:
+            raise NotImplementedError(f"{unsupported}: not supported by the dmattn attention function")
+    if _is_paged_cache(kwargs.get("cache")):
+        raise NotImplementedError("cache: continuous batching (PagedAttentionCache) is not supported "
+                                  "by the dmattn attention function")
+
+    dtypes = _cuda_dtypes(module, query)
+    if dtypes is not None:
+        query, key, value = (x.to(dtypes[0]) for x in (query, key, value))
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, S, H, D) views
+    num_queries, num_keys = q.shape[1], k.shape[1]
+
+    mask, additive = _split_attention_mask(attention_mask, num_keys)
+    bias = _add_biases(kwargs.get("attention_bias"), additive)
+
+    # As HF's sdpa / FlashAttention integrations: the kwarg wins over the module's flag. A 4D
+    # mask already holds the causal pattern (and may deliberately differ from it), so causal
+    # applies only without one: with no mask, or with a 2D padding mask (FlashAttention's case).
+    is_causal = kwargs.get("is_causal")
+    is_causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    causal = is_causal and (attention_mask is None or attention_mask.dim() == 2)
+    if causal and attention_mask is None and 1 < num_queries < num_keys:
+        # HF's sdpa mask function returns None for a prefill into an empty static cache and
+        # relies on top-left causal alignment; the keys past Sq are empty cache slots.
+        # dmattn aligns bottom-right, so drop them as HF's sdpa integration does.
+        k, v = k[:, :num_queries], v[:, :num_queries]
+        if bias is not None and bias.dim() >= 1 and bias.shape[-1] == num_keys:
+            bias = bias[..., :num_queries]
+        num_keys = num_queries
+
+    keep = kwargs.get("keep_window_size")
+    if keep is not None and bias is None:
+        raise ValueError("keep_window_size: needs attention_bias, the bias the kept keys are selected by")
+    if keep is not None and not (isinstance(keep, int) and keep >= num_keys):
+        # (keep >= Sk keeps every key: no selection, no extra mask.) dynamic_mask checks keep.
+        mask = dynamic_mask(bias_over_keys(bias, num_keys), keep, mask)
+
+    softcap = kwargs.get("softcap")
+    out = attention(q, k, v, mask, _bias_for(bias, q.dtype), causal=causal, scale=scaling,
+                    softcap=0.0 if softcap is None else softcap)
+    if dtypes is not None:
+        out = out.to(dtypes[1])
+    return out, None

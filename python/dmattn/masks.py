@@ -1,0 +1,114 @@
+"""dmattn.dynamic_mask: the top-k ("dynamic") mask selected from a learnable bias.
+
+Pure torch ops, so it runs wherever the bias lives (CPU or CUDA). The selection is
+non-differentiable by nature; it reads a detached bias and never modifies or expands it, so
+the same bias can then go to dmattn.attention unchanged and receive its gradient in its own
+shape. See docs/semantics.md, "Dynamic masks (top-k)".
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["dynamic_mask"]
+
+_MAX_RANK = 4
+
+
+def check_keep(keep) -> int:
+    if isinstance(keep, bool) or not isinstance(keep, numbers.Integral):
+        raise TypeError(f"keep: expected a positive int, got {type(keep).__name__}")
+    if keep <= 0:
+        raise ValueError(f"keep: expected a positive int (the number of keys kept per row), got {keep}")
+    return int(keep)
+
+
+def _check_bias(bias) -> None:
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias: expected a torch.Tensor, got {type(bias).__name__}")
+    if not bias.dtype.is_floating_point:
+        raise TypeError(f"bias: expected a floating-point tensor, got dtype {bias.dtype}")
+    if not 1 <= bias.dim() <= _MAX_RANK:
+        raise ValueError(f"bias: expected rank 1 to {_MAX_RANK} with keys last, got shape {tuple(bias.shape)}")
+
+
+def _check_mask(mask, bias: Tensor) -> None:
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask: expected a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask: expected dtype torch.bool (True = may attend), got {mask.dtype}")
+    if mask.dim() > _MAX_RANK:
+        raise ValueError(f"mask: expected rank <= {_MAX_RANK}, got shape {tuple(mask.shape)}")
+    if mask.device != bias.device:
+        raise ValueError(f"mask: on device {mask.device}, expected bias's device {bias.device}")
+
+
+def bias_over_keys(bias: Tensor, num_keys: int) -> Tensor:
+    """The bias as the selection must see it in an attention with ``num_keys`` keys: a key
+    dimension of 1 (or a scalar) broadcasts over all of them, i.e. ``num_keys`` tied keys.
+    A view; nothing is copied."""
+    if bias.dim() == 0:
+        return bias.expand(num_keys)
+    if bias.shape[-1] == 1 and num_keys != 1:
+        return bias.expand(*bias.shape[:-1], num_keys)
+    return bias
+
+
+def _result_shape(bias: Tensor, mask: Optional[Tensor]) -> Tuple[int, ...]:
+    if mask is None:
+        return tuple(bias.shape)
+    try:
+        return tuple(torch.broadcast_shapes(bias.shape, mask.shape))
+    except RuntimeError:
+        raise ValueError(f"mask: shape {tuple(mask.shape)} does not broadcast with bias shape "
+                         f"{tuple(bias.shape)}") from None
+
+
+def dynamic_mask(bias: Tensor, keep: int, mask: Optional[Tensor] = None) -> Tensor:
+    """Boolean mask keeping, per row, the ``keep`` keys with the largest bias.
+
+    bias: floating point, rank 1..4, keys last (e.g. a per-key (B, H, 1, Sk) bias).
+    keep: keys kept per row, >= 1; keep >= Sk keeps every key the mask allows.
+    mask: optional bool mask, broadcastable with bias; keys it masks out are never selected,
+        and a row with fewer than ``keep`` allowed keys keeps exactly its allowed keys.
+
+    Returns a new bool tensor of the broadcast shape of bias and mask (True = selected):
+    a bias and mask without a query dimension give one key set per (batch, head) and nothing
+    of shape (B, H, Sq, Sk) is allocated. Ties are broken by the lower key index. The
+    selection runs on a detached bias; the bias is neither modified nor expanded. Causal and
+    window constraints are not part of the selection (the attention call applies them).
+    """
+    _check_bias(bias)
+    keep = check_keep(keep)
+    if mask is not None:
+        _check_mask(mask, bias)
+    shape = _result_shape(bias, mask)
+    num_keys = shape[-1]
+
+    if keep >= num_keys:
+        if mask is None:
+            return torch.ones(shape, dtype=torch.bool, device=bias.device)
+        return mask.expand(shape).contiguous()
+
+    scores = bias.detach().expand(shape)
+    allowed = None if mask is None else mask.expand(shape)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    # torch.topk leaves the order of equal values unspecified, so only its values are used:
+    # the keep-th largest score per row is the threshold. Every key above it is kept, and the
+    # remaining places go to the keys equal to it in key order (lower index first); this is
+    # exact on every device and dtype, in O(Sk) per row.
+    threshold = torch.topk(scores, keep, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    above = scores > threshold  # masked keys hold -inf: never above
+    at = scores == threshold
+    if allowed is not None:
+        # When fewer than keep keys are allowed and finite, the threshold is -inf, which masked
+        # keys share with allowed keys whose bias is -inf; only the allowed ones may fill in.
+        at &= allowed
+    places_left = keep - above.sum(dim=-1, keepdim=True)
+    selected = above | (at & (at.cumsum(dim=-1) <= places_left))
+    return selected

@@ -1,0 +1,318 @@
+"""dmattn.integrations.transformers: registration, HF layout and masks, attention_bias +
+keep_window_size, against a direct dmattn.attention call and against HF's own sdpa function
+(and whole tiny Llama / Doge models). Skipped where transformers is not importable, except
+the checks that dmattn works without it."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dmattn
+from dmattn.integrations import transformers as hf_dmattn
+
+try:
+    import transformers
+    from transformers.utils import is_torch_available
+    if not is_torch_available():  # transformers refuses this torch (too old): no models
+        transformers = None
+except ImportError:
+    transformers = None
+
+needs_transformers = pytest.mark.skipif(transformers is None,
+                                        reason="transformers (with torch support) not installed")
+
+
+def _dtype(device):
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def _tol(device):
+    return dict(atol=2e-2, rtol=2e-2) if device == "cuda" else dict(atol=1e-5, rtol=1e-5)
+
+
+class TinyAttention(torch.nn.Module):
+    """What an HF attention module exposes to the attention function."""
+
+    def __init__(self, heads, kv_heads, is_causal=True, dtype=torch.float32):
+        super().__init__()
+        self.is_causal = is_causal
+        self.num_key_value_groups = heads // kv_heads
+        self.o_proj = torch.nn.Linear(8, 8, dtype=dtype)
+
+
+def _hf_qkv(b, h, hkv, sq, sk, d, dtype, device):
+    """HF layout: query (B, H, Sq, D), key/value (B, Hkv, Sk, D)."""
+    q = torch.randn(b, h, sq, d).to(dtype).to(device)
+    k = torch.randn(b, hkv, sk, d).to(dtype).to(device)
+    v = torch.randn(b, hkv, sk, d).to(dtype).to(device)
+    return q, k, v
+
+
+def _direct(q, k, v, **kw):
+    """dmattn.attention on the same HF-layout tensors; (B, Sq, H, D) out."""
+    return dmattn.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kw)
+
+
+# --------------------------------------------------------------------------- without transformers
+
+
+def test_import_dmattn_never_needs_transformers():
+    code = ("import sys; sys.modules['transformers'] = None; import dmattn, torch; "
+            "q = torch.randn(1, 3, 2, 8); assert dmattn.attention(q, q, q).shape == q.shape; "
+            "import dmattn.integrations.transformers")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+
+
+def test_register_without_transformers_names_the_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ImportError, match="pip install transformers"):
+        hf_dmattn.register()
+
+
+# --------------------------------------------------------------------------- registration
+
+
+@needs_transformers
+def test_register():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    hf_dmattn.register()
+    assert AttentionInterface()["dmattn"] is hf_dmattn.attention_forward
+    # Without a mask function HF would hand attention_mask=None (padding dropped).
+    assert AttentionMaskInterface()["dmattn"] is sdpa_mask
+
+
+# --------------------------------------------------------------------------- masks and flags
+
+B, H, HKV, SQ, SK, D = 2, 4, 2, 6, 9, 16
+
+
+def _mask_cases(device):
+    """(name, attention_mask, kwargs for the equivalent direct dmattn.attention call)."""
+    g = torch.Generator().manual_seed(3)
+    bool4 = (torch.rand(B, 1, SQ, SK, generator=g) < 0.7).to(device)
+    heads4 = (torch.rand(B, H, SQ, SK, generator=g) < 0.7).to(device)
+    pad = torch.ones(B, SK, dtype=torch.long, device=device)
+    pad[1, :3] = 0
+    dtype = _dtype(device)
+    fmin = torch.finfo(dtype).min
+    additive = (torch.randn(B, 1, SQ, SK, generator=g) * 0.5).to(dtype).to(device)
+    return [
+        ("bool_4d", bool4, dict(mask=bool4)),
+        ("bool_4d_heads", heads4, dict(mask=heads4)),
+        ("float_4d_min", torch.where(bool4, 0.0, fmin).to(dtype), dict(mask=bool4)),
+        ("float_4d_neg_inf", torch.where(bool4, 0.0, float("-inf")).to(dtype), dict(mask=bool4)),
+        ("float_4d_additive", torch.where(bool4, additive, fmin), dict(mask=bool4, bias=additive)),
+        ("padding_2d_long", pad, dict(mask=pad.bool()[:, None, None, :], causal=True)),
+        ("padding_2d_bool", pad.bool(), dict(mask=pad.bool()[:, None, None, :], causal=True)),
+        ("bool_4d_longer_than_keys", torch.cat([bool4, bool4[..., :2]], -1), dict(mask=bool4)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_masks_match_direct_call(device, case):
+    name, attention_mask, direct_kw = _mask_cases(device)[case]
+    q, k, v = _hf_qkv(B, H, HKV, SQ, SK, D, _dtype(device), device)
+    module = TinyAttention(H, HKV, dtype=_dtype(device)).to(device)
+    out, weights = hf_dmattn.attention_forward(module, q, k, v, attention_mask, scaling=0.3)
+    assert weights is None
+    assert tuple(out.shape) == (B, SQ, H, D) and out.dtype == q.dtype, name
+    expected = _direct(q, k, v, scale=0.3, **direct_kw)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0, msg=name)
+
+
+def test_is_causal_flag_and_kwarg(device):
+    q, k, v = _hf_qkv(B, H, HKV, SQ, SQ, D, _dtype(device), device)
+    causal = _direct(q, k, v, causal=True)
+    full = _direct(q, k, v)
+    mod_causal = TinyAttention(H, HKV, is_causal=True, dtype=_dtype(device)).to(device)
+    mod_full = TinyAttention(H, HKV, is_causal=False, dtype=_dtype(device)).to(device)
+    f = hf_dmattn.attention_forward
+    assert torch.equal(f(mod_causal, q, k, v, None)[0], causal)
+    assert torch.equal(f(mod_full, q, k, v, None)[0], full)
+    assert torch.equal(f(mod_causal, q, k, v, None, is_causal=False)[0], full)  # the kwarg wins
+    assert torch.equal(f(mod_full, q, k, v, None, is_causal=True)[0], causal)
+    # A 4D mask already holds the pattern: is_causal does not apply on top of it.
+    ones = torch.ones(B, 1, SQ, SQ, dtype=torch.bool, device=device)
+    assert torch.equal(f(mod_causal, q, k, v, ones)[0], full)
+
+
+def test_causal_without_mask_drops_empty_static_cache_slots(device):
+    # HF's sdpa mask is None for a prefill into an empty static cache (Sk > Sq); the keys past
+    # Sq are empty slots and sdpa's top-left causal never reads them.
+    q, k, v = _hf_qkv(B, H, HKV, 4, 7, D, _dtype(device), device)
+    k[:, :, 4:] = float("nan")
+    v[:, :, 4:] = float("nan")
+    module = TinyAttention(H, HKV, dtype=_dtype(device)).to(device)
+    out, _ = hf_dmattn.attention_forward(module, q, k, v, None)
+    expected = _direct(q, k[:, :, :4], v[:, :, :4], causal=True)
+    assert torch.equal(out, expected)
+
+
+def test_softcap_and_scaling(device):
+    q, k, v = _hf_qkv(B, H, HKV, SQ, SK, D, _dtype(device), device)
+    module = TinyAttention(H, HKV, is_causal=False, dtype=_dtype(device)).to(device)
+    out, _ = hf_dmattn.attention_forward(module, q, k, v, None, scaling=0.7, softcap=2.0)
+    assert torch.equal(out, _direct(q, k, v, scale=0.7, softcap=2.0))
+
+
+def test_dropout_in_training_is_not_implemented(device):
+    q, k, v = _hf_qkv(B, H, HKV, SQ, SK, D, _dtype(device), device)
+    module = TinyAttention(H, HKV, dtype=_dtype(device)).to(device)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        hf_dmattn.attention_forward(module.train(), q, k, v, None, dropout=0.1)
+    hf_dmattn.attention_forward(module.train(), q, k, v, None, dropout=0.0)
+    hf_dmattn.attention_forward(module.eval(), q, k, v, None, dropout=0.1)  # eval: no dropout
+
+
+def test_input_dtypes(device):
+    q, k, v = _hf_qkv(B, H, HKV, SQ, SQ, D, torch.float32, device)
+    module = TinyAttention(H, HKV).to(device)
+    out, _ = hf_dmattn.attention_forward(module, q, k, v, None)
+    if device == "cpu":  # CPU computes fp32 as is
+        assert out.dtype == torch.float32
+        assert torch.equal(out, _direct(q, k, v, causal=True))
+        return
+    # CUDA: an fp32 model computes in bf16 and gets fp32 back; half-precision weights set
+    # the compute dtype, and the output stays in it for the module's projections.
+    ref = _direct(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True)
+    assert out.dtype == torch.float32 and torch.equal(out, ref.float())
+    module_fp16 = TinyAttention(H, HKV, dtype=torch.float16).to(device)
+    out16, _ = hf_dmattn.attention_forward(module_fp16, q, k, v, None)
+    assert out16.dtype == torch.float16
+    assert torch.equal(out16, _direct(q.half(), k.half(), v.half(), causal=True))
+
+
+# --------------------------------------------------------------------------- attention_bias, keep
+
+
+def test_attention_bias_and_keep_window_size(device):
+    dtype = _dtype(device)
+    q, k, v = _hf_qkv(B, H, HKV, SQ, SK, D, dtype, device)
+    module = TinyAttention(H, HKV, dtype=dtype).to(device)
+    mask = (torch.rand(B, 1, SQ, SK) < 0.8).to(device)
+    bias = torch.randn(B, H, 1, SK, device=device, requires_grad=True)  # fp32, learnable
+    out, _ = hf_dmattn.attention_forward(module, q, k, v, mask, attention_bias=bias, keep_window_size=4)
+    grad_out = torch.randn_like(out)
+    (dbias,) = torch.autograd.grad(out, bias, grad_out)
+    ql, kl, vl = (x.transpose(1, 2) for x in (q, k, v))
+    expected = dmattn.attention_topk(ql, kl, vl, bias, 4, mask=mask)
+    (expected_dbias,) = torch.autograd.grad(expected, bias, grad_out)
+    assert torch.equal(out, expected)
+    assert torch.equal(dbias, expected_dbias) and dbias.shape == bias.shape
+    assert dbias.abs().sum() > 0
+    # keep_window_size >= Sk keeps everything: the plain biased attention.
+    out_all, _ = hf_dmattn.attention_forward(module, q, k, v, mask, attention_bias=bias,
+                                             keep_window_size=SK)
+    assert torch.equal(out_all, _direct(q, k, v, mask=mask, bias=bias))
+    with pytest.raises(ValueError, match="keep_window_size: needs attention_bias"):
+        hf_dmattn.attention_forward(module, q, k, v, mask, keep_window_size=4)
+    with pytest.raises(ValueError, match="keep: "):
+        hf_dmattn.attention_forward(module, q, k, v, mask, attention_bias=bias, keep_window_size=0)
+
+
+def test_bias_sources_combine(device):
+    dtype = _dtype(device)
+    q, k, v = _hf_qkv(B, H, HKV, SQ, SK, D, dtype, device)
+    module = TinyAttention(H, HKV, dtype=dtype).to(device)
+    allowed = (torch.rand(B, 1, SQ, SK) < 0.8).to(device)
+    additive = torch.randn(B, 1, SQ, SK).to(dtype).to(device)
+    float_mask = torch.where(allowed, additive, float("-inf"))
+    bias = torch.randn(B, HKV, 1, SK).half().to(device)  # neither q's dtype nor fp32: cast
+    out, _ = hf_dmattn.attention_forward(module, q, k, v, float_mask, attention_bias=bias)
+    expected = _direct(q, k, v, mask=allowed, bias=(bias + additive).to(dtype))
+    torch.testing.assert_close(out, expected, **_tol(device))
+
+
+def test_unsupported_kwargs(device):
+    q, k, v = _hf_qkv(B, H, HKV, SQ, SQ, D, _dtype(device), device)
+    module = TinyAttention(H, HKV, dtype=_dtype(device)).to(device)
+    for name in ("s_aux", "position_bias"):
+        with pytest.raises(NotImplementedError, match=name):
+            hf_dmattn.attention_forward(module, q, k, v, None, **{name: torch.zeros(H, device=device)})
+
+
+def test_attention_mask_errors():
+    q, k, v = _hf_qkv(1, 2, 2, 3, 3, 8, torch.float32, "cpu")
+    module = TinyAttention(2, 2)
+    with pytest.raises(ValueError, match="attention_mask: .*2D .*4D"):
+        hf_dmattn.attention_forward(module, q, k, v, torch.ones(1, 3, 3, dtype=torch.bool))
+    with pytest.raises(TypeError, match="attention_mask: "):
+        hf_dmattn.attention_forward(module, q, k, v, torch.ones(1, 1, 3, 3, dtype=torch.int32))
+    with pytest.raises(TypeError, match="attention_mask: "):
+        hf_dmattn.attention_forward(module, q, k, v, "causal")
+
+
+# --------------------------------------------------------------------------- against HF itself
+
+
+@needs_transformers
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
+def test_matches_hf_sdpa_function(device, mask_kind):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    dtype = _dtype(device)
+    q, k, v = _hf_qkv(B, H, HKV, SQ, SQ, D, dtype, device)
+    module = TinyAttention(H, HKV, dtype=dtype).to(device)
+    allowed = torch.ones(SQ, SQ, dtype=torch.bool).tril().expand(B, 1, SQ, SQ).clone()
+    allowed[1, :, :, :2] = False  # left padding of sequence 1
+    allowed = allowed.to(device)
+    mask = {"none": None, "bool": allowed,
+            "float": torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)}[mask_kind]
+    ours, _ = hf_dmattn.attention_forward(module, q, k, v, mask, scaling=0.25)
+    theirs, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    rows = allowed.any(-1)[:, 0]  # (B, Sq): fully padded query rows differ by convention
+    torch.testing.assert_close(ours[rows], theirs[rows], **_tol(device))
+
+
+def _tiny_model(name, device):
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if name == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    else:  # Doge: dynamic masks built from the values, handed over as a float mask
+        model = transformers.DogeForCausalLM(transformers.DogeConfig(keep_window_size=5, is_moe=False, **common))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith(".A"):  # zero at init: make the dynamic bias non-trivial
+                    p.normal_()
+    return model.to(device=device, dtype=_dtype(device)).eval()
+
+
+@needs_transformers
+@pytest.mark.parametrize("name", ["llama", "doge"])
+def test_tiny_model_matches_sdpa(device, name):
+    hf_dmattn.register()
+    model = _tiny_model(name, device)
+    ids = torch.randint(0, 64, (2, 12), device=device)
+    pad = torch.ones(2, 12, dtype=torch.long, device=device)
+    pad[1, :3] = 0
+    logits = {}
+    for impl in ("sdpa", "dmattn"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            logits[impl] = model(input_ids=ids, attention_mask=pad).logits
+    keep = pad.bool()
+    torch.testing.assert_close(logits["dmattn"][keep], logits["sdpa"][keep], **_tol(device))
+    if name == "llama":  # decoding with a KV cache (Sq = 1 after the prefill)
+        tokens = {}
+        for impl in ("sdpa", "dmattn"):
+            model.set_attn_implementation(impl)
+            tokens[impl] = model.generate(input_ids=ids, attention_mask=pad, max_new_tokens=3,
+                                          do_sample=False, pad_token_id=0)
+        if device == "cpu":
+            assert torch.equal(tokens["dmattn"], tokens["sdpa"])
+    model.set_attn_implementation("dmattn")
+    model.zero_grad()
+    model.train()
+    model(input_ids=ids, attention_mask=pad, labels=ids).loss.backward()
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            assert torch.isfinite(p.grad).all(), n
