@@ -17,6 +17,15 @@ struct AttentionOptions {
   bool deterministic = false;
 };
 
+// Keys gathered out of a longer key sequence (ForwardParams::key_positions; docs/semantics.md,
+// "Gather path"): key_positions int32 (1 or B, 1 / Hkv / H, K) with K = k.shape[1] and a
+// contiguous last dimension; seqlen_k_original >= 0 the length the positions index into.
+// key_positions == null: k, v hold every key (seqlen_k_original is ignored).
+struct GatheredKeys {
+  const TensorDesc* key_positions = nullptr;
+  int64_t seqlen_k_original = 0;
+};
+
 // Validates every argument (rank, shape, dtype, device, strides, head ratio, head dim,
 // options) and fills ForwardParams. Throws dmattn::Error naming the offending argument.
 //   q (B, Sq, H, D); k, v (B, Sk, Hkv, D); out like q; lse (B, H, Sq) float32 (float64 for
@@ -24,7 +33,8 @@ struct AttentionOptions {
 ForwardParams make_forward_params(const TensorDesc& q, const TensorDesc& k, const TensorDesc& v,
                                   const TensorDesc& out, const TensorDesc& lse,
                                   const TensorDesc* mask, const TensorDesc* bias,
-                                  const AttentionOptions& options);
+                                  const AttentionOptions& options,
+                                  const GatheredKeys& gathered = {});
 
 // Same, plus dout (like q), dq (like q), dk/dv (like k), dbias (null, or bias's exact shape and
 // dtype), optional CUDA scratch (softmax_delta (B, H, Sq) float32, dq_accum (B, Sq, H, D)
@@ -36,7 +46,8 @@ BackwardParams make_backward_params(const TensorDesc& q, const TensorDesc& k, co
                                     const TensorDesc& dk, const TensorDesc& dv,
                                     const TensorDesc* dbias, const TensorDesc* softmax_delta,
                                     const TensorDesc* dq_accum, const TensorDesc* dbias_accum,
-                                    const AttentionOptions& options);
+                                    const AttentionOptions& options,
+                                    const GatheredKeys& gathered = {});
 
 // ---- Packed variable-length batches (docs/semantics.md, "Packed variable-length batches").
 
@@ -74,12 +85,17 @@ BackwardParams make_varlen_backward_params(
     const TensorDesc* dbias_accum, const AttentionOptions& options);
 
 // Run on params.device. CPU always available; CUDA when built with it (otherwise an Error).
-// Varlen params (params.is_varlen()) run on the CPU; on CUDA they raise kNotImplemented until
-// the varlen kernels exist.
+// Varlen params (params.is_varlen()) and gathered keys (params.has_key_positions()) run on the
+// CPU; on CUDA they raise kNotImplemented until the kernels read them.
 void run_forward(const ForwardParams& params);
 void run_backward(const BackwardParams& params);
 
 // Is the CUDA backend compiled in?
 bool cuda_available();
+
+// Does the backend of `device` read ForwardParams::key_positions? run_forward / run_backward
+// refuse key_positions (kNotImplemented) where it does not; the Python layer then falls back
+// to the dense masked path.
+bool key_positions_supported(DeviceKind device);
 
 }  // namespace dmattn

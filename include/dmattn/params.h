@@ -72,6 +72,7 @@ struct ForwardParams {
   // Key j is allowed for query i iff
   //   (window_left  < 0 || j >= i + seqlen_k - seqlen_q - window_left) &&
   //   (window_right < 0 || j <= i + seqlen_k - seqlen_q + window_right)
+  // (with key_positions: j is the row's original position, seqlen_k is seqlen_k_original).
   int64_t window_left = -1, window_right = -1;
 
   // ---- Packed variable-length batch (FlashAttention varlen); cu_seqlens_q == null = dense.
@@ -90,8 +91,30 @@ struct ForwardParams {
   const int32_t* cu_seqlens_k = nullptr;
   int64_t total_q = 0, total_k = 0;
 
+  // ---- Gathered keys (the "gather path" of dynamic top-k); key_positions == null = off.
+  // k, v (and a key-indexed mask/bias, whose key dimension is then seqlen_k or 1) hold only the
+  // gathered rows: seqlen_k is the gathered count K. Row j of (b, h) stands for the original
+  // key position
+  //   pos = key_positions[b * key_positions_stride_b + (h / key_positions_head_div)
+  //                       * key_positions_stride_h + j]
+  // (int32, (1 or B, 1 / Hkv / H, K), unit stride along j; a head dim of 1 has stride 0 and
+  // head_div 1, of Hkv head_div H / Hkv, like a bias). Causal and window test pos instead of j,
+  // bottom-right aligned with the original length: offset = seqlen_k_original - seqlen_q.
+  // A pos < 0 or >= seqlen_k_original is a padding row: never allowed, dk = dv = dbias = 0.
+  // Contract (checked on the CPU, not on CUDA): within each (b, h) the valid positions are
+  // strictly increasing and come first, padding rows only after them, so the keys a query
+  // block may reach form one contiguous range of rows, found by binary search.
+  // Not combined with varlen.
+  const int32_t* key_positions = nullptr;
+  int64_t key_positions_stride_b = 0, key_positions_stride_h = 0;
+  int64_t key_positions_head_div = 1;
+  int64_t seqlen_k_original = 0;  // meaningful only with key_positions
+
   bool is_varlen() const { return cu_seqlens_q != nullptr; }
+  bool has_key_positions() const { return key_positions != nullptr; }
   int64_t group_size() const { return num_heads_kv > 0 ? num_heads / num_heads_kv : 1; }
+  // The key length causal/window are aligned with.
+  int64_t window_seqlen_k() const { return has_key_positions() ? seqlen_k_original : seqlen_k; }
 };
 
 struct BackwardParams {

@@ -13,6 +13,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from . import gather
 from .ops import attention_forward, attention_varlen_forward
 
 __all__ = ["attention", "attention_varlen", "flash_dmattn_func"]
@@ -102,16 +103,48 @@ def attention(
     deterministic: bitwise-reproducible gradients.
     Returns out (B, Sq, H, D), plus lse (B, H, Sq) when return_lse (rows with no allowed key:
     out 0, lse -inf). See docs/semantics.md.
+
+    A mask (and bias) without a query dimension, e.g. (B, H, 1, Sk), that keeps at most half
+    of Sk >= 128 keys runs on the gathered kept keys only (same results; one host sync to
+    count them; not under torch.compile): docs/semantics.md, "Gather path".
     """
+    return attention_on(q, k, v, mask, bias, None, causal=causal, window=window, scale=scale,
+                        softcap=softcap, deterministic=deterministic, return_lse=return_lse)
+
+
+def attention_on(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Optional[Tensor],
+    bias: Optional[Tensor],
+    key_set: Optional[gather.KeySet],
+    *,
+    causal: bool,
+    window: Tuple[int, int],
+    scale: Optional[float],
+    softcap: float,
+    deterministic: bool,
+    return_lse: bool,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """`attention`, on the keys of ``key_set`` (gather path; ``mask`` is then ignored) when
+    given, else on the path `gather.mask_key_set` chooses. For attention_topk."""
     _require_tensor(q, "q")
     _require_tensor(k, "k")
     _require_tensor(v, "v")
     _require_tensor(mask, "mask", optional=True)
     _require_tensor(bias, "bias", optional=True)
     left, right, scale, softcap = _parse_options(window, scale, softcap)
+    causal, deterministic = bool(causal), bool(deterministic)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    out, lse = attention_forward(q, k, v, mask, bias, bool(causal), left, right, scale,
-                                 softcap, bool(deterministic))
+    if key_set is None:
+        key_set = gather.mask_key_set(q, k, mask, bias, deterministic)
+    if key_set is not None:
+        out, lse = gather.attention_over_key_set(q, k, v, key_set, bias, causal, left, right,
+                                                 scale, softcap, deterministic)
+    else:
+        out, lse = attention_forward(q, k, v, mask, bias, causal, left, right, scale, softcap,
+                                     deterministic)
     return (out, lse) if return_lse else out
 
 

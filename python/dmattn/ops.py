@@ -8,10 +8,17 @@ torch.compile, register_autograd connects the two.
 
 Mask and bias are passed exactly as the user gave them (any rank <= 4, broadcast strides):
 the native validation right-aligns them to (B, H, Sq, Sk) and never expands them.
+
+dmattn::fwd / dmattn::bwd optionally take gathered keys (the gather path, gather.py): k and v
+then hold only the rows listed in ``key_positions`` (int32 (1 or B, 1 / Hkv / H, K), original
+positions, strictly increasing, padding -1 last) out of ``seqlen_k_original`` keys; see
+docs/semantics.md, "Gather path". ``supports_key_positions(device)`` says whether the backend
+of a device reads them.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -21,7 +28,7 @@ from torch import Tensor
 from ._lib import lib
 
 __all__ = ["attention_forward", "attention_backward", "attention_varlen_forward",
-           "attention_varlen_backward"]
+           "attention_varlen_backward", "supports_key_positions"]
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -51,6 +58,18 @@ def _dbias_needs_accum(q: Tensor, bias: Tensor) -> bool:
     return b < q.shape[0] or h < q.shape[2]
 
 
+@functools.lru_cache(maxsize=None)
+def _native_supports_key_positions(device_type: str) -> bool:
+    return bool(lib().supports_key_positions(device_type))
+
+
+@torch.compiler.assume_constant_result
+def supports_key_positions(device_type: str) -> bool:
+    """Whether the backend of ``device_type`` ("cpu", "cuda") reads key_positions; constant
+    for torch.compile (a property of the loaded library)."""
+    return _native_supports_key_positions(device_type)
+
+
 @torch.library.custom_op("dmattn::fwd", mutates_args=())
 def attention_forward(
     q: Tensor,
@@ -64,18 +83,21 @@ def attention_forward(
     scale: Optional[float],
     softcap: float,
     deterministic: bool,
+    key_positions: Optional[Tensor] = None,
+    seqlen_k_original: int = 0,
 ) -> Tuple[Tensor, Tensor]:
     """Returns (out, lse): out like q, lse (B, H, Sq) float32 (float64 for float64 inputs)."""
     _check_rank(q, "q", "(batch, seqlen_q, num_heads, head_dim)")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q), device=q.device)
     lib().forward(q, k, v, out, lse, mask, bias, causal, window_left, window_right,
-                  _scale_arg(scale), softcap)
+                  _scale_arg(scale), softcap, key_positions, seqlen_k_original)
     return out, lse
 
 
 @attention_forward.register_fake
-def _(q, k, v, mask, bias, causal, window_left, window_right, scale, softcap, deterministic):
+def _(q, k, v, mask, bias, causal, window_left, window_right, scale, softcap, deterministic,
+      key_positions=None, seqlen_k_original=0):
     _check_rank(q, "q", "(batch, seqlen_q, num_heads, head_dim)")
     out = q.new_empty(q.shape)
     lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q))
@@ -99,6 +121,8 @@ def attention_backward(
     scale: Optional[float],
     softcap: float,
     deterministic: bool,
+    key_positions: Optional[Tensor] = None,
+    seqlen_k_original: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (dq, dk, dv, dbias); dbias is an empty tensor unless bias_requires_grad."""
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -116,7 +140,7 @@ def attention_backward(
             dbias_accum = torch.empty(_bias_shape4(bias), dtype=torch.float32, device=q.device)
     lib().backward(q, k, v, out, lse, mask, bias, dout, dq, dk, dv, dbias, delta, dq_accum,
                    dbias_accum, causal, window_left, window_right, _scale_arg(scale), softcap,
-                   deterministic)
+                   deterministic, key_positions, seqlen_k_original)
     if dbias is None:
         dbias = q.new_empty((0,))
     return dq, dk, dv, dbias
@@ -124,31 +148,34 @@ def attention_backward(
 
 @attention_backward.register_fake
 def _(dout, q, k, v, out, lse, mask, bias, bias_requires_grad, causal, window_left,
-      window_right, scale, softcap, deterministic):
+      window_right, scale, softcap, deterministic, key_positions=None, seqlen_k_original=0):
     dbias = bias.new_empty(bias.shape) if (bias_requires_grad and bias is not None) else q.new_empty((0,))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, bias, causal, window_left, window_right, scale, softcap, deterministic = inputs
+    (q, k, v, mask, bias, causal, window_left, window_right, scale, softcap, deterministic,
+     key_positions, seqlen_k_original) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, mask, bias, out, lse)
+    ctx.save_for_backward(q, k, v, mask, bias, out, lse, key_positions)
     ctx.options = (causal, window_left, window_right, scale, softcap, deterministic)
+    ctx.seqlen_k_original = seqlen_k_original
     ctx.bias_requires_grad = bias is not None and ctx.needs_input_grad[4]
     # lse is returned for inspection (as in FlashAttention); it carries no gradient.
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, mask, bias, out, lse = ctx.saved_tensors
+    q, k, v, mask, bias, out, lse, key_positions = ctx.saved_tensors
     causal, window_left, window_right, scale, softcap, deterministic = ctx.options
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     dq, dk, dv, dbias = attention_backward(
         dout, q, k, v, out, lse, mask, bias, ctx.bias_requires_grad, causal, window_left,
-        window_right, scale, softcap, deterministic)
+        window_right, scale, softcap, deterministic, key_positions, ctx.seqlen_k_original)
+    # Mask, options and key positions receive no gradient.
     return (dq, dk, dv, None, dbias if ctx.bias_requires_grad else None,
-            None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None)
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -7,7 +7,8 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .interface import attention
+from . import gather
+from .interface import attention_on
 from .masks import bias_over_keys, check_keep, dynamic_mask
 
 __all__ = ["attention_topk"]
@@ -36,6 +37,12 @@ def attention_topk(
     selected keys all lie in its future attends to nothing (out 0, lse -inf). Gradients
     reach q, k, v and the bias (through the attention; the selection has none).
     Arguments and return values as in ``dmattn.attention``; ``bias`` is required.
+
+    When bias and mask have no query dimension (one key set per (batch, head), e.g. a
+    (B, H, 1, Sk) bias), the kernels read only the min(keep, Sk) selected keys of each
+    (batch, head) (the gather path, no host synchronization; docs/semantics.md, "Gather
+    path") where the backend supports it; otherwise the selection becomes a bool mask for the
+    dense kernels. Both give the same results.
     """
     if not isinstance(bias, torch.Tensor):
         raise TypeError(f"bias: expected a torch.Tensor (the selection needs it), got {type(bias).__name__}")
@@ -43,13 +50,17 @@ def attention_topk(
         raise TypeError(f"k: expected a torch.Tensor, got {type(k).__name__}")
     if k.dim() != 4:
         raise ValueError(f"k: expected rank 4 (B, Sk, Hkv, D), got shape {tuple(k.shape)}")
-    # For now the selection is materialized as a bool mask and the dense kernels skip the
-    # unselected keys. A gather path in the kernels (reading only the kept keys) will replace
-    # these two lines; the signature and the results of this function stay as they are.
+    keep = check_keep(keep)
+    options = dict(causal=causal, window=window, scale=scale, softcap=softcap,
+                   deterministic=deterministic, return_lse=return_lse)
+    if isinstance(q, torch.Tensor):
+        key_set = gather.topk_key_set(q, k, bias, keep, mask, bool(deterministic))
+        if key_set is not None:
+            return attention_on(q, k, v, None, bias, key_set, **options)
+    # Dense path: the selection as a bool mask; the kernels skip the unselected keys.
     num_keys = k.shape[1]
-    if check_keep(keep) >= num_keys:
+    if keep >= num_keys:
         selected = mask  # every allowed key is kept: no new (possibly broadcast-size) mask
     else:
         selected = dynamic_mask(bias_over_keys(bias, num_keys), keep, mask)
-    return attention(q, k, v, selected, bias, causal=causal, window=window, scale=scale,
-                     softcap=softcap, deterministic=deterministic, return_lse=return_lse)
+    return attention_on(q, k, v, selected, bias, None, **options)

@@ -30,13 +30,24 @@ void reject_cuda_varlen(const ForwardParams& params) {
         "on CUDA yet (the varlen kernels are pending); run them on the CPU, or call "
         "dmattn.attention per sequence");
 }
+
+// Likewise for gathered keys, until the CUDA kernels read key_positions (flip
+// key_positions_supported below when they do).
+void reject_unsupported_key_positions(const ForwardParams& params) {
+  check(!params.has_key_positions() || key_positions_supported(params.device),
+        ErrorKind::kNotImplemented, "key_positions: gathered keys are not implemented on ",
+        device_name(params.device), " yet; use the dense path (k, v with every key and a mask)");
+}
 }  // namespace
+
+bool key_positions_supported(DeviceKind device) { return device == DeviceKind::kCPU; }
 
 void run_forward(const ForwardParams& params) {
   if (params.device == DeviceKind::kCPU) {
     return params.is_varlen() ? cpu::forward_varlen(params) : cpu::forward(params);
   }
   reject_cuda_varlen(params);
+  reject_unsupported_key_positions(params);
 #ifdef DMATTN_WITH_CUDA
   return cuda::forward(params);
 #else
@@ -49,6 +60,7 @@ void run_backward(const BackwardParams& params) {
     return params.fwd.is_varlen() ? cpu::backward_varlen(params) : cpu::backward(params);
   }
   reject_cuda_varlen(params.fwd);
+  reject_unsupported_key_positions(params.fwd);
 #ifdef DMATTN_WITH_CUDA
   return cuda::backward(params);
 #else

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <string>
 
+#include "api/key_positions.h"
 #include "api/tensor_checks.h"
 #include "dmattn/api.h"
 
@@ -98,7 +99,7 @@ void normalize_options(const AttentionOptions& o, int64_t head_dim, ForwardParam
 ForwardParams make_forward_params(const TensorDesc& q, const TensorDesc& k, const TensorDesc& v,
                                   const TensorDesc& out, const TensorDesc& lse,
                                   const TensorDesc* mask, const TensorDesc* bias,
-                                  const AttentionOptions& options) {
+                                  const AttentionOptions& options, const GatheredKeys& gathered) {
   check_rank(q, 4, "q", "(batch, seqlen_q, num_heads, head_dim)");
   check(q.device == DeviceKind::kCPU || q.device == DeviceKind::kCUDA, ErrorKind::kValue,
         "q: expected a CPU or CUDA tensor, got a tensor on ", device_name(q.device));
@@ -167,6 +168,7 @@ ForwardParams make_forward_params(const TensorDesc& q, const TensorDesc& k, cons
           dtype_name(bias->dtype));
     p.bias = make_broadcast_operand(*bias, n, "bias");
   }
+  set_key_positions(q, gathered, p);
   normalize_options(options, dim, p);
   return p;
 }
@@ -178,9 +180,10 @@ BackwardParams make_backward_params(const TensorDesc& q, const TensorDesc& k, co
                                     const TensorDesc& dk, const TensorDesc& dv,
                                     const TensorDesc* dbias, const TensorDesc* softmax_delta,
                                     const TensorDesc* dq_accum, const TensorDesc* dbias_accum,
-                                    const AttentionOptions& options) {
+                                    const AttentionOptions& options,
+                                    const GatheredKeys& gathered) {
   BackwardParams p;
-  p.fwd = make_forward_params(q, k, v, out, lse, mask, bias, options);
+  p.fwd = make_forward_params(q, k, v, out, lse, mask, bias, options, gathered);
   const ForwardParams& f = p.fwd;
   const char* q_layout = "like q (batch, seqlen_q, num_heads, head_dim)";
   const char* kv_layout = "like k (batch, seqlen_k, num_heads_kv, head_dim)";

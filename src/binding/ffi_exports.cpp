@@ -82,6 +82,15 @@ dmattn::AttentionOptions make_options(bool causal, int64_t window_left, int64_t 
   return o;
 }
 
+// key_positions absent: k, v hold every key (seqlen_k_original is then ignored).
+struct GatheredKeysArg {
+  OptionalDesc positions;
+  int64_t seqlen_k_original;
+  GatheredKeysArg(const Optional<TensorView>& key_positions, int64_t original)
+      : positions(key_positions), seqlen_k_original(original) {}
+  dmattn::GatheredKeys get() const { return {positions.get(), seqlen_k_original}; }
+};
+
 void* current_stream(const dmattn::ForwardParams& p) {
   if (p.device != dmattn::DeviceKind::kCUDA) return nullptr;
   return TVMFFIEnvGetStream(kDLCUDA, p.device_id);
@@ -99,12 +108,15 @@ void translate_errors(Body&& body) {
 
 void forward(TensorView q, TensorView k, TensorView v, TensorView out, TensorView lse,
              Optional<TensorView> mask, Optional<TensorView> bias, bool causal,
-             int64_t window_left, int64_t window_right, double scale, double softcap) {
+             int64_t window_left, int64_t window_right, double scale, double softcap,
+             Optional<TensorView> key_positions, int64_t seqlen_k_original) {
   translate_errors([&] {
     const OptionalDesc mask_d(mask), bias_d(bias);
+    const GatheredKeysArg gathered(key_positions, seqlen_k_original);
     dmattn::ForwardParams p = dmattn::make_forward_params(
         to_desc(q), to_desc(k), to_desc(v), to_desc(out), to_desc(lse), mask_d.get(),
-        bias_d.get(), make_options(causal, window_left, window_right, scale, softcap, false));
+        bias_d.get(), make_options(causal, window_left, window_right, scale, softcap, false),
+        gathered.get());
     p.stream = current_stream(p);
     dmattn::run_forward(p);
   });
@@ -115,15 +127,18 @@ void backward(TensorView q, TensorView k, TensorView v, TensorView out, TensorVi
               TensorView dq, TensorView dk, TensorView dv, Optional<TensorView> dbias,
               Optional<TensorView> softmax_delta, Optional<TensorView> dq_accum,
               Optional<TensorView> dbias_accum, bool causal, int64_t window_left,
-              int64_t window_right, double scale, double softcap, bool deterministic) {
+              int64_t window_right, double scale, double softcap, bool deterministic,
+              Optional<TensorView> key_positions, int64_t seqlen_k_original) {
   translate_errors([&] {
     const OptionalDesc mask_d(mask), bias_d(bias), dbias_d(dbias), delta_d(softmax_delta),
         dq_accum_d(dq_accum), dbias_accum_d(dbias_accum);
+    const GatheredKeysArg gathered(key_positions, seqlen_k_original);
     dmattn::BackwardParams p = dmattn::make_backward_params(
         to_desc(q), to_desc(k), to_desc(v), to_desc(out), to_desc(lse), mask_d.get(),
         bias_d.get(), to_desc(dout), to_desc(dq), to_desc(dk), to_desc(dv), dbias_d.get(),
         delta_d.get(), dq_accum_d.get(), dbias_accum_d.get(),
-        make_options(causal, window_left, window_right, scale, softcap, deterministic));
+        make_options(causal, window_left, window_right, scale, softcap, deterministic),
+        gathered.get());
     p.fwd.stream = current_stream(p.fwd);
     dmattn::run_backward(p);
   });
@@ -193,6 +208,13 @@ void check_cu_seqlens(TensorView cu_seqlens_q, TensorView cu_seqlens_k, int64_t 
 
 bool cuda_available() { return dmattn::cuda_available(); }
 
+// Whether forward/backward accept key_positions for tensors on `device` ("cpu", "cuda").
+bool supports_key_positions(const std::string& device) {
+  if (device == "cpu") return dmattn::key_positions_supported(dmattn::DeviceKind::kCPU);
+  if (device == "cuda") return dmattn::key_positions_supported(dmattn::DeviceKind::kCUDA);
+  return false;
+}
+
 }  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward, forward);
@@ -201,3 +223,4 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward_varlen, forward_varlen);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(backward_varlen, backward_varlen);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(check_cu_seqlens, check_cu_seqlens);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(cuda_available, cuda_available);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(supports_key_positions, supports_key_positions);

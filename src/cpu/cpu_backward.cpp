@@ -182,7 +182,7 @@ void row_stats_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int64_
   ctx.load_query_side(b, h, i0, rows, t);
   std::fill_n(t.online.begin(), rows, OnlineSoftmaxRow<Acc>{});
   std::fill_n(t.delta.begin(), rows, Acc(0));  // unnormalized until the end
-  const IndexRange keys = ctx.mod.window.keys_for_queries({i0, i0 + rows});
+  const IndexRange keys = ctx.mod.keys.for_queries(b, h, {i0, i0 + rows});
   for (int64_t j0 = aligned_block_start(keys.begin, kBlockK); j0 < keys.end; j0 += kBlockK) {
     const int64_t cols = std::min(kBlockK, f.seqlen_k - j0);
     ctx.load_key_side(b, kv_head, j0, cols, t);
@@ -290,8 +290,9 @@ void key_block_task(const BackwardContext<T, Acc, BiasT>& ctx, const KeyTaskGrid
         std::fill(dk, dk + cols * dim, Acc(0));
         std::fill(dv, dv + cols * dim, Acc(0));
 
-        const IndexRange queries = ctx.mod.window.queries_for_keys({j0, j0 + cols});
         for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+          // Per query head: with gathered keys each head may read the rows as other positions.
+          const IndexRange queries = ctx.mod.keys.queries_for(b, h, {j0, j0 + cols});
           for (int64_t i0 = aligned_block_start(queries.begin, kBlockQ); i0 < queries.end;
                i0 += kBlockQ) {
             const int64_t rows = std::min(kBlockQ, f.seqlen_q - i0);
@@ -354,7 +355,7 @@ void query_block_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int6
   Acc* dq = t.grad_a.data();
   std::fill(dq, dq + rows * dim, Acc(0));
 
-  const IndexRange keys = ctx.mod.window.keys_for_queries({i0, i0 + rows});
+  const IndexRange keys = ctx.mod.keys.for_queries(b, h, {i0, i0 + rows});
   for (int64_t j0 = aligned_block_start(keys.begin, kBlockK); j0 < keys.end; j0 += kBlockK) {
     const int64_t cols = std::min(kBlockK, f.seqlen_k - j0);
     ctx.load_key_side(b, kv_head, j0, cols, t);

@@ -40,7 +40,7 @@ void forward_query_block(const ForwardParams& p, const ScoreMod<Acc, BiasT>& mod
   std::fill(tiles.row_stats.begin(), tiles.row_stats.end(), OnlineSoftmaxRow<Acc>{});
 
   // Key blocks that causal/window exclude for every row of this query block are skipped.
-  const IndexRange keys = mod.window.keys_for_queries({i0, i0 + rows});
+  const IndexRange keys = mod.keys.for_queries(b, h, {i0, i0 + rows});
   for (int64_t j0 = aligned_block_start(keys.begin, kBlockK); j0 < keys.end; j0 += kBlockK) {
     const int64_t cols = std::min(kBlockK, p.seqlen_k - j0);
     const T* k = static_cast<const T*>(p.k) + p.k_strides.offset(b, j0, kv_head);

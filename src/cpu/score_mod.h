@@ -1,5 +1,5 @@
 // Per-element score modification: scale, softcap, bias, and which positions are allowed
-// (mask, causal/sliding window, bias != -inf).
+// (mask, causal/sliding window on the key positions (key_rows.h), bias != -inf).
 //
 // A disallowed position is *replaced* by -inf, never offset by a sentinel, so a finite score
 // can never overflow and a disallowed position contributes nothing whatever its bias holds.
@@ -11,45 +11,11 @@
 #include <limits>
 
 #include "cpu/element_types.h"
+#include "cpu/key_rows.h"
 #include "cpu/tile_math.h"
 #include "dmattn/params.h"
 
 namespace dmattn::cpu {
-
-// Half-open index range.
-struct IndexRange {
-  int64_t begin = 0, end = 0;
-  bool empty() const { return begin >= end; }
-};
-
-// The causal/sliding-window rule, bottom-right aligned (see ForwardParams): key j is allowed
-// for query i iff  i + offset - left <= j <= i + offset + right,  offset = Sk - Sq, and a
-// negative left/right means unbounded on that side.
-struct WindowRule {
-  int64_t seqlen_q = 0, seqlen_k = 0, offset = 0, left = -1, right = -1;
-
-  explicit WindowRule(const ForwardParams& p)
-      : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k), offset(p.seqlen_k - p.seqlen_q),
-        left(p.window_left), right(p.window_right) {}
-
-  // Keys that at least one query in [rows.begin, rows.end) may attend to ({0, 0} if none).
-  IndexRange keys_for_queries(IndexRange rows) const {
-    if (rows.empty()) return {0, 0};
-    IndexRange keys{0, seqlen_k};
-    if (left >= 0) keys.begin = std::max<int64_t>(0, rows.begin + offset - left);
-    if (right >= 0) keys.end = std::min<int64_t>(seqlen_k, rows.end - 1 + offset + right + 1);
-    return keys.empty() ? IndexRange{0, 0} : keys;
-  }
-
-  // Queries that may attend to at least one key in [keys.begin, keys.end) ({0, 0} if none).
-  IndexRange queries_for_keys(IndexRange keys) const {
-    if (keys.empty()) return {0, 0};
-    IndexRange rows{0, seqlen_q};
-    if (right >= 0) rows.begin = std::max<int64_t>(0, keys.begin - offset - right);
-    if (left >= 0) rows.end = std::min<int64_t>(seqlen_q, keys.end - 1 - offset + left + 1);
-    return rows.empty() ? IndexRange{0, 0} : rows;
-  }
-};
 
 // First index of the kBlockK-aligned key block containing `key` (blocks stay aligned so the
 // forward and both backward passes see the same tiling as the GPU kernels).
@@ -58,12 +24,12 @@ inline int64_t aligned_block_start(int64_t index, int64_t block) { return index 
 template <typename Acc, typename BiasT>
 struct ScoreMod {
   Acc scale = 1, softcap = 0;
-  WindowRule window;
+  KeyRows keys;  // the causal/window rule on rows of k/v
   BroadcastOperand mask;  // mask.ptr: bool bytes, or null
   BroadcastOperand bias;  // bias.ptr: BiasT, or null
 
   explicit ScoreMod(const ForwardParams& p)
-      : scale(static_cast<Acc>(p.scale)), softcap(static_cast<Acc>(p.softcap)), window(p),
+      : scale(static_cast<Acc>(p.scale)), softcap(static_cast<Acc>(p.softcap)), keys(p),
         mask(p.mask), bias(p.bias) {}
 
   // Turns one tile of raw dot products <q_i, k_j> (rows x cols at query i0, key j0, leading
@@ -79,9 +45,9 @@ struct ScoreMod {
       const int64_t i = i0 + r;
       Acc* s = tile + r * kBlockK;
       Acc* grad = softcap_grad ? softcap_grad + r * kBlockK : nullptr;
-      const IndexRange keys = window.keys_for_queries({i, i + 1});
-      const int64_t allowed_begin = std::clamp<int64_t>(keys.begin - j0, 0, cols);
-      const int64_t allowed_end = std::clamp<int64_t>(keys.end - j0, allowed_begin, cols);
+      const IndexRange allowed = keys.for_queries(b, h, {i, i + 1});
+      const int64_t allowed_begin = std::clamp<int64_t>(allowed.begin - j0, 0, cols);
+      const int64_t allowed_end = std::clamp<int64_t>(allowed.end - j0, allowed_begin, cols);
 
       for (int64_t c = 0; c < allowed_begin; ++c) s[c] = kNegInf;
       for (int64_t c = allowed_end; c < cols; ++c) s[c] = kNegInf;

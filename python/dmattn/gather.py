@@ -1,0 +1,204 @@
+"""The gather path: attention over only the kept keys when every query of a (batch, head)
+shares one key set (a mask, and a bias, without a query dimension).
+
+Instead of scanning all Sk keys and masking most of them out, the kept keys' indices are
+compacted per (batch, head) into sorted int32 ``key_positions`` (padded with -1 to a width K),
+the K, V and bias rows at those positions are gathered (differentiable torch gathers, so
+autograd scatters dk, dv and dbias back onto the original rows and sums GQA groups), and
+dmattn::fwd runs on the K gathered rows with the positions, against which causal and window
+are tested. Work and memory then scale with K instead of Sk. Results equal the dense masked
+path up to the order of floating-point summation. See docs/semantics.md, "Gather path".
+
+Padding rows (position -1) read key 0 but are never attended to: the kernels treat any
+position outside [0, Sk) as masked and give those rows zero gradients, so nothing flows back
+to key 0 from them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .masks import bias_over_keys, dynamic_mask
+from .ops import attention_forward, supports_key_positions
+
+__all__ = ["KeySet", "mask_key_set", "topk_key_set", "attention_over_key_set", "force_path"]
+
+# dmattn.attention gathers by itself only when at most this fraction of the keys is kept by
+# any (batch, head) (the dense path's masked keys cost about as much as kept ones), and only
+# for key sequences long enough that skipping keys can save whole key blocks.
+_MAX_KEPT_FRACTION = 0.5
+_MIN_KEYS = 128
+
+_forced: Optional[str] = None
+
+
+@contextlib.contextmanager
+def force_path(path: Optional[str]) -> Iterator[None]:
+    """For tests and benchmarks: "gather" makes dmattn.attention gather whenever the key set
+    allows it (whatever fraction is kept), "dense" makes it and dmattn.attention_topk always
+    take the dense masked path, None restores the automatic choice. Not thread-local."""
+    global _forced
+    if path not in (None, "gather", "dense"):
+        raise ValueError(f"path: expected 'gather', 'dense' or None, got {path!r}")
+    previous, _forced = _forced, path
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+class KeySet(NamedTuple):
+    """Keys kept per (batch, head), shared by all queries: ``kept`` bool (1 or B, 1 / Hkv / H,
+    Sk), at most ``width`` True per row; ``width`` is the gathered length K."""
+    kept: Tensor
+    width: int
+
+
+def _key_side_view(t: Tensor, batch: int, heads: int, heads_kv: int, num_keys: int) -> Optional[Tensor]:
+    """A mask/bias of rank <= 4 without a query dimension as a (1 or B, 1 / Hkv / H, Sk) view
+    (its key dimension expanded), or None when it has a query dimension or does not follow the
+    broadcast rule (the dense path then reports the error)."""
+    if t.dim() > 4:
+        return None
+    t4 = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
+    b, h, q, s = t4.shape
+    if q != 1 or b not in (1, batch) or h not in (1, heads_kv, heads) or s not in (1, num_keys):
+        return None
+    return t4[:, :, 0, :].expand(b, h, num_keys)
+
+
+def _gather_allowed(q: Tensor, k: Tensor, deterministic: bool) -> bool:
+    """Shapes the gather can index, and a backend that reads key positions. The backward of
+    a gather is a scatter-add, which uses atomics on CUDA, so deterministic=True gathers only
+    on the CPU."""
+    if q.dim() != 4 or k.dim() != 4 or q.numel() == 0 or k.shape[1] == 0:
+        return False
+    if k.shape[0] != q.shape[0] or k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+        return False
+    if deterministic and q.device.type != "cpu":
+        return False
+    return supports_key_positions(q.device.type)
+
+
+def _same_device(q: Tensor, *others: Optional[Tensor]) -> bool:
+    """Optional tensors on q's device (anything else: the dense path reports it)."""
+    return all(t is None or (isinstance(t, Tensor) and t.device == q.device) for t in others)
+
+
+def mask_key_set(q: Tensor, k: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
+                 deterministic: bool) -> Optional[KeySet]:
+    """dmattn.attention's choice: the key set of ``mask`` when the gather path applies and
+    pays off, else None (dense path). Deciding needs the largest kept count, i.e. one host
+    synchronization, and is skipped under torch.compile (always dense there)."""
+    if _forced == "dense" or mask is None or torch.compiler.is_compiling():
+        return None
+    if mask.dtype != torch.bool or not _same_device(q, mask, bias) or not _gather_allowed(q, k, deterministic):
+        return None
+    batch, _, heads, _ = q.shape
+    heads_kv, num_keys = k.shape[2], k.shape[1]
+    kept = _key_side_view(mask, batch, heads, heads_kv, num_keys)
+    if kept is None or (bias is not None and _key_side_view(bias, batch, heads, heads_kv, num_keys) is None):
+        return None
+    if _forced is None and num_keys < _MIN_KEYS:
+        return None
+    width = int(kept.sum(dim=-1).max())  # the host synchronization
+    if _forced is None and width > _MAX_KEPT_FRACTION * num_keys:
+        return None
+    return KeySet(kept, width)
+
+
+def topk_key_set(q: Tensor, k: Tensor, bias: Tensor, keep: int, mask: Optional[Tensor],
+                 deterministic: bool) -> Optional[KeySet]:
+    """dmattn.attention_topk's choice: the top-``keep`` key set of ``bias`` (among the keys
+    ``mask`` allows) when bias and mask have no query dimension and the backend reads key
+    positions, else None (dense path). Width min(keep, Sk): no host synchronization."""
+    if _forced == "dense" or not _same_device(q, bias, mask) or not _gather_allowed(q, k, deterministic):
+        return None
+    batch, _, heads, _ = q.shape
+    heads_kv, num_keys = k.shape[2], k.shape[1]
+    for t in (bias, mask):
+        if t is not None and _key_side_view(t, batch, heads, heads_kv, num_keys) is None:
+            return None
+    selected = dynamic_mask(bias_over_keys(bias, num_keys), keep, mask)
+    kept = _key_side_view(selected, batch, heads, heads_kv, num_keys)
+    if kept is None:  # e.g. bias heads Hkv with mask heads H: no single head rule
+        return None
+    return KeySet(kept, min(keep, num_keys))
+
+
+def compact_positions(kept: Tensor, width: int) -> Tensor:
+    """int32 (..., width): per row, the indices of the True entries of ``kept`` (..., Sk) in
+    increasing order, then -1. O(Sk) per row (a running count and a scatter), no sort."""
+    rank = kept.cumsum(dim=-1) - 1
+    # Dropped keys (and any beyond the width) all go to one extra slot, cut off below.
+    slot = torch.where(kept & (rank < width), rank, width)
+    index = torch.arange(kept.shape[-1], dtype=torch.int32, device=kept.device).expand(kept.shape)
+    positions = torch.full((*kept.shape[:-1], width + 1), -1, dtype=torch.int32, device=kept.device)
+    positions.scatter_(-1, slot, index)
+    return positions[..., :width]
+
+
+def _combined_heads(a: int, b: int, heads: int, heads_kv: int) -> int:
+    """The head count fine enough for two head dims each of size 1, Hkv or H."""
+    if heads in (a, b):
+        return heads
+    return heads_kv if heads_kv in (a, b) else 1
+
+
+def _to_heads(t: Tensor, target: int, heads: int, heads_kv: int) -> Tensor:
+    """Dim 1 of size 1, Hkv or H brought to ``target`` heads (query head h uses entry
+    h // (H / Hkv) of an Hkv-sized dim, the GQA rule)."""
+    size = t.shape[1]
+    if size == target:
+        return t
+    if size == 1:
+        return t.expand(t.shape[0], target, *t.shape[2:])
+    return t.repeat_interleave(heads // heads_kv, dim=1)  # Hkv -> H
+
+
+def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
+    """(B, K, G, D) rows of k or v (B, Sk, Hkv, D): gathered head g reads kv head
+    g // (G / Hkv) at the positions ``index`` (B, G, K). Its backward scatters the gradient
+    back onto the original rows, summed over repeats and GQA groups."""
+    batch, _, heads_kv, _ = x.shape
+    gathered_heads = index.shape[1]
+    kv_head = torch.arange(gathered_heads, device=x.device) // (gathered_heads // heads_kv)
+    batch_index = torch.arange(batch, device=x.device)
+    return x[batch_index[:, None, None], index.transpose(1, 2), kv_head[None, None, :]]
+
+
+def _gather_bias(bias: Tensor, index: Tensor, batch: int, heads: int, heads_kv: int,
+                 num_keys: int) -> Tensor:
+    """The bias at the gathered keys, (1 or B, 1 / Hkv / H, 1, K): fine enough in batch and
+    heads for both the bias and the positions ``index`` (1 or B, 1 / Hkv / H, K)."""
+    bias3 = _key_side_view(bias, batch, heads, heads_kv, num_keys)
+    out_batch = max(bias3.shape[0], index.shape[0])
+    out_heads = _combined_heads(bias3.shape[1], index.shape[1], heads, heads_kv)
+    bias3 = _to_heads(bias3, out_heads, heads, heads_kv).expand(out_batch, out_heads, num_keys)
+    index = _to_heads(index, out_heads, heads, heads_kv).expand(out_batch, out_heads, -1)
+    return torch.gather(bias3, -1, index).unsqueeze(2)
+
+
+def attention_over_key_set(q: Tensor, k: Tensor, v: Tensor, key_set: KeySet, bias: Optional[Tensor],
+                           causal: bool, window_left: int, window_right: int, scale: Optional[float],
+                           softcap: float, deterministic: bool) -> Tuple[Tensor, Tensor]:
+    """(out, lse) of attention restricted to ``key_set`` (plus causal/window and a -inf bias,
+    as in the dense path), computed on the gathered keys only."""
+    batch, _, heads, _ = q.shape
+    num_keys, heads_kv = k.shape[1], k.shape[2]
+    positions = compact_positions(key_set.kept, key_set.width)
+    # One kept set per kv head (positions heads 1 or Hkv): gather Hkv heads, the kernel's GQA
+    # shares them. One per query head (H != Hkv): gather per query head.
+    gathered_heads = heads if positions.shape[1] == heads != heads_kv else heads_kv
+    # Padding rows (-1) read key 0; the kernel never attends to them (zero gradient).
+    index = positions.long().clamp_min(0)
+    kv_index = _to_heads(index, gathered_heads, heads, heads_kv).expand(batch, gathered_heads, -1)
+    k_rows = _gather_rows(k, kv_index)
+    v_rows = _gather_rows(v, kv_index)
+    bias_rows = None if bias is None else _gather_bias(bias, index, batch, heads, heads_kv, num_keys)
+    return attention_forward(q, k_rows, v_rows, None, bias_rows, causal, window_left, window_right,
+                             scale, softcap, deterministic, positions, num_keys)
