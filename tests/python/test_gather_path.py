@@ -1,0 +1,315 @@
+"""The gather path (dmattn/gather.py; docs/semantics.md, "Gather path").
+
+* dmattn.attention with a mask without a query dimension, forced onto the gather path, equals
+  the dense masked path: out, lse, dq, dk, dv, dbias, over GQA, Sq != Sk, causal, window,
+  softcap, every per-key bias shape and mask head count;
+  dmattn.attention_topk likewise (keep = 1, small, >= Sk; with and without a padding mask);
+* causal rows whose kept keys all lie in their future: out 0, lse -inf, zero gradients;
+* low precision against the float64 reference, NaN-poisoned outputs, determinism;
+* the automatic choice, the extended custom ops (opcheck), torch.compile of attention_topk,
+  and the errors for malformed key_positions.
+
+Until the CUDA kernels read key positions, the CUDA variants exercise the fallback: the gather
+path is refused there (supports_key_positions("cuda") is False) and both paths run dense.
+"""
+
+import math
+
+import pytest
+import torch
+
+import dmattn
+from dmattn import gather
+from dmattn.ops import supports_key_positions
+from reference import check_against_reference
+
+B, H, HKV = 2, 4, 2
+
+
+def _dtypes(device):
+    return [torch.bfloat16] if device == "cuda" else [torch.float64, torch.float32]
+
+
+def _qkv(b, sq, sk, h, hkv, d, dtype, device, gen):
+    q = torch.randn(b, sq, h, d, generator=gen).to(dtype).to(device)
+    k = torch.randn(b, sk, hkv, d, generator=gen).to(dtype).to(device)
+    v = torch.randn(b, sk, hkv, d, generator=gen).to(dtype).to(device)
+    dout = torch.randn(b, sq, h, d, generator=gen).to(dtype).to(device)
+    return q, k, v, dout
+
+
+def _run(path, fn, q, k, v, bias, dout, args, **options):
+    """out, lse and every gradient of fn(q, k, v, *args(bias leaf)) on the forced path."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    leaf = None
+    if bias is not None:
+        leaf = bias.detach().requires_grad_()
+    with gather.force_path(path):
+        out, lse = fn(q, k, v, *args(leaf), return_lse=True, **options)
+    out.backward(dout)
+    result = {"out": out.detach(), "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    if leaf is not None:
+        result["dbias"] = leaf.grad
+    return result
+
+
+def _attention(path, q, k, v, mask, bias, dout, **options):
+    return _run(path, dmattn.attention, q, k, v, bias, dout, lambda leaf: (mask, leaf), **options)
+
+
+def _topk(path, q, k, v, bias, keep, mask, dout, **options):
+    return _run(path, dmattn.attention_topk, q, k, v, bias, dout,
+                lambda leaf: (leaf, keep), mask=mask, **options)
+
+
+def _assert_same(gathered, dense, dtype, context):
+    """Equal up to the order of floating-point summation (different tilings of the keys):
+    -inf at the same places, finite values within a few units of fp32 (fp64) accumulation
+    relative to each tensor's largest magnitude."""
+    rel = {torch.float64: 1e-11, torch.float32: 2e-5}.get(dtype, 2 ** -7)
+    assert gathered.keys() == dense.keys()
+    for name, got in gathered.items():
+        expected = dense[name]
+        assert got is not None and expected is not None, f"{name}: missing {context}"
+        assert got.shape == expected.shape and got.dtype == expected.dtype, f"{name} {context}"
+        got, expected = got.detach().cpu().double(), expected.detach().cpu().double()
+        inf = torch.isinf(expected)
+        assert torch.equal(torch.isinf(got), inf) and torch.equal(got[inf], expected[inf]), (
+            f"{name}: -inf pattern differs {context}")
+        assert not torch.isnan(got).any(), f"{name}: NaN {context}"
+        fin = ~inf
+        scale = max(1.0, float(expected[fin].abs().max())) if fin.any() else 1.0
+        err = float((got[fin] - expected[fin]).abs().max()) if fin.any() else 0.0
+        assert err <= rel * scale, f"{name}: max difference {err:.3e} > {rel * scale:.3e} {context}"
+
+
+# (Sq, Sk, H, Hkv, mask shape, bias shape or None, causal, window, density, softcap)
+CASES = [
+    (7, 40, H, HKV, (B, H, 1, 40), (B, H, 1, 40), False, (-1, -1), 0.3, 0.0),
+    (7, 40, H, HKV, (B, 1, 1, 40), (B, 1, 1, 40), True, (-1, -1), 0.3, 0.0),
+    (40, 40, H, HKV, (B, HKV, 1, 40), (1, H, 1, 40), True, (-1, -1), 0.2, 0.0),
+    (33, 70, H, HKV, (B, 1, 1, 70), (HKV, 1, 70), False, (5, 3), 0.4, 0.0),
+    (70, 33, H, 1, (B, H, 1, 33), (B, H, 1, 1), True, (10, -1), 0.5, 5.0),
+    (9, 150, H, H, (150,), None, False, (-1, 20), 0.1, 0.0),
+    (12, 12, H, HKV, (B, H, 1, 12), (B, H, 1, 12), False, (-1, -1), 1.0, 0.0),   # keeps all
+    (12, 50, H, HKV, (B, 1, 1, 50), (B, 1, 1, 50), True, (-1, -1), 0.02, 0.0),   # ~1 key
+    (1, 64, 3, 1, (B, 3, 1, 64), (B, 3, 1, 64), True, (-1, -1), 0.25, 0.0),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=lambda i: f"case{i}")
+def test_attention_gather_matches_dense(device, case):
+    sq, sk, h, hkv, mask_shape, bias_shape, causal, window, density, softcap = CASES[case]
+    gen = torch.Generator().manual_seed(case)
+    for dtype in _dtypes(device):
+        q, k, v, dout = _qkv(B, sq, sk, h, hkv, 16, dtype, device, gen)
+        mask = (torch.rand(mask_shape, generator=gen) < density).to(device)
+        bias = None
+        if bias_shape is not None:
+            bias = torch.randn(bias_shape, generator=gen).to(dtype).to(device)
+            bias = bias.masked_fill(torch.rand(bias_shape, generator=gen) < 0.1, float("-inf"))
+        options = dict(causal=causal, window=window, softcap=softcap)
+        gathered = _attention("gather", q, k, v, mask, bias, dout, **options)
+        dense = _attention("dense", q, k, v, mask, bias, dout, **options)
+        _assert_same(gathered, dense, dtype, f"[case {case} {dtype}]")
+
+
+@pytest.mark.parametrize("keep", [1, 3, 17, 40, 100])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_topk_gather_matches_dense(device, keep, with_mask):
+    gen = torch.Generator().manual_seed(keep)
+    for dtype in _dtypes(device):
+        q, k, v, dout = _qkv(B, 25, 40, H, HKV, 16, dtype, device, gen)
+        bias = torch.randn(B, HKV, 1, 40, generator=gen).to(dtype).to(device)
+        mask = (torch.rand(B, 1, 1, 40, generator=gen) < 0.6).to(device) if with_mask else None
+        for causal in (False, True):
+            options = dict(causal=causal)
+            gathered = _topk("gather", q, k, v, bias, keep, mask, dout, **options)
+            dense = _topk("dense", q, k, v, bias, keep, mask, dout, **options)
+            _assert_same(gathered, dense, dtype, f"[keep {keep} causal {causal} {dtype}]")
+
+
+def test_causal_early_queries_keep_nothing(device):
+    # Kept keys only among the last 10 of 30; causal with Sq = Sk: queries 0..19 keep nothing.
+    gen = torch.Generator().manual_seed(5)
+    dtype = _dtypes(device)[0]
+    q, k, v, dout = _qkv(B, 30, 30, H, HKV, 16, dtype, device, gen)
+    bias = torch.randn(B, H, 1, 30, generator=gen).to(dtype).to(device)
+    bias[..., :20] = -5.0  # never among the top 4
+    got = _topk("gather", q, k, v, bias, 4, None, dout, causal=True)
+    assert torch.isinf(got["lse"][:, :, :20]).all() and (got["lse"][:, :, :20] < 0).all()
+    assert torch.isfinite(got["lse"][:, :, 29]).all()
+    assert (got["out"][:, :20] == 0).all() and (got["dq"][:, :20] == 0).all()
+    assert (got["dk"][:, :20] == 0).all() and (got["dv"][:, :20] == 0).all()
+    assert (got["dbias"][..., :20] == 0).all()
+    dense = _topk("dense", q, k, v, bias, 4, None, dout, causal=True)
+    _assert_same(got, dense, dtype, "[early queries]")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gather_against_reference_low_precision(device, seed):
+    """bf16/fp16 (where rounding of the gathered gradients' scatter differs from the dense
+    path's) against the float64 reference with the dense path's tolerance rule."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    dtype = [torch.bfloat16, torch.float16][seed % 2]
+    sq, sk = [(9, 48), (48, 48), (20, 7), (1, 33)][seed]
+    q, k, v, dout = _qkv(B, sq, sk, H, HKV, 32, dtype, device, gen)
+    mask = (torch.rand(B, [1, HKV, H, 1][seed], 1, sk, generator=gen) < 0.4).to(device)
+    bias = (torch.randn(B, H, 1, sk, generator=gen) * 2).to(dtype).to(device).requires_grad_()
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    options = dict(causal=seed % 2 == 1, window=(-1, -1), softcap=0.0)
+    with gather.force_path("gather"):
+        out, lse = dmattn.attention(qg, kg, vg, mask, bias, return_lse=True, **options)
+    out.backward(dout)
+    grads = {"q": qg.grad, "k": kg.grad, "v": vg.grad, "bias": bias.grad}
+    check_against_reference(q, k, v, mask, bias, out.detach(), lse, grads, scale=None,
+                            dout=dout, context=f"[gather seed {seed}]", **options)
+
+
+def test_gather_outputs_fully_written(device, nan_poison):
+    gen = torch.Generator().manual_seed(9)
+    dtype = _dtypes(device)[-1]
+    q, k, v, dout = _qkv(B, 21, 70, H, HKV, 16, dtype, device, gen)
+    mask = (torch.rand(B, H, 1, 70, generator=gen) < 0.2).to(device)
+    mask[0, 0] = False  # a (batch, head) that keeps nothing: padding rows only
+    bias = torch.randn(1, H, 1, 70, generator=gen).to(dtype).to(device)
+    got = _attention("gather", q, k, v, mask, bias, dout, causal=True)
+    for name, t in got.items():
+        finite = torch.isfinite(t) | (t == float("-inf")) if name == "lse" else torch.isfinite(t)
+        assert finite.all(), f"{name}: NaN or inf left"
+    assert (got["out"][0, :, 0] == 0).all() and torch.isinf(got["lse"][0, 0]).all()
+
+
+def test_gather_is_deterministic_on_cpu():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, dout = _qkv(B, 30, 90, H, HKV, 16, torch.float32, "cpu", gen)
+    mask = torch.rand(B, 1, 1, 90, generator=gen) < 0.3
+    bias = torch.randn(B, H, 1, 90, generator=gen)
+    first = _attention("gather", q, k, v, mask, bias, dout, deterministic=True)
+    second = _attention("gather", q, k, v, mask, bias, dout, deterministic=True)
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+def test_automatic_choice(device):
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, dout = _qkv(B, 8, 256, H, HKV, 16, _dtypes(device)[-1], device, gen)
+    sparse = (torch.rand(B, H, 1, 256, generator=gen) < 0.2).to(device)
+    dense_mask = torch.ones(B, H, 1, 256, dtype=torch.bool, device=device)
+    per_query = sparse.expand(B, H, 8, 256)
+    key_bias = torch.randn(B, H, 1, 256, generator=gen).to(device)
+    gathers = supports_key_positions(device)
+    assert gathers == (device == "cpu")  # until the CUDA kernels read key positions
+
+    key_set = gather.mask_key_set(q, k, sparse, key_bias, False)
+    assert (key_set is not None) == gathers
+    if key_set is not None:
+        assert key_set.width == int(sparse.sum(-1).max())
+    assert gather.mask_key_set(q, k, dense_mask, None, False) is None  # nothing to skip
+    assert gather.mask_key_set(q, k, per_query, None, False) is None  # query dimension
+    assert gather.mask_key_set(q, k, sparse, key_bias.expand(B, H, 8, 256), False) is None
+    assert gather.mask_key_set(q[:, :, :, :], k[:, :100], sparse[..., :100], None, False) is None
+    with gather.force_path("dense"):
+        assert gather.mask_key_set(q, k, sparse, None, False) is None
+    with gather.force_path("gather"):  # any kept fraction, but still only where allowed
+        assert (gather.mask_key_set(q, k, dense_mask, None, False) is not None) == gathers
+        assert gather.mask_key_set(q, k, per_query, None, False) is None
+    if device == "cuda":  # gathering's backward is a scatter-add (atomics) on CUDA
+        assert gather.mask_key_set(q, k, sparse, None, True) is None
+    # The automatic choice gives the dense path's results.
+    auto = _attention(None, q, k, v, sparse, key_bias, dout, causal=True)
+    dense = _attention("dense", q, k, v, sparse, key_bias, dout, causal=True)
+    _assert_same(auto, dense, q.dtype, "[auto]")
+
+
+def test_force_path_rejects_unknown_paths():
+    with pytest.raises(ValueError, match="path: expected 'gather', 'dense' or None"):
+        with gather.force_path("sparse"):
+            pass
+
+
+def test_compact_positions():
+    kept = torch.tensor([[True, False, True, True, False], [False] * 5, [True] * 5])
+    assert gather.compact_positions(kept, 3).tolist() == [[0, 2, 3], [-1, -1, -1], [0, 1, 2]]
+    assert gather.compact_positions(kept, 6).tolist()[0] == [0, 2, 3, -1, -1, -1]
+
+
+# ---- The extended custom ops: opcheck and errors.
+
+
+def _op_inputs(device, bias_heads=H):
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v, _ = _qkv(B, 9, 6, H, HKV, 16, dtype, device, gen)
+    # 6 gathered rows out of 20 keys; (batch 1, Hkv heads): one set per GQA group.
+    positions = torch.tensor([[[1, 4, 5, 11, 19, -1], [0, 2, 3, -1, -1, -1]]], dtype=torch.int32)
+    bias = torch.randn(B, bias_heads, 1, 6, generator=gen).to(dtype).to(device)
+    return q, k, v, bias, positions.to(device)
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (4, 2))])
+def test_opcheck_with_key_positions(causal, window):
+    q, k, v, bias, positions = _op_inputs("cpu")
+    for t in (q, k, v, bias):
+        t.requires_grad_()
+    opts = (causal, window[0], window[1], None, 0.0, False)
+    torch.library.opcheck(torch.ops.dmattn.fwd.default,
+                          (q, k, v, None, bias) + opts + (positions, 20))
+    out, lse = torch.ops.dmattn.fwd(q, k, v, None, bias, *opts, positions, 20)
+    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, None,
+            bias.detach(), True) + opts + (positions, 20)
+    torch.library.opcheck(torch.ops.dmattn.bwd.default, args)
+
+
+def _forward_error(device, edit):
+    q, k, v, bias, positions = _op_inputs(device)
+    positions, seqlen_k_original = edit(positions)
+    torch.ops.dmattn.fwd(q, k, v, None, bias, False, -1, -1, None, 0.0, False, positions,
+                         seqlen_k_original)
+
+
+@pytest.mark.parametrize("edit,error,message", [
+    (lambda p: (p.long(), 20), TypeError, "key_positions: expected dtype int32"),
+    (lambda p: (p[0], 20), ValueError, "key_positions: expected a 3-D tensor"),
+    (lambda p: (p[:, :, :5], 20), ValueError, r"key_positions: expected shape \(1 or 2, 1, 2 or 4, 6"),
+    (lambda p: (p.expand(3, 2, 6), 20), ValueError, "key_positions: expected shape"),
+    (lambda p: (p.flip(-1).contiguous(), 20), ValueError, "key_positions: .*padding"),
+    (lambda p: (p[..., [1, 0, 2, 3, 4, 5]], 20), ValueError, "strictly increasing"),
+    (lambda p: (p.transpose(1, 2).contiguous().transpose(1, 2), 20), ValueError,
+     "key_positions: expected a contiguous last dimension"),
+    (lambda p: (p, -2), ValueError, "seqlen_k_original: expected >= 0"),
+])
+def test_malformed_key_positions(edit, error, message):
+    with pytest.raises(error, match=message):
+        _forward_error("cpu", edit)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_key_positions_device_and_refusal():
+    with pytest.raises(ValueError, match="key_positions: expected a tensor on the same device as q"):
+        _forward_error("cuda", lambda p: (p.cpu(), 20))
+    if not supports_key_positions("cuda"):
+        with pytest.raises(NotImplementedError, match="key_positions: gathered keys are not implemented"):
+            _forward_error("cuda", lambda p: (p, 20))
+
+
+def test_compile_topk_gather_fullgraph():
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, _ = _qkv(B, 10, 40, H, HKV, 16, torch.float32, "cpu", gen)
+    bias = torch.randn(B, H, 1, 40, generator=gen)
+    inputs = [t.requires_grad_() for t in (q, k, v, bias)]
+
+    def f(q, k, v, bias):
+        return dmattn.attention_topk(q, k, v, bias, 5, causal=True).square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss_c = compiled(*inputs)
+    grads_c = torch.autograd.grad(loss_c, inputs)
+    loss_e = f(*inputs)
+    grads_e = torch.autograd.grad(loss_e, inputs)
+    assert torch.equal(loss_c, loss_e)
+    for gc, ge in zip(grads_c, grads_e):
+        assert torch.equal(gc, ge)
+    assert math.isfinite(float(loss_c.detach()))
