@@ -120,6 +120,8 @@ def topk_key_set(q: Tensor, k: Tensor, bias: Tensor, keep: int, mask: Optional[T
         return None
     batch, _, heads, _ = q.shape
     heads_kv, num_keys = k.shape[2], k.shape[1]
+    if keep >= num_keys and mask is None:
+        return None  # every key is kept: the unmasked dense path reads them without copies
     for t in (bias, mask):
         if t is not None and _key_side_view(t, batch, heads, heads_kv, num_keys) is None:
             return None

@@ -4,7 +4,8 @@
   the dense masked path: out, lse, dq, dk, dv, dbias, over GQA, Sq != Sk, causal, window,
   softcap, every per-key bias shape and mask head count;
   dmattn.attention_topk likewise (keep = 1, small, >= Sk; with and without a padding mask);
-* causal rows whose kept keys all lie in their future: out 0, lse -inf, zero gradients;
+* causal rows whose kept keys all lie in their future: out 0, lse -inf, zero gradients; key
+  sets that keep nothing at all;
 * low precision against the float64 reference, NaN-poisoned outputs, determinism;
 * the automatic choice, the extended custom ops (opcheck), torch.compile of attention_topk,
   and the errors for malformed key_positions.
@@ -180,6 +181,19 @@ def test_gather_outputs_fully_written(device, nan_poison):
     assert (got["out"][0, :, 0] == 0).all() and torch.isinf(got["lse"][0, 0]).all()
 
 
+def test_nothing_kept(device):
+    """Key sets that are empty everywhere: K = 0 gathered rows."""
+    gen = torch.Generator().manual_seed(8)
+    dtype = _dtypes(device)[-1]
+    q, k, v, dout = _qkv(B, 6, 30, H, HKV, 16, dtype, device, gen)
+    mask = torch.zeros(B, 1, 1, 30, dtype=torch.bool, device=device)
+    bias = torch.randn(B, H, 1, 30, generator=gen).to(dtype).to(device)
+    got = _attention("gather", q, k, v, mask, bias, dout, causal=True)
+    assert torch.isinf(got["lse"]).all()
+    for name in ("out", "dq", "dk", "dv", "dbias"):
+        assert (got[name] == 0).all(), name
+
+
 def test_gather_is_deterministic_on_cpu():
     gen = torch.Generator().manual_seed(3)
     q, k, v, dout = _qkv(B, 30, 90, H, HKV, 16, torch.float32, "cpu", gen)
@@ -285,7 +299,6 @@ def test_malformed_key_positions(edit, error, message):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_key_positions_device_and_refusal():
     with pytest.raises(ValueError, match="key_positions: expected a tensor on the same device as q"):
         _forward_error("cuda", lambda p: (p.cpu(), 20))
