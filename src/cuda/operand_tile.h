@@ -60,6 +60,33 @@ struct OperandTile {
       }
     }
   }
+
+  // After this thread's part of load() completed (cp_async_wait, no barrier needed): is any
+  // element this thread copied nonzero? Reads exactly what this thread wrote, so a
+  // __syncthreads_or over it tells whether the whole tile has a true mask element (the zero
+  // fill beyond Sq / Sk counts as false). For bool masks (esize 1) and any other operand.
+  __device__ __forceinline__ bool own_any(const char* smem, int smem_pitch, int tid) const {
+    const int rows = pitch == 0 ? 1 : kBlockM;
+    bool any = false;
+    if (vec) {
+      const int chunk_elems = 16 / esize;
+      const int chunks_per_row = kBlockN / chunk_elems;
+      for (int idx = tid; idx < rows * chunks_per_row; idx += kThreads) {
+        const int r = idx / chunks_per_row, c = (idx % chunks_per_row) * chunk_elems;
+        const uint4 v = *reinterpret_cast<const uint4*>(smem + (r * smem_pitch + c) * esize);
+        any |= (v.x | v.y | v.z | v.w) != 0u;
+      }
+    } else {
+      for (int idx = tid; idx < rows * kBlockN; idx += kThreads) {
+        const int r = idx / kBlockN, c = idx % kBlockN;
+        const char* p = smem + (r * smem_pitch + c) * esize;
+        if (esize == 1) any |= *reinterpret_cast<const uint8_t*>(p) != 0;
+        else if (esize == 2) any |= *reinterpret_cast<const uint16_t*>(p) != 0;
+        else any |= *reinterpret_cast<const uint32_t*>(p) != 0u;
+      }
+    }
+    return any;
+  }
 };
 
 }  // namespace dmattn::cuda
