@@ -13,7 +13,8 @@ el() { echo "[$(( $(date +%s) - T0 )) s]"; }
 OUT=${OUT:-/tmp/dmattn-out}; mkdir -p "$OUT"
 CARRY_ROOT=$(realpath "${CARRY_ROOT:-.}")
 STEPS=${STEPS:-"check timing variants pytest"}
-VARIANTS=${VARIANTS:-"gen4n32|fwd_bf16_hd128|-DDMATTN_FWD_GEN_WARPS_HD128=4 -DDMATTN_FWD_GEN_BLOCKN_HD128=32;nodb|fwd_bf16_hd128|-DDMATTN_FWD_BIAS_DB=0;hd64n64|fwd_bf16_hd64|-DDMATTN_FWD_BLOCKN_HD64=64"}
+# "name|translation unit|defines|timed names filter" entries separated by ';'
+VARIANTS=${VARIANTS:-"gen4n32|fwd_bf16_hd128|-DDMATTN_FWD_GEN_WARPS_HD128=4 -DDMATTN_FWD_GEN_BLOCKN_HD128=32|bias;nodb|fwd_bf16_hd128|-DDMATTN_FWD_BIAS_DB=0|bias;hd64n64|fwd_bf16_hd64|-DDMATTN_FWD_BLOCKN_HD64=64|D=64;plain8w|fwd_bf16_hd128|-DDMATTN_FWD_WARPS_HD128=8|D=128 non|D=128 causal;nopf|fwd_bf16_hd128|-DDMATTN_GEMM_PREFETCH=0|D=128 non|D=128 causal|dense bias"}
 export PYTHONUNBUFFERED=1
 SITE=/tmp/dmattn-site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$CARRY_ROOT"/.whl/*.whl || exit 1
@@ -34,7 +35,7 @@ for f in src/cuda/cuda_backend.cu src/cuda/inst/fwd_*.cu tests/cuda/standalone_c
 done
 IFS=';' read -ra VS <<< "$VARIANTS"
 for v in "${VS[@]}"; do
-  IFS='|' read -r name file defs <<< "$v"
+  IFS='|' read -r name file defs filt <<< "$v"
   ( $NV $defs -c src/cuda/inst/$file.cu -o $SC/var_$name.o > $SC/var_$name.log 2>&1 || echo "FAILED $name" >> $SC/fail ) &
 done
 wait
@@ -43,7 +44,7 @@ grep -h -E "error|rc=" $OUT/build.log | tail -5
 [ -f $SC/fail ] && { cat $SC/fail; grep -h -B2 -A5 error $SC/*.log | head -60; }
 nvcc -gencode=arch=compute_90a,code=sm_90a $objs -o $SC/check_default || echo "link default failed"
 for v in "${VS[@]}"; do
-  IFS='|' read -r name file defs <<< "$v"
+  IFS='|' read -r name file defs filt <<< "$v"
   vobjs=$(echo $objs | tr ' ' '\n' | grep -v "/$file.cu.o" | tr '\n' ' ')
   nvcc -gencode=arch=compute_90a,code=sm_90a $vobjs $SC/var_$name.o -o $SC/check_$name || echo "link $name failed"
 done
@@ -61,9 +62,9 @@ fi
 if [[ " $STEPS " == *" variants "* ]]; then
   echo "=== variants $(el)"
   for v in "${VS[@]}"; do
-    IFS='|' read -r name file defs <<< "$v"
+    IFS='|' read -r name file defs filt <<< "$v"
     echo "--- $name ($defs)"
-    timeout 60 $SC/check_$name --time-only 2>&1 | grep TIME
+    timeout 60 $SC/check_$name --time-only "$filt" 2>&1 | grep TIME
   done 2>&1 | tee $OUT/variants.log
 fi
 if [[ " $STEPS " == *" pytest "* ]]; then

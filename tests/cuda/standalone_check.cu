@@ -234,7 +234,21 @@ static int run_cfg(const Cfg& c, std::mt19937& rng) {
   return ok ? 0 : 1;
 }
 
+static std::string g_time_filter;  // '|'-separated substrings of the timed names ("" = all)
+static bool time_selected(const std::string& name) {
+  if (g_time_filter.empty()) return true;
+  size_t start = 0;
+  while (start <= g_time_filter.size()) {
+    size_t end = g_time_filter.find('|', start);
+    if (end == std::string::npos) end = g_time_filter.size();
+    if (end > start && name.find(g_time_filter.substr(start, end - start)) != std::string::npos) return true;
+    start = end + 1;
+  }
+  return false;
+}
+
 static void time_cfg(const char* name, int B, int H, int S, int D, bool causal, int bias_kind, int mask_kind = 0) {
+  if (!time_selected(name)) return;
   // bias_kind: 0 none, 1 dense (B,H,S,S) bf16, 2 per-key (B,H,1,S) bf16
   // mask_kind: 0 none, 1 per-key (B,H,1,S) bool keeping 2048 random keys per head (Doge),
   //            2 full (B,H,S,S) bool, block-sparse: 128x128 tiles kept when (i/128 + j/128) % 4 == 0
@@ -360,6 +374,7 @@ int main(int argc, char** argv) {
   };
   int fails = 0;
   const bool time_only = argc > 1 && std::string(argv[1]) == "--time-only";
+  if (time_only && argc > 2) g_time_filter = argv[2];  // --time-only "D=64|bias"
   if (!time_only)
   for (const Cfg& c : cfgs) fails += run_cfg(c, rng);
   // unsupported head dim must throw kValue
