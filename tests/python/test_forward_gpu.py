@@ -14,34 +14,6 @@ from test_forward_backward import FIXED
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("seed", range(300), ids=lambda s: f"seed_{s}")
-def test_random_forward(seed, nan_poison):
-    check_case(random_case(seed, "cuda"), "cuda", backward=False)
-
-
-@pytest.mark.parametrize("idx", range(len(FIXED)), ids=lambda i: f"fixed_{i}")
-def test_fixed_forward(idx, nan_poison):
-    c = FIXED[idx]
-    if c.dtype not in (torch.float16, torch.bfloat16) or c.d % 8:
-        pytest.skip("CUDA takes fp16/bf16 and head_dim % 8 == 0")
-    check_case(c, "cuda", backward=False)
-
-
-@pytest.mark.parametrize("seed", range(100), ids=lambda s: f"big_{s}")
-def test_random_forward_large(seed, nan_poison):
-    rng = random.Random(10_000 + seed)
-    c = random_case(10_000 + seed, "cuda")
-    c.sq = rng.choice([1, 127, 128, 129, 255, 256, 511, 777, 1024])
-    c.sk = rng.choice([c.sq, 1, 128, 200, 513, 1024, 1500])
-    c.d = rng.choice([64, 128, 64, 96, 256, 40, 200])
-    c.b = rng.choice([1, 2])
-    if c.mask_shape is not None:
-        c.mask_shape = broadcast_shape(rng, c.b, c.h, c.hkv, c.sq, c.sk)
-    if c.bias_shape is not None:
-        c.bias_shape = broadcast_shape(rng, c.b, c.h, c.hkv, c.sq, c.sk)
-    check_case(c, "cuda", backward=False)
-
-
 @pytest.mark.parametrize("case", [
     # (Sq, Sk, D, causal, mask shape kind, density)
     (1000, 1000, 128, False, "full", 0.02),
@@ -85,3 +57,33 @@ def test_sparse_mask_forward(case, nan_poison):
     assert err < 2e-2 * max(1.0, ref.abs().max().item()), err
     lse_err = (lse[~empty].double() - ref_lse[~empty]).abs().max().item() if (~empty).any() else 0.0
     assert lse_err < 1e-2, lse_err
+
+
+@pytest.mark.parametrize("seed", range(300), ids=lambda s: f"seed_{s}")
+def test_random_forward(seed, nan_poison):
+    check_case(random_case(seed, "cuda"), "cuda", backward=False)
+
+
+@pytest.mark.parametrize("idx", range(len(FIXED)), ids=lambda i: f"fixed_{i}")
+def test_fixed_forward(idx, nan_poison):
+    c = FIXED[idx]
+    if c.dtype not in (torch.float16, torch.bfloat16) or c.d % 8:
+        pytest.skip("CUDA takes fp16/bf16 and head_dim % 8 == 0")
+    check_case(c, "cuda", backward=False)
+
+
+@pytest.mark.parametrize("seed", range(100), ids=lambda s: f"big_{s}")
+def test_random_forward_large(seed, nan_poison):
+    rng = random.Random(10_000 + seed)
+    c = random_case(10_000 + seed, "cuda")
+    c.sq = rng.choice([1, 127, 128, 129, 255, 256, 511, 777, 1024])
+    c.sk = rng.choice([c.sq, 1, 128, 200, 513, 1024, 1500])
+    c.d = rng.choice([64, 128, 64, 96, 256, 40, 200])
+    c.b = rng.choice([1, 2])
+    if c.mask_shape is not None:
+        c.mask_shape = broadcast_shape(rng, c.b, c.h, c.hkv, c.sq, c.sk)
+    if c.bias_shape is not None:
+        c.bias_shape = broadcast_shape(rng, c.b, c.h, c.hkv, c.sq, c.sk)
+    check_case(c, "cuda", backward=False)
+
+
