@@ -234,6 +234,24 @@ static int run_cfg(const Cfg& c, std::mt19937& rng) {
   return ok ? 0 : 1;
 }
 
+// Device fills for the large timed operands (host generation of 2^31 elements is too slow).
+__device__ __forceinline__ uint32_t hash32(uint64_t x) {
+  x ^= x >> 33; x *= 0xff51afd7ed558ccdULL; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL; x ^= x >> 33;
+  return static_cast<uint32_t>(x);
+}
+__global__ void fill_bias_bf16(__nv_bfloat16* p, long long n, uint32_t seed) {
+  for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) {
+    const uint32_t h = hash32(e * 0x9E3779B97F4A7C15ULL + seed);
+    p[e] = __float2bfloat16((h & 0xffff) * (4.f / 65536.f) - 2.f);  // uniform in [-2, 2)
+  }
+}
+__global__ void fill_mask_tiles(uint8_t* p, long long rows, int S) {  // (B*H*S, S): tile (i/128 + j/128) % 4 == 0
+  for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < rows * S; e += (long long)gridDim.x * blockDim.x) {
+    const long long i = (e / S) % S, j = e % S;
+    p[e] = ((i / 128 + j / 128) % 4 == 0) && (hash32(e) & 1);
+  }
+}
+
 static std::string g_time_filter;  // '|'-separated substrings of the timed names ("" = all)
 static bool time_selected(const std::string& name) {
   if (g_time_filter.empty()) return true;
@@ -277,20 +295,20 @@ static void time_cfg(const char* name, int B, int H, int S, int D, bool causal, 
   void* dmask = nullptr;
   if (mask_kind) {
     long long nm = mask_kind == 1 ? (long long)B * H * S : (long long)B * H * S * S;
-    std::vector<uint8_t> hm(nm, 0);
     if (mask_kind == 1) {
+      std::vector<uint8_t> hm(nm, 0);
       std::vector<int> idx(S);
       for (long long r = 0; r < (long long)B * H; ++r) {
         for (int j = 0; j < S; ++j) idx[j] = j;
         std::shuffle(idx.begin(), idx.end(), rng);
         for (int j = 0; j < std::min(S, 2048); ++j) hm[r * S + idx[j]] = 1;
       }
+      dmask = dev_upload(hm);
     } else {
-      for (long long r = 0; r < (long long)B * H; ++r)
-        for (long long i = 0; i < S; ++i)
-          for (long long j = 0; j < S; ++j) hm[(r * S + i) * S + j] = (i / 128 + j / 128) % 4 == 0;
+      CK(cudaMalloc(&dmask, nm));
+      fill_mask_tiles<<<4096, 256>>>(static_cast<uint8_t*>(dmask), (long long)B * H * S, S);
+      CK(cudaGetLastError());
     }
-    dmask = dev_upload(hm);
     p.mask.ptr = dmask; p.mask.dtype = DType::kBool;
     p.mask.size_b = B; p.mask.size_h = H; p.mask.size_q = mask_kind == 1 ? 1 : S; p.mask.size_k = S;
     p.mask.stride_k = 1; p.mask.stride_q = mask_kind == 1 ? 0 : S;
@@ -298,9 +316,8 @@ static void time_cfg(const char* name, int B, int H, int S, int D, bool causal, 
   }
   if (bias_kind) {  // random bias values (not zeros)
     long long nb = bias_kind == 1 ? (long long)B * H * S * S : (long long)B * H * S;
-    std::vector<uint16_t> hb(nb);
-    for (long long e = 0; e < nb; ++e) hb[e] = to_bits(N(rng), true);
-    CK(cudaMemcpy(dbias, hb.data(), nb * 2, cudaMemcpyHostToDevice));
+    fill_bias_bf16<<<4096, 256>>>(static_cast<__nv_bfloat16*>(dbias), nb, 7u);
+    CK(cudaGetLastError());
   }
   for (int w = 0; w < 3; ++w) cuda::forward(p);
   CK(cudaDeviceSynchronize());
