@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_co
       if (has_mask) mask_tile.init(a.mask, b, h, m0, a.seqlen_q, Tile::kMaskPitch);
       if (has_bias) bias_tile.init(a.bias, b, h, m0, a.seqlen_q, Tile::kBiasPitch);
       if (has_mask) {  // first key block with a true mask element (block_skip.h)
-        mask_tile.load(s_mask_base, Tile::kMaskPitch, n * kBlockN, a.seqlen_k, tid);
+        mask_tile.load_any(s_mask_base, Tile::kMaskPitch, n * kBlockN, a.seqlen_k, tid);
         cp_async_commit();
         n = next_live_key_block(mask_tile, s_mask_base, Tile::kMaskPitch, n, n_min, a.seqlen_k, tid);
       }
@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_co
       cp_async_commit();
       if constexpr (kMaskBias) {
         if (bias_db) {
-          bias_tile.load(s_bias_base, Tile::kBiasPitch, n * kBlockN, a.seqlen_k, tid);
+          bias_tile.load_any(s_bias_base, Tile::kBiasPitch, n * kBlockN, a.seqlen_k, tid);
           cp_async_commit();
         }
       }
@@ -193,10 +193,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_co
         __syncthreads();
         load_rows_async<kBlockN, kHeadDim, kThreads>(sV, gV + int64_t(n0) * a.v_rs, a.v_rs, a.seqlen_k - n0, a.head_dim, tid);
         if constexpr (kMaskBias) {
-          if (has_bias && !bias_db) bias_tile.load(s_bias_base, Tile::kBiasPitch, n0, a.seqlen_k, tid);
+          if (has_bias && !bias_db) bias_tile.load_any(s_bias_base, Tile::kBiasPitch, n0, a.seqlen_k, tid);
           // The next block's mask tile, one block ahead, into the other buffer.
           if (has_mask && n > n_min)
-            mask_tile.load(s_mask_base + (mbuf ^ 1) * a.smem_mask_stride, Tile::kMaskPitch, n0 - kBlockN, a.seqlen_k, tid);
+            mask_tile.load_any(s_mask_base + (mbuf ^ 1) * a.smem_mask_stride, Tile::kMaskPitch, n0 - kBlockN, a.seqlen_k, tid);
         }
         cp_async_commit();
 
@@ -222,7 +222,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_co
           cp_async_commit();
           if constexpr (kMaskBias) {
             if (bias_db) {
-              bias_tile.load(s_bias_base + (bbuf ^ 1) * a.smem_bias_stride, Tile::kBiasPitch, n0_next, a.seqlen_k, tid);
+              bias_tile.load_any(s_bias_base + (bbuf ^ 1) * a.smem_bias_stride, Tile::kBiasPitch, n0_next, a.seqlen_k, tid);
               cp_async_commit();
             }
           }

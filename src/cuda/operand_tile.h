@@ -61,6 +61,41 @@ struct OperandTile {
     }
   }
 
+  // load() for the common full-tile cp.async case (vec, not query-broadcast) with the element
+  // size known at compile time: constant divisors and offsets, few registers. Same thread ->
+  // chunk assignment as load() (own_any() reads it back).
+  template <int kEsize>
+  __device__ __forceinline__ void load_vec_rows(char* smem, int smem_pitch, int n0, int seqlen_k, int tid) const {
+    constexpr int kChunkElems = 16 / kEsize;
+    constexpr int kChunksPerRow = kBlockN / kChunkElems;
+    constexpr int kChunks = kBlockM * kChunksPerRow;
+    static_assert(kBlockN % kChunkElems == 0);
+    int t = tid;
+    asm volatile("" : "+r"(t));  // keep the addresses out of the caller's loop-carried registers
+    const int cols_valid = min(kBlockN, seqlen_k - n0);
+    const char* g0 = base + int64_t(n0) * kEsize;
+    CUTE_UNROLL
+    for (int it = 0; it < (kChunks + kThreads - 1) / kThreads; ++it) {
+      const int idx = it * kThreads + t;
+      if (kChunks % kThreads != 0 && idx >= kChunks) break;
+      const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * kChunkElems;
+      int bytes = r < rows_valid ? (cols_valid - c) * kEsize : 0;
+      bytes = bytes < 0 ? 0 : (bytes > 16 ? 16 : bytes);
+      const char* src = bytes > 0 ? g0 + (int64_t(r) * stride_q + c) * kEsize : g0;
+      cp_async_16(smem + (r * smem_pitch + c) * kEsize, src, bytes);
+    }
+  }
+
+  // load() with the fast path above where it applies.
+  __device__ __forceinline__ void load_any(char* smem, int smem_pitch, int n0, int seqlen_k, int tid) const {
+    if (vec && pitch != 0) {
+      if (esize == 2) return load_vec_rows<2>(smem, smem_pitch, n0, seqlen_k, tid);
+      if (esize == 4) return load_vec_rows<4>(smem, smem_pitch, n0, seqlen_k, tid);
+      if (esize == 1) return load_vec_rows<1>(smem, smem_pitch, n0, seqlen_k, tid);
+    }
+    load(smem, smem_pitch, n0, seqlen_k, tid);
+  }
+
   // After this thread's part of load() completed (cp_async_wait, no barrier needed): is any
   // element this thread copied nonzero? Reads exactly what this thread wrote, so a
   // __syncthreads_or over it tells whether the whole tile has a true mask element (the zero
