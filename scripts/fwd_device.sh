@@ -14,7 +14,8 @@ OUT=${OUT:-/tmp/dmattn-out}; mkdir -p "$OUT"
 CARRY_ROOT=$(realpath "${CARRY_ROOT:-.}")
 STEPS=${STEPS:-"check timing variants pytest"}
 # "name|translation unit|defines|timed names filter" entries separated by ';'
-VARIANTS=${VARIANTS:-"gen4n32|fwd_bf16_hd128|-DDMATTN_FWD_GEN_WARPS_HD128=4 -DDMATTN_FWD_GEN_BLOCKN_HD128=32|bias;plain8w|fwd_bf16_hd128|-DDMATTN_FWD_WARPS_HD128=8 -DDMATTN_FWD_BIAS_DB=0|D=128 non|D=128 causal|bias"}
+# (a name starting with "chk" also runs the variant's correctness checks)
+VARIANTS=${VARIANTS:-"chk_init4w|fwd_bf16_hd128|-DDMATTN_FWD_INIT_WARPS_HD128=4|bias|mask;hd64n64|fwd_bf16_hd64|-DDMATTN_FWD_BLOCKN_HD64=64|D=64"}
 END_S=${END_S:-280}   # the pytest step stops by this many seconds after the start
 export PYTHONUNBUFFERED=1
 SITE=/tmp/dmattn-site
@@ -65,6 +66,7 @@ if [[ " $STEPS " == *" variants "* ]]; then
   for v in "${VS[@]}"; do
     IFS='|' read -r name file defs filt <<< "$v"
     echo "--- $name ($defs)"
+    [[ $name == chk* ]] && timeout 60 $SC/check_$name --no-time 2>&1 | grep -E "FAIL|failed"
     timeout 60 $SC/check_$name --time-only "$filt" 2>&1 | grep TIME
   done 2>&1 | tee $OUT/variants.log
 fi

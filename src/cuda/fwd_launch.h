@@ -27,8 +27,8 @@ inline int fwd_round_up(int x, int a) { return (x + a - 1) / a * a; }
 // CTAs per SM that `smem` bytes of dynamic shared memory per CTA allow (1 KB reserved per CTA).
 inline int fwd_ctas_by_smem(int smem, int smem_per_sm) { return smem_per_sm / (smem + 1024); }
 
-// One launch of fwd_kernel<Tile, kGeneral> with the mask / bias buffers placed for Tile.
-template <class Tile, bool kGeneral>
+// One launch of fwd_kernel<Tile, kMaskBias, kInit> with the mask / bias buffers placed for Tile.
+template <class Tile, bool kMaskBias, bool kInit>
 void launch_fwd(const FwdArgs& args, cudaStream_t stream) {
   FwdArgs a = args;
   int dev = 0, max_smem = 0, smem_per_sm = 0;
@@ -38,14 +38,14 @@ void launch_fwd(const FwdArgs& args, cudaStream_t stream) {
   check_cuda(cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev),
              "cudaDeviceGetAttribute(smem per SM)");
 
-  // Shared memory: Q, K, V, then two mask tiles (one block of look-ahead for block skipping),
-  // then one or two bias tiles. A query-broadcast operand needs one row per tile.
+  // Shared memory: Q, K, V, then two mask tiles (one block of look-ahead for block skipping;
+  // three for the init kernel), then one or two bias tiles. A query-broadcast operand needs one row per tile.
   int smem = Tile::kOffBias;
   if (a.mask.ptr) {
     const int bytes = fwd_round_up((a.mask.row_bcast ? 1 : Tile::kBlockM) * Tile::kMaskPitch, 128);
     a.smem_mask_off = smem;
     a.smem_mask_stride = bytes;
-    smem += 2 * bytes;
+    smem += (kInit ? 3 : 2) * bytes;  // init kernel: current, next, look-ahead
   }
   a.bias_db = false;
   if (a.bias.ptr) {
@@ -56,7 +56,8 @@ void launch_fwd(const FwdArgs& args, cudaStream_t stream) {
     const int ctas_single = std::min(Tile::kCtasPerSm, fwd_ctas_by_smem(single, smem_per_sm));
     const int ctas_dbl = std::min(Tile::kCtasPerSm, fwd_ctas_by_smem(dbl, smem_per_sm));
     const int mode = DMATTN_FWD_BIAS_DB;
-    a.bias_db = dbl <= max_smem && (mode == 2 || (mode == 1 && ctas_dbl >= ctas_single));
+    // The init kernel always double buffers (it loads the next block's bias before its MMAs).
+    a.bias_db = kInit || (dbl <= max_smem && (mode == 2 || (mode == 1 && ctas_dbl >= ctas_single)));
     smem = a.bias_db ? dbl : single;
   }
   if (smem > max_smem)
@@ -65,19 +66,21 @@ void launch_fwd(const FwdArgs& args, cudaStream_t stream) {
 
   // Query blocks run in reverse order (fwd_kernel): blockIdx.x = 0 is the last query block.
   const dim3 grid((a.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM, a.num_heads, a.batch);
-  auto kernel = fwd_kernel<Tile, kGeneral>;
+  auto kernel = fwd_kernel<Tile, kMaskBias, kInit>;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
              "cudaFuncSetAttribute(forward smem)");
   kernel<<<grid, Tile::kNThreads, smem, stream>>>(a);
   check_cuda(cudaGetLastError(), "forward kernel launch");
 }
 
-// Plain scores go to the lean kernel; a mask, a bias or a softcap to the general one.
+// Plain scores go to the lean kernel, a mask / bias without softcap to the init kernel, a
+// softcap to the general one.
 template <typename Element, int kHeadDim>
 void run_fwd(const FwdArgs& a, cudaStream_t stream) {
-  const bool general = a.mask.ptr != nullptr || a.bias.ptr != nullptr || a.softcap != 0.f;
-  if (general) launch_fwd<FwdTile<Element, kHeadDim, true>, true>(a, stream);
-  else launch_fwd<FwdTile<Element, kHeadDim, false>, false>(a, stream);
+  const bool mask_or_bias = a.mask.ptr != nullptr || a.bias.ptr != nullptr;
+  if (a.softcap != 0.f) launch_fwd<FwdTile<Element, kHeadDim, kFwdGeneral>, true, false>(a, stream);
+  else if (mask_or_bias) launch_fwd<FwdTile<Element, kHeadDim, kFwdInit>, true, true>(a, stream);
+  else launch_fwd<FwdTile<Element, kHeadDim, kFwdPlain>, false, false>(a, stream);
 }
 
 }  // namespace dmattn::cuda

@@ -63,20 +63,41 @@ inline constexpr int fwd_instantiated_head_dim(int d) {
 #define DMATTN_FWD_GEN_BLOCKN_HD256 32
 #endif
 
-// kGeneral: the tile of the general kernel (fwd_kernel<Tile, true>).
-template <typename Element_, int kHeadDim_, bool kGeneral = false>
+// The init kernel (mask / bias, no softcap; fwd_kernel<Tile, true, true>).
+#ifndef DMATTN_FWD_INIT_WARPS_HD128
+#define DMATTN_FWD_INIT_WARPS_HD128 8
+#endif
+#ifndef DMATTN_FWD_INIT_BLOCKN_HD128
+#define DMATTN_FWD_INIT_BLOCKN_HD128 64
+#endif
+#ifndef DMATTN_FWD_INIT_BLOCKN_HD64
+#define DMATTN_FWD_INIT_BLOCKN_HD64 64
+#endif
+#ifndef DMATTN_FWD_INIT_BLOCKN_HD256
+#define DMATTN_FWD_INIT_BLOCKN_HD256 32
+#endif
+
+// Which kernel a tile serves (fwd_kernel.h): plain scores, the init kernel (mask / bias), the
+// general kernel (softcap, with or without mask / bias).
+enum FwdKind : int { kFwdPlain = 0, kFwdInit = 1, kFwdGeneral = 2 };
+
+template <typename Element_, int kHeadDim_, int kKind = kFwdPlain>
 struct FwdTile {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN =
-      kGeneral ? (kHeadDim <= 64 ? DMATTN_FWD_GEN_BLOCKN_HD64
-                  : kHeadDim <= 128 ? DMATTN_FWD_GEN_BLOCKN_HD128 : DMATTN_FWD_GEN_BLOCKN_HD256)
-               : (kHeadDim <= 64 ? DMATTN_FWD_BLOCKN_HD64
-                  : kHeadDim <= 128 ? DMATTN_FWD_BLOCKN_HD128 : DMATTN_FWD_BLOCKN_HD256);
-  static constexpr int kNWarps = kHeadDim <= 64 ? DMATTN_FWD_WARPS_HD64
-                                 : kHeadDim <= 128 ? (kGeneral ? DMATTN_FWD_GEN_WARPS_HD128 : DMATTN_FWD_WARPS_HD128)
-                                                   : DMATTN_FWD_WARPS_HD256;
+      kKind == kFwdGeneral ? (kHeadDim <= 64 ? DMATTN_FWD_GEN_BLOCKN_HD64
+                              : kHeadDim <= 128 ? DMATTN_FWD_GEN_BLOCKN_HD128 : DMATTN_FWD_GEN_BLOCKN_HD256)
+      : kKind == kFwdInit ? (kHeadDim <= 64 ? DMATTN_FWD_INIT_BLOCKN_HD64
+                             : kHeadDim <= 128 ? DMATTN_FWD_INIT_BLOCKN_HD128 : DMATTN_FWD_INIT_BLOCKN_HD256)
+                          : (kHeadDim <= 64 ? DMATTN_FWD_BLOCKN_HD64
+                             : kHeadDim <= 128 ? DMATTN_FWD_BLOCKN_HD128 : DMATTN_FWD_BLOCKN_HD256);
+  static constexpr int kNWarps =
+      kHeadDim <= 64 ? DMATTN_FWD_WARPS_HD64
+      : kHeadDim <= 128 ? (kKind == kFwdGeneral ? DMATTN_FWD_GEN_WARPS_HD128
+                           : kKind == kFwdInit ? DMATTN_FWD_INIT_WARPS_HD128 : DMATTN_FWD_WARPS_HD128)
+                        : DMATTN_FWD_WARPS_HD256;
   static constexpr int kNThreads = kNWarps * 32;
   // CTAs per SM the register budget allows (255 registers per thread at most).
   static constexpr int kCtasPerSm = kNThreads <= 128 ? 2 : 1;

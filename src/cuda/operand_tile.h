@@ -96,6 +96,14 @@ struct OperandTile {
     load(smem, smem_pitch, n0, seqlen_k, tid);
   }
 
+  // load_any() for an operand whose element size is known to be kEsize (a bool mask: 1; a
+  // bias: 2 or 4): one fast path instead of three, less code at each call site.
+  template <int kEsize>
+  __device__ __forceinline__ void load_as(char* smem, int smem_pitch, int n0, int seqlen_k, int tid) const {
+    if (vec && pitch != 0) return load_vec_rows<kEsize>(smem, smem_pitch, n0, seqlen_k, tid);
+    load(smem, smem_pitch, n0, seqlen_k, tid);
+  }
+
   // After this thread's part of load() completed (cp_async_wait, no barrier needed): is any
   // element this thread copied nonzero? Reads exactly what this thread wrote, so a
   // __syncthreads_or over it tells whether the whole tile has a true mask element (the zero
