@@ -15,7 +15,7 @@ CARRY_ROOT=$(realpath "${CARRY_ROOT:-.}")
 STEPS=${STEPS:-"check timing variants pytest"}
 # "name|translation unit|defines|timed names filter" entries separated by ';'
 # (a name starting with "chk" also runs the variant's correctness checks)
-VARIANTS=${VARIANTS:-"chk_init4w|fwd_bf16_hd128|-DDMATTN_FWD_INIT_WARPS_HD128=4|bias|mask;hd64n64|fwd_bf16_hd64|-DDMATTN_FWD_BLOCKN_HD64=64|D=64"}
+VARIANTS=${VARIANTS:-"chk_init|fwd_bf16_hd128|-DDMATTN_FWD_INIT_KERNEL=1|bias|mask;chk_init4w|fwd_bf16_hd128|-DDMATTN_FWD_INIT_KERNEL=1 -DDMATTN_FWD_INIT_WARPS_HD128=4|bias|mask"}
 END_S=${END_S:-280}   # the pytest step stops by this many seconds after the start
 export PYTHONUNBUFFERED=1
 SITE=/tmp/dmattn-site

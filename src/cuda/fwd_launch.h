@@ -73,14 +73,28 @@ void launch_fwd(const FwdArgs& args, cudaStream_t stream) {
   check_cuda(cudaGetLastError(), "forward kernel launch");
 }
 
-// Plain scores go to the lean kernel, a mask / bias without softcap to the init kernel, a
-// softcap to the general one.
+// The init kernel (mask / bias folded into the QK^T accumulator's initial value) compiles and
+// is free of spills at its default tile, but has not run on a GPU yet: off by default until a
+// device run has checked and timed it (scripts/fwd_device.sh, VARIANTS with
+// -DDMATTN_FWD_INIT_KERNEL=1). Off: a mask or bias goes to the general kernel.
+#ifndef DMATTN_FWD_INIT_KERNEL
+#define DMATTN_FWD_INIT_KERNEL 0
+#endif
+
+// Plain scores go to the lean kernel, a mask / bias without softcap to the init kernel (when
+// enabled), everything else to the general one.
 template <typename Element, int kHeadDim>
 void run_fwd(const FwdArgs& a, cudaStream_t stream) {
   const bool mask_or_bias = a.mask.ptr != nullptr || a.bias.ptr != nullptr;
-  if (a.softcap != 0.f) launch_fwd<FwdTile<Element, kHeadDim, kFwdGeneral>, true, false>(a, stream);
-  else if (mask_or_bias) launch_fwd<FwdTile<Element, kHeadDim, kFwdInit>, true, true>(a, stream);
-  else launch_fwd<FwdTile<Element, kHeadDim, kFwdPlain>, false, false>(a, stream);
+#if DMATTN_FWD_INIT_KERNEL  // (not instantiated at all when off: compile time)
+  if (mask_or_bias && a.softcap == 0.f)
+    launch_fwd<FwdTile<Element, kHeadDim, kFwdInit>, true, true>(a, stream);
+  else
+#endif
+  if (mask_or_bias || a.softcap != 0.f)
+    launch_fwd<FwdTile<Element, kHeadDim, kFwdGeneral>, true, false>(a, stream);
+  else
+    launch_fwd<FwdTile<Element, kHeadDim, kFwdPlain>, false, false>(a, stream);
 }
 
 }  // namespace dmattn::cuda
