@@ -87,7 +87,7 @@ void forward(const ForwardParams& p) {
         "q: the CUDA backend supports float16 and bfloat16, got another dtype");
   const int hd = fwd_instantiated_head_dim(static_cast<int>(p.head_dim));
   check(p.head_dim > 0 && p.head_dim % 8 == 0 && hd > 0, ErrorKind::kValue, "q: head_dim ", p.head_dim,
-        " is not supported by the CUDA backend (expected a multiple of 8 up to 128)");
+        " is not supported by the CUDA backend (expected a multiple of 8 up to 256)");
   check(!p.mask.present() || p.mask.dtype == DType::kBool, ErrorKind::kType, "mask: expected dtype bool");
   check(!p.bias.present() || p.bias.dtype == DType::kFloat32 || p.bias.dtype == p.dtype, ErrorKind::kType,
         "bias: expected q's dtype or float32");
@@ -109,6 +109,7 @@ void forward(const ForwardParams& p) {
   switch (hd) {
     case 64: bf16 ? run_fwd<cutlass::bfloat16_t, 64>(a, stream) : run_fwd<cutlass::half_t, 64>(a, stream); break;
     case 128: bf16 ? run_fwd<cutlass::bfloat16_t, 128>(a, stream) : run_fwd<cutlass::half_t, 128>(a, stream); break;
+    case 256: bf16 ? run_fwd<cutlass::bfloat16_t, 256>(a, stream) : run_fwd<cutlass::half_t, 256>(a, stream); break;
     default: fail(ErrorKind::kValue, "q: head_dim ", p.head_dim, " has no CUDA instantiation");
   }
 }

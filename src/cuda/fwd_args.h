@@ -33,6 +33,13 @@ struct FwdArgs {
   int64_t window_left = -1, window_right = -1;  // -1 = unbounded, causal folded in
   OperandArgs mask, bias;
   bool bias_fp32 = false;  // else bias has the element type of q
+  // Shared-memory placement of the mask / bias tiles (bytes from the start of dynamic smem),
+  // filled by run_fwd for its tile: two mask buffers (the next key block's tile is read one
+  // block ahead, for block skipping), one or two bias buffers (bias_db: the next block's bias
+  // streams in during this block).
+  int smem_mask_off = 0, smem_mask_stride = 0;
+  int smem_bias_off = 0, smem_bias_stride = 0;
+  bool bias_db = false;
 };
 
 }  // namespace dmattn::cuda

@@ -15,24 +15,86 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream);
 }  // namespace dmattn::cuda
 
 #ifdef DMATTN_FWD_LAUNCH_IMPL
+#include <algorithm>
+
 #include "cuda/fwd_kernel.h"
+#include "dmattn/error.h"
 
 namespace dmattn::cuda {
 
+inline int fwd_round_up(int x, int a) { return (x + a - 1) / a * a; }
+
+// CTAs per SM that `smem` bytes of dynamic shared memory per CTA allow (1 KB reserved per CTA).
+inline int fwd_ctas_by_smem(int smem, int smem_per_sm) { return smem_per_sm / (smem + 1024); }
+
+// One launch of fwd_kernel<Tile, kMaskBias, kInit> with the mask / bias buffers placed for Tile.
+template <class Tile, bool kMaskBias, bool kInit>
+void launch_fwd(const FwdArgs& args, cudaStream_t stream) {
+  FwdArgs a = args;
+  int dev = 0, max_smem = 0, smem_per_sm = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
+             "cudaDeviceGetAttribute(smem per block)");
+  check_cuda(cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev),
+             "cudaDeviceGetAttribute(smem per SM)");
+
+  // Shared memory: Q, K, V, then two mask tiles (one block of look-ahead for block skipping;
+  // three for the init kernel), then one or two bias tiles. A query-broadcast operand needs one row per tile.
+  int smem = Tile::kOffBias;
+  if (a.mask.ptr) {
+    const int bytes = fwd_round_up((a.mask.row_bcast ? 1 : Tile::kBlockM) * Tile::kMaskPitch, 128);
+    a.smem_mask_off = smem;
+    a.smem_mask_stride = bytes;
+    smem += (kInit ? 3 : 2) * bytes;  // init kernel: current, next, look-ahead
+  }
+  a.bias_db = false;
+  if (a.bias.ptr) {
+    const int bytes = fwd_round_up((a.bias.row_bcast ? 1 : Tile::kBlockM) * Tile::kBiasPitch * a.bias.esize, 128);
+    a.smem_bias_off = smem;
+    a.smem_bias_stride = bytes;
+    const int single = smem + bytes, dbl = smem + 2 * bytes;
+    const int ctas_single = std::min(Tile::kCtasPerSm, fwd_ctas_by_smem(single, smem_per_sm));
+    const int ctas_dbl = std::min(Tile::kCtasPerSm, fwd_ctas_by_smem(dbl, smem_per_sm));
+    const int mode = DMATTN_FWD_BIAS_DB;
+    // The init kernel always double buffers (it loads the next block's bias before its MMAs).
+    a.bias_db = kInit || (dbl <= max_smem && (mode == 2 || (mode == 1 && ctas_dbl >= ctas_single)));
+    smem = a.bias_db ? dbl : single;
+  }
+  if (smem > max_smem)
+    fail(ErrorKind::kValue, "CUDA backend: the forward kernel for head_dim <= ", Tile::kHeadDim, " with this mask/bias needs ",
+         smem, " bytes of shared memory per block, the device allows ", max_smem);
+
+  // Query blocks run in reverse order (fwd_kernel): blockIdx.x = 0 is the last query block.
+  const dim3 grid((a.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM, a.num_heads, a.batch);
+  auto kernel = fwd_kernel<Tile, kMaskBias, kInit>;
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+             "cudaFuncSetAttribute(forward smem)");
+  kernel<<<grid, Tile::kNThreads, smem, stream>>>(a);
+  check_cuda(cudaGetLastError(), "forward kernel launch");
+}
+
+// The init kernel (mask / bias folded into the QK^T accumulator's initial value) compiles and
+// is free of spills at its default tile, but has not run on a GPU yet: off by default until a
+// device run has checked and timed it (scripts/fwd_device.sh, VARIANTS with
+// -DDMATTN_FWD_INIT_KERNEL=1). Off: a mask or bias goes to the general kernel.
+#ifndef DMATTN_FWD_INIT_KERNEL
+#define DMATTN_FWD_INIT_KERNEL 0
+#endif
+
+// Plain scores go to the lean kernel, a mask / bias without softcap to the init kernel (when
+// enabled), everything else to the general one.
 template <typename Element, int kHeadDim>
 void run_fwd(const FwdArgs& a, cudaStream_t stream) {
-  using Tile = FwdTile<Element, kHeadDim>;
   const bool mask_or_bias = a.mask.ptr != nullptr || a.bias.ptr != nullptr;
-  const int smem = Tile::smem_bytes(mask_or_bias);
-  const dim3 grid((a.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM, a.num_heads, a.batch);
-  auto launch = [&](auto kernel) {
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-               "cudaFuncSetAttribute(forward smem)");
-    kernel<<<grid, Tile::kNThreads, smem, stream>>>(a);
-    check_cuda(cudaGetLastError(), "forward kernel launch");
-  };
-  if (mask_or_bias) launch(fwd_kernel<Tile, true>);
-  else launch(fwd_kernel<Tile, false>);
+#if DMATTN_FWD_INIT_KERNEL  // (not instantiated at all when off: compile time)
+  if (mask_or_bias && a.softcap == 0.f)
+    launch_fwd<FwdTile<Element, kHeadDim, kFwdInit>, true, true>(a, stream);
+  else
+#endif
+  if (mask_or_bias || a.softcap != 0.f)
+    launch_fwd<FwdTile<Element, kHeadDim, kFwdGeneral>, true, false>(a, stream);
+  else
+    launch_fwd<FwdTile<Element, kHeadDim, kFwdPlain>, false, false>(a, stream);
 }
 
 }  // namespace dmattn::cuda

@@ -13,25 +13,95 @@ namespace dmattn::cuda {
 
 // Head dims that have an instantiation, smallest first. Any D <= 256 with D % 8 == 0 runs on the
 // next one, with the extra columns zero-filled on load and never written.
-inline constexpr int kFwdHeadDims[] = {64, 128};
+inline constexpr int kFwdHeadDims[] = {64, 128, 256};
 inline constexpr int fwd_instantiated_head_dim(int d) {
   for (int hd : kFwdHeadDims)
     if (d <= hd) return hd;
   return 0;  // unsupported
 }
 
-template <typename Element_, int kHeadDim_>
+// Tile knobs (compile-time macros, so that one build can time variants):
+//   hd64 / hd128: 4 warps x 32 query rows (each warp owns two m16 tiles, so every K / V fragment
+//   read from shared memory feeds two MMAs; two CTAs per SM overlap one's softmax with the
+//   other's MMAs), kBlockM = 128. hd256: 8 warps x 16 rows, kBlockM = 128, kBlockN = 64.
+#ifndef DMATTN_FWD_WARPS_HD128
+#define DMATTN_FWD_WARPS_HD128 4
+#endif
+#ifndef DMATTN_FWD_WARPS_HD64
+#define DMATTN_FWD_WARPS_HD64 4
+#endif
+#ifndef DMATTN_FWD_BLOCKN_HD128
+#define DMATTN_FWD_BLOCKN_HD128 64
+#endif
+#ifndef DMATTN_FWD_BLOCKN_HD64
+#define DMATTN_FWD_BLOCKN_HD64 128
+#endif
+#ifndef DMATTN_FWD_BLOCKN_HD256
+#define DMATTN_FWD_BLOCKN_HD256 64
+#endif
+#ifndef DMATTN_FWD_WARPS_HD256
+#define DMATTN_FWD_WARPS_HD256 8
+#endif
+// Bias tile double buffering (the next block's bias streams in while this block computes):
+// 0 never, 1 when it keeps the CTAs per SM (see run_fwd), 2 always when it fits.
+#ifndef DMATTN_FWD_BIAS_DB
+#define DMATTN_FWD_BIAS_DB 1
+#endif
+
+// The general kernel (mask / bias / softcap) holds more per score element (bias and mask reads,
+// the softcap's tanh); its own knobs keep it free of register spills.
+#ifndef DMATTN_FWD_GEN_WARPS_HD128
+#define DMATTN_FWD_GEN_WARPS_HD128 8
+#endif
+#ifndef DMATTN_FWD_GEN_BLOCKN_HD128
+#define DMATTN_FWD_GEN_BLOCKN_HD128 64
+#endif
+#ifndef DMATTN_FWD_GEN_BLOCKN_HD64
+#define DMATTN_FWD_GEN_BLOCKN_HD64 64
+#endif
+#ifndef DMATTN_FWD_GEN_BLOCKN_HD256
+#define DMATTN_FWD_GEN_BLOCKN_HD256 32
+#endif
+
+// The init kernel (mask / bias, no softcap; fwd_kernel<Tile, true, true>).
+#ifndef DMATTN_FWD_INIT_WARPS_HD128
+#define DMATTN_FWD_INIT_WARPS_HD128 8
+#endif
+#ifndef DMATTN_FWD_INIT_BLOCKN_HD128
+#define DMATTN_FWD_INIT_BLOCKN_HD128 64
+#endif
+#ifndef DMATTN_FWD_INIT_BLOCKN_HD64
+#define DMATTN_FWD_INIT_BLOCKN_HD64 64
+#endif
+#ifndef DMATTN_FWD_INIT_BLOCKN_HD256
+#define DMATTN_FWD_INIT_BLOCKN_HD256 32
+#endif
+
+// Which kernel a tile serves (fwd_kernel.h): plain scores, the init kernel (mask / bias), the
+// general kernel (softcap, with or without mask / bias).
+enum FwdKind : int { kFwdPlain = 0, kFwdInit = 1, kFwdGeneral = 2 };
+
+template <typename Element_, int kHeadDim_, int kKind = kFwdPlain>
 struct FwdTile {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 128;
-  static constexpr int kBlockN = kHeadDim <= 64 ? 128 : 64;
-#ifndef DMATTN_FWD_WARPS_HD128
-#define DMATTN_FWD_WARPS_HD128 8
-#endif
-  static constexpr int kNWarps = kHeadDim <= 64 ? 8 : DMATTN_FWD_WARPS_HD128;
+  static constexpr int kBlockN =
+      kKind == kFwdGeneral ? (kHeadDim <= 64 ? DMATTN_FWD_GEN_BLOCKN_HD64
+                              : kHeadDim <= 128 ? DMATTN_FWD_GEN_BLOCKN_HD128 : DMATTN_FWD_GEN_BLOCKN_HD256)
+      : kKind == kFwdInit ? (kHeadDim <= 64 ? DMATTN_FWD_INIT_BLOCKN_HD64
+                             : kHeadDim <= 128 ? DMATTN_FWD_INIT_BLOCKN_HD128 : DMATTN_FWD_INIT_BLOCKN_HD256)
+                          : (kHeadDim <= 64 ? DMATTN_FWD_BLOCKN_HD64
+                             : kHeadDim <= 128 ? DMATTN_FWD_BLOCKN_HD128 : DMATTN_FWD_BLOCKN_HD256);
+  static constexpr int kNWarps =
+      kHeadDim <= 64 ? DMATTN_FWD_WARPS_HD64
+      : kHeadDim <= 128 ? (kKind == kFwdGeneral ? DMATTN_FWD_GEN_WARPS_HD128
+                           : kKind == kFwdInit ? DMATTN_FWD_INIT_WARPS_HD128 : DMATTN_FWD_WARPS_HD128)
+                        : DMATTN_FWD_WARPS_HD256;
   static constexpr int kNThreads = kNWarps * 32;
-  static_assert(kHeadDim % 32 == 0 && kBlockN % 32 == 0);
+  // CTAs per SM the register budget allows (255 registers per thread at most).
+  static constexpr int kCtasPerSm = kNThreads <= 128 ? 2 : 1;
+  static_assert(kHeadDim % 32 == 0 && kBlockN % 32 == 0 && kBlockM % (16 * kNWarps) == 0);
 
   // mma.sync m16n8k16, fp32 accumulate; warps stacked along M.
   using MmaAtom = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
@@ -63,10 +133,12 @@ struct FwdTile {
 
   static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kKVBytes = kBlockN * kHeadDim * int(sizeof(Element));
-  static constexpr int kBiasBytes = kBlockM * kBiasPitch * 4;
+  static constexpr int kBiasBytes = kBlockM * kBiasPitch * 4;  // one fp32 tile (the largest)
   static constexpr int kMaskBytes = kBlockM * kMaskPitch;
   static constexpr int kOffK = kQBytes, kOffV = kOffK + kKVBytes, kOffBias = kOffV + kKVBytes;
   static constexpr int kOffMask = kOffBias + kBiasBytes;
+  // Layout before the mask tiles existed in pairs (kept for reference; run_fwd sizes the
+  // mask / bias buffers from the actual operands, see fwd_smem_layout()).
   static constexpr int smem_bytes(bool mask_or_bias) {
     return mask_or_bias ? kOffMask + kMaskBytes : kOffBias;
   }

@@ -60,6 +60,76 @@ struct OperandTile {
       }
     }
   }
+
+  // load() for the common full-tile cp.async case (vec, not query-broadcast) with the element
+  // size known at compile time: constant divisors and offsets, few registers. Same thread ->
+  // chunk assignment as load() (own_any() reads it back).
+  template <int kEsize>
+  __device__ __forceinline__ void load_vec_rows(char* smem, int smem_pitch, int n0, int seqlen_k, int tid) const {
+    constexpr int kChunkElems = 16 / kEsize;
+    constexpr int kChunksPerRow = kBlockN / kChunkElems;
+    constexpr int kChunks = kBlockM * kChunksPerRow;
+    static_assert(kBlockN % kChunkElems == 0);
+    int t = tid;
+    asm volatile("" : "+r"(t));  // keep the addresses out of the caller's loop-carried registers
+    const int cols_valid = min(kBlockN, seqlen_k - n0);
+    const char* g0 = base + int64_t(n0) * kEsize;
+    CUTE_UNROLL
+    for (int it = 0; it < (kChunks + kThreads - 1) / kThreads; ++it) {
+      const int idx = it * kThreads + t;
+      if (kChunks % kThreads != 0 && idx >= kChunks) break;
+      const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * kChunkElems;
+      int bytes = r < rows_valid ? (cols_valid - c) * kEsize : 0;
+      bytes = bytes < 0 ? 0 : (bytes > 16 ? 16 : bytes);
+      const char* src = bytes > 0 ? g0 + (int64_t(r) * stride_q + c) * kEsize : g0;
+      cp_async_16(smem + (r * smem_pitch + c) * kEsize, src, bytes);
+    }
+  }
+
+  // load() with the fast path above where it applies.
+  __device__ __forceinline__ void load_any(char* smem, int smem_pitch, int n0, int seqlen_k, int tid) const {
+    if (vec && pitch != 0) {
+      if (esize == 2) return load_vec_rows<2>(smem, smem_pitch, n0, seqlen_k, tid);
+      if (esize == 4) return load_vec_rows<4>(smem, smem_pitch, n0, seqlen_k, tid);
+      if (esize == 1) return load_vec_rows<1>(smem, smem_pitch, n0, seqlen_k, tid);
+    }
+    load(smem, smem_pitch, n0, seqlen_k, tid);
+  }
+
+  // load_any() for an operand whose element size is known to be kEsize (a bool mask: 1; a
+  // bias: 2 or 4): one fast path instead of three, less code at each call site.
+  template <int kEsize>
+  __device__ __forceinline__ void load_as(char* smem, int smem_pitch, int n0, int seqlen_k, int tid) const {
+    if (vec && pitch != 0) return load_vec_rows<kEsize>(smem, smem_pitch, n0, seqlen_k, tid);
+    load(smem, smem_pitch, n0, seqlen_k, tid);
+  }
+
+  // After this thread's part of load() completed (cp_async_wait, no barrier needed): is any
+  // element this thread copied nonzero? Reads exactly what this thread wrote, so a
+  // __syncthreads_or over it tells whether the whole tile has a true mask element (the zero
+  // fill beyond Sq / Sk counts as false). For bool masks (esize 1) and any other operand.
+  __device__ __forceinline__ bool own_any(const char* smem, int smem_pitch, int tid) const {
+    const int rows = pitch == 0 ? 1 : kBlockM;
+    bool any = false;
+    if (vec) {
+      const int chunk_elems = 16 / esize;
+      const int chunks_per_row = kBlockN / chunk_elems;
+      for (int idx = tid; idx < rows * chunks_per_row; idx += kThreads) {
+        const int r = idx / chunks_per_row, c = (idx % chunks_per_row) * chunk_elems;
+        const uint4 v = *reinterpret_cast<const uint4*>(smem + (r * smem_pitch + c) * esize);
+        any |= (v.x | v.y | v.z | v.w) != 0u;
+      }
+    } else {
+      for (int idx = tid; idx < rows * kBlockN; idx += kThreads) {
+        const int r = idx / kBlockN, c = idx % kBlockN;
+        const char* p = smem + (r * smem_pitch + c) * esize;
+        if (esize == 1) any |= *reinterpret_cast<const uint8_t*>(p) != 0;
+        else if (esize == 2) any |= *reinterpret_cast<const uint16_t*>(p) != 0;
+        else any |= *reinterpret_cast<const uint32_t*>(p) != 0u;
+      }
+    }
+    return any;
+  }
 };
 
 }  // namespace dmattn::cuda

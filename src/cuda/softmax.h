@@ -3,6 +3,7 @@
 // guarded: a row whose max is still -inf uses 0, so -inf never meets -inf.
 //   kSafeSub: p = exp2((s - m) * log2e), exact for scores near -FLT_MAX (a finfo.min bias on
 //   an allowed key); otherwise p = exp2(s * log2e - m * log2e) in one FMA.
+//   exp2 is ex2.approx.ftz (fast_exp2): probabilities below 2^-126 flush to 0.
 #pragma once
 
 #include <cmath>
@@ -26,6 +27,15 @@ struct OnlineSoftmax {
   // o: (kRows, D) output accumulator, rescaled when the max grows.
   template <bool kSafeSub, class S, class O>
   __device__ __forceinline__ void update(S& s, O& o) {
+    update_scaled<kSafeSub>(s, o, kLog2e);
+  }
+
+  // As update(), for scores s whose natural-log value is s * score_scale (score_scale > 0):
+  // the softmax scale folds into the exponent, p = exp2(s * sl2 - m * sl2) with sl2 =
+  // score_scale * log2(e), one FMA per element (kSafeSub: exp2((s - m) * sl2)). The running
+  // max stays in s units; finalize() with the same score_scale turns it into the LSE.
+  template <bool kSafeSub, class S, class O>
+  __device__ __forceinline__ void update_scaled(S& s, O& o, float sl2) {
     using namespace cute;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
@@ -35,17 +45,17 @@ struct OnlineSoftmax {
       m = quad_max(m);
       const float m_use = m == -INFINITY ? 0.f : m;
       {
-        const float alpha = exp2f((row_max[r] - m_use) * kLog2e);  // -inf old max -> 0
+        const float alpha = fast_exp2((row_max[r] - m_use) * sl2);  // -inf old max -> 0
         row_sum[r] *= alpha;
         CUTE_UNROLL
         for (int c = 0; c < size<1>(o); ++c) o(r, c) *= alpha;
       }
       row_max[r] = m;
       float sum = 0.f;
-      const float m_scaled = m_use * kLog2e;
+      const float m_scaled = m_use * sl2;
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
-        const float p = kSafeSub ? exp2f((s(r, c) - m_use) * kLog2e) : exp2f(fmaf(s(r, c), kLog2e, -m_scaled));
+        const float p = kSafeSub ? fast_exp2((s(r, c) - m_use) * sl2) : fast_exp2(fmaf(s(r, c), sl2, -m_scaled));
         s(r, c) = p;
         sum += p;
       }
@@ -56,13 +66,19 @@ struct OnlineSoftmax {
   // Normalizes o; lse[r] = m + log(l), -inf (and o = 0) for a row with no allowed key.
   template <class O>
   __device__ __forceinline__ void finalize(O& o, float (&lse)[kRows]) {
+    finalize(o, lse, 1.f);
+  }
+
+  // After update_scaled(): the running max is in s units, lse[r] = m * score_scale + log(l).
+  template <class O>
+  __device__ __forceinline__ void finalize(O& o, float (&lse)[kRows], float score_scale) {
     using namespace cute;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const float l = quad_sum(row_sum[r]);
       const bool empty = !(l > 0.f);
       const float inv = empty ? 0.f : 1.f / l;
-      lse[r] = empty ? -INFINITY : row_max[r] + logf(l);
+      lse[r] = empty ? -INFINITY : row_max[r] * score_scale + logf(l);
       CUTE_UNROLL
       for (int c = 0; c < size<1>(o); ++c) o(r, c) *= inv;
     }

@@ -19,6 +19,15 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// ---- fast math ----------------------------------------------------------------------------
+// 2^x with one MUFU.EX2 (ex2.approx.ftz: <= 2 ulp, results below 2^-126 flush to 0,
+// -inf -> 0, NaN -> NaN).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // ---- quad (4 threads sharing an accumulator row) reductions --------------------------------
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));

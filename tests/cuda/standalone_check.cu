@@ -112,6 +112,8 @@ struct Cfg {
   OpShape mask; float mask_p;  // probability of true
   OpShape bias; bool bias_fp32; float special_p;  // probability of -inf / finfo.min in bias
   float softcap; int empty_row;  // a query row whose mask is all false (-1 none)
+  int mask_pattern = 0;  // 0 random; 1 block-sparse: (i/128 + j/128) % 3 == 0 random, else false;
+                         // 2 key runs: keys with (j / 200) % 2 == 1 false (whole key blocks empty)
 };
 
 struct OpBuf { void* dev = nullptr; BroadcastOperand op; RefOp ref; };
@@ -127,7 +129,13 @@ static OpBuf make_op(const OpShape& s, const Cfg& c, int kind, std::mt19937& rng
   std::normal_distribution<float> N(0.f, 1.f);
   if (is_mask) {
     std::vector<uint8_t> h(n);
-    for (long long e = 0; e < n; ++e) h[e] = U(rng) < c.mask_p;
+    for (long long bb = 0; bb < nb; ++bb) for (long long hh = 0; hh < nh; ++hh)
+      for (long long i = 0; i < nq; ++i) for (long long j = 0; j < nk; ++j) {
+        bool v = U(rng) < c.mask_p;
+        if (c.mask_pattern == 1 && (i / 128 + j / 128) % 3 != 0) v = false;
+        if (c.mask_pattern == 2 && (j / 200) % 2 == 1) v = false;
+        h[bb * sb + hh * sh + i * sq + j * sk] = v;
+      }
     if (c.empty_row >= 0 && nq > 1 && c.empty_row < nq)
       for (long long bb = 0; bb < nb; ++bb) for (long long hh = 0; hh < nh; ++hh) for (long long j = 0; j < nk; ++j)
         h[bb * sb + hh * sh + c.empty_row * sq + j * sk] = 0;
@@ -226,8 +234,42 @@ static int run_cfg(const Cfg& c, std::mt19937& rng) {
   return ok ? 0 : 1;
 }
 
-static void time_cfg(const char* name, int B, int H, int S, int D, bool causal, int bias_kind) {
+// Device fills for the large timed operands (host generation of 2^31 elements is too slow).
+__device__ __forceinline__ uint32_t hash32(uint64_t x) {
+  x ^= x >> 33; x *= 0xff51afd7ed558ccdULL; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL; x ^= x >> 33;
+  return static_cast<uint32_t>(x);
+}
+__global__ void fill_bias_bf16(__nv_bfloat16* p, long long n, uint32_t seed) {
+  for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) {
+    const uint32_t h = hash32(e * 0x9E3779B97F4A7C15ULL + seed);
+    p[e] = __float2bfloat16((h & 0xffff) * (4.f / 65536.f) - 2.f);  // uniform in [-2, 2)
+  }
+}
+__global__ void fill_mask_tiles(uint8_t* p, long long rows, int S) {  // (B*H*S, S): tile (i/128 + j/128) % 4 == 0
+  for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < rows * S; e += (long long)gridDim.x * blockDim.x) {
+    const long long i = (e / S) % S, j = e % S;
+    p[e] = ((i / 128 + j / 128) % 4 == 0) && (hash32(e) & 1);
+  }
+}
+
+static std::string g_time_filter;  // '|'-separated substrings of the timed names ("" = all)
+static bool time_selected(const std::string& name) {
+  if (g_time_filter.empty()) return true;
+  size_t start = 0;
+  while (start <= g_time_filter.size()) {
+    size_t end = g_time_filter.find('|', start);
+    if (end == std::string::npos) end = g_time_filter.size();
+    if (end > start && name.find(g_time_filter.substr(start, end - start)) != std::string::npos) return true;
+    start = end + 1;
+  }
+  return false;
+}
+
+static void time_cfg(const char* name, int B, int H, int S, int D, bool causal, int bias_kind, int mask_kind = 0) {
+  if (!time_selected(name)) return;
   // bias_kind: 0 none, 1 dense (B,H,S,S) bf16, 2 per-key (B,H,1,S) bf16
+  // mask_kind: 0 none, 1 per-key (B,H,1,S) bool keeping 2048 random keys per head (Doge),
+  //            2 full (B,H,S,S) bool, block-sparse: 128x128 tiles kept when (i/128 + j/128) % 4 == 0
   const long long n = (long long)B * S * H * D;
   std::vector<uint16_t> h(n);
   std::mt19937 rng(1); std::normal_distribution<float> N(0.f, 1.f);
@@ -250,10 +292,38 @@ static void time_cfg(const char* name, int B, int H, int S, int D, bool causal, 
     p.bias.stride_k = 1; p.bias.stride_q = bias_kind == 1 ? S : 0;
     p.bias.stride_h = bias_kind == 1 ? (long long)S * S : S; p.bias.stride_b = p.bias.stride_h * H;
   }
+  void* dmask = nullptr;
+  if (mask_kind) {
+    long long nm = mask_kind == 1 ? (long long)B * H * S : (long long)B * H * S * S;
+    if (mask_kind == 1) {
+      std::vector<uint8_t> hm(nm, 0);
+      std::vector<int> idx(S);
+      for (long long r = 0; r < (long long)B * H; ++r) {
+        for (int j = 0; j < S; ++j) idx[j] = j;
+        std::shuffle(idx.begin(), idx.end(), rng);
+        for (int j = 0; j < std::min(S, 2048); ++j) hm[r * S + idx[j]] = 1;
+      }
+      dmask = dev_upload(hm);
+    } else {
+      CK(cudaMalloc(&dmask, nm));
+      fill_mask_tiles<<<4096, 256>>>(static_cast<uint8_t*>(dmask), (long long)B * H * S, S);
+      CK(cudaGetLastError());
+    }
+    p.mask.ptr = dmask; p.mask.dtype = DType::kBool;
+    p.mask.size_b = B; p.mask.size_h = H; p.mask.size_q = mask_kind == 1 ? 1 : S; p.mask.size_k = S;
+    p.mask.stride_k = 1; p.mask.stride_q = mask_kind == 1 ? 0 : S;
+    p.mask.stride_h = mask_kind == 1 ? S : (long long)S * S; p.mask.stride_b = p.mask.stride_h * H;
+  }
+  if (bias_kind) {  // random bias values (not zeros)
+    long long nb = bias_kind == 1 ? (long long)B * H * S * S : (long long)B * H * S;
+    fill_bias_bf16<<<4096, 256>>>(static_cast<__nv_bfloat16*>(dbias), nb, 7u);
+    CK(cudaGetLastError());
+  }
   for (int w = 0; w < 3; ++w) cuda::forward(p);
+  CK(cudaDeviceSynchronize());
   cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
   std::vector<float> ts;
-  for (int r = 0; r < 10; ++r) {
+  for (int r = 0; r < 20; ++r) {
     CK(cudaEventRecord(e0)); cuda::forward(p); CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1));
     float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); ts.push_back(ms);
   }
@@ -262,6 +332,7 @@ static void time_cfg(const char* name, int B, int H, int S, int D, bool causal, 
   const double flops = 4.0 * B * H * (double)S * S * D * (causal ? 0.5 : 1.0);
   printf("TIME %-44s median %.3f ms  %.1f TFLOP/s\n", name, ms, flops / ms / 1e9);
   cudaFree(dq); cudaFree(dk); cudaFree(dv); cudaFree(dout); cudaFree(dlse); if (dbias) cudaFree(dbias);
+  if (dmask) cudaFree(dmask);
 }
 
 int main(int argc, char** argv) {
@@ -301,22 +372,45 @@ int main(int argc, char** argv) {
       {"bf16 d64 all -inf bias rows", true, 1, 2, 2, 127, 127, 64, false, -1, -1, none, 1, full, true, 0.5f, 0, -1},
       {"bf16 d64 mask all false", true, 1, 2, 2, 127, 127, 64, false, -1, -1, full, 0.0f, none, false, 0, 0, -1},
       {"fp16 d128 Sk=0", false, 1, 2, 2, 17, 0, 128, false, -1, -1, none, 1, none, false, 0, 0, -1},
+      // head dims on the hd256 instantiation, odd sizes, D=40/80
+      {"bf16 d256 1000x1000", true, 1, 2, 2, 1000, 1000, 256, false, -1, -1, none, 1, none, false, 0, 0, -1},
+      {"fp16 d256 127x4097 causal", false, 1, 2, 2, 127, 4097, 256, true, -1, -1, none, 1, none, false, 0, 0, -1},
+      {"bf16 d200 GQA mask+bias", true, 1, 4, 2, 1000, 1000, 200, false, -1, -1, full, 0.5f, full, false, 0.02f, 0, 4},
+      {"fp16 d256 per-key mask+bias causal", false, 2, 2, 2, 1000, 1000, 256, true, -1, -1, per_key, 0.3f, per_key, true, 0, 0, -1},
+      {"bf16 d256 softcap 17x17", true, 1, 2, 2, 17, 17, 256, false, -1, -1, none, 1, none, false, 0, 30.f, -1},
+      {"bf16 d40 1000x1000 causal", true, 1, 2, 2, 1000, 1000, 40, true, -1, -1, none, 1, none, false, 0, 0, -1},
+      {"fp16 d80 4097x1000", false, 1, 2, 2, 4097, 1000, 80, false, -1, -1, none, 1, none, false, 0, 0, -1},
+      // block skipping: empty mask tiles (full and query-broadcast masks)
+      {"bf16 d128 mask block-sparse 1000", true, 2, 2, 2, 1000, 1000, 128, false, -1, -1, full, 0.5f, none, false, 0, 0, -1, 1},
+      {"fp16 d64 mask block-sparse+bias 1024", false, 1, 2, 2, 1024, 1024, 64, false, -1, -1, full, 0.3f, full, false, 0, 0, 9, 1},
+      {"bf16 d128 mask block-sparse causal", true, 1, 2, 2, 1024, 1024, 128, true, -1, -1, full, 0.5f, none, false, 0, 0, -1, 1},
+      {"bf16 d128 per-key mask key runs", true, 2, 2, 2, 1000, 4097, 128, false, -1, -1, per_key, 0.4f, per_key, false, 0, 0, -1, 2},
+      {"fp16 d64 per-key mask key runs causal", false, 2, 2, 2, 4097, 4097, 64, true, -1, -1, per_key, 0.1f, none, false, 0, 0, -1, 2},
+      {"bf16 d128 (1,1,1,Sk) mask runs 17", true, 1, 2, 2, 17, 1000, 128, false, -1, -1, qk_only, 0.5f, none, false, 0, 0, -1, 2},
+      {"bf16 d64 mask runs window", true, 1, 2, 2, 1000, 1000, 64, false, 256, 16, full, 0.5f, none, false, 0, 0, -1, 2},
   };
   int fails = 0;
+  const bool time_only = argc > 1 && std::string(argv[1]) == "--time-only";
+  if (time_only && argc > 2) g_time_filter = argv[2];  // --time-only "D=64|bias"
+  if (!time_only)
   for (const Cfg& c : cfgs) fails += run_cfg(c, rng);
   // unsupported head dim must throw kValue
   {
-    ForwardParams p; p.dtype = DType::kBFloat16; p.head_dim = 136; p.batch = 1; p.seqlen_q = 1; p.seqlen_k = 1; p.num_heads = 1; p.num_heads_kv = 1;
-    try { cuda::forward(p); printf("head_dim 136: no error FAIL\n"); ++fails; }
-    catch (const Error& e) { printf("head_dim 136 -> %s (kind %d)\n", e.what(), (int)e.kind()); }
+    ForwardParams p; p.dtype = DType::kBFloat16; p.head_dim = 264; p.batch = 1; p.seqlen_q = 1; p.seqlen_k = 1; p.num_heads = 1; p.num_heads_kv = 1;
+    try { cuda::forward(p); printf("head_dim 264: no error FAIL\n"); ++fails; }
+    catch (const Error& e) { printf("head_dim 264 -> %s (kind %d)\n", e.what(), (int)e.kind()); }
   }
   printf("%d config(s) failed\n", fails);
   if (argc > 1 && std::string(argv[1]) == "--no-time") return fails ? 1 : 0;
   time_cfg("bf16 B=2 H=16 S=8192 D=128 non-causal", 2, 16, 8192, 128, false, 0);
   time_cfg("bf16 B=2 H=16 S=8192 D=128 causal", 2, 16, 8192, 128, true, 0);
-  time_cfg("bf16 B=8 H=16 S=2048 D=64 non-causal", 8, 16, 2048, 64, false, 0);
   time_cfg("bf16 B=2 H=16 S=8192 D=128 dense bias", 2, 16, 8192, 128, false, 1);
   time_cfg("bf16 B=2 H=16 S=8192 D=128 dense bias causal", 2, 16, 8192, 128, true, 1);
-  time_cfg("bf16 B=2 H=16 S=8192 D=128 per-key bias", 2, 16, 8192, 128, false, 2);
+  time_cfg("bf16 B=2 H=16 S=8192 D=128 Doge per-key bias+mask(2048) causal", 2, 16, 8192, 128, true, 2, 1);
+  time_cfg("bf16 B=2 H=16 S=8192 D=128 Doge per-key bias+mask(2048)", 2, 16, 8192, 128, false, 2, 1);
+  time_cfg("bf16 B=2 H=16 S=8192 D=128 full mask 1/4 tiles (skip)", 2, 16, 8192, 128, false, 0, 2);
+  time_cfg("bf16 B=8 H=16 S=2048 D=64 non-causal", 8, 16, 2048, 64, false, 0);
+  time_cfg("bf16 B=2 H=16 S=8192 D=64 non-causal", 2, 16, 8192, 64, false, 0);
+  time_cfg("bf16 B=2 H=16 S=8192 D=256 non-causal", 2, 16, 8192, 256, false, 0);
   return fails ? 1 : 0;
 }

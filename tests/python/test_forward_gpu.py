@@ -1,0 +1,100 @@
+"""Forward-only checks of the CUDA backend against the float64 reference: the random draws of
+test_forward_backward.py (small and large shapes, fixed cases) without the backward, plus masks
+whose tiles are entirely false (key-block skipping, src/cuda/block_skip.h). Runs where the
+CUDA backward is not available yet, and isolates forward failures where it is."""
+
+import random
+
+import pytest
+import torch
+
+from cases import Case, broadcast_shape, check_case, random_case
+from test_forward_backward import FIXED
+
+pytestmark = pytest.mark.gpu
+
+
+def _check_fwd(c):
+    """check_case without the backward; a layout the CUDA backend refuses (its documented
+    16-byte alignment of pointers and strides) is skipped, not failed."""
+    try:
+        check_case(c, "cuda", backward=False)
+    except ValueError as e:
+        if "16-byte aligned" in str(e):
+            pytest.skip(f"CUDA alignment requirement: {e}")
+        raise
+
+
+@pytest.mark.parametrize("case", [
+    # (Sq, Sk, D, causal, mask shape kind, density)
+    (1000, 1000, 128, False, "full", 0.02),
+    (1000, 4097, 64, True, "per_key", 0.01),
+    (300, 2000, 128, False, "per_key", 0.005),
+    (777, 1500, 256, False, "full", 0.01),
+    (129, 129, 64, False, "full", 0.0),
+], ids=lambda c: f"{c[0]}x{c[1]}_d{c[2]}_{'causal_' if c[3] else ''}{c[4]}_{c[5]}")
+def test_sparse_mask_forward(case, nan_poison):
+    """Masks so sparse that most key tiles (and some query rows) have no true element."""
+    import dmattn
+    sq, sk, d, causal, kind, density = case
+    g = torch.Generator(device="cpu").manual_seed(sq * 7 + sk)
+    b, h = 2, 4
+    q = torch.randn(b, sq, h, d, generator=g).to("cuda", torch.bfloat16)
+    k = torch.randn(b, sk, h, d, generator=g).to("cuda", torch.bfloat16)
+    v = torch.randn(b, sk, h, d, generator=g).to("cuda", torch.bfloat16)
+    shape = (b, h, sq, sk) if kind == "full" else (b, h, 1, sk)
+    mask = torch.rand(shape, generator=g) < density
+    if kind == "full":
+        mask[:, :, : sq // 3, :] = False          # whole query blocks without any key
+    mask = mask.to("cuda")
+    bias = torch.randn(shape, generator=g).to("cuda", torch.bfloat16)
+    out, lse = dmattn.attention(q, k, v, mask, bias, causal=causal, return_lse=True)
+    # float64 reference
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) / d ** 0.5 + bias.double()
+    allowed = mask.expand(b, h, sq, sk).clone()
+    if causal:
+        i = torch.arange(sq, device="cuda")[:, None]
+        j = torch.arange(sk, device="cuda")[None, :]
+        allowed &= j <= i + sk - sq
+    s = s.masked_fill(~allowed, float("-inf"))
+    ref_lse = torch.logsumexp(s, dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    ref = torch.einsum("bhqk,bkhd->bqhd", p, v.double())
+    assert torch.isfinite(out).all()
+    empty = ~allowed.any(-1)                        # (b, h, sq)
+    assert torch.equal(lse[empty], torch.full_like(lse[empty], float("-inf")))
+    assert (out.permute(0, 2, 1, 3)[empty] == 0).all()
+    err = (out.double() - ref).abs().max().item()
+    assert err < 2e-2 * max(1.0, ref.abs().max().item()), err
+    lse_err = (lse[~empty].double() - ref_lse[~empty]).abs().max().item() if (~empty).any() else 0.0
+    assert lse_err < 1e-2, lse_err
+
+
+@pytest.mark.parametrize("seed", range(300), ids=lambda s: f"seed_{s}")
+def test_random_forward(seed, nan_poison):
+    _check_fwd(random_case(seed, "cuda"))
+
+
+@pytest.mark.parametrize("idx", range(len(FIXED)), ids=lambda i: f"fixed_{i}")
+def test_fixed_forward(idx, nan_poison):
+    c = FIXED[idx]
+    if c.dtype not in (torch.float16, torch.bfloat16) or c.d % 8:
+        pytest.skip("CUDA takes fp16/bf16 and head_dim % 8 == 0")
+    _check_fwd(c)
+
+
+@pytest.mark.parametrize("seed", range(100), ids=lambda s: f"big_{s}")
+def test_random_forward_large(seed, nan_poison):
+    rng = random.Random(10_000 + seed)
+    c = random_case(10_000 + seed, "cuda")
+    c.sq = rng.choice([1, 127, 128, 129, 255, 256, 511, 777, 1024])
+    c.sk = rng.choice([c.sq, 1, 128, 200, 513, 1024, 1500])
+    c.d = rng.choice([64, 128, 64, 96, 256, 40, 200])
+    c.b = rng.choice([1, 2])
+    if c.mask_shape is not None:
+        c.mask_shape = broadcast_shape(rng, c.b, c.h, c.hkv, c.sq, c.sk)
+    if c.bias_shape is not None:
+        c.bias_shape = broadcast_shape(rng, c.b, c.h, c.hkv, c.sq, c.sk)
+    _check_fwd(c)
+
+
