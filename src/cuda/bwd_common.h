@@ -131,7 +131,10 @@ __device__ __forceinline__ void bwd_load_row_stats(C const& coord, const float* 
 
 // s (scores) -> P = exp(s - lse), computed as exp2((s - lse) * log2e): the difference first, so
 // a score near -FLT_MAX (finfo.min bias on an allowed key) never overflows when scaled.
-// dp -> dS = P * (dP - Delta), exactly 0 wherever P is 0.
+// dp -> dS = P * (dP - Delta), exactly 0 wherever P is 0. Where P == 1 exactly (the key holds
+// the whole row's mass, every other P_k < 2^-24), dS = P * sum_k P_k (dP_j - dP_k) is below
+// fp32 resolution: it is set to 0 rather than left to the rounding noise of Delta, which comes
+// from the stored low-precision O (a row with a single allowed key must get exactly 0).
 template <int kRows, class S, class DP>
 __device__ __forceinline__ void bwd_p_ds(S& s, DP& dp, const float (&lse)[kRows], const float (&delta)[kRows]) {
   using namespace cute;
@@ -142,7 +145,7 @@ __device__ __forceinline__ void bwd_p_ds(S& s, DP& dp, const float (&lse)[kRows]
     for (int c = 0; c < size<1>(s); ++c) {
       const float p = exp2f((s(r, c) - lse[r]) * kLog2e);
       s(r, c) = p;
-      dp(r, c) = p * (dp(r, c) - delta[r]);
+      dp(r, c) = p == 1.f ? 0.f : p * (dp(r, c) - delta[r]);
     }
   }
 }

@@ -115,7 +115,8 @@ void run_bwd(const BwdArgs& a, bool deterministic, cudaStream_t stream) {
 
   if (!deterministic && B * Sq * H > 0)
     check_cuda(cudaMemsetAsync(a.dq_accum, 0, size_t(B * Sq * H * D) * sizeof(float), stream), "cudaMemsetAsync(dq_accum)");
-  const bool accum_used = a.dbias != nullptr && (a.dbias_mode == kDbAccum || (a.dbias_mode == kDbColSum && a.db_colsum_to_accum));
+  const bool accum_used = a.dbias != nullptr && B > 0 && Sk > 0 &&
+                          (a.dbias_mode == kDbAccum || (a.dbias_mode == kDbColSum && a.db_colsum_to_accum));
   const int64_t dbias_numel = a.bsize_b * a.bsize_h * a.bsize_q * a.bsize_k;
   if (accum_used && dbias_numel > 0)
     check_cuda(cudaMemsetAsync(a.dbias_accum, 0, size_t(dbias_numel) * sizeof(float), stream), "cudaMemsetAsync(dbias_accum)");
@@ -131,7 +132,9 @@ void run_bwd(const BwdArgs& a, bool deterministic, cudaStream_t stream) {
     else bwd_write_dbias<Element><<<blocks, 256, 0, stream>>>(a, from_accum);
     check_cuda(cudaGetLastError(), "backward dbias write launch");
   };
-  if (a.dbias != nullptr && a.dbias_mode == kDbNone) write_dbias(false);
+  // Nothing reaches dbias when there is no batch or no key: all zeros.
+  const bool dbias_all_zero = a.dbias != nullptr && (a.dbias_mode == kDbNone || B == 0 || Sk == 0);
+  if (dbias_all_zero) write_dbias(false);
 
   const int smem = Tile::smem_bytes();
   const bool mask_or_bias = f.mask.ptr != nullptr || f.bias.ptr != nullptr;
@@ -168,7 +171,7 @@ void run_bwd(const BwdArgs& a, bool deterministic, cudaStream_t stream) {
       check_cuda(cudaGetLastError(), "backward dq convert launch");
     }
   }
-  if (accum_used) write_dbias(true);
+  if (accum_used && !dbias_all_zero) write_dbias(true);
 }
 
 }  // namespace dmattn::cuda
