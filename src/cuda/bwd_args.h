@@ -29,7 +29,13 @@ struct BwdArgs {
   void* dv = nullptr;
   int64_t dv_bs = 0, dv_rs = 0, dv_hs = 0;
 
-  float* delta = nullptr;     // (B, H, Sq): rowsum(dO * O)
+  float* delta = nullptr;     // (B, H, Sq): rowsum(dO * O), or sum_j P_ij dP_ij (exact path)
+  // Row statistics read by the main and dQ kernels (B, H, Sq): m (lse on the lse path) and
+  // log2 of the row sum (null on the lse path). The exact path's bwd_stats writes them.
+  const float* row_m = nullptr;
+  const float* row_log2l = nullptr;
+  float* stats_m = nullptr;      // bwd_stats outputs (exact path)
+  float* stats_log2l = nullptr;
   float* dq_accum = nullptr;  // (B, Sq, H, D) contiguous; null: the main kernel skips dQ
   int num_heads_kv = 1;
 

@@ -108,42 +108,49 @@ __device__ __forceinline__ void bwd_scores(S& s, C const& coord, TT& tt, const F
   }
 }
 
-// lse (natural log) and Delta of the rows a thread owns. A row outside Sq or with no allowed
-// key (lse = -inf) gets lse = +inf, so that P = exp(s - lse) is exactly 0 there and -inf never
-// meets -inf; its Delta is 0.
+// Softmax statistics and Delta of the rows a thread owns. P = exp(s - m) / l is computed as
+// exp2((s - m) * log2e - log2(l)):
+//   lse path:   m = lse (from the forward), log2 l = 0 (g_log2l null);
+//   exact path: m, log2 l from bwd_stats (recomputed; keeps log l even when |m| is huge).
+// A row outside Sq or with no allowed key gets m = +inf, so that P is exactly 0 there and -inf
+// never meets -inf; its Delta is 0.
 template <int kRows, class C>
-__device__ __forceinline__ void bwd_load_row_stats(C const& coord, const float* g_lse, const float* g_delta,
-                                                   int rows_valid, float (&lse)[kRows], float (&delta)[kRows]) {
+__device__ __forceinline__ void bwd_load_row_stats(C const& coord, const float* g_m, const float* g_log2l,
+                                                   const float* g_delta, int rows_valid, float (&m)[kRows],
+                                                   float (&log2l)[kRows], float (&delta)[kRows]) {
   using namespace cute;
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     const int row = get<0>(coord(r, 0));
-    float l = INFINITY, d = 0.f;
+    float mm = INFINITY, ll = 0.f, d = 0.f;
     if (row < rows_valid) {
-      l = g_lse[row];
+      mm = g_m[row];
+      if (g_log2l) ll = g_log2l[row];
       d = g_delta[row];
-      if (l == -INFINITY) l = INFINITY;
+      if (mm == -INFINITY) mm = INFINITY;
     }
-    lse[r] = l;
+    m[r] = mm;
+    log2l[r] = ll;
     delta[r] = d;
   }
 }
 
-// s (scores) -> P = exp(s - lse), computed as exp2((s - lse) * log2e): the difference first, so
+// s (scores) -> P = exp(s - m) / l, computed as exp2((s - m) * log2e - log2 l): the difference first, so
 // a score near -FLT_MAX (finfo.min bias on an allowed key) never overflows when scaled.
 // dp -> dS = P * (dP - Delta), exactly 0 wherever P is 0. Where P == 1 exactly (the key holds
 // the whole row's mass, every other P_k < 2^-24), dS = P * sum_k P_k (dP_j - dP_k) is below
 // fp32 resolution: it is set to 0 rather than left to the rounding noise of Delta, which comes
 // from the stored low-precision O (a row with a single allowed key must get exactly 0).
 template <int kRows, class S, class DP>
-__device__ __forceinline__ void bwd_p_ds(S& s, DP& dp, const float (&lse)[kRows], const float (&delta)[kRows]) {
+__device__ __forceinline__ void bwd_p_ds(S& s, DP& dp, const float (&m)[kRows], const float (&log2l)[kRows],
+                                         const float (&delta)[kRows]) {
   using namespace cute;
   constexpr float kLog2e = 1.4426950408889634f;
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     CUTE_UNROLL
     for (int c = 0; c < size<1>(s); ++c) {
-      const float p = exp2f((s(r, c) - lse[r]) * kLog2e);
+      const float p = exp2f((s(r, c) - m[r]) * kLog2e - log2l[r]);
       s(r, c) = p;
       dp(r, c) = p == 1.f ? 0.f : p * (dp(r, c) - delta[r]);
     }

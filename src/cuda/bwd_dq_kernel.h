@@ -1,7 +1,13 @@
-// Deterministic dQ (deterministic=True): one CTA per (query block, head, batch) walks the key
-// blocks in a fixed order, recomputes S, P, dP and dS' like the main kernel and accumulates
-// dQ = scale * dS' K in registers; written once, with saturation. No atomics, so the result is
-// bitwise reproducible. Same tiles and layouts as bwd_kernel.h.
+// Query-major backward kernels: one CTA per (query block, head, batch) walks the key blocks in a
+// fixed order, recomputing S and dP with the same tiles and transform as bwd_kernel.h.
+//  kStats = false (dQ): P, dS' as the main kernel, dQ = scale * dS' K accumulated in registers,
+//    written once with saturation. No atomics: used for deterministic=True and the exact path.
+//  kStats = true (exact path, pass 0): the row statistics m = max_j s_ij, l = sum_j exp(s_ij - m)
+//    and Delta = sum_j P_ij dP_ij, recomputed in fp32 like the CPU backend: unlike
+//    rowsum(dO * O) with the stored fp16/bf16 O, this Delta makes sum_j dS_ij cancel exactly (a
+//    row with one allowed key gets dS = 0; a bias reduced over keys gets no rounding noise of
+//    O), and m, log2 l stay separate, so a row whose keys all carry a finfo.min bias keeps
+//    P = 1/n where exp(s - lse) would give 1.
 #pragma once
 
 #include "cuda/bwd_args.h"
@@ -13,7 +19,7 @@
 
 namespace dmattn::cuda {
 
-template <class Tile, bool kMaskBias, bool kSoftcap>
+template <class Tile, bool kMaskBias, bool kSoftcap, bool kStats>
 __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_dq_kernel(const __grid_constant__ BwdArgs a) {
   using namespace cute;
   using Element = typename Tile::Element;
@@ -75,6 +81,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_dq_kernel(const __grid
 
   Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   clear(acc_dq);
+  const int64_t row_stat = (int64_t(b) * f.num_heads + h) * f.seqlen_q + m0;
+  // kStats: this thread's running (max, sum of exp, sum of exp * dP) over its columns.
+  float t_m[kRows], t_l[kRows], t_d[kRows];
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) { t_m[r] = -INFINITY; t_l[r] = 0.f; t_d[r] = 0.f; }
 
   if (n_max > n_min) {
     const Element* gQ = static_cast<const Element*>(f.q) + int64_t(b) * f.q_bs + int64_t(m0) * f.q_rs + int64_t(h) * f.q_hs;
@@ -90,9 +101,14 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_dq_kernel(const __grid
     load_rows_async<kBlockM, kHeadDim, kThreads>(sdO, gdO, a.do_rs, rows_valid, f.head_dim, tid);
     cp_async_commit();
 
-    const int64_t row_stat = (int64_t(b) * f.num_heads + h) * f.seqlen_q + m0;
-    float lse[kRows], delta[kRows];
-    bwd_load_row_stats(tScS_rc, f.lse + row_stat, a.delta + row_stat, rows_valid, lse, delta);
+    float row_m[kRows], row_log2l[kRows], delta[kRows];
+    if constexpr (kStats) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) { t_m[r] = -INFINITY; t_l[r] = 0.f; t_d[r] = 0.f; }
+    } else {
+      bwd_load_row_stats(tScS_rc, a.row_m + row_stat, a.row_log2l ? a.row_log2l + row_stat : nullptr,
+                         a.delta + row_stat, rows_valid, row_m, row_log2l, delta);
+    }
 
     for (int n = n_min; n < n_max; ++n) {
       const int n0 = n * kBlockN;
@@ -122,7 +138,30 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_dq_kernel(const __grid
       bwd_scores<kMaskBias, kSoftcap, Element, kBlockN>(s_rc, tScS_rc, tt_rc, f, m0, n0, pos_mask, win,
                                                         f.bias.ptr ? s_bias : nullptr, bias_tile.pitch,
                                                         f.mask.ptr ? s_mask : nullptr, mask_tile.pitch);
-      bwd_p_ds(s_rc, dp_rc, lse, delta);
+      if constexpr (kStats) {
+        constexpr float kLog2e = 1.4426950408889634f;
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          float bm = t_m[r];
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(s_rc); ++c) bm = fmaxf(bm, s_rc(r, c));
+          if (bm == -INFINITY) continue;  // nothing allowed yet in this thread's columns
+          const float alpha = exp2f((t_m[r] - bm) * kLog2e);  // old max -inf -> 0
+          float l = 0.f, d = 0.f;
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(s_rc); ++c) {
+            const float e = exp2f((s_rc(r, c) - bm) * kLog2e);
+            l += e;
+            d = fmaf(e, dp_rc(r, c), d);
+          }
+          t_l[r] = t_l[r] * alpha + l;
+          t_d[r] = t_d[r] * alpha + d;
+          t_m[r] = bm;
+        }
+        continue;
+      } else {
+        bwd_p_ds(s_rc, dp_rc, row_m, row_log2l, delta);
+      }
       if constexpr (kSoftcap) bwd_softcap_chain(acc_dp, tt);
       {
         Tensor rdS = make_tensor<Element>(acc_dp.layout());
@@ -133,6 +172,59 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_dq_kernel(const __grid
       gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_dq_a, copy_dq_b, tid);
     }
     __syncthreads();  // all warps are done with sQ before it is reused for staging
+  }
+
+  if constexpr (kStats) {
+    // Merge the per-thread statistics of each row: over the quad, then over the warps.
+    constexpr float kLog2e = 1.4426950408889634f;
+    auto merge = [&](float& m1, float& l1, float& d1, float m2, float l2, float d2) {
+      const float mx = fmaxf(m1, m2);
+      if (mx == -INFINITY) return;
+      const float a1 = exp2f((m1 - mx) * kLog2e), a2 = exp2f((m2 - mx) * kLog2e);
+      l1 = l1 * a1 + l2 * a2;
+      d1 = d1 * a1 + d2 * a2;
+      m1 = mx;
+    };
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int x = 1; x <= 2; x <<= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffff, t_m[r], x);
+        const float l2 = __shfl_xor_sync(0xffffffff, t_l[r], x);
+        const float d2 = __shfl_xor_sync(0xffffffff, t_d[r], x);
+        merge(t_m[r], t_l[r], t_d[r], m2, l2, d2);
+      }
+    }
+    constexpr int kWarps = kThreads / 32;
+    float* red = reinterpret_cast<float*>(smem + Tile::kOffP);  // [kBlockM][kWarps][3]
+    for (int i = tid; i < kBlockM * kWarps; i += kThreads) {
+      red[3 * i] = -INFINITY;
+      red[3 * i + 1] = 0.f;
+      red[3 * i + 2] = 0.f;
+    }
+    __syncthreads();
+    if ((tid & 3) == 0) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        float* e = red + 3 * (get<0>(tScS_rc(r, 0)) * kWarps + tid / 32);
+        e[0] = t_m[r];
+        e[1] = t_l[r];
+        e[2] = t_d[r];
+      }
+    }
+    __syncthreads();
+    for (int row = tid; row < rows_valid; row += kThreads) {
+      float m1 = -INFINITY, l1 = 0.f, d1 = 0.f;
+      for (int w = 0; w < kWarps; ++w) {
+        const float* e = red + 3 * (row * kWarps + w);
+        merge(m1, l1, d1, e[0], e[1], e[2]);
+      }
+      const bool empty = !(l1 > 0.f);
+      a.stats_m[row_stat + row] = empty ? INFINITY : m1;
+      a.stats_log2l[row_stat + row] = empty ? 0.f : log2f(l1);
+      a.delta[row_stat + row] = empty ? 0.f : d1 / l1;
+    }
+    return;
   }
 
   CUTE_UNROLL

@@ -2,7 +2,7 @@
 // kv head, batch). It loads K and V of its key block once, then walks every query head of the
 // GQA group and every query block the window lets reach the key block (Q / dO double buffered,
 // the next pair prefetched while the current one is computed), recomputing
-//   S = QK^T (same transform as the forward), P = exp(s - lse), dP = dO V^T,
+//   S = QK^T (same transform as the forward), P = exp(s - m) / l, dP = dO V^T,
 //   dS = P * (dP - Delta), dS' = dS * softcap'
 // and accumulating in fp32 registers dV += P^T dO and dK += dS'^T Q over the whole group
 // (no expanded copy; deterministic), written once at the end with saturation. dQ += dS' K goes
@@ -261,8 +261,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
         }
 
         const int64_t row_stat = (int64_t(b) * f.num_heads + h) * f.seqlen_q + m0;
-        float lse[kRows], delta[kRows];
-        bwd_load_row_stats(tScS_rc, f.lse + row_stat, a.delta + row_stat, rows_valid, lse, delta);
+        float row_m[kRows], row_log2l[kRows], delta[kRows];
+        bwd_load_row_stats(tScS_rc, a.row_m + row_stat, a.row_log2l ? a.row_log2l + row_stat : nullptr,
+                           a.delta + row_stat, rows_valid, row_m, row_log2l, delta);
 
         Tensor sQ = sQ_at(buf);
         Tensor sdO = sdO_at(buf);
@@ -284,7 +285,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
         bwd_scores<kMaskBias, kSoftcap, Element, kBlockN>(s_rc, tScS_rc, tt_rc, f, m0, n0, pos_mask, win,
                                                           f.bias.ptr ? s_bias : nullptr, bias_tile.pitch,
                                                           f.mask.ptr ? s_mask : nullptr, mask_tile.pitch);
-        bwd_p_ds(s_rc, dp_rc, lse, delta);
+        bwd_p_ds(s_rc, dp_rc, row_m, row_log2l, delta);
 
         // ---- dbias from registers (dS before the softcap chain: the bias is added after it)
         if (mode == kDbColSum) {

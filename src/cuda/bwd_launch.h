@@ -1,7 +1,8 @@
 // Launcher of the backward pass for one (element type, instantiated head dim); explicitly
 // instantiated once per pair in src/cuda/inst/bwd_<dtype>_hd<D>.cu. Sequence on the stream:
 //   1. zero the fp32 accumulators (dq_accum unless deterministic, dbias_accum when used);
-//   2. bwd_preprocess: Delta = rowsum(dO * O) for every row (0 for empty rows);
+//   2. bwd_preprocess: Delta = rowsum(dO * O) for every row (0 for empty rows), or (exact path)
+//      bwd_stats: m, log2 l and Delta = sum_j P_ij dP_ij recomputed for every row;
 //   3. a key-broadcast dbias is exactly zero (see kDbNone): filled here;
 //   4. bwd_kernel (dK, dV, dQ atomics, dbias);
 //   5. dQ: bwd_convert_dq (dq_accum -> dq), or bwd_dq_kernel when deterministic;
@@ -15,8 +16,11 @@
 
 namespace dmattn::cuda {
 
+// exact: the three-pass scheme of the CPU backend (bwd_stats -> main kernel without atomics ->
+// query-major dQ), with the row statistics kept in dq_accum; otherwise FlashAttention-2's
+// Delta = rowsum(dO * O) and P = exp(s - lse).
 template <typename Element, int kHeadDim>
-void run_bwd(const BwdArgs& a, bool deterministic, cudaStream_t stream);
+void run_bwd(const BwdArgs& a, bool deterministic, bool exact, cudaStream_t stream);
 
 }  // namespace dmattn::cuda
 
@@ -108,10 +112,22 @@ inline int bwd_grid_stride_blocks(int64_t work, int threads) {
 }
 
 template <typename Element, int kHeadDim>
-void run_bwd(const BwdArgs& a, bool deterministic, cudaStream_t stream) {
+void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t stream) {
   using Tile = BwdTile<Element, kHeadDim>;
+  BwdArgs a = args;
   const FwdArgs& f = a.f;
   const int64_t B = f.batch, Sq = f.seqlen_q, Sk = f.seqlen_k, H = f.num_heads, D = f.head_dim;
+  exact = exact && a.dq_accum != nullptr;
+  a.row_m = f.lse;
+  a.row_log2l = nullptr;
+  if (exact) {
+    a.stats_m = a.dq_accum;  // (B, H, Sq) each; dq_accum holds B * Sq * H * D >= 8 * B * H * Sq floats
+    a.stats_log2l = a.dq_accum + B * H * Sq;
+    a.row_m = a.stats_m;
+    a.row_log2l = a.stats_log2l;
+    a.dq_accum = nullptr;
+    deterministic = true;  // dQ from the query-major kernel
+  }
 
   if (!deterministic && B * Sq * H > 0)
     check_cuda(cudaMemsetAsync(a.dq_accum, 0, size_t(B * Sq * H * D) * sizeof(float), stream), "cudaMemsetAsync(dq_accum)");
@@ -121,7 +137,7 @@ void run_bwd(const BwdArgs& a, bool deterministic, cudaStream_t stream) {
   if (accum_used && dbias_numel > 0)
     check_cuda(cudaMemsetAsync(a.dbias_accum, 0, size_t(dbias_numel) * sizeof(float), stream), "cudaMemsetAsync(dbias_accum)");
 
-  if (B * Sq * H > 0) {
+  if (B * Sq * H > 0 && !exact) {
     bwd_preprocess<Element, kHeadDim><<<dim3(unsigned((Sq + 15) / 16), unsigned(H), unsigned(B)), 128, 0, stream>>>(a);
     check_cuda(cudaGetLastError(), "backward preprocess launch");
   }
@@ -144,6 +160,16 @@ void run_bwd(const BwdArgs& a, bool deterministic, cudaStream_t stream) {
     kernel<<<grid, Tile::kNThreads, smem, stream>>>(a);
     check_cuda(cudaGetLastError(), what);
   };
+  const dim3 q_grid(unsigned((Sq + Tile::kBlockM - 1) / Tile::kBlockM), unsigned(H), unsigned(B));
+  if (exact && B * Sq * H > 0) {
+    if (mask_or_bias) {
+      if (softcap) launch(bwd_dq_kernel<Tile, true, true, true>, q_grid, "backward stats kernel");
+      else launch(bwd_dq_kernel<Tile, true, false, true>, q_grid, "backward stats kernel");
+    } else {
+      if (softcap) launch(bwd_dq_kernel<Tile, false, true, true>, q_grid, "backward stats kernel");
+      else launch(bwd_dq_kernel<Tile, false, false, true>, q_grid, "backward stats kernel");
+    }
+  }
   const int64_t n_blocks = (Sk + Tile::kBlockN - 1) / Tile::kBlockN;
   if (n_blocks > 0 && B > 0) {
     const dim3 grid(unsigned(n_blocks), a.fold_heads ? 1u : unsigned(a.num_heads_kv), a.fold_batch ? 1u : unsigned(B));
@@ -157,13 +183,12 @@ void run_bwd(const BwdArgs& a, bool deterministic, cudaStream_t stream) {
   }
   if (B * Sq * H > 0) {
     if (deterministic) {
-      const dim3 grid(unsigned((Sq + Tile::kBlockM - 1) / Tile::kBlockM), unsigned(H), unsigned(B));
       if (mask_or_bias) {
-        if (softcap) launch(bwd_dq_kernel<Tile, true, true>, grid, "backward dq kernel");
-        else launch(bwd_dq_kernel<Tile, true, false>, grid, "backward dq kernel");
+        if (softcap) launch(bwd_dq_kernel<Tile, true, true, false>, q_grid, "backward dq kernel");
+        else launch(bwd_dq_kernel<Tile, true, false, false>, q_grid, "backward dq kernel");
       } else {
-        if (softcap) launch(bwd_dq_kernel<Tile, false, true>, grid, "backward dq kernel");
-        else launch(bwd_dq_kernel<Tile, false, false>, grid, "backward dq kernel");
+        if (softcap) launch(bwd_dq_kernel<Tile, false, true, false>, q_grid, "backward dq kernel");
+        else launch(bwd_dq_kernel<Tile, false, false, false>, q_grid, "backward dq kernel");
       }
     } else {
       const int blocks = bwd_grid_stride_blocks(B * Sq * H * (D / 8), 256);
@@ -177,5 +202,5 @@ void run_bwd(const BwdArgs& a, bool deterministic, cudaStream_t stream) {
 }  // namespace dmattn::cuda
 
 #define DMATTN_INSTANTIATE_BWD(Element, HD) \
-  template void dmattn::cuda::run_bwd<Element, HD>(const dmattn::cuda::BwdArgs&, bool, cudaStream_t);
+  template void dmattn::cuda::run_bwd<Element, HD>(const dmattn::cuda::BwdArgs&, bool, bool, cudaStream_t);
 #endif

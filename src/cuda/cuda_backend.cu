@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 
 #include "cuda/bwd_args.h"
 #include "cuda/bwd_launch.h"
@@ -224,16 +225,26 @@ void backward(const BackwardParams& p) {
   a.num_heads_kv = static_cast<int>(f.num_heads_kv);
   if (p.dbias != nullptr) set_dbias_mode(p, a);
 
+  // Problems up to kExactMaxScores score elements take the exact three-pass path (Delta and the
+  // softmax statistics recomputed in fp32, as the CPU backend: the extra pass costs little
+  // there, and the gradients of rows with very few keys or of key-reduced biases carry no
+  // rounding noise of the stored O); larger ones take FlashAttention-2's rowsum(dO * O).
+  // DMATTN_BWD_EXACT=0/1 forces either.
+  constexpr double kExactMaxScores = double(int64_t(1) << 28);
+  bool exact = double(f.batch) * double(f.num_heads) * double(f.seqlen_q) * double(f.seqlen_k) <= kExactMaxScores;
+  if (const char* env = std::getenv("DMATTN_BWD_EXACT")) exact = env[0] == '1';
+  exact = exact && p.dq_accum != nullptr;
+
   auto stream = static_cast<cudaStream_t>(f.stream);
   const bool bf16 = f.dtype == DType::kBFloat16;
   switch (fwd_instantiated_head_dim(static_cast<int>(f.head_dim))) {
     case 64:
-      bf16 ? run_bwd<cutlass::bfloat16_t, 64>(a, p.deterministic, stream)
-           : run_bwd<cutlass::half_t, 64>(a, p.deterministic, stream);
+      bf16 ? run_bwd<cutlass::bfloat16_t, 64>(a, p.deterministic, exact, stream)
+           : run_bwd<cutlass::half_t, 64>(a, p.deterministic, exact, stream);
       break;
     case 128:
-      bf16 ? run_bwd<cutlass::bfloat16_t, 128>(a, p.deterministic, stream)
-           : run_bwd<cutlass::half_t, 128>(a, p.deterministic, stream);
+      bf16 ? run_bwd<cutlass::bfloat16_t, 128>(a, p.deterministic, exact, stream)
+           : run_bwd<cutlass::half_t, 128>(a, p.deterministic, exact, stream);
       break;
     default: fail(ErrorKind::kValue, "q: head_dim ", f.head_dim, " has no CUDA instantiation");
   }
