@@ -35,6 +35,7 @@ def main():
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--only", default="")
+    ap.add_argument("--exp-sweep", default="", help="comma list of DMATTN_BWD_EXP flag values (profiling)")
     args = ap.parse_args()
     b, h, s, d = args.b, args.h, args.s, args.d
     dt = torch.bfloat16
@@ -44,6 +45,17 @@ def main():
     v = torch.randn(b, s, h, d, device="cuda", dtype=dt, requires_grad=True)
     dout = torch.randn(b, s, h, d, device="cuda", dtype=dt)
     rows = []
+    if args.exp_sweep:
+        import os
+        for causal in (False, True):
+            for fl in args.exp_sweep.split(","):
+                os.environ["DMATTN_BWD_EXP"] = fl
+                def fb():
+                    out = dmattn.attention(q, k, v, causal=causal)
+                    torch.autograd.grad(out, (q, k, v), dout)
+                print(f"exp {fl:>3s} causal={causal}: fwd+bwd {bench(fb, reps=args.reps):8.3f} ms", flush=True)
+        os.environ.pop("DMATTN_BWD_EXP")
+        return
 
     def run(name, fwd, inputs):
         if args.only and args.only not in name:

@@ -53,6 +53,7 @@ struct BwdArgs {
   // Deterministic mode with a dbias reduced over batch / kv heads: one CTA per key block
   // walks these dimensions itself (so that it owns its dbias elements).
   bool fold_batch = false, fold_heads = false;
+  int exp_flags = 0;  // profiling experiments only (DMATTN_BWD_EXP): skip parts of the main kernel
 };
 
 }  // namespace dmattn::cuda

@@ -275,7 +275,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
         gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma_sdp, copy_sdp_a, copy_sdp_b, tid);
         Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
         clear(acc_dp);
-        gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, copy_sdp_a, copy_sdp_b, tid);
+        if (!(a.exp_flags & 8)) gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, copy_sdp_a, copy_sdp_b, tid);
 
         Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
         Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
@@ -376,14 +376,14 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
         {
           Tensor sdOt = sdOt_at(buf);
           Tensor tdVsdOt = copy_dkv_b.get_thread_slice(tid).partition_S(sdOt);
-          gemm_ss(acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, mma_dkv, copy_dkv_a, copy_dkv_b, tid);
+          if (!(a.exp_flags & 2)) gemm_ss(acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, mma_dkv, copy_dkv_a, copy_dkv_b, tid);
         }
         {
           Tensor sQt = sQt_at(buf);
           Tensor tdKsQt = copy_dkv_b.get_thread_slice(tid).partition_S(sQt);
-          gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, mma_dkv, copy_dkv_a, copy_dkv_b, tid);
+          if (!(a.exp_flags & 4)) gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, mma_dkv, copy_dkv_a, copy_dkv_b, tid);
         }
-        if (a.dq_accum != nullptr) {
+        if (a.dq_accum != nullptr && !(a.exp_flags & 1)) {
           Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
           clear(acc_dq);
           gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_dq_a, copy_dq_b, tid);

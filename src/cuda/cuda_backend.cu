@@ -234,6 +234,7 @@ void backward(const BackwardParams& p) {
   bool exact = double(f.batch) * double(f.num_heads) * double(f.seqlen_q) * double(f.seqlen_k) <= kExactMaxScores;
   if (const char* env = std::getenv("DMATTN_BWD_EXACT")) exact = env[0] == '1';
   exact = exact && p.dq_accum != nullptr;
+  if (const char* env = std::getenv("DMATTN_BWD_EXP")) a.exp_flags = std::atoi(env);
 
   auto stream = static_cast<cudaStream_t>(f.stream);
   const bool bf16 = f.dtype == DType::kBFloat16;
