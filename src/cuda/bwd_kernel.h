@@ -211,9 +211,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
       const Element* gdOb = static_cast<const Element*>(a.dout) + int64_t(b) * a.do_bs;
       OperandTile<kBlockM, kBlockN, kThreads> mask_tile, bias_tile;
 
+      // The CTAs of one (batch, kv head) start their walk at different query blocks, so that
+      // their dQ atomics do not all hit the same rows of dq_accum at the same time.
+      const int rot = n_m > 0 ? (n_block * 7) % n_m : 0;
+      auto m_of = [&](int t) { const int i = t % n_m + rot; return m_lo + (i >= n_m ? i - n_m : i); };
       auto issue_q_loads = [&](int t, int buf) {
         const int h = kvh * group + t / n_m;
-        const int m0 = (m_lo + t % n_m) * kBlockM;
+        const int m0 = m_of(t) * kBlockM;
         Tensor sQ = sQ_at(buf);
         Tensor sdO = sdO_at(buf);
         load_rows_async<kBlockM, kHeadDim, kThreads>(sQ, gQb + int64_t(m0) * f.q_rs + int64_t(h) * f.q_hs, f.q_rs,
@@ -224,7 +228,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
       auto issue_mask_bias_loads = [&](int t) {
         if constexpr (kMaskBias) {
           const int h = kvh * group + t / n_m;
-          const int m0 = (m_lo + t % n_m) * kBlockM;
+          const int m0 = m_of(t) * kBlockM;
           if (f.mask.ptr) {
             mask_tile.init(f.mask, b, h, m0, f.seqlen_q, Tile::kMaskPitch);
             mask_tile.load(s_mask, Tile::kMaskPitch, n0, f.seqlen_k, tid);
@@ -249,7 +253,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
       for (int t = 0; t < n_iter; ++t) {
         const int buf = t & 1;
         const int h = kvh * group + t / n_m;
-        const int m_block = m_lo + t % n_m;
+        const int m_block = m_of(t);
         const int m0 = m_block * kBlockM;
         const int rows_valid = min(kBlockM, f.seqlen_q - m0);
 
