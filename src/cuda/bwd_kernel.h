@@ -58,6 +58,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
   using namespace cute;
   using Element = typename Tile::Element;
   constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN, kHeadDim = Tile::kHeadDim;
+  constexpr int kHalfN = Tile::kHalfN;
   constexpr int kThreads = Tile::kNThreads;
   constexpr int kQElems = kBlockM * kHeadDim;
   const FwdArgs& f = a.f;
@@ -118,9 +119,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
 
   Tensor sQtNoSwz0 = make_tensor(sQbase, typename Tile::SmemLayoutQdOtNoSwizzle{});
   Tensor tSrQ = thr_sdp.partition_fragment_A(sQ_at(0));
-  Tensor tSrK = thr_sdp.partition_fragment_B(sK);
+  auto kv_half = [&](auto& t, int j) { return local_tile(t, Shape<Int<kHalfN>, Int<kHeadDim>>{}, make_coord(j, 0)); };
+  auto pds_half = [&](auto& t, int j) { return local_tile(t, Shape<Int<kBlockM>, Int<kHalfN>>{}, make_coord(0, j)); };
+  Tensor tSrK = thr_sdp.partition_fragment_B(kv_half(sK, 0));
   Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO_at(0));
-  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+  Tensor tdPrV = thr_sdp.partition_fragment_B(kv_half(sV, 0));
   Tensor tdVrPt = thr_dkv.partition_fragment_A(sPtNoSwz);
   Tensor tdVrdOt = thr_dkv.partition_fragment_B(sQtNoSwz0);
   Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdStNoSwz);
@@ -137,16 +140,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
   auto store_pds = make_tiled_copy_C(typename Tile::StoreCopyC{}, mma_sdp);
   auto thr_store_pds = store_pds.get_thread_slice(tid);
 
-  Tensor tSsK = copy_sdp_b.get_thread_slice(tid).partition_S(sK);
-  Tensor tdPsV = copy_sdp_b.get_thread_slice(tid).partition_S(sV);
   Tensor tdVsPt = copy_dkv_a.get_thread_slice(tid).partition_S(sPt);
   Tensor tdKsdSt = copy_dkv_a.get_thread_slice(tid).partition_S(sdSt);
   Tensor tdQsdS = copy_dq_a.get_thread_slice(tid).partition_S(sdS);
   Tensor tdQsKt = copy_dq_b.get_thread_slice(tid).partition_S(sKt);
-  Tensor tPsP = thr_store_pds.partition_D(sP);
-  Tensor tPsdS = thr_store_pds.partition_D(sdS);
 
-  Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
+  // Coordinates within one (kBlockM, kHalfN) half; column 64 j + c in the key block.
+  Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kHalfN>>{});
   Tensor tScS = thr_sdp.partition_C(cS);
   Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
   Tensor cdQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
@@ -155,19 +155,19 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
   Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   constexpr int kRows = decltype(size<0>(tScS_rc))::value;
-  constexpr int kCols = decltype(size<1>(tScS_rc))::value;
+  constexpr int kCols = decltype(size<1>(tScS_rc))::value;  // per half
 
   const int mode = a.dbias_mode;
   const bool bias_per_head = a.bsize_h == f.num_heads && a.bias_head_div == 1;
   const bool colsum_per_head = mode == kDbColSum && bias_per_head && group > 1;
   // dbias from the bf16/fp16 dS tile in shared memory (coalesced) instead of registers.
   const bool direct_from_smem = mode == kDbDirect && !kSoftcap && !f.bias_fp32;
-  float colsum[kCols];
+  float colsum[2 * kCols];
 
   // Column sums of one (batch, bias head): reduced over the CTA, then stored or added.
   auto colsum_flush = [&](int b, int h) {
     CUTE_UNROLL
-    for (int c = 0; c < kCols; ++c) {
+    for (int c = 0; c < 2 * kCols; ++c) {
       float v = colsum[c];
       v += __shfl_xor_sync(0xffffffff, v, 4);
       v += __shfl_xor_sync(0xffffffff, v, 8);
@@ -178,7 +178,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
     __syncthreads();
     if ((tid & 31) < 4) {
       CUTE_UNROLL
-      for (int c = 0; c < kCols; ++c) atomicAdd(&s_col[get<1>(tScS_rc(0, c))], colsum[c]);  // 2 addends: order-free
+      for (int c = 0; c < 2 * kCols; ++c)  // 2 addends per column: order-free
+        atomicAdd(&s_col[(c / kCols) * kHalfN + get<1>(tScS_rc(0, c % kCols))], colsum[c]);
     }
     __syncthreads();
     const int bb = a.bsize_b == 1 ? 0 : b;
@@ -196,7 +197,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
       }
     }
     CUTE_UNROLL
-    for (int c = 0; c < kCols; ++c) colsum[c] = 0.f;
+    for (int c = 0; c < 2 * kCols; ++c) colsum[c] = 0.f;
     __syncthreads();
   };
 
@@ -205,7 +206,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
       clear(acc_dk);
       clear(acc_dv);
       CUTE_UNROLL
-      for (int c = 0; c < kCols; ++c) colsum[c] = 0.f;
+      for (int c = 0; c < 2 * kCols; ++c) colsum[c] = 0.f;
 
       const Element* gQb = static_cast<const Element*>(f.q) + int64_t(b) * f.q_bs;
       const Element* gdOb = static_cast<const Element*>(a.dout) + int64_t(b) * a.do_bs;
@@ -274,74 +275,85 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
         Tensor tSsQ = copy_sdp_a.get_thread_slice(tid).partition_S(sQ);
         Tensor tdPsdO = copy_sdp_a.get_thread_slice(tid).partition_S(sdO);
 
-        Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-        clear(acc_s);
-        gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma_sdp, copy_sdp_a, copy_sdp_b, tid);
-        Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-        clear(acc_dp);
-        if (!(a.exp_flags & 8)) gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, copy_sdp_a, copy_sdp_b, tid);
-
-        Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
-        Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
-        Tensor tt = make_tensor<float>(acc_s.layout());
-        Tensor tt_rc = make_tensor(tt.data(), acc_rowcol(tt.layout()));
         const bool pos_mask = win.block_needs_mask(m0, kBlockM, kBlockN, n_block);
-        bwd_scores<kMaskBias, kSoftcap, Element, kBlockN>(s_rc, tScS_rc, tt_rc, f, m0, n0, pos_mask, win,
-                                                          f.bias.ptr ? s_bias : nullptr, bias_tile.pitch,
-                                                          f.mask.ptr ? s_mask : nullptr, mask_tile.pitch);
-        bwd_p_ds(s_rc, dp_rc, row_m, row_log2l, delta);
-
-        // ---- dbias from registers (dS before the softcap chain: the bias is added after it)
-        if (mode == kDbColSum) {
-          CUTE_UNROLL
-          for (int c = 0; c < kCols; ++c) {
-            CUTE_UNROLL
-            for (int r = 0; r < kRows; ++r) colsum[c] += dp_rc(r, c);
+        CUTE_UNROLL
+        for (int j = 0; j < 2; ++j) {
+          const int c_off = j * kHalfN;
+          Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kHalfN>>{});
+          clear(acc_s);
+          {
+            Tensor tSsK = copy_sdp_b.get_thread_slice(tid).partition_S(kv_half(sK, j));
+            gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma_sdp, copy_sdp_a, copy_sdp_b, tid);
           }
-        } else if (mode == kDbAccum) {
-          const int bb = a.bsize_b == 1 ? 0 : b;
-          const int hb = a.bsize_h == 1 ? 0 : h / a.bias_head_div;
-          float* base = a.dbias_accum + (int64_t(bb) * a.bsize_h + hb) * a.bsize_q * a.bsize_k;
-          CUTE_UNROLL
-          for (int r = 0; r < kRows; ++r) {
-            const int row = get<0>(tScS_rc(r, 0));
-            if (row >= rows_valid) continue;
+          Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kHalfN>>{});
+          clear(acc_dp);
+          if (!(a.exp_flags & 8)) {
+            Tensor tdPsV = copy_sdp_b.get_thread_slice(tid).partition_S(kv_half(sV, j));
+            gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, copy_sdp_a, copy_sdp_b, tid);
+          }
+
+          Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+          Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
+          Tensor tt = make_tensor<float>(acc_s.layout());
+          Tensor tt_rc = make_tensor(tt.data(), acc_rowcol(tt.layout()));
+          const char* sb = f.bias.ptr ? s_bias + c_off * (f.bias_fp32 ? 4 : 2) : nullptr;
+          const char* sm = f.mask.ptr ? s_mask + c_off : nullptr;
+          bwd_scores<kMaskBias, kSoftcap, Element, kHalfN>(s_rc, tScS_rc, tt_rc, f, m0, n0 + c_off, pos_mask, win,
+                                                           sb, bias_tile.pitch, sm, mask_tile.pitch);
+          bwd_p_ds(s_rc, dp_rc, row_m, row_log2l, delta);
+
+          // ---- dbias from registers (dS before the softcap chain: the bias is added after it)
+          if (mode == kDbColSum) {
             CUTE_UNROLL
             for (int c = 0; c < kCols; ++c) {
-              const int col = get<1>(tScS_rc(r, c));
-              if (col < cols_valid) {
-                float* p = base + int64_t(m0 + row) * a.bsize_k + n0 + col;
-                if (a.db_atomic) atomicAdd(p, dp_rc(r, c));
-                else *p += dp_rc(r, c);
+              CUTE_UNROLL
+              for (int r = 0; r < kRows; ++r) colsum[j * kCols + c] += dp_rc(r, c);
+            }
+          } else if (mode == kDbAccum) {
+            const int bb = a.bsize_b == 1 ? 0 : b;
+            const int hb = a.bsize_h == 1 ? 0 : h / a.bias_head_div;
+            float* base = a.dbias_accum + (int64_t(bb) * a.bsize_h + hb) * a.bsize_q * a.bsize_k;
+            CUTE_UNROLL
+            for (int r = 0; r < kRows; ++r) {
+              const int row = get<0>(tScS_rc(r, 0));
+              if (row >= rows_valid) continue;
+              CUTE_UNROLL
+              for (int c = 0; c < kCols; ++c) {
+                const int col = c_off + get<1>(tScS_rc(r, c));
+                if (col < cols_valid) {
+                  float* p = base + int64_t(m0 + row) * a.bsize_k + n0 + col;
+                  if (a.db_atomic) atomicAdd(p, dp_rc(r, c));
+                  else *p += dp_rc(r, c);
+                }
+              }
+            }
+          } else if (mode == kDbDirect && !direct_from_smem) {
+            const int64_t off0 = int64_t(b) * a.db_sb + int64_t(h) * a.db_sh;
+            CUTE_UNROLL
+            for (int r = 0; r < kRows; ++r) {
+              const int row = get<0>(tScS_rc(r, 0));
+              if (row >= rows_valid) continue;
+              CUTE_UNROLL
+              for (int c = 0; c < kCols; ++c) {
+                const int col = c_off + get<1>(tScS_rc(r, c));
+                if (col < cols_valid) {
+                  const int64_t off = off0 + int64_t(m0 + row) * a.db_sq + int64_t(n0 + col) * a.db_sk;
+                  if (f.bias_fp32) store_sat(static_cast<float*>(a.dbias) + off, dp_rc(r, c));
+                  else store_sat(static_cast<Element*>(a.dbias) + off, dp_rc(r, c));
+                }
               }
             }
           }
-        } else if (mode == kDbDirect && !direct_from_smem) {
-          const int64_t off0 = int64_t(b) * a.db_sb + int64_t(h) * a.db_sh;
-          CUTE_UNROLL
-          for (int r = 0; r < kRows; ++r) {
-            const int row = get<0>(tScS_rc(r, 0));
-            if (row >= rows_valid) continue;
-            CUTE_UNROLL
-            for (int c = 0; c < kCols; ++c) {
-              const int col = get<1>(tScS_rc(r, c));
-              if (col < cols_valid) {
-                const int64_t off = off0 + int64_t(m0 + row) * a.db_sq + int64_t(n0 + col) * a.db_sk;
-                if (f.bias_fp32) store_sat(static_cast<float*>(a.dbias) + off, dp_rc(r, c));
-                else store_sat(static_cast<Element*>(a.dbias) + off, dp_rc(r, c));
-              }
-            }
-          }
-        }
-        if constexpr (kSoftcap) bwd_softcap_chain(acc_dp, tt);
+          if constexpr (kSoftcap) bwd_softcap_chain(acc_dp, tt);
 
-        {
           Tensor rP = make_tensor<Element>(acc_s.layout());
           convert_fragment<Element, false>(acc_s, rP);
           Tensor rdS = make_tensor<Element>(acc_dp.layout());
           convert_fragment<Element, true>(acc_dp, rdS);
-          copy(store_pds, thr_store_pds.retile_S(rP), tPsP);
-          copy(store_pds, thr_store_pds.retile_S(rdS), tPsdS);
+          Tensor sP_j = pds_half(sP, j);
+          Tensor sdS_j = pds_half(sdS, j);
+          copy(store_pds, thr_store_pds.retile_S(rP), thr_store_pds.partition_D(sP_j));
+          copy(store_pds, thr_store_pds.retile_S(rdS), thr_store_pds.partition_D(sdS_j));
         }
         __syncthreads();  // sP, sdS visible; the mask / bias tiles are free
         if constexpr (kMaskBias) {

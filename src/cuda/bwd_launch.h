@@ -152,8 +152,8 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
   const bool dbias_all_zero = a.dbias != nullptr && (a.dbias_mode == kDbNone || B == 0 || Sk == 0);
   if (dbias_all_zero) write_dbias(false);
 
-  const int smem = Tile::smem_bytes();
   const bool mask_or_bias = f.mask.ptr != nullptr || f.bias.ptr != nullptr;
+  const int smem = Tile::smem_bytes(mask_or_bias);
   const bool softcap = f.softcap != 0.f;
   auto launch = [&](auto kernel, dim3 grid, const char* what) {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), what);

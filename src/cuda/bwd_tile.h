@@ -19,6 +19,7 @@ struct BwdTile {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = 128;
+  static constexpr int kHalfN = kBlockN / 2;  // S and dP are computed in two column halves (registers)
   static constexpr int kNWarps = 8;
   static constexpr int kNThreads = kNWarps * 32;
   static_assert(kHeadDim % 64 == 0);
@@ -26,7 +27,7 @@ struct BwdTile {
   using MmaAtom = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
                                      cute::MMA_Atom<cute::SM80_16x8x16_F32F16F16F32_TN>,
                                      cute::MMA_Atom<cute::SM80_16x8x16_F32BF16BF16F32_TN>>;
-  // S = Q K^T and dP = dO V^T: (kBlockM, kBlockN), warps 2 (M) x 4 (N).
+  // S = Q K^T and dP = dO V^T: (kBlockM, kHalfN) at a time, warps 2 (M) x 4 (N).
   static constexpr int kAtomMSdP = 2;
   using TiledMmaSdP = cute::TiledMMA<MmaAtom, cute::Layout<cute::Shape<cute::Int<kAtomMSdP>, cute::Int<kNWarps / kAtomMSdP>, cute::_1>>,
                                      cute::Tile<cute::Int<16 * kAtomMSdP>, cute::Int<16 * kNWarps / kAtomMSdP>, cute::_16>>;
@@ -75,11 +76,12 @@ struct BwdTile {
   static constexpr int kOffV = kOffK + kKVBytes;
   static constexpr int kOffP = kOffV + kKVBytes;
   static constexpr int kOffdS = kOffP + kPBytes;
-  static constexpr int kOffBias = kOffdS + kPBytes;
-  static constexpr int kOffMask = kOffBias + kBiasBytes;
-  static constexpr int kOffColSum = kOffMask + kMaskBytes;  // float [kAtomMSdP][kBlockN]
+  static constexpr int kOffColSum = kOffdS + kPBytes;  // float [kAtomMSdP][kBlockN]
   static constexpr int kColSumBytes = kAtomMSdP * kBlockN * 4;
-  static constexpr int smem_bytes() { return kOffColSum + kColSumBytes; }
+  static constexpr int kOffBias = kOffColSum + kColSumBytes;
+  static constexpr int kOffMask = kOffBias + kBiasBytes;
+  // Without mask / bias the tiles are not allocated: more of the SM's L1 stays cache.
+  static constexpr int smem_bytes(bool mask_or_bias) { return mask_or_bias ? kOffMask + kMaskBytes : kOffBias; }
   // dK / dV staging at the end reuses the Q and dO buffers.
   static_assert(2 * kQBytes >= kKVBytes);
 };
