@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_dq_kernel(const __grid
   Tensor sKtNoSwz = make_tensor(sK.data().get(), typename Tile::SmemLayoutKtNoSwizzle{});
   Tensor sdS = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffdS)), typename Tile::SmemLayoutPdS{});
   char* s_bias = smem + Tile::kOffBias;
-  char* s_mask = smem + Tile::kOffMask;
+  char* s_mask = smem + Tile::mask_offset(f.bias.ptr != nullptr, f.bias_fp32);
 
   typename Tile::TiledMmaSdP mma_sdp;
   typename Tile::TiledMmadQ mma_dq;

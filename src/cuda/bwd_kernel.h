@@ -19,12 +19,15 @@
 
 namespace dmattn::cuda {
 
-__device__ __forceinline__ void atomic_add_pair(float* p, float x, float y) {
+// Fire-and-forget fp32 reduction of 4 consecutive floats (16-byte aligned).
+__device__ __forceinline__ void red_add4(float* p, float x, float y, float z, float w) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  atomicAdd(reinterpret_cast<float2*>(p), make_float2(x, y));
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
 #else
   atomicAdd(p, x);
   atomicAdd(p + 1, y);
+  atomicAdd(p + 2, z);
+  atomicAdd(p + 3, w);
 #endif
 }
 
@@ -94,7 +97,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
   Tensor sdSt = make_tensor(sdS.data(), typename Tile::SmemLayoutPdSt{});
   Tensor sdStNoSwz = make_tensor(sdS.data().get(), typename Tile::SmemLayoutPdStNoSwizzle{});
   char* s_bias = smem + Tile::kOffBias;
-  char* s_mask = smem + Tile::kOffMask;
+  char* s_mask = smem + Tile::mask_offset(f.bias.ptr != nullptr, f.bias_fp32);
   float* s_col = reinterpret_cast<float*>(smem + Tile::kOffColSum);
 
   auto sQ_at = [&](int buf) {
@@ -405,10 +408,22 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
           gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_dq_a, copy_dq_b, tid);
           float* gdq = a.dq_accum + (int64_t(b) * f.seqlen_q + m0) * f.num_heads * f.head_dim + int64_t(h) * f.head_dim;
           const int64_t dq_rs = int64_t(f.num_heads) * f.head_dim;
+          // Each m16n8 accumulator holds (r, c..c+1) and (r+8, c..c+1); lanes 2k and 2k+1 trade
+          // halves so that each issues one 16-byte reduction: the even lane (r, c..c+3), the odd
+          // lane (r+8, c-2..c+1).
+          const bool odd = tid & 1;
           CUTE_UNROLL
-          for (int i = 0; i < size(acc_dq); i += 2) {
-            const int row = get<0>(tdQcdQ(i)), col = get<1>(tdQcdQ(i));
-            if (row < rows_valid && col < f.head_dim) atomic_add_pair(gdq + row * dq_rs + col, acc_dq(i), acc_dq(i + 1));
+          for (int i = 0; i < size(acc_dq); i += 4) {
+            const float s0 = odd ? acc_dq(i) : acc_dq(i + 2);
+            const float s1 = odd ? acc_dq(i + 1) : acc_dq(i + 3);
+            const float r0 = __shfl_xor_sync(0xffffffff, s0, 1);
+            const float r1 = __shfl_xor_sync(0xffffffff, s1, 1);
+            const int row = get<0>(tdQcdQ(i)) + (odd ? 8 : 0);
+            const int col = get<1>(tdQcdQ(i)) - (odd ? 2 : 0);
+            if (row < rows_valid && col < f.head_dim) {
+              if (odd) red_add4(gdq + row * dq_rs + col, r0, r1, acc_dq(i + 2), acc_dq(i + 3));
+              else red_add4(gdq + row * dq_rs + col, acc_dq(i), acc_dq(i + 1), r0, r1);
+            }
           }
         }
 

@@ -79,9 +79,14 @@ struct BwdTile {
   static constexpr int kOffColSum = kOffdS + kPBytes;  // float [kAtomMSdP][kBlockN]
   static constexpr int kColSumBytes = kAtomMSdP * kBlockN * 4;
   static constexpr int kOffBias = kOffColSum + kColSumBytes;
-  static constexpr int kOffMask = kOffBias + kBiasBytes;
-  // Without mask / bias the tiles are not allocated: more of the SM's L1 stays cache.
-  static constexpr int smem_bytes(bool mask_or_bias) { return mask_or_bias ? kOffMask + kMaskBytes : kOffBias; }
+  // Only the tiles present are allocated (bias tile sized by its dtype): the rest of the SM's
+  // unified L1 / shared memory stays cache.
+  static constexpr int mask_offset(bool bias, bool bias_fp32) {
+    return kOffBias + (bias ? kBlockM * kBiasPitch * (bias_fp32 ? 4 : 2) : 0);
+  }
+  static constexpr int smem_bytes(bool mask, bool bias, bool bias_fp32) {
+    return mask_offset(bias, bias_fp32) + (mask ? kMaskBytes : 0);
+  }
   // dK / dV staging at the end reuses the Q and dO buffers.
   static_assert(2 * kQBytes >= kKVBytes);
 };
