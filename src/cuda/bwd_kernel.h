@@ -279,7 +279,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
         Tensor tdPsdO = copy_sdp_a.get_thread_slice(tid).partition_S(sdO);
 
         const bool pos_mask = win.block_needs_mask(m0, kBlockM, kBlockN, n_block);
-        CUTE_UNROLL
+        // Unrolled without mask / bias; a loop with them (the transform is larger: fewer spills).
+        constexpr int kHalfUnroll = kMaskBias ? 1 : 2;
+#pragma unroll kHalfUnroll
         for (int j = 0; j < 2; ++j) {
           const int c_off = j * kHalfN;
           Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kHalfN>>{});
@@ -310,7 +312,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
             CUTE_UNROLL
             for (int c = 0; c < kCols; ++c) {
               CUTE_UNROLL
-              for (int r = 0; r < kRows; ++r) colsum[j * kCols + c] += dp_rc(r, c);
+              for (int r = 0; r < kRows; ++r) {
+                if (j == 0) colsum[c] += dp_rc(r, c);
+                else colsum[kCols + c] += dp_rc(r, c);
+              }
             }
           } else if (mode == kDbAccum) {
             const int bb = a.bsize_b == 1 ? 0 : b;
