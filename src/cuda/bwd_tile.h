@@ -13,6 +13,10 @@
 
 namespace dmattn::cuda {
 
+// Head dims with a backward instantiation; D <= 128, D % 8 == 0 runs on the next one (zero-filled
+// columns). Larger head dims (the forward may support them) raise a clear error.
+inline constexpr int bwd_instantiated_head_dim(int d) { return d <= 0 ? 0 : d <= 64 ? 64 : d <= 128 ? 128 : 0; }
+
 template <typename Element_, int kHeadDim_>
 struct BwdTile {
   using Element = Element_;

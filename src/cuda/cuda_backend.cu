@@ -11,6 +11,7 @@
 
 #include "cuda/bwd_args.h"
 #include "cuda/bwd_launch.h"
+#include "cuda/bwd_tile.h"
 #include "cuda/check.h"
 #include "cuda/fwd_args.h"
 #include "cuda/fwd_launch.h"
@@ -118,13 +119,13 @@ void forward(const ForwardParams& p) {
 
 namespace {
 
-// Checks shared by forward and backward (dtype, head dim, operand dtypes, sizes).
-void check_problem(const ForwardParams& p) {
+// Checks of the backward pass (dtype, head dim, operand dtypes, sizes).
+void check_bwd_problem(const ForwardParams& p) {
   check(p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16, ErrorKind::kType,
         "q: the CUDA backend supports float16 and bfloat16, got another dtype");
-  const int hd = fwd_instantiated_head_dim(static_cast<int>(p.head_dim));
+  const int hd = bwd_instantiated_head_dim(static_cast<int>(p.head_dim));
   check(p.head_dim > 0 && p.head_dim % 8 == 0 && hd > 0, ErrorKind::kValue, "q: head_dim ", p.head_dim,
-        " is not supported by the CUDA backend (expected a multiple of 8 up to 128)");
+        " is not supported by the CUDA backward pass (expected a multiple of 8 up to 128)");
   check(!p.mask.present() || p.mask.dtype == DType::kBool, ErrorKind::kType, "mask: expected dtype bool");
   check(!p.bias.present() || p.bias.dtype == DType::kFloat32 || p.bias.dtype == p.dtype, ErrorKind::kType,
         "bias: expected q's dtype or float32");
@@ -185,7 +186,7 @@ void set_dbias_mode(const BackwardParams& p, BwdArgs& a) {
 
 void backward(const BackwardParams& p) {
   const ForwardParams& f = p.fwd;
-  check_problem(f);
+  check_bwd_problem(f);
   // Empty tensors are not checked (torch may give them any strides or a null pointer); with
   // B == 0 only a dbias without a batch dimension has elements (zeros).
   const bool q_side = f.batch > 0 && f.seqlen_q > 0, k_side = f.batch > 0 && f.seqlen_k > 0;
@@ -238,7 +239,7 @@ void backward(const BackwardParams& p) {
 
   auto stream = static_cast<cudaStream_t>(f.stream);
   const bool bf16 = f.dtype == DType::kBFloat16;
-  switch (fwd_instantiated_head_dim(static_cast<int>(f.head_dim))) {
+  switch (bwd_instantiated_head_dim(static_cast<int>(f.head_dim))) {
     case 64:
       bf16 ? run_bwd<cutlass::bfloat16_t, 64>(a, p.deterministic, exact, stream)
            : run_bwd<cutlass::half_t, 64>(a, p.deterministic, exact, stream);
