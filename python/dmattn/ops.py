@@ -51,11 +51,12 @@ def _bias_shape4(bias: Tensor) -> Tuple[int, int, int, int]:
 
 
 def _dbias_needs_accum(q: Tensor, bias: Tensor) -> bool:
-    """The CUDA backward reduces a batch- or head-broadcast dbias across CTAs in fp32."""
+    """The CUDA backward reduces a batch- or head-broadcast dbias in an fp32 buffer of the
+    bias's own size. A key-broadcast bias (last dim 1) has an exactly zero gradient and needs none."""
     if q.device.type != "cuda" or bias.dim() > 4:
         return False
-    b, h, _, _ = _bias_shape4(bias)
-    return b < q.shape[0] or h < q.shape[2]
+    b, h, _, sk = _bias_shape4(bias)
+    return sk > 1 and (b < q.shape[0] or h < q.shape[2])
 
 
 @functools.lru_cache(maxsize=None)

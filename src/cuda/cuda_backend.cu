@@ -7,7 +7,11 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 
+#include "cuda/bwd_args.h"
+#include "cuda/bwd_launch.h"
+#include "cuda/bwd_tile.h"
 #include "cuda/check.h"
 #include "cuda/fwd_args.h"
 #include "cuda/fwd_launch.h"
@@ -114,8 +118,139 @@ void forward(const ForwardParams& p) {
   }
 }
 
-void backward(const BackwardParams&) {
-  fail(ErrorKind::kNotImplemented, "backward: the CUDA backend's backward pass is not implemented yet");
+namespace {
+
+// Checks of the backward pass (dtype, head dim, operand dtypes, sizes).
+void check_bwd_problem(const ForwardParams& p) {
+  check(p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16, ErrorKind::kType,
+        "q: the CUDA backend supports float16 and bfloat16, got another dtype");
+  const int hd = bwd_instantiated_head_dim(static_cast<int>(p.head_dim));
+  check(p.head_dim > 0 && p.head_dim % 8 == 0 && hd > 0, ErrorKind::kValue, "q: head_dim ", p.head_dim,
+        " is not supported by the CUDA backward pass (expected a multiple of 8 up to 128)");
+  check(!p.mask.present() || p.mask.dtype == DType::kBool, ErrorKind::kType, "mask: expected dtype bool");
+  check(!p.bias.present() || p.bias.dtype == DType::kFloat32 || p.bias.dtype == p.dtype, ErrorKind::kType,
+        "bias: expected q's dtype or float32");
+  check(p.seqlen_q < (int64_t(1) << 31) && p.seqlen_k < (int64_t(1) << 31), ErrorKind::kValue,
+        "q/k: sequence lengths must be below 2^31 for the CUDA backend");
+  check(p.num_heads <= 65535 && p.batch <= 65535, ErrorKind::kValue,
+        "q: the CUDA backend supports at most 65535 heads and 65535 batches, got (", p.batch, ", ",
+        p.num_heads, ")");
+}
+
+// dbias: how the main kernel reduces it (see BwdDbiasMode in bwd_args.h).
+void set_dbias_mode(const BackwardParams& p, BwdArgs& a) {
+  const ForwardParams& f = p.fwd;
+  const BroadcastOperand& bias = f.bias;
+  a.dbias = p.dbias;
+  a.db_sb = bias.size_b == 1 ? 0 : p.dbias_stride_b;
+  a.db_sh = bias.size_h == 1 ? 0 : p.dbias_stride_h;
+  a.db_sq = bias.size_q == 1 ? 0 : p.dbias_stride_q;
+  a.db_sk = bias.size_k == 1 ? 0 : p.dbias_stride_k;
+  a.bsize_b = bias.size_b, a.bsize_h = bias.size_h, a.bsize_q = bias.size_q, a.bsize_k = bias.size_k;
+  a.bias_head_div = static_cast<int>(bias.head_div);
+  a.dbias_accum = static_cast<float*>(p.dbias_accum);
+  const int esize = bias.dtype == DType::kFloat32 ? 4 : 2;
+  const auto al = [&](int64_t s) { return (s * esize) % 16 == 0; };
+  a.db_vec = a.db_sk == 1 && aligned16(p.dbias) && al(a.db_sb) && al(a.db_sh) && al(a.db_sq);
+
+  // A key-broadcast bias (size_k == 1) adds one constant per row, to which softmax is invariant:
+  // sum_j dS_ij = sum_j P_ij dP_ij - Delta_i = 0 exactly, so its gradient is written as zeros.
+  if (bias.size_k == 1) { a.dbias_mode = kDbNone; return; }
+  const bool batch_full = bias.size_b == f.batch || f.batch == 1;
+  const bool heads_full = (bias.size_h == f.num_heads && bias.head_div == 1) || f.num_heads == 1;
+  // Several CTAs (batches, kv heads) contribute to one dbias element.
+  const bool cross = (bias.size_b == 1 && f.batch > 1) || (bias.size_h == 1 && f.num_heads_kv > 1);
+  if (bias.size_q == 1) {
+    a.dbias_mode = kDbColSum;
+    a.db_colsum_to_accum = cross;
+  } else if (batch_full && heads_full) {
+    a.dbias_mode = kDbDirect;
+  } else {
+    a.dbias_mode = kDbAccum;
+  }
+  if (cross) {
+    if (p.deterministic) {
+      a.fold_batch = bias.size_b == 1 && f.batch > 1;
+      a.fold_heads = bias.size_h == 1 && f.num_heads_kv > 1;
+    } else {
+      a.db_atomic = true;
+    }
+  }
+  const bool needs_accum = a.dbias_mode == kDbAccum || (a.dbias_mode == kDbColSum && a.db_colsum_to_accum);
+  if (f.batch == 0 || f.seqlen_k == 0) return;  // only zeros to write (run_bwd)
+  check(!needs_accum || p.dbias_accum != nullptr, ErrorKind::kValue,
+        "dbias_accum: the CUDA backend needs a float32 accumulator of the bias's size for a bias ",
+        "broadcast over batch or heads, got none");
+}
+
+}  // namespace
+
+void backward(const BackwardParams& p) {
+  const ForwardParams& f = p.fwd;
+  check_bwd_problem(f);
+  // Empty tensors are not checked (torch may give them any strides or a null pointer); with
+  // B == 0 only a dbias without a batch dimension has elements (zeros).
+  const bool q_side = f.batch > 0 && f.seqlen_q > 0, k_side = f.batch > 0 && f.seqlen_k > 0;
+  if (q_side) {
+    check_seq_tensor("q", f.q, f.q_strides);
+    check_seq_tensor("out", f.out, f.out_strides);
+    check_seq_tensor("dout", p.dout, p.dout_strides);
+    check_seq_tensor("dq", p.dq, p.dq_strides);
+    check(p.softmax_delta != nullptr, ErrorKind::kValue,
+          "softmax_delta: the CUDA backend needs a (B, H, Sq) float32 scratch buffer, got none");
+    check(p.deterministic || p.dq_accum != nullptr, ErrorKind::kValue,
+          "dq_accum: the CUDA backend needs a (B, Sq, H, D) float32 scratch buffer, got none");
+    check(p.dq_accum == nullptr || aligned16(p.dq_accum), ErrorKind::kValue,
+          "dq_accum: expected a 16-byte aligned buffer");
+  }
+  if (k_side) {
+    check_seq_tensor("k", f.k, f.k_strides);
+    check_seq_tensor("v", f.v, f.v_strides);
+    check_seq_tensor("dk", p.dk, p.dk_strides);
+    check_seq_tensor("dv", p.dv, p.dv_strides);
+  }
+  if (!q_side && !k_side && p.dbias == nullptr) return;
+
+  DeviceGuard guard(f.device_id);
+  BwdArgs a;
+  a.f = make_fwd_args(f);
+  a.dout = p.dout;
+  a.do_bs = p.dout_strides.batch_stride, a.do_rs = p.dout_strides.row_stride, a.do_hs = p.dout_strides.head_stride;
+  a.dq = p.dq;
+  a.dq_bs = p.dq_strides.batch_stride, a.dq_rs = p.dq_strides.row_stride, a.dq_hs = p.dq_strides.head_stride;
+  a.dk = p.dk;
+  a.dk_bs = p.dk_strides.batch_stride, a.dk_rs = p.dk_strides.row_stride, a.dk_hs = p.dk_strides.head_stride;
+  a.dv = p.dv;
+  a.dv_bs = p.dv_strides.batch_stride, a.dv_rs = p.dv_strides.row_stride, a.dv_hs = p.dv_strides.head_stride;
+  a.delta = static_cast<float*>(p.softmax_delta);
+  a.dq_accum = p.deterministic ? nullptr : static_cast<float*>(p.dq_accum);
+  a.num_heads_kv = static_cast<int>(f.num_heads_kv);
+  if (p.dbias != nullptr) set_dbias_mode(p, a);
+
+  // Problems up to kExactMaxScores score elements take the exact three-pass path (Delta and the
+  // softmax statistics recomputed in fp32, as the CPU backend: the extra pass costs little
+  // there, and the gradients of rows with very few keys or of key-reduced biases carry no
+  // rounding noise of the stored O); larger ones take FlashAttention-2's rowsum(dO * O).
+  // DMATTN_BWD_EXACT=0/1 forces either.
+  constexpr double kExactMaxScores = double(int64_t(1) << 28);
+  bool exact = double(f.batch) * double(f.num_heads) * double(f.seqlen_q) * double(f.seqlen_k) <= kExactMaxScores;
+  if (const char* env = std::getenv("DMATTN_BWD_EXACT")) exact = env[0] == '1';
+  exact = exact && p.dq_accum != nullptr;
+  if (const char* env = std::getenv("DMATTN_BWD_EXP")) a.exp_flags = std::atoi(env);
+
+  auto stream = static_cast<cudaStream_t>(f.stream);
+  const bool bf16 = f.dtype == DType::kBFloat16;
+  switch (bwd_instantiated_head_dim(static_cast<int>(f.head_dim))) {
+    case 64:
+      bf16 ? run_bwd<cutlass::bfloat16_t, 64>(a, p.deterministic, exact, stream)
+           : run_bwd<cutlass::half_t, 64>(a, p.deterministic, exact, stream);
+      break;
+    case 128:
+      bf16 ? run_bwd<cutlass::bfloat16_t, 128>(a, p.deterministic, exact, stream)
+           : run_bwd<cutlass::half_t, 128>(a, p.deterministic, exact, stream);
+      break;
+    default: fail(ErrorKind::kValue, "q: head_dim ", f.head_dim, " has no CUDA instantiation");
+  }
 }
 
 }  // namespace dmattn::cuda

@@ -1,0 +1,179 @@
+// Pieces shared by the backward kernels: the query-block range of a key block, the score
+// recomputation (same transform as the forward), P = exp(s - lse) and dS = P * (dP - Delta).
+#pragma once
+
+#include <cmath>
+
+#include "cuda/bias.h"
+#include "cuda/fwd_args.h"
+#include "cuda/mask.h"
+#include "cuda/utils.h"
+
+namespace dmattn::cuda {
+
+// Query blocks [m_lo, m_hi) holding a query that may attend a key of [n0, n0 + block_n)
+// (inverse of WindowMask::key_block_range). Empty when m_hi <= m_lo.
+__device__ __forceinline__ void bwd_query_block_range(const WindowMask& w, int n0, int block_n, int block_m,
+                                                      int& m_lo, int& m_hi) {
+  const int64_t n_last = min(int64_t(n0) + block_n, w.seqlen_k) - 1;
+  const int64_t off = w.seqlen_k - w.seqlen_q;
+  int64_t lo = 0, hi = w.seqlen_q;  // queries [lo, hi)
+  if (w.right >= 0) lo = max(lo, int64_t(n0) - off - w.right);
+  if (w.left >= 0) hi = min(hi, n_last - off + w.left + 1);
+  if (n_last < n0 || hi <= lo) {
+    m_lo = m_hi = 0;
+    return;
+  }
+  m_lo = int(lo / block_m);
+  m_hi = int((hi + block_m - 1) / block_m);
+}
+
+// Score transform of one (query block, key block) tile, in place on the accumulator row/col
+// view, exactly as the forward: s = scale * qk; softcap; s += bias; -inf where not allowed
+// (mask, window, tails, bias == -inf). A disallowed score is replaced, never offset.
+// kSoftcap: t = tanh(scale * qk / softcap) is kept in `tt` for the chain rule.
+template <bool kMaskBias, bool kPosMask, bool kSoftcap, typename BiasT, int kBlockN, class S, class C, class TT>
+__device__ __forceinline__ void bwd_transform_scores(S& s, C const& coord, TT& tt, const FwdArgs& a, int m0, int n0,
+                                                     const WindowMask& win, const char* s_bias, int bias_pitch,
+                                                     const char* s_mask, int mask_pitch) {
+  using namespace cute;
+  if constexpr (kSoftcap) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(s); ++i) {
+      const float t = tanhf(s(i) * a.scale_div_softcap);
+      tt(i) = t;
+      s(i) = a.softcap * t;
+    }
+  } else {
+    CUTE_UNROLL
+    for (int i = 0; i < size(s); ++i) s(i) *= a.scale;
+  }
+  if constexpr (kMaskBias || kPosMask) {
+    const int col0 = get<1>(coord(0, 0));
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(s); ++r) {
+      const int row = get<0>(coord(r, 0));
+      int lo = 0, hi = kBlockN;
+      if constexpr (kPosMask) win.column_range(m0 + row, n0 + col0, kBlockN, lo, hi);
+      const BiasT* brow = kMaskBias && s_bias ? reinterpret_cast<const BiasT*>(s_bias) + row * bias_pitch + col0 : nullptr;
+      const uint8_t* mrow = kMaskBias && s_mask ? reinterpret_cast<const uint8_t*>(s_mask) + row * mask_pitch + col0 : nullptr;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s); c += 2) {
+        const int cc = get<1>(coord(r, c)) - col0;
+        float x0 = s(r, c), x1 = s(r, c + 1);
+        bool ok0 = true, ok1 = true;
+        if constexpr (kMaskBias) {
+          if (brow) {
+            float b0, b1;
+            read_bias_pair(brow + cc, b0, b1);
+            x0 += b0;
+            x1 += b1;
+            ok0 = b0 != -INFINITY;
+            ok1 = b1 != -INFINITY;
+          }
+          if (mrow) {
+            bool k0, k1;
+            read_mask_pair(mrow + cc, k0, k1);
+            ok0 = ok0 && k0;
+            ok1 = ok1 && k1;
+          }
+        }
+        if constexpr (kPosMask) {
+          ok0 = ok0 && cc >= lo && cc < hi;
+          ok1 = ok1 && cc + 1 >= lo && cc + 1 < hi;
+        }
+        s(r, c) = ok0 ? x0 : -INFINITY;
+        s(r, c + 1) = ok1 ? x1 : -INFINITY;
+      }
+    }
+  }
+}
+
+// Dispatches the transform on (pos_mask, bias dtype).
+template <bool kMaskBias, bool kSoftcap, typename Element, int kBlockN, class S, class C, class TT>
+__device__ __forceinline__ void bwd_scores(S& s, C const& coord, TT& tt, const FwdArgs& a, int m0, int n0,
+                                           bool pos_mask, const WindowMask& win, const char* s_bias, int bias_pitch,
+                                           const char* s_mask, int mask_pitch) {
+  if constexpr (kMaskBias) {
+    if (a.bias_fp32) {
+      if (pos_mask) bwd_transform_scores<true, true, kSoftcap, float, kBlockN>(s, coord, tt, a, m0, n0, win, s_bias, bias_pitch, s_mask, mask_pitch);
+      else bwd_transform_scores<true, false, kSoftcap, float, kBlockN>(s, coord, tt, a, m0, n0, win, s_bias, bias_pitch, s_mask, mask_pitch);
+    } else {
+      if (pos_mask) bwd_transform_scores<true, true, kSoftcap, Element, kBlockN>(s, coord, tt, a, m0, n0, win, s_bias, bias_pitch, s_mask, mask_pitch);
+      else bwd_transform_scores<true, false, kSoftcap, Element, kBlockN>(s, coord, tt, a, m0, n0, win, s_bias, bias_pitch, s_mask, mask_pitch);
+    }
+  } else {
+    if (pos_mask) bwd_transform_scores<false, true, kSoftcap, Element, kBlockN>(s, coord, tt, a, m0, n0, win, nullptr, 0, nullptr, 0);
+    else bwd_transform_scores<false, false, kSoftcap, Element, kBlockN>(s, coord, tt, a, m0, n0, win, nullptr, 0, nullptr, 0);
+  }
+}
+
+// Softmax statistics and Delta of the rows a thread owns. P = exp(s - m) / l is computed as
+// exp2((s - m) * log2e - log2(l)):
+//   lse path:   m = lse (from the forward), log2 l = 0 (g_log2l null);
+//   exact path: m, log2 l from bwd_stats (recomputed; keeps log l even when |m| is huge).
+// A row outside Sq or with no allowed key gets m = +inf, so that P is exactly 0 there and -inf
+// never meets -inf; its Delta is 0.
+template <int kRows, class C>
+__device__ __forceinline__ void bwd_load_row_stats(C const& coord, const float* g_m, const float* g_log2l,
+                                                   const float* g_delta, int rows_valid, float (&m)[kRows],
+                                                   float (&log2l)[kRows], float (&delta)[kRows]) {
+  using namespace cute;
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    const int row = get<0>(coord(r, 0));
+    float mm = INFINITY, ll = 0.f, d = 0.f;
+    if (row < rows_valid) {
+      mm = g_m[row];
+      if (g_log2l) ll = g_log2l[row];
+      d = g_delta[row];
+      if (mm == -INFINITY) mm = INFINITY;
+    }
+    m[r] = mm;
+    log2l[r] = ll;
+    delta[r] = d;
+  }
+}
+
+// s (scores) -> P = exp(s - m) / l, computed as exp2((s - m) * log2e - log2 l): the difference first, so
+// a score near -FLT_MAX (finfo.min bias on an allowed key) never overflows when scaled.
+// dp -> dS = P * (dP - Delta), exactly 0 wherever P is 0. Where P == 1 exactly (the key holds
+// the whole row's mass, every other P_k < 2^-24), dS = P * sum_k P_k (dP_j - dP_k) is below
+// fp32 resolution: it is set to 0 rather than left to the rounding noise of Delta, which comes
+// from the stored low-precision O (a row with a single allowed key must get exactly 0).
+template <int kRows, class S, class DP>
+__device__ __forceinline__ void bwd_p_ds(S& s, DP& dp, const float (&m)[kRows], const float (&log2l)[kRows],
+                                         const float (&delta)[kRows]) {
+  using namespace cute;
+  constexpr float kLog2e = 1.4426950408889634f;
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(s); ++c) {
+      const float p = exp2f((s(r, c) - m[r]) * kLog2e - log2l[r]);
+      s(r, c) = p;
+      dp(r, c) = p == 1.f ? 0.f : p * (dp(r, c) - delta[r]);
+    }
+  }
+}
+
+// dS -> dS * (1 - t^2): the derivative of softcap * tanh(x / softcap).
+template <class DS, class TT>
+__device__ __forceinline__ void bwd_softcap_chain(DS& ds, TT const& tt) {
+  using namespace cute;
+  CUTE_UNROLL
+  for (int i = 0; i < size(ds); ++i) ds(i) *= 1.f - tt(i) * tt(i);
+}
+
+// Element (or float) store of an fp32 value, saturating for the 16-bit types.
+template <typename T>
+__device__ __forceinline__ void store_sat(T* p, float v) {
+  if constexpr (std::is_same_v<T, float>) {
+    *p = v;
+  } else {
+    v = fminf(fmaxf(v, -ElemInfo<T>::kMax), ElemInfo<T>::kMax);
+    *p = T(v);
+  }
+}
+
+}  // namespace dmattn::cuda

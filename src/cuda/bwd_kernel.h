@@ -1,0 +1,489 @@
+// The main backward kernel (FlashAttention-2 style, key-block major): one CTA per (key block,
+// kv head, batch). It loads K and V of its key block once, then walks every query head of the
+// GQA group and every query block the window lets reach the key block (Q / dO double buffered,
+// the next pair prefetched while the current one is computed), recomputing
+//   S = QK^T (same transform as the forward), P = exp(s - m) / l, dP = dO V^T,
+//   dS = P * (dP - Delta), dS' = dS * softcap'
+// and accumulating in fp32 registers dV += P^T dO and dK += dS'^T Q over the whole group
+// (no expanded copy; deterministic), written once at the end with saturation. dQ += dS' K goes
+// to the fp32 dq_accum through atomics (or, deterministic mode, to the query-major kernel of
+// bwd_dq_kernel.h). dbias: see BwdDbiasMode.
+#pragma once
+
+#include "cuda/bwd_args.h"
+#include "cuda/bwd_common.h"
+#include "cuda/bwd_tile.h"
+#include "cuda/copy.h"
+#include "cuda/gemm.h"
+#include "cuda/operand_tile.h"
+
+namespace dmattn::cuda {
+
+// Fire-and-forget fp32 reduction of 4 consecutive floats (16-byte aligned).
+__device__ __forceinline__ void red_add4(float* p, float x, float y, float z, float w) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
+#else
+  atomicAdd(p, x);
+  atomicAdd(p + 1, y);
+  atomicAdd(p + 2, z);
+  atomicAdd(p + 3, w);
+#endif
+}
+
+// Zeroes dbias rows [r0, r0 + rows) x key columns [n0, n0 + cols) of one (batch, bias head).
+template <typename BiasT, int kThreads>
+__device__ __forceinline__ void bwd_dbias_zero_rows(const BwdArgs& a, int b, int hb, int r0, int rows, int n0, int cols,
+                                                    int tid) {
+  BiasT* base = static_cast<BiasT*>(a.dbias) + int64_t(b) * a.db_sb + int64_t(hb) * a.db_sh;
+  constexpr int kVec = 16 / int(sizeof(BiasT));
+  if (a.db_vec) {
+    const int chunks = (cols + kVec - 1) / kVec;
+    for (int idx = tid; idx < rows * chunks; idx += kThreads) {
+      const int r = idx / chunks, c = (idx % chunks) * kVec;
+      BiasT* p = base + int64_t(r0 + r) * a.db_sq + n0 + c;
+      if (c + kVec <= cols) {
+        *reinterpret_cast<uint4*>(p) = make_uint4(0, 0, 0, 0);
+      } else {
+        for (int e = 0; e < cols - c; ++e) p[e] = BiasT(0.f);
+      }
+    }
+  } else {
+    for (int idx = tid; idx < rows * cols; idx += kThreads) {
+      const int r = idx / cols, c = idx % cols;
+      base[int64_t(r0 + r) * a.db_sq + int64_t(n0 + c) * a.db_sk] = BiasT(0.f);
+    }
+  }
+}
+
+template <class Tile, bool kMaskBias, bool kSoftcap>
+__global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_constant__ BwdArgs a) {
+  using namespace cute;
+  using Element = typename Tile::Element;
+  constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN, kHeadDim = Tile::kHeadDim;
+  constexpr int kHalfN = Tile::kHalfN;
+  constexpr int kThreads = Tile::kNThreads;
+  constexpr int kQElems = kBlockM * kHeadDim;
+  const FwdArgs& f = a.f;
+
+  extern __shared__ __align__(128) char smem[];
+  const int tid = threadIdx.x;
+  const int n_block = blockIdx.x;
+  const int n0 = n_block * kBlockN;
+  const int group = f.group;
+  const int b_begin = a.fold_batch ? 0 : int(blockIdx.z);
+  const int b_end = a.fold_batch ? f.batch : b_begin + 1;
+  const int kv_begin = a.fold_heads ? 0 : int(blockIdx.y);
+  const int kv_end = a.fold_heads ? a.num_heads_kv : kv_begin + 1;
+  const int cols_valid = min(kBlockN, f.seqlen_k - n0);
+  const int m_blocks = (f.seqlen_q + kBlockM - 1) / kBlockM;
+
+  const WindowMask win{f.seqlen_q, f.seqlen_k, f.window_left, f.window_right};
+  int m_lo, m_hi;
+  bwd_query_block_range(win, n0, kBlockN, kBlockM, m_lo, m_hi);
+  const int n_m = max(m_hi - m_lo, 0);
+  const int n_iter = n_m * group;
+
+  Element* const sQbase = reinterpret_cast<Element*>(smem + Tile::kOffQ);
+  Element* const sdObase = reinterpret_cast<Element*>(smem + Tile::kOffdO);
+  Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffK)), typename Tile::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffV)), typename Tile::SmemLayoutKV{});
+  Tensor sKt = make_tensor(sK.data(), typename Tile::SmemLayoutKt{});
+  Tensor sKtNoSwz = make_tensor(sK.data().get(), typename Tile::SmemLayoutKtNoSwizzle{});
+  Tensor sP = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffP)), typename Tile::SmemLayoutPdS{});
+  Tensor sPt = make_tensor(sP.data(), typename Tile::SmemLayoutPdSt{});
+  Tensor sPtNoSwz = make_tensor(sP.data().get(), typename Tile::SmemLayoutPdStNoSwizzle{});
+  Tensor sdS = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffdS)), typename Tile::SmemLayoutPdS{});
+  Tensor sdSt = make_tensor(sdS.data(), typename Tile::SmemLayoutPdSt{});
+  Tensor sdStNoSwz = make_tensor(sdS.data().get(), typename Tile::SmemLayoutPdStNoSwizzle{});
+  char* s_bias = smem + Tile::kOffBias;
+  char* s_mask = smem + Tile::mask_offset(f.bias.ptr != nullptr, f.bias_fp32);
+  float* s_col = reinterpret_cast<float*>(smem + Tile::kOffColSum);
+
+  auto sQ_at = [&](int buf) {
+    return make_tensor(make_smem_ptr(sQbase + buf * kQElems), typename Tile::SmemLayoutQdO{});
+  };
+  auto sdO_at = [&](int buf) {
+    return make_tensor(make_smem_ptr(sdObase + buf * kQElems), typename Tile::SmemLayoutQdO{});
+  };
+  auto sQt_at = [&](int buf) {
+    return make_tensor(make_smem_ptr(sQbase + buf * kQElems), typename Tile::SmemLayoutQdOt{});
+  };
+  auto sdOt_at = [&](int buf) {
+    return make_tensor(make_smem_ptr(sdObase + buf * kQElems), typename Tile::SmemLayoutQdOt{});
+  };
+
+  typename Tile::TiledMmaSdP mma_sdp;
+  typename Tile::TiledMmadKV mma_dkv;
+  typename Tile::TiledMmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+
+  Tensor sQtNoSwz0 = make_tensor(sQbase, typename Tile::SmemLayoutQdOtNoSwizzle{});
+  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ_at(0));
+  auto kv_half = [&](auto& t, int j) { return local_tile(t, Shape<Int<kHalfN>, Int<kHeadDim>>{}, make_coord(j, 0)); };
+  auto pds_half = [&](auto& t, int j) { return local_tile(t, Shape<Int<kBlockM>, Int<kHalfN>>{}, make_coord(0, j)); };
+  Tensor tSrK = thr_sdp.partition_fragment_B(kv_half(sK, 0));
+  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO_at(0));
+  Tensor tdPrV = thr_sdp.partition_fragment_B(kv_half(sV, 0));
+  Tensor tdVrPt = thr_dkv.partition_fragment_A(sPtNoSwz);
+  Tensor tdVrdOt = thr_dkv.partition_fragment_B(sQtNoSwz0);
+  Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdStNoSwz);
+  Tensor tdKrQt = thr_dkv.partition_fragment_B(sQtNoSwz0);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_dq.partition_fragment_B(sKtNoSwz);
+
+  auto copy_sdp_a = make_tiled_copy_A(typename Tile::LdsmCopy{}, mma_sdp);
+  auto copy_sdp_b = make_tiled_copy_B(typename Tile::LdsmCopy{}, mma_sdp);
+  auto copy_dkv_a = make_tiled_copy_A(typename Tile::LdsmCopyT{}, mma_dkv);
+  auto copy_dkv_b = make_tiled_copy_B(typename Tile::LdsmCopyT{}, mma_dkv);
+  auto copy_dq_a = make_tiled_copy_A(typename Tile::LdsmCopy{}, mma_dq);
+  auto copy_dq_b = make_tiled_copy_B(typename Tile::LdsmCopyT{}, mma_dq);
+  auto store_pds = make_tiled_copy_C(typename Tile::StoreCopyC{}, mma_sdp);
+  auto thr_store_pds = store_pds.get_thread_slice(tid);
+
+  Tensor tdVsPt = copy_dkv_a.get_thread_slice(tid).partition_S(sPt);
+  Tensor tdKsdSt = copy_dkv_a.get_thread_slice(tid).partition_S(sdSt);
+  Tensor tdQsdS = copy_dq_a.get_thread_slice(tid).partition_S(sdS);
+  Tensor tdQsKt = copy_dq_b.get_thread_slice(tid).partition_S(sKt);
+
+  // Coordinates within one (kBlockM, kHalfN) half; column 64 j + c in the key block.
+  Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kHalfN>>{});
+  Tensor tScS = thr_sdp.partition_C(cS);
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+  Tensor cdQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  Tensor tdQcdQ = thr_dq.partition_C(cdQ);
+
+  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  constexpr int kRows = decltype(size<0>(tScS_rc))::value;
+  constexpr int kCols = decltype(size<1>(tScS_rc))::value;  // per half
+
+  const int mode = a.dbias_mode;
+  const bool bias_per_head = a.bsize_h == f.num_heads && a.bias_head_div == 1;
+  const bool colsum_per_head = mode == kDbColSum && bias_per_head && group > 1;
+  // dbias from the bf16/fp16 dS tile in shared memory (coalesced) instead of registers.
+  const bool direct_from_smem = mode == kDbDirect && !kSoftcap && !f.bias_fp32;
+  float colsum[2 * kCols];
+
+  // Column sums of one (batch, bias head): reduced over the CTA, then stored or added.
+  auto colsum_flush = [&](int b, int h) {
+    CUTE_UNROLL
+    for (int c = 0; c < 2 * kCols; ++c) {
+      float v = colsum[c];
+      v += __shfl_xor_sync(0xffffffff, v, 4);
+      v += __shfl_xor_sync(0xffffffff, v, 8);
+      v += __shfl_xor_sync(0xffffffff, v, 16);
+      colsum[c] = v;
+    }
+    for (int i = tid; i < Tile::kAtomMSdP * kBlockN; i += kThreads) s_col[i] = 0.f;
+    __syncthreads();
+    if ((tid & 31) < 4) {
+      CUTE_UNROLL
+      for (int c = 0; c < 2 * kCols; ++c)  // 2 addends per column: order-free
+        atomicAdd(&s_col[(c / kCols) * kHalfN + get<1>(tScS_rc(0, c % kCols))], colsum[c]);
+    }
+    __syncthreads();
+    const int bb = a.bsize_b == 1 ? 0 : b;
+    const int hb = a.bsize_h == 1 ? 0 : h / a.bias_head_div;
+    for (int c = tid; c < cols_valid; c += kThreads) {
+      const float v = s_col[c];
+      if (a.db_colsum_to_accum) {
+        float* p = a.dbias_accum + (int64_t(bb) * a.bsize_h + hb) * a.bsize_k + n0 + c;
+        if (a.db_atomic) atomicAdd(p, v);
+        else *p += v;
+      } else {
+        const int64_t off = int64_t(bb) * a.db_sb + int64_t(hb) * a.db_sh + int64_t(n0 + c) * a.db_sk;
+        if (f.bias_fp32) store_sat(static_cast<float*>(a.dbias) + off, v);
+        else store_sat(static_cast<Element*>(a.dbias) + off, v);
+      }
+    }
+    CUTE_UNROLL
+    for (int c = 0; c < 2 * kCols; ++c) colsum[c] = 0.f;
+    __syncthreads();
+  };
+
+  for (int b = b_begin; b < b_end; ++b) {
+    for (int kvh = kv_begin; kvh < kv_end; ++kvh) {
+      clear(acc_dk);
+      clear(acc_dv);
+      CUTE_UNROLL
+      for (int c = 0; c < 2 * kCols; ++c) colsum[c] = 0.f;
+
+      const Element* gQb = static_cast<const Element*>(f.q) + int64_t(b) * f.q_bs;
+      const Element* gdOb = static_cast<const Element*>(a.dout) + int64_t(b) * a.do_bs;
+      OperandTile<kBlockM, kBlockN, kThreads> mask_tile, bias_tile;
+
+      // The CTAs of one (batch, kv head) start their walk at different query blocks, so that
+      // their dQ atomics do not all hit the same rows of dq_accum at the same time.
+      const int rot = n_m > 0 ? (n_block * 7) % n_m : 0;
+      auto m_of = [&](int t) { const int i = t % n_m + rot; return m_lo + (i >= n_m ? i - n_m : i); };
+      auto issue_q_loads = [&](int t, int buf) {
+        const int h = kvh * group + t / n_m;
+        const int m0 = m_of(t) * kBlockM;
+        Tensor sQ = sQ_at(buf);
+        Tensor sdO = sdO_at(buf);
+        load_rows_async<kBlockM, kHeadDim, kThreads>(sQ, gQb + int64_t(m0) * f.q_rs + int64_t(h) * f.q_hs, f.q_rs,
+                                                     f.seqlen_q - m0, f.head_dim, tid);
+        load_rows_async<kBlockM, kHeadDim, kThreads>(sdO, gdOb + int64_t(m0) * a.do_rs + int64_t(h) * a.do_hs, a.do_rs,
+                                                     f.seqlen_q - m0, f.head_dim, tid);
+      };
+      auto issue_mask_bias_loads = [&](int t) {
+        if constexpr (kMaskBias) {
+          const int h = kvh * group + t / n_m;
+          const int m0 = m_of(t) * kBlockM;
+          if (f.mask.ptr) {
+            mask_tile.init(f.mask, b, h, m0, f.seqlen_q, Tile::kMaskPitch);
+            mask_tile.load(s_mask, Tile::kMaskPitch, n0, f.seqlen_k, tid);
+          }
+          if (f.bias.ptr) {
+            bias_tile.init(f.bias, b, h, m0, f.seqlen_q, Tile::kBiasPitch);
+            bias_tile.load(s_bias, Tile::kBiasPitch, n0, f.seqlen_k, tid);
+          }
+        }
+      };
+
+      if (n_iter > 0) {
+        const Element* gK = static_cast<const Element*>(f.k) + int64_t(b) * f.k_bs + int64_t(n0) * f.k_rs + int64_t(kvh) * f.k_hs;
+        const Element* gV = static_cast<const Element*>(f.v) + int64_t(b) * f.v_bs + int64_t(n0) * f.v_rs + int64_t(kvh) * f.v_hs;
+        load_rows_async<kBlockN, kHeadDim, kThreads>(sK, gK, f.k_rs, cols_valid, f.head_dim, tid);
+        load_rows_async<kBlockN, kHeadDim, kThreads>(sV, gV, f.v_rs, cols_valid, f.head_dim, tid);
+        issue_q_loads(0, 0);
+        issue_mask_bias_loads(0);
+        cp_async_commit();
+      }
+
+      for (int t = 0; t < n_iter; ++t) {
+        const int buf = t & 1;
+        const int h = kvh * group + t / n_m;
+        const int m_block = m_of(t);
+        const int m0 = m_block * kBlockM;
+        const int rows_valid = min(kBlockM, f.seqlen_q - m0);
+
+        cp_async_wait<0>();
+        __syncthreads();  // Q/dO[t], mask/bias[t] landed; all warps are done with iteration t - 1
+        if (t + 1 < n_iter) {
+          issue_q_loads(t + 1, buf ^ 1);
+          cp_async_commit();
+        }
+
+        const int64_t row_stat = (int64_t(b) * f.num_heads + h) * f.seqlen_q + m0;
+        float row_m[kRows], row_log2l[kRows], delta[kRows];
+        bwd_load_row_stats(tScS_rc, a.row_m + row_stat, a.row_log2l ? a.row_log2l + row_stat : nullptr,
+                           a.delta + row_stat, rows_valid, row_m, row_log2l, delta);
+
+        Tensor sQ = sQ_at(buf);
+        Tensor sdO = sdO_at(buf);
+        Tensor tSsQ = copy_sdp_a.get_thread_slice(tid).partition_S(sQ);
+        Tensor tdPsdO = copy_sdp_a.get_thread_slice(tid).partition_S(sdO);
+
+        const bool pos_mask = win.block_needs_mask(m0, kBlockM, kBlockN, n_block);
+        // Unrolled without mask / bias; a loop with them (the transform is larger: fewer spills).
+        constexpr int kHalfUnroll = kMaskBias ? 1 : 2;
+#pragma unroll kHalfUnroll
+        for (int j = 0; j < 2; ++j) {
+          const int c_off = j * kHalfN;
+          Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kHalfN>>{});
+          clear(acc_s);
+          {
+            Tensor tSsK = copy_sdp_b.get_thread_slice(tid).partition_S(kv_half(sK, j));
+            gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma_sdp, copy_sdp_a, copy_sdp_b, tid);
+          }
+          Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kHalfN>>{});
+          clear(acc_dp);
+          if (!(a.exp_flags & 8)) {
+            Tensor tdPsV = copy_sdp_b.get_thread_slice(tid).partition_S(kv_half(sV, j));
+            gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, copy_sdp_a, copy_sdp_b, tid);
+          }
+
+          Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+          Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
+          Tensor tt = make_tensor<float>(acc_s.layout());
+          Tensor tt_rc = make_tensor(tt.data(), acc_rowcol(tt.layout()));
+          const char* sb = f.bias.ptr ? s_bias + c_off * (f.bias_fp32 ? 4 : 2) : nullptr;
+          const char* sm = f.mask.ptr ? s_mask + c_off : nullptr;
+          bwd_scores<kMaskBias, kSoftcap, Element, kHalfN>(s_rc, tScS_rc, tt_rc, f, m0, n0 + c_off, pos_mask, win,
+                                                           sb, bias_tile.pitch, sm, mask_tile.pitch);
+          bwd_p_ds(s_rc, dp_rc, row_m, row_log2l, delta);
+
+          // ---- dbias from registers (dS before the softcap chain: the bias is added after it)
+          if (mode == kDbColSum) {
+            CUTE_UNROLL
+            for (int c = 0; c < kCols; ++c) {
+              CUTE_UNROLL
+              for (int r = 0; r < kRows; ++r) {
+                if (j == 0) colsum[c] += dp_rc(r, c);
+                else colsum[kCols + c] += dp_rc(r, c);
+              }
+            }
+          } else if (mode == kDbAccum) {
+            const int bb = a.bsize_b == 1 ? 0 : b;
+            const int hb = a.bsize_h == 1 ? 0 : h / a.bias_head_div;
+            float* base = a.dbias_accum + (int64_t(bb) * a.bsize_h + hb) * a.bsize_q * a.bsize_k;
+            CUTE_UNROLL
+            for (int r = 0; r < kRows; ++r) {
+              const int row = get<0>(tScS_rc(r, 0));
+              if (row >= rows_valid) continue;
+              CUTE_UNROLL
+              for (int c = 0; c < kCols; ++c) {
+                const int col = c_off + get<1>(tScS_rc(r, c));
+                if (col < cols_valid) {
+                  float* p = base + int64_t(m0 + row) * a.bsize_k + n0 + col;
+                  if (a.db_atomic) atomicAdd(p, dp_rc(r, c));
+                  else *p += dp_rc(r, c);
+                }
+              }
+            }
+          } else if (mode == kDbDirect && !direct_from_smem) {
+            const int64_t off0 = int64_t(b) * a.db_sb + int64_t(h) * a.db_sh;
+            CUTE_UNROLL
+            for (int r = 0; r < kRows; ++r) {
+              const int row = get<0>(tScS_rc(r, 0));
+              if (row >= rows_valid) continue;
+              CUTE_UNROLL
+              for (int c = 0; c < kCols; ++c) {
+                const int col = c_off + get<1>(tScS_rc(r, c));
+                if (col < cols_valid) {
+                  const int64_t off = off0 + int64_t(m0 + row) * a.db_sq + int64_t(n0 + col) * a.db_sk;
+                  if (f.bias_fp32) store_sat(static_cast<float*>(a.dbias) + off, dp_rc(r, c));
+                  else store_sat(static_cast<Element*>(a.dbias) + off, dp_rc(r, c));
+                }
+              }
+            }
+          }
+          if constexpr (kSoftcap) bwd_softcap_chain(acc_dp, tt);
+
+          Tensor rP = make_tensor<Element>(acc_s.layout());
+          convert_fragment<Element, false>(acc_s, rP);
+          Tensor rdS = make_tensor<Element>(acc_dp.layout());
+          convert_fragment<Element, true>(acc_dp, rdS);
+          Tensor sP_j = pds_half(sP, j);
+          Tensor sdS_j = pds_half(sdS, j);
+          copy(store_pds, thr_store_pds.retile_S(rP), thr_store_pds.partition_D(sP_j));
+          copy(store_pds, thr_store_pds.retile_S(rdS), thr_store_pds.partition_D(sdS_j));
+        }
+        __syncthreads();  // sP, sdS visible; the mask / bias tiles are free
+        if constexpr (kMaskBias) {
+          if (t + 1 < n_iter) {
+            issue_mask_bias_loads(t + 1);
+            cp_async_commit();
+          }
+        }
+
+        if (direct_from_smem) {
+          Element* gdb = static_cast<Element*>(a.dbias) + int64_t(b) * a.db_sb + int64_t(h) * a.db_sh +
+                         int64_t(m0) * a.db_sq + int64_t(n0) * a.db_sk;
+          if (a.db_vec) {
+            constexpr int kChunksPerRow = kBlockN / 8;
+            CUTE_UNROLL
+            for (int it = 0; it < kBlockM * kChunksPerRow / kThreads; ++it) {
+              const int idx = it * kThreads + tid;
+              const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
+              if (r < rows_valid && c < cols_valid) {
+                Element* p = gdb + int64_t(r) * a.db_sq + c;
+                if (c + 8 <= cols_valid) {
+                  *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&sdS(r, c));
+                } else {
+                  for (int e = 0; e < cols_valid - c; ++e) p[e] = sdS(r, c + e);
+                }
+              }
+            }
+          } else {
+            for (int idx = tid; idx < kBlockM * kBlockN; idx += kThreads) {
+              const int r = idx / kBlockN, c = idx % kBlockN;
+              if (r < rows_valid && c < cols_valid) gdb[int64_t(r) * a.db_sq + int64_t(c) * a.db_sk] = sdS(r, c);
+            }
+          }
+        }
+
+        {
+          Tensor sdOt = sdOt_at(buf);
+          Tensor tdVsdOt = copy_dkv_b.get_thread_slice(tid).partition_S(sdOt);
+          if (!(a.exp_flags & 2)) gemm_ss(acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, mma_dkv, copy_dkv_a, copy_dkv_b, tid);
+        }
+        {
+          Tensor sQt = sQt_at(buf);
+          Tensor tdKsQt = copy_dkv_b.get_thread_slice(tid).partition_S(sQt);
+          if (!(a.exp_flags & 4)) gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, mma_dkv, copy_dkv_a, copy_dkv_b, tid);
+        }
+        if (a.dq_accum != nullptr && !(a.exp_flags & 1)) {
+          Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+          clear(acc_dq);
+          gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_dq_a, copy_dq_b, tid);
+          float* gdq = a.dq_accum + (int64_t(b) * f.seqlen_q + m0) * f.num_heads * f.head_dim + int64_t(h) * f.head_dim;
+          const int64_t dq_rs = int64_t(f.num_heads) * f.head_dim;
+          // Each m16n8 accumulator holds (r, c..c+1) and (r+8, c..c+1); lanes 2k and 2k+1 trade
+          // halves so that each issues one 16-byte reduction: the even lane (r, c..c+3), the odd
+          // lane (r+8, c-2..c+1).
+          const bool odd = tid & 1;
+          CUTE_UNROLL
+          for (int i = 0; i < size(acc_dq); i += 4) {
+            const float s0 = odd ? acc_dq(i) : acc_dq(i + 2);
+            const float s1 = odd ? acc_dq(i + 1) : acc_dq(i + 3);
+            const float r0 = __shfl_xor_sync(0xffffffff, s0, 1);
+            const float r1 = __shfl_xor_sync(0xffffffff, s1, 1);
+            const int row = get<0>(tdQcdQ(i)) + (odd ? 8 : 0);
+            const int col = get<1>(tdQcdQ(i)) - (odd ? 2 : 0);
+            if (row < rows_valid && col < f.head_dim) {
+              if (odd) red_add4(gdq + row * dq_rs + col, r0, r1, acc_dq(i + 2), acc_dq(i + 3));
+              else red_add4(gdq + row * dq_rs + col, acc_dq(i), acc_dq(i + 1), r0, r1);
+            }
+          }
+        }
+
+        if (colsum_per_head && t % n_m == n_m - 1) colsum_flush(b, h);
+      }
+
+      // ---- end of (batch, kv head): dbias pieces nothing reached, then dK / dV.
+      if (mode == kDbColSum) {
+        if (colsum_per_head) {
+          if (n_iter == 0)
+            for (int h = kvh * group; h < (kvh + 1) * group; ++h) colsum_flush(b, h);
+        } else {
+          colsum_flush(b, kvh * group);
+        }
+      } else if (mode == kDbDirect) {
+        for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+          for (int m = 0; m < m_blocks; ++m) {
+            if (m >= m_lo && m < m_hi) continue;
+            const int m0 = m * kBlockM;
+            const int rows = min(kBlockM, f.seqlen_q - m0);
+            if (f.bias_fp32) bwd_dbias_zero_rows<float, kThreads>(a, b, h, m0, rows, n0, cols_valid, tid);
+            else bwd_dbias_zero_rows<Element, kThreads>(a, b, h, m0, rows, n0, cols_valid, tid);
+          }
+        }
+      }
+
+      __syncthreads();  // every warp is done with the Q / dO buffers (reused for staging)
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= f.scale;
+      Tensor sdKst = make_tensor(make_smem_ptr(sQbase), typename Tile::SmemLayoutKV{});
+      Tensor sdVst = make_tensor(make_smem_ptr(sdObase), typename Tile::SmemLayoutKV{});
+      {
+        Tensor rdK = make_tensor<Element>(acc_dk.layout());
+        convert_fragment<Element, true>(acc_dk, rdK);
+        Tensor rdV = make_tensor<Element>(acc_dv.layout());
+        convert_fragment<Element, true>(acc_dv, rdV);
+        copy(rdK, thr_dkv.partition_C(sdKst));
+        copy(rdV, thr_dkv.partition_C(sdVst));
+      }
+      __syncthreads();
+      Element* gdK = static_cast<Element*>(a.dk) + int64_t(b) * a.dk_bs + int64_t(n0) * a.dk_rs + int64_t(kvh) * a.dk_hs;
+      Element* gdV = static_cast<Element*>(a.dv) + int64_t(b) * a.dv_bs + int64_t(n0) * a.dv_rs + int64_t(kvh) * a.dv_hs;
+      constexpr int kChunksPerRow = kHeadDim / 8;
+      CUTE_UNROLL
+      for (int it = 0; it < kBlockN * kChunksPerRow / kThreads; ++it) {
+        const int idx = it * kThreads + tid;
+        const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
+        if (r < cols_valid && c < f.head_dim) {
+          *reinterpret_cast<uint4*>(gdK + int64_t(r) * a.dk_rs + c) = *reinterpret_cast<const uint4*>(&sdKst(r, c));
+          *reinterpret_cast<uint4*>(gdV + int64_t(r) * a.dv_rs + c) = *reinterpret_cast<const uint4*>(&sdVst(r, c));
+        }
+      }
+      __syncthreads();  // staging done before the next (batch, kv head) reuses shared memory
+    }
+  }
+}
+
+}  // namespace dmattn::cuda

@@ -1,0 +1,206 @@
+// Launcher of the backward pass for one (element type, instantiated head dim); explicitly
+// instantiated once per pair in src/cuda/inst/bwd_<dtype>_hd<D>.cu. Sequence on the stream:
+//   1. zero the fp32 accumulators (dq_accum unless deterministic, dbias_accum when used);
+//   2. bwd_preprocess: Delta = rowsum(dO * O) for every row (0 for empty rows), or (exact path)
+//      bwd_stats: m, log2 l and Delta = sum_j P_ij dP_ij recomputed for every row;
+//   3. a key-broadcast dbias is exactly zero (see kDbNone): filled here;
+//   4. bwd_kernel (dK, dV, dQ atomics, dbias);
+//   5. dQ: bwd_convert_dq (dq_accum -> dq), or bwd_dq_kernel when deterministic;
+//   6. dbias_accum -> dbias when the reduction went through it.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/bwd_args.h"
+#include "cuda/check.h"
+
+namespace dmattn::cuda {
+
+// exact: the three-pass scheme of the CPU backend (bwd_stats -> main kernel without atomics ->
+// query-major dQ), with the row statistics kept in dq_accum; otherwise FlashAttention-2's
+// Delta = rowsum(dO * O) and P = exp(s - lse).
+template <typename Element, int kHeadDim>
+void run_bwd(const BwdArgs& a, bool deterministic, bool exact, cudaStream_t stream);
+
+}  // namespace dmattn::cuda
+
+#ifdef DMATTN_BWD_LAUNCH_IMPL
+#include "cuda/bwd_dq_kernel.h"
+#include "cuda/bwd_kernel.h"
+
+namespace dmattn::cuda {
+
+// Delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] in fp32; 8 threads per row.
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(128) bwd_preprocess(const __grid_constant__ BwdArgs a) {
+  const FwdArgs& f = a.f;
+  const int tid = threadIdx.x;
+  const int i = blockIdx.x * 16 + tid / 8;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int lane8 = tid % 8;
+  float acc = 0.f;
+  if (i < f.seqlen_q) {
+    const Element* o = static_cast<const Element*>(f.out) + int64_t(b) * f.o_bs + int64_t(i) * f.o_rs + int64_t(h) * f.o_hs;
+    const Element* d = static_cast<const Element*>(a.dout) + int64_t(b) * a.do_bs + int64_t(i) * a.do_rs + int64_t(h) * a.do_hs;
+    for (int c = lane8 * 8; c < f.head_dim; c += 64) {
+      const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
+      const uint4 dv = *reinterpret_cast<const uint4*>(d + c);
+      const uint32_t* op = reinterpret_cast<const uint32_t*>(&ov);
+      const uint32_t* dp = reinterpret_cast<const uint32_t*>(&dv);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float o0, o1, d0, d1;
+        ElemInfo<Element>::to_float2(op + e, o0, o1);
+        ElemInfo<Element>::to_float2(dp + e, d0, d1);
+        acc = fmaf(o0, d0, acc);
+        acc = fmaf(o1, d1, acc);
+      }
+    }
+  }
+  acc += __shfl_xor_sync(0xffffffff, acc, 1);
+  acc += __shfl_xor_sync(0xffffffff, acc, 2);
+  acc += __shfl_xor_sync(0xffffffff, acc, 4);
+  if (i < f.seqlen_q && lane8 == 0) a.delta[(int64_t(b) * f.num_heads + h) * f.seqlen_q + i] = acc;
+}
+
+// dq = scale * dq_accum, saturated; 8 elements per thread and step.
+template <typename Element>
+__global__ void bwd_convert_dq(const __grid_constant__ BwdArgs a) {
+  const FwdArgs& f = a.f;
+  const int chunks = f.head_dim / 8;
+  const int64_t total = int64_t(f.batch) * f.seqlen_q * f.num_heads * chunks;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total; idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = idx / chunks;  // (b * Sq + i) * H + h
+    const int c = int(idx % chunks) * 8;
+    const int h = int(row % f.num_heads);
+    const int64_t bi = row / f.num_heads;
+    const int i = int(bi % f.seqlen_q);
+    const int b = int(bi / f.seqlen_q);
+    const float4* src = reinterpret_cast<const float4*>(a.dq_accum + row * f.head_dim + c);
+    const float4 x = src[0], y = src[1];
+    const float v[8] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};
+    uint4 out;
+    auto* o2 = reinterpret_cast<typename ElemInfo<Element>::Native2*>(&out);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float lo = fminf(fmaxf(v[2 * e] * f.scale, -ElemInfo<Element>::kMax), ElemInfo<Element>::kMax);
+      const float hi = fminf(fmaxf(v[2 * e + 1] * f.scale, -ElemInfo<Element>::kMax), ElemInfo<Element>::kMax);
+      o2[e] = ElemInfo<Element>::pack(lo, hi);
+    }
+    Element* dst = static_cast<Element*>(a.dq) + int64_t(b) * a.dq_bs + int64_t(i) * a.dq_rs + int64_t(h) * a.dq_hs + c;
+    *reinterpret_cast<uint4*>(dst) = out;
+  }
+}
+
+// Writes every dbias element: from dbias_accum (contiguous, the bias's own sizes) or zeros.
+template <typename BiasT>
+__global__ void bwd_write_dbias(const __grid_constant__ BwdArgs a, bool from_accum) {
+  const int64_t total = a.bsize_b * a.bsize_h * a.bsize_q * a.bsize_k;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total; idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t k = idx % a.bsize_k;
+    const int64_t q = (idx / a.bsize_k) % a.bsize_q;
+    const int64_t h = (idx / (a.bsize_k * a.bsize_q)) % a.bsize_h;
+    const int64_t b = idx / (a.bsize_k * a.bsize_q * a.bsize_h);
+    const float v = from_accum ? a.dbias_accum[idx] : 0.f;
+    store_sat(static_cast<BiasT*>(a.dbias) + b * a.db_sb + h * a.db_sh + q * a.db_sq + k * a.db_sk, v);
+  }
+}
+
+inline int bwd_grid_stride_blocks(int64_t work, int threads) {
+  const int64_t blocks = (work + threads - 1) / threads;
+  return int(blocks < 4096 ? (blocks > 0 ? blocks : 1) : 4096);
+}
+
+template <typename Element, int kHeadDim>
+void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t stream) {
+  using Tile = BwdTile<Element, kHeadDim>;
+  BwdArgs a = args;
+  const FwdArgs& f = a.f;
+  const int64_t B = f.batch, Sq = f.seqlen_q, Sk = f.seqlen_k, H = f.num_heads, D = f.head_dim;
+  exact = exact && a.dq_accum != nullptr;
+  a.row_m = f.lse;
+  a.row_log2l = nullptr;
+  if (exact) {
+    a.stats_m = a.dq_accum;  // (B, H, Sq) each; dq_accum holds B * Sq * H * D >= 8 * B * H * Sq floats
+    a.stats_log2l = a.dq_accum + B * H * Sq;
+    a.row_m = a.stats_m;
+    a.row_log2l = a.stats_log2l;
+    a.dq_accum = nullptr;
+    deterministic = true;  // dQ from the query-major kernel
+  }
+
+  if (!deterministic && B * Sq * H > 0)
+    check_cuda(cudaMemsetAsync(a.dq_accum, 0, size_t(B * Sq * H * D) * sizeof(float), stream), "cudaMemsetAsync(dq_accum)");
+  const bool accum_used = a.dbias != nullptr && B > 0 && Sk > 0 &&
+                          (a.dbias_mode == kDbAccum || (a.dbias_mode == kDbColSum && a.db_colsum_to_accum));
+  const int64_t dbias_numel = a.bsize_b * a.bsize_h * a.bsize_q * a.bsize_k;
+  if (accum_used && dbias_numel > 0)
+    check_cuda(cudaMemsetAsync(a.dbias_accum, 0, size_t(dbias_numel) * sizeof(float), stream), "cudaMemsetAsync(dbias_accum)");
+
+  if (B * Sq * H > 0 && !exact) {
+    bwd_preprocess<Element, kHeadDim><<<dim3(unsigned((Sq + 15) / 16), unsigned(H), unsigned(B)), 128, 0, stream>>>(a);
+    check_cuda(cudaGetLastError(), "backward preprocess launch");
+  }
+  auto write_dbias = [&](bool from_accum) {
+    if (dbias_numel == 0) return;
+    const int blocks = bwd_grid_stride_blocks(dbias_numel, 256);
+    if (f.bias_fp32) bwd_write_dbias<float><<<blocks, 256, 0, stream>>>(a, from_accum);
+    else bwd_write_dbias<Element><<<blocks, 256, 0, stream>>>(a, from_accum);
+    check_cuda(cudaGetLastError(), "backward dbias write launch");
+  };
+  // Nothing reaches dbias when there is no batch or no key: all zeros.
+  const bool dbias_all_zero = a.dbias != nullptr && (a.dbias_mode == kDbNone || B == 0 || Sk == 0);
+  if (dbias_all_zero) write_dbias(false);
+
+  const bool mask_or_bias = f.mask.ptr != nullptr || f.bias.ptr != nullptr;
+  const int smem = Tile::smem_bytes(f.mask.ptr != nullptr, f.bias.ptr != nullptr, f.bias_fp32);
+  const bool softcap = f.softcap != 0.f;
+  auto launch = [&](auto kernel, dim3 grid, const char* what) {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), what);
+    kernel<<<grid, Tile::kNThreads, smem, stream>>>(a);
+    check_cuda(cudaGetLastError(), what);
+  };
+  const dim3 q_grid(unsigned((Sq + Tile::kBlockM - 1) / Tile::kBlockM), unsigned(H), unsigned(B));
+  if (exact && B * Sq * H > 0) {
+    if (mask_or_bias) {
+      if (softcap) launch(bwd_dq_kernel<Tile, true, true, true>, q_grid, "backward stats kernel");
+      else launch(bwd_dq_kernel<Tile, true, false, true>, q_grid, "backward stats kernel");
+    } else {
+      if (softcap) launch(bwd_dq_kernel<Tile, false, true, true>, q_grid, "backward stats kernel");
+      else launch(bwd_dq_kernel<Tile, false, false, true>, q_grid, "backward stats kernel");
+    }
+  }
+  const int64_t n_blocks = (Sk + Tile::kBlockN - 1) / Tile::kBlockN;
+  if (n_blocks > 0 && B > 0) {
+    const dim3 grid(unsigned(n_blocks), a.fold_heads ? 1u : unsigned(a.num_heads_kv), a.fold_batch ? 1u : unsigned(B));
+    if (mask_or_bias) {
+      if (softcap) launch(bwd_kernel<Tile, true, true>, grid, "backward kernel");
+      else launch(bwd_kernel<Tile, true, false>, grid, "backward kernel");
+    } else {
+      if (softcap) launch(bwd_kernel<Tile, false, true>, grid, "backward kernel");
+      else launch(bwd_kernel<Tile, false, false>, grid, "backward kernel");
+    }
+  }
+  if (B * Sq * H > 0) {
+    if (deterministic) {
+      if (mask_or_bias) {
+        if (softcap) launch(bwd_dq_kernel<Tile, true, true, false>, q_grid, "backward dq kernel");
+        else launch(bwd_dq_kernel<Tile, true, false, false>, q_grid, "backward dq kernel");
+      } else {
+        if (softcap) launch(bwd_dq_kernel<Tile, false, true, false>, q_grid, "backward dq kernel");
+        else launch(bwd_dq_kernel<Tile, false, false, false>, q_grid, "backward dq kernel");
+      }
+    } else {
+      const int blocks = bwd_grid_stride_blocks(B * Sq * H * (D / 8), 256);
+      bwd_convert_dq<Element><<<blocks, 256, 0, stream>>>(a);
+      check_cuda(cudaGetLastError(), "backward dq convert launch");
+    }
+  }
+  if (accum_used && !dbias_all_zero) write_dbias(true);
+}
+
+}  // namespace dmattn::cuda
+
+#define DMATTN_INSTANTIATE_BWD(Element, HD) \
+  template void dmattn::cuda::run_bwd<Element, HD>(const dmattn::cuda::BwdArgs&, bool, bool, cudaStream_t);
+#endif

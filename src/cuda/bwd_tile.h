@@ -1,0 +1,98 @@
+// Tile sizes and shared-memory layouts of the backward kernels, one traits struct per
+// (element type, instantiated head dim). FlashAttention-2-like: kBlockM = 64 query rows,
+// kBlockN = 128 keys, 8 warps; P and dS are staged through shared memory for the transposed
+// products (dV = P^T dO, dK = dS^T Q) and for dQ = dS K.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/atom/copy_atom.hpp>
+#include <cutlass/numeric_types.h>
+
+#include <type_traits>
+
+namespace dmattn::cuda {
+
+// Head dims with a backward instantiation; D <= 128, D % 8 == 0 runs on the next one (zero-filled
+// columns). Larger head dims (the forward may support them) raise a clear error.
+inline constexpr int bwd_instantiated_head_dim(int d) { return d <= 0 ? 0 : d <= 64 ? 64 : d <= 128 ? 128 : 0; }
+
+template <typename Element_, int kHeadDim_>
+struct BwdTile {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 64;
+  static constexpr int kBlockN = 128;
+  static constexpr int kHalfN = kBlockN / 2;  // S and dP are computed in two column halves (registers)
+  static constexpr int kNWarps = 8;
+  static constexpr int kNThreads = kNWarps * 32;
+  static_assert(kHeadDim % 64 == 0);
+
+  using MmaAtom = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
+                                     cute::MMA_Atom<cute::SM80_16x8x16_F32F16F16F32_TN>,
+                                     cute::MMA_Atom<cute::SM80_16x8x16_F32BF16BF16F32_TN>>;
+  // S = Q K^T and dP = dO V^T: (kBlockM, kHalfN) at a time, warps 2 (M) x 4 (N).
+  static constexpr int kAtomMSdP = 2;
+  using TiledMmaSdP = cute::TiledMMA<MmaAtom, cute::Layout<cute::Shape<cute::Int<kAtomMSdP>, cute::Int<kNWarps / kAtomMSdP>, cute::_1>>,
+                                     cute::Tile<cute::Int<16 * kAtomMSdP>, cute::Int<16 * kNWarps / kAtomMSdP>, cute::_16>>;
+  // dK = dS^T Q and dV = P^T dO: (kBlockN, D), warps 4 (N) x 2 (D).
+  static constexpr int kAtomNdKV = 4;
+  using TiledMmadKV = cute::TiledMMA<MmaAtom, cute::Layout<cute::Shape<cute::Int<kAtomNdKV>, cute::Int<kNWarps / kAtomNdKV>, cute::_1>>,
+                                     cute::Tile<cute::Int<16 * kAtomNdKV>, cute::Int<16 * kNWarps / kAtomNdKV>, cute::_16>>;
+  // dQ = dS K: (kBlockM, D), warps 2 (M) x 4 (D).
+  static constexpr int kAtomMdQ = 2;
+  using TiledMmadQ = cute::TiledMMA<MmaAtom, cute::Layout<cute::Shape<cute::Int<kAtomMdQ>, cute::Int<kNWarps / kAtomMdQ>, cute::_1>>,
+                                    cute::Tile<cute::Int<16 * kAtomMdQ>, cute::Int<16 * kNWarps / kAtomMdQ>, cute::_16>>;
+
+  // Swizzled (rows, 64-column) atoms: ldmatrix (plain and transposed) conflict free.
+  using SmemAtom = decltype(cute::composition(
+      cute::Swizzle<3, 3, 3>{}, cute::Layout<cute::Shape<cute::_8, cute::_64>, cute::Stride<cute::_64, cute::_1>>{}));
+  using SmemLayoutQdO = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutPdS = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
+  // Transposed views (B operands / A operand of the transposed products).
+  using SmemLayoutQdOt = decltype(cute::composition(
+      SmemLayoutQdO{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>>{}, cute::GenRowMajor{})));
+  using SmemLayoutQdOtNoSwizzle = decltype(cute::get_nonswizzle_portion(SmemLayoutQdOt{}));
+  using SmemLayoutKt = decltype(cute::composition(
+      SmemLayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
+  using SmemLayoutKtNoSwizzle = decltype(cute::get_nonswizzle_portion(SmemLayoutKt{}));
+  using SmemLayoutPdSt = decltype(cute::composition(
+      SmemLayoutPdS{}, cute::make_layout(cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>{}, cute::GenRowMajor{})));
+  using SmemLayoutPdStNoSwizzle = decltype(cute::get_nonswizzle_portion(SmemLayoutPdSt{}));
+
+  using LdsmCopy = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Element>;
+  using LdsmCopyT = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
+  using StoreCopyC = cute::Copy_Atom<cute::AutoVectorizingCopyWithAssumedAlignment<128>, Element>;
+
+  static constexpr int kBiasPitch = kBlockN + 8;   // elements (2 or 4 bytes)
+  static constexpr int kMaskPitch = kBlockN + 16;  // bytes
+
+  static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kKVBytes = kBlockN * kHeadDim * int(sizeof(Element));
+  static constexpr int kPBytes = kBlockM * kBlockN * int(sizeof(Element));
+  static constexpr int kBiasBytes = kBlockM * kBiasPitch * 4;
+  static constexpr int kMaskBytes = kBlockM * kMaskPitch;
+  // Q and dO double buffered.
+  static constexpr int kOffQ = 0;
+  static constexpr int kOffdO = kOffQ + 2 * kQBytes;
+  static constexpr int kOffK = kOffdO + 2 * kQBytes;
+  static constexpr int kOffV = kOffK + kKVBytes;
+  static constexpr int kOffP = kOffV + kKVBytes;
+  static constexpr int kOffdS = kOffP + kPBytes;
+  static constexpr int kOffColSum = kOffdS + kPBytes;  // float [kAtomMSdP][kBlockN]
+  static constexpr int kColSumBytes = kAtomMSdP * kBlockN * 4;
+  static constexpr int kOffBias = kOffColSum + kColSumBytes;
+  // Only the tiles present are allocated (bias tile sized by its dtype): the rest of the SM's
+  // unified L1 / shared memory stays cache.
+  static constexpr int mask_offset(bool bias, bool bias_fp32) {
+    return kOffBias + (bias ? kBlockM * kBiasPitch * (bias_fp32 ? 4 : 2) : 0);
+  }
+  static constexpr int smem_bytes(bool mask, bool bias, bool bias_fp32) {
+    return mask_offset(bias, bias_fp32) + (mask ? kMaskBytes : 0);
+  }
+  // dK / dV staging at the end reuses the Q and dO buffers.
+  static_assert(2 * kQBytes >= kKVBytes);
+};
+
+}  // namespace dmattn::cuda
