@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
       }
 
       for (int t = 0; t < n_iter; ++t) {
-        const int buf = t & 1;
+        const int buf = Tile::kQBuffers == 2 ? (t & 1) : 0;
         const int h = kvh * group + t / n_m;
         const int m_block = m_of(t);
         const int m0 = m_block * kBlockM;
@@ -263,7 +263,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
 
         cp_async_wait<0>();
         __syncthreads();  // Q/dO[t], mask/bias[t] landed; all warps are done with iteration t - 1
-        if (t + 1 < n_iter) {
+        if (Tile::kQBuffers == 2 && t + 1 < n_iter) {
           issue_q_loads(t + 1, buf ^ 1);
           cp_async_commit();
         }
@@ -280,9 +280,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
 
         const bool pos_mask = win.block_needs_mask(m0, kBlockM, kBlockN, n_block);
         // Unrolled without mask / bias; a loop with them (the transform is larger: fewer spills).
-        constexpr int kHalfUnroll = kMaskBias ? 1 : 2;
+        constexpr int kHalfUnroll = kMaskBias ? 1 : Tile::kHalves;
 #pragma unroll kHalfUnroll
-        for (int j = 0; j < 2; ++j) {
+        for (int j = 0; j < Tile::kHalves; ++j) {
           const int c_off = j * kHalfN;
           Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kHalfN>>{});
           clear(acc_s);
@@ -433,6 +433,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
         }
 
         if (colsum_per_head && t % n_m == n_m - 1) colsum_flush(b, h);
+        if (Tile::kQBuffers == 1 && t + 1 < n_iter) {  // one buffer: the next Q / dO after this block
+          __syncthreads();
+          issue_q_loads(t + 1, 0);
+          cp_async_commit();
+        }
       }
 
       // ---- end of (batch, kv head): dbias pieces nothing reached, then dK / dV.

@@ -15,15 +15,21 @@ namespace dmattn::cuda {
 
 // Head dims with a backward instantiation; D <= 128, D % 8 == 0 runs on the next one (zero-filled
 // columns). Larger head dims (the forward may support them) raise a clear error.
-inline constexpr int bwd_instantiated_head_dim(int d) { return d <= 0 ? 0 : d <= 64 ? 64 : d <= 128 ? 128 : 0; }
+inline constexpr int bwd_instantiated_head_dim(int d) {
+  return d <= 0 ? 0 : d <= 64 ? 64 : d <= 128 ? 128 : d <= 256 ? 256 : 0;
+}
 
 template <typename Element_, int kHeadDim_>
 struct BwdTile {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 64;
-  static constexpr int kBlockN = 128;
-  static constexpr int kHalfN = kBlockN / 2;  // S and dP are computed in two column halves (registers)
+  // hd256: 64 keys per block (the dK / dV accumulators stay at 128 registers) and one Q / dO
+  // buffer (shared memory); else 128 keys, Q / dO double buffered.
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
+  static constexpr int kHalfN = 64;  // S and dP are computed 64 columns at a time (registers)
+  static constexpr int kHalves = kBlockN / kHalfN;
+  static constexpr int kQBuffers = kHeadDim <= 128 ? 2 : 1;
   static constexpr int kNWarps = 8;
   static constexpr int kNThreads = kNWarps * 32;
   static_assert(kHeadDim % 64 == 0);
@@ -73,10 +79,10 @@ struct BwdTile {
   static constexpr int kPBytes = kBlockM * kBlockN * int(sizeof(Element));
   static constexpr int kBiasBytes = kBlockM * kBiasPitch * 4;
   static constexpr int kMaskBytes = kBlockM * kMaskPitch;
-  // Q and dO double buffered.
+  // Q and dO: kQBuffers buffers each.
   static constexpr int kOffQ = 0;
-  static constexpr int kOffdO = kOffQ + 2 * kQBytes;
-  static constexpr int kOffK = kOffdO + 2 * kQBytes;
+  static constexpr int kOffdO = kOffQ + kQBuffers * kQBytes;
+  static constexpr int kOffK = kOffdO + kQBuffers * kQBytes;
   static constexpr int kOffV = kOffK + kKVBytes;
   static constexpr int kOffP = kOffV + kKVBytes;
   static constexpr int kOffdS = kOffP + kPBytes;
@@ -92,7 +98,7 @@ struct BwdTile {
     return mask_offset(bias, bias_fp32) + (mask ? kMaskBytes : 0);
   }
   // dK / dV staging at the end reuses the Q and dO buffers.
-  static_assert(2 * kQBytes >= kKVBytes);
+  static_assert(kQBuffers * kQBytes >= kKVBytes);
 };
 
 }  // namespace dmattn::cuda

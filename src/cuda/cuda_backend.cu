@@ -126,7 +126,7 @@ void check_bwd_problem(const ForwardParams& p) {
         "q: the CUDA backend supports float16 and bfloat16, got another dtype");
   const int hd = bwd_instantiated_head_dim(static_cast<int>(p.head_dim));
   check(p.head_dim > 0 && p.head_dim % 8 == 0 && hd > 0, ErrorKind::kValue, "q: head_dim ", p.head_dim,
-        " is not supported by the CUDA backward pass (expected a multiple of 8 up to 128)");
+        " is not supported by the CUDA backward pass (expected a multiple of 8 up to 256)");
   check(!p.mask.present() || p.mask.dtype == DType::kBool, ErrorKind::kType, "mask: expected dtype bool");
   check(!p.bias.present() || p.bias.dtype == DType::kFloat32 || p.bias.dtype == p.dtype, ErrorKind::kType,
         "bias: expected q's dtype or float32");
@@ -248,6 +248,10 @@ void backward(const BackwardParams& p) {
     case 128:
       bf16 ? run_bwd<cutlass::bfloat16_t, 128>(a, p.deterministic, exact, stream)
            : run_bwd<cutlass::half_t, 128>(a, p.deterministic, exact, stream);
+      break;
+    case 256:
+      bf16 ? run_bwd<cutlass::bfloat16_t, 256>(a, p.deterministic, exact, stream)
+           : run_bwd<cutlass::half_t, 256>(a, p.deterministic, exact, stream);
       break;
     default: fail(ErrorKind::kValue, "q: head_dim ", f.head_dim, " has no CUDA instantiation");
   }
