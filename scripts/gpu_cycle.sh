@@ -54,7 +54,7 @@ python3 -c "import dmattn; print('dmattn CUDA backend:', dmattn.cuda_available()
 if [[ " $STEPS " == *" test "* ]]; then
   step "GPU tests"
   # shellcheck disable=SC2086
-  python3 -m pytest tests/python -m gpu -q -x -p no:cacheprovider ${PYTEST_ARGS:-} \
+  python3 -m pytest tests/python -m gpu -q --maxfail=40 -p no:cacheprovider -rf ${PYTEST_ARGS:-} \
     2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
