@@ -35,6 +35,21 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
+def _cuda_layout(x: Tensor) -> Tensor:
+    """The CUDA kernels copy q/k/v/out/dout rows in 16-byte chunks: they need a 16-byte aligned
+    data pointer and row/head/batch strides that are multiples of 8 elements (the native
+    backend rejects anything else with a clear error). Copy such rare layouts (a view at an odd
+    offset, a slice of a packed qkv with odd strides) into a fresh contiguous tensor here, as
+    FlashAttention's wrappers do, instead of failing. Runs inside the op bodies, on real
+    tensors only (never while tracing)."""
+    if x.device.type != "cuda":
+        return x
+    bad_stride = any(st % 8 for st, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1)
+    if x.data_ptr() % 16 == 0 and not bad_stride:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
 def _check_rank(t: Tensor, name: str, layout: str, rank: int = 4) -> None:
     if t.dim() != rank:
         raise ValueError(f"{name}: expected a {rank}-D tensor {layout}, got shape {tuple(t.shape)}")
@@ -91,6 +106,7 @@ def attention_forward(
     _check_rank(q, "q", "(batch, seqlen_q, num_heads, head_dim)")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q), device=q.device)
+    q, k, v = (_cuda_layout(t) for t in (q, k, v))
     lib().forward(q, k, v, out, lse, mask, bias, causal, window_left, window_right,
                   _scale_arg(scale), softcap, key_positions, seqlen_k_original)
     return out, lse
@@ -139,6 +155,7 @@ def attention_backward(
         dq_accum = torch.empty((b, sq, h, d), dtype=torch.float32, device=q.device)
         if dbias is not None and _dbias_needs_accum(q, bias):
             dbias_accum = torch.empty(_bias_shape4(bias), dtype=torch.float32, device=q.device)
+    dout, q, k, v, out = (_cuda_layout(t) for t in (dout, q, k, v, out))
     lib().backward(q, k, v, out, lse, mask, bias, dout, dq, dk, dv, dbias, delta, dq_accum,
                    dbias_accum, causal, window_left, window_right, _scale_arg(scale), softcap,
                    deterministic, key_positions, seqlen_k_original)

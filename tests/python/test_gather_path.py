@@ -108,7 +108,7 @@ def test_attention_gather_matches_dense(device, case):
         bias = None
         if bias_shape is not None:
             bias = torch.randn(bias_shape, generator=gen).to(dtype).to(device)
-            bias = bias.masked_fill(torch.rand(bias_shape, generator=gen) < 0.1, float("-inf"))
+            bias = bias.masked_fill((torch.rand(bias_shape, generator=gen) < 0.1).to(device), float("-inf"))
         options = dict(causal=causal, window=window, softcap=softcap)
         gathered = _attention("gather", q, k, v, mask, bias, dout, **options)
         dense = _attention("dense", q, k, v, mask, bias, dout, **options)
