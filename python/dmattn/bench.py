@@ -219,7 +219,14 @@ def _flex(cfg: Config, x: Inputs):
         else:
             def score_mod(score, bi, hi, qi, ki):
                 return score + bias[bi, hi, qi, ki]
-    block_mask = create_block_mask(mask_mod, b, h, s, s, device=x.q.device) if (causal or mask is not None) else None
+    block_mask = None
+    if causal or mask is not None:
+        # _compile=True builds the block mask without materializing (B, H, S, S) scores (the
+        # eager build sorts more than INT_MAX elements at B=2, H=16, S=8192 and fails).
+        try:
+            block_mask = create_block_mask(mask_mod, b, h, s, s, device=x.q.device, _compile=True)
+        except TypeError:
+            block_mask = create_block_mask(mask_mod, b, h, s, s, device=x.q.device)
 
     def run():
         q, k, v = (t.transpose(1, 2) for t in (x.q, x.k, x.v))
