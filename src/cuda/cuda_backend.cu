@@ -84,14 +84,14 @@ struct DeviceGuard {
   ~DeviceGuard() { if (prev >= 0) cudaSetDevice(prev); }
 };
 
-}  // namespace
-
-void forward(const ForwardParams& p) {
+// What every CUDA pass requires of the problem: half-precision inputs, a head dim with an
+// instantiation (instantiated_hd > 0), operand dtypes the kernels read, and sizes that fit the
+// grid and the kernels' 32-bit row indices. `pass` names the pass in the message.
+void check_problem(const ForwardParams& p, int instantiated_hd, const char* pass) {
   check(p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16, ErrorKind::kType,
         "q: the CUDA backend supports float16 and bfloat16, got another dtype");
-  const int hd = fwd_instantiated_head_dim(static_cast<int>(p.head_dim));
-  check(p.head_dim > 0 && p.head_dim % 8 == 0 && hd > 0, ErrorKind::kValue, "q: head_dim ", p.head_dim,
-        " is not supported by the CUDA backend (expected a multiple of 8 up to 256)");
+  check(p.head_dim > 0 && p.head_dim % 8 == 0 && instantiated_hd > 0, ErrorKind::kValue, "q: head_dim ",
+        p.head_dim, " is not supported by ", pass, " (expected a multiple of 8 up to 256)");
   check(!p.mask.present() || p.mask.dtype == DType::kBool, ErrorKind::kType, "mask: expected dtype bool");
   check(!p.bias.present() || p.bias.dtype == DType::kFloat32 || p.bias.dtype == p.dtype, ErrorKind::kType,
         "bias: expected q's dtype or float32");
@@ -100,6 +100,13 @@ void forward(const ForwardParams& p) {
   check(p.num_heads <= 65535 && p.batch <= 65535, ErrorKind::kValue,
         "q: the CUDA backend supports at most 65535 heads and 65535 batches, got (", p.batch, ", ",
         p.num_heads, ")");
+}
+
+}  // namespace
+
+void forward(const ForwardParams& p) {
+  const int hd = fwd_instantiated_head_dim(static_cast<int>(p.head_dim));
+  check_problem(p, hd, "the CUDA backend");
   if (p.batch == 0 || p.seqlen_q == 0 || p.num_heads == 0) return;
   check_seq_tensor("q", p.q, p.q_strides);
   check_seq_tensor("k", p.k, p.k_strides);
@@ -122,19 +129,8 @@ namespace {
 
 // Checks of the backward pass (dtype, head dim, operand dtypes, sizes).
 void check_bwd_problem(const ForwardParams& p) {
-  check(p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16, ErrorKind::kType,
-        "q: the CUDA backend supports float16 and bfloat16, got another dtype");
-  const int hd = bwd_instantiated_head_dim(static_cast<int>(p.head_dim));
-  check(p.head_dim > 0 && p.head_dim % 8 == 0 && hd > 0, ErrorKind::kValue, "q: head_dim ", p.head_dim,
-        " is not supported by the CUDA backward pass (expected a multiple of 8 up to 256)");
-  check(!p.mask.present() || p.mask.dtype == DType::kBool, ErrorKind::kType, "mask: expected dtype bool");
-  check(!p.bias.present() || p.bias.dtype == DType::kFloat32 || p.bias.dtype == p.dtype, ErrorKind::kType,
-        "bias: expected q's dtype or float32");
-  check(p.seqlen_q < (int64_t(1) << 31) && p.seqlen_k < (int64_t(1) << 31), ErrorKind::kValue,
-        "q/k: sequence lengths must be below 2^31 for the CUDA backend");
-  check(p.num_heads <= 65535 && p.batch <= 65535, ErrorKind::kValue,
-        "q: the CUDA backend supports at most 65535 heads and 65535 batches, got (", p.batch, ", ",
-        p.num_heads, ")");
+  check_problem(p, bwd_instantiated_head_dim(static_cast<int>(p.head_dim)),
+                "the CUDA backward pass");
 }
 
 // dbias: how the main kernel reduces it (see BwdDbiasMode in bwd_args.h).
