@@ -7,6 +7,7 @@
 #include "cuda/bias.h"
 #include "cuda/fwd_args.h"
 #include "cuda/mask.h"
+#include "cuda/score_mask.h"
 #include "cuda/utils.h"
 
 namespace dmattn::cuda {
@@ -48,45 +49,8 @@ __device__ __forceinline__ void bwd_transform_scores(S& s, C const& coord, TT& t
     CUTE_UNROLL
     for (int i = 0; i < size(s); ++i) s(i) *= a.scale;
   }
-  if constexpr (kMaskBias || kPosMask) {
-    const int col0 = get<1>(coord(0, 0));
-    CUTE_UNROLL
-    for (int r = 0; r < size<0>(s); ++r) {
-      const int row = get<0>(coord(r, 0));
-      int lo = 0, hi = kBlockN;
-      if constexpr (kPosMask) win.column_range(m0 + row, n0 + col0, kBlockN, lo, hi);
-      const BiasT* brow = kMaskBias && s_bias ? reinterpret_cast<const BiasT*>(s_bias) + row * bias_pitch + col0 : nullptr;
-      const uint8_t* mrow = kMaskBias && s_mask ? reinterpret_cast<const uint8_t*>(s_mask) + row * mask_pitch + col0 : nullptr;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); c += 2) {
-        const int cc = get<1>(coord(r, c)) - col0;
-        float x0 = s(r, c), x1 = s(r, c + 1);
-        bool ok0 = true, ok1 = true;
-        if constexpr (kMaskBias) {
-          if (brow) {
-            float b0, b1;
-            read_bias_pair(brow + cc, b0, b1);
-            x0 += b0;
-            x1 += b1;
-            ok0 = b0 != -INFINITY;
-            ok1 = b1 != -INFINITY;
-          }
-          if (mrow) {
-            bool k0, k1;
-            read_mask_pair(mrow + cc, k0, k1);
-            ok0 = ok0 && k0;
-            ok1 = ok1 && k1;
-          }
-        }
-        if constexpr (kPosMask) {
-          ok0 = ok0 && cc >= lo && cc < hi;
-          ok1 = ok1 && cc + 1 >= lo && cc + 1 < hi;
-        }
-        s(r, c) = ok0 ? x0 : -INFINITY;
-        s(r, c + 1) = ok1 ? x1 : -INFINITY;
-      }
-    }
-  }
+  mask_and_bias_scores<kMaskBias, kPosMask, BiasT, kBlockN>(s, coord, m0, n0, win, s_bias, bias_pitch, s_mask,
+                                                           mask_pitch);
 }
 
 // Dispatches the transform on (pos_mask, bias dtype).

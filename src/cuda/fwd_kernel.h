@@ -26,6 +26,7 @@
 #include "cuda/gemm.h"
 #include "cuda/mask.h"
 #include "cuda/operand_tile.h"
+#include "cuda/score_mask.h"
 #include "cuda/softmax.h"
 
 namespace dmattn::cuda {
@@ -33,8 +34,7 @@ namespace dmattn::cuda {
 // Score transform of one key block, in place on the accumulator row/col view:
 //   s = scale * qk; softcap; s += bias; s = -inf where not allowed (mask, window, tail,
 //   bias == -inf). A disallowed score is replaced, never offset.
-// Per row, the window becomes a column range [lo, hi) relative to the thread's first column,
-// so the per-element tests compare against compile-time offsets (no per-element registers).
+// The position part (bias, mask, window, -inf) is mask_and_bias_scores (score_mask.h).
 //   kScale = false: the scale is left out (no softcap, no bias: the softmax folds it into its
 //   exponent, OnlineSoftmax::update_scaled); only the -inf replacement is applied.
 template <bool kMaskBias, bool kPosMask, typename BiasT, int kBlockN, bool kScale, class S, class C>
@@ -51,44 +51,8 @@ __device__ __forceinline__ void transform_scores_ex(S& s, C const& coord, const 
       for (int i = 0; i < size(s); ++i) s(i) *= a.scale;
     }
   }
-  if constexpr (kMaskBias || kPosMask) {
-    const int col0 = get<1>(coord(0, 0));
-    CUTE_UNROLL
-    for (int r = 0; r < size<0>(s); ++r) {
-      const int row = get<0>(coord(r, 0));
-      int lo = 0, hi = kBlockN;
-      if constexpr (kPosMask) win.column_range(m0 + row, n0 + col0, kBlockN, lo, hi);
-      const BiasT* brow = kMaskBias && s_bias ? reinterpret_cast<const BiasT*>(s_bias) + row * bias_pitch + col0 : nullptr;
-      const uint8_t* mrow = kMaskBias && s_mask ? reinterpret_cast<const uint8_t*>(s_mask) + row * mask_pitch + col0 : nullptr;
-      // Columns come in adjacent pairs (c, c + 1): one 32/64-bit shared load per pair.
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); c += 2) {
-        const int cc = get<1>(coord(r, c)) - col0;  // compile-time after folding, even
-        float x0 = s(r, c), x1 = s(r, c + 1);
-        bool ok0 = true, ok1 = true;
-        if constexpr (kMaskBias) {
-          if (brow) {
-            float b0, b1;
-            read_bias_pair(brow + cc, b0, b1);
-            x0 += b0; x1 += b1;
-            ok0 = b0 != -INFINITY; ok1 = b1 != -INFINITY;
-          }
-          if (mrow) {
-            bool m0, m1;
-            read_mask_pair(mrow + cc, m0, m1);
-            ok0 = ok0 && m0;
-            ok1 = ok1 && m1;
-          }
-        }
-        if constexpr (kPosMask) {
-          ok0 = ok0 && cc >= lo && cc < hi;
-          ok1 = ok1 && cc + 1 >= lo && cc + 1 < hi;
-        }
-        s(r, c) = ok0 ? x0 : -INFINITY;
-        s(r, c + 1) = ok1 ? x1 : -INFINITY;
-      }
-    }
-  }
+  mask_and_bias_scores<kMaskBias, kPosMask, BiasT, kBlockN>(s, coord, m0, n0, win, s_bias, bias_pitch, s_mask,
+                                                           mask_pitch);
 }
 
 template <bool kMaskBias, bool kPosMask, typename BiasT, int kBlockN, class S, class C>

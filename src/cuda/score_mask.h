@@ -1,0 +1,60 @@
+// The position part of the score transform, shared by the forward and backward kernels: adds
+// the bias and replaces disallowed scores (mask false, outside the causal/sliding window or the
+// key tail, bias == -inf) by -inf -- replaced, never offset by a sentinel. Runs in place on
+// the accumulator row/col view of already scaled (and soft-capped) scores; bias and mask come
+// from their shared-memory tiles (operand_tile.h), read two adjacent columns at a time.
+// Per row, the window becomes a column range [lo, hi) relative to the thread's first column,
+// so the per-element tests compare against compile-time offsets (no per-element registers).
+#pragma once
+
+#include "cuda/bias.h"
+#include "cuda/mask.h"
+
+namespace dmattn::cuda {
+
+template <bool kMaskBias, bool kPosMask, typename BiasT, int kBlockN, class S, class C>
+__device__ __forceinline__ void mask_and_bias_scores(S& s, C const& coord, int m0, int n0, const WindowMask& win,
+                                                     const char* s_bias, int bias_pitch, const char* s_mask,
+                                                     int mask_pitch) {
+  using namespace cute;
+  if constexpr (kMaskBias || kPosMask) {
+    const int col0 = get<1>(coord(0, 0));
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(s); ++r) {
+      const int row = get<0>(coord(r, 0));
+      int lo = 0, hi = kBlockN;
+      if constexpr (kPosMask) win.column_range(m0 + row, n0 + col0, kBlockN, lo, hi);
+      const BiasT* brow = kMaskBias && s_bias ? reinterpret_cast<const BiasT*>(s_bias) + row * bias_pitch + col0 : nullptr;
+      const uint8_t* mrow = kMaskBias && s_mask ? reinterpret_cast<const uint8_t*>(s_mask) + row * mask_pitch + col0 : nullptr;
+      // Columns come in adjacent pairs (c, c + 1): one 32/64-bit shared load per pair.
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s); c += 2) {
+        const int cc = get<1>(coord(r, c)) - col0;  // compile-time after folding, even
+        float x0 = s(r, c), x1 = s(r, c + 1);
+        bool ok0 = true, ok1 = true;
+        if constexpr (kMaskBias) {
+          if (brow) {
+            float b0, b1;
+            read_bias_pair(brow + cc, b0, b1);
+            x0 += b0; x1 += b1;
+            ok0 = b0 != -INFINITY; ok1 = b1 != -INFINITY;
+          }
+          if (mrow) {
+            bool m0, m1;
+            read_mask_pair(mrow + cc, m0, m1);
+            ok0 = ok0 && m0;
+            ok1 = ok1 && m1;
+          }
+        }
+        if constexpr (kPosMask) {
+          ok0 = ok0 && cc >= lo && cc < hi;
+          ok1 = ok1 && cc + 1 >= lo && cc + 1 < hi;
+        }
+        s(r, c) = ok0 ? x0 : -INFINITY;
+        s(r, c + 1) = ok1 ? x1 : -INFINITY;
+      }
+    }
+  }
+}
+
+}  // namespace dmattn::cuda
