@@ -4,27 +4,16 @@
 """
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 
 import dmattn
+from dmattn.bench import time_ms as bench_time_ms
 
 
 def bench(fn, warmup=2, reps=10):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
+    return bench_time_ms(fn, "cuda", warmup, reps)
 
 
 def main():

@@ -6,26 +6,15 @@ halved when causal).   python benchmarks/fwd_timing.py [--flex] [--iters 20]
 """
 
 import argparse
-import statistics
 
 import torch
 
 import dmattn
+from dmattn.bench import time_ms as bench_time_ms
 
 
 def time_ms(fn, warmup=3, iters=20):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1))
-    return statistics.median(ts)
+    return bench_time_ms(fn, "cuda", warmup, iters)
 
 
 def main():

@@ -272,7 +272,9 @@ def providers_for(device: str) -> Dict[str, Callable]:
 # Timing and checking
 # ---------------------------------------------------------------------------------------------
 
-def _time_ms(fn: Callable[[], object], device: str, warmup: int, iters: int) -> float:
+def time_ms(fn: Callable[[], object], device: str, warmup: int, iters: int) -> float:
+    """Median time of fn in ms: CUDA events on "cuda", wall clock otherwise (also used by
+    the scripts in benchmarks/)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -369,7 +371,7 @@ def run_config(cfg: Config, device: str, warmup: int, iters: int, providers: Opt
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             with torch.no_grad():
-                row.fwd_ms = _time_ms(lambda: run(), device, warmup, iters)
+                row.fwd_ms = time_ms(lambda: run(), device, warmup, iters)
             row.fwd_tflops = cfg.flops(False) / (row.fwd_ms * 1e-3) / 1e12
             if fwd_only:
                 if name == "dmattn":
@@ -377,7 +379,7 @@ def run_config(cfg: Config, device: str, warmup: int, iters: int, providers: Opt
                 rows.append(row)
                 continue
             step = _fwd_bwd(run, x)
-            row.fwdbwd_ms = _time_ms(step, device, warmup, iters)
+            row.fwdbwd_ms = time_ms(step, device, warmup, iters)
             if device == "cuda":
                 row.peak_mem_gib = torch.cuda.max_memory_allocated() / 2**30
             row.fwdbwd_tflops = cfg.flops(True) / (row.fwdbwd_ms * 1e-3) / 1e12
