@@ -233,3 +233,21 @@ def check_case(c: Case, device: str, backward: bool = True) -> None:
     check_against_reference(x.q, x.k, x.v, x.mask, x.bias_leaf, out, lse, grads,
                             causal=c.causal, window=c.window, scale=c.scale, softcap=c.softcap,
                             dout=x.dout, context=f"[{c.short()}]")
+
+
+def run_attention_backward(q, k, v, mask=None, bias=None, dout=None, **kw):
+    """dmattn.attention forward + backward with `dout` (random if None); returns detached
+    (out, lse, dout). Gradients land in the leaves' .grad (see leaf_grads)."""
+    out, lse = dmattn.attention(q, k, v, mask, bias, return_lse=True, **kw)
+    if dout is None:
+        dout = torch.randn_like(out)
+    out.backward(dout)
+    return out.detach(), lse.detach(), dout
+
+
+def leaf_grads(q, k, v, bias=None):
+    """The .grad of q, k, v (and of bias when it requires grad), by name."""
+    g = {"q": q.grad, "k": k.grad, "v": v.grad}
+    if bias is not None and bias.requires_grad:
+        g["bias"] = bias.grad
+    return g

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import dmattn
+from cases import leaf_grads as _grads, run_attention_backward as _run
 from reference import (allowed_window, assert_finite, check_against_reference, run_reference)
 
 LOW = [torch.bfloat16, torch.float16, torch.float32]
@@ -32,21 +33,6 @@ def _qkv(b, sq, sk, h, hkv, d, dtype, device, grad=True, scale=1.0):
     k = (torch.randn(b, sk, hkv, d) * scale).to(dtype).to(device).requires_grad_(grad)
     v = torch.randn(b, sk, hkv, d).to(dtype).to(device).requires_grad_(grad)
     return q, k, v
-
-
-def _run(q, k, v, mask=None, bias=None, dout=None, **kw):
-    out, lse = dmattn.attention(q, k, v, mask, bias, return_lse=True, **kw)
-    if dout is None:
-        dout = torch.randn_like(out)
-    out.backward(dout)
-    return out.detach(), lse.detach(), dout
-
-
-def _grads(q, k, v, bias=None):
-    g = {"q": q.grad, "k": k.grad, "v": v.grad}
-    if bias is not None and bias.requires_grad:
-        g["bias"] = bias.grad
-    return g
 
 
 # --------------------------------------------------------------------------- empty rows

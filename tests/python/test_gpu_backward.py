@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dmattn
-from cases import Case, check_case
+from cases import Case, check_case, leaf_grads as _grads, run_attention_backward as _run
 from reference import assert_finite, check_against_reference, reference_attention
 
 pytestmark = pytest.mark.gpu
@@ -24,21 +24,6 @@ def _qkv(b, sq, sk, h, hkv, d, dtype, scale=1.0):
     k = (torch.randn(b, sk, hkv, d, device=DEV) * scale).to(dtype).requires_grad_()
     v = torch.randn(b, sk, hkv, d, device=DEV).to(dtype).requires_grad_()
     return q, k, v
-
-
-def _run(q, k, v, mask=None, bias=None, dout=None, **kw):
-    out, lse = dmattn.attention(q, k, v, mask, bias, return_lse=True, **kw)
-    if dout is None:
-        dout = torch.randn_like(out)
-    out.backward(dout)
-    return out.detach(), lse.detach(), dout
-
-
-def _grads(q, k, v, bias=None):
-    g = {"q": q.grad, "k": k.grad, "v": v.grad}
-    if bias is not None and bias.requires_grad:
-        g["bias"] = bias.grad
-    return g
 
 
 def _rel(a, b):
