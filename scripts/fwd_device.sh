@@ -44,11 +44,13 @@ wait
 cat $SC/*.log | grep -E "error|Compiling entry|registers|spill" | sed -e 's/.*fwd_kernelINS0_7FwdTileIN7cutlass[0-9]*//' -e 's/ptxas info    : //' > $OUT/ptxas.txt
 grep -h -E "error|rc=" $OUT/build.log | tail -5
 [ -f $SC/fail ] && { cat $SC/fail; grep -h -B2 -A5 error $SC/*.log | head -60; }
-nvcc -gencode=arch=compute_90a,code=sm_90a $objs -o $SC/check_default || echo "link default failed"
+# cuda_backend.cu also dispatches the backward: link the library build's backward objects.
+BWD_OBJS=$(ls /tmp/dmattn-build/CMakeFiles/dmattn_core.dir/src/cuda/inst/bwd_*.o 2>/dev/null | tr '\n' ' ')
+nvcc -gencode=arch=compute_90a,code=sm_90a $objs $BWD_OBJS -o $SC/check_default || echo "link default failed"
 for v in "${VS[@]}"; do
   IFS='|' read -r name file defs filt <<< "$v"
   vobjs=$(echo $objs | tr ' ' '\n' | grep -v "/$file.cu.o" | tr '\n' ' ')
-  nvcc -gencode=arch=compute_90a,code=sm_90a $vobjs $SC/var_$name.o -o $SC/check_$name || echo "link $name failed"
+  nvcc -gencode=arch=compute_90a,code=sm_90a $vobjs $SC/var_$name.o $BWD_OBJS -o $SC/check_$name || echo "link $name failed"
 done
 cp /tmp/dmattn-build/libdmattn_ffi.so python/dmattn/ 2>/dev/null || echo "no lib"
 echo "build done $(el)"
