@@ -16,8 +16,10 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream);
 
 #ifdef DMATTN_FWD_LAUNCH_IMPL
 #include <algorithm>
+#include <cstdlib>
 
 #include "cuda/fwd_kernel.h"
+#include "cuda/sm90/fwd_kernel_sm90.h"
 #include "dmattn/error.h"
 
 namespace dmattn::cuda {
@@ -27,9 +29,11 @@ inline int fwd_round_up(int x, int a) { return (x + a - 1) / a * a; }
 // CTAs per SM that `smem` bytes of dynamic shared memory per CTA allow (1 KB reserved per CTA).
 inline int fwd_ctas_by_smem(int smem, int smem_per_sm) { return smem_per_sm / (smem + 1024); }
 
-// One launch of fwd_kernel<Tile, kMaskBias, kInit> with the mask / bias buffers placed for Tile.
-template <class Tile, bool kMaskBias, bool kInit>
-void launch_fwd(const FwdArgs& args, cudaStream_t stream) {
+// One launch of `kernel` (a forward kernel built on Tile) with the mask / bias buffers placed
+// for Tile. kInit: the init kernel's buffers (three mask tiles, double-buffered bias);
+// kBiasDb: whether the kernel can double buffer the bias at all.
+template <class Tile, bool kInit, bool kBiasDb = true, class Kernel>
+void launch_fwd_kernel(const FwdArgs& args, cudaStream_t stream, Kernel kernel) {
   FwdArgs a = args;
   int dev = 0, max_smem = 0, smem_per_sm = 0;
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
@@ -57,7 +61,7 @@ void launch_fwd(const FwdArgs& args, cudaStream_t stream) {
     const int ctas_dbl = std::min(Tile::kCtasPerSm, fwd_ctas_by_smem(dbl, smem_per_sm));
     const int mode = DMATTN_FWD_BIAS_DB;
     // The init kernel always double buffers (it loads the next block's bias before its MMAs).
-    a.bias_db = kInit || (dbl <= max_smem && (mode == 2 || (mode == 1 && ctas_dbl >= ctas_single)));
+    a.bias_db = kInit || (kBiasDb && dbl <= max_smem && (mode == 2 || (mode == 1 && ctas_dbl >= ctas_single)));
     smem = a.bias_db ? dbl : single;
   }
   if (smem > max_smem)
@@ -66,11 +70,30 @@ void launch_fwd(const FwdArgs& args, cudaStream_t stream) {
 
   // Query blocks run in reverse order (fwd_kernel): blockIdx.x = 0 is the last query block.
   const dim3 grid((a.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM, a.num_heads, a.batch);
-  auto kernel = fwd_kernel<Tile, kMaskBias, kInit>;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
              "cudaFuncSetAttribute(forward smem)");
   kernel<<<grid, Tile::kNThreads, smem, stream>>>(a);
   check_cuda(cudaGetLastError(), "forward kernel launch");
+}
+
+template <class Tile, bool kMaskBias, bool kInit>
+void launch_fwd(const FwdArgs& args, cudaStream_t stream) {
+  launch_fwd_kernel<Tile, kInit>(args, stream, fwd_kernel<Tile, kMaskBias, kInit>);
+}
+
+// The Hopper kernel (sm90/fwd_kernel_sm90.h: wgmma, head dims 64 and 128) runs on compute
+// capability 9.0 when DMATTN_FWD_SM90=1 (off by default until a device run has checked and
+// timed it; the sm80-class kernels run everywhere).
+inline bool fwd_sm90_enabled() {
+  static const bool on = [] {
+    const char* env = std::getenv("DMATTN_FWD_SM90");
+    return env != nullptr && env[0] == '1';
+  }();
+  if (!on) return false;
+  int dev = 0, major = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute(cc)");
+  return major == 9;
 }
 
 // The init kernel (mask / bias folded into the QK^T accumulator's initial value) compiles and
@@ -86,6 +109,16 @@ void launch_fwd(const FwdArgs& args, cudaStream_t stream) {
 template <typename Element, int kHeadDim>
 void run_fwd(const FwdArgs& a, cudaStream_t stream) {
   const bool mask_or_bias = a.mask.ptr != nullptr || a.bias.ptr != nullptr;
+  if constexpr (kHeadDim <= 128) {
+    if (fwd_sm90_enabled()) {
+      using Tile = sm90::FwdTileSm90<Element, kHeadDim>;
+      if (mask_or_bias || a.softcap != 0.f)
+        launch_fwd_kernel<Tile, false, false>(a, stream, sm90::fwd_kernel_sm90<Tile, true>);
+      else
+        launch_fwd_kernel<Tile, false, false>(a, stream, sm90::fwd_kernel_sm90<Tile, false>);
+      return;
+    }
+  }
 #if DMATTN_FWD_INIT_KERNEL  // (not instantiated at all when off: compile time)
   if (mask_or_bias && a.softcap == 0.f)
     launch_fwd<FwdTile<Element, kHeadDim, kFwdInit>, true, true>(a, stream);

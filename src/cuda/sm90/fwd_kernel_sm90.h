@@ -1,0 +1,177 @@
+// The Hopper forward kernel (sm_90a): one CTA of two warpgroups per (128-query block, head,
+// batch), wgmma for S = Q K^T (both operands in shared memory) and O += P V (P from
+// registers), cp.async loads with zero-filled tails (copy.h), key blocks walked from the last
+// to the first like the sm80 kernel (fwd_kernel.h), whose score transform, online softmax,
+// block skipping and epilogue it reuses: the accumulator layout of wgmma has the same per-quad
+// row ownership as mma.sync's.
+//   per key block n:  wait K[n]; barrier; issue V[n] (+ bias[n], mask look-ahead);
+//                     S = Q K[n]^T; wait V[n]; barrier; issue K[next];
+//                     transform, softmax; O += P V[n]
+// Compiled for every target, with a body only for sm_90a (wgmma does not exist elsewhere);
+// run_fwd launches it only on compute capability 9.0 devices.
+#pragma once
+
+#include "cuda/fwd_kernel.h"
+#include "cuda/sm90/fwd_tile_sm90.h"
+#include "cuda/sm90/gmma.h"
+
+namespace dmattn::cuda::sm90 {
+
+template <class Tile, bool kMaskBias>
+__global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __grid_constant__ FwdArgs a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace cute;
+  using Element = typename Tile::Element;
+  constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN, kHeadDim = Tile::kHeadDim;
+  constexpr int kThreads = Tile::kNThreads;
+
+  extern __shared__ __align__(1024) char smem[];
+  const int tid = threadIdx.x;
+  const int m_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int m0 = m_block * kBlockM;
+  const int h_kv = h / a.group;
+  const int rows_valid = min(kBlockM, a.seqlen_q - m0);
+
+  const WindowMask win{a.seqlen_q, a.seqlen_k, a.window_left, a.window_right};
+  int n_min, n_max;
+  win.key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
+
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Tile::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffK)), typename Tile::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffV)), typename Tile::SmemLayoutKV{});
+  Tensor sVt = make_tensor(sV.data(), typename Tile::SmemLayoutVt{});
+
+  typename Tile::TiledMmaS mma_s;
+  typename Tile::TiledMmaO mma_o;
+  auto thr_s = mma_s.get_thread_slice(tid);
+  auto thr_o = mma_o.get_thread_slice(tid);
+  Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // shared-memory descriptors
+  Tensor tSrK = thr_s.partition_fragment_B(sK);
+  Tensor tOrVt = thr_o.partition_fragment_B(sVt);
+  Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  clear(acc_o);
+  Tensor acc_o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
+
+  Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor tScS = thr_s.partition_C(cS);
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+  constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
+
+  OnlineSoftmax<kRows> softmax;
+  softmax.init();
+  constexpr float kLog2e = 1.4426950408889634f;
+  const float score_scale = kMaskBias ? 1.f : a.scale;
+
+  if (n_max > n_min) {
+    const Element* gQ = static_cast<const Element*>(a.q) + int64_t(b) * a.q_bs + int64_t(m0) * a.q_rs + int64_t(h) * a.q_hs;
+    const Element* gK = static_cast<const Element*>(a.k) + int64_t(b) * a.k_bs + int64_t(h_kv) * a.k_hs;
+    const Element* gV = static_cast<const Element*>(a.v) + int64_t(b) * a.v_bs + int64_t(h_kv) * a.v_hs;
+
+    OperandTile<kBlockM, kBlockN, kThreads> mask_tile, bias_tile;
+    const bool has_mask = kMaskBias && a.mask.ptr != nullptr;
+    const bool has_bias = kMaskBias && a.bias.ptr != nullptr;
+    char* const s_mask_base = smem + a.smem_mask_off;
+    char* const s_bias_base = smem + a.smem_bias_off;
+    int mbuf = 0;
+    int n = n_max - 1;
+    if constexpr (kMaskBias) {
+      if (has_mask) mask_tile.init(a.mask, b, h, m0, a.seqlen_q, Tile::kMaskPitch);
+      if (has_bias) bias_tile.init(a.bias, b, h, m0, a.seqlen_q, Tile::kBiasPitch);
+      if (has_mask) {  // first key block with a true mask element (block_skip.h)
+        mask_tile.template load_as<1>(s_mask_base, Tile::kMaskPitch, n * kBlockN, a.seqlen_k, tid);
+        cp_async_commit();
+        n = next_live_key_block(mask_tile, s_mask_base, Tile::kMaskPitch, n, n_min, a.seqlen_k, tid);
+      }
+    }
+
+    if (n >= n_min) {
+      load_rows_async<kBlockM, kHeadDim, kThreads>(sQ, gQ, a.q_rs, rows_valid, a.head_dim, tid);
+      load_rows_async<kBlockN, kHeadDim, kThreads>(sK, gK + int64_t(n * kBlockN) * a.k_rs, a.k_rs,
+                                                   a.seqlen_k - n * kBlockN, a.head_dim, tid);
+      cp_async_commit();
+      while (true) {
+        const int n0 = n * kBlockN;
+        // K[n] (and Q) landed; everyone is done with V / mask / bias of the last block.
+        cp_async_wait<0>();
+        fence_smem_for_wgmma();
+        __syncthreads();
+        load_rows_async<kBlockN, kHeadDim, kThreads>(sV, gV + int64_t(n0) * a.v_rs, a.v_rs, a.seqlen_k - n0, a.head_dim, tid);
+        if constexpr (kMaskBias) {
+          if (has_bias) bias_tile.load_any(s_bias_base, Tile::kBiasPitch, n0, a.seqlen_k, tid);
+          if (has_mask && n > n_min)
+            mask_tile.load_any(s_mask_base + (mbuf ^ 1) * a.smem_mask_stride, Tile::kMaskPitch, n0 - kBlockN, a.seqlen_k, tid);
+        }
+        cp_async_commit();
+
+        Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_s, tSrQ, tSrK, acc_s);
+        gemm_wait<0>(acc_s);
+
+        // V[n], mask, bias landed; everyone is done with K[n]. Next block to run: nn.
+        int nn = n - 1;
+        bool synced = false;
+        if constexpr (kMaskBias) {
+          if (has_mask && n > n_min) {
+            cp_async_wait<0>();      // this thread's V chunks landed: fence them before the
+            fence_smem_for_wgmma();  // barrier inside next_live_key_block publishes them
+            nn = next_live_key_block(mask_tile, s_mask_base + (mbuf ^ 1) * a.smem_mask_stride, Tile::kMaskPitch,
+                                     n - 1, n_min, a.seqlen_k, tid);
+            synced = true;
+          }
+        }
+        if (!synced) {
+          cp_async_wait<0>();
+          fence_smem_for_wgmma();
+          __syncthreads();
+        }
+        if (nn >= n_min) {
+          load_rows_async<kBlockN, kHeadDim, kThreads>(sK, gK + int64_t(nn * kBlockN) * a.k_rs, a.k_rs,
+                                                       a.seqlen_k - nn * kBlockN, a.head_dim, tid);
+          cp_async_commit();
+        }
+
+        Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+        const bool pos_mask = win.block_needs_mask(m0, kBlockM, kBlockN, n);
+        if constexpr (kMaskBias) {
+          const char* sb = has_bias ? s_bias_base : nullptr;
+          const char* sm = has_mask ? s_mask_base + mbuf * a.smem_mask_stride : nullptr;
+          if (a.bias_fp32) {
+            if (pos_mask) transform_scores<true, true, float, kBlockN>(s_rc, tScS_rc, a, m0, n0, win, sb, bias_tile.pitch, sm, mask_tile.pitch);
+            else transform_scores<true, false, float, kBlockN>(s_rc, tScS_rc, a, m0, n0, win, sb, bias_tile.pitch, sm, mask_tile.pitch);
+          } else {
+            if (pos_mask) transform_scores<true, true, Element, kBlockN>(s_rc, tScS_rc, a, m0, n0, win, sb, bias_tile.pitch, sm, mask_tile.pitch);
+            else transform_scores<true, false, Element, kBlockN>(s_rc, tScS_rc, a, m0, n0, win, sb, bias_tile.pitch, sm, mask_tile.pitch);
+          }
+          softmax.template update<true>(s_rc, acc_o_rc);
+        } else {
+          if (pos_mask) transform_scores_ex<false, true, Element, kBlockN, false>(s_rc, tScS_rc, a, m0, n0, win, nullptr, 0, nullptr, 0);
+          softmax.template update_scaled<false>(s_rc, acc_o_rc, a.scale * kLog2e);
+        }
+
+        Tensor rP = make_tensor<Element>(acc_s.layout());
+        convert_fragment<Element, false>(acc_s, rP);
+        Tensor tOrP = make_tensor(rP.data(), acc_to_a(rP.layout()));
+        gemm_issue</*kZeroInit=*/false, /*kRegA=*/true>(mma_o, tOrP, tOrVt, acc_o);
+        gemm_wait<0>(acc_o);
+
+        if (nn < n_min) break;
+        n = nn;
+        mbuf ^= 1;
+      }
+    }
+    __syncthreads();  // every warpgroup is done with sQ (and the mask buffers) before sQ holds O
+  }
+
+  float lse[kRows];
+  int rows[kRows];
+  softmax.finalize(acc_o_rc, lse, score_scale);
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) rows[r] = get<0>(tScS_rc(r, 0));
+
+  Element* gO = static_cast<Element*>(a.out) + int64_t(b) * a.o_bs + int64_t(m0) * a.o_rs + int64_t(h) * a.o_hs;
+  float* g_lse = a.lse + (int64_t(b) * a.num_heads + h) * a.seqlen_q + m0;
+  fwd_epilogue<Tile>(acc_o, sQ, thr_o, lse, rows, gO, a.o_rs, g_lse, rows_valid, a.head_dim, tid);
+#endif
+}
+
+}  // namespace dmattn::cuda::sm90

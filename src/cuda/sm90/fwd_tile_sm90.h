@@ -1,0 +1,53 @@
+// Tile sizes and shared-memory layouts of the Hopper (sm_90a, wgmma) forward kernel.
+// Two consumer warpgroups of 64 query rows each (kBlockM = 128) share the K and V tiles.
+// Q, K and V use wgmma's 128-byte-swizzled K-major layout; V is read transposed (MN-major B
+// operand of O += P V) through a composed view, without a copy.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/numeric_types.h>
+
+namespace dmattn::cuda::sm90 {
+
+template <typename Element_, int kHeadDim_>
+struct FwdTileSm90 {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = 128;
+  static constexpr int kNWarps = 8;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kCtasPerSm = 1;
+  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128);
+
+  using WarpgroupsM = cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>;
+  // S = Q K^T: both operands from shared memory, K-major.
+  using TiledMmaS = decltype(cute::make_tiled_mma(
+      cute::SM90::GMMA::ss_op_selector<Element, Element, float,
+                                       cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>>(),
+      WarpgroupsM{}));
+  // O += P V: P from registers (K-major A), V^T from shared memory (MN-major B).
+  using TiledMmaO = decltype(cute::make_tiled_mma(
+      cute::SM90::GMMA::rs_op_selector<Element, Element, float,
+                                       cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockN>>,
+                                       cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+      WarpgroupsM{}));
+
+  using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutQ = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+  // V (keys, D) viewed as (D, keys).
+  using SmemLayoutVt = decltype(cute::composition(
+      SmemLayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
+
+  static constexpr int kBiasPitch = kBlockN + 8;   // elements of 2 or 4 bytes
+  static constexpr int kMaskPitch = kBlockN + 16;  // bytes
+
+  static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kKVBytes = kBlockN * kHeadDim * int(sizeof(Element));
+  static constexpr int kOffK = kQBytes, kOffV = kOffK + kKVBytes, kOffBias = kOffV + kKVBytes;
+};
+
+}  // namespace dmattn::cuda::sm90
