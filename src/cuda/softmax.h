@@ -36,6 +36,16 @@ struct OnlineSoftmax {
   // max stays in s units; finalize() with the same score_scale turns it into the LSE.
   template <bool kSafeSub, class S, class O>
   __device__ __forceinline__ void update_scaled(S& s, O& o, float sl2) {
+    float alpha[kRows];
+    update_scaled_deferred<kSafeSub>(s, sl2, alpha);
+    rescale(o, alpha);
+  }
+
+  // update_scaled() without touching o: the factors o must be multiplied by are returned in
+  // alpha (rescale()), so that o can still be in use (an asynchronous P V product in flight)
+  // while the probabilities of the next block are computed.
+  template <bool kSafeSub, class S>
+  __device__ __forceinline__ void update_scaled_deferred(S& s, float sl2, float (&alpha)[kRows]) {
     using namespace cute;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
@@ -44,12 +54,8 @@ struct OnlineSoftmax {
       for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
       m = quad_max(m);
       const float m_use = m == -INFINITY ? 0.f : m;
-      {
-        const float alpha = fast_exp2((row_max[r] - m_use) * sl2);  // -inf old max -> 0
-        row_sum[r] *= alpha;
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(o); ++c) o(r, c) *= alpha;
-      }
+      alpha[r] = fast_exp2((row_max[r] - m_use) * sl2);  // -inf old max -> 0
+      row_sum[r] *= alpha[r];
       row_max[r] = m;
       float sum = 0.f;
       const float m_scaled = m_use * sl2;
@@ -60,6 +66,16 @@ struct OnlineSoftmax {
         sum += p;
       }
       row_sum[r] += sum;
+    }
+  }
+
+  template <class O>
+  __device__ __forceinline__ void rescale(O& o, const float (&alpha)[kRows]) {
+    using namespace cute;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(o); ++c) o(r, c) *= alpha[r];
     }
   }
 

@@ -4,9 +4,14 @@
 // to the first like the sm80 kernel (fwd_kernel.h), whose score transform, online softmax,
 // block skipping and epilogue it reuses: the accumulator layout of wgmma has the same per-quad
 // row ownership as mma.sync's.
-//   per key block n:  wait K[n]; barrier; issue V[n] (+ bias[n], mask look-ahead);
-//                     S = Q K[n]^T; wait V[n]; barrier; issue K[next];
-//                     transform, softmax; O += P V[n]
+// Plain scores (no mask / bias / softcap), K and V double buffered, one barrier per block:
+//   block n:  issue loads K[n-1], V[n];  issue S = Q K[n]^T, then O += P[n+1] V[n+1];
+//             wait S; softmax of S (the rescale of O deferred); wait O; rescale O; P[n] = S
+//   so the loads land and the P V product runs while the softmax computes.
+// Mask / bias / softcap, single K and V buffers (the mask and bias tiles need the space):
+//   block n:  wait K[n]; barrier; issue V[n] (+ bias[n], mask look-ahead);
+//             S = Q K[n]^T; wait V[n]; barrier; issue K[next];
+//             transform, softmax; O += P V[n]
 // Compiled for every target, with a body only for sm_90a (wgmma does not exist elsewhere);
 // run_fwd launches it only on compute capability 9.0 devices.
 #pragma once
@@ -62,6 +67,85 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
   constexpr float kLog2e = 1.4426950408889634f;
   const float score_scale = kMaskBias ? 1.f : a.scale;
 
+  // The plain kernel's loop over key blocks n, n - 1, ..., n_min (see the top of the file).
+  auto plain_loop = [&](int n, const Element* gQ, const Element* gK, const Element* gV) {
+    auto sK_at = [&](int i) {
+      return make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffK + i * Tile::kKVBytes)),
+                         typename Tile::SmemLayoutKV{});
+    };
+    auto sVt_at = [&](int i) {
+      return make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffV + i * Tile::kKVBytes)),
+                         typename Tile::SmemLayoutVt{});
+    };
+    auto sV_at = [&](int i) {
+      return make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffV + i * Tile::kKVBytes)),
+                         typename Tile::SmemLayoutKV{});
+    };
+    Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+    Tensor rP = make_tensor<Element>(acc_s.layout());
+    Tensor tOrP = make_tensor(rP.data(), acc_to_a(rP.layout()));
+    int kcur = 0, vcur = 0;
+    bool have_p = false;  // P of the previous block waits in rP for its V (in buffer vcur)
+
+    load_rows_async<kBlockM, kHeadDim, kThreads>(sQ, gQ, a.q_rs, rows_valid, a.head_dim, tid);
+    {
+      Tensor sK0 = sK_at(0);
+      load_rows_async<kBlockN, kHeadDim, kThreads>(sK0, gK + int64_t(n * kBlockN) * a.k_rs, a.k_rs,
+                                                   a.seqlen_k - n * kBlockN, a.head_dim, tid);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_smem_for_wgmma();
+    __syncthreads();
+    while (true) {
+      const int n0 = n * kBlockN;
+      const int nn = n - 1;
+      // The buffers written here were last read by the products of the previous block, which
+      // every warpgroup waited for before the barrier that ended it.
+      if (nn >= n_min) {
+        Tensor sKn = sK_at(kcur ^ 1);
+        load_rows_async<kBlockN, kHeadDim, kThreads>(sKn, gK + int64_t(nn * kBlockN) * a.k_rs, a.k_rs,
+                                                     a.seqlen_k - nn * kBlockN, a.head_dim, tid);
+      }
+      {
+        Tensor sVn = sV_at(vcur ^ 1);
+        load_rows_async<kBlockN, kHeadDim, kThreads>(sVn, gV + int64_t(n0) * a.v_rs, a.v_rs, a.seqlen_k - n0,
+                                                     a.head_dim, tid);
+      }
+      cp_async_commit();
+
+      Tensor tSrK = thr_s.partition_fragment_B(sK_at(kcur));
+      gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_s, tSrQ, tSrK, acc_s);
+      if (have_p) {
+        Tensor tOrVt = thr_o.partition_fragment_B(sVt_at(vcur));
+        gemm_issue</*kZeroInit=*/false, /*kRegA=*/true>(mma_o, tOrP, tOrVt, acc_o);
+        gemm_wait<1>(acc_s);  // S done (the older batch); P V may still run
+      } else {
+        gemm_wait<0>(acc_s);
+      }
+      if (win.block_needs_mask(m0, kBlockM, kBlockN, n))
+        transform_scores_ex<false, true, Element, kBlockN, false>(s_rc, tScS_rc, a, m0, n0, win, nullptr, 0, nullptr, 0);
+      float alpha[kRows];
+      softmax.template update_scaled_deferred<false>(s_rc, a.scale * kLog2e, alpha);
+      gemm_wait<0>(acc_o);  // P V done: rP and O are free
+      softmax.rescale(acc_o_rc, alpha);
+      convert_fragment<Element, false>(acc_s, rP);
+      have_p = true;
+
+      cp_async_wait<0>();
+      fence_smem_for_wgmma();
+      __syncthreads();  // K[nn], V[n] visible; every warpgroup is done with K[n] and V[n + 1]
+      kcur ^= 1;
+      vcur ^= 1;
+      if (nn < n_min) break;
+      n = nn;
+    }
+    Tensor tOrVt = thr_o.partition_fragment_B(sVt_at(vcur));
+    gemm_issue</*kZeroInit=*/false, /*kRegA=*/true>(mma_o, tOrP, tOrVt, acc_o);
+    gemm_wait<0>(acc_o);
+  };
+
   if (n_max > n_min) {
     const Element* gQ = static_cast<const Element*>(a.q) + int64_t(b) * a.q_bs + int64_t(m0) * a.q_rs + int64_t(h) * a.q_hs;
     const Element* gK = static_cast<const Element*>(a.k) + int64_t(b) * a.k_bs + int64_t(h_kv) * a.k_hs;
@@ -84,7 +168,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
       }
     }
 
-    if (n >= n_min) {
+    if constexpr (!kMaskBias) {
+      if (n >= n_min) plain_loop(n, gQ, gK, gV);
+    } else if (n >= n_min) {
       load_rows_async<kBlockM, kHeadDim, kThreads>(sQ, gQ, a.q_rs, rows_valid, a.head_dim, tid);
       load_rows_async<kBlockN, kHeadDim, kThreads>(sK, gK + int64_t(n * kBlockN) * a.k_rs, a.k_rs,
                                                    a.seqlen_k - n * kBlockN, a.head_dim, tid);

@@ -2,6 +2,9 @@
 // Two consumer warpgroups of 64 query rows each (kBlockM = 128) share the K and V tiles.
 // Q, K and V use wgmma's 128-byte-swizzled K-major layout; V is read transposed (MN-major B
 // operand of O += P V) through a composed view, without a copy.
+// kStagesKV: K and V buffers each. The plain kernel (no mask / bias) double buffers them so that
+// the next block's loads land during this block's products; the mask / bias kernel keeps one of
+// each (its mask and bias tiles need the shared memory).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -11,8 +14,9 @@
 
 namespace dmattn::cuda::sm90 {
 
-template <typename Element_, int kHeadDim_>
+template <typename Element_, int kHeadDim_, int kStagesKV_>
 struct FwdTileSm90 {
+  static constexpr int kStagesKV = kStagesKV_;
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 128;
@@ -47,7 +51,8 @@ struct FwdTileSm90 {
 
   static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kKVBytes = kBlockN * kHeadDim * int(sizeof(Element));
-  static constexpr int kOffK = kQBytes, kOffV = kOffK + kKVBytes, kOffBias = kOffV + kKVBytes;
+  static constexpr int kOffK = kQBytes, kOffV = kOffK + kStagesKV * kKVBytes;
+  static constexpr int kOffBias = kOffV + kStagesKV * kKVBytes;  // end of Q / K / V
 };
 
 }  // namespace dmattn::cuda::sm90
