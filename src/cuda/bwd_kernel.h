@@ -79,14 +79,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
   const int b_end = a.fold_batch ? f.batch : b_begin + 1;
   const int kv_begin = a.fold_heads ? 0 : int(blockIdx.y);
   const int kv_end = a.fold_heads ? a.num_heads_kv : kv_begin + 1;
-  // fold_batch is never set for a packed batch: the bounds of b_begin hold for every b walked.
-  const SeqBounds seq(f, b_begin);
-  if (n0 >= seq.len_k()) return;  // packed batch: past the end of a shorter sequence's keys
+  // fold_batch is never set for a packed batch: the lengths (and window) of b_begin hold for
+  // every b walked; the row offsets come from each b's own SeqBounds inside the loop.
+  const SeqBounds first(f, b_begin);
+  if (n0 >= first.len_k()) return;  // packed batch: past the end of a shorter sequence's keys
   // Key columns of this block inside the sequence (re-read where used: seq_bounds.h).
-  auto cols_valid = [&] { return min(kBlockN, seq.len_k() - n0); };
+  auto cols_valid = [&] { return min(kBlockN, first.len_k() - n0); };
 
   int m_lo, m_hi;
-  bwd_query_block_range(seq.window(), n0, kBlockN, kBlockM, m_lo, m_hi);
+  bwd_query_block_range(first.window(), n0, kBlockN, kBlockM, m_lo, m_hi);
   const int n_m = max(m_hi - m_lo, 0);
   const int n_iter = n_m * group;
 
@@ -193,7 +194,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
     __syncthreads();
     const int bb = a.bsize_b == 1 ? 0 : b;
     const int hb = a.bsize_h == 1 ? 0 : h / a.bias_head_div;
-    const int cols = cols_valid(), k0 = seq.k0();
+    const int cols = cols_valid(), k0 = SeqBounds(f, b).k0();
     for (int c = tid; c < cols; c += kThreads) {
       const float v = s_col[c];
       if (a.db_colsum_to_accum) {
@@ -212,6 +213,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
   };
 
   for (int b = b_begin; b < b_end; ++b) {
+    const SeqBounds seq(f, b);
     for (int kvh = kv_begin; kvh < kv_end; ++kvh) {
       clear(acc_dk);
       clear(acc_dv);

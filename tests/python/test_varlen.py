@@ -21,6 +21,7 @@ calls then share. CUDA needs float16/bfloat16 and head dims that are multiples o
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -301,18 +302,25 @@ def check_varlen_case(c: VarlenCase, device: str) -> None:
     for name, g in got.grads.items():
         assert_finite(f"d{name}", g)
 
-    # 1. The dense path, sequence by sequence: bitwise identical (CUDA gradients: see the top).
+    # 1. The dense path, sequence by sequence: bitwise identical (CUDA gradients without
+    #    deterministic=True: see the top).
     dense = run_dense_per_sequence(c, x)
     assert_bitwise_equal("out", got.out, dense.out, context)
     if dense.lse is not None:
         assert_bitwise_equal("lse", got.lse, dense.lse, context)
+    atomics = device == "cuda" and not c.deterministic
     for name in got.grads:
-        if device == "cuda":
+        if atomics:
             assert_close_to_dense(f"d{name}", got.grads[name], dense.grads[name], context)
         else:
             assert_bitwise_equal(f"d{name}", got.grads[name], dense.grads[name], context)
 
-    # 2. The float64 reference, sequence by sequence.
+    # 2. The float64 reference, sequence by sequence. On CUDA the gradients are checked against
+    #    it only where step 1 could not pin them to the dense path bit for bit, and not on the
+    #    FlashAttention-2 backward path (Delta from the stored 16-bit O), whose gradients of rows
+    #    with a few keys carry O's rounding beyond the tolerance rule -- the dense path's do too
+    #    (see test_gpu_backward.py's FA2_CASES); there step 1 is the check.
+    check_grads = device != "cuda" or (atomics and os.environ.get("DMATTN_BWD_EXACT") != "0")
     for b in range(len(c.lens_q)):
         qr, kr = x.query_rows(b), x.key_rows(b)
         grads = {n: got.grads[n][qr if n == "q" else kr].unsqueeze(0) for n in ("q", "k", "v")}
@@ -321,7 +329,8 @@ def check_varlen_case(c: VarlenCase, device: str) -> None:
         check_against_reference(
             x.q[qr].unsqueeze(0), x.k[kr].unsqueeze(0), x.v[kr].unsqueeze(0),
             key_side_as_dense(x.mask, kr), key_side_as_dense(x.bias, kr),
-            got.out[qr].unsqueeze(0), got.lse[:, qr].unsqueeze(0), grads, causal=c.causal,
+            got.out[qr].unsqueeze(0), got.lse[:, qr].unsqueeze(0), grads if check_grads else None,
+            causal=c.causal,
             window=c.window, scale=c.scale, softcap=c.softcap, dout=x.dout[qr].unsqueeze(0),
             context=f"[sequence {b} of {context}]")
 
