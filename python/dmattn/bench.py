@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from . import attention
+from . import attention, attention_varlen
 from ._lib import cuda_available
 
 
@@ -39,6 +39,7 @@ class Config:
     keep: int = 0             # per_key only: top-k keys kept per (b, h), 0 = all
     heads_kv: int = 0         # 0 = heads
     dtype: str = "bfloat16"
+    packed: bool = False      # dmattn only: the batch as one packed varlen batch (B sequences of S)
 
     @property
     def hkv(self) -> int:
@@ -92,6 +93,10 @@ def gpu_configs(quick: bool) -> List[Config]:
     for s, b in ((2048, 8), (8192, 2)):
         for causal in (False, True):
             rows.append(Config(f"dense S={s} B={b}{' causal' if causal else ''}", b, s, 16, 128, causal))
+            # The same tokens as one packed batch (attention_varlen): the issue's "within 10% of
+            # the dense batched path" for equal lengths.
+            rows.append(Config(f"varlen packed equal lengths S={s} B={b}{' causal' if causal else ''}",
+                               b, s, 16, 128, causal, packed=True))
     for s in (4096, 8192):
         for causal in (False, True):
             rows.append(Config(f"bias (B,H,S,S) S={s}{' causal' if causal else ''}", 2, s, 16, 128,
@@ -141,7 +146,25 @@ def make_inputs(cfg: Config, device: str, seed: int = 0) -> Inputs:
 # ---------------------------------------------------------------------------------------------
 
 def _dmattn(cfg: Config, x: Inputs):
+    if cfg.packed:
+        return _dmattn_packed(cfg, x)
     return lambda: attention(x.q, x.k, x.v, x.mask, x.bias, causal=cfg.causal)
+
+
+def _dmattn_packed(cfg: Config, x: Inputs):
+    """attention_varlen on the (B * S, H, D) views of the batch (B sequences of S tokens);
+    returns out as (B, S, H, D) so that the checks treat it like the dense path's."""
+    if x.mask is not None or x.bias is not None:
+        return None  # the packed rows have no mask / bias
+    b, s, h, d = x.q.shape
+    cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=x.q.device)
+
+    def run():
+        q, k, v = (t.reshape(b * s, t.shape[2], d) for t in (x.q, x.k, x.v))
+        out = attention_varlen(q, k, v, cu, cu, s, s, causal=cfg.causal)
+        return out.view(b, s, h, d)
+
+    return run
 
 
 def _sdpa_float_mask(x: Inputs, causal: bool):
@@ -361,6 +384,8 @@ def run_config(cfg: Config, device: str, warmup: int, iters: int, providers: Opt
     for name, provider in providers_for(device).items():
         if providers and name != "dmattn" and not re.search(providers, name):
             continue
+        if cfg.packed and name != "dmattn":
+            continue  # the packed rows compare dmattn with itself (its dense row)
         row = Row(cfg.name, name)
         try:
             run = provider(cfg, x)

@@ -245,6 +245,7 @@ def attention_varlen_forward(
     _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(_varlen_lse_shape(q), dtype=_lse_dtype(q), device=q.device)
+    q, k, v = (_cuda_layout(t) for t in (q, k, v))
     lib().forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
                          lse, mask, bias, causal, window_left, window_right, _scale_arg(scale),
                          softcap)
@@ -294,6 +295,7 @@ def attention_varlen_backward(
         # A key-side dbias is reduced across the query heads that share a bias head.
         if dbias is not None and bias.dim() == 2 and bias.shape[0] < q.shape[1]:
             dbias_accum = torch.empty(bias.shape, dtype=torch.float32, device=q.device)
+    dout, q, k, v, out = (_cuda_layout(t) for t in (dout, q, k, v, out))
     lib().backward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
                           lse, mask, bias, dout, dq, dk, dv, dbias, delta, dq_accum, dbias_accum,
                           causal, window_left, window_right, _scale_arg(scale), softcap,

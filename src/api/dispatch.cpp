@@ -22,15 +22,6 @@ namespace {
        "nvcc or with DMATTN_BUILD_CUDA=OFF); rebuild with CUDA or move the tensors to the CPU");
 }
 
-// The one place that keeps varlen params away from the CUDA kernels, which do not read
-// cu_seqlens yet (they would treat the packed batch as a dense one).
-void reject_cuda_varlen(const ForwardParams& params) {
-  check(!params.is_varlen(), ErrorKind::kNotImplemented,
-        "cu_seqlens_q: packed variable-length batches (attention_varlen) are not implemented "
-        "on CUDA yet (the varlen kernels are pending); run them on the CPU, or call "
-        "dmattn.attention per sequence");
-}
-
 // Likewise for gathered keys, until the CUDA kernels read key_positions (flip
 // key_positions_supported below when they do).
 void reject_unsupported_key_positions(const ForwardParams& params) {
@@ -46,7 +37,6 @@ void run_forward(const ForwardParams& params) {
   if (params.device == DeviceKind::kCPU) {
     return params.is_varlen() ? cpu::forward_varlen(params) : cpu::forward(params);
   }
-  reject_cuda_varlen(params);
   reject_unsupported_key_positions(params);
 #ifdef DMATTN_WITH_CUDA
   return cuda::forward(params);
@@ -59,7 +49,6 @@ void run_backward(const BackwardParams& params) {
   if (params.fwd.device == DeviceKind::kCPU) {
     return params.fwd.is_varlen() ? cpu::backward_varlen(params) : cpu::backward(params);
   }
-  reject_cuda_varlen(params.fwd);
   reject_unsupported_key_positions(params.fwd);
 #ifdef DMATTN_WITH_CUDA
   return cuda::backward(params);

@@ -8,6 +8,8 @@
 //    row with one allowed key gets dS = 0; a bias reduced over keys gets no rounding noise of
 //    O), and m, log2 l stay separate, so a row whose keys all carry a finfo.min bias keeps
 //    P = 1/n where exp(s - lse) would give 1.
+// Packed variable-length batches (seq_bounds.h): a CTA whose query block starts past its
+// sequence's end exits; the others stop at the sequence's last query and key.
 #pragma once
 
 #include "cuda/bwd_args.h"
@@ -16,6 +18,7 @@
 #include "cuda/copy.h"
 #include "cuda/gemm.h"
 #include "cuda/operand_tile.h"
+#include "cuda/seq_bounds.h"
 
 namespace dmattn::cuda {
 
@@ -31,12 +34,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_dq_kernel(const __grid
   const int tid = threadIdx.x;
   const int m_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int m0 = m_block * kBlockM;
+  const SeqBounds seq(f, b);
+  if (m0 >= seq.len_q()) return;  // packed batch: past the end of a shorter sequence
   const int h_kv = h / f.group;
-  const int rows_valid = min(kBlockM, f.seqlen_q - m0);
 
-  const WindowMask win{f.seqlen_q, f.seqlen_k, f.window_left, f.window_right};
   int n_min, n_max;
-  win.key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
+  seq.window().key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
 
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffQ)), typename Tile::SmemLayoutQdO{});
   Tensor sdO = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffdO)), typename Tile::SmemLayoutQdO{});
@@ -81,24 +84,25 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_dq_kernel(const __grid
 
   Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   clear(acc_dq);
-  const int64_t row_stat = (int64_t(b) * f.num_heads + h) * f.seqlen_q + m0;
+  // Row 0 of this block in lse / Delta / the statistics (re-read where used: seq_bounds.h).
+  auto row_stat = [&] { return seq.stat_offset(h) + m0; };
   // kStats: this thread's running (max, sum of exp, sum of exp * dP) over its columns.
   float t_m[kRows], t_l[kRows], t_d[kRows];
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) { t_m[r] = -INFINITY; t_l[r] = 0.f; t_d[r] = 0.f; }
 
   if (n_max > n_min) {
-    const Element* gQ = static_cast<const Element*>(f.q) + int64_t(b) * f.q_bs + int64_t(m0) * f.q_rs + int64_t(h) * f.q_hs;
-    const Element* gdO = static_cast<const Element*>(a.dout) + int64_t(b) * a.do_bs + int64_t(m0) * a.do_rs + int64_t(h) * a.do_hs;
-    const Element* gK = static_cast<const Element*>(f.k) + int64_t(b) * f.k_bs + int64_t(h_kv) * f.k_hs;
-    const Element* gV = static_cast<const Element*>(f.v) + int64_t(b) * f.v_bs + int64_t(h_kv) * f.v_hs;
+    const Element* gQ = static_cast<const Element*>(f.q) + int64_t(b) * f.q_bs + int64_t(seq.q0() + m0) * f.q_rs + int64_t(h) * f.q_hs;
+    const Element* gdO = static_cast<const Element*>(a.dout) + int64_t(b) * a.do_bs + int64_t(seq.q0() + m0) * a.do_rs + int64_t(h) * a.do_hs;
+    const Element* gK = static_cast<const Element*>(f.k) + int64_t(b) * f.k_bs + int64_t(seq.k0()) * f.k_rs + int64_t(h_kv) * f.k_hs;
+    const Element* gV = static_cast<const Element*>(f.v) + int64_t(b) * f.v_bs + int64_t(seq.k0()) * f.v_rs + int64_t(h_kv) * f.v_hs;
     OperandTile<kBlockM, kBlockN, kThreads> mask_tile, bias_tile;
     if constexpr (kMaskBias) {
-      if (f.mask.ptr) mask_tile.init(f.mask, b, h, m0, f.seqlen_q, Tile::kMaskPitch);
-      if (f.bias.ptr) bias_tile.init(f.bias, b, h, m0, f.seqlen_q, Tile::kBiasPitch);
+      if (f.mask.ptr) mask_tile.init(f.mask, b, h, m0, seq.len_q(), Tile::kMaskPitch, seq.k0());
+      if (f.bias.ptr) bias_tile.init(f.bias, b, h, m0, seq.len_q(), Tile::kBiasPitch, seq.k0());
     }
-    load_rows_async<kBlockM, kHeadDim, kThreads>(sQ, gQ, f.q_rs, rows_valid, f.head_dim, tid);
-    load_rows_async<kBlockM, kHeadDim, kThreads>(sdO, gdO, a.do_rs, rows_valid, f.head_dim, tid);
+    load_rows_async<kBlockM, kHeadDim, kThreads>(sQ, gQ, f.q_rs, seq.rows_valid(m0, kBlockM), f.head_dim, tid);
+    load_rows_async<kBlockM, kHeadDim, kThreads>(sdO, gdO, a.do_rs, seq.rows_valid(m0, kBlockM), f.head_dim, tid);
     cp_async_commit();
 
     float row_m[kRows], row_log2l[kRows], delta[kRows];
@@ -106,18 +110,19 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_dq_kernel(const __grid
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) { t_m[r] = -INFINITY; t_l[r] = 0.f; t_d[r] = 0.f; }
     } else {
-      bwd_load_row_stats(tScS_rc, a.row_m + row_stat, a.row_log2l ? a.row_log2l + row_stat : nullptr,
-                         a.delta + row_stat, rows_valid, row_m, row_log2l, delta);
+      const int64_t rs = row_stat();
+      bwd_load_row_stats(tScS_rc, a.row_m + rs, a.row_log2l ? a.row_log2l + rs : nullptr, a.delta + rs,
+                         seq.rows_valid(m0, kBlockM), row_m, row_log2l, delta);
     }
 
     for (int n = n_min; n < n_max; ++n) {
       const int n0 = n * kBlockN;
       __syncthreads();  // everyone is done with K / V / dS / mask / bias of the last block
-      load_rows_async<kBlockN, kHeadDim, kThreads>(sK, gK + int64_t(n0) * f.k_rs, f.k_rs, f.seqlen_k - n0, f.head_dim, tid);
-      load_rows_async<kBlockN, kHeadDim, kThreads>(sV, gV + int64_t(n0) * f.v_rs, f.v_rs, f.seqlen_k - n0, f.head_dim, tid);
+      load_rows_async<kBlockN, kHeadDim, kThreads>(sK, gK + int64_t(n0) * f.k_rs, f.k_rs, seq.len_k() - n0, f.head_dim, tid);
+      load_rows_async<kBlockN, kHeadDim, kThreads>(sV, gV + int64_t(n0) * f.v_rs, f.v_rs, seq.len_k() - n0, f.head_dim, tid);
       if constexpr (kMaskBias) {
-        if (f.mask.ptr) mask_tile.load(s_mask, Tile::kMaskPitch, n0, f.seqlen_k, tid);
-        if (f.bias.ptr) bias_tile.load(s_bias, Tile::kBiasPitch, n0, f.seqlen_k, tid);
+        if (f.mask.ptr) mask_tile.load(s_mask, Tile::kMaskPitch, n0, seq.len_k(), tid);
+        if (f.bias.ptr) bias_tile.load(s_bias, Tile::kBiasPitch, n0, seq.len_k(), tid);
       }
       cp_async_commit();
       cp_async_wait<0>();
@@ -134,8 +139,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_dq_kernel(const __grid
       Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
       Tensor tt = make_tensor<float>(acc_s.layout());
       Tensor tt_rc = make_tensor(tt.data(), acc_rowcol(tt.layout()));
-      const bool pos_mask = win.block_needs_mask(m0, kBlockM, kBlockN, n);
-      bwd_scores<kMaskBias, kSoftcap, Element, kBlockN>(s_rc, tScS_rc, tt_rc, f, m0, n0, pos_mask, win,
+      const bool pos_mask = seq.window().block_needs_mask(m0, kBlockM, kBlockN, n);
+      bwd_scores<kMaskBias, kSoftcap, Element, kBlockN>(s_rc, tScS_rc, tt_rc, f, m0, n0, pos_mask, seq.window(),
                                                         f.bias.ptr ? s_bias : nullptr, bias_tile.pitch,
                                                         f.mask.ptr ? s_mask : nullptr, mask_tile.pitch);
       if constexpr (kStats) {
@@ -213,6 +218,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_dq_kernel(const __grid
       }
     }
     __syncthreads();
+    const int64_t rs = row_stat();
+    const int rows_valid = seq.rows_valid(m0, kBlockM);
     for (int row = tid; row < rows_valid; row += kThreads) {
       float m1 = -INFINITY, l1 = 0.f, d1 = 0.f;
       for (int w = 0; w < kWarps; ++w) {
@@ -220,9 +227,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_dq_kernel(const __grid
         merge(m1, l1, d1, e[0], e[1], e[2]);
       }
       const bool empty = !(l1 > 0.f);
-      a.stats_m[row_stat + row] = empty ? INFINITY : m1;
-      a.stats_log2l[row_stat + row] = empty ? 0.f : log2f(l1);
-      a.delta[row_stat + row] = empty ? 0.f : d1 / l1;
+      a.stats_m[rs + row] = empty ? INFINITY : m1;
+      a.stats_log2l[rs + row] = empty ? 0.f : log2f(l1);
+      a.delta[rs + row] = empty ? 0.f : d1 / l1;
     }
     return;
   }
@@ -233,8 +240,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_dq_kernel(const __grid
   convert_fragment<Element, true>(acc_dq, rdQ);
   copy(rdQ, thr_dq.partition_C(sQ));
   __syncthreads();
-  Element* gdQ = static_cast<Element*>(a.dq) + int64_t(b) * a.dq_bs + int64_t(m0) * a.dq_rs + int64_t(h) * a.dq_hs;
+  Element* gdQ = static_cast<Element*>(a.dq) + int64_t(b) * a.dq_bs + int64_t(seq.q0() + m0) * a.dq_rs + int64_t(h) * a.dq_hs;
   constexpr int kChunksPerRow = kHeadDim / 8;
+  const int rows_valid = seq.rows_valid(m0, kBlockM);
   CUTE_UNROLL
   for (int it = 0; it < kBlockM * kChunksPerRow / kThreads; ++it) {
     const int idx = it * kThreads + tid;

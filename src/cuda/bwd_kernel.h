@@ -8,6 +8,9 @@
 // (no expanded copy; deterministic), written once at the end with saturation. dQ += dS' K goes
 // to the fp32 dq_accum through atomics (or, deterministic mode, to the query-major kernel of
 // bwd_dq_kernel.h). dbias: see BwdDbiasMode.
+// Packed variable-length batches (seq_bounds.h): the grid spans the longest sequence; a CTA whose
+// key block starts past its sequence's keys exits (those rows belong to no one), every other CTA
+// of the sequence writes its dK / dV / dbias columns, zeros included (a sequence without queries).
 #pragma once
 
 #include "cuda/bwd_args.h"
@@ -16,6 +19,7 @@
 #include "cuda/copy.h"
 #include "cuda/gemm.h"
 #include "cuda/operand_tile.h"
+#include "cuda/seq_bounds.h"
 
 namespace dmattn::cuda {
 
@@ -75,12 +79,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
   const int b_end = a.fold_batch ? f.batch : b_begin + 1;
   const int kv_begin = a.fold_heads ? 0 : int(blockIdx.y);
   const int kv_end = a.fold_heads ? a.num_heads_kv : kv_begin + 1;
-  const int cols_valid = min(kBlockN, f.seqlen_k - n0);
-  const int m_blocks = (f.seqlen_q + kBlockM - 1) / kBlockM;
+  // fold_batch is never set for a packed batch: the lengths (and window) of b_begin hold for
+  // every b walked; the row offsets come from each b's own SeqBounds inside the loop.
+  const SeqBounds first(f, b_begin);
+  if (n0 >= first.len_k()) return;  // packed batch: past the end of a shorter sequence's keys
+  // Key columns of this block inside the sequence (re-read where used: seq_bounds.h).
+  auto cols_valid = [&] { return min(kBlockN, first.len_k() - n0); };
 
-  const WindowMask win{f.seqlen_q, f.seqlen_k, f.window_left, f.window_right};
   int m_lo, m_hi;
-  bwd_query_block_range(win, n0, kBlockN, kBlockM, m_lo, m_hi);
+  bwd_query_block_range(first.window(), n0, kBlockN, kBlockM, m_lo, m_hi);
   const int n_m = max(m_hi - m_lo, 0);
   const int n_iter = n_m * group;
 
@@ -187,14 +194,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
     __syncthreads();
     const int bb = a.bsize_b == 1 ? 0 : b;
     const int hb = a.bsize_h == 1 ? 0 : h / a.bias_head_div;
-    for (int c = tid; c < cols_valid; c += kThreads) {
+    const int cols = cols_valid(), k0 = SeqBounds(f, b).k0();
+    for (int c = tid; c < cols; c += kThreads) {
       const float v = s_col[c];
       if (a.db_colsum_to_accum) {
-        float* p = a.dbias_accum + (int64_t(bb) * a.bsize_h + hb) * a.bsize_k + n0 + c;
+        float* p = a.dbias_accum + (int64_t(bb) * a.bsize_h + hb) * a.bsize_k + k0 + n0 + c;
         if (a.db_atomic) atomicAdd(p, v);
         else *p += v;
       } else {
-        const int64_t off = int64_t(bb) * a.db_sb + int64_t(hb) * a.db_sh + int64_t(n0 + c) * a.db_sk;
+        const int64_t off = int64_t(bb) * a.db_sb + int64_t(hb) * a.db_sh + int64_t(k0 + n0 + c) * a.db_sk;
         if (f.bias_fp32) store_sat(static_cast<float*>(a.dbias) + off, v);
         else store_sat(static_cast<Element*>(a.dbias) + off, v);
       }
@@ -205,14 +213,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
   };
 
   for (int b = b_begin; b < b_end; ++b) {
+    const SeqBounds seq(f, b);
     for (int kvh = kv_begin; kvh < kv_end; ++kvh) {
       clear(acc_dk);
       clear(acc_dv);
       CUTE_UNROLL
       for (int c = 0; c < 2 * kCols; ++c) colsum[c] = 0.f;
 
-      const Element* gQb = static_cast<const Element*>(f.q) + int64_t(b) * f.q_bs;
-      const Element* gdOb = static_cast<const Element*>(a.dout) + int64_t(b) * a.do_bs;
+      const Element* gQb = static_cast<const Element*>(f.q) + int64_t(b) * f.q_bs + int64_t(seq.q0()) * f.q_rs;
+      const Element* gdOb = static_cast<const Element*>(a.dout) + int64_t(b) * a.do_bs + int64_t(seq.q0()) * a.do_rs;
       OperandTile<kBlockM, kBlockN, kThreads> mask_tile, bias_tile;
 
       // The CTAs of one (batch, kv head) start their walk at different query blocks, so that
@@ -225,30 +234,30 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
         Tensor sQ = sQ_at(buf);
         Tensor sdO = sdO_at(buf);
         load_rows_async<kBlockM, kHeadDim, kThreads>(sQ, gQb + int64_t(m0) * f.q_rs + int64_t(h) * f.q_hs, f.q_rs,
-                                                     f.seqlen_q - m0, f.head_dim, tid);
+                                                     seq.len_q() - m0, f.head_dim, tid);
         load_rows_async<kBlockM, kHeadDim, kThreads>(sdO, gdOb + int64_t(m0) * a.do_rs + int64_t(h) * a.do_hs, a.do_rs,
-                                                     f.seqlen_q - m0, f.head_dim, tid);
+                                                     seq.len_q() - m0, f.head_dim, tid);
       };
       auto issue_mask_bias_loads = [&](int t) {
         if constexpr (kMaskBias) {
           const int h = kvh * group + t / n_m;
           const int m0 = m_of(t) * kBlockM;
           if (f.mask.ptr) {
-            mask_tile.init(f.mask, b, h, m0, f.seqlen_q, Tile::kMaskPitch);
-            mask_tile.load(s_mask, Tile::kMaskPitch, n0, f.seqlen_k, tid);
+            mask_tile.init(f.mask, b, h, m0, seq.len_q(), Tile::kMaskPitch, seq.k0());
+            mask_tile.load(s_mask, Tile::kMaskPitch, n0, seq.len_k(), tid);
           }
           if (f.bias.ptr) {
-            bias_tile.init(f.bias, b, h, m0, f.seqlen_q, Tile::kBiasPitch);
-            bias_tile.load(s_bias, Tile::kBiasPitch, n0, f.seqlen_k, tid);
+            bias_tile.init(f.bias, b, h, m0, seq.len_q(), Tile::kBiasPitch, seq.k0());
+            bias_tile.load(s_bias, Tile::kBiasPitch, n0, seq.len_k(), tid);
           }
         }
       };
 
       if (n_iter > 0) {
-        const Element* gK = static_cast<const Element*>(f.k) + int64_t(b) * f.k_bs + int64_t(n0) * f.k_rs + int64_t(kvh) * f.k_hs;
-        const Element* gV = static_cast<const Element*>(f.v) + int64_t(b) * f.v_bs + int64_t(n0) * f.v_rs + int64_t(kvh) * f.v_hs;
-        load_rows_async<kBlockN, kHeadDim, kThreads>(sK, gK, f.k_rs, cols_valid, f.head_dim, tid);
-        load_rows_async<kBlockN, kHeadDim, kThreads>(sV, gV, f.v_rs, cols_valid, f.head_dim, tid);
+        const Element* gK = static_cast<const Element*>(f.k) + int64_t(b) * f.k_bs + int64_t(seq.k0() + n0) * f.k_rs + int64_t(kvh) * f.k_hs;
+        const Element* gV = static_cast<const Element*>(f.v) + int64_t(b) * f.v_bs + int64_t(seq.k0() + n0) * f.v_rs + int64_t(kvh) * f.v_hs;
+        load_rows_async<kBlockN, kHeadDim, kThreads>(sK, gK, f.k_rs, cols_valid(), f.head_dim, tid);
+        load_rows_async<kBlockN, kHeadDim, kThreads>(sV, gV, f.v_rs, cols_valid(), f.head_dim, tid);
         issue_q_loads(0, 0);
         issue_mask_bias_loads(0);
         cp_async_commit();
@@ -259,7 +268,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
         const int h = kvh * group + t / n_m;
         const int m_block = m_of(t);
         const int m0 = m_block * kBlockM;
-        const int rows_valid = min(kBlockM, f.seqlen_q - m0);
+        const int rows_valid = seq.rows_valid(m0, kBlockM);
 
         cp_async_wait<0>();
         __syncthreads();  // Q/dO[t], mask/bias[t] landed; all warps are done with iteration t - 1
@@ -268,7 +277,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
           cp_async_commit();
         }
 
-        const int64_t row_stat = (int64_t(b) * f.num_heads + h) * f.seqlen_q + m0;
+        const int64_t row_stat = seq.stat_offset(h) + m0;
         float row_m[kRows], row_log2l[kRows], delta[kRows];
         bwd_load_row_stats(tScS_rc, a.row_m + row_stat, a.row_log2l ? a.row_log2l + row_stat : nullptr,
                            a.delta + row_stat, rows_valid, row_m, row_log2l, delta);
@@ -278,7 +287,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
         Tensor tSsQ = copy_sdp_a.get_thread_slice(tid).partition_S(sQ);
         Tensor tdPsdO = copy_sdp_a.get_thread_slice(tid).partition_S(sdO);
 
-        const bool pos_mask = win.block_needs_mask(m0, kBlockM, kBlockN, n_block);
+        const bool pos_mask = seq.window().block_needs_mask(m0, kBlockM, kBlockN, n_block);
         // Unrolled without mask / bias; a loop with them (the transform is larger: fewer spills).
         constexpr int kHalfUnroll = kMaskBias ? 1 : Tile::kHalves;
 #pragma unroll kHalfUnroll
@@ -303,7 +312,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
           Tensor tt_rc = make_tensor(tt.data(), acc_rowcol(tt.layout()));
           const char* sb = f.bias.ptr ? s_bias + c_off * (f.bias_fp32 ? 4 : 2) : nullptr;
           const char* sm = f.mask.ptr ? s_mask + c_off : nullptr;
-          bwd_scores<kMaskBias, kSoftcap, Element, kHalfN>(s_rc, tScS_rc, tt_rc, f, m0, n0 + c_off, pos_mask, win,
+          bwd_scores<kMaskBias, kSoftcap, Element, kHalfN>(s_rc, tScS_rc, tt_rc, f, m0, n0 + c_off, pos_mask, seq.window(),
                                                            sb, bias_tile.pitch, sm, mask_tile.pitch);
           bwd_p_ds(s_rc, dp_rc, row_m, row_log2l, delta);
 
@@ -321,6 +330,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
             const int bb = a.bsize_b == 1 ? 0 : b;
             const int hb = a.bsize_h == 1 ? 0 : h / a.bias_head_div;
             float* base = a.dbias_accum + (int64_t(bb) * a.bsize_h + hb) * a.bsize_q * a.bsize_k;
+            const int cols = cols_valid();
             CUTE_UNROLL
             for (int r = 0; r < kRows; ++r) {
               const int row = get<0>(tScS_rc(r, 0));
@@ -328,7 +338,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
               CUTE_UNROLL
               for (int c = 0; c < kCols; ++c) {
                 const int col = c_off + get<1>(tScS_rc(r, c));
-                if (col < cols_valid) {
+                if (col < cols) {
                   float* p = base + int64_t(m0 + row) * a.bsize_k + n0 + col;
                   if (a.db_atomic) atomicAdd(p, dp_rc(r, c));
                   else *p += dp_rc(r, c);
@@ -337,6 +347,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
             }
           } else if (mode == kDbDirect && !direct_from_smem) {
             const int64_t off0 = int64_t(b) * a.db_sb + int64_t(h) * a.db_sh;
+            const int cols = cols_valid();
             CUTE_UNROLL
             for (int r = 0; r < kRows; ++r) {
               const int row = get<0>(tScS_rc(r, 0));
@@ -344,7 +355,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
               CUTE_UNROLL
               for (int c = 0; c < kCols; ++c) {
                 const int col = c_off + get<1>(tScS_rc(r, c));
-                if (col < cols_valid) {
+                if (col < cols) {
                   const int64_t off = off0 + int64_t(m0 + row) * a.db_sq + int64_t(n0 + col) * a.db_sk;
                   if (f.bias_fp32) store_sat(static_cast<float*>(a.dbias) + off, dp_rc(r, c));
                   else store_sat(static_cast<Element*>(a.dbias) + off, dp_rc(r, c));
@@ -374,25 +385,26 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
         if (direct_from_smem) {
           Element* gdb = static_cast<Element*>(a.dbias) + int64_t(b) * a.db_sb + int64_t(h) * a.db_sh +
                          int64_t(m0) * a.db_sq + int64_t(n0) * a.db_sk;
+          const int cols = cols_valid();
           if (a.db_vec) {
             constexpr int kChunksPerRow = kBlockN / 8;
             CUTE_UNROLL
             for (int it = 0; it < kBlockM * kChunksPerRow / kThreads; ++it) {
               const int idx = it * kThreads + tid;
               const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
-              if (r < rows_valid && c < cols_valid) {
+              if (r < rows_valid && c < cols) {
                 Element* p = gdb + int64_t(r) * a.db_sq + c;
-                if (c + 8 <= cols_valid) {
+                if (c + 8 <= cols) {
                   *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&sdS(r, c));
                 } else {
-                  for (int e = 0; e < cols_valid - c; ++e) p[e] = sdS(r, c + e);
+                  for (int e = 0; e < cols - c; ++e) p[e] = sdS(r, c + e);
                 }
               }
             }
           } else {
             for (int idx = tid; idx < kBlockM * kBlockN; idx += kThreads) {
               const int r = idx / kBlockN, c = idx % kBlockN;
-              if (r < rows_valid && c < cols_valid) gdb[int64_t(r) * a.db_sq + int64_t(c) * a.db_sk] = sdS(r, c);
+              if (r < rows_valid && c < cols) gdb[int64_t(r) * a.db_sq + int64_t(c) * a.db_sk] = sdS(r, c);
             }
           }
         }
@@ -411,7 +423,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
           Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
           clear(acc_dq);
           gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_dq_a, copy_dq_b, tid);
-          float* gdq = a.dq_accum + (int64_t(b) * f.seqlen_q + m0) * f.num_heads * f.head_dim + int64_t(h) * f.head_dim;
+          float* gdq = a.dq_accum + (seq.batch_row() + m0) * f.num_heads * f.head_dim + int64_t(h) * f.head_dim;
           const int64_t dq_rs = int64_t(f.num_heads) * f.head_dim;
           // Each m16n8 accumulator holds (r, c..c+1) and (r+8, c..c+1); lanes 2k and 2k+1 trade
           // halves so that each issues one 16-byte reduction: the even lane (r, c..c+3), the odd
@@ -449,13 +461,14 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
           colsum_flush(b, kvh * group);
         }
       } else if (mode == kDbDirect) {
+        const int m_blocks = (seq.len_q() + kBlockM - 1) / kBlockM;
         for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
           for (int m = 0; m < m_blocks; ++m) {
             if (m >= m_lo && m < m_hi) continue;
             const int m0 = m * kBlockM;
-            const int rows = min(kBlockM, f.seqlen_q - m0);
-            if (f.bias_fp32) bwd_dbias_zero_rows<float, kThreads>(a, b, h, m0, rows, n0, cols_valid, tid);
-            else bwd_dbias_zero_rows<Element, kThreads>(a, b, h, m0, rows, n0, cols_valid, tid);
+            const int rows = seq.rows_valid(m0, kBlockM);
+            if (f.bias_fp32) bwd_dbias_zero_rows<float, kThreads>(a, b, h, m0, rows, n0, cols_valid(), tid);
+            else bwd_dbias_zero_rows<Element, kThreads>(a, b, h, m0, rows, n0, cols_valid(), tid);
           }
         }
       }
@@ -474,14 +487,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
         copy(rdV, thr_dkv.partition_C(sdVst));
       }
       __syncthreads();
-      Element* gdK = static_cast<Element*>(a.dk) + int64_t(b) * a.dk_bs + int64_t(n0) * a.dk_rs + int64_t(kvh) * a.dk_hs;
-      Element* gdV = static_cast<Element*>(a.dv) + int64_t(b) * a.dv_bs + int64_t(n0) * a.dv_rs + int64_t(kvh) * a.dv_hs;
+      Element* gdK = static_cast<Element*>(a.dk) + int64_t(b) * a.dk_bs + int64_t(seq.k0() + n0) * a.dk_rs + int64_t(kvh) * a.dk_hs;
+      Element* gdV = static_cast<Element*>(a.dv) + int64_t(b) * a.dv_bs + int64_t(seq.k0() + n0) * a.dv_rs + int64_t(kvh) * a.dv_hs;
       constexpr int kChunksPerRow = kHeadDim / 8;
+      const int cols = cols_valid();
       CUTE_UNROLL
       for (int it = 0; it < kBlockN * kChunksPerRow / kThreads; ++it) {
         const int idx = it * kThreads + tid;
         const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
-        if (r < cols_valid && c < f.head_dim) {
+        if (r < cols && c < f.head_dim) {
           *reinterpret_cast<uint4*>(gdK + int64_t(r) * a.dk_rs + c) = *reinterpret_cast<const uint4*>(&sdKst(r, c));
           *reinterpret_cast<uint4*>(gdV + int64_t(r) * a.dv_rs + c) = *reinterpret_cast<const uint4*>(&sdVst(r, c));
         }

@@ -27,6 +27,7 @@ void run_bwd(const BwdArgs& a, bool deterministic, bool exact, cudaStream_t stre
 #ifdef DMATTN_BWD_LAUNCH_IMPL
 #include "cuda/bwd_dq_kernel.h"
 #include "cuda/bwd_kernel.h"
+#include "cuda/seq_bounds.h"
 
 namespace dmattn::cuda {
 
@@ -38,10 +39,14 @@ __global__ void __launch_bounds__(128) bwd_preprocess(const __grid_constant__ Bw
   const int i = blockIdx.x * 16 + tid / 8;
   const int h = blockIdx.y, b = blockIdx.z;
   const int lane8 = tid % 8;
+  const SeqBounds seq(f, b);
+  const int len_q = seq.len_q();
+  if (int(blockIdx.x) * 16 >= len_q) return;  // packed batch: past this sequence's end
   float acc = 0.f;
-  if (i < f.seqlen_q) {
-    const Element* o = static_cast<const Element*>(f.out) + int64_t(b) * f.o_bs + int64_t(i) * f.o_rs + int64_t(h) * f.o_hs;
-    const Element* d = static_cast<const Element*>(a.dout) + int64_t(b) * a.do_bs + int64_t(i) * a.do_rs + int64_t(h) * a.do_hs;
+  if (i < len_q) {
+    const int64_t row = seq.q0() + i;
+    const Element* o = static_cast<const Element*>(f.out) + int64_t(b) * f.o_bs + row * f.o_rs + int64_t(h) * f.o_hs;
+    const Element* d = static_cast<const Element*>(a.dout) + int64_t(b) * a.do_bs + row * a.do_rs + int64_t(h) * a.do_hs;
     for (int c = lane8 * 8; c < f.head_dim; c += 64) {
       const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
       const uint4 dv = *reinterpret_cast<const uint4*>(d + c);
@@ -60,22 +65,25 @@ __global__ void __launch_bounds__(128) bwd_preprocess(const __grid_constant__ Bw
   acc += __shfl_xor_sync(0xffffffff, acc, 1);
   acc += __shfl_xor_sync(0xffffffff, acc, 2);
   acc += __shfl_xor_sync(0xffffffff, acc, 4);
-  if (i < f.seqlen_q && lane8 == 0) a.delta[(int64_t(b) * f.num_heads + h) * f.seqlen_q + i] = acc;
+  if (i < len_q && lane8 == 0) a.delta[seq.stat_offset(h) + i] = acc;
 }
 
-// dq = scale * dq_accum, saturated; 8 elements per thread and step.
+// dq = scale * dq_accum, saturated; 8 elements per thread and step. dq_accum's rows are the
+// batch's query rows one after another (b * Sq + i dense, the packed row in a varlen batch, whose
+// SeqTensors have batch stride 0: there the packed row is dq's row).
 template <typename Element>
 __global__ void bwd_convert_dq(const __grid_constant__ BwdArgs a) {
   const FwdArgs& f = a.f;
   const int chunks = f.head_dim / 8;
-  const int64_t total = int64_t(f.batch) * f.seqlen_q * f.num_heads * chunks;
+  const int64_t total = f.q_rows * f.num_heads * chunks;
+  const int64_t rows_per_batch = f.cu_seqlens_q ? f.q_rows : f.seqlen_q;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total; idx += int64_t(gridDim.x) * blockDim.x) {
     const int64_t row = idx / chunks;  // (b * Sq + i) * H + h
     const int c = int(idx % chunks) * 8;
     const int h = int(row % f.num_heads);
     const int64_t bi = row / f.num_heads;
-    const int i = int(bi % f.seqlen_q);
-    const int b = int(bi / f.seqlen_q);
+    const int64_t i = bi % rows_per_batch;
+    const int64_t b = bi / rows_per_batch;
     const float4* src = reinterpret_cast<const float4*>(a.dq_accum + row * f.head_dim + c);
     const float4 x = src[0], y = src[1];
     const float v[8] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};
@@ -87,7 +95,7 @@ __global__ void bwd_convert_dq(const __grid_constant__ BwdArgs a) {
       const float hi = fminf(fmaxf(v[2 * e + 1] * f.scale, -ElemInfo<Element>::kMax), ElemInfo<Element>::kMax);
       o2[e] = ElemInfo<Element>::pack(lo, hi);
     }
-    Element* dst = static_cast<Element*>(a.dq) + int64_t(b) * a.dq_bs + int64_t(i) * a.dq_rs + int64_t(h) * a.dq_hs + c;
+    Element* dst = static_cast<Element*>(a.dq) + b * a.dq_bs + i * a.dq_rs + int64_t(h) * a.dq_hs + c;
     *reinterpret_cast<uint4*>(dst) = out;
   }
 }
@@ -116,28 +124,31 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
   using Tile = BwdTile<Element, kHeadDim>;
   BwdArgs a = args;
   const FwdArgs& f = a.f;
+  // Sq / Sk: the longest sequence of a packed batch (grid sizes); q_rows: the query rows of the
+  // whole batch (B * Sq dense, total_q packed), which size dq_accum, Delta and the statistics.
   const int64_t B = f.batch, Sq = f.seqlen_q, Sk = f.seqlen_k, H = f.num_heads, D = f.head_dim;
+  const int64_t q_rows = f.q_rows;
   exact = exact && a.dq_accum != nullptr;
   a.row_m = f.lse;
   a.row_log2l = nullptr;
   if (exact) {
-    a.stats_m = a.dq_accum;  // (B, H, Sq) each; dq_accum holds B * Sq * H * D >= 8 * B * H * Sq floats
-    a.stats_log2l = a.dq_accum + B * H * Sq;
+    a.stats_m = a.dq_accum;  // laid out like lse, H * q_rows each; dq_accum holds q_rows * H * D >= 8 * H * q_rows floats
+    a.stats_log2l = a.dq_accum + H * q_rows;
     a.row_m = a.stats_m;
     a.row_log2l = a.stats_log2l;
     a.dq_accum = nullptr;
     deterministic = true;  // dQ from the query-major kernel
   }
 
-  if (!deterministic && B * Sq * H > 0)
-    check_cuda(cudaMemsetAsync(a.dq_accum, 0, size_t(B * Sq * H * D) * sizeof(float), stream), "cudaMemsetAsync(dq_accum)");
+  if (!deterministic && q_rows * H > 0)
+    check_cuda(cudaMemsetAsync(a.dq_accum, 0, size_t(q_rows * H * D) * sizeof(float), stream), "cudaMemsetAsync(dq_accum)");
   const bool accum_used = a.dbias != nullptr && B > 0 && Sk > 0 &&
                           (a.dbias_mode == kDbAccum || (a.dbias_mode == kDbColSum && a.db_colsum_to_accum));
   const int64_t dbias_numel = a.bsize_b * a.bsize_h * a.bsize_q * a.bsize_k;
   if (accum_used && dbias_numel > 0)
     check_cuda(cudaMemsetAsync(a.dbias_accum, 0, size_t(dbias_numel) * sizeof(float), stream), "cudaMemsetAsync(dbias_accum)");
 
-  if (B * Sq * H > 0 && !exact) {
+  if (q_rows * H > 0 && !exact) {
     bwd_preprocess<Element, kHeadDim><<<dim3(unsigned((Sq + 15) / 16), unsigned(H), unsigned(B)), 128, 0, stream>>>(a);
     check_cuda(cudaGetLastError(), "backward preprocess launch");
   }
@@ -161,7 +172,7 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
     check_cuda(cudaGetLastError(), what);
   };
   const dim3 q_grid(unsigned((Sq + Tile::kBlockM - 1) / Tile::kBlockM), unsigned(H), unsigned(B));
-  if (exact && B * Sq * H > 0) {
+  if (exact && q_rows * H > 0) {
     if (mask_or_bias) {
       if (softcap) launch(bwd_dq_kernel<Tile, true, true, true>, q_grid, "backward stats kernel");
       else launch(bwd_dq_kernel<Tile, true, false, true>, q_grid, "backward stats kernel");
@@ -181,7 +192,7 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
       else launch(bwd_kernel<Tile, false, false>, grid, "backward kernel");
     }
   }
-  if (B * Sq * H > 0) {
+  if (q_rows * H > 0) {
     if (deterministic) {
       if (mask_or_bias) {
         if (softcap) launch(bwd_dq_kernel<Tile, true, true, false>, q_grid, "backward dq kernel");
@@ -191,7 +202,7 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
         else launch(bwd_dq_kernel<Tile, false, false, false>, q_grid, "backward dq kernel");
       }
     } else {
-      const int blocks = bwd_grid_stride_blocks(B * Sq * H * (D / 8), 256);
+      const int blocks = bwd_grid_stride_blocks(q_rows * H * (D / 8), 256);
       bwd_convert_dq<Element><<<blocks, 256, 0, stream>>>(a);
       check_cuda(cudaGetLastError(), "backward dq convert launch");
     }

@@ -23,6 +23,10 @@ namespace {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
+// Query / key rows of the whole batch: B * max length dense, the packed totals in varlen mode.
+int64_t query_rows(const ForwardParams& p) { return p.is_varlen() ? p.total_q : p.batch * p.seqlen_q; }
+int64_t key_rows(const ForwardParams& p) { return p.is_varlen() ? p.total_k : p.batch * p.seqlen_k; }
+
 void check_seq_tensor(const char* name, const void* ptr, const SeqTensor& t) {
   check(aligned16(ptr) && t.batch_stride % 8 == 0 && t.row_stride % 8 == 0 && t.head_stride % 8 == 0,
         ErrorKind::kValue, name, ": the CUDA backend needs a 16-byte aligned data pointer and strides ",
@@ -50,6 +54,8 @@ FwdArgs make_fwd_args(const ForwardParams& p) {
   FwdArgs a;
   a.q = p.q; a.k = p.k; a.v = p.v; a.out = p.out;
   a.lse = static_cast<float*>(p.lse);
+  a.lse_bs = p.lse_batch_stride;
+  a.lse_hs = p.lse_head_stride;
   a.q_bs = p.q_strides.batch_stride; a.q_rs = p.q_strides.row_stride; a.q_hs = p.q_strides.head_stride;
   a.k_bs = p.k_strides.batch_stride; a.k_rs = p.k_strides.row_stride; a.k_hs = p.k_strides.head_stride;
   a.v_bs = p.v_strides.batch_stride; a.v_rs = p.v_strides.row_stride; a.v_hs = p.v_strides.head_stride;
@@ -60,6 +66,11 @@ FwdArgs make_fwd_args(const ForwardParams& p) {
   a.num_heads = static_cast<int>(p.num_heads);
   a.group = static_cast<int>(p.group_size());
   a.head_dim = static_cast<int>(p.head_dim);
+  // Packed batch: the kernels read each sequence's rows and lengths from cu_seqlens
+  // (seq_bounds.h); the SeqTensors' batch strides are 0 and lse is (H, total_q).
+  a.cu_seqlens_q = p.cu_seqlens_q;
+  a.cu_seqlens_k = p.cu_seqlens_k;
+  a.q_rows = query_rows(p);
   a.scale = static_cast<float>(p.scale);
   a.softcap = p.softcap > 0 ? static_cast<float>(p.softcap) : 0.f;
   a.scale_div_softcap = p.softcap > 0 ? static_cast<float>(p.scale / p.softcap) : 0.f;
@@ -107,7 +118,7 @@ void check_problem(const ForwardParams& p, int instantiated_hd, const char* pass
 void forward(const ForwardParams& p) {
   const int hd = fwd_instantiated_head_dim(static_cast<int>(p.head_dim));
   check_problem(p, hd, "the CUDA backend");
-  if (p.batch == 0 || p.seqlen_q == 0 || p.num_heads == 0) return;
+  if (query_rows(p) == 0 || p.num_heads == 0) return;
   check_seq_tensor("q", p.q, p.q_strides);
   check_seq_tensor("k", p.k, p.k_strides);
   check_seq_tensor("v", p.v, p.v_strides);
@@ -152,10 +163,13 @@ void set_dbias_mode(const BackwardParams& p, BwdArgs& a) {
   // A key-broadcast bias (size_k == 1) adds one constant per row, to which softmax is invariant:
   // sum_j dS_ij = sum_j P_ij dP_ij - Delta_i = 0 exactly, so its gradient is written as zeros.
   if (bias.size_k == 1) { a.dbias_mode = kDbNone; return; }
-  const bool batch_full = bias.size_b == f.batch || f.batch == 1;
+  // A packed batch's key-side bias (Hb, total_k) has one entry per key of one sequence: no
+  // element is shared across sequences, so the batch dimension reduces nothing (and is never
+  // folded: each CTA's bounds are its own sequence's).
+  const bool batch_full = bias.size_b == f.batch || f.batch == 1 || f.is_varlen();
   const bool heads_full = (bias.size_h == f.num_heads && bias.head_div == 1) || f.num_heads == 1;
   // Several CTAs (batches, kv heads) contribute to one dbias element.
-  const bool cross = (bias.size_b == 1 && f.batch > 1) || (bias.size_h == 1 && f.num_heads_kv > 1);
+  const bool cross = (!batch_full && bias.size_b == 1) || (bias.size_h == 1 && f.num_heads_kv > 1);
   if (bias.size_q == 1) {
     a.dbias_mode = kDbColSum;
     a.db_colsum_to_accum = cross;
@@ -166,14 +180,14 @@ void set_dbias_mode(const BackwardParams& p, BwdArgs& a) {
   }
   if (cross) {
     if (p.deterministic) {
-      a.fold_batch = bias.size_b == 1 && f.batch > 1;
+      a.fold_batch = !batch_full && bias.size_b == 1;
       a.fold_heads = bias.size_h == 1 && f.num_heads_kv > 1;
     } else {
       a.db_atomic = true;
     }
   }
   const bool needs_accum = a.dbias_mode == kDbAccum || (a.dbias_mode == kDbColSum && a.db_colsum_to_accum);
-  if (f.batch == 0 || f.seqlen_k == 0) return;  // only zeros to write (run_bwd)
+  if (key_rows(f) == 0) return;  // only zeros to write (run_bwd)
   check(!needs_accum || p.dbias_accum != nullptr, ErrorKind::kValue,
         "dbias_accum: the CUDA backend needs a float32 accumulator of the bias's size for a bias ",
         "broadcast over batch or heads, got none");
@@ -186,7 +200,7 @@ void backward(const BackwardParams& p) {
   check_bwd_problem(f);
   // Empty tensors are not checked (torch may give them any strides or a null pointer); with
   // B == 0 only a dbias without a batch dimension has elements (zeros).
-  const bool q_side = f.batch > 0 && f.seqlen_q > 0, k_side = f.batch > 0 && f.seqlen_k > 0;
+  const bool q_side = query_rows(f) > 0, k_side = key_rows(f) > 0;
   if (q_side) {
     check_seq_tensor("q", f.q, f.q_strides);
     check_seq_tensor("out", f.out, f.out_strides);

@@ -21,12 +21,19 @@ struct FwdArgs {
   const void* k = nullptr;
   const void* v = nullptr;
   void* out = nullptr;
-  float* lse = nullptr;  // (B, H, Sq) contiguous
+  float* lse = nullptr;  // element (b, h, i) at b * lse_bs + h * lse_hs + q0 + i (seq_bounds.h)
+  int64_t lse_bs = 0, lse_hs = 0;  // dense (B, H, Sq): H * Sq, Sq; packed (H, total_q): 0, total_q
   int64_t q_bs = 0, q_rs = 0, q_hs = 0;
   int64_t k_bs = 0, k_rs = 0, k_hs = 0;
   int64_t v_bs = 0, v_rs = 0, v_hs = 0;
   int64_t o_bs = 0, o_rs = 0, o_hs = 0;
   int batch = 0, seqlen_q = 0, seqlen_k = 0, num_heads = 0, group = 1, head_dim = 0;
+  // Packed variable-length batch (null = dense): int32 (batch + 1,) device arrays of cumulative
+  // lengths; seqlen_q / seqlen_k are then the max lengths (grid sizes) and every batch stride
+  // is 0. Read once per CTA by seq_bounds() (seq_bounds.h).
+  const int* cu_seqlens_q = nullptr;
+  const int* cu_seqlens_k = nullptr;
+  int64_t q_rows = 0;  // query rows of the whole batch: B * seqlen_q, or total_q when packed
   float scale = 1.f;
   float softcap = 0.f;          // 0 = off
   float scale_div_softcap = 0.f;

@@ -11,6 +11,8 @@
 //                         after the softcap, transform_scores); the bias tile may be double
 //                         buffered.
 // Each variant has its own tile (FwdTile's kKind), chosen by run_fwd.
+// Packed variable-length batches: the grid spans the longest sequence; each CTA takes its
+// sequence's rows and lengths from seq_bounds() and exits when its query block starts past them.
 // Key blocks outside the causal / window range are never visited; with a bool mask, blocks
 // whose mask tile is all false are skipped too (block_skip.h): no K, V or bias load, no MMA.
 #pragma once
@@ -27,6 +29,7 @@
 #include "cuda/mask.h"
 #include "cuda/operand_tile.h"
 #include "cuda/score_mask.h"
+#include "cuda/seq_bounds.h"
 #include "cuda/softmax.h"
 
 namespace dmattn::cuda {
@@ -118,12 +121,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_co
   // them first balances the tail of the grid.
   const int m_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int m0 = m_block * kBlockM;
+  const SeqBounds seq(a, b);
+  if (m0 >= seq.len_q()) return;  // packed batch: past the end of a shorter sequence
   const int h_kv = h / a.group;
-  const int rows_valid = min(kBlockM, a.seqlen_q - m0);
 
-  const WindowMask win{a.seqlen_q, a.seqlen_k, a.window_left, a.window_right};
   int n_min, n_max;
-  win.key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
+  seq.window().key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
 
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Tile::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffK)), typename Tile::SmemLayoutKV{});
@@ -161,9 +164,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_co
   const float score_scale = kMaskBias && !kInit ? 1.f : a.scale;
 
   if (n_max > n_min) {
-    const Element* gQ = static_cast<const Element*>(a.q) + int64_t(b) * a.q_bs + int64_t(m0) * a.q_rs + int64_t(h) * a.q_hs;
-    const Element* gK = static_cast<const Element*>(a.k) + int64_t(b) * a.k_bs + int64_t(h_kv) * a.k_hs;
-    const Element* gV = static_cast<const Element*>(a.v) + int64_t(b) * a.v_bs + int64_t(h_kv) * a.v_hs;
+    const Element* gQ = static_cast<const Element*>(a.q) + int64_t(b) * a.q_bs + int64_t(seq.q0() + m0) * a.q_rs + int64_t(h) * a.q_hs;
+    const Element* gK = static_cast<const Element*>(a.k) + int64_t(b) * a.k_bs + int64_t(seq.k0()) * a.k_rs + int64_t(h_kv) * a.k_hs;
+    const Element* gV = static_cast<const Element*>(a.v) + int64_t(b) * a.v_bs + int64_t(seq.k0()) * a.v_rs + int64_t(h_kv) * a.v_hs;
 
     OperandTile<kBlockM, kBlockN, kThreads> mask_tile, bias_tile;
     const bool has_mask = kMaskBias && a.mask.ptr != nullptr;
@@ -174,12 +177,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_co
     int mbuf = 0, bbuf = 0;  // current mask / bias buffer
     int n = n_max - 1;
     if constexpr (kMaskBias) {
-      if (has_mask) mask_tile.init(a.mask, b, h, m0, a.seqlen_q, Tile::kMaskPitch);
-      if (has_bias) bias_tile.init(a.bias, b, h, m0, a.seqlen_q, Tile::kBiasPitch);
+      if (has_mask) mask_tile.init(a.mask, b, h, m0, seq.len_q(), Tile::kMaskPitch, seq.k0());
+      if (has_bias) bias_tile.init(a.bias, b, h, m0, seq.len_q(), Tile::kBiasPitch, seq.k0());
       if (has_mask) {  // first key block with a true mask element (block_skip.h)
-        mask_tile.template load_as<1>(s_mask_base, Tile::kMaskPitch, n * kBlockN, a.seqlen_k, tid);
+        mask_tile.template load_as<1>(s_mask_base, Tile::kMaskPitch, n * kBlockN, seq.len_k(), tid);
         cp_async_commit();
-        n = next_live_key_block(mask_tile, s_mask_base, Tile::kMaskPitch, n, n_min, a.seqlen_k, tid);
+        n = next_live_key_block(mask_tile, s_mask_base, Tile::kMaskPitch, n, n_min, seq.len_k(), tid);
       }
     }
 
@@ -195,15 +198,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_co
       // Buffers: mask x3 (current, next, look-ahead), bias x2 (current, next).
       int mcur = 0, mnext = 1, bcur = 0;
       auto load_bias = [&](char* dst, int n0_) {
-        if (a.bias_fp32) bias_tile.template load_as<4>(dst, Tile::kBiasPitch, n0_, a.seqlen_k, tid);
-        else bias_tile.template load_as<2>(dst, Tile::kBiasPitch, n0_, a.seqlen_k, tid);
+        if (a.bias_fp32) bias_tile.template load_as<4>(dst, Tile::kBiasPitch, n0_, seq.len_k(), tid);
+        else bias_tile.template load_as<2>(dst, Tile::kBiasPitch, n0_, seq.len_k(), tid);
       };
-      load_rows_async<kBlockM, kHeadDim, kThreads>(sQ, gQ, a.q_rs, rows_valid, a.head_dim, tid);
+      load_rows_async<kBlockM, kHeadDim, kThreads>(sQ, gQ, a.q_rs, seq.rows_valid(m0, kBlockM), a.head_dim, tid);
       load_rows_async<kBlockN, kHeadDim, kThreads>(sK, gK + int64_t(n * kBlockN) * a.k_rs, a.k_rs,
-                                                   a.seqlen_k - n * kBlockN, a.head_dim, tid);
+                                                   seq.len_k() - n * kBlockN, a.head_dim, tid);
       if (has_bias) load_bias(s_bias_base, n * kBlockN);
       if (has_mask && n > n_min)
-        mask_tile.template load_as<1>(s_mask_base + mnext * a.smem_mask_stride, Tile::kMaskPitch, (n - 1) * kBlockN, a.seqlen_k, tid);
+        mask_tile.template load_as<1>(s_mask_base + mnext * a.smem_mask_stride, Tile::kMaskPitch, (n - 1) * kBlockN, seq.len_k(), tid);
       cp_async_commit();
       const float inv_scale = 1.f / a.scale;
       while (true) {
@@ -211,7 +214,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_co
         int nn = n - 1;
         if (has_mask && n > n_min) {
           nn = next_live_key_block(mask_tile, s_mask_base + mnext * a.smem_mask_stride, Tile::kMaskPitch, n - 1,
-                                   n_min, a.seqlen_k, tid);
+                                   n_min, seq.len_k(), tid);
         } else {
           cp_async_wait<0>();
           __syncthreads();
@@ -219,12 +222,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_co
         // K[n], bias[n], mask[n], mask[nn] visible; everyone is done with V and the buffers
         // of the last block.
         const int mfree = 3 - mcur - mnext;
-        load_rows_async<kBlockN, kHeadDim, kThreads>(sV, gV + int64_t(n0) * a.v_rs, a.v_rs, a.seqlen_k - n0, a.head_dim, tid);
+        load_rows_async<kBlockN, kHeadDim, kThreads>(sV, gV + int64_t(n0) * a.v_rs, a.v_rs, seq.len_k() - n0, a.head_dim, tid);
         if (nn >= n_min) {
           if (has_bias)
             load_bias(s_bias_base + (bcur ^ 1) * a.smem_bias_stride, nn * kBlockN);
           if (has_mask && nn > n_min)
-            mask_tile.template load_as<1>(s_mask_base + mfree * a.smem_mask_stride, Tile::kMaskPitch, (nn - 1) * kBlockN, a.seqlen_k, tid);
+            mask_tile.template load_as<1>(s_mask_base + mfree * a.smem_mask_stride, Tile::kMaskPitch, (nn - 1) * kBlockN, seq.len_k(), tid);
         }
         cp_async_commit();
 
@@ -242,10 +245,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_co
         __syncthreads();  // V[n] landed; everyone is done with K[n]
         if (nn >= n_min) {
           load_rows_async<kBlockN, kHeadDim, kThreads>(sK, gK + int64_t(nn * kBlockN) * a.k_rs, a.k_rs,
-                                                       a.seqlen_k - nn * kBlockN, a.head_dim, tid);
+                                                       seq.len_k() - nn * kBlockN, a.head_dim, tid);
           cp_async_commit();
         }
 
+        const WindowMask win = seq.window();
         if (win.block_needs_mask(m0, kBlockM, kBlockN, n))
           transform_scores_ex<false, true, Element, kBlockN, false>(s_rc, tScS_rc, a, m0, n0, win, nullptr, 0, nullptr, 0);
         softmax.template update_scaled<true>(s_rc, acc_o_rc, a.scale * kLog2e);
@@ -262,13 +266,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_co
         mnext = mfree;
       }
     } else if (n >= n_min) {
-        load_rows_async<kBlockM, kHeadDim, kThreads>(sQ, gQ, a.q_rs, rows_valid, a.head_dim, tid);
+        load_rows_async<kBlockM, kHeadDim, kThreads>(sQ, gQ, a.q_rs, seq.rows_valid(m0, kBlockM), a.head_dim, tid);
         load_rows_async<kBlockN, kHeadDim, kThreads>(sK, gK + int64_t(n * kBlockN) * a.k_rs, a.k_rs,
-                                                     a.seqlen_k - n * kBlockN, a.head_dim, tid);
+                                                     seq.len_k() - n * kBlockN, a.head_dim, tid);
         cp_async_commit();
         if constexpr (kMaskBias) {
           if (bias_db) {
-            bias_tile.load_any(s_bias_base, Tile::kBiasPitch, n * kBlockN, a.seqlen_k, tid);
+            bias_tile.load_any(s_bias_base, Tile::kBiasPitch, n * kBlockN, seq.len_k(), tid);
             cp_async_commit();
           }
         }
@@ -282,12 +286,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_co
           if (bias_db) cp_async_wait<1>();
           else cp_async_wait<0>();
           __syncthreads();
-          load_rows_async<kBlockN, kHeadDim, kThreads>(sV, gV + int64_t(n0) * a.v_rs, a.v_rs, a.seqlen_k - n0, a.head_dim, tid);
+          load_rows_async<kBlockN, kHeadDim, kThreads>(sV, gV + int64_t(n0) * a.v_rs, a.v_rs, seq.len_k() - n0, a.head_dim, tid);
           if constexpr (kMaskBias) {
-            if (has_bias && !bias_db) bias_tile.load_any(s_bias_base, Tile::kBiasPitch, n0, a.seqlen_k, tid);
+            if (has_bias && !bias_db) bias_tile.load_any(s_bias_base, Tile::kBiasPitch, n0, seq.len_k(), tid);
             // The next block's mask tile, one block ahead, into the other buffer.
             if (has_mask && n > n_min)
-              mask_tile.load_any(s_mask_base + (mbuf ^ 1) * a.smem_mask_stride, Tile::kMaskPitch, n0 - kBlockN, a.seqlen_k, tid);
+              mask_tile.load_any(s_mask_base + (mbuf ^ 1) * a.smem_mask_stride, Tile::kMaskPitch, n0 - kBlockN, seq.len_k(), tid);
           }
           cp_async_commit();
 
@@ -299,7 +303,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_co
           if constexpr (kMaskBias) {
             if (has_mask && n > n_min) {
               nn = next_live_key_block(mask_tile, s_mask_base + (mbuf ^ 1) * a.smem_mask_stride, Tile::kMaskPitch,
-                                       n - 1, n_min, a.seqlen_k, tid);
+                                       n - 1, n_min, seq.len_k(), tid);
               synced = true;
             }
           }
@@ -309,17 +313,18 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_co
           }
           if (nn >= n_min) {
             const int n0_next = nn * kBlockN;
-            load_rows_async<kBlockN, kHeadDim, kThreads>(sK, gK + int64_t(n0_next) * a.k_rs, a.k_rs, a.seqlen_k - n0_next, a.head_dim, tid);
+            load_rows_async<kBlockN, kHeadDim, kThreads>(sK, gK + int64_t(n0_next) * a.k_rs, a.k_rs, seq.len_k() - n0_next, a.head_dim, tid);
             cp_async_commit();
             if constexpr (kMaskBias) {
               if (bias_db) {
-                bias_tile.load_any(s_bias_base + (bbuf ^ 1) * a.smem_bias_stride, Tile::kBiasPitch, n0_next, a.seqlen_k, tid);
+                bias_tile.load_any(s_bias_base + (bbuf ^ 1) * a.smem_bias_stride, Tile::kBiasPitch, n0_next, seq.len_k(), tid);
                 cp_async_commit();
               }
             }
           }
 
           Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+          const WindowMask win = seq.window();
           const bool pos_mask = win.block_needs_mask(m0, kBlockM, kBlockN, n);
           if constexpr (kMaskBias) {
             const char* sb = has_bias ? s_bias_base + bbuf * a.smem_bias_stride : nullptr;
@@ -357,9 +362,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_co
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) rows[r] = get<0>(tScS_rc(r, 0));
 
-  Element* gO = static_cast<Element*>(a.out) + int64_t(b) * a.o_bs + int64_t(m0) * a.o_rs + int64_t(h) * a.o_hs;
-  float* g_lse = a.lse + (int64_t(b) * a.num_heads + h) * a.seqlen_q + m0;
-  fwd_epilogue<Tile>(acc_o, sQ, thr_mma, lse, rows, gO, a.o_rs, g_lse, rows_valid, a.head_dim, tid);
+  Element* gO = static_cast<Element*>(a.out) + int64_t(b) * a.o_bs + int64_t(seq.q0() + m0) * a.o_rs + int64_t(h) * a.o_hs;
+  float* g_lse = a.lse + seq.stat_offset(h) + m0;
+  fwd_epilogue<Tile>(acc_o, sQ, thr_mma, lse, rows, gO, a.o_rs, g_lse, seq.rows_valid(m0, kBlockM), a.head_dim, tid);
 }
 
 }  // namespace dmattn::cuda

@@ -20,14 +20,18 @@ struct OperandTile {
   bool vec = false;
   int rows_valid = 0;        // query rows of this block inside Sq (1 for a broadcast row)
 
+  // k0: the sequence's first key (packed varlen batches, seq_bounds.h; 0 when dense). Its
+  // rows start wherever the previous sequence ended, so the 16-byte cp.async path is kept
+  // only when that start is aligned too.
   __device__ __forceinline__ void init(const OperandArgs& a, int b, int h, int m0, int seqlen_q,
-                                       int smem_pitch) {
+                                       int smem_pitch, int k0) {
     esize = a.esize;
-    vec = a.vec;
+    const int64_t key_off = int64_t(k0) * a.stride_k * esize;
+    vec = a.vec && (key_off & 15) == 0;
     stride_q = a.stride_q;
     stride_k = a.stride_k;
     base = a.ptr + (int64_t(b) * a.stride_b + int64_t(h / a.head_div) * a.stride_h +
-                    int64_t(m0) * a.stride_q) * esize;
+                    int64_t(m0) * a.stride_q) * esize + key_off;
     pitch = a.row_bcast ? 0 : smem_pitch;
     rows_valid = a.row_bcast ? 1 : min(kBlockM, seqlen_q - m0);
   }
