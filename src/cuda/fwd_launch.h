@@ -110,7 +110,7 @@ template <typename Element, int kHeadDim>
 void run_fwd(const FwdArgs& a, cudaStream_t stream) {
   const bool mask_or_bias = a.mask.ptr != nullptr || a.bias.ptr != nullptr;
   if constexpr (kHeadDim <= 128) {
-    if (fwd_sm90_enabled()) {
+    if (a.cu_seqlens_q == nullptr && fwd_sm90_enabled()) {  // (packed batches: not yet)
       if (mask_or_bias || a.softcap != 0.f) {
         using Tile = sm90::FwdTileSm90<Element, kHeadDim, 1>;
         launch_fwd_kernel<Tile, false, false>(a, stream, sm90::fwd_kernel_sm90<Tile, true>);

@@ -159,8 +159,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
     int mbuf = 0;
     int n = n_max - 1;
     if constexpr (kMaskBias) {
-      if (has_mask) mask_tile.init(a.mask, b, h, m0, a.seqlen_q, Tile::kMaskPitch);
-      if (has_bias) bias_tile.init(a.bias, b, h, m0, a.seqlen_q, Tile::kBiasPitch);
+      if (has_mask) mask_tile.init(a.mask, b, h, m0, a.seqlen_q, Tile::kMaskPitch, 0);
+      if (has_bias) bias_tile.init(a.bias, b, h, m0, a.seqlen_q, Tile::kBiasPitch, 0);
       if (has_mask) {  // first key block with a true mask element (block_skip.h)
         mask_tile.template load_as<1>(s_mask_base, Tile::kMaskPitch, n * kBlockN, a.seqlen_k, tid);
         cp_async_commit();
@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
   for (int r = 0; r < kRows; ++r) rows[r] = get<0>(tScS_rc(r, 0));
 
   Element* gO = static_cast<Element*>(a.out) + int64_t(b) * a.o_bs + int64_t(m0) * a.o_rs + int64_t(h) * a.o_hs;
-  float* g_lse = a.lse + (int64_t(b) * a.num_heads + h) * a.seqlen_q + m0;
+  float* g_lse = a.lse + int64_t(b) * a.lse_bs + int64_t(h) * a.lse_hs + m0;
   fwd_epilogue<Tile>(acc_o, sQ, thr_o, lse, rows, gO, a.o_rs, g_lse, rows_valid, a.head_dim, tid);
 #endif
 }
