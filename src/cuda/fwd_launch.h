@@ -60,6 +60,10 @@ void launch_fwd(const FwdArgs& args, cudaStream_t stream) {
     a.bias_db = kInit || (dbl <= max_smem && (mode == 2 || (mode == 1 && ctas_dbl >= ctas_single)));
     smem = a.bias_db ? dbl : single;
   }
+  if (a.kpos.ptr) {  // gathered keys: the key block's positions (kBlockN int32)
+    a.smem_kpos_off = smem;
+    smem += Tile::kBlockN * 4;
+  }
   if (smem > max_smem)
     fail(ErrorKind::kValue, "CUDA backend: the forward kernel for head_dim <= ", Tile::kHeadDim, " with this mask/bias needs ",
          smem, " bytes of shared memory per block, the device allows ", max_smem);
@@ -87,7 +91,7 @@ template <typename Element, int kHeadDim>
 void run_fwd(const FwdArgs& a, cudaStream_t stream) {
   const bool mask_or_bias = a.mask.ptr != nullptr || a.bias.ptr != nullptr;
 #if DMATTN_FWD_INIT_KERNEL  // (not instantiated at all when off: compile time)
-  if (mask_or_bias && a.softcap == 0.f)
+  if (mask_or_bias && a.softcap == 0.f && !a.kpos.ptr)  // no key positions in the init kernel
     launch_fwd<FwdTile<Element, kHeadDim, kFwdInit>, true, true>(a, stream);
   else
 #endif
