@@ -377,7 +377,7 @@ def test_cuda_positions_backward_paths(monkeypatch, exact, deterministic):
     for causal, window in ((True, (-1, -1)), (False, (100, 20))):
         expected = _op_grads("cpu", torch.float32, False, inputs, causal, window)
         got = _op_grads("cuda", torch.bfloat16, deterministic, inputs, causal, window)
-        padding = positions.unsqueeze(-1) < 0  # (B, Hkv, K, 1)
+        padding = (positions.unsqueeze(-1) < 0).cuda()  # (B, Hkv, K, 1)
         for name in ("dk", "dv"):
             rows = got[name].transpose(1, 2)  # (B, Hkv, K, D)
             assert (rows.masked_select(padding) == 0).all(), f"{name} of padding rows"
