@@ -212,6 +212,11 @@ def attention_over_key_set(q: Tensor, k: Tensor, v: Tensor, key_set: KeySet, bia
     flat_index = _flat_row_index(kv_index, num_keys, heads_kv)
     k_rows = _gather_rows(k, flat_index, key_set.width, gathered_heads)
     v_rows = _gather_rows(v, flat_index, key_set.width, gathered_heads)
-    bias_rows = None if bias is None else _gather_bias(bias, index, batch, heads, heads_kv, num_keys)
+    bias_rows = bias
+    if bias is not None and bias.dim() > 0 and bias.shape[-1] != 1:
+        bias_rows = _gather_bias(bias, index, batch, heads, heads_kv, num_keys)
+    # else: a key-broadcast bias broadcasts over the gathered rows as over all keys; passed as
+    # is, its gradient is exactly zero as on the dense path (gathered, it would be a sum of
+    # rounded per-row gradients that only cancel in exact arithmetic).
     return attention_forward(q, k_rows, v_rows, None, bias_rows, causal, window_left, window_right,
                              scale, softcap, deterministic, positions, num_keys)
