@@ -173,13 +173,35 @@ def _flat_row_index(index: Tensor, num_keys: int, heads_kv: int) -> Tensor:
     return flat.reshape(-1)
 
 
+class _GatherRowsSummed(torch.autograd.Function):
+    """index_select of rows whose backward accumulates in float32: when several gathered
+    heads read one kv row (key sets per query head under GQA), their 16-bit gradients are
+    summed once in fp32 and rounded once, as the dense path's kernel does over a GQA group."""
+
+    @staticmethod
+    def forward(ctx, flat_x: Tensor, flat_index: Tensor) -> Tensor:
+        ctx.save_for_backward(flat_index)
+        ctx.shape, ctx.dtype = flat_x.shape, flat_x.dtype
+        return flat_x.index_select(0, flat_index)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (flat_index,) = ctx.saved_tensors
+        acc = torch.zeros(ctx.shape, dtype=torch.float32, device=grad.device)
+        return acc.index_add_(0, flat_index, grad.float()).to(ctx.dtype), None
+
+
 def _gather_rows(x: Tensor, flat_index: Tensor, width: int, gathered_heads: int) -> Tensor:
     """(B, K, G, D) rows of k or v (B, Sk, Hkv, D) at ``flat_index`` (_flat_row_index). An
     index_select over the flattened rows: its backward is one index_add_ onto zeros (each
     original row receives the gradients of the gathered rows that read it, summed over
     repeats and GQA groups), where advanced indexing's backward would sort the indices."""
-    batch, _, _, head_dim = x.shape
-    rows = x.reshape(-1, head_dim).index_select(0, flat_index)
+    batch, _, heads_kv, head_dim = x.shape
+    flat_x = x.reshape(-1, head_dim)
+    if gathered_heads != heads_kv and x.element_size() < 4:
+        rows = _GatherRowsSummed.apply(flat_x, flat_index)
+    else:  # each original row is read at most once per batch: nothing to round twice
+        rows = flat_x.index_select(0, flat_index)
     return rows.view(batch, width, gathered_heads, head_dim)
 
 

@@ -115,7 +115,12 @@ def test_attention_gather_matches_dense(device, case):
         options = dict(causal=causal, window=window, softcap=softcap)
         gathered = _attention("gather", q, k, v, mask, bias, dout, **options)
         dense = _attention("dense", q, k, v, mask, bias, dout, **options)
-        _assert_same(gathered, dense, dtype, f"[case {case} {dtype}]")
+        # A key set per query head under GQA gathers K/V per query head: dk, dv come out of
+        # the kernel rounded per head, then summed over the group (the dense kernel sums the
+        # group in fp32 and rounds once): up to a few more units in the last 16-bit place.
+        key_set_heads = mask_shape[-3] if len(mask_shape) >= 3 else 1
+        rel = 2 ** -6 if dtype.itemsize == 2 and key_set_heads == h != hkv else None
+        _assert_same(gathered, dense, dtype, f"[case {case} {dtype}]", rel=rel)
 
 
 @pytest.mark.parametrize("keep", [1, 3, 17, 40, 100])
