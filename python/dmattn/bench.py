@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from . import attention, attention_varlen
+from . import attention, attention_topk, attention_varlen, dynamic_mask
 from ._lib import cuda_available
 
 
@@ -130,9 +130,10 @@ def make_inputs(cfg: Config, device: str, seed: int = 0) -> Inputs:
     elif cfg.bias == "per_key":
         bias = randn(cfg.batch, cfg.heads, 1, cfg.seqlen)
         if 0 < cfg.keep < cfg.seqlen:
-            # Doge-style selection: the top-`keep` keys by (detached) bias, one set per (b, h).
-            idx = bias.detach().float().topk(cfg.keep, dim=-1).indices
-            mask = torch.zeros(bias.shape, dtype=torch.bool, device=device).scatter_(-1, idx, True)
+            # Doge-style selection: the top-`keep` keys by (detached) bias, one set per (b, h),
+            # for the peers and the reference (dmattn's rows select inside the timed call, with
+            # the same tie rule, so they attend to the same keys).
+            mask = dynamic_mask(bias, cfg.keep)
     if bias is not None:
         bias.requires_grad_(True)
     for t in (q, k, v):
@@ -148,6 +149,10 @@ def make_inputs(cfg: Config, device: str, seed: int = 0) -> Inputs:
 def _dmattn(cfg: Config, x: Inputs):
     if cfg.packed:
         return _dmattn_packed(cfg, x)
+    if cfg.bias == "per_key" and 0 < cfg.keep < cfg.seqlen:
+        # The whole Doge step: top-k selection from the bias (mask construction) included in
+        # the timed call, on the gather path (only the kept keys are read).
+        return lambda: attention_topk(x.q, x.k, x.v, x.bias, cfg.keep, causal=cfg.causal)
     return lambda: attention(x.q, x.k, x.v, x.mask, x.bias, causal=cfg.causal)
 
 

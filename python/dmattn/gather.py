@@ -162,15 +162,47 @@ def _to_heads(t: Tensor, target: int, heads: int, heads_kv: int) -> Tensor:
     return t.repeat_interleave(heads // heads_kv, dim=1)  # Hkv -> H
 
 
-def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
-    """(B, K, G, D) rows of k or v (B, Sk, Hkv, D): gathered head g reads kv head
-    g // (G / Hkv) at the positions ``index`` (B, G, K). Its backward scatters the gradient
-    back onto the original rows, summed over repeats and GQA groups."""
-    batch, _, heads_kv, _ = x.shape
-    gathered_heads = index.shape[1]
-    kv_head = torch.arange(gathered_heads, device=x.device) // (gathered_heads // heads_kv)
-    batch_index = torch.arange(batch, device=x.device)
-    return x[batch_index[:, None, None], index.transpose(1, 2), kv_head[None, None, :]]
+def _flat_row_index(index: Tensor, num_keys: int, heads_kv: int) -> Tensor:
+    """int64 (B * K * G,): for gathered row j of head g in batch b (positions ``index``
+    (B, G, K)), the row of k or v flattened to (B * Sk * Hkv, D) that it reads: kv head
+    g // (G / Hkv), key index[b, g, j]. One small elementwise kernel, shared by k and v."""
+    batch, gathered_heads, _ = index.shape
+    kv_head = torch.arange(gathered_heads, device=index.device) // (gathered_heads // heads_kv)
+    batch_base = torch.arange(batch, device=index.device) * num_keys
+    flat = (index.transpose(1, 2) + batch_base[:, None, None]) * heads_kv + kv_head
+    return flat.reshape(-1)
+
+
+class _GatherRowsSummed(torch.autograd.Function):
+    """index_select of rows whose backward accumulates in float32: when several gathered
+    heads read one kv row (key sets per query head under GQA), their 16-bit gradients are
+    summed once in fp32 and rounded once, as the dense path's kernel does over a GQA group."""
+
+    @staticmethod
+    def forward(ctx, flat_x: Tensor, flat_index: Tensor) -> Tensor:
+        ctx.save_for_backward(flat_index)
+        ctx.shape, ctx.dtype = flat_x.shape, flat_x.dtype
+        return flat_x.index_select(0, flat_index)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (flat_index,) = ctx.saved_tensors
+        acc = torch.zeros(ctx.shape, dtype=torch.float32, device=grad.device)
+        return acc.index_add_(0, flat_index, grad.float()).to(ctx.dtype), None
+
+
+def _gather_rows(x: Tensor, flat_index: Tensor, width: int, gathered_heads: int) -> Tensor:
+    """(B, K, G, D) rows of k or v (B, Sk, Hkv, D) at ``flat_index`` (_flat_row_index). An
+    index_select over the flattened rows: its backward is one index_add_ onto zeros (each
+    original row receives the gradients of the gathered rows that read it, summed over
+    repeats and GQA groups), where advanced indexing's backward would sort the indices."""
+    batch, _, heads_kv, head_dim = x.shape
+    flat_x = x.reshape(-1, head_dim)
+    if gathered_heads != heads_kv and x.element_size() < 4:
+        rows = _GatherRowsSummed.apply(flat_x, flat_index)
+    else:  # each original row is read at most once per batch: nothing to round twice
+        rows = flat_x.index_select(0, flat_index)
+    return rows.view(batch, width, gathered_heads, head_dim)
 
 
 def _gather_bias(bias: Tensor, index: Tensor, batch: int, heads: int, heads_kv: int,
@@ -199,8 +231,14 @@ def attention_over_key_set(q: Tensor, k: Tensor, v: Tensor, key_set: KeySet, bia
     # Padding rows (-1) read key 0; the kernel never attends to them (zero gradient).
     index = positions.long().clamp_min(0)
     kv_index = _to_heads(index, gathered_heads, heads, heads_kv).expand(batch, gathered_heads, -1)
-    k_rows = _gather_rows(k, kv_index)
-    v_rows = _gather_rows(v, kv_index)
-    bias_rows = None if bias is None else _gather_bias(bias, index, batch, heads, heads_kv, num_keys)
+    flat_index = _flat_row_index(kv_index, num_keys, heads_kv)
+    k_rows = _gather_rows(k, flat_index, key_set.width, gathered_heads)
+    v_rows = _gather_rows(v, flat_index, key_set.width, gathered_heads)
+    bias_rows = bias
+    if bias is not None and bias.dim() > 0 and bias.shape[-1] != 1:
+        bias_rows = _gather_bias(bias, index, batch, heads, heads_kv, num_keys)
+    # else: a key-broadcast bias broadcasts over the gathered rows as over all keys; passed as
+    # is, its gradient is exactly zero as on the dense path (gathered, it would be a sum of
+    # rounded per-row gradients that only cancel in exact arithmetic).
     return attention_forward(q, k_rows, v_rows, None, bias_rows, causal, window_left, window_right,
                              scale, softcap, deterministic, positions, num_keys)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -205,17 +206,42 @@ attention_forward.register_autograd(_backward, setup_context=_setup_context)
 # ---------------------------------------------------------------------------------------------
 
 
+# CUDA cu_seqlens pairs whose values passed the check, keyed by the cu_seqlens_q tensor (held
+# weakly): (cu_seqlens_k, both tensors' versions, the sizes they were checked against). A model
+# passes the same two tensors to every layer, forward and backward: one host copy per step.
+_checked_cu_seqlens: "weakref.WeakKeyDictionary[Tensor, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _cu_seqlens_key(cu_seqlens_k: Tensor, *sizes: int) -> tuple:
+    return (weakref.ref(cu_seqlens_k), cu_seqlens_k._version) + tuple(sizes)
+
+
+def _cu_seqlens_already_checked(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *sizes: int) -> bool:
+    """True when this very pair of tensors, unmodified since (same version counters), passed the
+    value check against the same max lengths and totals."""
+    entry = _checked_cu_seqlens.get(cu_seqlens_q)
+    return entry is not None and entry == (cu_seqlens_q._version,) + _cu_seqlens_key(cu_seqlens_k, *sizes)
+
+
+def _remember_cu_seqlens_checked(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *sizes: int) -> None:
+    _checked_cu_seqlens[cu_seqlens_q] = (cu_seqlens_q._version,) + _cu_seqlens_key(cu_seqlens_k, *sizes)
+
+
 def _check_cu_seqlens_values(q: Tensor, k: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                              max_seqlen_q: int, max_seqlen_k: int) -> None:
     """The native validation reads cu_seqlens itself when they are on the CPU. CUDA values are
-    checked here, on a host copy (one synchronization), by the same native routine; skipped
-    while a CUDA graph is being captured, where a copy to the host is not allowed."""
+    checked here, on a host copy (one synchronization), by the same native routine, once per
+    pair of cu_seqlens tensors (until either is modified in place); skipped while a CUDA graph
+    is being captured, where a copy to the host is not allowed."""
     if cu_seqlens_q.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return
     _check_rank(q, "q", "(total_q, num_heads, head_dim)", rank=3)
     _check_rank(k, "k", "(total_k, num_heads_kv, head_dim)", rank=3)
-    lib().check_cu_seqlens(cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), max_seqlen_q, max_seqlen_k,
-                           q.shape[0], k.shape[0])
+    sizes = (max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
+    if _cu_seqlens_already_checked(cu_seqlens_q, cu_seqlens_k, *sizes):
+        return
+    lib().check_cu_seqlens(cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), *sizes)
+    _remember_cu_seqlens_checked(cu_seqlens_q, cu_seqlens_k, *sizes)
 
 
 def _varlen_lse_shape(q: Tensor) -> Tuple[int, int]:

@@ -22,8 +22,7 @@ namespace {
        "nvcc or with DMATTN_BUILD_CUDA=OFF); rebuild with CUDA or move the tensors to the CPU");
 }
 
-// Likewise for gathered keys, until the CUDA kernels read key_positions (flip
-// key_positions_supported below when they do).
+// Gathered keys on a backend whose kernels do not read key_positions.
 void reject_unsupported_key_positions(const ForwardParams& params) {
   check(!params.has_key_positions() || key_positions_supported(params.device),
         ErrorKind::kNotImplemented, "key_positions: gathered keys are not implemented on ",
@@ -31,7 +30,9 @@ void reject_unsupported_key_positions(const ForwardParams& params) {
 }
 }  // namespace
 
-bool key_positions_supported(DeviceKind device) { return device == DeviceKind::kCPU; }
+bool key_positions_supported(DeviceKind device) {
+  return device == DeviceKind::kCPU || device == DeviceKind::kCUDA;
+}
 
 void run_forward(const ForwardParams& params) {
   if (params.device == DeviceKind::kCPU) {

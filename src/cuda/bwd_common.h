@@ -36,7 +36,7 @@ __device__ __forceinline__ void bwd_query_block_range(const WindowMask& w, int n
 template <bool kMaskBias, bool kPosMask, bool kSoftcap, typename BiasT, int kBlockN, class S, class C, class TT>
 __device__ __forceinline__ void bwd_transform_scores(S& s, C const& coord, TT& tt, const FwdArgs& a, int m0, int n0,
                                                      const WindowMask& win, const char* s_bias, int bias_pitch,
-                                                     const char* s_mask, int mask_pitch) {
+                                                     const char* s_mask, int mask_pitch, const PositionTest* pt) {
   using namespace cute;
   if constexpr (kSoftcap) {
     CUTE_UNROLL
@@ -50,25 +50,26 @@ __device__ __forceinline__ void bwd_transform_scores(S& s, C const& coord, TT& t
     for (int i = 0; i < size(s); ++i) s(i) *= a.scale;
   }
   mask_and_bias_scores<kMaskBias, kPosMask, BiasT, kBlockN>(s, coord, m0, n0, win, s_bias, bias_pitch, s_mask,
-                                                           mask_pitch);
+                                                           mask_pitch, pt);
 }
 
-// Dispatches the transform on (pos_mask, bias dtype).
+// Dispatches the transform on (pos_mask, bias dtype). pt: gathered keys' positions test of
+// these columns (key_positions.h), null without gathered keys; read only when pos_mask.
 template <bool kMaskBias, bool kSoftcap, typename Element, int kBlockN, class S, class C, class TT>
 __device__ __forceinline__ void bwd_scores(S& s, C const& coord, TT& tt, const FwdArgs& a, int m0, int n0,
                                            bool pos_mask, const WindowMask& win, const char* s_bias, int bias_pitch,
-                                           const char* s_mask, int mask_pitch) {
+                                           const char* s_mask, int mask_pitch, const PositionTest* pt = nullptr) {
   if constexpr (kMaskBias) {
     if (a.bias_fp32) {
-      if (pos_mask) bwd_transform_scores<true, true, kSoftcap, float, kBlockN>(s, coord, tt, a, m0, n0, win, s_bias, bias_pitch, s_mask, mask_pitch);
-      else bwd_transform_scores<true, false, kSoftcap, float, kBlockN>(s, coord, tt, a, m0, n0, win, s_bias, bias_pitch, s_mask, mask_pitch);
+      if (pos_mask) bwd_transform_scores<true, true, kSoftcap, float, kBlockN>(s, coord, tt, a, m0, n0, win, s_bias, bias_pitch, s_mask, mask_pitch, pt);
+      else bwd_transform_scores<true, false, kSoftcap, float, kBlockN>(s, coord, tt, a, m0, n0, win, s_bias, bias_pitch, s_mask, mask_pitch, pt);
     } else {
-      if (pos_mask) bwd_transform_scores<true, true, kSoftcap, Element, kBlockN>(s, coord, tt, a, m0, n0, win, s_bias, bias_pitch, s_mask, mask_pitch);
-      else bwd_transform_scores<true, false, kSoftcap, Element, kBlockN>(s, coord, tt, a, m0, n0, win, s_bias, bias_pitch, s_mask, mask_pitch);
+      if (pos_mask) bwd_transform_scores<true, true, kSoftcap, Element, kBlockN>(s, coord, tt, a, m0, n0, win, s_bias, bias_pitch, s_mask, mask_pitch, pt);
+      else bwd_transform_scores<true, false, kSoftcap, Element, kBlockN>(s, coord, tt, a, m0, n0, win, s_bias, bias_pitch, s_mask, mask_pitch, pt);
     }
   } else {
-    if (pos_mask) bwd_transform_scores<false, true, kSoftcap, Element, kBlockN>(s, coord, tt, a, m0, n0, win, nullptr, 0, nullptr, 0);
-    else bwd_transform_scores<false, false, kSoftcap, Element, kBlockN>(s, coord, tt, a, m0, n0, win, nullptr, 0, nullptr, 0);
+    if (pos_mask) bwd_transform_scores<false, true, kSoftcap, Element, kBlockN>(s, coord, tt, a, m0, n0, win, nullptr, 0, nullptr, 0, pt);
+    else bwd_transform_scores<false, false, kSoftcap, Element, kBlockN>(s, coord, tt, a, m0, n0, win, nullptr, 0, nullptr, 0, pt);
   }
 }
 

@@ -10,6 +10,8 @@
 //    P = 1/n where exp(s - lse) would give 1.
 // Packed variable-length batches (seq_bounds.h): a CTA whose query block starts past its
 // sequence's end exits; the others stop at the sequence's last query and key.
+// Gathered keys (f.kpos, key_positions.h): the key-block range by binary search over the
+// positions, each block's positions tile loaded beside K.
 #pragma once
 
 #include "cuda/bwd_args.h"
@@ -17,6 +19,7 @@
 #include "cuda/bwd_tile.h"
 #include "cuda/copy.h"
 #include "cuda/gemm.h"
+#include "cuda/key_positions.h"
 #include "cuda/operand_tile.h"
 #include "cuda/seq_bounds.h"
 
@@ -39,7 +42,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_dq_kernel(const __grid
   const int h_kv = h / f.group;
 
   int n_min, n_max;
-  seq.window().key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
+  const bool gathered = f.kpos.ptr != nullptr;  // (never packed)
+  if (gathered) KeyPositionRow(f, b, h).key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
+  else seq.window().key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
+  int32_t* const s_pos = reinterpret_cast<int32_t*>(smem + f.smem_kpos_off);
 
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffQ)), typename Tile::SmemLayoutQdO{});
   Tensor sdO = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffdO)), typename Tile::SmemLayoutQdO{});
@@ -124,6 +130,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_dq_kernel(const __grid
         if (f.mask.ptr) mask_tile.load(s_mask, Tile::kMaskPitch, n0, seq.len_k(), tid);
         if (f.bias.ptr) bias_tile.load(s_bias, Tile::kBiasPitch, n0, seq.len_k(), tid);
       }
+      if (gathered) load_positions_tile_async<kBlockN, kThreads>(s_pos, positions_row(f.kpos, b, h), f.seqlen_k, n0, tid);
       cp_async_commit();
       cp_async_wait<0>();
       __syncthreads();
@@ -139,10 +146,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_dq_kernel(const __grid
       Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
       Tensor tt = make_tensor<float>(acc_s.layout());
       Tensor tt_rc = make_tensor(tt.data(), acc_rowcol(tt.layout()));
-      const bool pos_mask = seq.window().block_needs_mask(m0, kBlockM, kBlockN, n);
+      const PositionTest kp_test{s_pos, position_window(f)};  // from the constant params
+      const bool pos_mask = gathered ? positions_block_needs_mask<kBlockN>(position_window(f), s_pos, m0, kBlockM)
+                                     : seq.window().block_needs_mask(m0, kBlockM, kBlockN, n);
       bwd_scores<kMaskBias, kSoftcap, Element, kBlockN>(s_rc, tScS_rc, tt_rc, f, m0, n0, pos_mask, seq.window(),
                                                         f.bias.ptr ? s_bias : nullptr, bias_tile.pitch,
-                                                        f.mask.ptr ? s_mask : nullptr, mask_tile.pitch);
+                                                        f.mask.ptr ? s_mask : nullptr, mask_tile.pitch,
+                                                        gathered ? &kp_test : nullptr);
       if constexpr (kStats) {
         constexpr float kLog2e = 1.4426950408889634f;
         CUTE_UNROLL

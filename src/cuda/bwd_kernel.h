@@ -11,6 +11,10 @@
 // Packed variable-length batches (seq_bounds.h): the grid spans the longest sequence; a CTA whose
 // key block starts past its sequence's keys exits (those rows belong to no one), every other CTA
 // of the sequence writes its dK / dV / dbias columns, zeros included (a sequence without queries).
+// Gathered keys (f.kpos, key_positions.h): the key block's positions tile is loaded once per
+// (batch, kv head), and the query blocks walked follow from its first and last valid positions
+// (none for a block of padding rows). Every query head of the group reads the same positions
+// (the host refuses one positions row per query head when the group is larger than 1).
 #pragma once
 
 #include "cuda/bwd_args.h"
@@ -18,6 +22,7 @@
 #include "cuda/bwd_tile.h"
 #include "cuda/copy.h"
 #include "cuda/gemm.h"
+#include "cuda/key_positions.h"
 #include "cuda/operand_tile.h"
 #include "cuda/seq_bounds.h"
 
@@ -86,10 +91,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
   // Key columns of this block inside the sequence (re-read where used: seq_bounds.h).
   auto cols_valid = [&] { return min(kBlockN, first.len_k() - n0); };
 
-  int m_lo, m_hi;
-  bwd_query_block_range(first.window(), n0, kBlockN, kBlockM, m_lo, m_hi);
-  const int n_m = max(m_hi - m_lo, 0);
-  const int n_iter = n_m * group;
+  // Query blocks that reach this key block under causal / window (gathered keys: per (batch,
+  // kv head) from the positions, below).
+  int win_m_lo, win_m_hi;
+  bwd_query_block_range(first.window(), n0, kBlockN, kBlockM, win_m_lo, win_m_hi);
+  const bool gathered = f.kpos.ptr != nullptr;
+  int32_t* const s_pos = reinterpret_cast<int32_t*>(smem + f.smem_kpos_off);
 
   Element* const sQbase = reinterpret_cast<Element*>(smem + Tile::kOffQ);
   Element* const sdObase = reinterpret_cast<Element*>(smem + Tile::kOffdO);
@@ -215,6 +222,18 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
   for (int b = b_begin; b < b_end; ++b) {
     const SeqBounds seq(f, b);
     for (int kvh = kv_begin; kvh < kv_end; ++kvh) {
+      // Query blocks [m_lo, m_hi) that reach this key block. Gathered keys: from the block's
+      // positions (the previous (batch, kv head) ended with a barrier: the tile is free).
+      int m_lo = win_m_lo, m_hi = win_m_hi;
+      if (gathered) {
+        const KeyPositionRow kp_row(f, b, kvh * group);
+        load_positions_tile<kBlockN, kThreads>(s_pos, kp_row.row, kp_row.count, n0, tid);
+        const int n_valid = positions_tile_valid_count<kBlockN>(s_pos, f.kpos.seqlen_k_original, tid);
+        kp_row.query_block_range(s_pos[0], s_pos[n_valid > 0 ? n_valid - 1 : 0], n_valid, kBlockM, m_lo, m_hi);
+      }
+      const int n_m = max(m_hi - m_lo, 0);
+      const int n_iter = n_m * group;
+
       clear(acc_dk);
       clear(acc_dv);
       CUTE_UNROLL
@@ -287,7 +306,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
         Tensor tSsQ = copy_sdp_a.get_thread_slice(tid).partition_S(sQ);
         Tensor tdPsdO = copy_sdp_a.get_thread_slice(tid).partition_S(sdO);
 
-        const bool pos_mask = seq.window().block_needs_mask(m0, kBlockM, kBlockN, n_block);
+        const bool pos_mask = gathered ? positions_block_needs_mask<kBlockN>(position_window(f), s_pos, m0, kBlockM)
+                                       : seq.window().block_needs_mask(m0, kBlockM, kBlockN, n_block);
         // Unrolled without mask / bias; a loop with them (the transform is larger: fewer spills).
         constexpr int kHalfUnroll = kMaskBias ? 1 : Tile::kHalves;
 #pragma unroll kHalfUnroll
@@ -312,8 +332,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
           Tensor tt_rc = make_tensor(tt.data(), acc_rowcol(tt.layout()));
           const char* sb = f.bias.ptr ? s_bias + c_off * (f.bias_fp32 ? 4 : 2) : nullptr;
           const char* sm = f.mask.ptr ? s_mask + c_off : nullptr;
+          const PositionTest half_test{s_pos + c_off, position_window(f)};
           bwd_scores<kMaskBias, kSoftcap, Element, kHalfN>(s_rc, tScS_rc, tt_rc, f, m0, n0 + c_off, pos_mask, seq.window(),
-                                                           sb, bias_tile.pitch, sm, mask_tile.pitch);
+                                                           sb, bias_tile.pitch, sm, mask_tile.pitch,
+                                                           gathered ? &half_test : nullptr);
           bwd_p_ds(s_rc, dp_rc, row_m, row_log2l, delta);
 
           // ---- dbias from registers (dS before the softcap chain: the bias is added after it)

@@ -164,7 +164,11 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
   if (dbias_all_zero) write_dbias(false);
 
   const bool mask_or_bias = f.mask.ptr != nullptr || f.bias.ptr != nullptr;
-  const int smem = Tile::smem_bytes(f.mask.ptr != nullptr, f.bias.ptr != nullptr, f.bias_fp32);
+  int smem = Tile::smem_bytes(f.mask.ptr != nullptr, f.bias.ptr != nullptr, f.bias_fp32);
+  if (f.kpos.ptr) {  // gathered keys: the key block's positions (kBlockN int32) at the end
+    a.f.smem_kpos_off = smem;
+    smem += Tile::kBlockN * 4;
+  }
   const bool softcap = f.softcap != 0.f;
   auto launch = [&](auto kernel, dim3 grid, const char* what) {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), what);

@@ -81,6 +81,13 @@ FwdArgs make_fwd_args(const ForwardParams& p) {
     a.bias_fp32 = p.bias.dtype == DType::kFloat32;
     a.bias = make_operand(p.bias, a.bias_fp32 ? 4 : 2);
   }
+  if (p.has_key_positions()) {
+    a.kpos.ptr = p.key_positions;
+    a.kpos.stride_b = p.key_positions_stride_b;
+    a.kpos.stride_h = p.key_positions_stride_h;
+    a.kpos.head_div = static_cast<int>(p.key_positions_head_div);
+    a.kpos.seqlen_k_original = static_cast<int>(p.seqlen_k_original);
+  }
   return a;
 }
 
@@ -111,6 +118,17 @@ void check_problem(const ForwardParams& p, int instantiated_hd, const char* pass
   check(p.num_heads <= 65535 && p.batch <= 65535, ErrorKind::kValue,
         "q: the CUDA backend supports at most 65535 heads and 65535 batches, got (", p.batch, ", ",
         p.num_heads, ")");
+  if (p.has_key_positions()) {
+    check(p.seqlen_k_original < (int64_t(1) << 31), ErrorKind::kValue,
+          "seqlen_k_original: must be below 2^31 for the CUDA backend");
+    // The key-block-major backward kernel reads one positions row per kv head, shared by the
+    // query heads of its group: rows that differ per query head need k/v gathered per query
+    // head (num_heads_kv == num_heads), which is what dmattn.gather does.
+    const bool per_query_head = p.key_positions_stride_h != 0 && p.key_positions_head_div == 1;
+    check(!per_query_head || p.group_size() == 1, ErrorKind::kNotImplemented,
+          "key_positions: one row per query head with GQA (num_heads ", p.num_heads, " != num_heads_kv ",
+          p.num_heads_kv, ") is not implemented on CUDA; gather k and v per query head");
+  }
 }
 
 }  // namespace

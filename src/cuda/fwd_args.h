@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "cuda/key_positions.h"
+
 namespace dmattn::cuda {
 
 // A mask or bias seen as (B, H, Sq, Sk) through element strides (0 = broadcast).
@@ -40,6 +42,7 @@ struct FwdArgs {
   int64_t window_left = -1, window_right = -1;  // -1 = unbounded, causal folded in
   OperandArgs mask, bias;
   bool bias_fp32 = false;  // else bias has the element type of q
+  KeyPositionsArgs kpos;   // gathered keys (key_positions.h); kpos.ptr null = off
   // Shared-memory placement of the mask / bias tiles (bytes from the start of dynamic smem),
   // filled by run_fwd for its tile: two mask buffers (the next key block's tile is read one
   // block ahead, for block skipping), one or two bias buffers (bias_db: the next block's bias
@@ -47,6 +50,7 @@ struct FwdArgs {
   int smem_mask_off = 0, smem_mask_stride = 0;
   int smem_bias_off = 0, smem_bias_stride = 0;
   bool bias_db = false;
+  int smem_kpos_off = 0;  // the key block's positions tile (kBlockN int32), with kpos only
 };
 
 }  // namespace dmattn::cuda

@@ -15,6 +15,8 @@
 // sequence's rows and lengths from seq_bounds() and exits when its query block starts past them.
 // Key blocks outside the causal / window range are never visited; with a bool mask, blocks
 // whose mask tile is all false are skipped too (block_skip.h): no K, V or bias load, no MMA.
+// Gathered keys (a.kpos, key_positions.h; the plain and general kernels): the range comes from
+// a binary search over the positions, and each block's positions tile lands with its V.
 #pragma once
 
 #include <cfloat>
@@ -26,6 +28,7 @@
 #include "cuda/fwd_epilogue.h"
 #include "cuda/fwd_tile.h"
 #include "cuda/gemm.h"
+#include "cuda/key_positions.h"
 #include "cuda/mask.h"
 #include "cuda/operand_tile.h"
 #include "cuda/score_mask.h"
@@ -43,7 +46,8 @@ namespace dmattn::cuda {
 template <bool kMaskBias, bool kPosMask, typename BiasT, int kBlockN, bool kScale, class S, class C>
 __device__ __forceinline__ void transform_scores_ex(S& s, C const& coord, const FwdArgs& a, int m0, int n0,
                                                     const WindowMask& win, const char* s_bias, int bias_pitch,
-                                                    const char* s_mask, int mask_pitch) {
+                                                    const char* s_mask, int mask_pitch,
+                                                    const PositionTest* pt = nullptr) {
   using namespace cute;
   if constexpr (kScale) {
     if (a.softcap != 0.f) {
@@ -55,15 +59,16 @@ __device__ __forceinline__ void transform_scores_ex(S& s, C const& coord, const 
     }
   }
   mask_and_bias_scores<kMaskBias, kPosMask, BiasT, kBlockN>(s, coord, m0, n0, win, s_bias, bias_pitch, s_mask,
-                                                           mask_pitch);
+                                                           mask_pitch, pt);
 }
 
 template <bool kMaskBias, bool kPosMask, typename BiasT, int kBlockN, class S, class C>
 __device__ __forceinline__ void transform_scores(S& s, C const& coord, const FwdArgs& a, int m0, int n0,
                                                  const WindowMask& win, const char* s_bias, int bias_pitch,
-                                                 const char* s_mask, int mask_pitch) {
+                                                 const char* s_mask, int mask_pitch,
+                                                 const PositionTest* pt = nullptr) {
   transform_scores_ex<kMaskBias, kPosMask, BiasT, kBlockN, true>(s, coord, a, m0, n0, win, s_bias, bias_pitch,
-                                                                  s_mask, mask_pitch);
+                                                                  s_mask, mask_pitch, pt);
 }
 
 // Accumulator initialization of one key block for the init kernel (mask and/or bias, no
@@ -126,7 +131,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_co
   const int h_kv = h / a.group;
 
   int n_min, n_max;
-  seq.window().key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
+  // Gathered keys (never packed): the block range from the positions of this (b, h); each key
+  // block's positions go to a tile in smem (s_pos), read by the per-element test (pt).
+  const bool gathered = a.kpos.ptr != nullptr;
+  if (gathered) KeyPositionRow(a, b, h).key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
+  else seq.window().key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
+  int32_t* const s_pos = reinterpret_cast<int32_t*>(smem + a.smem_kpos_off);
 
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Tile::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffK)), typename Tile::SmemLayoutKV{});
@@ -287,6 +297,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_co
           else cp_async_wait<0>();
           __syncthreads();
           load_rows_async<kBlockN, kHeadDim, kThreads>(sV, gV + int64_t(n0) * a.v_rs, a.v_rs, seq.len_k() - n0, a.head_dim, tid);
+          // Read after the barrier below; the last block's tile was read before the one above.
+          if (gathered) load_positions_tile_async<kBlockN, kThreads>(s_pos, positions_row(a.kpos, b, h), a.seqlen_k, n0, tid);
           if constexpr (kMaskBias) {
             if (has_bias && !bias_db) bias_tile.load_any(s_bias_base, Tile::kBiasPitch, n0, seq.len_k(), tid);
             // The next block's mask tile, one block ahead, into the other buffer.
@@ -325,20 +337,23 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_co
 
           Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
           const WindowMask win = seq.window();
-          const bool pos_mask = win.block_needs_mask(m0, kBlockM, kBlockN, n);
+          const PositionTest kp_test{s_pos, position_window(a)};  // from the constant params
+          const PositionTest* const pt = gathered ? &kp_test : nullptr;
+          const bool pos_mask = gathered ? positions_block_needs_mask<kBlockN>(position_window(a), s_pos, m0, kBlockM)
+                                         : win.block_needs_mask(m0, kBlockM, kBlockN, n);
           if constexpr (kMaskBias) {
             const char* sb = has_bias ? s_bias_base + bbuf * a.smem_bias_stride : nullptr;
             const char* sm = has_mask ? s_mask_base + mbuf * a.smem_mask_stride : nullptr;
             if (a.bias_fp32) {
-              if (pos_mask) transform_scores<true, true, float, kBlockN>(s_rc, tScS_rc, a, m0, n0, win, sb, bias_tile.pitch, sm, mask_tile.pitch);
+              if (pos_mask) transform_scores<true, true, float, kBlockN>(s_rc, tScS_rc, a, m0, n0, win, sb, bias_tile.pitch, sm, mask_tile.pitch, pt);
               else transform_scores<true, false, float, kBlockN>(s_rc, tScS_rc, a, m0, n0, win, sb, bias_tile.pitch, sm, mask_tile.pitch);
             } else {
-              if (pos_mask) transform_scores<true, true, Element, kBlockN>(s_rc, tScS_rc, a, m0, n0, win, sb, bias_tile.pitch, sm, mask_tile.pitch);
+              if (pos_mask) transform_scores<true, true, Element, kBlockN>(s_rc, tScS_rc, a, m0, n0, win, sb, bias_tile.pitch, sm, mask_tile.pitch, pt);
               else transform_scores<true, false, Element, kBlockN>(s_rc, tScS_rc, a, m0, n0, win, sb, bias_tile.pitch, sm, mask_tile.pitch);
             }
             softmax.template update<true>(s_rc, acc_o_rc);
           } else {
-            if (pos_mask) transform_scores_ex<false, true, Element, kBlockN, false>(s_rc, tScS_rc, a, m0, n0, win, nullptr, 0, nullptr, 0);
+            if (pos_mask) transform_scores_ex<false, true, Element, kBlockN, false>(s_rc, tScS_rc, a, m0, n0, win, nullptr, 0, nullptr, 0, pt);
             softmax.template update_scaled<false>(s_rc, acc_o_rc, a.scale * kLog2e);
           }
 

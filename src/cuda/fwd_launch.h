@@ -64,6 +64,10 @@ void launch_fwd_kernel(const FwdArgs& args, cudaStream_t stream, Kernel kernel) 
     a.bias_db = kInit || (kBiasDb && dbl <= max_smem && (mode == 2 || (mode == 1 && ctas_dbl >= ctas_single)));
     smem = a.bias_db ? dbl : single;
   }
+  if (a.kpos.ptr) {  // gathered keys: the key block's positions (kBlockN int32)
+    a.smem_kpos_off = smem;
+    smem += Tile::kBlockN * 4;
+  }
   if (smem > max_smem)
     fail(ErrorKind::kValue, "CUDA backend: the forward kernel for head_dim <= ", Tile::kHeadDim, " with this mask/bias needs ",
          smem, " bytes of shared memory per block, the device allows ", max_smem);
@@ -96,10 +100,10 @@ inline bool fwd_sm90_enabled() {
   return major == 9;
 }
 
-// The init kernel (mask / bias folded into the QK^T accumulator's initial value) compiles and
-// is free of spills at its default tile, but has not run on a GPU yet: off by default until a
-// device run has checked and timed it (scripts/fwd_device.sh, VARIANTS with
-// -DDMATTN_FWD_INIT_KERNEL=1). Off: a mask or bias goes to the general kernel.
+// The init kernel (mask / bias folded into the QK^T accumulator's initial value): measured on the
+// H100 10-15 % faster than the general kernel on bias rows, but its lse is wrong for rows whose
+// every allowed key carries a finfo.min bias (benchmarks/fwd_notes.md), so it stays off
+// (-DDMATTN_FWD_INIT_KERNEL=1 builds it). Off: a mask or bias goes to the general kernel.
 #ifndef DMATTN_FWD_INIT_KERNEL
 #define DMATTN_FWD_INIT_KERNEL 0
 #endif
@@ -110,7 +114,8 @@ template <typename Element, int kHeadDim>
 void run_fwd(const FwdArgs& a, cudaStream_t stream) {
   const bool mask_or_bias = a.mask.ptr != nullptr || a.bias.ptr != nullptr;
   if constexpr (kHeadDim <= 128) {
-    if (a.cu_seqlens_q == nullptr && fwd_sm90_enabled()) {  // (packed batches: not yet)
+    // (packed batches and gathered keys: not in the Hopper kernel yet)
+    if (a.cu_seqlens_q == nullptr && a.kpos.ptr == nullptr && fwd_sm90_enabled()) {
       if (mask_or_bias || a.softcap != 0.f) {
         using Tile = sm90::FwdTileSm90<Element, kHeadDim, 1>;
         launch_fwd_kernel<Tile, false, false>(a, stream, sm90::fwd_kernel_sm90<Tile, true>);
@@ -122,7 +127,7 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream) {
     }
   }
 #if DMATTN_FWD_INIT_KERNEL  // (not instantiated at all when off: compile time)
-  if (mask_or_bias && a.softcap == 0.f)
+  if (mask_or_bias && a.softcap == 0.f && !a.kpos.ptr)  // no key positions in the init kernel
     launch_fwd<FwdTile<Element, kHeadDim, kFwdInit>, true, true>(a, stream);
   else
 #endif

@@ -5,25 +5,31 @@
 // from their shared-memory tiles (operand_tile.h), read two adjacent columns at a time.
 // Per row, the window becomes a column range [lo, hi) relative to the thread's first column,
 // so the per-element tests compare against compile-time offsets (no per-element registers).
+// With gathered keys (pt non-null, kPosMask) the window part instead tests each column's
+// original position, read from the key block's positions tile, against the row's allowed
+// position range (key_positions.h). The two variants are separate inlined bodies, so that the
+// one without positions keeps its registers.
 #pragma once
 
 #include "cuda/bias.h"
+#include "cuda/key_positions.h"
 #include "cuda/mask.h"
 
 namespace dmattn::cuda {
 
-template <bool kMaskBias, bool kPosMask, typename BiasT, int kBlockN, class S, class C>
-__device__ __forceinline__ void mask_and_bias_scores(S& s, C const& coord, int m0, int n0, const WindowMask& win,
-                                                     const char* s_bias, int bias_pitch, const char* s_mask,
-                                                     int mask_pitch) {
+template <bool kMaskBias, bool kPosMask, bool kPositions, typename BiasT, int kBlockN, class S, class C>
+__device__ __forceinline__ void mask_and_bias_scores_impl(S& s, C const& coord, int m0, int n0, const WindowMask& win,
+                                                          const char* s_bias, int bias_pitch, const char* s_mask,
+                                                          int mask_pitch, const PositionTest* pt) {
   using namespace cute;
   if constexpr (kMaskBias || kPosMask) {
     const int col0 = get<1>(coord(0, 0));
     CUTE_UNROLL
     for (int r = 0; r < size<0>(s); ++r) {
       const int row = get<0>(coord(r, 0));
-      int lo = 0, hi = kBlockN;
-      if constexpr (kPosMask) win.column_range(m0 + row, n0 + col0, kBlockN, lo, hi);
+      int lo = 0, hi = kBlockN;  // kPositions: a range of positions, else of columns
+      if constexpr (kPositions) position_range(pt->win, m0 + row, lo, hi);
+      else if constexpr (kPosMask) win.column_range(m0 + row, n0 + col0, kBlockN, lo, hi);
       const BiasT* brow = kMaskBias && s_bias ? reinterpret_cast<const BiasT*>(s_bias) + row * bias_pitch + col0 : nullptr;
       const uint8_t* mrow = kMaskBias && s_mask ? reinterpret_cast<const uint8_t*>(s_mask) + row * mask_pitch + col0 : nullptr;
       // Columns come in adjacent pairs (c, c + 1): one 32/64-bit shared load per pair.
@@ -46,7 +52,11 @@ __device__ __forceinline__ void mask_and_bias_scores(S& s, C const& coord, int m
             ok1 = ok1 && m1;
           }
         }
-        if constexpr (kPosMask) {
+        if constexpr (kPositions) {  // an even column: an 8-byte aligned pair of positions
+          const int2 p = *reinterpret_cast<const int2*>(pt->s_pos + col0 + cc);
+          ok0 = ok0 && p.x >= lo && p.x < hi;
+          ok1 = ok1 && p.y >= lo && p.y < hi;
+        } else if constexpr (kPosMask) {
           ok0 = ok0 && cc >= lo && cc < hi;
           ok1 = ok1 && cc + 1 >= lo && cc + 1 < hi;
         }
@@ -55,6 +65,23 @@ __device__ __forceinline__ void mask_and_bias_scores(S& s, C const& coord, int m
       }
     }
   }
+}
+
+// pt: gathered keys' positions test of these columns, null without gathered keys (read only
+// when kPosMask).
+template <bool kMaskBias, bool kPosMask, typename BiasT, int kBlockN, class S, class C>
+__device__ __forceinline__ void mask_and_bias_scores(S& s, C const& coord, int m0, int n0, const WindowMask& win,
+                                                     const char* s_bias, int bias_pitch, const char* s_mask,
+                                                     int mask_pitch, const PositionTest* pt = nullptr) {
+  if constexpr (kPosMask) {
+    if (pt) {
+      mask_and_bias_scores_impl<kMaskBias, true, true, BiasT, kBlockN>(s, coord, m0, n0, win, s_bias, bias_pitch,
+                                                                      s_mask, mask_pitch, pt);
+      return;
+    }
+  }
+  mask_and_bias_scores_impl<kMaskBias, kPosMask, false, BiasT, kBlockN>(s, coord, m0, n0, win, s_bias, bias_pitch,
+                                                                       s_mask, mask_pitch, nullptr);
 }
 
 }  // namespace dmattn::cuda

@@ -686,3 +686,40 @@ def test_cuda_cu_seqlens_values_are_checked():
     args["cu_seqlens_k"] = _i32([0, 4, 5, 8]).cuda()
     with pytest.raises(ValueError, match="cu_seqlens_k: expected last entry"):
         dmattn.attention_varlen(**args)
+
+
+@pytest.mark.gpu
+def test_cuda_cu_seqlens_modified_in_place_are_checked_again():
+    """The value check runs once per pair of cu_seqlens tensors (the host copy is a device
+    synchronization): a call with the same, unmodified tensors skips it, but an in-place change
+    (version counter) makes the next call check again."""
+    args = _valid_call_args("cuda")
+    for n in ("q", "k", "v", "bias"):
+        args[n] = args[n].to(torch.bfloat16)
+    args["cu_seqlens_k"] = args["cu_seqlens_k"].cuda()
+    args["cu_seqlens_q"] = args["cu_seqlens_q"].cuda()
+    dmattn.attention_varlen(**args)
+    dmattn.attention_varlen(**args)  # cached: no error, same tensors
+    args["cu_seqlens_k"][-1] += 1  # last entry no longer total_k
+    with pytest.raises(ValueError, match="cu_seqlens_k: expected last entry"):
+        dmattn.attention_varlen(**args)
+
+
+def test_cu_seqlens_check_cache_keys():
+    """What makes a cached value check reusable: the same two tensors, unmodified, checked
+    against the same max lengths and totals."""
+    from dmattn import ops
+
+    cu_q, cu_k = _i32([0, 3, 5]), _i32([0, 2, 6])
+    sizes = (3, 4, 5, 6)
+    assert not ops._cu_seqlens_already_checked(cu_q, cu_k, *sizes)
+    ops._remember_cu_seqlens_checked(cu_q, cu_k, *sizes)
+    assert ops._cu_seqlens_already_checked(cu_q, cu_k, *sizes)
+    assert not ops._cu_seqlens_already_checked(cu_q, cu_k, 2, 4, 5, 6)  # other max_seqlen_q
+    assert not ops._cu_seqlens_already_checked(cu_q, cu_k.clone(), *sizes)  # another k tensor
+    assert not ops._cu_seqlens_already_checked(cu_q.clone(), cu_k, *sizes)  # another q tensor
+    cu_k[1] = 1  # in place: bumps the version counter
+    assert not ops._cu_seqlens_already_checked(cu_q, cu_k, *sizes)
+    ops._remember_cu_seqlens_checked(cu_q, cu_k, *sizes)
+    cu_q.add_(0)
+    assert not ops._cu_seqlens_already_checked(cu_q, cu_k, *sizes)

@@ -1,0 +1,140 @@
+"""Where the time of dmattn.attention_topk (the gather path) goes on the GPU.
+
+    PYTHONPATH=python python3 benchmarks/topk_gather_timing.py [--profile]
+
+Times (median of CUDA events, dmattn.bench.time_ms) for bf16, D=128, H=16, a per-key bias
+(B, H, 1, S) with gradient, keep=2048, causal:
+  * attention_topk end to end (top-k selection, compaction, gathers, kernels, scatter-back),
+    forward and forward+backward, gather path and (for comparison) the dense masked path;
+  * its pieces at B=2, S=8192: the selection (dynamic_mask), the key set plus compaction of
+    the positions, the gathers of K/V/bias, the raw forward and backward ops on gathered rows;
+  * the scaling series S = 4096 .. 32768 at B=1 (work should follow keep, not S);
+  * --profile: the CUDA kernels of one forward+backward step (torch.profiler), by total time.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import dmattn
+from dmattn import gather
+from dmattn.bench import time_ms
+from dmattn.masks import bias_over_keys
+
+H, D, KEEP = 16, 128, 2048
+
+
+def make(batch: int, seqlen: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device="cuda", dtype=torch.bfloat16)
+
+    q, k, v, dout = (randn(batch, seqlen, H, D) for _ in range(4))
+    bias = randn(batch, H, 1, seqlen)
+    for t in (q, k, v, bias):
+        t.requires_grad_(True)
+    return q, k, v, bias, dout
+
+
+def step_fns(q, k, v, bias, dout, path=None):
+    def fwd():
+        with torch.no_grad(), gather.force_path(path):
+            return dmattn.attention_topk(q, k, v, bias, KEEP, causal=True)
+
+    def fwd_bwd():
+        with gather.force_path(path):
+            out = dmattn.attention_topk(q, k, v, bias, KEEP, causal=True)
+        return torch.autograd.grad(out, (q, k, v, bias), dout)
+
+    return fwd, fwd_bwd
+
+
+def pieces(q, k, v, bias, dout, warmup, iters):
+    """Times of the gather path's parts on these inputs (ms)."""
+    batch, num_keys = q.shape[0], k.shape[1]
+    t = {}
+    t["selection (dynamic_mask)"] = time_ms(lambda: dmattn.dynamic_mask(bias, KEEP), "cuda", warmup, iters)
+
+    def key_set_and_positions():
+        ks = gather.topk_key_set(q, k, bias, KEEP, None, False)
+        return gather.compact_positions(ks.kept, ks.width)
+
+    t["key set + compact positions"] = time_ms(key_set_and_positions, "cuda", warmup, iters)
+    positions = key_set_and_positions()
+    index = positions.long().clamp_min(0)
+    flat = gather._flat_row_index(index, num_keys, k.shape[2])
+
+    def gathers():
+        return (gather._gather_rows(k, flat, KEEP, H), gather._gather_rows(v, flat, KEEP, H),
+                gather._gather_bias(bias, index, batch, H, H, num_keys))
+
+    t["gathers of K, V, bias"] = time_ms(gathers, "cuda", warmup, iters)
+    k_rows, v_rows, bias_rows = (x.detach() for x in gathers())
+    opts = (True, -1, -1, None, 0.0, False)
+    fwd = lambda: torch.ops.dmattn.fwd(q.detach(), k_rows, v_rows, None, bias_rows, *opts, positions, num_keys)
+    t["forward kernel (raw op)"] = time_ms(fwd, "cuda", warmup, iters)
+    out, lse = fwd()
+    bwd = lambda: torch.ops.dmattn.bwd(dout, q.detach(), k_rows, v_rows, out, lse, None, bias_rows, True, *opts,
+                                       positions, num_keys)
+    t["backward kernels (raw op)"] = time_ms(bwd, "cuda", warmup, iters)
+    grads = bwd()
+
+    def scatter_back():
+        zeros = torch.zeros(batch * num_keys * H, D, dtype=k.dtype, device=k.device)
+        zeros.index_add_(0, flat, grads[1].reshape(-1, D))
+        zeros2 = torch.zeros_like(zeros).index_add_(0, flat, grads[2].reshape(-1, D))
+        return zeros, zeros2
+
+    t["scatter-back of dK, dV (index_add_)"] = time_ms(scatter_back, "cuda", warmup, iters)
+    return t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    w, n = args.warmup, args.iters
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+
+    x = make(2, 8192)
+    print("\n## B=2, S=8192, H=16, D=128, bf16, per-key bias + grad, keep=2048, causal")
+    for path in ("gather", "dense"):
+        fwd, fwd_bwd = step_fns(*x, path=path)
+        print(f"attention_topk [{path:6}]  fwd {time_ms(fwd, 'cuda', w, n):7.3f} ms   "
+              f"fwd+bwd {time_ms(fwd_bwd, 'cuda', w, n):7.3f} ms  (mask construction included)")
+    print("\npieces of the gather path:")
+    for name, ms in pieces(*x, w, n).items():
+        print(f"  {name:38} {ms:7.3f} ms")
+
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        _, fwd_bwd = step_fns(*x, path="gather")
+        fwd_bwd()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fwd_bwd()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    del x
+
+    print("\n## scaling at B=1 (keep=2048, causal), attention_topk end to end")
+    base = None
+    for s in (4096, 8192, 16384, 32768):
+        x = make(1, s)
+        fwd, fwd_bwd = step_fns(*x, path="gather")
+        tf, tfb = time_ms(fwd, "cuda", w, n), time_ms(fwd_bwd, "cuda", w, n)
+        base = base or (s, tfb)
+        print(f"S={s:6}  fwd {tf:7.3f} ms  fwd+bwd {tfb:7.3f} ms  "
+              f"(fwd+bwd x{tfb / base[1]:.2f} for S x{s / base[0]:.0f})")
+        del x
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+// Gathered keys (ForwardParams::key_positions) in the CUDA kernels.
+//
+// With gathered keys, row j of k/v for (b, h) stands for the original key position
+// pos = key_positions[b, h', j]; causal / window test pos (bottom-right aligned with
+// seqlen_k_original) instead of j, and a pos outside [0, seqlen_k_original) is a padding row
+// that nothing attends to. The valid positions of a row are strictly increasing and come
+// before the padding (the contract), so:
+//   * the rows a query range may reach are one contiguous range, found by binary search over
+//     the row in global memory (KeyPositionRow::key_block_range, forward and dQ kernels);
+//   * the queries a key block may reach follow from the block's first and last valid
+//     positions (KeyPositionRow::query_block_range, the key-block-major backward kernel);
+//   * the per-element test reads the key block's positions from a kBlockN int32 tile in shared
+//     memory loaded beside K (load_positions_tile); rows past the gathered count read -1.
+// Key blocks made only of padding rows fall outside every range: never loaded or computed.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/mask.h"
+
+namespace dmattn::cuda {
+
+// The positions operand as the kernels see it (plain data, part of FwdArgs).
+struct KeyPositionsArgs {
+  const int32_t* ptr = nullptr;  // null: row j is key position j (no gather)
+  int64_t stride_b = 0, stride_h = 0;
+  int head_div = 1;
+  int seqlen_k_original = 0;
+};
+
+// The window rule on original positions for query i: the allowed positions are [lo, hi) with
+// 0 <= lo and hi <= seqlen_k_original, so that a padding position (< 0 or >= the original
+// length) never passes `lo <= pos < hi`. `win` has seqlen_k = seqlen_k_original.
+__device__ __forceinline__ void position_range(const WindowMask& win, int64_t i, int& lo, int& hi) {
+  const int64_t d = i + win.seqlen_k - win.seqlen_q;
+  int64_t l = win.left < 0 ? 0 : max(int64_t(0), d - win.left);
+  int64_t h = win.right < 0 ? win.seqlen_k : min(win.seqlen_k, d + win.right + 1);
+  l = min(l, win.seqlen_k);
+  h = max(h, int64_t(0));
+  lo = int(l);
+  hi = int(h);
+}
+
+// The window on positions of a kernel's arguments (FwdArgs). Built where it is used, from the
+// kernel's constant parameters, rather than kept in registers across the key loop.
+template <class Args>
+__device__ __forceinline__ WindowMask position_window(const Args& a) {
+  return WindowMask{a.seqlen_q, a.kpos.seqlen_k_original, a.window_left, a.window_right};
+}
+
+// key_positions[b, h', :] for query head h.
+__device__ __forceinline__ const int32_t* positions_row(const KeyPositionsArgs& kp, int b, int h) {
+  return kp.ptr + int64_t(b) * kp.stride_b + int64_t(h / kp.head_div) * kp.stride_h;
+}
+
+// Per-element test of the score transform (score_mask.h): the positions of the columns it
+// is handed (shared memory, column c at s_pos[c]) and the window on positions.
+struct PositionTest {
+  const int32_t* s_pos;  // the tile, already offset to the first column handed over
+  WindowMask win;        // seqlen_k = seqlen_k_original
+};
+
+// One (batch, head) row of positions in global memory.
+struct KeyPositionRow {
+  const int32_t* row = nullptr;  // key_positions[b, h', :]
+  int count = 0;                 // gathered rows K (= FwdArgs::seqlen_k)
+  WindowMask win;                // on positions: seqlen_k = seqlen_k_original
+
+  template <class Args>
+  __device__ __forceinline__ KeyPositionRow(const Args& a, int b, int h)
+      : row(positions_row(a.kpos, b, h)), count(a.seqlen_k), win(position_window(a)) {}
+
+  // Number of rows with 0 <= pos < x (x <= seqlen_k_original): by the contract a prefix of the
+  // row, so this is a lower bound. Warp-cooperative: each round the 32 lanes probe 32 evenly
+  // spaced rows and one ballot narrows the range 32-fold (3 dependent loads for K = 2048
+  // instead of 11). Every lane of the warp must call it with the same arguments; every warp
+  // of a block gets the same answer (no barrier needed).
+  __device__ __forceinline__ int rows_below(int64_t x) const {
+    const int lane = threadIdx.x & 31;
+    int lo = 0, hi = count;  // rows < lo are below x, rows >= hi are not
+    while (lo < hi) {
+      const int step = (hi - lo + 31) / 32;
+      const int j = lo + lane * step;
+      bool below = false;
+      if (j < hi) {
+        const int pos = __ldg(row + j);
+        below = pos >= 0 && pos < x;
+      }
+      const unsigned ballot = __ballot_sync(0xffffffffu, below);
+      const int probes_below = __popc(ballot);  // a prefix of the lanes
+      const int new_lo = probes_below > 0 ? lo + (probes_below - 1) * step + 1 : lo;
+      hi = min(hi, lo + probes_below * step);
+      lo = new_lo;
+    }
+    return lo;
+  }
+
+  // Key blocks [n_min, n_max) holding a row that a query of [m0, m0 + block_m) may attend
+  // (empty when n_max <= n_min), as WindowMask::key_block_range does for plain rows.
+  __device__ __forceinline__ void key_block_range(int m0, int block_m, int block_n, int& n_min, int& n_max) const {
+    const int64_t m_last = (m0 + block_m < win.seqlen_q ? m0 + block_m : win.seqlen_q) - 1;
+    const int64_t off = win.seqlen_k - win.seqlen_q;
+    int64_t lo = 0, hi = win.seqlen_k;  // allowed positions [lo, hi)
+    if (win.left >= 0) lo = max(lo, int64_t(m0) + off - win.left);
+    if (win.right >= 0) hi = min(hi, m_last + off + win.right + 1);
+    n_min = n_max = 0;
+    if (hi <= lo) return;
+    const int first = rows_below(lo), last = rows_below(hi);
+    if (last <= first) return;
+    n_min = first / block_n;
+    n_max = (last + block_n - 1) / block_n;
+  }
+
+  // Query blocks [m_lo, m_hi) holding a query that may attend a valid row of the key block
+  // whose first position is p_first and last valid position p_last (n_valid rows valid, 0:
+  // padding only, empty range), as bwd_query_block_range does for plain rows.
+  __device__ __forceinline__ void query_block_range(int p_first, int p_last, int n_valid, int block_m, int& m_lo,
+                                                    int& m_hi) const {
+    m_lo = m_hi = 0;
+    if (n_valid <= 0) return;
+    const int64_t off = win.seqlen_k - win.seqlen_q;
+    int64_t lo = 0, hi = win.seqlen_q;  // queries [lo, hi)
+    if (win.right >= 0) lo = max(lo, int64_t(p_first) - off - win.right);
+    if (win.left >= 0) hi = min(hi, int64_t(p_last) - off + win.left + 1);
+    if (hi <= lo) return;
+    m_lo = int(lo / block_m);
+    m_hi = int((hi + block_m - 1) / block_m);
+  }
+};
+
+// Does the key block whose positions tile is s_pos (kBlockN entries, -1 past the gathered
+// rows) need the per-element test for queries [m0, m0 + block_m)? Not when every row is valid
+// and inside the window of every query of the block. Reads two shared entries (broadcast).
+template <int kBlockN>
+__device__ __forceinline__ bool positions_block_needs_mask(const WindowMask& pwin, const int32_t* s_pos, int m0,
+                                                           int block_m) {
+  const int first = s_pos[0], last = s_pos[kBlockN - 1];
+  if (first < 0 || last < 0 || last >= pwin.seqlen_k) return true;  // padding inside (sorted)
+  const int64_t m_last = (m0 + block_m < pwin.seqlen_q ? m0 + block_m : pwin.seqlen_q) - 1;
+  const int64_t off = pwin.seqlen_k - pwin.seqlen_q;
+  if (pwin.right >= 0 && last > int64_t(m0) + off + pwin.right) return true;
+  if (pwin.left >= 0 && first < m_last + off - pwin.left) return true;
+  return false;
+}
+
+// Stores the positions of rows [n0, n0 + kBlockN) into s_pos, -1 past the `count` gathered
+// rows. Plain loads and shared stores (512 bytes at most): visible after the caller's next
+// barrier, which must also separate it from the previous block's reads.
+template <int kBlockN, int kThreads>
+__device__ __forceinline__ void load_positions_tile(int32_t* s_pos, const int32_t* row, int count, int n0, int tid) {
+  for (int c = tid; c < kBlockN; c += kThreads) s_pos[c] = n0 + c < count ? __ldg(row + n0 + c) : -1;
+}
+
+// As load_positions_tile, but the rows inside the gathered count go through 4-byte cp.async
+// (the row need not be 16-byte aligned): it lands with the caller's next
+// cp_async_commit / cp_async_wait, so the load latency hides behind the caller's MMAs.
+template <int kBlockN, int kThreads>
+__device__ __forceinline__ void load_positions_tile_async(int32_t* s_pos, const int32_t* row, int count, int n0,
+                                                          int tid) {
+  for (int c = tid; c < kBlockN; c += kThreads) {
+    if (n0 + c < count) {
+      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(s_pos + c));
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(row + n0 + c));
+    } else {
+      s_pos[c] = -1;
+    }
+  }
+}
+
+// The number of valid rows (0 <= pos < seqlen_k_original) in a tile just stored by
+// load_positions_tile: a prefix of the tile by the contract. A block-wide barrier (every thread
+// of the block must call it); the tile is visible to all threads afterwards.
+template <int kBlockN>
+__device__ __forceinline__ int positions_tile_valid_count(const int32_t* s_pos, int seqlen_k_original, int tid) {
+  bool valid = false;
+  if (tid < kBlockN) {
+    const int pos = s_pos[tid];
+    valid = pos >= 0 && pos < seqlen_k_original;
+  }
+  return __syncthreads_count(valid);
+}
+
+}  // namespace dmattn::cuda
