@@ -9,7 +9,9 @@ transformers is imported only inside register(); importing dmattn never needs it
 What the attention function accepts (HF layout (B, H, S, D), GQA through the k/v head count):
 * attention_mask: None; a 4D bool mask (True = attend) or a 4D float additive mask (0 where
   allowed, finfo.min or -inf where not), each (B, 1 or H, Sq, Sk) and used without expansion;
-  or a 2D padding mask (B, Sk) (nonzero = attend), used as a key mask (B, 1, 1, Sk).
+  or a 2D padding mask (B, Sk) (nonzero = attend): the real tokens run packed through
+  dmattn.attention_varlen (padding.py; padded query rows give 0), or, with keep_window_size or
+  a bias that has a query dimension, it is a key mask (B, 1, 1, Sk) on the dense path.
 * kwargs: is_causal, softcap, attention_bias (an additive, learnable bias broadcastable to
   (B, H, Sq, Sk)) and keep_window_size (keep only that many keys per row, selected from
   attention_bias by dmattn.dynamic_mask, as Doge / flash-dmattn do).
@@ -24,6 +26,7 @@ from torch import Tensor
 
 from ..interface import attention
 from ..masks import bias_over_keys, dynamic_mask
+from .padding import key_side_bias, padded_attention
 
 __all__ = ["register", "attention_forward"]
 
@@ -197,13 +200,20 @@ def attention_forward(
     keep = kwargs.get("keep_window_size")
     if keep is not None and bias is None:
         raise ValueError("keep_window_size: needs attention_bias, the bias the kept keys are selected by")
-    if keep is not None and not (isinstance(keep, int) and keep >= num_keys):
+    selects = keep is not None and not (isinstance(keep, int) and keep >= num_keys)
+    if selects:
         # (keep >= Sk keeps every key: no selection, no extra mask.) dynamic_mask checks keep.
         mask = dynamic_mask(bias_over_keys(bias, num_keys), keep, mask)
 
     softcap = kwargs.get("softcap")
-    out = attention(q, k, v, mask, _bias_for(bias, q.dtype), causal=causal, scale=scaling,
-                    softcap=0.0 if softcap is None else softcap)
+    softcap = 0.0 if softcap is None else softcap
+    bias = _bias_for(bias, q.dtype)
+    padding_2d = attention_mask is not None and attention_mask.dim() == 2
+    if padding_2d and not selects and (bias is None or key_side_bias(bias, q.shape[0], num_keys) is not None):
+        # Only the real tokens are computed (FlashAttention's unpad / pad).
+        out = padded_attention(q, k, v, mask[:, 0, 0, :], bias, causal=causal, scale=scaling, softcap=softcap)
+    else:
+        out = attention(q, k, v, mask, bias, causal=causal, scale=scaling, softcap=softcap)
     if dtypes is not None:
         out = out.to(dtypes[1])
     return out, None
