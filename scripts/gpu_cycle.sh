@@ -8,7 +8,8 @@
 #   .devcarry/   cutlass_include.tgz (CuTe/CUTLASS headers from the nvidia-cutlass wheel)
 #
 # Usage on the device (repo root):  bash scripts/gpu_cycle.sh [steps...]
-#   steps: build test bench sanitize (default: build test bench)
+#   steps: build test bench sm90 sanitize (default: build test bench; sm90: the opt-in Hopper
+#          forward kernel's GPU tests and timings)
 #   env:   OUT (default /tmp/dmattn-out), ARCHS (default 90a), PYTEST_ARGS, BENCH_ARGS,
 #          CARRY_ROOT (folder holding .whl/ and .devcarry/, default the repo root; lets a copy of
 #          a work tree staged inside the checkout reuse the checkout's carried folders)
@@ -65,6 +66,19 @@ if [[ " $STEPS " == *" bench "* ]]; then
   python3 -m dmattn.bench --device cuda --json "$OUT/bench.json" ${BENCH_ARGS:-} \
     2>"$OUT/bench.err" | tee "$OUT/bench.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if [[ " $STEPS " == *" sm90 "* ]]; then
+  # The opt-in Hopper forward kernel (src/cuda/sm90/): the GPU suite with it on, then forward
+  # timings with it off and on.
+  step "GPU tests with DMATTN_FWD_SM90=1"
+  # shellcheck disable=SC2086
+  DMATTN_FWD_SM90=1 python3 -m pytest tests/python -m gpu -q --maxfail=40 -p no:cacheprovider -rf ${PYTEST_ARGS:-} \
+    2>&1 | tee "$OUT/pytest_gpu_sm90.log" | tail -15
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  step "forward timings, sm80-class kernels vs DMATTN_FWD_SM90=1"
+  python3 benchmarks/fwd_timing.py 2>&1 | grep -A12 TABLE | tee "$OUT/fwd_timing_sm80.txt"
+  DMATTN_FWD_SM90=1 python3 benchmarks/fwd_timing.py 2>&1 | grep -A12 TABLE | tee "$OUT/fwd_timing_sm90.txt"
 fi
 
 if [[ " $STEPS " == *" sanitize "* ]]; then
