@@ -206,25 +206,31 @@ attention_forward.register_autograd(_backward, setup_context=_setup_context)
 # ---------------------------------------------------------------------------------------------
 
 
-# CUDA cu_seqlens pairs whose values passed the check, keyed by the cu_seqlens_q tensor (held
-# weakly): (cu_seqlens_k, both tensors' versions, the sizes they were checked against). A model
-# passes the same two tensors to every layer, forward and backward: one host copy per step.
-_checked_cu_seqlens: "weakref.WeakKeyDictionary[Tensor, tuple]" = weakref.WeakKeyDictionary()
-
-
-def _cu_seqlens_key(cu_seqlens_k: Tensor, *sizes: int) -> tuple:
-    return (weakref.ref(cu_seqlens_k), cu_seqlens_k._version) + tuple(sizes)
+# CUDA cu_seqlens pairs whose values passed the check: id(cu_seqlens_q) -> (weak references to
+# both tensors, their version counters, the sizes they were checked against). A model passes the
+# same two tensors to every layer, forward and backward: one host copy per step. Identity is
+# tested with `is` on the live referents (a dead tensor's id may be reused; tensors' == is
+# elementwise); the table is cleared when it grows past a few entries.
+_checked_cu_seqlens: dict = {}
+_CHECKED_CU_SEQLENS_MAX = 64
 
 
 def _cu_seqlens_already_checked(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *sizes: int) -> bool:
     """True when this very pair of tensors, unmodified since (same version counters), passed the
     value check against the same max lengths and totals."""
-    entry = _checked_cu_seqlens.get(cu_seqlens_q)
-    return entry is not None and entry == (cu_seqlens_q._version,) + _cu_seqlens_key(cu_seqlens_k, *sizes)
+    entry = _checked_cu_seqlens.get(id(cu_seqlens_q))
+    if entry is None:
+        return False
+    ref_q, version_q, ref_k, version_k, checked_sizes = entry
+    return (ref_q() is cu_seqlens_q and ref_k() is cu_seqlens_k and version_q == cu_seqlens_q._version
+            and version_k == cu_seqlens_k._version and checked_sizes == sizes)
 
 
 def _remember_cu_seqlens_checked(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *sizes: int) -> None:
-    _checked_cu_seqlens[cu_seqlens_q] = (cu_seqlens_q._version,) + _cu_seqlens_key(cu_seqlens_k, *sizes)
+    if len(_checked_cu_seqlens) >= _CHECKED_CU_SEQLENS_MAX:
+        _checked_cu_seqlens.clear()
+    _checked_cu_seqlens[id(cu_seqlens_q)] = (weakref.ref(cu_seqlens_q), cu_seqlens_q._version,
+                                             weakref.ref(cu_seqlens_k), cu_seqlens_k._version, sizes)
 
 
 def _check_cu_seqlens_values(q: Tensor, k: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
