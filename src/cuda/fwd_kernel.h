@@ -71,6 +71,23 @@ __device__ __forceinline__ void transform_scores(S& s, C const& coord, const Fwd
                                                                   s_mask, mask_pitch, pt);
 }
 
+// The general kernels' transform of one key block (mask / bias / softcap), dispatched on the
+// bias dtype and on whether the block needs the position test (window, tails; pt: gathered
+// keys' positions, null otherwise). Shared by the sm80-class and the sm90 forward kernels.
+template <typename Element, int kBlockN, class S, class C>
+__device__ __forceinline__ void transform_general_scores(S& s, C const& coord, const FwdArgs& a, int m0, int n0,
+                                                         bool pos_mask, const WindowMask& win, const char* s_bias,
+                                                         int bias_pitch, const char* s_mask, int mask_pitch,
+                                                         const PositionTest* pt = nullptr) {
+  if (a.bias_fp32) {
+    if (pos_mask) transform_scores<true, true, float, kBlockN>(s, coord, a, m0, n0, win, s_bias, bias_pitch, s_mask, mask_pitch, pt);
+    else transform_scores<true, false, float, kBlockN>(s, coord, a, m0, n0, win, s_bias, bias_pitch, s_mask, mask_pitch);
+  } else {
+    if (pos_mask) transform_scores<true, true, Element, kBlockN>(s, coord, a, m0, n0, win, s_bias, bias_pitch, s_mask, mask_pitch, pt);
+    else transform_scores<true, false, Element, kBlockN>(s, coord, a, m0, n0, win, s_bias, bias_pitch, s_mask, mask_pitch);
+  }
+}
+
 // Accumulator initialization of one key block for the init kernel (mask and/or bias, no
 // softcap): acc = bias / scale where allowed, -inf where the mask is false or the bias is -inf.
 // The QK^T MMAs then accumulate on top, giving qk + bias / scale, and the softmax folds the
@@ -344,13 +361,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_co
           if constexpr (kMaskBias) {
             const char* sb = has_bias ? s_bias_base + bbuf * a.smem_bias_stride : nullptr;
             const char* sm = has_mask ? s_mask_base + mbuf * a.smem_mask_stride : nullptr;
-            if (a.bias_fp32) {
-              if (pos_mask) transform_scores<true, true, float, kBlockN>(s_rc, tScS_rc, a, m0, n0, win, sb, bias_tile.pitch, sm, mask_tile.pitch, pt);
-              else transform_scores<true, false, float, kBlockN>(s_rc, tScS_rc, a, m0, n0, win, sb, bias_tile.pitch, sm, mask_tile.pitch);
-            } else {
-              if (pos_mask) transform_scores<true, true, Element, kBlockN>(s_rc, tScS_rc, a, m0, n0, win, sb, bias_tile.pitch, sm, mask_tile.pitch, pt);
-              else transform_scores<true, false, Element, kBlockN>(s_rc, tScS_rc, a, m0, n0, win, sb, bias_tile.pitch, sm, mask_tile.pitch);
-            }
+            transform_general_scores<Element, kBlockN>(s_rc, tScS_rc, a, m0, n0, pos_mask, win, sb, bias_tile.pitch, sm,
+                                                       mask_tile.pitch, pt);
             softmax.template update<true>(s_rc, acc_o_rc);
           } else {
             if (pos_mask) transform_scores_ex<false, true, Element, kBlockN, false>(s_rc, tScS_rc, a, m0, n0, win, nullptr, 0, nullptr, 0, pt);

@@ -42,9 +42,18 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
   win.key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
 
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Tile::SmemLayoutQ{});
-  Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffK)), typename Tile::SmemLayoutKV{});
-  Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffV)), typename Tile::SmemLayoutKV{});
-  Tensor sVt = make_tensor(sV.data(), typename Tile::SmemLayoutVt{});
+  // K / V buffer i (Tile::kStagesKV of each), and V buffer i viewed as (D, keys).
+  auto sK_at = [&](int i) {
+    return make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffK + i * Tile::kKVBytes)),
+                       typename Tile::SmemLayoutKV{});
+  };
+  auto sV_at = [&](int i) {
+    return make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffV + i * Tile::kKVBytes)),
+                       typename Tile::SmemLayoutKV{});
+  };
+  auto sVt_at = [&](int i) { return make_tensor(sV_at(i).data(), typename Tile::SmemLayoutVt{}); };
+  Tensor sK = sK_at(0);  // the single buffers of the mask / bias kernel
+  Tensor sV = sV_at(0);
 
   typename Tile::TiledMmaS mma_s;
   typename Tile::TiledMmaO mma_o;
@@ -52,7 +61,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
   auto thr_o = mma_o.get_thread_slice(tid);
   Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // shared-memory descriptors
   Tensor tSrK = thr_s.partition_fragment_B(sK);
-  Tensor tOrVt = thr_o.partition_fragment_B(sVt);
+  Tensor tOrVt = thr_o.partition_fragment_B(sVt_at(0));
   Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   clear(acc_o);
   Tensor acc_o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
@@ -69,18 +78,6 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
 
   // The plain kernel's loop over key blocks n, n - 1, ..., n_min (see the top of the file).
   auto plain_loop = [&](int n, const Element* gQ, const Element* gK, const Element* gV) {
-    auto sK_at = [&](int i) {
-      return make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffK + i * Tile::kKVBytes)),
-                         typename Tile::SmemLayoutKV{});
-    };
-    auto sVt_at = [&](int i) {
-      return make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffV + i * Tile::kKVBytes)),
-                         typename Tile::SmemLayoutVt{});
-    };
-    auto sV_at = [&](int i) {
-      return make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffV + i * Tile::kKVBytes)),
-                         typename Tile::SmemLayoutKV{});
-    };
     Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
     Tensor rP = make_tensor<Element>(acc_s.layout());
@@ -182,11 +179,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
         fence_smem_for_wgmma();
         __syncthreads();
         load_rows_async<kBlockN, kHeadDim, kThreads>(sV, gV + int64_t(n0) * a.v_rs, a.v_rs, a.seqlen_k - n0, a.head_dim, tid);
-        if constexpr (kMaskBias) {
-          if (has_bias) bias_tile.load_any(s_bias_base, Tile::kBiasPitch, n0, a.seqlen_k, tid);
-          if (has_mask && n > n_min)
-            mask_tile.load_any(s_mask_base + (mbuf ^ 1) * a.smem_mask_stride, Tile::kMaskPitch, n0 - kBlockN, a.seqlen_k, tid);
-        }
+        if (has_bias) bias_tile.load_any(s_bias_base, Tile::kBiasPitch, n0, a.seqlen_k, tid);
+        if (has_mask && n > n_min)
+          mask_tile.load_any(s_mask_base + (mbuf ^ 1) * a.smem_mask_stride, Tile::kMaskPitch, n0 - kBlockN, a.seqlen_k, tid);
         cp_async_commit();
 
         Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -195,19 +190,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
 
         // V[n], mask, bias landed; everyone is done with K[n]. Next block to run: nn.
         int nn = n - 1;
-        bool synced = false;
-        if constexpr (kMaskBias) {
-          if (has_mask && n > n_min) {
-            cp_async_wait<0>();      // this thread's V chunks landed: fence them before the
-            fence_smem_for_wgmma();  // barrier inside next_live_key_block publishes them
-            nn = next_live_key_block(mask_tile, s_mask_base + (mbuf ^ 1) * a.smem_mask_stride, Tile::kMaskPitch,
-                                     n - 1, n_min, a.seqlen_k, tid);
-            synced = true;
-          }
-        }
-        if (!synced) {
-          cp_async_wait<0>();
-          fence_smem_for_wgmma();
+        cp_async_wait<0>();      // this thread's V (and mask / bias) chunks landed: fenced before
+        fence_smem_for_wgmma();  // the barrier that publishes them
+        if (has_mask && n > n_min) {  // (next_live_key_block's barrier)
+          nn = next_live_key_block(mask_tile, s_mask_base + (mbuf ^ 1) * a.smem_mask_stride, Tile::kMaskPitch,
+                                   n - 1, n_min, a.seqlen_k, tid);
+        } else {
           __syncthreads();
         }
         if (nn >= n_min) {
@@ -217,22 +205,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
         }
 
         Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
-        const bool pos_mask = win.block_needs_mask(m0, kBlockM, kBlockN, n);
-        if constexpr (kMaskBias) {
-          const char* sb = has_bias ? s_bias_base : nullptr;
-          const char* sm = has_mask ? s_mask_base + mbuf * a.smem_mask_stride : nullptr;
-          if (a.bias_fp32) {
-            if (pos_mask) transform_scores<true, true, float, kBlockN>(s_rc, tScS_rc, a, m0, n0, win, sb, bias_tile.pitch, sm, mask_tile.pitch);
-            else transform_scores<true, false, float, kBlockN>(s_rc, tScS_rc, a, m0, n0, win, sb, bias_tile.pitch, sm, mask_tile.pitch);
-          } else {
-            if (pos_mask) transform_scores<true, true, Element, kBlockN>(s_rc, tScS_rc, a, m0, n0, win, sb, bias_tile.pitch, sm, mask_tile.pitch);
-            else transform_scores<true, false, Element, kBlockN>(s_rc, tScS_rc, a, m0, n0, win, sb, bias_tile.pitch, sm, mask_tile.pitch);
-          }
-          softmax.template update<true>(s_rc, acc_o_rc);
-        } else {
-          if (pos_mask) transform_scores_ex<false, true, Element, kBlockN, false>(s_rc, tScS_rc, a, m0, n0, win, nullptr, 0, nullptr, 0);
-          softmax.template update_scaled<false>(s_rc, acc_o_rc, a.scale * kLog2e);
-        }
+        const char* sb = has_bias ? s_bias_base : nullptr;
+        const char* sm = has_mask ? s_mask_base + mbuf * a.smem_mask_stride : nullptr;
+        transform_general_scores<Element, kBlockN>(s_rc, tScS_rc, a, m0, n0, win.block_needs_mask(m0, kBlockM, kBlockN, n),
+                                                   win, sb, bias_tile.pitch, sm, mask_tile.pitch);
+        softmax.template update<true>(s_rc, acc_o_rc);
 
         Tensor rP = make_tensor<Element>(acc_s.layout());
         convert_fragment<Element, false>(acc_s, rP);
