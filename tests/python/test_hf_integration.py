@@ -370,3 +370,14 @@ def test_tiny_model_matches_sdpa(device, name):
     for n, p in model.named_parameters():
         if p.grad is not None:
             assert torch.isfinite(p.grad).all(), n
+
+
+def test_padded_attention_refuses_a_bias_with_a_query_dimension(device):
+    """The packed layout has only key-side biases: any other shape is named in the error."""
+    from dmattn.integrations.padding import padded_attention
+
+    q, k, v = (t.transpose(1, 2) for t in _hf_qkv(B, H, HKV, SQ, SK, D, _dtype(device), device))
+    real = _padding("left", device).bool()
+    bias = torch.zeros(B, H, SQ, SK, dtype=_dtype(device), device=device)
+    with pytest.raises(ValueError, match=r"bias: expected a bias without a query dimension"):
+        padded_attention(q, k, v, real, bias, causal=True)
