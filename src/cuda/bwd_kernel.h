@@ -19,6 +19,7 @@
 
 #include "cuda/bwd_args.h"
 #include "cuda/bwd_common.h"
+#include "cuda/bwd_parts.h"
 #include "cuda/bwd_tile.h"
 #include "cuda/copy.h"
 #include "cuda/gemm.h"
@@ -27,43 +28,6 @@
 #include "cuda/seq_bounds.h"
 
 namespace dmattn::cuda {
-
-// Fire-and-forget fp32 reduction of 4 consecutive floats (16-byte aligned).
-__device__ __forceinline__ void red_add4(float* p, float x, float y, float z, float w) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
-#else
-  atomicAdd(p, x);
-  atomicAdd(p + 1, y);
-  atomicAdd(p + 2, z);
-  atomicAdd(p + 3, w);
-#endif
-}
-
-// Zeroes dbias rows [r0, r0 + rows) x key columns [n0, n0 + cols) of one (batch, bias head).
-template <typename BiasT, int kThreads>
-__device__ __forceinline__ void bwd_dbias_zero_rows(const BwdArgs& a, int b, int hb, int r0, int rows, int n0, int cols,
-                                                    int tid) {
-  BiasT* base = static_cast<BiasT*>(a.dbias) + int64_t(b) * a.db_sb + int64_t(hb) * a.db_sh;
-  constexpr int kVec = 16 / int(sizeof(BiasT));
-  if (a.db_vec) {
-    const int chunks = (cols + kVec - 1) / kVec;
-    for (int idx = tid; idx < rows * chunks; idx += kThreads) {
-      const int r = idx / chunks, c = (idx % chunks) * kVec;
-      BiasT* p = base + int64_t(r0 + r) * a.db_sq + n0 + c;
-      if (c + kVec <= cols) {
-        *reinterpret_cast<uint4*>(p) = make_uint4(0, 0, 0, 0);
-      } else {
-        for (int e = 0; e < cols - c; ++e) p[e] = BiasT(0.f);
-      }
-    }
-  } else {
-    for (int idx = tid; idx < rows * cols; idx += kThreads) {
-      const int r = idx / cols, c = idx % cols;
-      base[int64_t(r0 + r) * a.db_sq + int64_t(n0 + c) * a.db_sk] = BiasT(0.f);
-    }
-  }
-}
 
 template <class Tile, bool kMaskBias, bool kSoftcap>
 __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_constant__ BwdArgs a) {
@@ -179,44 +143,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
   const bool colsum_per_head = mode == kDbColSum && bias_per_head && group > 1;
   // dbias from the bf16/fp16 dS tile in shared memory (coalesced) instead of registers.
   const bool direct_from_smem = mode == kDbDirect && !kSoftcap && !f.bias_fp32;
-  float colsum[2 * kCols];
+  float colsum[Tile::kHalves * kCols];
 
   // Column sums of one (batch, bias head): reduced over the CTA, then stored or added.
   auto colsum_flush = [&](int b, int h) {
-    CUTE_UNROLL
-    for (int c = 0; c < 2 * kCols; ++c) {
-      float v = colsum[c];
-      v += __shfl_xor_sync(0xffffffff, v, 4);
-      v += __shfl_xor_sync(0xffffffff, v, 8);
-      v += __shfl_xor_sync(0xffffffff, v, 16);
-      colsum[c] = v;
-    }
-    for (int i = tid; i < Tile::kAtomMSdP * kBlockN; i += kThreads) s_col[i] = 0.f;
-    __syncthreads();
-    if ((tid & 31) < 4) {
-      CUTE_UNROLL
-      for (int c = 0; c < 2 * kCols; ++c)  // 2 addends per column: order-free
-        atomicAdd(&s_col[(c / kCols) * kHalfN + get<1>(tScS_rc(0, c % kCols))], colsum[c]);
-    }
-    __syncthreads();
-    const int bb = a.bsize_b == 1 ? 0 : b;
-    const int hb = a.bsize_h == 1 ? 0 : h / a.bias_head_div;
-    const int cols = cols_valid(), k0 = SeqBounds(f, b).k0();
-    for (int c = tid; c < cols; c += kThreads) {
-      const float v = s_col[c];
-      if (a.db_colsum_to_accum) {
-        float* p = a.dbias_accum + (int64_t(bb) * a.bsize_h + hb) * a.bsize_k + k0 + n0 + c;
-        if (a.db_atomic) atomicAdd(p, v);
-        else *p += v;
-      } else {
-        const int64_t off = int64_t(bb) * a.db_sb + int64_t(hb) * a.db_sh + int64_t(k0 + n0 + c) * a.db_sk;
-        if (f.bias_fp32) store_sat(static_cast<float*>(a.dbias) + off, v);
-        else store_sat(static_cast<Element*>(a.dbias) + off, v);
-      }
-    }
-    CUTE_UNROLL
-    for (int c = 0; c < 2 * kCols; ++c) colsum[c] = 0.f;
-    __syncthreads();
+    bwd_colsum_flush<Element, kBlockN, kHalfN, Tile::kAtomMSdP, kThreads>(a, colsum, tScS_rc, s_col, b, h, n0,
+                                                                          cols_valid(), tid);
   };
 
   for (int b = b_begin; b < b_end; ++b) {
@@ -237,7 +169,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
       clear(acc_dk);
       clear(acc_dv);
       CUTE_UNROLL
-      for (int c = 0; c < 2 * kCols; ++c) colsum[c] = 0.f;
+      for (int c = 0; c < Tile::kHalves * kCols; ++c) colsum[c] = 0.f;
 
       const Element* gQb = static_cast<const Element*>(f.q) + int64_t(b) * f.q_bs + int64_t(seq.q0()) * f.q_rs;
       const Element* gdOb = static_cast<const Element*>(a.dout) + int64_t(b) * a.do_bs + int64_t(seq.q0()) * a.do_rs;
@@ -339,52 +271,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
           bwd_p_ds(s_rc, dp_rc, row_m, row_log2l, delta);
 
           // ---- dbias from registers (dS before the softcap chain: the bias is added after it)
-          if (mode == kDbColSum) {
-            CUTE_UNROLL
-            for (int c = 0; c < kCols; ++c) {
-              CUTE_UNROLL
-              for (int r = 0; r < kRows; ++r) {
-                if (j == 0) colsum[c] += dp_rc(r, c);
-                else colsum[kCols + c] += dp_rc(r, c);
-              }
-            }
-          } else if (mode == kDbAccum) {
-            const int bb = a.bsize_b == 1 ? 0 : b;
-            const int hb = a.bsize_h == 1 ? 0 : h / a.bias_head_div;
-            float* base = a.dbias_accum + (int64_t(bb) * a.bsize_h + hb) * a.bsize_q * a.bsize_k;
-            const int cols = cols_valid();
-            CUTE_UNROLL
-            for (int r = 0; r < kRows; ++r) {
-              const int row = get<0>(tScS_rc(r, 0));
-              if (row >= rows_valid) continue;
-              CUTE_UNROLL
-              for (int c = 0; c < kCols; ++c) {
-                const int col = c_off + get<1>(tScS_rc(r, c));
-                if (col < cols) {
-                  float* p = base + int64_t(m0 + row) * a.bsize_k + n0 + col;
-                  if (a.db_atomic) atomicAdd(p, dp_rc(r, c));
-                  else *p += dp_rc(r, c);
-                }
-              }
-            }
-          } else if (mode == kDbDirect && !direct_from_smem) {
-            const int64_t off0 = int64_t(b) * a.db_sb + int64_t(h) * a.db_sh;
-            const int cols = cols_valid();
-            CUTE_UNROLL
-            for (int r = 0; r < kRows; ++r) {
-              const int row = get<0>(tScS_rc(r, 0));
-              if (row >= rows_valid) continue;
-              CUTE_UNROLL
-              for (int c = 0; c < kCols; ++c) {
-                const int col = c_off + get<1>(tScS_rc(r, c));
-                if (col < cols) {
-                  const int64_t off = off0 + int64_t(m0 + row) * a.db_sq + int64_t(n0 + col) * a.db_sk;
-                  if (f.bias_fp32) store_sat(static_cast<float*>(a.dbias) + off, dp_rc(r, c));
-                  else store_sat(static_cast<Element*>(a.dbias) + off, dp_rc(r, c));
-                }
-              }
-            }
-          }
+          bwd_dbias_from_scores<Element, Tile::kHalves>(a, direct_from_smem, b, h, m0, n0, c_off, j, rows_valid,
+                                                        cols_valid(), dp_rc, tScS_rc, colsum);
           if constexpr (kSoftcap) bwd_softcap_chain(acc_dp, tt);
 
           Tensor rP = make_tensor<Element>(acc_s.layout());
@@ -404,32 +292,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
           }
         }
 
-        if (direct_from_smem) {
-          Element* gdb = static_cast<Element*>(a.dbias) + int64_t(b) * a.db_sb + int64_t(h) * a.db_sh +
-                         int64_t(m0) * a.db_sq + int64_t(n0) * a.db_sk;
-          const int cols = cols_valid();
-          if (a.db_vec) {
-            constexpr int kChunksPerRow = kBlockN / 8;
-            CUTE_UNROLL
-            for (int it = 0; it < kBlockM * kChunksPerRow / kThreads; ++it) {
-              const int idx = it * kThreads + tid;
-              const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
-              if (r < rows_valid && c < cols) {
-                Element* p = gdb + int64_t(r) * a.db_sq + c;
-                if (c + 8 <= cols) {
-                  *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&sdS(r, c));
-                } else {
-                  for (int e = 0; e < cols - c; ++e) p[e] = sdS(r, c + e);
-                }
-              }
-            }
-          } else {
-            for (int idx = tid; idx < kBlockM * kBlockN; idx += kThreads) {
-              const int r = idx / kBlockN, c = idx % kBlockN;
-              if (r < rows_valid && c < cols) gdb[int64_t(r) * a.db_sq + int64_t(c) * a.db_sk] = sdS(r, c);
-            }
-          }
-        }
+        if (direct_from_smem)
+          bwd_dbias_from_tile<Element, kBlockM, kBlockN, kThreads>(a, sdS, b, h, m0, n0, rows_valid, cols_valid(), tid);
 
         {
           Tensor sdOt = sdOt_at(buf);
@@ -446,24 +310,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
           clear(acc_dq);
           gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_dq_a, copy_dq_b, tid);
           float* gdq = a.dq_accum + (seq.batch_row() + m0) * f.num_heads * f.head_dim + int64_t(h) * f.head_dim;
-          const int64_t dq_rs = int64_t(f.num_heads) * f.head_dim;
-          // Each m16n8 accumulator holds (r, c..c+1) and (r+8, c..c+1); lanes 2k and 2k+1 trade
-          // halves so that each issues one 16-byte reduction: the even lane (r, c..c+3), the odd
-          // lane (r+8, c-2..c+1).
-          const bool odd = tid & 1;
-          CUTE_UNROLL
-          for (int i = 0; i < size(acc_dq); i += 4) {
-            const float s0 = odd ? acc_dq(i) : acc_dq(i + 2);
-            const float s1 = odd ? acc_dq(i + 1) : acc_dq(i + 3);
-            const float r0 = __shfl_xor_sync(0xffffffff, s0, 1);
-            const float r1 = __shfl_xor_sync(0xffffffff, s1, 1);
-            const int row = get<0>(tdQcdQ(i)) + (odd ? 8 : 0);
-            const int col = get<1>(tdQcdQ(i)) - (odd ? 2 : 0);
-            if (row < rows_valid && col < f.head_dim) {
-              if (odd) red_add4(gdq + row * dq_rs + col, r0, r1, acc_dq(i + 2), acc_dq(i + 3));
-              else red_add4(gdq + row * dq_rs + col, acc_dq(i), acc_dq(i + 1), r0, r1);
-            }
-          }
+          bwd_dq_atomic_add(acc_dq, tdQcdQ, gdq, int64_t(f.num_heads) * f.head_dim, rows_valid, f.head_dim, tid);
         }
 
         if (colsum_per_head && t % n_m == n_m - 1) colsum_flush(b, h);
@@ -483,16 +330,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
           colsum_flush(b, kvh * group);
         }
       } else if (mode == kDbDirect) {
-        const int m_blocks = (seq.len_q() + kBlockM - 1) / kBlockM;
-        for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
-          for (int m = 0; m < m_blocks; ++m) {
-            if (m >= m_lo && m < m_hi) continue;
-            const int m0 = m * kBlockM;
-            const int rows = seq.rows_valid(m0, kBlockM);
-            if (f.bias_fp32) bwd_dbias_zero_rows<float, kThreads>(a, b, h, m0, rows, n0, cols_valid(), tid);
-            else bwd_dbias_zero_rows<Element, kThreads>(a, b, h, m0, rows, n0, cols_valid(), tid);
-          }
-        }
+        bwd_dbias_zero_unreached<Element, kBlockM, kThreads>(a, seq, b, kvh, m_lo, m_hi, n0, cols_valid(), tid);
       }
 
       __syncthreads();  // every warp is done with the Q / dO buffers (reused for staging)
@@ -511,17 +349,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
       __syncthreads();
       Element* gdK = static_cast<Element*>(a.dk) + int64_t(b) * a.dk_bs + int64_t(seq.k0() + n0) * a.dk_rs + int64_t(kvh) * a.dk_hs;
       Element* gdV = static_cast<Element*>(a.dv) + int64_t(b) * a.dv_bs + int64_t(seq.k0() + n0) * a.dv_rs + int64_t(kvh) * a.dv_hs;
-      constexpr int kChunksPerRow = kHeadDim / 8;
-      const int cols = cols_valid();
-      CUTE_UNROLL
-      for (int it = 0; it < kBlockN * kChunksPerRow / kThreads; ++it) {
-        const int idx = it * kThreads + tid;
-        const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
-        if (r < cols && c < f.head_dim) {
-          *reinterpret_cast<uint4*>(gdK + int64_t(r) * a.dk_rs + c) = *reinterpret_cast<const uint4*>(&sdKst(r, c));
-          *reinterpret_cast<uint4*>(gdV + int64_t(r) * a.dv_rs + c) = *reinterpret_cast<const uint4*>(&sdVst(r, c));
-        }
-      }
+      bwd_store_dkdv<Element, kBlockN, kHeadDim, kThreads>(sdKst, sdVst, gdK, a.dk_rs, gdV, a.dv_rs, cols_valid(),
+                                                           f.head_dim, tid);
       __syncthreads();  // staging done before the next (batch, kv head) reuses shared memory
     }
   }

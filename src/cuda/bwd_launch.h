@@ -25,9 +25,12 @@ void run_bwd(const BwdArgs& a, bool deterministic, bool exact, cudaStream_t stre
 }  // namespace dmattn::cuda
 
 #ifdef DMATTN_BWD_LAUNCH_IMPL
+#include <cstdlib>
+
 #include "cuda/bwd_dq_kernel.h"
 #include "cuda/bwd_kernel.h"
 #include "cuda/seq_bounds.h"
+#include "cuda/sm90/bwd_kernel_sm90.h"
 
 namespace dmattn::cuda {
 
@@ -119,9 +122,24 @@ inline int bwd_grid_stride_blocks(int64_t work, int threads) {
   return int(blocks < 4096 ? (blocks > 0 ? blocks : 1) : 4096);
 }
 
+// The main kernel runs on wgmma (sm90/bwd_kernel_sm90.h, head dim 128) on compute capability
+// 9.0 unless DMATTN_BWD_SM90=0; the sm80-class kernel everywhere else.
+inline bool bwd_sm90_enabled() {
+  static const bool off = [] {
+    const char* env = std::getenv("DMATTN_BWD_SM90");
+    return env != nullptr && env[0] == '0';
+  }();
+  if (off) return false;
+  int dev = 0, major = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute(cc)");
+  return major == 9;
+}
+
 template <typename Element, int kHeadDim>
 void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t stream) {
   using Tile = BwdTile<Element, kHeadDim>;
+  using TileSm90 = sm90::BwdTileSm90<Element, 128>;  // (used at head dim 128 only)
   BwdArgs a = args;
   const FwdArgs& f = a.f;
   // Sq / Sk: the longest sequence of a packed batch (grid sizes); q_rows: the query rows of the
@@ -164,17 +182,23 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
   if (dbias_all_zero) write_dbias(false);
 
   const bool mask_or_bias = f.mask.ptr != nullptr || f.bias.ptr != nullptr;
+  bool sm90 = false;
+  if constexpr (kHeadDim == 128) sm90 = bwd_sm90_enabled();
   int smem = Tile::smem_bytes(f.mask.ptr != nullptr, f.bias.ptr != nullptr, f.bias_fp32);
-  if (f.kpos.ptr) {  // gathered keys: the key block's positions (kBlockN int32) at the end
-    a.f.smem_kpos_off = smem;
-    smem += Tile::kBlockN * 4;
+  int smem_main = sm90 ? TileSm90::smem_bytes(f.mask.ptr != nullptr, f.bias.ptr != nullptr, f.bias_fp32) : smem;
+  static_assert(TileSm90::kBlockN == Tile::kBlockN || kHeadDim != 128);
+  if (f.kpos.ptr) {  // gathered keys: the key block's positions (kBlockN int32) at the end,
+    // at one offset for every kernel of the pass (the launches share the argument block)
+    a.f.smem_kpos_off = smem > smem_main ? smem : smem_main;
+    smem = smem_main = a.f.smem_kpos_off + Tile::kBlockN * 4;
   }
   const bool softcap = f.softcap != 0.f;
-  auto launch = [&](auto kernel, dim3 grid, const char* what) {
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), what);
-    kernel<<<grid, Tile::kNThreads, smem, stream>>>(a);
+  auto launch_with = [&](auto kernel, dim3 grid, int threads, int bytes, const char* what) {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), what);
+    kernel<<<grid, threads, bytes, stream>>>(a);
     check_cuda(cudaGetLastError(), what);
   };
+  auto launch = [&](auto kernel, dim3 grid, const char* what) { launch_with(kernel, grid, Tile::kNThreads, smem, what); };
   const dim3 q_grid(unsigned((Sq + Tile::kBlockM - 1) / Tile::kBlockM), unsigned(H), unsigned(B));
   if (exact && q_rows * H > 0) {
     if (mask_or_bias) {
@@ -188,12 +212,25 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
   const int64_t n_blocks = (Sk + Tile::kBlockN - 1) / Tile::kBlockN;
   if (n_blocks > 0 && B > 0) {
     const dim3 grid(unsigned(n_blocks), a.fold_heads ? 1u : unsigned(a.num_heads_kv), a.fold_batch ? 1u : unsigned(B));
+    auto launch_main = [&](auto mask_bias, auto softcap_on) {
+      constexpr bool kMB = decltype(mask_bias)::value, kSC = decltype(softcap_on)::value;
+      if constexpr (kHeadDim == 128) {
+        if (sm90) {
+          launch_with(sm90::bwd_kernel_sm90<TileSm90, kMB, kSC>, grid, TileSm90::kNThreads, smem_main,
+                      "backward kernel (sm90)");
+          return;
+        }
+      }
+      launch(bwd_kernel<Tile, kMB, kSC>, grid, "backward kernel");
+    };
+    using T = std::true_type;
+    using F = std::false_type;
     if (mask_or_bias) {
-      if (softcap) launch(bwd_kernel<Tile, true, true>, grid, "backward kernel");
-      else launch(bwd_kernel<Tile, true, false>, grid, "backward kernel");
+      if (softcap) launch_main(T{}, T{});
+      else launch_main(T{}, F{});
     } else {
-      if (softcap) launch(bwd_kernel<Tile, false, true>, grid, "backward kernel");
-      else launch(bwd_kernel<Tile, false, false>, grid, "backward kernel");
+      if (softcap) launch_main(F{}, T{});
+      else launch_main(F{}, F{});
     }
   }
   if (q_rows * H > 0) {

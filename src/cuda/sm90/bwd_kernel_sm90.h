@@ -1,0 +1,312 @@
+// The Hopper backward kernel (sm_90a, wgmma): the sm80-class kernel's scheme (bwd_kernel.h: one
+// CTA per (key block, kv head, batch), K / V loaded once, every query head of the GQA group and
+// every query block the window or the positions let reach the key block walked with Q / dO
+// double buffered) with its five products on wgmma (bwd_tile_sm90.h says who computes what).
+// One iteration (query block t):
+//   wait Q/dO[t] (+ mask / bias tiles); barrier; issue Q/dO[t + 1]
+//   issue S = Q K^T and dP = dO V^T together; transform S while dP runs; P, dS, dbias
+//   P, dS -> shared memory; barrier; issue the mask / bias tiles of t + 1
+//   issue dV += P^T dO, dK += dS^T Q, dQ = dS K together; wait; dQ atomics
+// The score transform, P / dS, dbias, dQ atomics and the dK / dV stores are the sm80 kernel's
+// (bwd_common.h, bwd_parts.h): the wgmma accumulator has mma.sync's per-quad row ownership.
+// Compiled for every target, with a body only for sm_90a; run_bwd launches it on compute
+// capability 9.0 devices.
+#pragma once
+
+#include "cuda/bwd_args.h"
+#include "cuda/bwd_common.h"
+#include "cuda/bwd_parts.h"
+#include "cuda/copy.h"
+#include "cuda/key_positions.h"
+#include "cuda/operand_tile.h"
+#include "cuda/seq_bounds.h"
+#include "cuda/sm90/bwd_tile_sm90.h"
+#include "cuda/sm90/gmma.h"
+
+namespace dmattn::cuda::sm90 {
+
+template <class Tile, bool kMaskBias, bool kSoftcap>
+__global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __grid_constant__ BwdArgs a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace cute;
+  using Element = typename Tile::Element;
+  constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN, kHeadDim = Tile::kHeadDim;
+  constexpr int kThreads = Tile::kNThreads;
+  constexpr int kQElems = kBlockM * kHeadDim;
+  const FwdArgs& f = a.f;
+
+  extern __shared__ __align__(1024) char smem[];
+  const int tid = threadIdx.x;
+  const int n_block = blockIdx.x;
+  const int n0 = n_block * kBlockN;
+  const int group = f.group;
+  const int b_begin = a.fold_batch ? 0 : int(blockIdx.z);
+  const int b_end = a.fold_batch ? f.batch : b_begin + 1;
+  const int kv_begin = a.fold_heads ? 0 : int(blockIdx.y);
+  const int kv_end = a.fold_heads ? a.num_heads_kv : kv_begin + 1;
+  // (fold_batch is never set for a packed batch: see bwd_kernel.h)
+  const SeqBounds first(f, b_begin);
+  if (n0 >= first.len_k()) return;  // packed batch: past the end of a shorter sequence's keys
+  auto cols_valid = [&] { return min(kBlockN, first.len_k() - n0); };
+
+  int win_m_lo, win_m_hi;
+  bwd_query_block_range(first.window(), n0, kBlockN, kBlockM, win_m_lo, win_m_hi);
+  const bool gathered = f.kpos.ptr != nullptr;
+  int32_t* const s_pos = reinterpret_cast<int32_t*>(smem + f.smem_kpos_off);
+
+  Element* const sQbase = reinterpret_cast<Element*>(smem + Tile::kOffQ);
+  Element* const sdObase = reinterpret_cast<Element*>(smem + Tile::kOffdO);
+  Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffK)), typename Tile::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffV)), typename Tile::SmemLayoutKV{});
+  Tensor sKt = make_tensor(sK.data(), typename Tile::SmemLayoutKt{});
+  Tensor sP = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffP)), typename Tile::SmemLayoutPdS{});
+  Tensor sPt = make_tensor(sP.data(), typename Tile::SmemLayoutPdSt{});
+  Tensor sdS = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffdS)), typename Tile::SmemLayoutPdS{});
+  Tensor sdSt = make_tensor(sdS.data(), typename Tile::SmemLayoutPdSt{});
+  char* s_bias = smem + Tile::kOffBias;
+  char* s_mask = smem + Tile::mask_offset(f.bias.ptr != nullptr, f.bias_fp32);
+  float* s_col = reinterpret_cast<float*>(smem + Tile::kOffColSum);
+
+  auto sQ_at = [&](int buf) {
+    return make_tensor(make_smem_ptr(sQbase + buf * kQElems), typename Tile::SmemLayoutQdO{});
+  };
+  auto sdO_at = [&](int buf) {
+    return make_tensor(make_smem_ptr(sdObase + buf * kQElems), typename Tile::SmemLayoutQdO{});
+  };
+  auto sQt_at = [&](int buf) {
+    return make_tensor(make_smem_ptr(sQbase + buf * kQElems), typename Tile::SmemLayoutQdOt{});
+  };
+  auto sdOt_at = [&](int buf) {
+    return make_tensor(make_smem_ptr(sdObase + buf * kQElems), typename Tile::SmemLayoutQdOt{});
+  };
+
+  typename Tile::TiledMmaSdP mma_sdp;
+  typename Tile::TiledMmadKV mma_dkv;
+  typename Tile::TiledMmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+
+  // Operand descriptors that do not depend on the Q / dO buffer.
+  Tensor tSrK = thr_sdp.partition_fragment_B(sK);
+  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+  Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);
+  Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+
+  // (row, col) of each score element in the (kBlockM, kBlockN) block, and of dQ.
+  Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor tScS = thr_sdp.partition_C(cS);
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+  Tensor cdQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  Tensor tdQcdQ = thr_dq.partition_C(cdQ);
+
+  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  constexpr int kRows = decltype(size<0>(tScS_rc))::value;
+  constexpr int kCols = decltype(size<1>(tScS_rc))::value;
+
+  const int mode = a.dbias_mode;
+  const bool bias_per_head = a.bsize_h == f.num_heads && a.bias_head_div == 1;
+  const bool colsum_per_head = mode == kDbColSum && bias_per_head && group > 1;
+  const bool direct_from_smem = kMaskBias && mode == kDbDirect && !kSoftcap && !f.bias_fp32;
+  float colsum[kCols];
+  auto colsum_flush = [&](int b, int h) {
+    bwd_colsum_flush<Element, kBlockN, kBlockN, Tile::kWarpsPerCol, kThreads>(a, colsum, tScS_rc, s_col, b, h, n0,
+                                                                              cols_valid(), tid);
+  };
+
+  for (int b = b_begin; b < b_end; ++b) {
+    const SeqBounds seq(f, b);
+    for (int kvh = kv_begin; kvh < kv_end; ++kvh) {
+      int m_lo = win_m_lo, m_hi = win_m_hi;
+      if (gathered) {
+        const KeyPositionRow kp_row(f, b, kvh * group);
+        load_positions_tile<kBlockN, kThreads>(s_pos, kp_row.row, kp_row.count, n0, tid);
+        const int n_valid = positions_tile_valid_count<kBlockN>(s_pos, f.kpos.seqlen_k_original, tid);
+        kp_row.query_block_range(s_pos[0], s_pos[n_valid > 0 ? n_valid - 1 : 0], n_valid, kBlockM, m_lo, m_hi);
+      }
+      const int n_m = max(m_hi - m_lo, 0);
+      const int n_iter = n_m * group;
+
+      clear(acc_dk);
+      clear(acc_dv);
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) colsum[c] = 0.f;
+
+      const Element* gQb = static_cast<const Element*>(f.q) + int64_t(b) * f.q_bs + int64_t(seq.q0()) * f.q_rs;
+      const Element* gdOb = static_cast<const Element*>(a.dout) + int64_t(b) * a.do_bs + int64_t(seq.q0()) * a.do_rs;
+      OperandTile<kBlockM, kBlockN, kThreads> mask_tile, bias_tile;
+
+      // Staggered start of the query-block walk (dQ atomics of neighbouring CTAs apart).
+      const int rot = n_m > 0 ? (n_block * 7) % n_m : 0;
+      auto m_of = [&](int t) { const int i = t % n_m + rot; return m_lo + (i >= n_m ? i - n_m : i); };
+      auto issue_q_loads = [&](int t, int buf) {
+        const int h = kvh * group + t / n_m;
+        const int m0 = m_of(t) * kBlockM;
+        Tensor sQ = sQ_at(buf);
+        Tensor sdO = sdO_at(buf);
+        load_rows_async<kBlockM, kHeadDim, kThreads>(sQ, gQb + int64_t(m0) * f.q_rs + int64_t(h) * f.q_hs, f.q_rs,
+                                                     seq.len_q() - m0, f.head_dim, tid);
+        load_rows_async<kBlockM, kHeadDim, kThreads>(sdO, gdOb + int64_t(m0) * a.do_rs + int64_t(h) * a.do_hs, a.do_rs,
+                                                     seq.len_q() - m0, f.head_dim, tid);
+      };
+      auto issue_mask_bias_loads = [&](int t) {
+        if constexpr (kMaskBias) {
+          const int h = kvh * group + t / n_m;
+          const int m0 = m_of(t) * kBlockM;
+          if (f.mask.ptr) {
+            mask_tile.init(f.mask, b, h, m0, seq.len_q(), Tile::kMaskPitch, seq.k0());
+            mask_tile.load(s_mask, Tile::kMaskPitch, n0, seq.len_k(), tid);
+          }
+          if (f.bias.ptr) {
+            bias_tile.init(f.bias, b, h, m0, seq.len_q(), Tile::kBiasPitch, seq.k0());
+            bias_tile.load(s_bias, Tile::kBiasPitch, n0, seq.len_k(), tid);
+          }
+        }
+      };
+
+      if (n_iter > 0) {
+        const Element* gK = static_cast<const Element*>(f.k) + int64_t(b) * f.k_bs + int64_t(seq.k0() + n0) * f.k_rs + int64_t(kvh) * f.k_hs;
+        const Element* gV = static_cast<const Element*>(f.v) + int64_t(b) * f.v_bs + int64_t(seq.k0() + n0) * f.v_rs + int64_t(kvh) * f.v_hs;
+        load_rows_async<kBlockN, kHeadDim, kThreads>(sK, gK, f.k_rs, cols_valid(), f.head_dim, tid);
+        load_rows_async<kBlockN, kHeadDim, kThreads>(sV, gV, f.v_rs, cols_valid(), f.head_dim, tid);
+        issue_q_loads(0, 0);
+        issue_mask_bias_loads(0);
+        cp_async_commit();
+      }
+
+      for (int t = 0; t < n_iter; ++t) {
+        const int buf = t & 1;
+        const int h = kvh * group + t / n_m;
+        const int m0 = m_of(t) * kBlockM;
+        const int rows_valid = seq.rows_valid(m0, kBlockM);
+
+        cp_async_wait<0>();
+        fence_smem_for_wgmma();
+        __syncthreads();  // Q/dO[t], mask/bias[t] landed; every product of iteration t - 1 is done
+        if (t + 1 < n_iter) {
+          issue_q_loads(t + 1, buf ^ 1);
+          cp_async_commit();
+        }
+
+        Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        {
+          Tensor tSrQ = thr_sdp.partition_fragment_A(sQ_at(buf));
+          Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO_at(buf));
+          gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_sdp, tSrQ, tSrK, acc_s);
+          gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_sdp, tdPrdO, tdPrV, acc_dp);
+        }
+
+        const int64_t row_stat = seq.stat_offset(h) + m0;
+        float row_m[kRows], row_log2l[kRows], delta[kRows];
+        bwd_load_row_stats(tScS_rc, a.row_m + row_stat, a.row_log2l ? a.row_log2l + row_stat : nullptr,
+                           a.delta + row_stat, rows_valid, row_m, row_log2l, delta);
+        const bool pos_mask = gathered ? positions_block_needs_mask<kBlockN>(position_window(f), s_pos, m0, kBlockM)
+                                       : seq.window().block_needs_mask(m0, kBlockM, kBlockN, n_block);
+
+        gemm_wait<1>(acc_s);  // S done; dP may still run
+        Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+        Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
+        Tensor tt = make_tensor<float>(acc_s.layout());
+        Tensor tt_rc = make_tensor(tt.data(), acc_rowcol(tt.layout()));
+        {
+          const PositionTest block_test{s_pos, position_window(f)};
+          bwd_scores<kMaskBias, kSoftcap, Element, kBlockN>(s_rc, tScS_rc, tt_rc, f, m0, n0, pos_mask, seq.window(),
+                                                            f.bias.ptr ? s_bias : nullptr, bias_tile.pitch,
+                                                            f.mask.ptr ? s_mask : nullptr, mask_tile.pitch,
+                                                            gathered ? &block_test : nullptr);
+        }
+        gemm_wait<0>(acc_dp);
+        bwd_p_ds(s_rc, dp_rc, row_m, row_log2l, delta);
+        if constexpr (kMaskBias)  // (no bias, no dbias)
+          bwd_dbias_from_scores<Element, 1>(a, direct_from_smem, b, h, m0, n0, 0, 0, rows_valid, cols_valid(), dp_rc,
+                                            tScS_rc, colsum);
+        if constexpr (kSoftcap) bwd_softcap_chain(acc_dp, tt);
+        {
+          Tensor rP = make_tensor<Element>(acc_s.layout());
+          convert_fragment<Element, false>(acc_s, rP);
+          Tensor rdS = make_tensor<Element>(acc_dp.layout());
+          convert_fragment<Element, true>(acc_dp, rdS);
+          copy(rP, thr_sdp.partition_C(sP));
+          copy(rdS, thr_sdp.partition_C(sdS));
+        }
+        fence_smem_for_wgmma();
+        __syncthreads();  // sP, sdS visible to both warpgroups; the mask / bias tiles are free
+        if constexpr (kMaskBias) {
+          if (t + 1 < n_iter) {
+            issue_mask_bias_loads(t + 1);
+            cp_async_commit();
+          }
+        }
+
+        {
+          Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt_at(buf));
+          Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt_at(buf));
+          gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdVrPt, tdVrdOt, acc_dv);
+          gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdKrdSt, tdKrQt, acc_dk);
+        }
+        if (a.dq_accum != nullptr) {
+          Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+          gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_dq, tdQrdS, tdQrKt, acc_dq);
+          // dbias from the dS tile while the products run (it only reads sdS).
+          if (direct_from_smem)
+            bwd_dbias_from_tile<Element, kBlockM, kBlockN, kThreads>(a, sdS, b, h, m0, n0, rows_valid, cols_valid(), tid);
+          gemm_wait<0>(acc_dq);
+          warpgroup_fence_operand(acc_dk);
+          warpgroup_fence_operand(acc_dv);
+          float* gdq = a.dq_accum + (seq.batch_row() + m0) * f.num_heads * f.head_dim + int64_t(h) * f.head_dim;
+          bwd_dq_atomic_add(acc_dq, tdQcdQ, gdq, int64_t(f.num_heads) * f.head_dim, rows_valid, f.head_dim, tid);
+        } else {
+          if (direct_from_smem)
+            bwd_dbias_from_tile<Element, kBlockM, kBlockN, kThreads>(a, sdS, b, h, m0, n0, rows_valid, cols_valid(), tid);
+          gemm_wait<0>(acc_dk);
+          warpgroup_fence_operand(acc_dv);
+        }
+
+        if constexpr (kMaskBias) {
+          if (colsum_per_head && t % n_m == n_m - 1) colsum_flush(b, h);
+        }
+      }
+
+      // ---- end of (batch, kv head): dbias pieces nothing reached, then dK / dV.
+      if constexpr (kMaskBias) {
+        if (mode == kDbColSum) {
+          if (colsum_per_head) {
+            if (n_iter == 0)
+              for (int h = kvh * group; h < (kvh + 1) * group; ++h) colsum_flush(b, h);
+          } else {
+            colsum_flush(b, kvh * group);
+          }
+        } else if (mode == kDbDirect) {
+          bwd_dbias_zero_unreached<Element, kBlockM, kThreads>(a, seq, b, kvh, m_lo, m_hi, n0, cols_valid(), tid);
+        }
+      }
+
+      __syncthreads();  // both warpgroups are done with the Q / dO buffers (reused for staging)
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= f.scale;
+      Tensor sdKst = make_tensor(make_smem_ptr(sQbase), typename Tile::SmemLayoutKV{});
+      Tensor sdVst = make_tensor(make_smem_ptr(sdObase), typename Tile::SmemLayoutKV{});
+      {
+        Tensor rdK = make_tensor<Element>(acc_dk.layout());
+        convert_fragment<Element, true>(acc_dk, rdK);
+        Tensor rdV = make_tensor<Element>(acc_dv.layout());
+        convert_fragment<Element, true>(acc_dv, rdV);
+        copy(rdK, thr_dkv.partition_C(sdKst));
+        copy(rdV, thr_dkv.partition_C(sdVst));
+      }
+      __syncthreads();
+      Element* gdK = static_cast<Element*>(a.dk) + int64_t(b) * a.dk_bs + int64_t(seq.k0() + n0) * a.dk_rs + int64_t(kvh) * a.dk_hs;
+      Element* gdV = static_cast<Element*>(a.dv) + int64_t(b) * a.dv_bs + int64_t(seq.k0() + n0) * a.dv_rs + int64_t(kvh) * a.dv_hs;
+      bwd_store_dkdv<Element, kBlockN, kHeadDim, kThreads>(sdKst, sdVst, gdK, a.dk_rs, gdV, a.dv_rs, cols_valid(),
+                                                           f.head_dim, tid);
+      __syncthreads();  // staging done before the next (batch, kv head) reuses shared memory
+    }
+  }
+#endif
+}
+
+}  // namespace dmattn::cuda::sm90
