@@ -22,7 +22,7 @@ SITE=/tmp/dmattn-site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$CARRY_ROOT"/.whl/*.whl || exit 1
 export PYTHONPATH="$PWD/python:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 CUT=/tmp/dmattn-cutlass; mkdir -p $CUT && tar xzf "$CARRY_ROOT"/.devcarry/cutlass_include.tgz -C $CUT || exit 1
-NV="nvcc -std=c++17 --expt-relaxed-constexpr -O3 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -I include -I src -I $CUT"
+NV="nvcc -std=c++17 --expt-relaxed-constexpr -O3 -gencode=arch=compute_90a,code=sm_90a -DDMATTN_HAS_SM90A=1 -Xptxas -v -I include -I src -I $CUT"
 SC=/tmp/sc; mkdir -p $SC
 
 echo "=== build $(el)"

@@ -31,8 +31,9 @@ inline int fwd_ctas_by_smem(int smem, int smem_per_sm) { return smem_per_sm / (s
 
 // One launch of `kernel` (a forward kernel built on Tile) with the mask / bias buffers placed
 // for Tile. kInit: the init kernel's buffers (three mask tiles, double-buffered bias);
-// kBiasDb: whether the kernel can double buffer the bias at all.
-template <class Tile, bool kInit, bool kBiasDb = true, class Kernel>
+// kBiasDb: whether the kernel can double buffer the bias at all; kPosTiles: key-positions tiles
+// of gathered keys (the sm90 plain kernel keeps one per K buffer).
+template <class Tile, bool kInit, bool kBiasDb = true, int kPosTiles = 1, class Kernel>
 void launch_fwd_kernel(const FwdArgs& args, cudaStream_t stream, Kernel kernel) {
   FwdArgs a = args;
   int dev = 0, max_smem = 0, smem_per_sm = 0;
@@ -64,9 +65,9 @@ void launch_fwd_kernel(const FwdArgs& args, cudaStream_t stream, Kernel kernel) 
     a.bias_db = kInit || (kBiasDb && dbl <= max_smem && (mode == 2 || (mode == 1 && ctas_dbl >= ctas_single)));
     smem = a.bias_db ? dbl : single;
   }
-  if (a.kpos.ptr) {  // gathered keys: the key block's positions (kBlockN int32)
+  if (a.kpos.ptr) {  // gathered keys: the key block's positions (kBlockN int32 per tile)
     a.smem_kpos_off = smem;
-    smem += Tile::kBlockN * 4;
+    smem += kPosTiles * Tile::kBlockN * 4;
   }
   if (smem > max_smem)
     fail(ErrorKind::kValue, "CUDA backend: the forward kernel for head_dim <= ", Tile::kHeadDim, " with this mask/bias needs ",
@@ -85,13 +86,19 @@ void launch_fwd(const FwdArgs& args, cudaStream_t stream) {
   launch_fwd_kernel<Tile, kInit>(args, stream, fwd_kernel<Tile, kMaskBias, kInit>);
 }
 
-// The Hopper kernel (sm90/fwd_kernel_sm90.h: wgmma, head dims 64 and 128) runs on compute
-// capability 9.0 when DMATTN_FWD_SM90=1 (off by default until a device run has checked and
-// timed it; the sm80-class kernels run everywhere).
+// The Hopper kernel (sm90/fwd_kernel_sm90.h: wgmma, head dims up to 128) is the forward on
+// compute capability 9.0 (faster than the sm80-class kernels there: docs/perf.md);
+// DMATTN_FWD_SM90=0 turns it off (the sm80-class kernels, which run everywhere), for comparisons.
+// A build without sm_90a code (DMATTN_CUDA_ARCHS lacking 90a: CMakeLists.txt) has only the
+// kernel's empty body, so it never selects the kernel.
+#ifndef DMATTN_HAS_SM90A
+#define DMATTN_HAS_SM90A 0
+#endif
 inline bool fwd_sm90_enabled() {
+  if (!DMATTN_HAS_SM90A) return false;
   static const bool on = [] {
     const char* env = std::getenv("DMATTN_FWD_SM90");
-    return env != nullptr && env[0] == '1';
+    return env == nullptr || env[0] != '0';
   }();
   if (!on) return false;
   int dev = 0, major = 0;
@@ -108,20 +115,20 @@ inline bool fwd_sm90_enabled() {
 #define DMATTN_FWD_INIT_KERNEL 0
 #endif
 
-// Plain scores go to the lean kernel, a mask / bias without softcap to the init kernel (when
-// enabled), everything else to the general one.
+// Compute capability 9.0, head dims <= 128: the Hopper kernel (plain or mask / bias variant).
+// Otherwise plain scores go to the lean kernel, a mask / bias without softcap to the init kernel
+// (when enabled), everything else to the general one.
 template <typename Element, int kHeadDim>
 void run_fwd(const FwdArgs& a, cudaStream_t stream) {
   const bool mask_or_bias = a.mask.ptr != nullptr || a.bias.ptr != nullptr;
   if constexpr (kHeadDim <= 128) {
-    // (packed batches and gathered keys: not in the Hopper kernel yet)
-    if (a.cu_seqlens_q == nullptr && a.kpos.ptr == nullptr && fwd_sm90_enabled()) {
+    if (fwd_sm90_enabled()) {  // every option, packed batches and gathered keys included
       if (mask_or_bias || a.softcap != 0.f) {
         using Tile = sm90::FwdTileSm90<Element, kHeadDim, 1>;
-        launch_fwd_kernel<Tile, false, false>(a, stream, sm90::fwd_kernel_sm90<Tile, true>);
+        launch_fwd_kernel<Tile, false, false, 1>(a, stream, sm90::fwd_kernel_sm90<Tile, true>);
       } else {
         using Tile = sm90::FwdTileSm90<Element, kHeadDim, 2>;
-        launch_fwd_kernel<Tile, false, false>(a, stream, sm90::fwd_kernel_sm90<Tile, false>);
+        launch_fwd_kernel<Tile, false, false, 2>(a, stream, sm90::fwd_kernel_sm90<Tile, false>);
       }
       return;
     }

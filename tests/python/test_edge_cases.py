@@ -310,7 +310,9 @@ def _seed_002(device, s, keep, h, hkv, d, dtype):
         t.grad = None
     out2, lse2, _ = _run(q, k, v, None, bias2, causal=True, dout=dout)
     assert_finite("dbias", bias2.grad)
-    torch.testing.assert_close(out2, out, rtol=0, atol=0)
+    # Against the reference, not bitwise against `out`: the two calls may take different kernels
+    # (on CUDA the mask + per-key bias call takes the gather path), whose sums run in another order.
+    check_against_reference(q, k, v, None, bias2, out2, lse2, _grads(q, k, v, bias2), causal=True, dout=dout)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)

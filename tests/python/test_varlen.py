@@ -700,7 +700,7 @@ def test_cuda_cu_seqlens_modified_in_place_are_checked_again():
     args["cu_seqlens_q"] = args["cu_seqlens_q"].cuda()
     dmattn.attention_varlen(**args)
     dmattn.attention_varlen(**args)  # cached: no error, same tensors
-    args["cu_seqlens_k"][-1] += 1  # last entry no longer total_k
+    args["cu_seqlens_k"][-1] -= 1  # last entry no longer total_k (the lengths stay valid)
     with pytest.raises(ValueError, match="cu_seqlens_k: expected last entry"):
         dmattn.attention_varlen(**args)
 

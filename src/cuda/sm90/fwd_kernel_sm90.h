@@ -12,6 +12,12 @@
 //   block n:  wait K[n]; barrier; issue V[n] (+ bias[n], mask look-ahead);
 //             S = Q K[n]^T; wait V[n]; barrier; issue K[next];
 //             transform, softmax; O += P V[n]
+// Packed variable-length batches and gathered keys (a.kpos) as in the sm80 kernel: rows,
+// lengths and window from SeqBounds, the block range of gathered keys from KeyPositionRow, and a
+// kBlockN int32 positions tile per key block for the per-element test. The mask / bias kernel
+// loads it with V and reads it after the following barrier, as the sm80 kernel does; the plain
+// kernel transforms block n before V[n] has landed, so there the tile travels with K (one per
+// K buffer, Tile::kStagesKV tiles at a.smem_kpos_off).
 // Compiled for every target, with a body only for sm_90a (wgmma does not exist elsewhere);
 // run_fwd launches it only on compute capability 9.0 devices.
 #pragma once
@@ -34,12 +40,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
   const int tid = threadIdx.x;
   const int m_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int m0 = m_block * kBlockM;
+  const SeqBounds seq(a, b);
+  if (m0 >= seq.len_q()) return;  // packed batch: past the end of a shorter sequence
   const int h_kv = h / a.group;
-  const int rows_valid = min(kBlockM, a.seqlen_q - m0);
 
-  const WindowMask win{a.seqlen_q, a.seqlen_k, a.window_left, a.window_right};
   int n_min, n_max;
-  win.key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
+  const bool gathered = a.kpos.ptr != nullptr;  // (never packed)
+  if (gathered) KeyPositionRow(a, b, h).key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
+  else seq.window().key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
+  int32_t* const s_pos = reinterpret_cast<int32_t*>(smem + a.smem_kpos_off);
 
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Tile::SmemLayoutQ{});
   // K / V buffer i (Tile::kStagesKV of each), and V buffer i viewed as (D, keys).
@@ -85,12 +94,14 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
     int kcur = 0, vcur = 0;
     bool have_p = false;  // P of the previous block waits in rP for its V (in buffer vcur)
 
-    load_rows_async<kBlockM, kHeadDim, kThreads>(sQ, gQ, a.q_rs, rows_valid, a.head_dim, tid);
+    load_rows_async<kBlockM, kHeadDim, kThreads>(sQ, gQ, a.q_rs, seq.rows_valid(m0, kBlockM), a.head_dim, tid);
     {
       Tensor sK0 = sK_at(0);
       load_rows_async<kBlockN, kHeadDim, kThreads>(sK0, gK + int64_t(n * kBlockN) * a.k_rs, a.k_rs,
-                                                   a.seqlen_k - n * kBlockN, a.head_dim, tid);
+                                                   seq.len_k() - n * kBlockN, a.head_dim, tid);
     }
+    if (gathered)
+      load_positions_tile_async<kBlockN, kThreads>(s_pos, positions_row(a.kpos, b, h), a.seqlen_k, n * kBlockN, tid);
     cp_async_commit();
     cp_async_wait<0>();
     fence_smem_for_wgmma();
@@ -103,11 +114,14 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
       if (nn >= n_min) {
         Tensor sKn = sK_at(kcur ^ 1);
         load_rows_async<kBlockN, kHeadDim, kThreads>(sKn, gK + int64_t(nn * kBlockN) * a.k_rs, a.k_rs,
-                                                     a.seqlen_k - nn * kBlockN, a.head_dim, tid);
+                                                     seq.len_k() - nn * kBlockN, a.head_dim, tid);
+        if (gathered)
+          load_positions_tile_async<kBlockN, kThreads>(s_pos + (kcur ^ 1) * kBlockN, positions_row(a.kpos, b, h),
+                                                       a.seqlen_k, nn * kBlockN, tid);
       }
       {
         Tensor sVn = sV_at(vcur ^ 1);
-        load_rows_async<kBlockN, kHeadDim, kThreads>(sVn, gV + int64_t(n0) * a.v_rs, a.v_rs, a.seqlen_k - n0,
+        load_rows_async<kBlockN, kHeadDim, kThreads>(sVn, gV + int64_t(n0) * a.v_rs, a.v_rs, seq.len_k() - n0,
                                                      a.head_dim, tid);
       }
       cp_async_commit();
@@ -121,8 +135,17 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
       } else {
         gemm_wait<0>(acc_s);
       }
-      if (win.block_needs_mask(m0, kBlockM, kBlockN, n))
+      // The test's operand is a compile-time null or the address of a local in each branch, so
+      // that the local stays in registers (a pointer chosen at run time put it on the stack).
+      const WindowMask win = seq.window();
+      if (gathered) {
+        const PositionTest kp_test{s_pos + kcur * kBlockN, position_window(a)};  // landed with K[n]
+        if (positions_block_needs_mask<kBlockN>(kp_test.win, kp_test.s_pos, m0, kBlockM))
+          transform_scores_ex<false, true, Element, kBlockN, false>(s_rc, tScS_rc, a, m0, n0, win, nullptr, 0, nullptr, 0,
+                                                                    &kp_test);
+      } else if (win.block_needs_mask(m0, kBlockM, kBlockN, n)) {
         transform_scores_ex<false, true, Element, kBlockN, false>(s_rc, tScS_rc, a, m0, n0, win, nullptr, 0, nullptr, 0);
+      }
       float alpha[kRows];
       softmax.template update_scaled_deferred<false>(s_rc, a.scale * kLog2e, alpha);
       gemm_wait<0>(acc_o);  // P V done: rP and O are free
@@ -133,6 +156,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
       cp_async_wait<0>();
       fence_smem_for_wgmma();
       __syncthreads();  // K[nn], V[n] visible; every warpgroup is done with K[n] and V[n + 1]
+                        // (and the positions of n)
       kcur ^= 1;
       vcur ^= 1;
       if (nn < n_min) break;
@@ -144,9 +168,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
   };
 
   if (n_max > n_min) {
-    const Element* gQ = static_cast<const Element*>(a.q) + int64_t(b) * a.q_bs + int64_t(m0) * a.q_rs + int64_t(h) * a.q_hs;
-    const Element* gK = static_cast<const Element*>(a.k) + int64_t(b) * a.k_bs + int64_t(h_kv) * a.k_hs;
-    const Element* gV = static_cast<const Element*>(a.v) + int64_t(b) * a.v_bs + int64_t(h_kv) * a.v_hs;
+    const Element* gQ = static_cast<const Element*>(a.q) + int64_t(b) * a.q_bs + int64_t(seq.q0() + m0) * a.q_rs + int64_t(h) * a.q_hs;
+    const Element* gK = static_cast<const Element*>(a.k) + int64_t(b) * a.k_bs + int64_t(seq.k0()) * a.k_rs + int64_t(h_kv) * a.k_hs;
+    const Element* gV = static_cast<const Element*>(a.v) + int64_t(b) * a.v_bs + int64_t(seq.k0()) * a.v_rs + int64_t(h_kv) * a.v_hs;
 
     OperandTile<kBlockM, kBlockN, kThreads> mask_tile, bias_tile;
     const bool has_mask = kMaskBias && a.mask.ptr != nullptr;
@@ -156,21 +180,21 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
     int mbuf = 0;
     int n = n_max - 1;
     if constexpr (kMaskBias) {
-      if (has_mask) mask_tile.init(a.mask, b, h, m0, a.seqlen_q, Tile::kMaskPitch, 0);
-      if (has_bias) bias_tile.init(a.bias, b, h, m0, a.seqlen_q, Tile::kBiasPitch, 0);
+      if (has_mask) mask_tile.init(a.mask, b, h, m0, seq.len_q(), Tile::kMaskPitch, seq.k0());
+      if (has_bias) bias_tile.init(a.bias, b, h, m0, seq.len_q(), Tile::kBiasPitch, seq.k0());
       if (has_mask) {  // first key block with a true mask element (block_skip.h)
-        mask_tile.template load_as<1>(s_mask_base, Tile::kMaskPitch, n * kBlockN, a.seqlen_k, tid);
+        mask_tile.template load_as<1>(s_mask_base, Tile::kMaskPitch, n * kBlockN, seq.len_k(), tid);
         cp_async_commit();
-        n = next_live_key_block(mask_tile, s_mask_base, Tile::kMaskPitch, n, n_min, a.seqlen_k, tid);
+        n = next_live_key_block(mask_tile, s_mask_base, Tile::kMaskPitch, n, n_min, seq.len_k(), tid);
       }
     }
 
     if constexpr (!kMaskBias) {
       if (n >= n_min) plain_loop(n, gQ, gK, gV);
     } else if (n >= n_min) {
-      load_rows_async<kBlockM, kHeadDim, kThreads>(sQ, gQ, a.q_rs, rows_valid, a.head_dim, tid);
+      load_rows_async<kBlockM, kHeadDim, kThreads>(sQ, gQ, a.q_rs, seq.rows_valid(m0, kBlockM), a.head_dim, tid);
       load_rows_async<kBlockN, kHeadDim, kThreads>(sK, gK + int64_t(n * kBlockN) * a.k_rs, a.k_rs,
-                                                   a.seqlen_k - n * kBlockN, a.head_dim, tid);
+                                                   seq.len_k() - n * kBlockN, a.head_dim, tid);
       cp_async_commit();
       while (true) {
         const int n0 = n * kBlockN;
@@ -178,10 +202,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
         cp_async_wait<0>();
         fence_smem_for_wgmma();
         __syncthreads();
-        load_rows_async<kBlockN, kHeadDim, kThreads>(sV, gV + int64_t(n0) * a.v_rs, a.v_rs, a.seqlen_k - n0, a.head_dim, tid);
-        if (has_bias) bias_tile.load_any(s_bias_base, Tile::kBiasPitch, n0, a.seqlen_k, tid);
+        load_rows_async<kBlockN, kHeadDim, kThreads>(sV, gV + int64_t(n0) * a.v_rs, a.v_rs, seq.len_k() - n0, a.head_dim, tid);
+        // Read after the barrier below; the last block's tile was read before the one above.
+        if (gathered) load_positions_tile_async<kBlockN, kThreads>(s_pos, positions_row(a.kpos, b, h), a.seqlen_k, n0, tid);
+        if (has_bias) bias_tile.load_any(s_bias_base, Tile::kBiasPitch, n0, seq.len_k(), tid);
         if (has_mask && n > n_min)
-          mask_tile.load_any(s_mask_base + (mbuf ^ 1) * a.smem_mask_stride, Tile::kMaskPitch, n0 - kBlockN, a.seqlen_k, tid);
+          mask_tile.load_any(s_mask_base + (mbuf ^ 1) * a.smem_mask_stride, Tile::kMaskPitch, n0 - kBlockN, seq.len_k(), tid);
         cp_async_commit();
 
         Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -194,21 +220,29 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
         fence_smem_for_wgmma();  // the barrier that publishes them
         if (has_mask && n > n_min) {  // (next_live_key_block's barrier)
           nn = next_live_key_block(mask_tile, s_mask_base + (mbuf ^ 1) * a.smem_mask_stride, Tile::kMaskPitch,
-                                   n - 1, n_min, a.seqlen_k, tid);
+                                   n - 1, n_min, seq.len_k(), tid);
         } else {
           __syncthreads();
         }
         if (nn >= n_min) {
           load_rows_async<kBlockN, kHeadDim, kThreads>(sK, gK + int64_t(nn * kBlockN) * a.k_rs, a.k_rs,
-                                                       a.seqlen_k - nn * kBlockN, a.head_dim, tid);
+                                                       seq.len_k() - nn * kBlockN, a.head_dim, tid);
           cp_async_commit();
         }
 
         Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
         const char* sb = has_bias ? s_bias_base : nullptr;
         const char* sm = has_mask ? s_mask_base + mbuf * a.smem_mask_stride : nullptr;
-        transform_general_scores<Element, kBlockN>(s_rc, tScS_rc, a, m0, n0, win.block_needs_mask(m0, kBlockM, kBlockN, n),
-                                                   win, sb, bias_tile.pitch, sm, mask_tile.pitch);
+        const WindowMask win = seq.window();
+        if (gathered) {  // (one call per branch: see the plain loop)
+          const PositionTest kp_test{s_pos, position_window(a)};  // from the constant params
+          transform_general_scores<Element, kBlockN>(
+              s_rc, tScS_rc, a, m0, n0, positions_block_needs_mask<kBlockN>(kp_test.win, s_pos, m0, kBlockM), win, sb,
+              bias_tile.pitch, sm, mask_tile.pitch, &kp_test);
+        } else {
+          transform_general_scores<Element, kBlockN>(s_rc, tScS_rc, a, m0, n0, win.block_needs_mask(m0, kBlockM, kBlockN, n),
+                                                     win, sb, bias_tile.pitch, sm, mask_tile.pitch);
+        }
         softmax.template update<true>(s_rc, acc_o_rc);
 
         Tensor rP = make_tensor<Element>(acc_s.layout());
@@ -231,9 +265,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) rows[r] = get<0>(tScS_rc(r, 0));
 
-  Element* gO = static_cast<Element*>(a.out) + int64_t(b) * a.o_bs + int64_t(m0) * a.o_rs + int64_t(h) * a.o_hs;
-  float* g_lse = a.lse + int64_t(b) * a.lse_bs + int64_t(h) * a.lse_hs + m0;
-  fwd_epilogue<Tile>(acc_o, sQ, thr_o, lse, rows, gO, a.o_rs, g_lse, rows_valid, a.head_dim, tid);
+  Element* gO = static_cast<Element*>(a.out) + int64_t(b) * a.o_bs + int64_t(seq.q0() + m0) * a.o_rs + int64_t(h) * a.o_hs;
+  float* g_lse = a.lse + seq.stat_offset(h) + m0;
+  fwd_epilogue<Tile>(acc_o, sQ, thr_o, lse, rows, gO, a.o_rs, g_lse, seq.rows_valid(m0, kBlockM), a.head_dim, tid);
 #endif
 }
 

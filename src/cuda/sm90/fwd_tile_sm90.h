@@ -4,7 +4,8 @@
 // operand of O += P V) through a composed view, without a copy.
 // kStagesKV: K and V buffers each. The plain kernel (no mask / bias) double buffers them so that
 // the next block's loads land during this block's products; the mask / bias kernel keeps one of
-// each (its mask and bias tiles need the shared memory).
+// each (its mask and bias tiles need the shared memory). Gathered keys add one positions tile
+// per K buffer after the mask / bias tiles (launch_fwd_kernel's kPosTiles).
 #pragma once
 
 #include <cute/tensor.hpp>
