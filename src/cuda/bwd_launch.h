@@ -25,12 +25,11 @@ void run_bwd(const BwdArgs& a, bool deterministic, bool exact, cudaStream_t stre
 }  // namespace dmattn::cuda
 
 #ifdef DMATTN_BWD_LAUNCH_IMPL
-#include <cstdlib>
-
 #include "cuda/bwd_dq_kernel.h"
 #include "cuda/bwd_kernel.h"
 #include "cuda/seq_bounds.h"
 #include "cuda/sm90/bwd_kernel_sm90.h"
+#include "cuda/sm90/enabled.h"
 
 namespace dmattn::cuda {
 
@@ -123,17 +122,10 @@ inline int bwd_grid_stride_blocks(int64_t work, int threads) {
 }
 
 // The main kernel runs on wgmma (sm90/bwd_kernel_sm90.h, head dim 128) on compute capability
-// 9.0 unless DMATTN_BWD_SM90=0; the sm80-class kernel everywhere else.
+// 9.0 unless DMATTN_BWD_SM90=0 (sm90/enabled.h); the sm80-class kernel everywhere else.
 inline bool bwd_sm90_enabled() {
-  static const bool off = [] {
-    const char* env = std::getenv("DMATTN_BWD_SM90");
-    return env != nullptr && env[0] == '0';
-  }();
-  if (off) return false;
-  int dev = 0, major = 0;
-  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute(cc)");
-  return major == 9;
+  static const bool off = sm90::env_switched_off("DMATTN_BWD_SM90");
+  return !off && sm90::device_runs_sm90_kernels();
 }
 
 template <typename Element, int kHeadDim>

@@ -19,6 +19,7 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream);
 #include <cstdlib>
 
 #include "cuda/fwd_kernel.h"
+#include "cuda/sm90/enabled.h"
 #include "cuda/sm90/fwd_kernel_sm90.h"
 #include "dmattn/error.h"
 
@@ -89,22 +90,10 @@ void launch_fwd(const FwdArgs& args, cudaStream_t stream) {
 // The Hopper kernel (sm90/fwd_kernel_sm90.h: wgmma, head dims up to 128) is the forward on
 // compute capability 9.0 (faster than the sm80-class kernels there: docs/perf.md);
 // DMATTN_FWD_SM90=0 turns it off (the sm80-class kernels, which run everywhere), for comparisons.
-// A build without sm_90a code (DMATTN_CUDA_ARCHS lacking 90a: CMakeLists.txt) has only the
-// kernel's empty body, so it never selects the kernel.
-#ifndef DMATTN_HAS_SM90A
-#define DMATTN_HAS_SM90A 0
-#endif
+// (sm90/enabled.h: never in a build without sm_90a code)
 inline bool fwd_sm90_enabled() {
-  if (!DMATTN_HAS_SM90A) return false;
-  static const bool on = [] {
-    const char* env = std::getenv("DMATTN_FWD_SM90");
-    return env == nullptr || env[0] != '0';
-  }();
-  if (!on) return false;
-  int dev = 0, major = 0;
-  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute(cc)");
-  return major == 9;
+  static const bool off = sm90::env_switched_off("DMATTN_FWD_SM90");
+  return !off && sm90::device_runs_sm90_kernels();
 }
 
 // The init kernel (mask / bias folded into the QK^T accumulator's initial value): measured on the

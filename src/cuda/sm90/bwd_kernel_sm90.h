@@ -137,7 +137,6 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
 
       const Element* gQb = static_cast<const Element*>(f.q) + int64_t(b) * f.q_bs + int64_t(seq.q0()) * f.q_rs;
       const Element* gdOb = static_cast<const Element*>(a.dout) + int64_t(b) * a.do_bs + int64_t(seq.q0()) * a.do_rs;
-      OperandTile<kBlockM, kBlockN, kThreads> mask_tile, bias_tile;
 
       // Staggered start of the query-block walk (dQ atomics of neighbouring CTAs apart).
       const int rot = n_m > 0 ? (n_block * 7) % n_m : 0;
@@ -156,11 +155,14 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
         if constexpr (kMaskBias) {
           const int h = kvh * group + t / n_m;
           const int m0 = m_of(t) * kBlockM;
+          // (tile objects local to the load: nothing of them stays in registers across the loop)
           if (f.mask.ptr) {
+            OperandTile<kBlockM, kBlockN, kThreads> mask_tile;
             mask_tile.init(f.mask, b, h, m0, seq.len_q(), Tile::kMaskPitch, seq.k0());
             mask_tile.load(s_mask, Tile::kMaskPitch, n0, seq.len_k(), tid);
           }
           if (f.bias.ptr) {
+            OperandTile<kBlockM, kBlockN, kThreads> bias_tile;
             bias_tile.init(f.bias, b, h, m0, seq.len_q(), Tile::kBiasPitch, seq.k0());
             bias_tile.load(s_bias, Tile::kBiasPitch, n0, seq.len_k(), tid);
           }
@@ -215,8 +217,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
         {
           const PositionTest block_test{s_pos, position_window(f)};
           bwd_scores<kMaskBias, kSoftcap, Element, kBlockN>(s_rc, tScS_rc, tt_rc, f, m0, n0, pos_mask, seq.window(),
-                                                            f.bias.ptr ? s_bias : nullptr, bias_tile.pitch,
-                                                            f.mask.ptr ? s_mask : nullptr, mask_tile.pitch,
+                                                            f.bias.ptr ? s_bias : nullptr,
+                                                            f.bias.row_bcast ? 0 : Tile::kBiasPitch,
+                                                            f.mask.ptr ? s_mask : nullptr,
+                                                            f.mask.row_bcast ? 0 : Tile::kMaskPitch,
                                                             gathered ? &block_test : nullptr);
         }
         gemm_wait<0>(acc_dp);

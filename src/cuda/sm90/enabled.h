@@ -1,0 +1,33 @@
+// Whether the Hopper kernels (sm90/) may run: the build holds sm_90a code (DMATTN_HAS_SM90A,
+// set by CMakeLists.txt when DMATTN_CUDA_ARCHS has 90a; without it the kernels have only their
+// empty bodies) and the current device has compute capability 9.0. Each pass also has an
+// environment switch (DMATTN_FWD_SM90=0, DMATTN_BWD_SM90=0) that falls back to the sm80-class
+// kernels, for comparisons.
+#pragma once
+
+#include <cstdlib>
+
+#include <cuda_runtime.h>
+
+#include "cuda/check.h"
+
+#ifndef DMATTN_HAS_SM90A
+#define DMATTN_HAS_SM90A 0
+#endif
+
+namespace dmattn::cuda::sm90 {
+
+inline bool env_switched_off(const char* name) {
+  const char* env = std::getenv(name);
+  return env != nullptr && env[0] == '0';
+}
+
+inline bool device_runs_sm90_kernels() {
+  if (!DMATTN_HAS_SM90A) return false;
+  int dev = 0, major = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute(cc)");
+  return major == 9;
+}
+
+}  // namespace dmattn::cuda::sm90
