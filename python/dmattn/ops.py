@@ -182,9 +182,13 @@ def _setup_context(ctx, inputs, output):
     ctx.bias_requires_grad = bias is not None and ctx.needs_input_grad[4]
     # lse is returned for inspection (as in FlashAttention); it carries no gradient.
     ctx.mark_non_differentiable(lse)
+    # No zero-filled gradient for lse (never read) or for an unused out: one kernel fewer.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, _dlse):
+    if dout is None:  # out did not reach the loss
+        return (None,) * 13
     q, k, v, mask, bias, out, lse, key_positions = ctx.saved_tensors
     causal, window_left, window_right, scale, softcap, deterministic = ctx.options
     if dout.stride(-1) != 1:
@@ -353,9 +357,12 @@ def _setup_varlen_context(ctx, inputs, output):
     ctx.options = (causal, window_left, window_right, scale, softcap, deterministic)
     ctx.bias_requires_grad = bias is not None and ctx.needs_input_grad[8]
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # as _setup_context
 
 
 def _varlen_backward(ctx, dout, _dlse):
+    if dout is None:
+        return (None,) * 15
     q, k, v, cu_seqlens_q, cu_seqlens_k, mask, bias, out, lse = ctx.saved_tensors
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
