@@ -102,18 +102,20 @@ def main() -> None:
         out = dmattn.attention_topk(qg, kg, vg, biasg, keep, mask=mask, causal=True)
         return torch.autograd.grad(out, (qg, kg, vg, biasg), dout)
 
-    # The glue alone: the same calls with the dmattn ops replaced by cheap stand-ins of the
-    # right shapes (dmattn.gather looks attention_forward up at call time).
+    # The glue alone: the same calls with the dmattn op replaced by a cheap stand-in of the
+    # right shapes (dmattn.gather looks the op's caller up at call time).
     def fake_forward(q, k, v, mask, bias, *rest):
         return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]))
 
+    op_caller = "forward_with_grad" if hasattr(gather, "forward_with_grad") else "attention_forward"
+    real_forward = getattr(gather, op_caller)
+
     def glue():
-        saved = gather.attention_forward
-        gather.attention_forward = fake_forward
+        setattr(gather, op_caller, fake_forward)
         try:
             return fwd()
         finally:
-            gather.attention_forward = saved
+            setattr(gather, op_caller, real_forward)
 
     results = {}
     for name, fn in (("forward (no grad)", fwd), ("forward + backward", fwd_bwd)):

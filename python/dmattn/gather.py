@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .masks import bias_over_keys, dynamic_mask, selection_key, selection_shape
-from .ops import attention_forward, supports_key_positions
+from .ops import forward_with_grad, supports_key_positions
 
 __all__ = ["KeySet", "mask_key_set", "topk_key_set", "attention_over_key_set", "force_path"]
 
@@ -278,5 +278,5 @@ def attention_over_key_set(q: Tensor, k: Tensor, v: Tensor, key_set: KeySet, bia
     # else: a key-broadcast bias broadcasts over the gathered rows as over all keys; passed as
     # is, its gradient is exactly zero as on the dense path (gathered, it would be a sum of
     # rounded per-row gradients that only cancel in exact arithmetic).
-    return attention_forward(q, k_rows, v_rows, None, bias_rows, causal, window_left, window_right,
+    return forward_with_grad(q, k_rows, v_rows, None, bias_rows, causal, window_left, window_right,
                              scale, softcap, deterministic, positions, num_keys)

@@ -29,7 +29,8 @@ from torch import Tensor
 from ._lib import lib
 
 __all__ = ["attention_forward", "attention_backward", "attention_varlen_forward",
-           "attention_varlen_backward", "supports_key_positions"]
+           "attention_varlen_backward", "supports_key_positions", "forward_with_grad",
+           "varlen_forward_with_grad"]
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -204,6 +205,38 @@ def _backward(ctx, dout, _dlse):
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _eager_autograd(op, setup, backward_fn, num_differentiable: int, defaults: tuple = ()):
+    """``op`` (a custom op with registered autograd), called in eager mode through a plain
+    torch.autograd.Function with the same setup context and backward: the same results and
+    graph, without torch.library's per-call binding of the arguments to the schema (it lists
+    the 13 to 15 schema arguments once per argument: ~25 us of host time a call with torch
+    2.13). Under torch.compile, and when no gradient is needed, the op is called as is.
+    ``defaults``: the values of the op's trailing optional arguments (setup gets them all)."""
+    num_args = len(op._opoverload._schema.arguments)
+
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(*inputs):
+            return op(*inputs)  # grad mode is off in here: the op's own autograd is skipped
+
+        setup_context = staticmethod(setup)
+        backward = staticmethod(backward_fn)
+
+    def call(*inputs):
+        if (torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                and any(isinstance(t, Tensor) and t.requires_grad for t in inputs[:num_differentiable])):
+            missing = num_args - len(inputs)
+            return Function.apply(*inputs, *(defaults[len(defaults) - missing:] if missing else ()))
+        return op(*inputs)
+
+    return call
+
+
+# dmattn::fwd with autograd, for the Python API (same arguments); q, k, v, mask, bias may
+# require grad.
+forward_with_grad = _eager_autograd(attention_forward, _setup_context, _backward, 5, (None, 0))
+
+
 # ---------------------------------------------------------------------------------------------
 # Packed variable-length batches: q (total_q, H, D), k/v (total_k, Hkv, D), int32 cu_seqlens of
 # length B + 1, key-side mask/bias (Hb, total_k), lse (H, total_q). See docs/semantics.md.
@@ -375,3 +408,6 @@ def _varlen_backward(ctx, dout, _dlse):
 
 
 attention_varlen_forward.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)
+# dmattn::fwd_varlen with autograd, as forward_with_grad (q, k, v, .., mask, bias: the first 9).
+varlen_forward_with_grad = _eager_autograd(attention_varlen_forward, _setup_varlen_context,
+                                           _varlen_backward, 9)
