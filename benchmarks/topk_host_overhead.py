@@ -74,8 +74,8 @@ def per_call_us(fn, iters: int, rounds: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--iters", type=int, default=200)
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--shape", default="1,64,2,2,16,16", help="B,S,H,Hkv,D,keep")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     ap.add_argument("--mask", action="store_true", help="with a (B, 1, 1, S) padding mask (70%% kept)")

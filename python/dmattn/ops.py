@@ -215,11 +215,14 @@ def _eager_autograd(op, setup, backward_fn, num_differentiable: int, defaults: t
     num_args = len(op._opoverload._schema.arguments)
 
     class Function(torch.autograd.Function):
+        # The ctx-style forward: a separate setup_context staticmethod would make every apply
+        # bind the arguments with inspect.signature.
         @staticmethod
-        def forward(*inputs):
-            return op(*inputs)  # grad mode is off in here: the op's own autograd is skipped
+        def forward(ctx, *inputs):
+            output = op(*inputs)  # grad mode is off in here: the op's own autograd is skipped
+            setup(ctx, inputs, output)
+            return output
 
-        setup_context = staticmethod(setup)
         backward = staticmethod(backward_fn)
 
     def call(*inputs):
