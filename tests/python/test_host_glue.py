@@ -37,6 +37,8 @@ def _is_sync(func, args, kwargs) -> bool:
     if name == "aten::repeat_interleave":
         return (kwargs or {}).get("output_size") is None  # a keyword-only argument
     return name in SYNC_OPS
+
+
 # Tensor methods that read values on the host.
 HOST_READS = ["item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"]
 
@@ -66,8 +68,8 @@ class OpLog(TorchDispatchMode):
 
 @pytest.fixture
 def no_host_reads(monkeypatch):
-    """While the test runs inside ``with no_host_reads():``, Tensor methods that read values
-    on the host raise."""
+    """A function that, once called, makes the Tensor methods that read values on the host
+    raise until the test ends (monkeypatch restores them)."""
     def forbid():
         for name in HOST_READS:
             def raiser(self, *args, _name=name, **kwargs):
