@@ -4,10 +4,11 @@
 
 Times (median of CUDA events, dmattn.bench.time_ms) for bf16, D=128, H=16, a per-key bias
 (B, H, 1, S) with gradient, keep=2048, causal:
-  * attention_topk end to end (top-k selection, compaction, gathers, kernels, scatter-back),
+  * attention_topk end to end (top-k selection, positions, gathers, kernels, scatter-back),
     forward and forward+backward, gather path and (for comparison) the dense masked path;
-  * its pieces at B=2, S=8192: the selection (dynamic_mask), the key set plus compaction of
-    the positions, the gathers of K/V/bias, the raw forward and backward ops on gathered rows;
+  * its pieces at B=2, S=8192: the dense path's selection (dynamic_mask), the gather path's
+    key set with its positions (its own selection included), the gathers of K/V/bias, the raw
+    forward and backward ops on gathered rows;
   * the scaling series S = 4096 .. 32768 at B=1 (work should follow keep, not S);
   * --profile: the CUDA kernels of one forward+backward step (torch.profiler), by total time.
 """
@@ -58,14 +59,12 @@ def pieces(q, k, v, bias, dout, warmup, iters):
     t = {}
     t["selection (dynamic_mask)"] = time_ms(lambda: dmattn.dynamic_mask(bias, KEEP), "cuda", warmup, iters)
 
-    def key_set_and_positions():
-        ks = gather.topk_key_set(q, k, bias, KEEP, None, False)
-        return gather.compact_positions(ks.kept, ks.width)
+    def key_set_and_positions():  # the selection included: top-k of the key, sorted positions
+        return gather.topk_key_set(q, k, bias, KEEP, None, False)
 
-    t["key set + compact positions"] = time_ms(key_set_and_positions, "cuda", warmup, iters)
-    positions = key_set_and_positions()
-    index = positions.long().clamp_min(0)
-    flat = gather._flat_row_index(index, num_keys, k.shape[2])
+    t["key set + positions (selection included)"] = time_ms(key_set_and_positions, "cuda", warmup, iters)
+    positions, index = key_set_and_positions()
+    flat = gather._flat_row_index(index, batch, H, num_keys, k.shape[2])
 
     def gathers():
         return (gather._gather_rows(k, flat, KEEP, H), gather._gather_rows(v, flat, KEEP, H),

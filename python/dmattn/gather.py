@@ -2,7 +2,8 @@
 shares one key set (a mask, and a bias, without a query dimension).
 
 Instead of scanning all Sk keys and masking most of them out, the kept keys' indices are
-compacted per (batch, head) into sorted int32 ``key_positions`` (padded with -1 to a width K),
+compacted per (batch, head) into sorted int32 ``key_positions`` (padded with -1 to a width K;
+for attention_topk, the sorted indices of a top-k over an integer selection key),
 the K, V and bias rows at those positions are gathered (differentiable torch gathers, so
 autograd scatters dk, dv and dbias back onto the original rows and sums GQA groups), and
 dmattn::fwd runs on the K gathered rows with the positions, against which causal and window
@@ -22,8 +23,8 @@ from typing import Iterator, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .masks import bias_over_keys, dynamic_mask
-from .ops import attention_forward, supports_key_positions
+from .masks import bias_over_keys, dynamic_mask, selection_key, selection_shape
+from .ops import forward_with_grad, supports_key_positions
 
 __all__ = ["KeySet", "mask_key_set", "topk_key_set", "attention_over_key_set", "force_path"]
 
@@ -52,10 +53,22 @@ def force_path(path: Optional[str]) -> Iterator[None]:
 
 
 class KeySet(NamedTuple):
-    """Keys kept per (batch, head), shared by all queries: ``kept`` bool (1 or B, 1 / Hkv / H,
-    Sk), at most ``width`` True per row; ``width`` is the gathered length K."""
-    kept: Tensor
-    width: int
+    """Keys kept per (batch, head), shared by all queries, as the gathered rows: ``positions``
+    int32 (1 or B, 1 / Hkv / H, K), per row the kept key indices in increasing order, then -1
+    (the key_positions operand); ``index`` int64, same shape, the key row each gathered row
+    reads (the position, 0 for padding)."""
+    positions: Tensor
+    index: Tensor
+
+    @property
+    def width(self) -> int:
+        """K, the number of gathered rows per (batch, head)."""
+        return self.positions.shape[-1]
+
+
+def _key_set_of_mask(kept: Tensor, width: int) -> KeySet:
+    positions = compact_positions(kept, width)
+    return KeySet(positions, positions.long().clamp_min(0))
 
 
 def _key_side_view(t: Tensor, batch: int, heads: int, heads_kv: int, num_keys: int) -> Optional[Tensor]:
@@ -64,11 +77,12 @@ def _key_side_view(t: Tensor, batch: int, heads: int, heads_kv: int, num_keys: i
     broadcast rule (the dense path then reports the error)."""
     if t.dim() > 4:
         return None
-    t4 = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
-    b, h, q, s = t4.shape
+    b, h, q, s = (1,) * (4 - t.dim()) + tuple(t.shape)
     if q != 1 or b not in (1, batch) or h not in (1, heads_kv, heads) or s not in (1, num_keys):
         return None
-    return t4[:, :, 0, :].expand(b, h, num_keys)
+    if t.dim() >= 2:  # squeeze, not t[..., 0, :]: its backward is a view (select's copies)
+        t = t.squeeze(-2)
+    return t.expand(b, h, num_keys)  # adds the missing leading dims
 
 
 def _gather_allowed(q: Tensor, k: Tensor, deterministic: bool) -> bool:
@@ -108,28 +122,49 @@ def mask_key_set(q: Tensor, k: Tensor, mask: Optional[Tensor], bias: Optional[Te
     width = int(kept.sum(dim=-1).max())  # the host synchronization
     if _forced is None and width > _MAX_KEPT_FRACTION * num_keys:
         return None
-    return KeySet(kept, width)
+    return _key_set_of_mask(kept, width)
 
 
 def topk_key_set(q: Tensor, k: Tensor, bias: Tensor, keep: int, mask: Optional[Tensor],
                  deterministic: bool) -> Optional[KeySet]:
     """dmattn.attention_topk's choice: the top-``keep`` key set of ``bias`` (among the keys
     ``mask`` allows) when bias and mask have no query dimension and the backend reads key
-    positions, else None (dense path). Width min(keep, Sk): no host synchronization."""
+    positions, else None (dense path). Width min(keep, Sk): no host synchronization.
+
+    The kept keys are those of dynamic_mask: the top-``keep`` of masks.selection_key (distinct
+    integers in the selection's order), sorted into positions; ``keep`` ints sorted per row
+    instead of a bool mask over Sk and its compaction (a float64 bias, which has no such key,
+    goes that way)."""
     if _forced == "dense" or not _same_device(q, bias, mask) or not _gather_allowed(q, k, deterministic):
         return None
     batch, _, heads, _ = q.shape
     heads_kv, num_keys = k.shape[2], k.shape[1]
     if keep >= num_keys and mask is None:
         return None  # every key is kept: the unmasked dense path reads them without copies
-    for t in (bias, mask):
-        if t is not None and _key_side_view(t, batch, heads, heads_kv, num_keys) is None:
-            return None
-    selected = dynamic_mask(bias_over_keys(bias, num_keys), keep, mask)
-    kept = _key_side_view(selected, batch, heads, heads_kv, num_keys)
-    if kept is None:  # e.g. bias heads Hkv with mask heads H: no single head rule
+    bias3 = _key_side_view(bias, batch, heads, heads_kv, num_keys)
+    mask3 = None if mask is None else _key_side_view(mask, batch, heads, heads_kv, num_keys)
+    if bias3 is None or (mask is not None and mask3 is None):
         return None
-    return KeySet(kept, min(keep, num_keys))
+    # dynamic_mask's errors; the broadcast of two (1 or B, 1 / Hkv / H) pairs is one of them.
+    shape = selection_shape(bias_over_keys(bias, num_keys), keep, mask)
+    rows = ((1,) * (4 - len(shape)) + shape)[:2]
+    scores = bias3.detach().expand(*rows, num_keys)
+    allowed = None if mask3 is None else mask3.expand(*rows, num_keys)
+    width = min(keep, num_keys)
+    key = selection_key(scores, allowed)
+    if key is None:  # float64: the selection as a bool mask, compacted
+        kept = _key_side_view(dynamic_mask(bias_over_keys(bias, num_keys), keep, mask), batch, heads,
+                              heads_kv, num_keys)
+        return _key_set_of_mask(kept, width)
+    values, index = key.topk(width, dim=-1, sorted=False)
+    if mask is None:  # keep < Sk keys, all allowed: every row is full
+        index = index.sort(dim=-1).values
+        return KeySet(index.int(), index)
+    # Rows with fewer allowed keys than the width also hold excluded keys (key = minimum):
+    # those sort last as Sk, then become padding (-1; the gathered row reads key 0).
+    index = index.masked_fill(values == torch.iinfo(key.dtype).min, num_keys).sort(dim=-1).values
+    positions = index.masked_fill(index == num_keys, -1).int()
+    return KeySet(positions, index.remainder(num_keys))
 
 
 def compact_positions(kept: Tensor, width: int) -> Tensor:
@@ -162,15 +197,20 @@ def _to_heads(t: Tensor, target: int, heads: int, heads_kv: int) -> Tensor:
     return t.repeat_interleave(heads // heads_kv, dim=1)  # Hkv -> H
 
 
-def _flat_row_index(index: Tensor, num_keys: int, heads_kv: int) -> Tensor:
-    """int64 (B * K * G,): for gathered row j of head g in batch b (positions ``index``
-    (B, G, K)), the row of k or v flattened to (B * Sk * Hkv, D) that it reads: kv head
-    g // (G / Hkv), key index[b, g, j]. One small elementwise kernel, shared by k and v."""
-    batch, gathered_heads, _ = index.shape
-    kv_head = torch.arange(gathered_heads, device=index.device) // (gathered_heads // heads_kv)
-    batch_base = torch.arange(batch, device=index.device) * num_keys
-    flat = (index.transpose(1, 2) + batch_base[:, None, None]) * heads_kv + kv_head
-    return flat.reshape(-1)
+def _flat_row_index(index: Tensor, batch: int, gathered_heads: int, num_keys: int,
+                    heads_kv: int) -> Tensor:
+    """int64 (B * K * G,): for gathered row j of head g in batch b (key indices ``index``
+    (1 or B, 1 or G, K)), the row of k or v flattened to (B * Sk * Hkv, D) that it reads:
+    (b * Sk + index[b, g, j]) * Hkv + g // (G / Hkv). Shared by k and v."""
+    device = index.device
+    group = gathered_heads // heads_kv
+    kv_head = torch.arange(gathered_heads, device=device)
+    if group > 1:
+        kv_head = kv_head // group
+    batch_base = torch.arange(0, batch * num_keys * heads_kv, num_keys * heads_kv, device=device)
+    offsets = batch_base.view(batch, 1, 1) + kv_head  # (B, 1, G), tiny
+    # (B, K, G): a copy when index has G > 1 rows (its transpose is not contiguous).
+    return torch.add(offsets, index.transpose(1, 2), alpha=heads_kv).reshape(-1)
 
 
 class _GatherRowsSummed(torch.autograd.Function):
@@ -224,14 +264,12 @@ def attention_over_key_set(q: Tensor, k: Tensor, v: Tensor, key_set: KeySet, bia
     as in the dense path), computed on the gathered keys only."""
     batch, _, heads, _ = q.shape
     num_keys, heads_kv = k.shape[1], k.shape[2]
-    positions = compact_positions(key_set.kept, key_set.width)
+    positions, index = key_set
     # One kept set per kv head (positions heads 1 or Hkv): gather Hkv heads, the kernel's GQA
     # shares them. One per query head (H != Hkv): gather per query head.
     gathered_heads = heads if positions.shape[1] == heads != heads_kv else heads_kv
-    # Padding rows (-1) read key 0; the kernel never attends to them (zero gradient).
-    index = positions.long().clamp_min(0)
-    kv_index = _to_heads(index, gathered_heads, heads, heads_kv).expand(batch, gathered_heads, -1)
-    flat_index = _flat_row_index(kv_index, num_keys, heads_kv)
+    # Padding rows (-1) read key 0 (index); the kernel never attends to them (zero gradient).
+    flat_index = _flat_row_index(index, batch, gathered_heads, num_keys, heads_kv)
     k_rows = _gather_rows(k, flat_index, key_set.width, gathered_heads)
     v_rows = _gather_rows(v, flat_index, key_set.width, gathered_heads)
     bias_rows = bias
@@ -240,5 +278,5 @@ def attention_over_key_set(q: Tensor, k: Tensor, v: Tensor, key_set: KeySet, bia
     # else: a key-broadcast bias broadcasts over the gathered rows as over all keys; passed as
     # is, its gradient is exactly zero as on the dense path (gathered, it would be a sum of
     # rounded per-row gradients that only cancel in exact arithmetic).
-    return attention_forward(q, k_rows, v_rows, None, bias_rows, causal, window_left, window_right,
+    return forward_with_grad(q, k_rows, v_rows, None, bias_rows, causal, window_left, window_right,
                              scale, softcap, deterministic, positions, num_keys)

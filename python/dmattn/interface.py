@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from . import gather
-from .ops import attention_forward, attention_varlen_forward
+from .ops import forward_with_grad, varlen_forward_with_grad
 
 __all__ = ["attention", "attention_varlen", "flash_dmattn_func"]
 
@@ -143,7 +143,7 @@ def attention_on(
         out, lse = gather.attention_over_key_set(q, k, v, key_set, bias, causal, left, right,
                                                  scale, softcap, deterministic)
     else:
-        out, lse = attention_forward(q, k, v, mask, bias, causal, left, right, scale, softcap,
+        out, lse = forward_with_grad(q, k, v, mask, bias, causal, left, right, scale, softcap,
                                      deterministic)
     return (out, lse) if return_lse else out
 
@@ -191,7 +191,7 @@ def attention_varlen(
     max_seqlen_k = _parse_int(max_seqlen_k, "max_seqlen_k")
     left, right, scale, softcap = _parse_options(window, scale, softcap)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    out, lse = attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    out, lse = varlen_forward_with_grad(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                         max_seqlen_k, mask, bias, bool(causal), left, right,
                                         scale, softcap, bool(deterministic))
     return (out, lse) if return_lse else out

@@ -68,6 +68,52 @@ def _result_shape(bias: Tensor, mask: Optional[Tensor]) -> Tuple[int, ...]:
                          f"{tuple(bias.shape)}") from None
 
 
+def selection_shape(bias: Tensor, keep: int, mask: Optional[Tensor]) -> Tuple[int, ...]:
+    """The checks of dynamic_mask (host-side: types, ranks, devices, shapes; no tensor values
+    are read) and the shape of its result, the broadcast shape of bias and mask."""
+    _check_bias(bias)
+    check_keep(keep)
+    if mask is not None:
+        _check_mask(mask, bias)
+    return _result_shape(bias, mask)
+
+
+# The integer dtype of the same width as a bias dtype whose bit patterns selection_key orders.
+# float64 has no wider integer to hold its bits and a key index: dynamic_mask's way there.
+_BITS_DTYPE = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
+
+
+def selection_key(scores: Tensor, allowed: Optional[Tensor]) -> Optional[Tensor]:
+    """An integer key per entry of ``scores`` (..., Sk), distinct within each row and ordered as
+    dynamic_mask selects: the larger score first, equal scores (-0.0 == 0.0) by the lower key
+    index, keys that ``allowed`` (bool, same shape, or None) excludes below every allowed key,
+    at the key dtype's minimum. The top-``keep`` keys of a row are then exactly the keys
+    dynamic_mask keeps, plus excluded ones when fewer than ``keep`` are allowed. None for a
+    dtype without such a key (float64). Elementwise ops only, no host synchronization.
+
+    A float's bit pattern read as a signed integer is sign and magnitude: ordered like the
+    floats for non-negative values, reversed for negative ones. ``ordered`` is the two's
+    complement of it (-magnitude for negative floats, so -0.0 and 0.0 both give 0), and the
+    key is ordered * 2^n - index, with 2^n above every index (n = 16 or 32)."""
+    bits_dtype = _BITS_DTYPE.get(scores.dtype)
+    if bits_dtype is None:
+        return None
+    num_keys = scores.shape[-1]
+    if bits_dtype == torch.int16 and num_keys <= 1 << 16:
+        key_dtype, shift = torch.int32, 1 << 16  # |ordered| < 2^15: fits int32 with the index
+    else:
+        key_dtype, shift = torch.int64, 1 << 32
+    bits = scores.view(bits_dtype)
+    # For negative bits (= MIN + magnitude), MIN - bits = -magnitude; the other branch's value
+    # (which may wrap) is not used.
+    ordered = torch.where(bits < 0, torch.iinfo(bits_dtype).min - bits, bits)
+    minus_index = torch.arange(0, -num_keys, -1, dtype=key_dtype, device=scores.device)
+    key = torch.add(minus_index, ordered, alpha=shift)  # in key_dtype: ordered * 2^n - index
+    if allowed is not None:
+        key = torch.where(allowed, key, torch.iinfo(key_dtype).min)  # below any allowed key
+    return key
+
+
 def dynamic_mask(bias: Tensor, keep: int, mask: Optional[Tensor] = None) -> Tensor:
     """Boolean mask keeping, per row, the ``keep`` keys with the largest bias.
 
@@ -82,11 +128,8 @@ def dynamic_mask(bias: Tensor, keep: int, mask: Optional[Tensor] = None) -> Tens
     selection runs on a detached bias; the bias is neither modified nor expanded. Causal and
     window constraints are not part of the selection (the attention call applies them).
     """
-    _check_bias(bias)
-    keep = check_keep(keep)
-    if mask is not None:
-        _check_mask(mask, bias)
-    shape = _result_shape(bias, mask)
+    shape = selection_shape(bias, keep, mask)
+    keep = int(keep)
     num_keys = shape[-1]
 
     if keep >= num_keys:

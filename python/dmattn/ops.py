@@ -29,7 +29,8 @@ from torch import Tensor
 from ._lib import lib
 
 __all__ = ["attention_forward", "attention_backward", "attention_varlen_forward",
-           "attention_varlen_backward", "supports_key_positions"]
+           "attention_varlen_backward", "supports_key_positions", "forward_with_grad",
+           "varlen_forward_with_grad"]
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -182,9 +183,13 @@ def _setup_context(ctx, inputs, output):
     ctx.bias_requires_grad = bias is not None and ctx.needs_input_grad[4]
     # lse is returned for inspection (as in FlashAttention); it carries no gradient.
     ctx.mark_non_differentiable(lse)
+    # No zero-filled gradient for lse (never read) or for an unused out: one kernel fewer.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, _dlse):
+    if dout is None:  # out did not reach the loss
+        return (None,) * 13
     q, k, v, mask, bias, out, lse, key_positions = ctx.saved_tensors
     causal, window_left, window_right, scale, softcap, deterministic = ctx.options
     if dout.stride(-1) != 1:
@@ -198,6 +203,41 @@ def _backward(ctx, dout, _dlse):
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _eager_autograd(op, setup, backward_fn, num_differentiable: int, defaults: tuple = ()):
+    """``op`` (a custom op with registered autograd), called in eager mode through a plain
+    torch.autograd.Function with the same setup context and backward: the same results and
+    graph, without torch.library's per-call binding of the arguments to the schema (it lists
+    the 13 to 15 schema arguments once per argument: ~25 us of host time a call with torch
+    2.13). Under torch.compile, and when no gradient is needed, the op is called as is.
+    ``defaults``: the values of the op's trailing optional arguments (setup gets them all)."""
+    num_args = len(op._opoverload._schema.arguments)
+
+    class Function(torch.autograd.Function):
+        # The ctx-style forward: a separate setup_context staticmethod would make every apply
+        # bind the arguments with inspect.signature.
+        @staticmethod
+        def forward(ctx, *inputs):
+            output = op(*inputs)  # grad mode is off in here: the op's own autograd is skipped
+            setup(ctx, inputs, output)
+            return output
+
+        backward = staticmethod(backward_fn)
+
+    def call(*inputs):
+        if (torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                and any(isinstance(t, Tensor) and t.requires_grad for t in inputs[:num_differentiable])):
+            missing = num_args - len(inputs)
+            return Function.apply(*inputs, *(defaults[len(defaults) - missing:] if missing else ()))
+        return op(*inputs)
+
+    return call
+
+
+# dmattn::fwd with autograd, for the Python API (same arguments); q, k, v, mask, bias may
+# require grad.
+forward_with_grad = _eager_autograd(attention_forward, _setup_context, _backward, 5, (None, 0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,9 +393,12 @@ def _setup_varlen_context(ctx, inputs, output):
     ctx.options = (causal, window_left, window_right, scale, softcap, deterministic)
     ctx.bias_requires_grad = bias is not None and ctx.needs_input_grad[8]
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # as _setup_context
 
 
 def _varlen_backward(ctx, dout, _dlse):
+    if dout is None:
+        return (None,) * 15
     q, k, v, cu_seqlens_q, cu_seqlens_k, mask, bias, out, lse = ctx.saved_tensors
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
@@ -368,3 +411,6 @@ def _varlen_backward(ctx, dout, _dlse):
 
 
 attention_varlen_forward.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)
+# dmattn::fwd_varlen with autograd, as forward_with_grad (q, k, v, .., mask, bias: the first 9).
+varlen_forward_with_grad = _eager_autograd(attention_varlen_forward, _setup_varlen_context,
+                                           _varlen_backward, 9)

@@ -397,15 +397,19 @@ def test_cuda_positions_backward_paths(monkeypatch, exact, deterministic):
                 assert torch.equal(got[name], again[name]), f"{name}: not deterministic"
 
 
-def test_compile_topk_gather_fullgraph():
+@pytest.mark.parametrize("dtype,with_mask", [(torch.float32, False), (torch.bfloat16, True),
+                                             (torch.float64, True)])
+def test_compile_topk_gather_fullgraph(dtype, with_mask):
+    # The selection key's bit views (fp32, bf16) and the float64 mask compaction both trace.
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(1)
-    q, k, v, _ = _qkv(B, 10, 40, H, HKV, 16, torch.float32, "cpu", gen)
-    bias = torch.randn(B, H, 1, 40, generator=gen)
+    q, k, v, _ = _qkv(B, 10, 40, H, HKV, 16, dtype, "cpu", gen)
+    bias = torch.randn(B, H, 1, 40, generator=gen).to(dtype)
+    mask = torch.rand(B, 1, 1, 40, generator=gen) < 0.5 if with_mask else None
     inputs = [t.requires_grad_() for t in (q, k, v, bias)]
 
     def f(q, k, v, bias):
-        return dmattn.attention_topk(q, k, v, bias, 5, causal=True).square().sum()
+        return dmattn.attention_topk(q, k, v, bias, 5, mask=mask, causal=True).float().square().sum()
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     loss_c = compiled(*inputs)
