@@ -255,20 +255,19 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
         if (a.dq_accum != nullptr) {
           Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
           gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_dq, tdQrdS, tdQrKt, acc_dq);
-          // dbias from the dS tile while the products run (it only reads sdS).
-          if (direct_from_smem)
-            bwd_dbias_from_tile<Element, kBlockM, kBlockN, kThreads>(a, sdS, b, h, m0, n0, rows_valid, cols_valid(), tid);
           gemm_wait<0>(acc_dq);
           warpgroup_fence_operand(acc_dk);
           warpgroup_fence_operand(acc_dv);
           float* gdq = a.dq_accum + (seq.batch_row() + m0) * f.num_heads * f.head_dim + int64_t(h) * f.head_dim;
           bwd_dq_atomic_add(acc_dq, tdQcdQ, gdq, int64_t(f.num_heads) * f.head_dim, rows_valid, f.head_dim, tid);
         } else {
-          if (direct_from_smem)
-            bwd_dbias_from_tile<Element, kBlockM, kBlockN, kThreads>(a, sdS, b, h, m0, n0, rows_valid, cols_valid(), tid);
           gemm_wait<0>(acc_dk);
           warpgroup_fence_operand(acc_dv);
         }
+        // dbias from the dS tile once the products are done (while they run, its registers
+        // would sit next to dK, dV and dQ's: spills)
+        if (direct_from_smem)
+          bwd_dbias_from_tile<Element, kBlockM, kBlockN, kThreads>(a, sdS, b, h, m0, n0, rows_valid, cols_valid(), tid);
 
         if constexpr (kMaskBias) {
           if (colsum_per_head && t % n_m == n_m - 1) colsum_flush(b, h);
@@ -289,25 +288,18 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
         }
       }
 
-      __syncthreads();  // both warpgroups are done with the Q / dO buffers (reused for staging)
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= f.scale;
-      Tensor sdKst = make_tensor(make_smem_ptr(sQbase), typename Tile::SmemLayoutKV{});
-      Tensor sdVst = make_tensor(make_smem_ptr(sdObase), typename Tile::SmemLayoutKV{});
-      {
-        Tensor rdK = make_tensor<Element>(acc_dk.layout());
-        convert_fragment<Element, true>(acc_dk, rdK);
-        Tensor rdV = make_tensor<Element>(acc_dv.layout());
-        convert_fragment<Element, true>(acc_dv, rdV);
-        copy(rdK, thr_dkv.partition_C(sdKst));
-        copy(rdV, thr_dkv.partition_C(sdVst));
-      }
-      __syncthreads();
+      // dK / dV straight from the accumulators (pairs of columns, 4-byte stores): staging them in
+      // shared memory, like the sm80 kernel, needs registers for both converted copies and their
+      // swizzled addresses at once, which spilled across the whole kernel.
       Element* gdK = static_cast<Element*>(a.dk) + int64_t(b) * a.dk_bs + int64_t(seq.k0() + n0) * a.dk_rs + int64_t(kvh) * a.dk_hs;
       Element* gdV = static_cast<Element*>(a.dv) + int64_t(b) * a.dv_bs + int64_t(seq.k0() + n0) * a.dv_rs + int64_t(kvh) * a.dv_hs;
-      bwd_store_dkdv<Element, kBlockN, kHeadDim, kThreads>(sdKst, sdVst, gdK, a.dk_rs, gdV, a.dv_rs, cols_valid(),
-                                                           f.head_dim, tid);
-      __syncthreads();  // staging done before the next (batch, kv head) reuses shared memory
+      {
+        Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
+        Tensor tcKV = thr_dkv.partition_C(cKV);
+        bwd_store_acc_pairs<Element>(acc_dk, tcKV, gdK, a.dk_rs, cols_valid(), f.head_dim, f.scale);
+        bwd_store_acc_pairs<Element>(acc_dv, tcKV, gdV, a.dv_rs, cols_valid(), f.head_dim, 1.f);
+      }
+      __syncthreads();  // every product is done with K / V before the next (batch, kv head) loads them
     }
   }
 #endif
