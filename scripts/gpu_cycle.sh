@@ -35,10 +35,12 @@ SITE=/tmp/dmattn-site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target "$SITE" "$CARRY_ROOT"/.whl/*.whl || exit 1
 export PYTHONPATH="$PWD/python:$SITE${PYTHONPATH:+:$PYTHONPATH}"
-CUTLASS_DIR=/tmp/dmattn-cutlass
-mkdir -p "$CUTLASS_DIR" && tar xzf "$CARRY_ROOT"/.devcarry/cutlass_include.tgz -C "$CUTLASS_DIR" || exit 1
 
+# Without the build step the library is the one in python/dmattn/ (built on the development
+# machine with -DDMATTN_CUDA_ARCHS=90a and carried: saves the device's build minutes).
 if [[ " $STEPS " == *" build "* ]]; then
+  CUTLASS_DIR=/tmp/dmattn-cutlass
+  mkdir -p "$CUTLASS_DIR" && tar xzf "$CARRY_ROOT"/.devcarry/cutlass_include.tgz -C "$CUTLASS_DIR" || exit 1
   step "build (archs $ARCHS)"
   start=$(date +%s)
   cmake -S . -B /tmp/dmattn-build -G Ninja -DDMATTN_CUDA_ARCHS="$ARCHS" \
