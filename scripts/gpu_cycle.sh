@@ -8,9 +8,10 @@
 #   .devcarry/   cutlass_include.tgz (CuTe/CUTLASS headers from the nvidia-cutlass wheel)
 #
 # Usage on the device (repo root):  bash scripts/gpu_cycle.sh [steps...]
-#   steps: build test bench sm90 sanitize (default: build test bench; sm90: the GPU tests and
-#          forward timings with the Hopper forward kernel off, DMATTN_FWD_SM90=0, beside the
-#          default, where it is on)
+#   steps: build test bench sm90 sanitize (default: build test bench; sm90: the GPU tests with
+#          the Hopper kernels off, DMATTN_FWD_SM90=0 DMATTN_BWD_SM90=0 -- on a Hopper GPU the
+#          only run of the sm80-class kernels at head dims up to 128 -- and forward timings of
+#          both)
 #   env:   OUT (default /tmp/dmattn-out), ARCHS (default 90a), PYTEST_ARGS, BENCH_ARGS,
 #          CARRY_ROOT (folder holding .whl/ and .devcarry/, default the repo root; lets a copy of
 #          a work tree staged inside the checkout reuse the checkout's carried folders)
@@ -72,12 +73,12 @@ if [[ " $STEPS " == *" bench "* ]]; then
 fi
 
 if [[ " $STEPS " == *" sm90 "* ]]; then
-  # The Hopper forward kernel (src/cuda/sm90/) is the default on compute capability 9.0: the GPU
-  # suite with the sm80-class forward kernels instead (DMATTN_FWD_SM90=0; the test step covers
-  # the default), then forward timings of both.
-  step "GPU tests with DMATTN_FWD_SM90=0"
+  # The Hopper kernels (src/cuda/sm90/) are the default on compute capability 9.0: the GPU suite
+  # with the sm80-class forward and backward kernels instead (the test step covers the default),
+  # then forward timings of both.
+  step "GPU tests with DMATTN_FWD_SM90=0 DMATTN_BWD_SM90=0"
   # shellcheck disable=SC2086
-  DMATTN_FWD_SM90=0 python3 -m pytest tests/python -m gpu -q --maxfail=40 -p no:cacheprovider -rf ${PYTEST_ARGS:-} \
+  DMATTN_FWD_SM90=0 DMATTN_BWD_SM90=0 python3 -m pytest tests/python -m gpu -q --maxfail=40 -p no:cacheprovider -rf ${PYTEST_ARGS:-} \
     2>&1 | tee "$OUT/pytest_gpu_sm80.log" | tail -15
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   step "forward timings, default (sm90) vs DMATTN_FWD_SM90=0 (sm80-class kernels)"
