@@ -328,14 +328,21 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
         Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
         Tensor tt = make_tensor<float>(acc_s.layout());
         Tensor tt_rc = make_tensor(tt.data(), acc_rowcol(tt.layout()));
-        {
-          const PositionTest block_test{s_pos, position_window(f)};
+        if constexpr (kMaskBias) {
+          // The test's address is taken, so it lives in local memory: written only for gathered
+          // keys (unconditionally, 5 local 8-byte stores every query block).
+          PositionTest block_test;
+          if (gathered) block_test = PositionTest{s_pos, position_window(f)};
           bwd_scores<kMaskBias, kSoftcap, Element, kBlockN>(s_rc, tScS_rc, tt_rc, f, m0, n0, pos_mask, seq.window(),
                                                             f.bias.ptr ? s_bias_at(t) : nullptr,
                                                             f.bias.row_bcast ? 0 : Tile::kBiasPitch,
                                                             f.mask.ptr ? s_mask_at(t) : nullptr,
                                                             f.mask.row_bcast ? 0 : Tile::kMaskPitch,
                                                             gathered ? &block_test : nullptr);
+        } else {  // (the plain kernels' code as it was)
+          const PositionTest block_test{s_pos, position_window(f)};
+          bwd_scores<kMaskBias, kSoftcap, Element, kBlockN>(s_rc, tScS_rc, tt_rc, f, m0, n0, pos_mask, seq.window(),
+                                                            nullptr, 0, nullptr, 0, gathered ? &block_test : nullptr);
         }
         gemm_wait<0>(acc_dp);
         bwd_p_ds(s_rc, dp_rc, row_m, row_log2l, delta);
