@@ -167,11 +167,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
   Tensor sdSt = make_tensor(sdS.data(), typename Tile::SmemLayoutPdSt{});
   // Mask / bias tile set of query block t: set t % 2 when two fit (same choice as run_bwd's
   // shared-memory size), else the single set, loaded after the middle barrier.
-  const bool mb_double = Tile::mb_sets(f.mask.ptr != nullptr, f.bias.ptr != nullptr, f.bias_fp32) == 2;
-  const int mb_set_bytes = Tile::mb_set_bytes(f.mask.ptr != nullptr, f.bias.ptr != nullptr, f.bias_fp32);
-  const int mask_off = Tile::mask_offset(f.bias.ptr != nullptr, f.bias_fp32) - Tile::kOffBias;
-  auto s_bias_at = [&](int t) { return smem + Tile::kOffBias + (mb_double ? (t & 1) * mb_set_bytes : 0); };
-  auto s_mask_at = [&](int t) { return s_bias_at(t) + mask_off; };
+  // (recomputed from the arguments where used: nothing more held in registers across the loop)
+  auto mb_double = [&] { return Tile::mb_sets(f.mask.ptr != nullptr, f.bias.ptr != nullptr, f.bias_fp32) == 2; };
+  auto s_bias_at = [&](int t) {
+    const int set_bytes = Tile::mb_set_bytes(f.mask.ptr != nullptr, f.bias.ptr != nullptr, f.bias_fp32);
+    return smem + Tile::kOffBias + (mb_double() ? (t & 1) * set_bytes : 0);
+  };
+  auto s_mask_at = [&](int t) {
+    return s_bias_at(t) + (Tile::mask_offset(f.bias.ptr != nullptr, f.bias_fp32) - Tile::kOffBias);
+  };
   float* s_col = reinterpret_cast<float*>(smem + Tile::kOffColSum);
 
   auto sQ_at = [&](int buf) {
@@ -303,7 +307,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
           issue_q_loads(t + 1, buf ^ 1);
           // Two mask / bias sets: t + 1's set was last read by the transform of t - 1, which the
           // barrier above closed; its load overlaps all of iteration t.
-          if (kMaskBias && mb_double) issue_mask_bias_loads(t + 1);
+          if (kMaskBias && mb_double()) issue_mask_bias_loads(t + 1);
           cp_async_commit();
         }
 
@@ -367,7 +371,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
         fence_smem_for_wgmma();
         __syncthreads();  // sP, sdS visible to both warpgroups; the mask / bias tiles are free
         if constexpr (kMaskBias) {
-          if (!mb_double && t + 1 < n_iter) {
+          if (!mb_double() && t + 1 < n_iter) {
             issue_mask_bias_loads(t + 1);
             cp_async_commit();
           }
