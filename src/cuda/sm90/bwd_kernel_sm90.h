@@ -26,6 +26,14 @@
 
 namespace dmattn::cuda::sm90 {
 
+// p ? x : y as one selp: written as a C++ select of two array elements, the compiler turns it
+// into a load from a runtime index and moves the whole array to local memory.
+__device__ __forceinline__ float select_f32(bool p, float x, float y) {
+  float r;
+  asm("{\n .reg .pred q;\n setp.ne.b32 q, %3, 0;\n selp.f32 %0, %1, %2, q;\n}" : "=f"(r) : "f"(x), "f"(y), "r"(int(p)));
+  return r;
+}
+
 // Column sums of a query-broadcast dbias (kDbColSum), accumulated in shared memory once per
 // query block: 16 running sums per thread in registers across the loop spilled the mask / bias
 // kernels. dp: dS on the accumulator's row/col view (kRows x kCols per thread); s_col: float
@@ -35,14 +43,6 @@ namespace dmattn::cuda::sm90 {
 // lane ending with kCols / 8 of them, which it adds into its warp's row: every s_col element has
 // one owner thread, the order of the adds is fixed (deterministic), no barrier is needed between
 // query blocks. The pairs (c, c + 1) of the accumulator layout are adjacent columns.
-// p ? x : y as one selp: written as a C++ select of two array elements, the compiler turns it
-// into a load from a runtime index and moves the whole array to local memory.
-__device__ __forceinline__ float select_f32(bool p, float x, float y) {
-  float r;
-  asm("{\n .reg .pred q;\n setp.ne.b32 q, %3, 0;\n selp.f32 %0, %1, %2, q;\n}" : "=f"(r) : "f"(x), "f"(y), "r"(int(p)));
-  return r;
-}
-
 template <int kBlockN, int kWarpsPerCol, class DP, class C>
 __device__ __forceinline__ void colsum_add_smem(DP const& dp, C const& coord, float* s_col, int tid) {
   using namespace cute;
@@ -334,7 +334,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
         Tensor tt_rc = make_tensor(tt.data(), acc_rowcol(tt.layout()));
         if constexpr (kMaskBias) {
           // The test's address is taken, so it lives in local memory: written only for gathered
-          // keys (unconditionally, 5 local 8-byte stores every query block).
+          // keys (written unconditionally, it cost 5 local 8-byte stores every query block).
           PositionTest block_test;
           if (gathered) block_test = PositionTest{s_pos, position_window(f)};
           bwd_scores<kMaskBias, kSoftcap, Element, kBlockN>(s_rc, tScS_rc, tt_rc, f, m0, n0, pos_mask, seq.window(),
@@ -369,7 +369,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
           copy(rdS, thr_sdp.partition_C(sdS));
         }
         fence_smem_for_wgmma();
-        __syncthreads();  // sP, sdS visible to both warpgroups; the mask / bias tiles are free
+        __syncthreads();  // sP, sdS visible to both warpgroups; the mask / bias tiles of t are free
         if constexpr (kMaskBias) {
           if (!mb_double() && t + 1 < n_iter) {
             issue_mask_bias_loads(t + 1);
