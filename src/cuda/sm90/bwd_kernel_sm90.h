@@ -168,7 +168,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
   // Mask / bias tile set of query block t: set t % 2 when two fit (same choice as run_bwd's
   // shared-memory size), else the single set, loaded after the middle barrier.
   // (recomputed from the arguments where used: nothing more held in registers across the loop)
-  auto mb_double = [&] { return Tile::mb_sets(f.mask.ptr != nullptr, f.bias.ptr != nullptr, f.bias_fp32) == 2; };
+  auto mb_double = [&] {
+    return Tile::mb_sets_used(f.mask.ptr != nullptr, f.bias.ptr != nullptr, f.bias_fp32, a.exp_flags) == 2;
+  };
   auto s_bias_at = [&](int t) {
     const int set_bytes = Tile::mb_set_bytes(f.mask.ptr != nullptr, f.bias.ptr != nullptr, f.bias_fp32);
     return smem + Tile::kOffBias + (mb_double() ? (t & 1) * set_bytes : 0);

@@ -94,8 +94,14 @@ struct BwdTileSm90 {
     return kOffBias + 2 * mb_set_bytes(mask, bias, bias_fp32) + kSmemReserve <= kSmemMax ? 2 : 1;
   }
   static constexpr int mask_offset(bool bias, bool bias_fp32) { return kOffBias + bias_tile_bytes(bias, bias_fp32); }
-  static constexpr int smem_bytes(bool mask, bool bias, bool bias_fp32) {
-    return kOffBias + mb_sets(mask, bias, bias_fp32) * mb_set_bytes(mask, bias, bias_fp32);
+  // Profiling experiment (DMATTN_BWD_EXP bit, BwdArgs::exp_flags): one set even where two fit,
+  // shared memory sized for it, to time the double buffering (and the L1 it takes) in one build.
+  static constexpr int kExpOneMbSet = 16;
+  static constexpr int mb_sets_used(bool mask, bool bias, bool bias_fp32, int exp_flags) {
+    return (exp_flags & kExpOneMbSet) ? 1 : mb_sets(mask, bias, bias_fp32);
+  }
+  static constexpr int smem_bytes(bool mask, bool bias, bool bias_fp32, int exp_flags = 0) {
+    return kOffBias + mb_sets_used(mask, bias, bias_fp32, exp_flags) * mb_set_bytes(mask, bias, bias_fp32);
   }
   // dK / dV staging at the end reuses the Q and dO buffers.
   static_assert(kQBuffers * kQBytes >= kKVBytes);
