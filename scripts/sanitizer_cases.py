@@ -27,4 +27,9 @@ for dtype in (torch.bfloat16, torch.float16):
     case(2, 130, 77, 4, 2, 128, dtype, bias_shape=(2, 1, 1, 77), causal=True)
     case(1, 64, 200, 2, 2, 72, dtype, mask_shape=(1, 1, 64, 200), window=(32, 8))
     case(1, 1, 1, 1, 1, 64, dtype)
+    # Head dim 128 (the Hopper backward on cc 9.0): mask + 16-bit bias tiles double buffered
+    # across several query blocks (rows 16-byte aligned: the cp.async path), then per-head column
+    # sums in shared memory (GQA group 2).
+    case(1, 200, 320, 4, 2, 128, dtype, mask_shape=(1, 1, 200, 320), bias_shape=(1, 4, 200, 320), causal=True)
+    case(1, 150, 260, 4, 2, 128, dtype, bias_shape=(1, 4, 1, 260))
 print("sanitizer cases done")

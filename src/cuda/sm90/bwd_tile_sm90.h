@@ -70,18 +70,44 @@ struct BwdTileSm90 {
   static constexpr int kOffV = kOffK + kKVBytes;
   static constexpr int kOffP = kOffV + kKVBytes;
   static constexpr int kOffdS = kOffP + kPBytes;
-  static constexpr int kOffColSum = kOffdS + kPBytes;  // float [kWarpsPerCol][kBlockN]
+  // Column sums of a query-broadcast dbias, accumulated here across the query blocks (not in
+  // registers): float [kWarpsPerCol][kBlockN], row w % kWarpsPerCol written by warp w only.
+  static constexpr int kOffColSum = kOffdS + kPBytes;
   static constexpr int kColSumBytes = kWarpsPerCol * kBlockN * 4;
+  // Mask / bias tiles: one set (bias tile, then mask tile) or two (double buffered: the set of
+  // query block t + 1 loads during the whole of iteration t) when both fit, see mb_sets.
   static constexpr int kOffBias = kOffColSum + kColSumBytes;
-  static constexpr int mask_offset(bool bias, bool bias_fp32) {
-    return kOffBias + (bias ? kBlockM * kBiasPitch * (bias_fp32 ? 4 : 2) : 0);
+  static constexpr int bias_tile_bytes(bool bias, bool bias_fp32) {
+    return bias ? kBlockM * kBiasPitch * (bias_fp32 ? 4 : 2) : 0;
   }
-  static constexpr int smem_bytes(bool mask, bool bias, bool bias_fp32) {
-    return mask_offset(bias, bias_fp32) + (mask ? kMaskBytes : 0);
+  static constexpr int mb_set_bytes(bool mask, bool bias, bool bias_fp32) {
+    return bias_tile_bytes(bias, bias_fp32) + (mask ? kMaskBytes : 0);
+  }
+  // Opt-in shared memory per block on sm_90 (227 KB), less the gathered keys' positions tile
+  // (kBlockN int32) that run_bwd appends after smem_bytes: the choice below never depends on
+  // whether keys are gathered, so host and kernel make it from (mask, bias, bias_fp32) alone.
+  static constexpr int kSmemMax = 227 * 1024;
+  static constexpr int kSmemReserve = kBlockN * 4;
+  // 2 with a 16-bit bias and / or a mask (at most 2 x (17 + 9) KB); 1 with an fp32 bias (2 x 35
+  // KB does not fit), whose tiles load after the middle barrier as before.
+  static constexpr int mb_sets(bool mask, bool bias, bool bias_fp32) {
+    return kOffBias + 2 * mb_set_bytes(mask, bias, bias_fp32) + kSmemReserve <= kSmemMax ? 2 : 1;
+  }
+  static constexpr int mask_offset(bool bias, bool bias_fp32) { return kOffBias + bias_tile_bytes(bias, bias_fp32); }
+  // Profiling experiment (DMATTN_BWD_EXP bit, BwdArgs::exp_flags): one set even where two fit,
+  // shared memory sized for it, to time the double buffering (and the L1 it takes) in one build.
+  static constexpr int kExpOneMbSet = 16;
+  static constexpr int mb_sets_used(bool mask, bool bias, bool bias_fp32, int exp_flags) {
+    return (exp_flags & kExpOneMbSet) ? 1 : mb_sets(mask, bias, bias_fp32);
+  }
+  static constexpr int smem_bytes(bool mask, bool bias, bool bias_fp32, int exp_flags = 0) {
+    return kOffBias + mb_sets_used(mask, bias, bias_fp32, exp_flags) * mb_set_bytes(mask, bias, bias_fp32);
   }
   // dK / dV staging at the end reuses the Q and dO buffers.
   static_assert(kQBuffers * kQBytes >= kKVBytes);
   static_assert(kOffdS % 1024 == 0 && kOffP % 1024 == 0);
+  static_assert(mb_sets(true, true, false) == 2 && mb_sets(true, true, true) == 1);
+  static_assert(mb_set_bytes(true, true, false) % 16 == 0);  // the second set stays 16-byte aligned
 };
 
 }  // namespace dmattn::cuda::sm90
