@@ -189,7 +189,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, _dlse):
     if dout is None:  # out did not reach the loss
-        return (None,) * 13
+        return (None,) * len(ctx.needs_input_grad)
     q, k, v, mask, bias, out, lse, key_positions = ctx.saved_tensors
     causal, window_left, window_right, scale, softcap, deterministic = ctx.options
     if dout.stride(-1) != 1:
@@ -397,8 +397,8 @@ def _setup_varlen_context(ctx, inputs, output):
 
 
 def _varlen_backward(ctx, dout, _dlse):
-    if dout is None:
-        return (None,) * 15
+    if dout is None:  # as _backward
+        return (None,) * len(ctx.needs_input_grad)
     q, k, v, cu_seqlens_q, cu_seqlens_k, mask, bias, out, lse = ctx.saved_tensors
     if dout.stride(-1) != 1:
         dout = dout.contiguous()

@@ -19,17 +19,59 @@ inline constexpr int bwd_instantiated_head_dim(int d) {
   return d <= 0 ? 0 : d <= 64 ? 64 : d <= 128 ? 128 : d <= 256 ? 256 : 0;
 }
 
-template <typename Element_, int kHeadDim_>
-struct BwdTile {
+// Shared memory of the key-block-major backward kernels (the sm80-class one and the Hopper one):
+// Q and dO (kQBuffers each), K, V, P, dS, the column-sum rows of a query-broadcast dbias
+// (kColSumRows x kBlockN floats), then only the bias and mask tiles present (bias tile sized by
+// its dtype): the rest of the SM's unified L1 / shared memory stays cache.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kQBuffers_, int kColSumRows>
+struct BwdSmemPlan {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 64;
-  // hd256: 64 keys per block (the dK / dV accumulators stay at 128 registers) and one Q / dO
-  // buffer (shared memory); else 128 keys, Q / dO double buffered.
-  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kQBuffers = kQBuffers_;
+  static constexpr int kBiasPitch = kBlockN + 8;   // elements (2 or 4 bytes)
+  static constexpr int kMaskPitch = kBlockN + 16;  // bytes
+
+  static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kKVBytes = kBlockN * kHeadDim * int(sizeof(Element));
+  static constexpr int kPBytes = kBlockM * kBlockN * int(sizeof(Element));
+  static constexpr int kMaskBytes = kBlockM * kMaskPitch;
+  static constexpr int kOffQ = 0;
+  static constexpr int kOffdO = kOffQ + kQBuffers * kQBytes;
+  static constexpr int kOffK = kOffdO + kQBuffers * kQBytes;
+  static constexpr int kOffV = kOffK + kKVBytes;
+  static constexpr int kOffP = kOffV + kKVBytes;
+  static constexpr int kOffdS = kOffP + kPBytes;
+  static constexpr int kOffColSum = kOffdS + kPBytes;
+  static constexpr int kColSumBytes = kColSumRows * kBlockN * 4;
+  static constexpr int kOffBias = kOffColSum + kColSumBytes;
+  static constexpr int mask_offset(bool bias, bool bias_fp32) {
+    return kOffBias + (bias ? kBlockM * kBiasPitch * (bias_fp32 ? 4 : 2) : 0);
+  }
+  static constexpr int smem_bytes(bool mask, bool bias, bool bias_fp32) {
+    return mask_offset(bias, bias_fp32) + (mask ? kMaskBytes : 0);
+  }
+  // dK / dV staging at the end of the sm80-class kernel reuses the Q and dO buffers.
+  static_assert(kQBuffers * kQBytes >= kKVBytes);
+};
+
+// kBlockM = 64 query rows; hd256: 64 keys per block (the dK / dV accumulators stay at 128
+// registers) and one Q / dO buffer (shared memory), else 128 keys, Q / dO double buffered; the
+// column sums have one row per warp sharing score columns (kAtomMSdP).
+template <typename Element, int kHeadDim>
+using BwdTilePlan = BwdSmemPlan<Element, kHeadDim, 64, kHeadDim <= 128 ? 128 : 64, kHeadDim <= 128 ? 2 : 1, 2>;
+
+template <typename Element_, int kHeadDim_>
+struct BwdTile : BwdTilePlan<Element_, kHeadDim_> {
+  using Plan = BwdTilePlan<Element_, kHeadDim_>;
+  using typename Plan::Element;
+  using Plan::kHeadDim;
+  using Plan::kBlockM;
+  using Plan::kBlockN;
+  using Plan::kQBuffers;
   static constexpr int kHalfN = 64;  // S and dP are computed 64 columns at a time (registers)
   static constexpr int kHalves = kBlockN / kHalfN;
-  static constexpr int kQBuffers = kHeadDim <= 128 ? 2 : 1;
   static constexpr int kNWarps = 8;
   static constexpr int kNThreads = kNWarps * 32;
   static_assert(kHeadDim % 64 == 0);
@@ -38,7 +80,7 @@ struct BwdTile {
                                      cute::MMA_Atom<cute::SM80_16x8x16_F32F16F16F32_TN>,
                                      cute::MMA_Atom<cute::SM80_16x8x16_F32BF16BF16F32_TN>>;
   // S = Q K^T and dP = dO V^T: (kBlockM, kHalfN) at a time, warps 2 (M) x 4 (N).
-  static constexpr int kAtomMSdP = 2;
+  static constexpr int kAtomMSdP = 2;  // (the warps sharing score columns: the plan's column-sum rows)
   using TiledMmaSdP = cute::TiledMMA<MmaAtom, cute::Layout<cute::Shape<cute::Int<kAtomMSdP>, cute::Int<kNWarps / kAtomMSdP>, cute::_1>>,
                                      cute::Tile<cute::Int<16 * kAtomMSdP>, cute::Int<16 * kNWarps / kAtomMSdP>, cute::_16>>;
   // dK = dS^T Q and dV = P^T dO: (kBlockN, D), warps 4 (N) x 2 (D).
@@ -71,34 +113,7 @@ struct BwdTile {
   using LdsmCopyT = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
   using StoreCopyC = cute::Copy_Atom<cute::AutoVectorizingCopyWithAssumedAlignment<128>, Element>;
 
-  static constexpr int kBiasPitch = kBlockN + 8;   // elements (2 or 4 bytes)
-  static constexpr int kMaskPitch = kBlockN + 16;  // bytes
-
-  static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
-  static constexpr int kKVBytes = kBlockN * kHeadDim * int(sizeof(Element));
-  static constexpr int kPBytes = kBlockM * kBlockN * int(sizeof(Element));
-  static constexpr int kBiasBytes = kBlockM * kBiasPitch * 4;
-  static constexpr int kMaskBytes = kBlockM * kMaskPitch;
-  // Q and dO: kQBuffers buffers each.
-  static constexpr int kOffQ = 0;
-  static constexpr int kOffdO = kOffQ + kQBuffers * kQBytes;
-  static constexpr int kOffK = kOffdO + kQBuffers * kQBytes;
-  static constexpr int kOffV = kOffK + kKVBytes;
-  static constexpr int kOffP = kOffV + kKVBytes;
-  static constexpr int kOffdS = kOffP + kPBytes;
-  static constexpr int kOffColSum = kOffdS + kPBytes;  // float [kAtomMSdP][kBlockN]
-  static constexpr int kColSumBytes = kAtomMSdP * kBlockN * 4;
-  static constexpr int kOffBias = kOffColSum + kColSumBytes;
-  // Only the tiles present are allocated (bias tile sized by its dtype): the rest of the SM's
-  // unified L1 / shared memory stays cache.
-  static constexpr int mask_offset(bool bias, bool bias_fp32) {
-    return kOffBias + (bias ? kBlockM * kBiasPitch * (bias_fp32 ? 4 : 2) : 0);
-  }
-  static constexpr int smem_bytes(bool mask, bool bias, bool bias_fp32) {
-    return mask_offset(bias, bias_fp32) + (mask ? kMaskBytes : 0);
-  }
-  // dK / dV staging at the end reuses the Q and dO buffers.
-  static_assert(kQBuffers * kQBytes >= kKVBytes);
+  static_assert(kAtomMSdP == 2);  // the plan's column-sum rows
 };
 
 }  // namespace dmattn::cuda

@@ -678,11 +678,16 @@ def test_cuda_long_sequences_match_dense(exact, monkeypatch):
         assert_close_to_dense(f"d{n}", got.grads[n], dense.grads[n], c.short())
 
 
-@pytest.mark.gpu
-def test_cuda_cu_seqlens_values_are_checked():
+def _cuda_bf16_call_args():
     args = _valid_call_args("cuda")
     for n in ("q", "k", "v", "bias"):
         args[n] = args[n].to(torch.bfloat16)
+    return args
+
+
+@pytest.mark.gpu
+def test_cuda_cu_seqlens_values_are_checked():
+    args = _cuda_bf16_call_args()
     args["cu_seqlens_k"] = _i32([0, 4, 5, 8]).cuda()
     with pytest.raises(ValueError, match="cu_seqlens_k: expected last entry"):
         dmattn.attention_varlen(**args)
@@ -693,9 +698,7 @@ def test_cuda_cu_seqlens_modified_in_place_are_checked_again():
     """The value check runs once per pair of cu_seqlens tensors (the host copy is a device
     synchronization): a call with the same, unmodified tensors skips it, but an in-place change
     (version counter) makes the next call check again."""
-    args = _valid_call_args("cuda")
-    for n in ("q", "k", "v", "bias"):
-        args[n] = args[n].to(torch.bfloat16)
+    args = _cuda_bf16_call_args()
     args["cu_seqlens_k"] = args["cu_seqlens_k"].cuda()
     args["cu_seqlens_q"] = args["cu_seqlens_q"].cuda()
     dmattn.attention_varlen(**args)

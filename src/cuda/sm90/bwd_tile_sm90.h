@@ -1,7 +1,7 @@
 // Tile sizes and shared-memory layouts of the Hopper (sm_90a, wgmma) backward kernel. Same
 // blocking as the sm80-class kernel (bwd_tile.h: 64 query rows x 128 keys, Q / dO double
-// buffered, P and dS staged in shared memory) and the same member names, so that run_bwd sizes
-// either; two warpgroups instead of 8 independent warps:
+// buffered, P and dS staged in shared memory) and the same shared-memory plan (BwdSmemPlan), so
+// that run_bwd sizes either; two warpgroups instead of 8 independent warps:
 //   S = Q K^T, dP = dO V^T   (64 queries, 128 keys): warpgroup w takes keys [64 w, 64 w + 64)
 //   dV += P^T dO, dK += dS^T Q  (128 keys, D):      warpgroup w takes keys [64 w, 64 w + 64)
 //   dQ = dS K                 (64 queries, D):      warpgroup w takes columns [w D/2, (w+1) D/2)
@@ -15,24 +15,25 @@
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "cuda/bwd_tile.h"
+
 namespace dmattn::cuda::sm90 {
 
+// Head dim 128 only: each warpgroup's slice of the MN-major K^T operand of dQ = dS K must be a
+// whole 64-element swizzle row (D / 2 = 32 at head dim 64 is not; that size stays on the
+// sm80-class kernel). Column sums: one row per warp sharing score columns (kWarpsPerCol: the 4
+// warps of a warpgroup split its 64 query rows).
 template <typename Element_, int kHeadDim_>
-struct BwdTileSm90 {
-  using Element = Element_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 64;
-  static constexpr int kBlockN = 128;
-  static constexpr int kQBuffers = 2;
+struct BwdTileSm90 : BwdSmemPlan<Element_, kHeadDim_, 64, 128, 2, 4> {
+  using Plan = BwdSmemPlan<Element_, kHeadDim_, 64, 128, 2, 4>;
+  using typename Plan::Element;
+  using Plan::kHeadDim;
+  using Plan::kBlockM;
+  using Plan::kBlockN;
+  static constexpr int kWarpsPerCol = 4;
+  static_assert(kHeadDim == 128);
   static constexpr int kNWarps = 8;
   static constexpr int kNThreads = kNWarps * 32;
-  // Warps whose score fragments share the same columns (the 4 warps of a warpgroup split its
-  // 64 query rows): the column sums of a query-broadcast dbias add kWarpsPerCol partial sums.
-  static constexpr int kWarpsPerCol = 4;
-  // Head dim 128 only: each warpgroup's slice of the MN-major K^T operand of dQ = dS K must be
-  // a whole 64-element swizzle row (D / 2 = 32 at head dim 64 is not; that size stays on the
-  // sm80-class kernel).
-  static_assert(kHeadDim == 128);
 
   template <int M, int N, int K, cute::GMMA::Major kMajorA, cute::GMMA::Major kMajorB, class WarpgroupLayout>
   using SsMma = decltype(cute::make_tiled_mma(
@@ -56,29 +57,13 @@ struct BwdTileSm90 {
   using SmemLayoutPdSt = decltype(cute::composition(
       SmemLayoutPdS{}, cute::make_layout(cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>{}, cute::GenRowMajor{})));
 
-  static constexpr int kBiasPitch = kBlockN + 8;   // elements (2 or 4 bytes)
-  static constexpr int kMaskPitch = kBlockN + 16;  // bytes
-
-  static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
-  static constexpr int kKVBytes = kBlockN * kHeadDim * int(sizeof(Element));
-  static constexpr int kPBytes = kBlockM * kBlockN * int(sizeof(Element));
-  static constexpr int kMaskBytes = kBlockM * kMaskPitch;
-  // 1024-byte aligned offsets (the swizzle atom's period): every tile starts on one.
-  static constexpr int kOffQ = 0;
-  static constexpr int kOffdO = kOffQ + kQBuffers * kQBytes;
-  static constexpr int kOffK = kOffdO + kQBuffers * kQBytes;
-  static constexpr int kOffV = kOffK + kKVBytes;
-  static constexpr int kOffP = kOffV + kKVBytes;
-  static constexpr int kOffdS = kOffP + kPBytes;
-  // Column sums of a query-broadcast dbias, accumulated here across the query blocks (not in
-  // registers): float [kWarpsPerCol][kBlockN], row w % kWarpsPerCol written by warp w only.
-  static constexpr int kOffColSum = kOffdS + kPBytes;
-  static constexpr int kColSumBytes = kWarpsPerCol * kBlockN * 4;
-  // Mask / bias tiles: one set (bias tile, then mask tile) or two (double buffered: the set of
-  // query block t + 1 loads during the whole of iteration t) when both fit, see mb_sets.
-  static constexpr int kOffBias = kOffColSum + kColSumBytes;
+  // The common offsets (Q, dO, K, V, P, dS, column sums, kOffBias) come from the plan. Mask / bias
+  // tiles: one set (bias tile, then mask tile) or two (double buffered: the set of query block
+  // t + 1 loads during the whole of iteration t) when both fit, see mb_sets.
+  using Plan::kOffBias;
+  using Plan::kMaskBytes;
   static constexpr int bias_tile_bytes(bool bias, bool bias_fp32) {
-    return bias ? kBlockM * kBiasPitch * (bias_fp32 ? 4 : 2) : 0;
+    return bias ? kBlockM * Plan::kBiasPitch * (bias_fp32 ? 4 : 2) : 0;
   }
   static constexpr int mb_set_bytes(bool mask, bool bias, bool bias_fp32) {
     return bias_tile_bytes(bias, bias_fp32) + (mask ? kMaskBytes : 0);
@@ -93,21 +78,21 @@ struct BwdTileSm90 {
   static constexpr int mb_sets(bool mask, bool bias, bool bias_fp32) {
     return kOffBias + 2 * mb_set_bytes(mask, bias, bias_fp32) + kSmemReserve <= kSmemMax ? 2 : 1;
   }
-  static constexpr int mask_offset(bool bias, bool bias_fp32) { return kOffBias + bias_tile_bytes(bias, bias_fp32); }
   // Profiling experiment (DMATTN_BWD_EXP bit, BwdArgs::exp_flags): one set even where two fit,
   // shared memory sized for it, to time the double buffering (and the L1 it takes) in one build.
   static constexpr int kExpOneMbSet = 16;
   static constexpr int mb_sets_used(bool mask, bool bias, bool bias_fp32, int exp_flags) {
     return (exp_flags & kExpOneMbSet) ? 1 : mb_sets(mask, bias, bias_fp32);
   }
+  // Shadows the plan's smem_bytes: the Hopper kernel may hold two mask / bias sets.
   static constexpr int smem_bytes(bool mask, bool bias, bool bias_fp32, int exp_flags = 0) {
     return kOffBias + mb_sets_used(mask, bias, bias_fp32, exp_flags) * mb_set_bytes(mask, bias, bias_fp32);
   }
-  // dK / dV staging at the end reuses the Q and dO buffers.
-  static_assert(kQBuffers * kQBytes >= kKVBytes);
-  static_assert(kOffdS % 1024 == 0 && kOffP % 1024 == 0);
+  // 1024-byte aligned tiles (the swizzle atom's period) for the products' operands.
+  static_assert(Plan::kOffdS % 1024 == 0 && Plan::kOffP % 1024 == 0 && Plan::kOffdO % 1024 == 0);
   static_assert(mb_sets(true, true, false) == 2 && mb_sets(true, true, true) == 1);
   static_assert(mb_set_bytes(true, true, false) % 16 == 0);  // the second set stays 16-byte aligned
+  static_assert(Plan::mask_offset(true, false) == kOffBias + bias_tile_bytes(true, false));
 };
 
 }  // namespace dmattn::cuda::sm90
