@@ -179,6 +179,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
     return s_bias_at(t) + (Tile::mask_offset(f.bias.ptr != nullptr, f.bias_fp32) - Tile::kOffBias);
   };
   float* s_col = reinterpret_cast<float*>(smem + Tile::kOffColSum);
+  auto s_stats_at = [&](int buf) { return reinterpret_cast<float*>(smem + Tile::kOffStats) + buf * Tile::kStatsFloats; };
 
   auto sQ_at = [&](int buf) {
     return make_tensor(make_smem_ptr(sQbase + buf * kQElems), typename Tile::SmemLayoutQdO{});
@@ -265,6 +266,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
                                                      seq.len_q() - m0, f.head_dim, tid);
         load_rows_async<kBlockM, kHeadDim, kThreads>(sdO, gdOb + int64_t(m0) * a.do_rs + int64_t(h) * a.do_hs, a.do_rs,
                                                      seq.len_q() - m0, f.head_dim, tid);
+        const int64_t row_stat = seq.stat_offset(h) + m0;
+        bwd_row_stats_async<kBlockM, kThreads>(s_stats_at(buf), a.row_m + row_stat,
+                                               a.row_log2l ? a.row_log2l + row_stat : nullptr, a.delta + row_stat,
+                                               seq.rows_valid(m0, kBlockM), tid);
       };
       auto issue_mask_bias_loads = [&](int t) {
         if constexpr (kMaskBias) {
@@ -322,10 +327,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
           gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_sdp, tdPrdO, tdPrV, acc_dp);
         }
 
-        const int64_t row_stat = seq.stat_offset(h) + m0;
         float row_m[kRows], row_log2l[kRows], delta[kRows];
-        bwd_load_row_stats(tScS_rc, a.row_m + row_stat, a.row_log2l ? a.row_log2l + row_stat : nullptr,
-                           a.delta + row_stat, rows_valid, row_m, row_log2l, delta);
+        {  // (landed with Q / dO[t])
+          const float* st = s_stats_at(buf);
+          bwd_load_row_stats(tScS_rc, st, a.row_log2l ? st + kBlockM : nullptr, st + 2 * kBlockM, rows_valid, row_m,
+                             row_log2l, delta);
+        }
         const bool pos_mask = gathered ? positions_block_needs_mask<kBlockN>(position_window(f), s_pos, m0, kBlockM)
                                        : seq.window().block_needs_mask(m0, kBlockM, kBlockN, n_block);
 

@@ -60,8 +60,13 @@ struct BwdTileSm90 : BwdSmemPlan<Element_, kHeadDim_, 64, 128, 2, 4> {
   // The common offsets (Q, dO, K, V, P, dS, column sums, kOffBias) come from the plan. Mask / bias
   // tiles: one set (bias tile, then mask tile) or two (double buffered: the set of query block
   // t + 1 loads during the whole of iteration t) when both fit, see mb_sets.
-  using Plan::kOffBias;
   using Plan::kMaskBytes;
+  // Row statistics (m, log2 l, Delta) of the query block, one set per Q / dO buffer
+  // (bwd_row_stats_async), between the column sums and the mask / bias sets.
+  static constexpr int kStatsFloats = 3 * kBlockM;
+  static constexpr int kOffStats = Plan::kOffBias;
+  static constexpr int kOffBias = kOffStats + Plan::kQBuffers * kStatsFloats * 4;
+  static constexpr int mask_offset(bool bias, bool bias_fp32) { return kOffBias + bias_tile_bytes(bias, bias_fp32); }
   static constexpr int bias_tile_bytes(bool bias, bool bias_fp32) {
     return bias ? kBlockM * Plan::kBiasPitch * (bias_fp32 ? 4 : 2) : 0;
   }
@@ -92,7 +97,7 @@ struct BwdTileSm90 : BwdSmemPlan<Element_, kHeadDim_, 64, 128, 2, 4> {
   static_assert(Plan::kOffdS % 1024 == 0 && Plan::kOffP % 1024 == 0 && Plan::kOffdO % 1024 == 0);
   static_assert(mb_sets(true, true, false) == 2 && mb_sets(true, true, true) == 1);
   static_assert(mb_set_bytes(true, true, false) % 16 == 0);  // the second set stays 16-byte aligned
-  static_assert(Plan::mask_offset(true, false) == kOffBias + bias_tile_bytes(true, false));
+  static_assert(kOffBias % 16 == 0);
 };
 
 }  // namespace dmattn::cuda::sm90
