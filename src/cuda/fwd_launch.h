@@ -37,7 +37,7 @@ inline int fwd_ctas_by_smem(int smem, int smem_per_sm) { return smem_per_sm / (s
 // current and look-ahead; three where the look-ahead is decided a block earlier: the init
 // kernel and the sm90 mask / bias kernel).
 template <class Tile, bool kInit, bool kBiasDb = true, int kPosTiles = 1, int kMaskTiles = (kInit ? 3 : 2),
-          class Kernel>
+          bool kBiasDbAlways = kInit, class Kernel>
 void launch_fwd_kernel(const FwdArgs& args, cudaStream_t stream, Kernel kernel) {
   FwdArgs a = args;
   int dev = 0, max_smem = 0, smem_per_sm = 0;
@@ -68,8 +68,9 @@ void launch_fwd_kernel(const FwdArgs& args, cudaStream_t stream, Kernel kernel) 
     const int ctas_single = std::min(Tile::kCtasPerSm, fwd_ctas_by_smem(single, smem_per_sm));
     const int ctas_dbl = std::min(Tile::kCtasPerSm, fwd_ctas_by_smem(dbl, smem_per_sm));
     const int mode = DMATTN_FWD_BIAS_DB;
-    // The init kernel always double buffers (it loads the next block's bias before its MMAs).
-    a.bias_db = kInit || (kBiasDb && dbl <= max_smem && (mode == 2 || (mode == 1 && ctas_dbl >= ctas_single)));
+    // The init kernel and the sm90 plain kernel's bias path always double buffer (they load the
+    // next block's bias before this block's products).
+    a.bias_db = kBiasDbAlways || (kBiasDb && dbl <= max_smem && (mode == 2 || (mode == 1 && ctas_dbl >= ctas_single)));
     smem += (a.bias_db ? 2 : 1) * bytes;
   }
   if (a.kpos.ptr) {  // gathered keys: the key block's positions (kBlockN int32 per tile)
@@ -118,14 +119,20 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream) {
   const bool mask_or_bias = a.mask.ptr != nullptr || a.bias.ptr != nullptr;
   if constexpr (kHeadDim <= 128) {
     if (fwd_sm90_enabled()) {  // every option, packed batches and gathered keys included
-      if (mask_or_bias || a.softcap != 0.f) {
+      // A 16-bit bias alone (no mask, no softcap) takes the plain kernel's bias fast path: its
+      // pipelined loop (P V of the previous block overlapping this block's S and softmax), the
+      // bias tiles double buffered with K (sm90/bias_tile_sm90.h).
+      static const bool bias_path_off = sm90::env_switched_off("DMATTN_FWD_SM90_BIAS");  // (comparisons)
+      const bool plain_bias = a.bias.ptr != nullptr && a.bias.esize == 2 && a.mask.ptr == nullptr && a.softcap == 0.f &&
+                              !bias_path_off;
+      if ((mask_or_bias || a.softcap != 0.f) && !plain_bias) {
         // Three mask tiles (the look-ahead decided a block early), the bias double buffered
         // where two tiles fit (16-bit or query-broadcast bias; a full fp32 bias keeps one).
         using Tile = sm90::FwdTileSm90<Element, kHeadDim, 1>;
         launch_fwd_kernel<Tile, false, true, 1, 3>(a, stream, sm90::fwd_kernel_sm90<Tile, true>);
       } else {
         using Tile = sm90::FwdTileSm90<Element, kHeadDim, 2>;
-        launch_fwd_kernel<Tile, false, false, 2>(a, stream, sm90::fwd_kernel_sm90<Tile, false>);
+        launch_fwd_kernel<Tile, false, true, 2, 2, /*kBiasDbAlways=*/true>(a, stream, sm90::fwd_kernel_sm90<Tile, false>);
       }
       return;
     }

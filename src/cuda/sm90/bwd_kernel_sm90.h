@@ -201,13 +201,35 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
   auto thr_dkv = mma_dkv.get_thread_slice(tid);
   auto thr_dq = mma_dq.get_thread_slice(tid);
 
-  // Operand descriptors that do not depend on the Q / dO buffer.
-  Tensor tSrK = thr_sdp.partition_fragment_B(sK);
-  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
-  Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);
-  Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt);
-  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
-  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+  // Operand descriptors that do not depend on the Q / dO buffer. The plain kernels rebuild them
+  // where used from an opaque copy of the shared-memory base (a few integer operations each): held
+  // across the loop, ptxas spilled them, and their reloads from local memory (L2: little L1 is
+  // left beside 200 KB of shared memory) stalled the first product of every query block (ncu);
+  // rebuilt, the plain kernel has no spills. The mask / bias kernels hold them (rebuilt there,
+  // their other spills grow, 244 -> 400 B).
+  auto fresh = [&](int off, auto layout) {
+    char* p = smem;
+    asm volatile("" : "+l"(p));
+    return make_tensor(make_smem_ptr(reinterpret_cast<Element*>(p + off)), layout);
+  };
+  const auto held_SdP = cute::make_tuple(thr_sdp.partition_fragment_B(sK), thr_sdp.partition_fragment_B(sV));
+  const auto held_dKV = cute::make_tuple(thr_dkv.partition_fragment_A(sPt), thr_dkv.partition_fragment_A(sdSt));
+  const auto held_dQ = cute::make_tuple(thr_dq.partition_fragment_A(sdS), thr_dq.partition_fragment_B(sKt));
+  auto operands_SdP = [&] {
+    if constexpr (kMaskBias) return held_SdP;
+    else return cute::make_tuple(thr_sdp.partition_fragment_B(fresh(Tile::kOffK, typename Tile::SmemLayoutKV{})),
+                                 thr_sdp.partition_fragment_B(fresh(Tile::kOffV, typename Tile::SmemLayoutKV{})));
+  };
+  auto operands_dKV = [&] {
+    if constexpr (kMaskBias) return held_dKV;
+    else return cute::make_tuple(thr_dkv.partition_fragment_A(fresh(Tile::kOffP, typename Tile::SmemLayoutPdSt{})),
+                                 thr_dkv.partition_fragment_A(fresh(Tile::kOffdS, typename Tile::SmemLayoutPdSt{})));
+  };
+  auto operands_dQ = [&] {
+    if constexpr (kMaskBias) return held_dQ;
+    else return cute::make_tuple(thr_dq.partition_fragment_A(fresh(Tile::kOffdS, typename Tile::SmemLayoutPdS{})),
+                                 thr_dq.partition_fragment_B(fresh(Tile::kOffK, typename Tile::SmemLayoutKt{})));
+  };
 
   // (row, col) of each score element in the (kBlockM, kBlockN) block, and of dQ.
   Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -323,6 +345,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
         {
           Tensor tSrQ = thr_sdp.partition_fragment_A(sQ_at(buf));
           Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO_at(buf));
+          const auto [tSrK, tdPrV] = operands_SdP();
           gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_sdp, tSrQ, tSrK, acc_s);
           gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_sdp, tdPrdO, tdPrV, acc_dp);
         }
@@ -389,11 +412,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
         {
           Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt_at(buf));
           Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt_at(buf));
+          const auto [tdVrPt, tdKrdSt] = operands_dKV();
           gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdVrPt, tdVrdOt, acc_dv);
           gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdKrdSt, tdKrQt, acc_dk);
         }
         if (a.dq_accum != nullptr) {
           Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+          const auto [tdQrdS, tdQrKt] = operands_dQ();
           gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_dq, tdQrdS, tdQrKt, acc_dq);
           gemm_wait<0>(acc_dq);
           warpgroup_fence_operand(acc_dk);

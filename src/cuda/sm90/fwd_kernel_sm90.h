@@ -8,6 +8,9 @@
 //   block n:  issue loads K[n-1], V[n];  issue S = Q K[n]^T, then O += P[n+1] V[n+1];
 //             wait S; softmax of S (the rescale of O deferred); wait O; rescale O; P[n] = S
 //   so the loads land and the P V product runs while the softmax computes.
+//   With a 16-bit bias and nothing else (run_fwd's bias fast path), the bias tile of block n - 1
+//   is issued with K[n-1] into the other of two swizzled tiles (bias_tile_sm90.h) and block n's
+//   scores become scale * qk + bias before the softmax (scale 1 there, safe subtraction).
 // Mask / bias / softcap, single K and V buffers (the mask and bias tiles need the space), the
 // bias and the mask look-ahead one block ahead (nn: the next live block):
 //   block n:  wait K[n], bias[n], mask look-ahead; decide nn; barrier;
@@ -30,6 +33,7 @@
 #pragma once
 
 #include "cuda/fwd_kernel.h"
+#include "cuda/sm90/bias_tile_sm90.h"
 #include "cuda/sm90/fwd_tile_sm90.h"
 #include "cuda/sm90/gmma.h"
 
@@ -90,7 +94,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
   OnlineSoftmax<kRows> softmax;
   softmax.init();
   constexpr float kLog2e = 1.4426950408889634f;
-  const float score_scale = kMaskBias ? 1.f : a.scale;
+  // The plain kernel's bias fast path (run_fwd: a 16-bit bias, no mask, no softcap): the bias
+  // tile of each key block travels with K (double buffered like it), s = scale * qk + bias.
+  const bool plain_bias = !kMaskBias && a.bias.ptr != nullptr;
+  const float score_scale = kMaskBias || plain_bias ? 1.f : a.scale;
 
   // The plain kernel's loop over key blocks n, n - 1, ..., n_min (see the top of the file).
   auto plain_loop = [&](int n, const Element* gQ, const Element* gK, const Element* gV) {
@@ -100,6 +107,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
     Tensor tOrP = make_tensor(rP.data(), acc_to_a(rP.layout()));
     int kcur = 0, vcur = 0;
     bool have_p = false;  // P of the previous block waits in rP for its V (in buffer vcur)
+    OperandTile<kBlockM, kBlockN, kThreads> bias_tile;
+    if (plain_bias) bias_tile.init(a.bias, b, h, m0, seq.len_q(), kBlockN, seq.k0());
+    auto s_bias_at = [&](int i) { return smem + a.smem_bias_off + i * a.smem_bias_stride; };
 
     load_rows_async<kBlockM, kHeadDim, kThreads>(sQ, gQ, a.q_rs, seq.rows_valid(m0, kBlockM), a.head_dim, tid);
     {
@@ -109,6 +119,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
     }
     if (gathered)
       load_positions_tile_async<kBlockN, kThreads>(s_pos, positions_row(a.kpos, b, h), a.seqlen_k, n * kBlockN, tid);
+    if (plain_bias) load_bias_tile_swizzled(s_bias_at(0), bias_tile, n * kBlockN, seq.len_k(), tid);
     cp_async_commit();
     cp_async_wait<0>();
     fence_smem_for_wgmma();
@@ -125,6 +136,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
         if (gathered)
           load_positions_tile_async<kBlockN, kThreads>(s_pos + (kcur ^ 1) * kBlockN, positions_row(a.kpos, b, h),
                                                        a.seqlen_k, nn * kBlockN, tid);
+        if (plain_bias) load_bias_tile_swizzled(s_bias_at(kcur ^ 1), bias_tile, nn * kBlockN, seq.len_k(), tid);
       }
       {
         Tensor sVn = sV_at(vcur ^ 1);
@@ -144,6 +156,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
       }
       // The test's operand is a compile-time null or the address of a local in each branch, so
       // that the local stays in registers (a pointer chosen at run time put it on the stack).
+      // s = scale * qk + bias[n] first (bias[n] landed with K[n]); the tests below only write -inf.
+      if (plain_bias) add_bias_swizzled<Element, kBlockN>(s_rc, tScS_rc, s_bias_at(kcur), a.bias.row_bcast, a.scale);
       const WindowMask win = seq.window();
       if (gathered) {
         const PositionTest kp_test{s_pos + kcur * kBlockN, position_window(a)};  // landed with K[n]
@@ -154,7 +168,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
         transform_scores_ex<false, true, Element, kBlockN, false>(s_rc, tScS_rc, a, m0, n0, win, nullptr, 0, nullptr, 0);
       }
       float alpha[kRows];
-      softmax.template update_scaled_deferred<false>(s_rc, a.scale * kLog2e, alpha);
+      // With a bias the scores are final (scale 1) and may be near -FLT_MAX (a finfo.min bias):
+      // the safe subtraction, exp2((s - m) log2 e).
+      if (plain_bias) softmax.template update_scaled_deferred<true>(s_rc, kLog2e, alpha);
+      else softmax.template update_scaled_deferred<false>(s_rc, a.scale * kLog2e, alpha);
       gemm_wait<0>(acc_o);  // P V done: rP and O are free
       softmax.rescale(acc_o_rc, alpha);
       convert_fragment<Element, false>(acc_s, rP);

@@ -49,7 +49,10 @@ struct FwdTileSm90 {
   using SmemLayoutVt = decltype(cute::composition(
       SmemLayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
 
-  static constexpr int kBiasPitch = kBlockN + 8;   // elements of 2 or 4 bytes
+  // Elements of 2 or 4 bytes per bias row: padded against bank conflicts in the mask / bias
+  // kernel; unpadded and swizzled in the plain kernel's bias fast path (bias_tile_sm90.h), where
+  // two 32 KB tiles must fit beside double-buffered K and V.
+  static constexpr int kBiasPitch = kStagesKV == 2 ? kBlockN : kBlockN + 8;
   static constexpr int kMaskPitch = kBlockN + 16;  // bytes
 
   static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
