@@ -42,8 +42,7 @@ __device__ __forceinline__ void mask_and_bias_scores_impl(S& s, C const& coord, 
           if (brow) {
             float b0, b1;
             read_bias_pair(brow + cc, b0, b1);
-            x0 += b0; x1 += b1;
-            ok0 = b0 != -INFINITY; ok1 = b1 != -INFINITY;
+            x0 += b0; x1 += b1;  // a -inf bias gives -inf (the score is finite): no test needed
           }
           if (mrow) {
             bool m0, m1;
