@@ -29,14 +29,27 @@ __device__ __forceinline__ void load_bias_tile_swizzled(char* smem, const Operan
   const int rows = t.pitch == 0 ? 1 : kBlockM;
   const int cols_valid = min(kBlockN, seqlen_k - n0);
   if (t.vec) {
+    // Thread tid copies chunk column c of rows r0 + k * kRowStep: one column, one swizzle (r % 8
+    // is the same for all its rows), pointers advanced by a constant (no per-chunk index math).
     constexpr int kChunksPerRow = kBlockN / 8;
+    constexpr int kRowStep = kThreads / kChunksPerRow;
+    static_assert(kThreads % kChunksPerRow == 0 && kBlockM % kRowStep == 0 && kRowStep % 8 == 0);
+    const int r0 = tid / kChunksPerRow, c = (tid % kChunksPerRow) * 8;
     const char* g0 = t.base + int64_t(n0) * 2;
-    for (int idx = tid; idx < rows * kChunksPerRow; idx += kThreads) {
-      const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
-      int bytes = r < t.rows_valid ? (cols_valid - c) * 2 : 0;
-      bytes = bytes < 0 ? 0 : (bytes > 16 ? 16 : bytes);
-      const char* src = bytes > 0 ? g0 + (int64_t(r) * t.stride_q + c) * 2 : g0;
-      cp_async_16(smem + bias_swizzled_offset<kBlockN>(r, c), src, bytes);
+    int col_bytes = (cols_valid - c) * 2;
+    col_bytes = col_bytes < 0 ? 0 : (col_bytes > 16 ? 16 : col_bytes);
+    const char* src = g0 + (int64_t(r0) * t.stride_q + c) * 2;
+    const int64_t src_step = int64_t(kRowStep) * t.stride_q * 2;
+    char* dst = smem + bias_swizzled_offset<kBlockN>(r0, c);
+    if (rows == 1) {  // query-broadcast: one row
+      if (r0 == 0) cp_async_16(dst, col_bytes > 0 ? src : g0, col_bytes);
+      return;
+    }
+    CUTE_UNROLL
+    for (int k = 0; k < kBlockM / kRowStep; ++k) {
+      const int bytes = r0 + k * kRowStep < t.rows_valid ? col_bytes : 0;
+      cp_async_16(dst + k * kRowStep * kBlockN * 2, bytes > 0 ? src : g0, bytes);
+      src += src_step;
     }
   } else {
     for (int idx = tid; idx < rows * kBlockN; idx += kThreads) {
