@@ -27,4 +27,14 @@ for dtype in (torch.bfloat16, torch.float16):
     case(2, 130, 77, 4, 2, 128, dtype, bias_shape=(2, 1, 1, 77), causal=True)
     case(1, 64, 200, 2, 2, 72, dtype, mask_shape=(1, 1, 64, 200), window=(32, 8))
     case(1, 1, 1, 1, 1, 64, dtype)
+    # Head dim 128 (the Hopper backward on cc 9.0): mask + 16-bit bias tiles double buffered
+    # across several query blocks (rows 16-byte aligned: the cp.async path), then per-head column
+    # sums in shared memory (GQA group 2).
+    case(1, 200, 320, 4, 2, 128, dtype, mask_shape=(1, 1, 200, 320), bias_shape=(1, 4, 200, 320), causal=True)
+    case(1, 150, 260, 4, 2, 128, dtype, bias_shape=(1, 4, 1, 260))
+    # The Hopper forward's bias fast path (16-bit bias alone): swizzled, double-buffered bias
+    # tiles by cp.async (aligned rows; 200 queries: a partial second query block), and a
+    # query-broadcast row, causal.
+    case(1, 200, 320, 4, 2, 128, dtype, bias_shape=(1, 4, 200, 320))
+    case(1, 130, 256, 2, 1, 128, dtype, bias_shape=(1, 2, 1, 256), causal=True)
 print("sanitizer cases done")

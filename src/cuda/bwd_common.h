@@ -115,9 +115,13 @@ __device__ __forceinline__ void bwd_p_ds(S& s, DP& dp, const float (&m)[kRows], 
   for (int r = 0; r < kRows; ++r) {
     CUTE_UNROLL
     for (int c = 0; c < size<1>(s); ++c) {
-      const float p = exp2f((s(r, c) - m[r]) * kLog2e - log2l[r]);
+      // ex2.approx like the forward's softmax (exp2f's range handling was ~1/7 of the Hopper
+      // backward's instructions). x >= -2^-25 is where exp2 rounds to 1: P = 1 exactly there.
+      const float x = (s(r, c) - m[r]) * kLog2e - log2l[r];
+      const bool one = x >= -0x1p-25f;
+      const float p = one ? 1.f : fast_exp2(x);
       s(r, c) = p;
-      dp(r, c) = p == 1.f ? 0.f : p * (dp(r, c) - delta[r]);
+      dp(r, c) = one ? 0.f : p * (dp(r, c) - delta[r]);
     }
   }
 }

@@ -177,7 +177,8 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
   bool sm90 = false;
   if constexpr (kHeadDim == 128) sm90 = bwd_sm90_enabled();
   int smem = Tile::smem_bytes(f.mask.ptr != nullptr, f.bias.ptr != nullptr, f.bias_fp32);
-  int smem_main = sm90 ? TileSm90::smem_bytes(f.mask.ptr != nullptr, f.bias.ptr != nullptr, f.bias_fp32) : smem;
+  int smem_main =
+      sm90 ? TileSm90::smem_bytes(f.mask.ptr != nullptr, f.bias.ptr != nullptr, f.bias_fp32, a.exp_flags) : smem;
   static_assert(TileSm90::kBlockN == Tile::kBlockN || kHeadDim != 128);
   if (f.kpos.ptr) {  // gathered keys: the key block's positions (kBlockN int32) at the end,
     // at one offset for every kernel of the pass (the launches share the argument block)

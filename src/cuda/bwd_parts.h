@@ -26,6 +26,23 @@ __device__ __forceinline__ void red_add4(float* p, float x, float y, float z, fl
 #endif
 }
 
+// Row statistics of one query block (m, log2 l when present, Delta: kBlockM floats each) into
+// shared memory, issued with the block's Q / dO loads (cp.async, 4 bytes per row), so that the
+// products do not wait on their global loads: read back by bwd_load_row_stats, which ignores rows
+// past rows_valid (left unwritten here). Layout: [m | log2 l | Delta], kBlockM floats each.
+template <int kBlockM, int kThreads>
+__device__ __forceinline__ void bwd_row_stats_async(float* s_stats, const float* g_m, const float* g_log2l,
+                                                    const float* g_delta, int rows_valid, int tid) {
+  for (int i = tid; i < 3 * kBlockM; i += kThreads) {
+    const int which = i / kBlockM, row = i % kBlockM;
+    const float* src = which == 0 ? g_m : which == 1 ? g_log2l : g_delta;
+    if (src != nullptr && row < rows_valid) {
+      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(s_stats + i));
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src + row));
+    }
+  }
+}
+
 // dq_accum rows [0, rows_valid) of one query block += acc_dq (coord: its (row, col) in the
 // block). Each accumulator quad holds (r, c..c+1) and (r+8, c..c+1); lanes 2k and 2k+1 trade
 // halves so that each issues one 16-byte reduction: the even lane (r, c..c+3), the odd lane

@@ -45,8 +45,9 @@ struct FwdArgs {
   KeyPositionsArgs kpos;   // gathered keys (key_positions.h); kpos.ptr null = off
   // Shared-memory placement of the mask / bias tiles (bytes from the start of dynamic smem),
   // filled by run_fwd for its tile: two mask buffers (the next key block's tile is read one
-  // block ahead, for block skipping), one or two bias buffers (bias_db: the next block's bias
-  // streams in during this block).
+  // block ahead, for block skipping; three in the init and sm90 mask / bias kernels, which
+  // decide the next block a block earlier), one or two bias buffers (bias_db: the next block's
+  // bias streams in during this block).
   int smem_mask_off = 0, smem_mask_stride = 0;
   int smem_bias_off = 0, smem_bias_stride = 0;
   bool bias_db = false;

@@ -33,8 +33,11 @@ inline int fwd_ctas_by_smem(int smem, int smem_per_sm) { return smem_per_sm / (s
 // One launch of `kernel` (a forward kernel built on Tile) with the mask / bias buffers placed
 // for Tile. kInit: the init kernel's buffers (three mask tiles, double-buffered bias);
 // kBiasDb: whether the kernel can double buffer the bias at all; kPosTiles: key-positions tiles
-// of gathered keys (the sm90 plain kernel keeps one per K buffer).
-template <class Tile, bool kInit, bool kBiasDb = true, int kPosTiles = 1, class Kernel>
+// of gathered keys (the sm90 plain kernel keeps one per K buffer); kMaskTiles: mask tiles (two:
+// current and look-ahead; three where the look-ahead is decided a block earlier: the init
+// kernel and the sm90 mask / bias kernel).
+template <class Tile, bool kInit, bool kBiasDb = true, int kPosTiles = 1, int kMaskTiles = (kInit ? 3 : 2),
+          bool kBiasDbAlways = kInit, class Kernel>
 void launch_fwd_kernel(const FwdArgs& args, cudaStream_t stream, Kernel kernel) {
   FwdArgs a = args;
   int dev = 0, max_smem = 0, smem_per_sm = 0;
@@ -44,31 +47,35 @@ void launch_fwd_kernel(const FwdArgs& args, cudaStream_t stream, Kernel kernel) 
   check_cuda(cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev),
              "cudaDeviceGetAttribute(smem per SM)");
 
-  // Shared memory: Q, K, V, then two mask tiles (one block of look-ahead for block skipping;
-  // three for the init kernel), then one or two bias tiles. A query-broadcast operand needs one row per tile.
+  // Shared memory: Q, K, V, then kMaskTiles mask tiles (look-ahead for block skipping), then one
+  // or two bias tiles, then the positions tiles. A query-broadcast operand needs one row per tile.
+  static_assert(kMaskTiles == 2 || kMaskTiles == 3);
+  const int kpos_bytes = a.kpos.ptr ? kPosTiles * Tile::kBlockN * 4 : 0;
   int smem = Tile::kOffBias;
   if (a.mask.ptr) {
     const int bytes = fwd_round_up((a.mask.row_bcast ? 1 : Tile::kBlockM) * Tile::kMaskPitch, 128);
     a.smem_mask_off = smem;
     a.smem_mask_stride = bytes;
-    smem += (kInit ? 3 : 2) * bytes;  // init kernel: current, next, look-ahead
+    smem += kMaskTiles * bytes;
   }
   a.bias_db = false;
   if (a.bias.ptr) {
     const int bytes = fwd_round_up((a.bias.row_bcast ? 1 : Tile::kBlockM) * Tile::kBiasPitch * a.bias.esize, 128);
     a.smem_bias_off = smem;
     a.smem_bias_stride = bytes;
-    const int single = smem + bytes, dbl = smem + 2 * bytes;
+    // (the positions tiles, placed after the bias, count toward the fit)
+    const int single = smem + bytes + kpos_bytes, dbl = smem + 2 * bytes + kpos_bytes;
     const int ctas_single = std::min(Tile::kCtasPerSm, fwd_ctas_by_smem(single, smem_per_sm));
     const int ctas_dbl = std::min(Tile::kCtasPerSm, fwd_ctas_by_smem(dbl, smem_per_sm));
     const int mode = DMATTN_FWD_BIAS_DB;
-    // The init kernel always double buffers (it loads the next block's bias before its MMAs).
-    a.bias_db = kInit || (kBiasDb && dbl <= max_smem && (mode == 2 || (mode == 1 && ctas_dbl >= ctas_single)));
-    smem = a.bias_db ? dbl : single;
+    // The init kernel and the sm90 plain kernel's bias path always double buffer (they load the
+    // next block's bias before this block's products).
+    a.bias_db = kBiasDbAlways || (kBiasDb && dbl <= max_smem && (mode == 2 || (mode == 1 && ctas_dbl >= ctas_single)));
+    smem += (a.bias_db ? 2 : 1) * bytes;
   }
   if (a.kpos.ptr) {  // gathered keys: the key block's positions (kBlockN int32 per tile)
     a.smem_kpos_off = smem;
-    smem += kPosTiles * Tile::kBlockN * 4;
+    smem += kpos_bytes;
   }
   if (smem > max_smem)
     fail(ErrorKind::kValue, "CUDA backend: the forward kernel for head_dim <= ", Tile::kHeadDim, " with this mask/bias needs ",
@@ -112,12 +119,20 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream) {
   const bool mask_or_bias = a.mask.ptr != nullptr || a.bias.ptr != nullptr;
   if constexpr (kHeadDim <= 128) {
     if (fwd_sm90_enabled()) {  // every option, packed batches and gathered keys included
-      if (mask_or_bias || a.softcap != 0.f) {
+      // A 16-bit bias alone (no mask, no softcap) takes the plain kernel's bias fast path: its
+      // pipelined loop (P V of the previous block overlapping this block's S and softmax), the
+      // bias tiles double buffered with K (sm90/bias_tile_sm90.h).
+      static const bool bias_path_off = sm90::env_switched_off("DMATTN_FWD_SM90_BIAS");  // (comparisons)
+      const bool plain_bias = a.bias.ptr != nullptr && a.bias.esize == 2 && a.mask.ptr == nullptr && a.softcap == 0.f &&
+                              !bias_path_off;
+      if ((mask_or_bias || a.softcap != 0.f) && !plain_bias) {
+        // Three mask tiles (the look-ahead decided a block early), the bias double buffered
+        // where two tiles fit (16-bit or query-broadcast bias; a full fp32 bias keeps one).
         using Tile = sm90::FwdTileSm90<Element, kHeadDim, 1>;
-        launch_fwd_kernel<Tile, false, false, 1>(a, stream, sm90::fwd_kernel_sm90<Tile, true>);
+        launch_fwd_kernel<Tile, false, true, 1, 3>(a, stream, sm90::fwd_kernel_sm90<Tile, true>);
       } else {
         using Tile = sm90::FwdTileSm90<Element, kHeadDim, 2>;
-        launch_fwd_kernel<Tile, false, false, 2>(a, stream, sm90::fwd_kernel_sm90<Tile, false>);
+        launch_fwd_kernel<Tile, false, true, 2, 2, /*kBiasDbAlways=*/true>(a, stream, sm90::fwd_kernel_sm90<Tile, false>);
       }
       return;
     }

@@ -14,6 +14,8 @@ namespace dmattn::cuda {
 
 template <int kBlockM, int kBlockN, int kThreads>
 struct OperandTile {
+  static constexpr int log2_of(int x) { return x > 1 ? 1 + log2_of(x >> 1) : 0; }
+  static constexpr int kLog2BlockN = log2_of(kBlockN);
   const char* base = nullptr;  // element (b, h, m0, 0)
   int64_t stride_q = 0, stride_k = 0;
   int esize = 1, pitch = 0;  // pitch: elements per shared row; 0 for a query-broadcast tile
@@ -42,11 +44,15 @@ struct OperandTile {
     const int rows = pitch == 0 ? 1 : kBlockM;
     const int cols_valid = min(kBlockN, seqlen_k - n0);
     if (vec) {
-      const int chunk_elems = 16 / esize;
-      const int chunks_per_row = kBlockN / chunk_elems;
+      // esize 1, 2 or 4 and kBlockN a power of two: shifts, not run-time divisions.
+      static_assert((kBlockN & (kBlockN - 1)) == 0 && kBlockN >= 16);
+      const int log2_esize = esize == 1 ? 0 : esize == 2 ? 1 : 2;
+      const int log2_chunk_elems = 4 - log2_esize;
+      const int log2_chunks_per_row = kLog2BlockN - log2_chunk_elems;
+      const int chunks_per_row = 1 << log2_chunks_per_row;
       const char* g0 = base + int64_t(n0) * esize;
       for (int idx = tid; idx < rows * chunks_per_row; idx += kThreads) {
-        const int r = idx / chunks_per_row, c = (idx % chunks_per_row) * chunk_elems;
+        const int r = idx >> log2_chunks_per_row, c = (idx & (chunks_per_row - 1)) << log2_chunk_elems;
         int bytes = r < rows_valid ? (cols_valid - c) * esize : 0;
         bytes = bytes < 0 ? 0 : (bytes > 16 ? 16 : bytes);
         const char* src = bytes > 0 ? g0 + (int64_t(r) * stride_q + c) * esize : g0;

@@ -11,18 +11,23 @@
 // one without positions keeps its registers.
 #pragma once
 
+#include <type_traits>
+
 #include "cuda/bias.h"
 #include "cuda/key_positions.h"
 #include "cuda/mask.h"
 
 namespace dmattn::cuda {
 
-template <bool kMaskBias, bool kPosMask, bool kPositions, typename BiasT, int kBlockN, class S, class C>
+// kBias / kMask: which tiles are present, known at compile time inside the body (a run-time null
+// test per element pair compiled to 64-bit pointer compares and materialized booleans, ~25
+// instructions a pair; mask_and_bias_scores dispatches once per key block instead).
+template <bool kBias, bool kMask, bool kPosMask, bool kPositions, typename BiasT, int kBlockN, class S, class C>
 __device__ __forceinline__ void mask_and_bias_scores_impl(S& s, C const& coord, int m0, int n0, const WindowMask& win,
                                                           const char* s_bias, int bias_pitch, const char* s_mask,
                                                           int mask_pitch, const PositionTest* pt) {
   using namespace cute;
-  if constexpr (kMaskBias || kPosMask) {
+  if constexpr (kBias || kMask || kPosMask) {
     const int col0 = get<1>(coord(0, 0));
     CUTE_UNROLL
     for (int r = 0; r < size<0>(s); ++r) {
@@ -30,27 +35,25 @@ __device__ __forceinline__ void mask_and_bias_scores_impl(S& s, C const& coord, 
       int lo = 0, hi = kBlockN;  // kPositions: a range of positions, else of columns
       if constexpr (kPositions) position_range(pt->win, m0 + row, lo, hi);
       else if constexpr (kPosMask) win.column_range(m0 + row, n0 + col0, kBlockN, lo, hi);
-      const BiasT* brow = kMaskBias && s_bias ? reinterpret_cast<const BiasT*>(s_bias) + row * bias_pitch + col0 : nullptr;
-      const uint8_t* mrow = kMaskBias && s_mask ? reinterpret_cast<const uint8_t*>(s_mask) + row * mask_pitch + col0 : nullptr;
+      const BiasT* brow = kBias ? reinterpret_cast<const BiasT*>(s_bias) + row * bias_pitch + col0 : nullptr;
+      const uint8_t* mrow = kMask ? reinterpret_cast<const uint8_t*>(s_mask) + row * mask_pitch + col0 : nullptr;
       // Columns come in adjacent pairs (c, c + 1): one 32/64-bit shared load per pair.
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s); c += 2) {
         const int cc = get<1>(coord(r, c)) - col0;  // compile-time after folding, even
         float x0 = s(r, c), x1 = s(r, c + 1);
         bool ok0 = true, ok1 = true;
-        if constexpr (kMaskBias) {
-          if (brow) {
-            float b0, b1;
-            read_bias_pair(brow + cc, b0, b1);
-            x0 += b0; x1 += b1;
-            ok0 = b0 != -INFINITY; ok1 = b1 != -INFINITY;
-          }
-          if (mrow) {
-            bool m0, m1;
-            read_mask_pair(mrow + cc, m0, m1);
-            ok0 = ok0 && m0;
-            ok1 = ok1 && m1;
-          }
+        if constexpr (kBias) {
+          float b0, b1;
+          read_bias_pair(brow + cc, b0, b1);
+          x0 += b0;  // a -inf bias gives -inf (the score is finite): no test needed
+          x1 += b1;
+        }
+        if constexpr (kMask) {
+          bool m0, m1;
+          read_mask_pair(mrow + cc, m0, m1);
+          ok0 = m0;
+          ok1 = m1;
         }
         if constexpr (kPositions) {  // an even column: an 8-byte aligned pair of positions
           const int2 p = *reinterpret_cast<const int2*>(pt->s_pos + col0 + cc);
@@ -67,21 +70,34 @@ __device__ __forceinline__ void mask_and_bias_scores_impl(S& s, C const& coord, 
   }
 }
 
-// pt: gathered keys' positions test of these columns, null without gathered keys (read only
-// when kPosMask).
+// s_bias / s_mask: the tiles, null when absent (read only when kMaskBias). pt: gathered keys'
+// positions test of these columns, null without gathered keys (read only when kPosMask).
 template <bool kMaskBias, bool kPosMask, typename BiasT, int kBlockN, class S, class C>
 __device__ __forceinline__ void mask_and_bias_scores(S& s, C const& coord, int m0, int n0, const WindowMask& win,
                                                      const char* s_bias, int bias_pitch, const char* s_mask,
                                                      int mask_pitch, const PositionTest* pt = nullptr) {
-  if constexpr (kPosMask) {
-    if (pt) {
-      mask_and_bias_scores_impl<kMaskBias, true, true, BiasT, kBlockN>(s, coord, m0, n0, win, s_bias, bias_pitch,
-                                                                      s_mask, mask_pitch, pt);
-      return;
+  auto run = [&](auto bias_present, auto mask_present) {
+    constexpr bool kB = decltype(bias_present)::value, kM = decltype(mask_present)::value;
+    if constexpr (kPosMask) {
+      if (pt) {
+        mask_and_bias_scores_impl<kB, kM, true, true, BiasT, kBlockN>(s, coord, m0, n0, win, s_bias, bias_pitch,
+                                                                     s_mask, mask_pitch, pt);
+        return;
+      }
     }
+    mask_and_bias_scores_impl<kB, kM, kPosMask, false, BiasT, kBlockN>(s, coord, m0, n0, win, s_bias, bias_pitch,
+                                                                      s_mask, mask_pitch, nullptr);
+  };
+  using T = std::true_type;
+  using F = std::false_type;
+  if constexpr (kMaskBias) {
+    if (s_bias != nullptr && s_mask != nullptr) run(T{}, T{});
+    else if (s_bias != nullptr) run(T{}, F{});
+    else if (s_mask != nullptr) run(F{}, T{});
+    else run(F{}, F{});  // (softcap alone)
+  } else {
+    run(F{}, F{});
   }
-  mask_and_bias_scores_impl<kMaskBias, kPosMask, false, BiasT, kBlockN>(s, coord, m0, n0, win, s_bias, bias_pitch,
-                                                                       s_mask, mask_pitch, nullptr);
 }
 
 }  // namespace dmattn::cuda

@@ -220,20 +220,37 @@ BIAS_SHAPES = [
 ]
 
 
+# d = 128 runs the Hopper kernel on compute capability 9.0 (sm90/bwd_kernel_sm90.h): column sums in
+# shared memory, mask / bias tiles double buffered (16-bit bias) or single (fp32 bias).
 @pytest.mark.parametrize("shape", BIAS_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("bias_dtype", ["same", "fp32"])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_dbias_reductions(shape, bias_dtype, deterministic, nan_poison):
+@pytest.mark.parametrize("d", [64, 128])
+def test_dbias_reductions(shape, bias_dtype, deterministic, d, nan_poison):
+    _dbias_case(shape, bias_dtype, deterministic, d, 230)
+
+
+def _dbias_case(shape, bias_dtype, deterministic, d, sk):
     torch.manual_seed(11)
     dtype = torch.bfloat16
-    q, k, v = _qkv(2, 200, 230, 6, 2, 64, dtype)
+    q, k, v = _qkv(2, 200, sk, 6, 2, d, dtype)
     bdt = dtype if bias_dtype == "same" else torch.float32
     bias = torch.randn(shape, device=DEV).to(bdt).requires_grad_()
-    mask = torch.rand(2, 1, 200, 230, device=DEV) < 0.9
+    mask = torch.rand(2, 1, 200, sk, device=DEV) < 0.9
     out, lse, dout = _run(q, k, v, mask, bias, causal=True, deterministic=deterministic)
     if shape[-1] == 1:
         assert torch.all(bias.grad == 0)
     check_against_reference(q, k, v, mask, bias, out, lse, _grads(q, k, v, bias), causal=True, dout=dout)
+
+
+# Sk = 256: 16-byte aligned mask / bias rows, so that the tiles take the cp.async path (Sk = 230
+# above loads them element by element); at head dim 128 the Hopper kernel double buffers them.
+@pytest.mark.parametrize("shape", [(2, 6, 200, 256), (1, 6, 200, 256), (2, 2, 200, 256), (2, 6, 1, 256),
+                                   (2, 2, 1, 256)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("bias_dtype", ["same", "fp32"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_dbias_reductions_aligned_d128(shape, bias_dtype, deterministic, nan_poison):
+    _dbias_case(shape, bias_dtype, deterministic, 128, 256)
 
 
 @pytest.mark.parametrize("softcap", [5.0, 30.0])

@@ -3,9 +3,10 @@
 // every query block the window or the positions let reach the key block walked with Q / dO
 // double buffered) with its five products on wgmma (bwd_tile_sm90.h says who computes what).
 // One iteration (query block t):
-//   wait Q/dO[t] (+ mask / bias tiles); barrier; issue Q/dO[t + 1]
+//   wait Q/dO[t] (+ mask / bias tiles); barrier; issue Q/dO[t + 1] (+ the mask / bias tiles of
+//   t + 1 when two buffer sets fit: BwdTileSm90::mb_sets)
 //   issue S = Q K^T and dP = dO V^T together; transform S while dP runs; P, dS, dbias
-//   P, dS -> shared memory; barrier; issue the mask / bias tiles of t + 1
+//   P, dS -> shared memory; barrier; (one mask / bias buffer set) issue the mask / bias tiles of t + 1
 //   issue dV += P^T dO, dK += dS^T Q, dQ = dS K together; wait; dQ atomics
 // The score transform, P / dS, dbias, dQ atomics and the dK / dV stores are the sm80 kernel's
 // (bwd_common.h, bwd_parts.h): the wgmma accumulator has mma.sync's per-quad row ownership.
@@ -24,6 +25,107 @@
 #include "cuda/sm90/gmma.h"
 
 namespace dmattn::cuda::sm90 {
+
+// p ? x : y as one selp: written as a C++ select of two array elements, the compiler turns it
+// into a load from a runtime index and moves the whole array to local memory.
+__device__ __forceinline__ float select_f32(bool p, float x, float y) {
+  float r;
+  asm("{\n .reg .pred q;\n setp.ne.b32 q, %3, 0;\n selp.f32 %0, %1, %2, q;\n}" : "=f"(r) : "f"(x), "f"(y), "r"(int(p)));
+  return r;
+}
+
+// Column sums of a query-broadcast dbias (kDbColSum), accumulated in shared memory once per
+// query block: 16 running sums per thread in registers across the loop spilled the mask / bias
+// kernels. dp: dS on the accumulator's row/col view (kRows x kCols per thread); s_col: float
+// [kWarpsPerCol][kBlockN], row (warp % kWarpsPerCol) owned by this warp. The 8 lanes of a warp
+// that share columns (lane bits 2..4, same lane % 4) reduce-scatter their kCols row-summed
+// values in log2(8) halving steps (kCols / 2 + kCols / 4 + kCols / 8 shuffles, 14 for 16), each
+// lane ending with kCols / 8 of them, which it adds into its warp's row: every s_col element has
+// one owner thread, the order of the adds is fixed (deterministic), no barrier is needed between
+// query blocks. The pairs (c, c + 1) of the accumulator layout are adjacent columns.
+template <int kBlockN, int kWarpsPerCol, class DP, class C>
+__device__ __forceinline__ void colsum_add_smem(DP const& dp, C const& coord, float* s_col, int tid) {
+  using namespace cute;
+  constexpr int kRows = decltype(size<0>(dp))::value;
+  constexpr int kCols = decltype(size<1>(dp))::value;
+  static_assert(kCols % 16 == 0);  // 8 lanes share columns; each ends with an even count
+  float v[kCols];
+  CUTE_UNROLL
+  for (int c = 0; c < kCols; ++c) {
+    float x = dp(0, c);
+    CUTE_UNROLL
+    for (int r = 1; r < kRows; ++r) x += dp(r, c);
+    v[c] = x;
+  }
+  const int lane = tid & 31;
+  // One halving step: the lane whose bit `mask` is set keeps the upper half of `in` and sends
+  // the lower half to its partner, which keeps the lower half. (Three separate arrays with
+  // static indices: one array updated in place by a loop over the steps went to local memory.)
+  auto halve = [&](auto const& in, auto& out, int mask) {
+    constexpr int kHalf = sizeof(out) / sizeof(float);
+    const bool upper = lane & mask;
+    CUTE_UNROLL
+    for (int i = 0; i < kHalf; ++i) {
+      const float keep = select_f32(upper, in[i + kHalf], in[i]);
+      const float send = select_f32(upper, in[i], in[i + kHalf]);
+      out[i] = keep + __shfl_xor_sync(0xffffffff, send, mask);
+    }
+  };
+  float v2[kCols / 2], v4[kCols / 4], v8[kCols / 8];
+  halve(v, v2, 4);
+  halve(v2, v4, 8);
+  halve(v4, v8, 16);
+  // v8[i] is the sum of index c_first + i over the 8 lanes
+  const int c_first = (lane & 4 ? kCols / 2 : 0) + (lane & 8 ? kCols / 4 : 0) + (lane & 16 ? kCols / 8 : 0);
+  float* row = s_col + ((tid / 32) % kWarpsPerCol) * kBlockN;
+  CUTE_UNROLL
+  for (int i = 0; i < kCols / 8; i += 2) {
+    // (column of index c_first + i, selected over the static indices: the layout is not assumed)
+    int col = 0;
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; c += 2)
+      if (c == c_first + i) col = get<1>(coord(0, c));
+    float2* p = reinterpret_cast<float2*>(row + col);
+    float2 acc = *p;
+    acc.x += v8[i];
+    acc.y += v8[i + 1];
+    *p = acc;
+  }
+}
+
+// Flush of the shared-memory column sums of one (batch, bias head): the kWarpsPerCol rows of
+// s_col summed in a fixed order, stored or added (as bwd_colsum_flush), and cleared for the next
+// target. Barriers on both sides: the owners' last adds are visible, and nobody adds again
+// before the clear is done.
+template <typename Element, int kBlockN, int kWarpsPerCol, int kThreads>
+__device__ __forceinline__ void colsum_flush_smem(const BwdArgs& a, float* s_col, int b, int h, int n0, int cols,
+                                                  int tid) {
+  const FwdArgs& f = a.f;
+  __syncthreads();
+  const int bb = a.bsize_b == 1 ? 0 : b;
+  const int hb = a.bsize_h == 1 ? 0 : h / a.bias_head_div;
+  const int k0 = SeqBounds(f, b).k0();
+  for (int c = tid; c < kBlockN; c += kThreads) {
+    float v = s_col[c];
+    s_col[c] = 0.f;
+    CUTE_UNROLL
+    for (int w = 1; w < kWarpsPerCol; ++w) {
+      v += s_col[w * kBlockN + c];
+      s_col[w * kBlockN + c] = 0.f;
+    }
+    if (c >= cols) continue;  // (columns past Sk: only zeros were added, cleared all the same)
+    if (a.db_colsum_to_accum) {
+      float* p = a.dbias_accum + (int64_t(bb) * a.bsize_h + hb) * a.bsize_k + k0 + n0 + c;
+      if (a.db_atomic) atomicAdd(p, v);
+      else *p += v;
+    } else {
+      const int64_t off = int64_t(bb) * a.db_sb + int64_t(hb) * a.db_sh + int64_t(k0 + n0 + c) * a.db_sk;
+      if (f.bias_fp32) store_sat(static_cast<float*>(a.dbias) + off, v);
+      else store_sat(static_cast<Element*>(a.dbias) + off, v);
+    }
+  }
+  __syncthreads();
+}
 
 template <class Tile, bool kMaskBias, bool kSoftcap>
 __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __grid_constant__ BwdArgs a) {
@@ -63,9 +165,21 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
   Tensor sPt = make_tensor(sP.data(), typename Tile::SmemLayoutPdSt{});
   Tensor sdS = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Tile::kOffdS)), typename Tile::SmemLayoutPdS{});
   Tensor sdSt = make_tensor(sdS.data(), typename Tile::SmemLayoutPdSt{});
-  char* s_bias = smem + Tile::kOffBias;
-  char* s_mask = smem + Tile::mask_offset(f.bias.ptr != nullptr, f.bias_fp32);
+  // Mask / bias tile set of query block t: set t % 2 when two fit (same choice as run_bwd's
+  // shared-memory size), else the single set, loaded after the middle barrier.
+  // (recomputed from the arguments where used: nothing more held in registers across the loop)
+  auto mb_double = [&] {
+    return Tile::mb_sets_used(f.mask.ptr != nullptr, f.bias.ptr != nullptr, f.bias_fp32, a.exp_flags) == 2;
+  };
+  auto s_bias_at = [&](int t) {
+    const int set_bytes = Tile::mb_set_bytes(f.mask.ptr != nullptr, f.bias.ptr != nullptr, f.bias_fp32);
+    return smem + Tile::kOffBias + (mb_double() ? (t & 1) * set_bytes : 0);
+  };
+  auto s_mask_at = [&](int t) {
+    return s_bias_at(t) + (Tile::mask_offset(f.bias.ptr != nullptr, f.bias_fp32) - Tile::kOffBias);
+  };
   float* s_col = reinterpret_cast<float*>(smem + Tile::kOffColSum);
+  auto s_stats_at = [&](int buf) { return reinterpret_cast<float*>(smem + Tile::kOffStats) + buf * Tile::kStatsFloats; };
 
   auto sQ_at = [&](int buf) {
     return make_tensor(make_smem_ptr(sQbase + buf * kQElems), typename Tile::SmemLayoutQdO{});
@@ -87,13 +201,35 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
   auto thr_dkv = mma_dkv.get_thread_slice(tid);
   auto thr_dq = mma_dq.get_thread_slice(tid);
 
-  // Operand descriptors that do not depend on the Q / dO buffer.
-  Tensor tSrK = thr_sdp.partition_fragment_B(sK);
-  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
-  Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);
-  Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt);
-  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
-  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+  // Operand descriptors that do not depend on the Q / dO buffer. The plain kernels rebuild them
+  // where used from an opaque copy of the shared-memory base (a few integer operations each): held
+  // across the loop, ptxas spilled them, and their reloads from local memory (L2: little L1 is
+  // left beside 200 KB of shared memory) stalled the first product of every query block (ncu);
+  // rebuilt, the plain kernel has no spills. The mask / bias kernels hold them (rebuilt there,
+  // their other spills grow, 244 -> 400 B).
+  auto fresh = [&](int off, auto layout) {
+    char* p = smem;
+    asm volatile("" : "+l"(p));
+    return make_tensor(make_smem_ptr(reinterpret_cast<Element*>(p + off)), layout);
+  };
+  const auto held_SdP = cute::make_tuple(thr_sdp.partition_fragment_B(sK), thr_sdp.partition_fragment_B(sV));
+  const auto held_dKV = cute::make_tuple(thr_dkv.partition_fragment_A(sPt), thr_dkv.partition_fragment_A(sdSt));
+  const auto held_dQ = cute::make_tuple(thr_dq.partition_fragment_A(sdS), thr_dq.partition_fragment_B(sKt));
+  auto operands_SdP = [&] {
+    if constexpr (kMaskBias) return held_SdP;
+    else return cute::make_tuple(thr_sdp.partition_fragment_B(fresh(Tile::kOffK, typename Tile::SmemLayoutKV{})),
+                                 thr_sdp.partition_fragment_B(fresh(Tile::kOffV, typename Tile::SmemLayoutKV{})));
+  };
+  auto operands_dKV = [&] {
+    if constexpr (kMaskBias) return held_dKV;
+    else return cute::make_tuple(thr_dkv.partition_fragment_A(fresh(Tile::kOffP, typename Tile::SmemLayoutPdSt{})),
+                                 thr_dkv.partition_fragment_A(fresh(Tile::kOffdS, typename Tile::SmemLayoutPdSt{})));
+  };
+  auto operands_dQ = [&] {
+    if constexpr (kMaskBias) return held_dQ;
+    else return cute::make_tuple(thr_dq.partition_fragment_A(fresh(Tile::kOffdS, typename Tile::SmemLayoutPdS{})),
+                                 thr_dq.partition_fragment_B(fresh(Tile::kOffK, typename Tile::SmemLayoutKt{})));
+  };
 
   // (row, col) of each score element in the (kBlockM, kBlockN) block, and of dQ.
   Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -111,11 +247,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
   const bool bias_per_head = a.bsize_h == f.num_heads && a.bias_head_div == 1;
   const bool colsum_per_head = mode == kDbColSum && bias_per_head && group > 1;
   const bool direct_from_smem = kMaskBias && mode == kDbDirect && !kSoftcap && !f.bias_fp32;
-  float colsum[kCols];
   auto colsum_flush = [&](int b, int h) {
-    bwd_colsum_flush<Element, kBlockN, kBlockN, Tile::kWarpsPerCol, kThreads>(a, colsum, tScS_rc, s_col, b, h, n0,
-                                                                              cols_valid(), tid);
+    colsum_flush_smem<Element, kBlockN, Tile::kWarpsPerCol, kThreads>(a, s_col, b, h, n0, cols_valid(), tid);
   };
+  if constexpr (kMaskBias) {
+    // The column sums start at zero (each flush clears them again); the first barrier of the
+    // loop, or the flush's own, orders this before any add.
+    if (mode == kDbColSum)
+      for (int i = tid; i < Tile::kWarpsPerCol * kBlockN; i += kThreads) s_col[i] = 0.f;
+  }
 
   for (int b = b_begin; b < b_end; ++b) {
     const SeqBounds seq(f, b);
@@ -132,8 +272,6 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
 
       clear(acc_dk);
       clear(acc_dv);
-      CUTE_UNROLL
-      for (int c = 0; c < kCols; ++c) colsum[c] = 0.f;
 
       const Element* gQb = static_cast<const Element*>(f.q) + int64_t(b) * f.q_bs + int64_t(seq.q0()) * f.q_rs;
       const Element* gdOb = static_cast<const Element*>(a.dout) + int64_t(b) * a.do_bs + int64_t(seq.q0()) * a.do_rs;
@@ -150,21 +288,27 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
                                                      seq.len_q() - m0, f.head_dim, tid);
         load_rows_async<kBlockM, kHeadDim, kThreads>(sdO, gdOb + int64_t(m0) * a.do_rs + int64_t(h) * a.do_hs, a.do_rs,
                                                      seq.len_q() - m0, f.head_dim, tid);
+        const int64_t row_stat = seq.stat_offset(h) + m0;
+        bwd_row_stats_async<kBlockM, kThreads>(s_stats_at(buf), a.row_m + row_stat,
+                                               a.row_log2l ? a.row_log2l + row_stat : nullptr, a.delta + row_stat,
+                                               seq.rows_valid(m0, kBlockM), tid);
       };
       auto issue_mask_bias_loads = [&](int t) {
         if constexpr (kMaskBias) {
           const int h = kvh * group + t / n_m;
           const int m0 = m_of(t) * kBlockM;
-          // (tile objects local to the load: nothing of them stays in registers across the loop)
+          // (tile objects local to the load: nothing of them stays in registers across the loop.
+          // The generic load, not load_as: the latter's unrolled constant-offset copies are
+          // hoisted out of the query-block loop and spill, 316 -> 900 B)
           if (f.mask.ptr) {
             OperandTile<kBlockM, kBlockN, kThreads> mask_tile;
             mask_tile.init(f.mask, b, h, m0, seq.len_q(), Tile::kMaskPitch, seq.k0());
-            mask_tile.load(s_mask, Tile::kMaskPitch, n0, seq.len_k(), tid);
+            mask_tile.load(s_mask_at(t), Tile::kMaskPitch, n0, seq.len_k(), tid);
           }
           if (f.bias.ptr) {
             OperandTile<kBlockM, kBlockN, kThreads> bias_tile;
             bias_tile.init(f.bias, b, h, m0, seq.len_q(), Tile::kBiasPitch, seq.k0());
-            bias_tile.load(s_bias, Tile::kBiasPitch, n0, seq.len_k(), tid);
+            bias_tile.load(s_bias_at(t), Tile::kBiasPitch, n0, seq.len_k(), tid);
           }
         }
       };
@@ -190,6 +334,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
         __syncthreads();  // Q/dO[t], mask/bias[t] landed; every product of iteration t - 1 is done
         if (t + 1 < n_iter) {
           issue_q_loads(t + 1, buf ^ 1);
+          // Two mask / bias sets: t + 1's set was last read by the transform of t - 1, which the
+          // barrier above closed; its load overlaps all of iteration t.
+          if (kMaskBias && mb_double()) issue_mask_bias_loads(t + 1);
           cp_async_commit();
         }
 
@@ -198,14 +345,17 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
         {
           Tensor tSrQ = thr_sdp.partition_fragment_A(sQ_at(buf));
           Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO_at(buf));
+          const auto [tSrK, tdPrV] = operands_SdP();
           gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_sdp, tSrQ, tSrK, acc_s);
           gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_sdp, tdPrdO, tdPrV, acc_dp);
         }
 
-        const int64_t row_stat = seq.stat_offset(h) + m0;
         float row_m[kRows], row_log2l[kRows], delta[kRows];
-        bwd_load_row_stats(tScS_rc, a.row_m + row_stat, a.row_log2l ? a.row_log2l + row_stat : nullptr,
-                           a.delta + row_stat, rows_valid, row_m, row_log2l, delta);
+        {  // (landed with Q / dO[t])
+          const float* st = s_stats_at(buf);
+          bwd_load_row_stats(tScS_rc, st, a.row_log2l ? st + kBlockM : nullptr, st + 2 * kBlockM, rows_valid, row_m,
+                             row_log2l, delta);
+        }
         const bool pos_mask = gathered ? positions_block_needs_mask<kBlockN>(position_window(f), s_pos, m0, kBlockM)
                                        : seq.window().block_needs_mask(m0, kBlockM, kBlockN, n_block);
 
@@ -214,20 +364,33 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
         Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
         Tensor tt = make_tensor<float>(acc_s.layout());
         Tensor tt_rc = make_tensor(tt.data(), acc_rowcol(tt.layout()));
-        {
-          const PositionTest block_test{s_pos, position_window(f)};
+        if constexpr (kMaskBias) {
+          // The test's address is taken, so it lives in local memory: written only for gathered
+          // keys (written unconditionally, it cost 5 local 8-byte stores every query block).
+          PositionTest block_test;
+          if (gathered) block_test = PositionTest{s_pos, position_window(f)};
           bwd_scores<kMaskBias, kSoftcap, Element, kBlockN>(s_rc, tScS_rc, tt_rc, f, m0, n0, pos_mask, seq.window(),
-                                                            f.bias.ptr ? s_bias : nullptr,
+                                                            f.bias.ptr ? s_bias_at(t) : nullptr,
                                                             f.bias.row_bcast ? 0 : Tile::kBiasPitch,
-                                                            f.mask.ptr ? s_mask : nullptr,
+                                                            f.mask.ptr ? s_mask_at(t) : nullptr,
                                                             f.mask.row_bcast ? 0 : Tile::kMaskPitch,
                                                             gathered ? &block_test : nullptr);
+        } else {  // (the plain kernels' code as it was)
+          const PositionTest block_test{s_pos, position_window(f)};
+          bwd_scores<kMaskBias, kSoftcap, Element, kBlockN>(s_rc, tScS_rc, tt_rc, f, m0, n0, pos_mask, seq.window(),
+                                                            nullptr, 0, nullptr, 0, gathered ? &block_test : nullptr);
         }
         gemm_wait<0>(acc_dp);
         bwd_p_ds(s_rc, dp_rc, row_m, row_log2l, delta);
-        if constexpr (kMaskBias)  // (no bias, no dbias)
-          bwd_dbias_from_scores<Element, 1>(a, direct_from_smem, b, h, m0, n0, 0, 0, rows_valid, cols_valid(), dp_rc,
-                                            tScS_rc, colsum);
+        if constexpr (kMaskBias) {  // (no bias, no dbias)
+          if (mode == kDbColSum) {
+            colsum_add_smem<kBlockN, Tile::kWarpsPerCol>(dp_rc, tScS_rc, s_col, tid);
+          } else {
+            float no_colsum[kCols];  // (not read: the column sums take the branch above)
+            bwd_dbias_from_scores<Element, 1>(a, direct_from_smem, b, h, m0, n0, 0, 0, rows_valid, cols_valid(), dp_rc,
+                                              tScS_rc, no_colsum);
+          }
+        }
         if constexpr (kSoftcap) bwd_softcap_chain(acc_dp, tt);
         {
           Tensor rP = make_tensor<Element>(acc_s.layout());
@@ -238,9 +401,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
           copy(rdS, thr_sdp.partition_C(sdS));
         }
         fence_smem_for_wgmma();
-        __syncthreads();  // sP, sdS visible to both warpgroups; the mask / bias tiles are free
+        __syncthreads();  // sP, sdS visible to both warpgroups; the mask / bias tiles of t are free
         if constexpr (kMaskBias) {
-          if (t + 1 < n_iter) {
+          if (!mb_double() && t + 1 < n_iter) {
             issue_mask_bias_loads(t + 1);
             cp_async_commit();
           }
@@ -249,11 +412,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
         {
           Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt_at(buf));
           Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt_at(buf));
+          const auto [tdVrPt, tdKrdSt] = operands_dKV();
           gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdVrPt, tdVrdOt, acc_dv);
           gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdKrdSt, tdKrQt, acc_dk);
         }
         if (a.dq_accum != nullptr) {
           Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+          const auto [tdQrdS, tdQrKt] = operands_dQ();
           gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_dq, tdQrdS, tdQrKt, acc_dq);
           gemm_wait<0>(acc_dq);
           warpgroup_fence_operand(acc_dk);

@@ -57,8 +57,47 @@ struct BwdTileSm90 : BwdSmemPlan<Element_, kHeadDim_, 64, 128, 2, 4> {
   using SmemLayoutPdSt = decltype(cute::composition(
       SmemLayoutPdS{}, cute::make_layout(cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>{}, cute::GenRowMajor{})));
 
+  // The common offsets (Q, dO, K, V, P, dS, column sums, kOffBias) come from the plan. Mask / bias
+  // tiles: one set (bias tile, then mask tile) or two (double buffered: the set of query block
+  // t + 1 loads during the whole of iteration t) when both fit, see mb_sets.
+  using Plan::kMaskBytes;
+  // Row statistics (m, log2 l, Delta) of the query block, one set per Q / dO buffer
+  // (bwd_row_stats_async), between the column sums and the mask / bias sets.
+  static constexpr int kStatsFloats = 3 * kBlockM;
+  static constexpr int kOffStats = Plan::kOffBias;
+  static constexpr int kOffBias = kOffStats + Plan::kQBuffers * kStatsFloats * 4;
+  static constexpr int mask_offset(bool bias, bool bias_fp32) { return kOffBias + bias_tile_bytes(bias, bias_fp32); }
+  static constexpr int bias_tile_bytes(bool bias, bool bias_fp32) {
+    return bias ? kBlockM * Plan::kBiasPitch * (bias_fp32 ? 4 : 2) : 0;
+  }
+  static constexpr int mb_set_bytes(bool mask, bool bias, bool bias_fp32) {
+    return bias_tile_bytes(bias, bias_fp32) + (mask ? kMaskBytes : 0);
+  }
+  // Opt-in shared memory per block on sm_90 (227 KB), less the gathered keys' positions tile
+  // (kBlockN int32) that run_bwd appends after smem_bytes: the choice below never depends on
+  // whether keys are gathered, so host and kernel make it from (mask, bias, bias_fp32) alone.
+  static constexpr int kSmemMax = 227 * 1024;
+  static constexpr int kSmemReserve = kBlockN * 4;
+  // 2 with a 16-bit bias and / or a mask (at most 2 x (17 + 9) KB); 1 with an fp32 bias (2 x 35
+  // KB does not fit), whose tiles load after the middle barrier as before.
+  static constexpr int mb_sets(bool mask, bool bias, bool bias_fp32) {
+    return kOffBias + 2 * mb_set_bytes(mask, bias, bias_fp32) + kSmemReserve <= kSmemMax ? 2 : 1;
+  }
+  // Profiling experiment (DMATTN_BWD_EXP bit, BwdArgs::exp_flags): one set even where two fit,
+  // shared memory sized for it, to time the double buffering (and the L1 it takes) in one build.
+  static constexpr int kExpOneMbSet = 16;
+  static constexpr int mb_sets_used(bool mask, bool bias, bool bias_fp32, int exp_flags) {
+    return (exp_flags & kExpOneMbSet) ? 1 : mb_sets(mask, bias, bias_fp32);
+  }
+  // Shadows the plan's smem_bytes: the Hopper kernel may hold two mask / bias sets.
+  static constexpr int smem_bytes(bool mask, bool bias, bool bias_fp32, int exp_flags = 0) {
+    return kOffBias + mb_sets_used(mask, bias, bias_fp32, exp_flags) * mb_set_bytes(mask, bias, bias_fp32);
+  }
   // 1024-byte aligned tiles (the swizzle atom's period) for the products' operands.
   static_assert(Plan::kOffdS % 1024 == 0 && Plan::kOffP % 1024 == 0 && Plan::kOffdO % 1024 == 0);
+  static_assert(mb_sets(true, true, false) == 2 && mb_sets(true, true, true) == 1);
+  static_assert(mb_set_bytes(true, true, false) % 16 == 0);  // the second set stays 16-byte aligned
+  static_assert(kOffBias % 16 == 0);
 };
 
 }  // namespace dmattn::cuda::sm90

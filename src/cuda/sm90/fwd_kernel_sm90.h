@@ -8,10 +8,20 @@
 //   block n:  issue loads K[n-1], V[n];  issue S = Q K[n]^T, then O += P[n+1] V[n+1];
 //             wait S; softmax of S (the rescale of O deferred); wait O; rescale O; P[n] = S
 //   so the loads land and the P V product runs while the softmax computes.
-// Mask / bias / softcap, single K and V buffers (the mask and bias tiles need the space):
-//   block n:  wait K[n]; barrier; issue V[n] (+ bias[n], mask look-ahead);
-//             S = Q K[n]^T; wait V[n]; barrier; issue K[next];
-//             transform, softmax; O += P V[n]
+//   With a 16-bit bias and nothing else (run_fwd's bias fast path), the bias tile of block n - 1
+//   is issued with K[n-1] into the other of two swizzled tiles (bias_tile_sm90.h) and block n's
+//   scores become scale * qk + bias before the softmax (scale 1 there, safe subtraction).
+// Mask / bias / softcap, single K and V buffers (the mask and bias tiles need the space), the
+// bias and the mask look-ahead one block ahead (nn: the next live block):
+//   block n:  wait K[n], bias[n], mask look-ahead; decide nn; barrier;
+//             issue V[n], bias[nn] (second buffer), mask look-ahead of nn;
+//             S = Q K[n]^T; barrier; issue K[nn]; transform, softmax;
+//             wait V[n]; barrier; O += P V[n]
+//   so the bias tile (the largest load: 128 x 128 x 2 bytes per block, straight from HBM)
+//   streams in during a whole block of compute instead of the S GEMM alone, and V[n] during
+//   the S GEMM, the transform and the softmax. A bias with no room for two tiles (fp32 at full
+//   size: launch_fwd_kernel's a.bias_db = false) keeps one buffer, issued with V[n] and waited
+//   before the transform, as before.
 // Packed variable-length batches and gathered keys (a.kpos) as in the sm80 kernel: rows,
 // lengths and window from SeqBounds, the block range of gathered keys from KeyPositionRow, and a
 // kBlockN int32 positions tile per key block for the per-element test. The mask / bias kernel
@@ -23,6 +33,7 @@
 #pragma once
 
 #include "cuda/fwd_kernel.h"
+#include "cuda/sm90/bias_tile_sm90.h"
 #include "cuda/sm90/fwd_tile_sm90.h"
 #include "cuda/sm90/gmma.h"
 
@@ -83,7 +94,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
   OnlineSoftmax<kRows> softmax;
   softmax.init();
   constexpr float kLog2e = 1.4426950408889634f;
-  const float score_scale = kMaskBias ? 1.f : a.scale;
+  // The plain kernel's bias fast path (run_fwd: a 16-bit bias, no mask, no softcap): the bias
+  // tile of each key block travels with K (double buffered like it), s = scale * qk + bias.
+  const bool plain_bias = !kMaskBias && a.bias.ptr != nullptr;
+  const float score_scale = kMaskBias || plain_bias ? 1.f : a.scale;
 
   // The plain kernel's loop over key blocks n, n - 1, ..., n_min (see the top of the file).
   auto plain_loop = [&](int n, const Element* gQ, const Element* gK, const Element* gV) {
@@ -93,6 +107,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
     Tensor tOrP = make_tensor(rP.data(), acc_to_a(rP.layout()));
     int kcur = 0, vcur = 0;
     bool have_p = false;  // P of the previous block waits in rP for its V (in buffer vcur)
+    OperandTile<kBlockM, kBlockN, kThreads> bias_tile;
+    if (plain_bias) bias_tile.init(a.bias, b, h, m0, seq.len_q(), kBlockN, seq.k0());
+    auto s_bias_at = [&](int i) { return smem + a.smem_bias_off + i * a.smem_bias_stride; };
 
     load_rows_async<kBlockM, kHeadDim, kThreads>(sQ, gQ, a.q_rs, seq.rows_valid(m0, kBlockM), a.head_dim, tid);
     {
@@ -102,6 +119,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
     }
     if (gathered)
       load_positions_tile_async<kBlockN, kThreads>(s_pos, positions_row(a.kpos, b, h), a.seqlen_k, n * kBlockN, tid);
+    if (plain_bias) load_bias_tile_swizzled(s_bias_at(0), bias_tile, n * kBlockN, seq.len_k(), tid);
     cp_async_commit();
     cp_async_wait<0>();
     fence_smem_for_wgmma();
@@ -118,6 +136,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
         if (gathered)
           load_positions_tile_async<kBlockN, kThreads>(s_pos + (kcur ^ 1) * kBlockN, positions_row(a.kpos, b, h),
                                                        a.seqlen_k, nn * kBlockN, tid);
+        if (plain_bias) load_bias_tile_swizzled(s_bias_at(kcur ^ 1), bias_tile, nn * kBlockN, seq.len_k(), tid);
       }
       {
         Tensor sVn = sV_at(vcur ^ 1);
@@ -137,6 +156,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
       }
       // The test's operand is a compile-time null or the address of a local in each branch, so
       // that the local stays in registers (a pointer chosen at run time put it on the stack).
+      // s = scale * qk + bias[n] first (bias[n] landed with K[n]); the tests below only write -inf.
+      if (plain_bias) add_bias_swizzled<Element, kBlockN>(s_rc, tScS_rc, s_bias_at(kcur), a.bias.row_bcast, a.scale);
       const WindowMask win = seq.window();
       if (gathered) {
         const PositionTest kp_test{s_pos + kcur * kBlockN, position_window(a)};  // landed with K[n]
@@ -147,7 +168,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
         transform_scores_ex<false, true, Element, kBlockN, false>(s_rc, tScS_rc, a, m0, n0, win, nullptr, 0, nullptr, 0);
       }
       float alpha[kRows];
-      softmax.template update_scaled_deferred<false>(s_rc, a.scale * kLog2e, alpha);
+      // With a bias the scores are final (scale 1) and may be near -FLT_MAX (a finfo.min bias):
+      // the safe subtraction, exp2((s - m) log2 e).
+      if (plain_bias) softmax.template update_scaled_deferred<true>(s_rc, kLog2e, alpha);
+      else softmax.template update_scaled_deferred<false>(s_rc, a.scale * kLog2e, alpha);
       gemm_wait<0>(acc_o);  // P V done: rP and O are free
       softmax.rescale(acc_o_rc, alpha);
       convert_fragment<Element, false>(acc_s, rP);
@@ -177,7 +201,6 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
     const bool has_bias = kMaskBias && a.bias.ptr != nullptr;
     char* const s_mask_base = smem + a.smem_mask_off;
     char* const s_bias_base = smem + a.smem_bias_off;
-    int mbuf = 0;
     int n = n_max - 1;
     if constexpr (kMaskBias) {
       if (has_mask) mask_tile.init(a.mask, b, h, m0, seq.len_q(), Tile::kMaskPitch, seq.k0());
@@ -192,47 +215,80 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
     if constexpr (!kMaskBias) {
       if (n >= n_min) plain_loop(n, gQ, gK, gV);
     } else if (n >= n_min) {
+      // Mask / bias loop (schedule at the top of the file). Shared-memory buffers, placed by
+      // launch_fwd_kernel: single K and V; three mask tiles (mcur: block n, mnext: the
+      // look-ahead tile that decides nn, mfree: where nn's look-ahead goes); one or two bias
+      // tiles (bias_db: the launcher found room for two, i.e. a 16-bit or query-broadcast bias).
+      // The buffer indices all derive from one counter of blocks done (it): mask tiles rotate
+      // mcur = it % 3, mnext = (it + 1) % 3, mfree = (it + 2) % 3, the bias tiles alternate
+      // it & 1. (Three separate loop-carried indices cost 56 bytes of spills at 255 registers.)
+      // cp.async groups committed per block, oldest first, always all four (possibly empty), so
+      // that cp_async_wait<2> means "everything but the two newest groups":
+      //   G1  positions tile of n, bias[n] when single buffered   (read by the transform)
+      //   G2  V[n]                                                (read by P V)
+      //   G3  bias[nn] when double buffered, mask look-ahead nn-1 (read next block)
+      //   G4  K[nn]                                               (read next block)
+      const bool bias_db = has_bias && a.bias_db;
+      int it = 0;
+      constexpr int mnext0 = 1;  // mnext of the first block (it = 0)
+      auto load_bias = [&](int buf, int nb) {
+        bias_tile.load_any(s_bias_base + buf * a.smem_bias_stride, Tile::kBiasPitch, nb * kBlockN, seq.len_k(), tid);
+      };
       load_rows_async<kBlockM, kHeadDim, kThreads>(sQ, gQ, a.q_rs, seq.rows_valid(m0, kBlockM), a.head_dim, tid);
       load_rows_async<kBlockN, kHeadDim, kThreads>(sK, gK + int64_t(n * kBlockN) * a.k_rs, a.k_rs,
                                                    seq.len_k() - n * kBlockN, a.head_dim, tid);
+      if (bias_db) load_bias(0, n);
+      if (has_mask && n > n_min)
+        mask_tile.template load_as<1>(s_mask_base + mnext0 * a.smem_mask_stride, Tile::kMaskPitch, (n - 1) * kBlockN,
+                                      seq.len_k(), tid);
       cp_async_commit();
       while (true) {
         const int n0 = n * kBlockN;
-        // K[n] (and Q) landed; everyone is done with V / mask / bias of the last block.
-        cp_async_wait<0>();
+        const int mcur = it % 3, mnext = mcur == 2 ? 0 : mcur + 1, mfree = 3 - mcur - mnext;
+        const int bbuf = bias_db ? (it & 1) : 0;
+        // Top: K[n] (and Q), bias[n] and the look-ahead mask tile landed (G3 / G4 of the last
+        // block, issued a whole block ago); the barrier also means every warpgroup is done with
+        // V, the positions tile, bias[n + 1] and mask[n + 1] of the last block. The look-ahead
+        // decides the next live block nn here (next_live_key_block's barrier is this barrier),
+        // so that nn's bias and look-ahead tile can be issued now, one block ahead.
+        cp_async_wait<0>();      // K[n] landed: fenced before the barrier that publishes it
         fence_smem_for_wgmma();
-        __syncthreads();
-        load_rows_async<kBlockN, kHeadDim, kThreads>(sV, gV + int64_t(n0) * a.v_rs, a.v_rs, seq.len_k() - n0, a.head_dim, tid);
-        // Read after the barrier below; the last block's tile was read before the one above.
+        int nn = n - 1;
+        if (has_mask && n > n_min) {
+          nn = next_live_key_block(mask_tile, s_mask_base + mnext * a.smem_mask_stride, Tile::kMaskPitch, n - 1,
+                                   n_min, seq.len_k(), tid);
+        } else {
+          __syncthreads();
+        }
         if (gathered) load_positions_tile_async<kBlockN, kThreads>(s_pos, positions_row(a.kpos, b, h), a.seqlen_k, n0, tid);
-        if (has_bias) bias_tile.load_any(s_bias_base, Tile::kBiasPitch, n0, seq.len_k(), tid);
-        if (has_mask && n > n_min)
-          mask_tile.load_any(s_mask_base + (mbuf ^ 1) * a.smem_mask_stride, Tile::kMaskPitch, n0 - kBlockN, seq.len_k(), tid);
-        cp_async_commit();
+        if (has_bias && !bias_db) load_bias(0, n);
+        cp_async_commit();  // G1
+        load_rows_async<kBlockN, kHeadDim, kThreads>(sV, gV + int64_t(n0) * a.v_rs, a.v_rs, seq.len_k() - n0, a.head_dim, tid);
+        cp_async_commit();  // G2
+        if (nn >= n_min) {
+          if (bias_db) load_bias(bbuf ^ 1, nn);
+          if (has_mask && nn > n_min)
+            mask_tile.template load_as<1>(s_mask_base + mfree * a.smem_mask_stride, Tile::kMaskPitch, (nn - 1) * kBlockN,
+                                          seq.len_k(), tid);
+        }
+        cp_async_commit();  // G3
 
         Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
         gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_s, tSrQ, tSrK, acc_s);
         gemm_wait<0>(acc_s);
 
-        // V[n], mask, bias landed; everyone is done with K[n]. Next block to run: nn.
-        int nn = n - 1;
-        cp_async_wait<0>();      // this thread's V (and mask / bias) chunks landed: fenced before
-        fence_smem_for_wgmma();  // the barrier that publishes them
-        if (has_mask && n > n_min) {  // (next_live_key_block's barrier)
-          nn = next_live_key_block(mask_tile, s_mask_base + (mbuf ^ 1) * a.smem_mask_stride, Tile::kMaskPitch,
-                                   n - 1, n_min, seq.len_k(), tid);
-        } else {
-          __syncthreads();
-        }
-        if (nn >= n_min) {
+        // Middle: this thread's G1 landed (V[n] and the look-ahead may still be in flight); after
+        // the barrier every G1 is visible and every warpgroup is done with K[n].
+        cp_async_wait<2>();
+        __syncthreads();
+        if (nn >= n_min)
           load_rows_async<kBlockN, kHeadDim, kThreads>(sK, gK + int64_t(nn * kBlockN) * a.k_rs, a.k_rs,
                                                        seq.len_k() - nn * kBlockN, a.head_dim, tid);
-          cp_async_commit();
-        }
+        cp_async_commit();  // G4 (empty after the last block: the count stays right)
 
         Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
-        const char* sb = has_bias ? s_bias_base : nullptr;
-        const char* sm = has_mask ? s_mask_base + mbuf * a.smem_mask_stride : nullptr;
+        const char* sb = has_bias ? s_bias_base + bbuf * a.smem_bias_stride : nullptr;
+        const char* sm = has_mask ? s_mask_base + mcur * a.smem_mask_stride : nullptr;
         const WindowMask win = seq.window();
         if (gathered) {  // (one call per branch: see the plain loop)
           const PositionTest kp_test{s_pos, position_window(a)};  // from the constant params
@@ -248,12 +304,23 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
         Tensor rP = make_tensor<Element>(acc_s.layout());
         convert_fragment<Element, false>(acc_s, rP);
         Tensor tOrP = make_tensor(rP.data(), acc_to_a(rP.layout()));
+        // V[n] (G2) had the S GEMM, the transform and the softmax to land; G3 / G4 stay in flight.
+        // ptxas hoists a plain wait and barrier above the whole softmax (no data dependence),
+        // which then no longer overlaps the V load: `never` reads every row's running sum (a
+        // sum of exponentials: never negative, and NaN < 0 is false too), and guards the wait
+        // and feeds the barrier, so that both stay after the softmax. The wait always runs.
+        bool never = false;
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) never |= softmax.row_sum[r] < 0.f;
+        if (!never) cp_async_wait<2>();
+        fence_smem_for_wgmma();
+        __syncthreads_or(never);
         gemm_issue</*kZeroInit=*/false, /*kRegA=*/true>(mma_o, tOrP, tOrVt, acc_o);
         gemm_wait<0>(acc_o);
 
         if (nn < n_min) break;
         n = nn;
-        mbuf ^= 1;
+        ++it;
       }
     }
     __syncthreads();  // every warpgroup is done with sQ (and the mask buffers) before sQ holds O

@@ -4,7 +4,9 @@
 // operand of O += P V) through a composed view, without a copy.
 // kStagesKV: K and V buffers each. The plain kernel (no mask / bias) double buffers them so that
 // the next block's loads land during this block's products; the mask / bias kernel keeps one of
-// each (its mask and bias tiles need the shared memory). Gathered keys add one positions tile
+// each (its mask and bias tiles need the shared memory: at D = 128, Q / K / V 96 KB + three mask
+// tiles 54 KB + two bf16 bias tiles 68 KB = 218 KB of the 227 KB a CTA may have; a full fp32
+// bias tile is 68 KB alone, so that bias keeps one buffer, launch_fwd_kernel). Gathered keys add one positions tile
 // per K buffer after the mask / bias tiles (launch_fwd_kernel's kPosTiles).
 #pragma once
 
@@ -47,7 +49,10 @@ struct FwdTileSm90 {
   using SmemLayoutVt = decltype(cute::composition(
       SmemLayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
 
-  static constexpr int kBiasPitch = kBlockN + 8;   // elements of 2 or 4 bytes
+  // Elements of 2 or 4 bytes per bias row: padded against bank conflicts in the mask / bias
+  // kernel; unpadded and swizzled in the plain kernel's bias fast path (bias_tile_sm90.h), where
+  // two 32 KB tiles must fit beside double-buffered K and V.
+  static constexpr int kBiasPitch = kStagesKV == 2 ? kBlockN : kBlockN + 8;
   static constexpr int kMaskPitch = kBlockN + 16;  // bytes
 
   static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));

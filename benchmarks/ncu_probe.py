@@ -1,0 +1,51 @@
+"""One forward + backward step of a chosen case, for Nsight Compute (ncu) on the device.
+
+    ncu --clock-control none --set full -k regex:sm90 -c 2 -o OUT/case \
+        python3 benchmarks/ncu_probe.py CASE [--s 4096 --b 1]
+
+CASE: plain (no mask / bias), bias (dense (B,H,S,S) bf16 bias with gradient), topk
+(attention_topk, per-key bias with gradient, keep = S / 4, causal). bf16, H=16, D=128. Random
+inputs; one warm-up step (so that ncu's first captured launches are not the first ever), then
+the profiled step.
+"""
+
+import argparse
+
+import torch
+
+import dmattn
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("case", choices=["plain", "bias", "topk"])
+    ap.add_argument("--b", type=int, default=1)
+    ap.add_argument("--s", type=int, default=4096)
+    ap.add_argument("--causal", action="store_true")
+    args = ap.parse_args()
+    B, S, H, D = args.b, args.s, 16, 128
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v, dout = (torch.randn(B, S, H, D, device=dev, dtype=dt, generator=g) for _ in range(4))
+    bias = None
+    if args.case == "bias":
+        bias = torch.randn(B, H, S, S, device=dev, dtype=dt, generator=g)
+    elif args.case == "topk":
+        bias = torch.randn(B, H, 1, S, device=dev, dtype=dt, generator=g)
+    leaves = [t.requires_grad_(True) for t in (q, k, v) + ((bias,) if bias is not None else ())]
+
+    def step():
+        if args.case == "topk":
+            out = dmattn.attention_topk(q, k, v, bias, S // 4, causal=True)
+        else:
+            out = dmattn.attention(q, k, v, bias=bias, causal=args.causal)
+        torch.autograd.grad(out, leaves, dout)
+
+    step()
+    torch.cuda.synchronize()
+    step()
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()

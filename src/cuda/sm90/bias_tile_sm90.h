@@ -1,0 +1,90 @@
+// The bias tile of the Hopper plain forward kernel (fwd_kernel_sm90.h, bias fast path): a
+// 16-bit bias, no mask, no softcap. Unpadded rows of kBlockN elements, so that two tiles (the
+// current key block's and the next one's, loaded with K) fit beside double-buffered K and V
+// (160 + 2 x 32 KB at D = 128). Without padding, the accumulator-layout reads would hit one bank
+// group 8 times (a warp reads one 16-byte chunk from each of 8 rows 256 bytes apart), so the
+// 16-byte chunks are XOR-swizzled by the row: chunk c of row r lives at chunk c ^ (r % 8).
+// A query-broadcast bias keeps one row (r = 0: no swizzle). Out-of-range elements are 0 (the
+// key tail is masked by the window test, rows past Sq are never stored).
+#pragma once
+
+#include "cuda/operand_tile.h"
+#include "cuda/utils.h"
+
+namespace dmattn::cuda::sm90 {
+
+// Byte offset of 16-bit element (r, c) in a swizzled tile.
+template <int kBlockN>
+__device__ __forceinline__ int bias_swizzled_offset(int r, int c) {
+  return r * kBlockN * 2 + ((((c >> 3) ^ (r & 7))) << 4) + (c & 7) * 2;
+}
+
+// Issues the copy of key block [n0, n0 + kBlockN) of the bias (tile: OperandTile initialized for
+// this query block, pitch != 0 unless query-broadcast) into `smem`: cp.async on the 16-byte path
+// (the caller commits and waits), element-wise loads and shared stores otherwise (visible after
+// the caller's barrier).
+template <int kBlockM, int kBlockN, int kThreads>
+__device__ __forceinline__ void load_bias_tile_swizzled(char* smem, const OperandTile<kBlockM, kBlockN, kThreads>& t,
+                                                        int n0, int seqlen_k, int tid) {
+  const int rows = t.pitch == 0 ? 1 : kBlockM;
+  const int cols_valid = min(kBlockN, seqlen_k - n0);
+  if (t.vec) {
+    // Thread tid copies chunk column c of rows r0 + k * kRowStep: one column, one swizzle (r % 8
+    // is the same for all its rows), pointers advanced by a constant (no per-chunk index math).
+    constexpr int kChunksPerRow = kBlockN / 8;
+    constexpr int kRowStep = kThreads / kChunksPerRow;
+    static_assert(kThreads % kChunksPerRow == 0 && kBlockM % kRowStep == 0 && kRowStep % 8 == 0);
+    const int r0 = tid / kChunksPerRow, c = (tid % kChunksPerRow) * 8;
+    const char* g0 = t.base + int64_t(n0) * 2;
+    int col_bytes = (cols_valid - c) * 2;
+    col_bytes = col_bytes < 0 ? 0 : (col_bytes > 16 ? 16 : col_bytes);
+    const char* src = g0 + (int64_t(r0) * t.stride_q + c) * 2;
+    const int64_t src_step = int64_t(kRowStep) * t.stride_q * 2;
+    char* dst = smem + bias_swizzled_offset<kBlockN>(r0, c);
+    if (rows == 1) {  // query-broadcast: one row
+      if (r0 == 0) cp_async_16(dst, col_bytes > 0 ? src : g0, col_bytes);
+      return;
+    }
+    CUTE_UNROLL
+    for (int k = 0; k < kBlockM / kRowStep; ++k) {
+      const int bytes = r0 + k * kRowStep < t.rows_valid ? col_bytes : 0;
+      cp_async_16(dst + k * kRowStep * kBlockN * 2, bytes > 0 ? src : g0, bytes);
+      src += src_step;
+    }
+  } else {
+    for (int idx = tid; idx < rows * kBlockN; idx += kThreads) {
+      const int r = idx / kBlockN, c = idx % kBlockN;
+      const bool ok = r < t.rows_valid && c < cols_valid;
+      const char* src = t.base + (int64_t(r) * t.stride_q + int64_t(n0 + c) * t.stride_k) * 2;
+      *reinterpret_cast<uint16_t*>(smem + bias_swizzled_offset<kBlockN>(r, c)) =
+          ok ? __ldg(reinterpret_cast<const uint16_t*>(src)) : uint16_t(0);
+    }
+  }
+}
+
+// s = s * scale + bias on the accumulator row/col view (coord: (row, col) in the block). A -inf
+// bias gives a -inf score through the fma itself (a finite qk), a finfo.min bias a finite one.
+// Each thread's columns are col0 + 8 j + {0, 1} (wgmma's accumulator layout, col0 < 8): pair j
+// is in chunk j, at byte 2 col0 of it.
+template <typename Element, int kBlockN, class S, class C>
+__device__ __forceinline__ void add_bias_swizzled(S& s, C const& coord, const char* s_bias, bool row_bcast,
+                                                  float scale) {
+  using namespace cute;
+  const int col0 = get<1>(coord(0, 0));
+  CUTE_UNROLL
+  for (int r = 0; r < size<0>(s); ++r) {
+    const int row = row_bcast ? 0 : get<0>(coord(r, 0));
+    const char* p = s_bias + row * kBlockN * 2 + col0 * 2;
+    const int xs = (row & 7) << 4;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(s); c += 2) {
+      const int cc = get<1>(coord(r, c)) - col0;  // 8 j, compile-time after folding
+      float b0, b1;
+      ElemInfo<Element>::to_float2(p + (((cc >> 3) << 4) ^ xs), b0, b1);
+      s(r, c) = fmaf(s(r, c), scale, b0);
+      s(r, c + 1) = fmaf(s(r, c + 1), scale, b1);
+    }
+  }
+}
+
+}  // namespace dmattn::cuda::sm90
