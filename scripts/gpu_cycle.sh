@@ -38,7 +38,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="$PWD/python:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 # Without the build step the library is the one in python/dmattn/ (built on the development
-# machine with -DDMATTN_CUDA_ARCHS=90a and carried: saves the device's build minutes).
+# machine with -DDMATTN_CUDA_ARCHS=90a and carried: saves the device's build minutes), or, when
+# present, .devlib/libdmattn_ffi.so.gz (scripts/prepare_gpu_carry.sh lib: the stripped library
+# grew past what a device call may carry, ~60 of 64 MiB; gzipped it is ~17 MB).
+if [[ " $STEPS " != *" build "* && -f "$CARRY_ROOT/.devlib/libdmattn_ffi.so.gz" ]]; then
+  gunzip -c "$CARRY_ROOT/.devlib/libdmattn_ffi.so.gz" > python/dmattn/libdmattn_ffi.so || exit 1
+fi
 if [[ " $STEPS " == *" build "* ]]; then
   CUTLASS_DIR=/tmp/dmattn-cutlass
   mkdir -p "$CUTLASS_DIR" && tar xzf "$CARRY_ROOT"/.devcarry/cutlass_include.tgz -C "$CUTLASS_DIR" || exit 1

@@ -1,8 +1,18 @@
 #!/usr/bin/env bash
 # On the development machine: gathers what scripts/gpu_cycle.sh needs on a registry-less GPU
 # machine into git-ignored folders, to pass as the device call's `carry: [".whl", ".devcarry"]`.
+#   bash scripts/prepare_gpu_carry.sh lib BUILD_DIR: instead, the library of BUILD_DIR (configured
+#   with -DDMATTN_CUDA_ARCHS=90a) stripped and gzipped into .devlib/ for `carry: [".whl",
+#   ".devlib"]`; gpu_cycle.sh without its build step unpacks it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+if [ "${1:-}" = lib ]; then
+  mkdir -p .devlib
+  strip --strip-unneeded -o .devlib/libdmattn_ffi.so "$2/libdmattn_ffi.so"
+  gzip -1 -f .devlib/libdmattn_ffi.so
+  ls -la .devlib
+  exit 0
+fi
 PY=${PYTHON:-python3}
 DEVICE_PY=${DEVICE_PY:-3.12}
 mkdir -p .whl .devcarry
