@@ -35,7 +35,9 @@ inline int fwd_ctas_by_smem(int smem, int smem_per_sm) { return smem_per_sm / (s
 // kBiasDb: whether the kernel can double buffer the bias at all; kPosTiles: key-positions tiles
 // of gathered keys (the sm90 plain kernel keeps one per K buffer); kMaskTiles: mask tiles (two:
 // current and look-ahead; three where the look-ahead is decided a block earlier: the init
-// kernel and the sm90 mask / bias kernel).
+// kernel and the sm90 mask / bias kernel); kBiasDbAlways: two bias tiles whatever the fit test
+// says (kernels that load the next block's bias before this block's products: the init kernel
+// and the sm90 plain kernel's bias path; a size beyond the device's limit is then an error).
 template <class Tile, bool kInit, bool kBiasDb = true, int kPosTiles = 1, int kMaskTiles = (kInit ? 3 : 2),
           bool kBiasDbAlways = kInit, class Kernel>
 void launch_fwd_kernel(const FwdArgs& args, cudaStream_t stream, Kernel kernel) {
