@@ -176,16 +176,28 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
   const bool mask_or_bias = f.mask.ptr != nullptr || f.bias.ptr != nullptr;
   bool sm90 = false;
   if constexpr (kHeadDim == 128) sm90 = bwd_sm90_enabled();
+  const bool softcap = f.softcap != 0.f;
+  // The Hopper kernel's bias fast path (bwd_kernel_sm90's kBias16): a 16-bit bias alone, its
+  // rows on the 16-byte cp.async path (unit key stride, aligned rows; a dense batch, whose key
+  // offset is 0), whose dbias is written tile by tile (kDbDirect), reduced over the queries in the
+  // CTA (kDbColSum) or not wanted; a reduction over heads / batch (kDbAccum) stays on the general
+  // kernel. DMATTN_BWD_SM90_BIAS=0 turns it off (comparisons).
+  bool bias16 = false;
+  if constexpr (kHeadDim == 128) {
+    static const bool bias16_off = sm90::env_switched_off("DMATTN_BWD_SM90_BIAS");
+    bias16 = sm90 && !bias16_off && f.bias.ptr != nullptr && !f.bias_fp32 && f.bias.vec && f.cu_seqlens_k == nullptr &&
+             f.mask.ptr == nullptr && !softcap && a.dbias_mode != kDbAccum;
+  }
   int smem = Tile::smem_bytes(f.mask.ptr != nullptr, f.bias.ptr != nullptr, f.bias_fp32);
-  int smem_main =
-      sm90 ? TileSm90::smem_bytes(f.mask.ptr != nullptr, f.bias.ptr != nullptr, f.bias_fp32, a.exp_flags) : smem;
+  int smem_main = bias16 ? TileSm90::bias16_smem_bytes()
+                  : sm90 ? TileSm90::smem_bytes(f.mask.ptr != nullptr, f.bias.ptr != nullptr, f.bias_fp32, a.exp_flags)
+                         : smem;
   static_assert(TileSm90::kBlockN == Tile::kBlockN || kHeadDim != 128);
   if (f.kpos.ptr) {  // gathered keys: the key block's positions (kBlockN int32) at the end,
     // at one offset for every kernel of the pass (the launches share the argument block)
     a.f.smem_kpos_off = smem > smem_main ? smem : smem_main;
     smem = smem_main = a.f.smem_kpos_off + Tile::kBlockN * 4;
   }
-  const bool softcap = f.softcap != 0.f;
   auto launch_with = [&](auto kernel, dim3 grid, int threads, int bytes, const char* what) {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), what);
     kernel<<<grid, threads, bytes, stream>>>(a);
@@ -208,6 +220,12 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
     auto launch_main = [&](auto mask_bias, auto softcap_on) {
       constexpr bool kMB = decltype(mask_bias)::value, kSC = decltype(softcap_on)::value;
       if constexpr (kHeadDim == 128) {
+        if (bias16) {
+          if constexpr (kMB && !kSC)
+            launch_with(sm90::bwd_kernel_sm90<TileSm90, false, false, true>, grid, TileSm90::kNThreads, smem_main,
+                        "backward kernel (sm90, bias fast path)");
+          return;
+        }
         if (sm90) {
           launch_with(sm90::bwd_kernel_sm90<TileSm90, kMB, kSC>, grid, TileSm90::kNThreads, smem_main,
                       "backward kernel (sm90)");

@@ -22,13 +22,15 @@ __device__ __forceinline__ int bias_swizzled_offset(int r, int c) {
 // Issues the copy of key block [n0, n0 + kBlockN) of the bias (tile: OperandTile initialized for
 // this query block, pitch != 0 unless query-broadcast) into `smem`: cp.async on the 16-byte path
 // (the caller commits and waits), element-wise loads and shared stores otherwise (visible after
-// the caller's barrier).
-template <int kBlockM, int kBlockN, int kThreads>
+// the caller's barrier). kVecOnly: the caller guarantees the 16-byte path (t.vec); the
+// element-wise branch is then not compiled (in the backward's loop its mere presence made ptxas
+// hold addresses across the loop: 216 B of spills).
+template <int kBlockM, int kBlockN, int kThreads, bool kVecOnly = false>
 __device__ __forceinline__ void load_bias_tile_swizzled(char* smem, const OperandTile<kBlockM, kBlockN, kThreads>& t,
                                                         int n0, int seqlen_k, int tid) {
   const int rows = t.pitch == 0 ? 1 : kBlockM;
   const int cols_valid = min(kBlockN, seqlen_k - n0);
-  if (t.vec) {
+  if (kVecOnly || t.vec) {
     // Thread tid copies chunk column c of rows r0 + k * kRowStep: one column, one swizzle (r % 8
     // is the same for all its rows), pointers advanced by a constant (no per-chunk index math).
     constexpr int kChunksPerRow = kBlockN / 8;
@@ -51,7 +53,7 @@ __device__ __forceinline__ void load_bias_tile_swizzled(char* smem, const Operan
       cp_async_16(dst + k * kRowStep * kBlockN * 2, bytes > 0 ? src : g0, bytes);
       src += src_step;
     }
-  } else {
+  } else if constexpr (!kVecOnly) {
     for (int idx = tid; idx < rows * kBlockN; idx += kThreads) {
       const int r = idx / kBlockN, c = idx % kBlockN;
       const bool ok = r < t.rows_valid && c < cols_valid;

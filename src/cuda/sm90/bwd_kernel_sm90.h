@@ -10,6 +10,12 @@
 //   issue dV += P^T dO, dK += dS^T Q, dQ = dS K together; wait; dQ atomics
 // The score transform, P / dS, dbias, dQ atomics and the dK / dV stores are the sm80 kernel's
 // (bwd_common.h, bwd_parts.h): the wgmma accumulator has mma.sync's per-quad row ownership.
+// kBias16: the bias fast path (run_bwd: a 16-bit bias alone, no mask, no softcap, dbias written
+// tile by tile, reduced over the queries or not wanted): the plain kernel's code (operand
+// descriptors rebuilt in the loop, no spills) plus one unpadded, row-swizzled bias tile per Q / dO
+// buffer (sm90/bias_tile_sm90.h, as the forward's fast path), loaded with Q / dO of the same query
+// block and added by one FMA, s = scale * qk + bias (the forward's fast path rounds the same way).
+// The general mask / bias kernel (kMaskBias) holds its descriptors and spills (benchmarks/bwd_notes.md).
 // Compiled for every target, with a body only for sm_90a; run_bwd launches it on compute
 // capability 9.0 devices.
 #pragma once
@@ -21,6 +27,7 @@
 #include "cuda/key_positions.h"
 #include "cuda/operand_tile.h"
 #include "cuda/seq_bounds.h"
+#include "cuda/sm90/bias_tile_sm90.h"
 #include "cuda/sm90/bwd_tile_sm90.h"
 #include "cuda/sm90/gmma.h"
 
@@ -127,10 +134,12 @@ __device__ __forceinline__ void colsum_flush_smem(const BwdArgs& a, float* s_col
   __syncthreads();
 }
 
-template <class Tile, bool kMaskBias, bool kSoftcap>
+template <class Tile, bool kMaskBias, bool kSoftcap, bool kBias16 = false>
 __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __grid_constant__ BwdArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
+  static_assert(!(kBias16 && (kMaskBias || kSoftcap)), "the bias fast path is a bias alone");
+  constexpr bool kDbias = kMaskBias || kBias16;  // dbias produced in this kernel (by its mode)
   using Element = typename Tile::Element;
   constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN, kHeadDim = Tile::kHeadDim;
   constexpr int kThreads = Tile::kNThreads;
@@ -178,6 +187,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
   auto s_mask_at = [&](int t) {
     return s_bias_at(t) + (Tile::mask_offset(f.bias.ptr != nullptr, f.bias_fp32) - Tile::kOffBias);
   };
+  // Bias fast path: the swizzled tile of query block t, beside Q / dO[t % 2].
+  auto s_bias16_at = [&](int t) { return smem + Tile::kOffBias + (t & 1) * Tile::kBias16TileBytes; };
   float* s_col = reinterpret_cast<float*>(smem + Tile::kOffColSum);
   auto s_stats_at = [&](int buf) { return reinterpret_cast<float*>(smem + Tile::kOffStats) + buf * Tile::kStatsFloats; };
 
@@ -246,11 +257,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
   const int mode = a.dbias_mode;
   const bool bias_per_head = a.bsize_h == f.num_heads && a.bias_head_div == 1;
   const bool colsum_per_head = mode == kDbColSum && bias_per_head && group > 1;
-  const bool direct_from_smem = kMaskBias && mode == kDbDirect && !kSoftcap && !f.bias_fp32;
+  const bool direct_from_smem = kDbias && mode == kDbDirect && !kSoftcap && !f.bias_fp32;
   auto colsum_flush = [&](int b, int h) {
     colsum_flush_smem<Element, kBlockN, Tile::kWarpsPerCol, kThreads>(a, s_col, b, h, n0, cols_valid(), tid);
   };
-  if constexpr (kMaskBias) {
+  if constexpr (kDbias) {
     // The column sums start at zero (each flush clears them again); the first barrier of the
     // loop, or the flush's own, orders this before any add.
     if (mode == kDbColSum)
@@ -293,6 +304,19 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
                                                a.row_log2l ? a.row_log2l + row_stat : nullptr, a.delta + row_stat,
                                                seq.rows_valid(m0, kBlockM), tid);
       };
+      auto issue_bias16_load = [&](int t) {
+        if constexpr (kBias16) {  // (into the tile of Q / dO[t]'s buffer: t % 2)
+          const int h = kvh * group + t / n_m;
+          const int m0 = m_of(t) * kBlockM;
+          // (16-byte path only: run_bwd takes this path for a vec bias of a dense batch. The
+          // element-wise branch, compiled in, made ptxas hold addresses across the loop: 216 B
+          // of spills, against 12 without.)
+          OperandTile<kBlockM, kBlockN, kThreads> bias_tile;
+          bias_tile.init(f.bias, b, h, m0, seq.len_q(), kBlockN, seq.k0());
+          load_bias_tile_swizzled<kBlockM, kBlockN, kThreads, /*kVecOnly=*/true>(s_bias16_at(t), bias_tile, n0,
+                                                                                seq.len_k(), tid);
+        }
+      };
       auto issue_mask_bias_loads = [&](int t) {
         if constexpr (kMaskBias) {
           const int h = kvh * group + t / n_m;
@@ -319,6 +343,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
         load_rows_async<kBlockN, kHeadDim, kThreads>(sK, gK, f.k_rs, cols_valid(), f.head_dim, tid);
         load_rows_async<kBlockN, kHeadDim, kThreads>(sV, gV, f.v_rs, cols_valid(), f.head_dim, tid);
         issue_q_loads(0, 0);
+        issue_bias16_load(0);
         issue_mask_bias_loads(0);
         cp_async_commit();
       }
@@ -334,6 +359,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
         __syncthreads();  // Q/dO[t], mask/bias[t] landed; every product of iteration t - 1 is done
         if (t + 1 < n_iter) {
           issue_q_loads(t + 1, buf ^ 1);
+          issue_bias16_load(t + 1);  // (its buffer was last read by the transform of t - 1)
           // Two mask / bias sets: t + 1's set was last read by the transform of t - 1, which the
           // barrier above closed; its load overlaps all of iteration t.
           if (kMaskBias && mb_double()) issue_mask_bias_loads(t + 1);
@@ -375,6 +401,14 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
                                                             f.mask.ptr ? s_mask_at(t) : nullptr,
                                                             f.mask.row_bcast ? 0 : Tile::kMaskPitch,
                                                             gathered ? &block_test : nullptr);
+        } else if constexpr (kBias16) {
+          // s = scale * qk + bias (bias[t] landed with Q / dO[t]); then only the window / tail /
+          // positions tests, which write -inf (the scores are already scaled).
+          add_bias_swizzled<Element, kBlockN>(s_rc, tScS_rc, s_bias16_at(t), f.bias.row_bcast, f.scale);
+          const PositionTest block_test{s_pos, position_window(f)};
+          if (pos_mask)
+            mask_and_bias_scores<false, true, Element, kBlockN>(s_rc, tScS_rc, m0, n0, seq.window(), nullptr, 0,
+                                                               nullptr, 0, gathered ? &block_test : nullptr);
         } else {  // (the plain kernels' code as it was)
           const PositionTest block_test{s_pos, position_window(f)};
           bwd_scores<kMaskBias, kSoftcap, Element, kBlockN>(s_rc, tScS_rc, tt_rc, f, m0, n0, pos_mask, seq.window(),
@@ -382,10 +416,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
         }
         gemm_wait<0>(acc_dp);
         bwd_p_ds(s_rc, dp_rc, row_m, row_log2l, delta);
-        if constexpr (kMaskBias) {  // (no bias, no dbias)
-          if (mode == kDbColSum) {
+        if constexpr (kDbias) {  // (no bias, no dbias)
+          if (!kBias16 && mode == kDbColSum) {
             colsum_add_smem<kBlockN, Tile::kWarpsPerCol>(dp_rc, tScS_rc, s_col, tid);
-          } else {
+          } else if constexpr (kMaskBias) {  // (kBias16: kDbDirect from the dS tile below, or none)
             float no_colsum[kCols];  // (not read: the column sums take the branch above)
             bwd_dbias_from_scores<Element, 1>(a, direct_from_smem, b, h, m0, n0, 0, 0, rows_valid, cols_valid(), dp_rc,
                                               tScS_rc, no_colsum);
@@ -434,13 +468,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
         if (direct_from_smem)
           bwd_dbias_from_tile<Element, kBlockM, kBlockN, kThreads>(a, sdS, b, h, m0, n0, rows_valid, cols_valid(), tid);
 
-        if constexpr (kMaskBias) {
+        if constexpr (kDbias) {
           if (colsum_per_head && t % n_m == n_m - 1) colsum_flush(b, h);
         }
       }
 
       // ---- end of (batch, kv head): dbias pieces nothing reached, then dK / dV.
-      if constexpr (kMaskBias) {
+      if constexpr (kDbias) {
         if (mode == kDbColSum) {
           if (colsum_per_head) {
             if (n_iter == 0)

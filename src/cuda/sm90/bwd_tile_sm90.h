@@ -93,6 +93,11 @@ struct BwdTileSm90 : BwdSmemPlan<Element_, kHeadDim_, 64, 128, 2, 4> {
   static constexpr int smem_bytes(bool mask, bool bias, bool bias_fp32, int exp_flags = 0) {
     return kOffBias + mb_sets_used(mask, bias, bias_fp32, exp_flags) * mb_set_bytes(mask, bias, bias_fp32);
   }
+  // The bias fast path (bwd_kernel_sm90's kBias16): one unpadded, row-swizzled 16-bit bias tile
+  // per Q / dO buffer (bias_tile_sm90.h), after the row statistics.
+  static constexpr int kBias16TileBytes = kBlockM * kBlockN * 2;
+  static constexpr int bias16_smem_bytes() { return kOffBias + Plan::kQBuffers * kBias16TileBytes; }
+  static_assert(bias16_smem_bytes() + kSmemReserve <= kSmemMax);
   // 1024-byte aligned tiles (the swizzle atom's period) for the products' operands.
   static_assert(Plan::kOffdS % 1024 == 0 && Plan::kOffP % 1024 == 0 && Plan::kOffdO % 1024 == 0);
   static_assert(mb_sets(true, true, false) == 2 && mb_sets(true, true, true) == 1);
