@@ -402,9 +402,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
                                                             f.mask.row_bcast ? 0 : Tile::kMaskPitch,
                                                             gathered ? &block_test : nullptr);
         } else if constexpr (kBias16) {
-          // s = scale * qk + bias (bias[t] landed with Q / dO[t]); then only the window / tail /
-          // positions tests, which write -inf (the scores are already scaled).
-          add_bias_swizzled<Element, kBlockN>(s_rc, tScS_rc, s_bias16_at(t), f.bias.row_bcast, f.scale);
+          // s = scale * qk, then + bias (bias[t] landed with Q / dO[t]): two roundings, as the
+          // general transform (the exact path's statistics kernel computes m and l with it: a
+          // single-key row must give P = 1 exactly). Then only the window / tail / positions
+          // tests, which write -inf.
+          CUTE_UNROLL
+          for (int i = 0; i < size(acc_s); ++i) acc_s(i) *= f.scale;
+          add_bias_swizzled<Element, kBlockN>(s_rc, tScS_rc, s_bias16_at(t), f.bias.row_bcast, 1.f);
           const PositionTest block_test{s_pos, position_window(f)};
           if (pos_mask)
             mask_and_bias_scores<false, true, Element, kBlockN>(s_rc, tScS_rc, m0, n0, seq.window(), nullptr, 0,
