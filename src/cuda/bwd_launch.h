@@ -221,9 +221,14 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
       constexpr bool kMB = decltype(mask_bias)::value, kSC = decltype(softcap_on)::value;
       if constexpr (kHeadDim == 128) {
         if (bias16) {
-          if constexpr (kMB && !kSC)
-            launch_with(sm90::bwd_kernel_sm90<TileSm90, false, false, true>, grid, TileSm90::kNThreads, smem_main,
-                        "backward kernel (sm90, bias fast path)");
+          if constexpr (kMB && !kSC) {
+            if (a.dbias_mode == kDbColSum)
+              launch_with(sm90::bwd_kernel_sm90<TileSm90, false, false, sm90::kBiasPathColSum>, grid,
+                          TileSm90::kNThreads, smem_main, "backward kernel (sm90, bias fast path, column sums)");
+            else
+              launch_with(sm90::bwd_kernel_sm90<TileSm90, false, false, sm90::kBiasPathDirect>, grid,
+                          TileSm90::kNThreads, smem_main, "backward kernel (sm90, bias fast path)");
+          }
           return;
         }
         if (sm90) {

@@ -10,12 +10,14 @@
 //   issue dV += P^T dO, dK += dS^T Q, dQ = dS K together; wait; dQ atomics
 // The score transform, P / dS, dbias, dQ atomics and the dK / dV stores are the sm80 kernel's
 // (bwd_common.h, bwd_parts.h): the wgmma accumulator has mma.sync's per-quad row ownership.
-// kBias16: the bias fast path (run_bwd: a 16-bit bias alone, no mask, no softcap, dbias written
-// tile by tile, reduced over the queries or not wanted): the plain kernel's code (operand
+// kBiasPath (BwdBiasPath): the bias fast path (run_bwd: a 16-bit bias alone, no mask, no softcap,
+// dbias written tile by tile or not wanted; or reduced over the queries, whose column-sum adds
+// are compiled into a variant of their own: in one kernel with the direct case, they made it spill
+// 84 B instead of 20): the plain kernel's code (operand
 // descriptors rebuilt in the loop, no spills) plus one unpadded, row-swizzled bias tile per Q / dO
 // buffer (sm90/bias_tile_sm90.h, as the forward's fast path), loaded with Q / dO of the same query
-// block and added by one FMA, s = scale * qk + bias (the forward's fast path rounds the same way).
-// The general mask / bias kernel (kMaskBias) holds its descriptors and spills (benchmarks/bwd_notes.md).
+// block, and added to the scaled scores. The general mask / bias kernel (kMaskBias) holds its
+// descriptors and spills (benchmarks/bwd_notes.md).
 // Compiled for every target, with a body only for sm_90a; run_bwd launches it on compute
 // capability 9.0 devices.
 #pragma once
@@ -134,12 +136,22 @@ __device__ __forceinline__ void colsum_flush_smem(const BwdArgs& a, float* s_col
   __syncthreads();
 }
 
-template <class Tile, bool kMaskBias, bool kSoftcap, bool kBias16 = false>
+enum BwdBiasPath : int {
+  kBiasPathOff = 0,     // the plain kernel (kMaskBias false) or the general mask / bias kernel
+  kBiasPathDirect = 1,  // bias fast path, dbias kDbDirect or kDbNone
+  kBiasPathColSum = 2,  // bias fast path, dbias kDbColSum
+};
+
+template <class Tile, bool kMaskBias, bool kSoftcap, int kBiasPath = kBiasPathOff>
 __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __grid_constant__ BwdArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
+  constexpr bool kBias16 = kBiasPath != kBiasPathOff;
   static_assert(!(kBias16 && (kMaskBias || kSoftcap)), "the bias fast path is a bias alone");
-  constexpr bool kDbias = kMaskBias || kBias16;  // dbias produced in this kernel (by its mode)
+  constexpr bool kDbias = kMaskBias || kBias16;                     // dbias produced in this kernel
+  // The column-sum adds compiled in (their flushes are rare; ptxas allocates the direct variant
+  // better with them in: 20 B of spills against 92 without).
+  constexpr bool kColSums = kMaskBias || kBiasPath == kBiasPathColSum;
   using Element = typename Tile::Element;
   constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN, kHeadDim = Tile::kHeadDim;
   constexpr int kThreads = Tile::kNThreads;
@@ -421,7 +433,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
         gemm_wait<0>(acc_dp);
         bwd_p_ds(s_rc, dp_rc, row_m, row_log2l, delta);
         if constexpr (kDbias) {  // (no bias, no dbias)
-          if (!kBias16 && mode == kDbColSum) {
+          if (kColSums && mode == kDbColSum) {
             colsum_add_smem<kBlockN, Tile::kWarpsPerCol>(dp_rc, tScS_rc, s_col, tid);
           } else if constexpr (kMaskBias) {  // (kBias16: kDbDirect from the dS tile below, or none)
             float no_colsum[kCols];  // (not read: the column sums take the branch above)
