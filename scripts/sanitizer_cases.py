@@ -32,9 +32,10 @@ for dtype in (torch.bfloat16, torch.float16):
     # sums in shared memory (GQA group 2).
     case(1, 200, 320, 4, 2, 128, dtype, mask_shape=(1, 1, 200, 320), bias_shape=(1, 4, 200, 320), causal=True)
     case(1, 150, 260, 4, 2, 128, dtype, bias_shape=(1, 4, 1, 260))
-    # The Hopper forward's bias fast path (16-bit bias alone): swizzled, double-buffered bias
-    # tiles by cp.async (aligned rows; 200 queries: a partial second query block), and a
-    # query-broadcast row, causal.
+    # The Hopper forward's and backward's bias fast paths (16-bit bias alone): swizzled,
+    # double-buffered bias tiles by cp.async (aligned rows; 200 queries: a partial second query
+    # block; backward: dbias from the dS tile), and a query-broadcast row, causal (backward: the
+    # column-sum variant, GQA group 2).
     case(1, 200, 320, 4, 2, 128, dtype, bias_shape=(1, 4, 200, 320))
     case(1, 130, 256, 2, 1, 128, dtype, bias_shape=(1, 2, 1, 256), causal=True)
 print("sanitizer cases done")
