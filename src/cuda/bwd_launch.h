@@ -177,7 +177,7 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
   bool sm90 = false;
   if constexpr (kHeadDim == 128) sm90 = bwd_sm90_enabled();
   const bool softcap = f.softcap != 0.f;
-  // The Hopper kernel's bias fast path (bwd_kernel_sm90's kBias16): a 16-bit bias alone, its
+  // The Hopper kernel's bias fast path (bwd_kernel_sm90's kBiasPath): a 16-bit bias alone, its
   // rows on the 16-byte cp.async path (unit key stride, aligned rows; a dense batch, whose key
   // offset is 0), whose dbias is written tile by tile (kDbDirect), reduced over the queries in the
   // CTA (kDbColSum) or not wanted; a reduction over heads / batch (kDbAccum) stays on the general

@@ -10,14 +10,13 @@
 //   issue dV += P^T dO, dK += dS^T Q, dQ = dS K together; wait; dQ atomics
 // The score transform, P / dS, dbias, dQ atomics and the dK / dV stores are the sm80 kernel's
 // (bwd_common.h, bwd_parts.h): the wgmma accumulator has mma.sync's per-quad row ownership.
-// kBiasPath (BwdBiasPath): the bias fast path (run_bwd: a 16-bit bias alone, no mask, no softcap,
-// dbias written tile by tile or not wanted; or reduced over the queries, whose column-sum adds
-// are compiled into a variant of their own: in one kernel with the direct case, they made it spill
-// 84 B instead of 20): the plain kernel's code (operand
-// descriptors rebuilt in the loop, no spills) plus one unpadded, row-swizzled bias tile per Q / dO
-// buffer (sm90/bias_tile_sm90.h, as the forward's fast path), loaded with Q / dO of the same query
-// block, and added to the scaled scores. The general mask / bias kernel (kMaskBias) holds its
-// descriptors and spills (benchmarks/bwd_notes.md).
+// kBiasPath (BwdBiasPath): the bias fast path (run_bwd: a 16-bit bias alone, no mask, no softcap;
+// dbias written tile by tile, not wanted, or -- a variant of its own -- reduced over the queries):
+// the plain kernel's code (operand descriptors rebuilt in the loop) plus one unpadded, row-swizzled
+// bias tile per Q / dO buffer (sm90/bias_tile_sm90.h, as the forward's fast path), loaded with
+// Q / dO of the same query block and added to the scaled scores. ptxas spills 20 B (direct) and
+// 84 B (column sums), against 288 B in the general mask / bias kernel (kMaskBias), which holds its
+// descriptors (benchmarks/bwd_notes.md, session 6).
 // Compiled for every target, with a body only for sm_90a; run_bwd launches it on compute
 // capability 9.0 devices.
 #pragma once
@@ -149,8 +148,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
   constexpr bool kBias16 = kBiasPath != kBiasPathOff;
   static_assert(!(kBias16 && (kMaskBias || kSoftcap)), "the bias fast path is a bias alone");
   constexpr bool kDbias = kMaskBias || kBias16;                     // dbias produced in this kernel
-  // The column-sum adds compiled in (their flushes are rare; ptxas allocates the direct variant
-  // better with them in: 20 B of spills against 92 without).
+  // kColSums: the column-sum adds compiled in. (The direct variant keeps the column sums' zeroing
+  // and flushes, which never run there: without them ptxas spilled 92 B instead of 20.)
   constexpr bool kColSums = kMaskBias || kBiasPath == kBiasPathColSum;
   using Element = typename Tile::Element;
   constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN, kHeadDim = Tile::kHeadDim;
@@ -322,7 +321,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
           const int m0 = m_of(t) * kBlockM;
           // (16-byte path only: run_bwd takes this path for a vec bias of a dense batch. The
           // element-wise branch, compiled in, made ptxas hold addresses across the loop: 216 B
-          // of spills, against 12 without.)
+          // of spills, against 20 without.)
           OperandTile<kBlockM, kBlockN, kThreads> bias_tile;
           bias_tile.init(f.bias, b, h, m0, seq.len_q(), kBlockN, seq.k0());
           load_bias_tile_swizzled<kBlockM, kBlockN, kThreads, /*kVecOnly=*/true>(s_bias16_at(t), bias_tile, n0,
