@@ -25,6 +25,8 @@ void run_bwd(const BwdArgs& a, bool deterministic, bool exact, cudaStream_t stre
 }  // namespace dmattn::cuda
 
 #ifdef DMATTN_BWD_LAUNCH_IMPL
+#include <cstdlib>
+
 #include "cuda/bwd_dq_kernel.h"
 #include "cuda/bwd_kernel.h"
 #include "cuda/seq_bounds.h"
@@ -123,6 +125,9 @@ inline int bwd_grid_stride_blocks(int64_t work, int threads) {
 
 // The main kernel runs on wgmma (sm90/bwd_kernel_sm90.h, head dim 128) on compute capability
 // 9.0 unless DMATTN_BWD_SM90=0 (sm90/enabled.h); the sm80-class kernel everywhere else.
+// The Hopper main kernel's default CTA group size (cta_order.h): 1 = key block fastest.
+inline constexpr int kBwdCtaGroupDefault = 1;
+
 inline bool bwd_sm90_enabled() {
   static const bool off = sm90::env_switched_off("DMATTN_BWD_SM90");
   return !off && sm90::device_runs_sm90_kernels();
@@ -217,22 +222,29 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
   const int64_t n_blocks = (Sk + Tile::kBlockN - 1) / Tile::kBlockN;
   if (n_blocks > 0 && B > 0) {
     const dim3 grid(unsigned(n_blocks), a.fold_heads ? 1u : unsigned(a.num_heads_kv), a.fold_batch ? 1u : unsigned(B));
+    // The Hopper kernel's CTA order (cta_order.h): (kv head, batch) pairs G at a time, key blocks
+    // slowest inside a group. DMATTN_BWD_CTA_GROUP=G overrides the default (read on every call, so
+    // that one process can time several orders).
+    int cta_group = kBwdCtaGroupDefault;
+    if (const char* env = std::getenv("DMATTN_BWD_CTA_GROUP")) cta_group = std::atoi(env);
+    const int pairs = int(grid.y * grid.z);
+    const dim3 grid90 = bwd_cta_grid(bwd_cta_group_size(cta_group, pairs), int(n_blocks), pairs);
     auto launch_main = [&](auto mask_bias, auto softcap_on) {
       constexpr bool kMB = decltype(mask_bias)::value, kSC = decltype(softcap_on)::value;
       if constexpr (kHeadDim == 128) {
         if (bias16) {
           if constexpr (kMB && !kSC) {
             if (a.dbias_mode == kDbColSum)
-              launch_with(sm90::bwd_kernel_sm90<TileSm90, false, false, sm90::kBiasPathColSum>, grid,
+              launch_with(sm90::bwd_kernel_sm90<TileSm90, false, false, sm90::kBiasPathColSum>, grid90,
                           TileSm90::kNThreads, smem_main, "backward kernel (sm90, bias fast path, column sums)");
             else
-              launch_with(sm90::bwd_kernel_sm90<TileSm90, false, false, sm90::kBiasPathDirect>, grid,
+              launch_with(sm90::bwd_kernel_sm90<TileSm90, false, false, sm90::kBiasPathDirect>, grid90,
                           TileSm90::kNThreads, smem_main, "backward kernel (sm90, bias fast path)");
           }
           return;
         }
         if (sm90) {
-          launch_with(sm90::bwd_kernel_sm90<TileSm90, kMB, kSC>, grid, TileSm90::kNThreads, smem_main,
+          launch_with(sm90::bwd_kernel_sm90<TileSm90, kMB, kSC>, grid90, TileSm90::kNThreads, smem_main,
                       "backward kernel (sm90)");
           return;
         }

@@ -25,6 +25,7 @@
 #include "cuda/bwd_common.h"
 #include "cuda/bwd_parts.h"
 #include "cuda/copy.h"
+#include "cuda/cta_order.h"
 #include "cuda/key_positions.h"
 #include "cuda/operand_tile.h"
 #include "cuda/seq_bounds.h"
@@ -159,12 +160,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
 
   extern __shared__ __align__(1024) char smem[];
   const int tid = threadIdx.x;
-  const int n_block = blockIdx.x;
+  const CtaCoords cta = bwd_cta_coords(a);
+  const int n_block = bwd_cta_n_block();
   const int n0 = n_block * kBlockN;
   const int group = f.group;
-  const int b_begin = a.fold_batch ? 0 : int(blockIdx.z);
+  const int b_begin = a.fold_batch ? 0 : cta.z;
   const int b_end = a.fold_batch ? f.batch : b_begin + 1;
-  const int kv_begin = a.fold_heads ? 0 : int(blockIdx.y);
+  const int kv_begin = a.fold_heads ? 0 : cta.y;
   const int kv_end = a.fold_heads ? a.num_heads_kv : kv_begin + 1;
   // (fold_batch is never set for a packed batch: see bwd_kernel.h)
   const SeqBounds first(f, b_begin);
