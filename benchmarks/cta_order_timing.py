@@ -3,7 +3,9 @@ bf16 D=128 H=16 B=2 S=8192 rows for each DMATTN_BWD_CTA_GROUP value (1 = key blo
 (kv head, batch) pairs G at a time, key blocks slowest inside a group; 32 = all pairs here), in
 interleaved rounds so that drift hits every order alike.
 
-    PYTHONPATH=python python3 benchmarks/cta_order_timing.py [--groups 1,4,8,32] [--rounds 3]
+    PYTHONPATH=python python3 benchmarks/cta_order_timing.py [--groups d,1,4,8,32] [--rounds 3]
+
+("d": the variable unset, i.e. run_bwd's default: grouped only under a causal / sliding window.)
 """
 
 from __future__ import annotations
@@ -27,13 +29,13 @@ ROWS = [
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--groups", default="1,4,8,32")
+    ap.add_argument("--groups", default="d,1,4,8,32")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=5)
     args = ap.parse_args()
-    groups = [int(g) for g in args.groups.split(",")]
+    groups = args.groups.split(",")
     print("device:", torch.cuda.get_device_name(), "torch", torch.__version__)
-    print("| config | " + " | ".join(f"G={g} fwd+bwd ms" for g in groups) + " |")
+    print("| config | " + " | ".join(("default" if g == "d" else f"G={g}") + " fwd+bwd ms" for g in groups) + " |")
     print("|---|" + "---|" * len(groups))
     for cfg in ROWS:
         x = make_inputs(cfg, "cuda")
@@ -41,7 +43,10 @@ def main() -> None:
         times = {g: [] for g in groups}
         for _ in range(args.rounds):
             for g in groups:
-                os.environ["DMATTN_BWD_CTA_GROUP"] = str(g)
+                if g == "d":
+                    os.environ.pop("DMATTN_BWD_CTA_GROUP", None)
+                else:
+                    os.environ["DMATTN_BWD_CTA_GROUP"] = g
                 times[g].append(time_ms(step, "cuda", 1, args.iters))
         cells = [f"{statistics.median(times[g]):.2f}" for g in groups]
         print(f"| {cfg.name} | " + " | ".join(cells) + " |", flush=True)
