@@ -125,27 +125,27 @@ inline int bwd_grid_stride_blocks(int64_t work, int threads) {
 
 // The main kernel runs on wgmma (sm90/bwd_kernel_sm90.h, head dim 128) on compute capability
 // 9.0 unless DMATTN_BWD_SM90=0 (sm90/enabled.h); the sm80-class kernel everywhere else.
+inline bool bwd_sm90_enabled() {
+  static const bool off = sm90::env_switched_off("DMATTN_BWD_SM90");
+  return !off && sm90::device_runs_sm90_kernels();
+}
+
 // The Hopper main kernel's CTA group size (cta_order.h). Grouped (key blocks slowest inside a
 // group) only where the key blocks' work differs, i.e. under a causal / sliding window: at least
 // a wave of CTAs per group (G x key blocks >= SMs, G a power of two) and at most 8 (kv head,
 // batch) pairs, whose Q / dO (4 MB each at S = 8192, D = 128) stay in L2. Without a window all
 // key blocks weigh the same and the plain order (G = 1) keeps fewer heads' Q / dO in flight.
-// H100, B=2 S=8192 H=16 (benchmarks/cta_order_timing.py, docs/perf.md): causal dense 6.99 ->
-// 6.67 ms (G = 4), Doge top-2048 causal 4.61 -> 4.05 (G = 8); without a window G = 4 was 1-4 %
-// slower.
+// H100, B=2 S=8192 H=16, fwd+bwd (benchmarks/cta_order_timing.py, docs/perf.md): causal dense
+// 6.86 -> 6.62 ms (G = 4), Doge top-2048 causal 4.81 -> 4.34 (G = 8); without a window G = 4 to 8
+// was up to 8 % slower.
 inline int bwd_cta_group_default(const FwdArgs& f, int n_blocks) {
   if (f.window_left < 0 && f.window_right < 0) return 1;
   int sms = 0, dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-    return 1;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute(SM count)");
   int g = 1;
   while (g < 8 && g * n_blocks < sms) g *= 2;
   return g;
-}
-
-inline bool bwd_sm90_enabled() {
-  static const bool off = sm90::env_switched_off("DMATTN_BWD_SM90");
-  return !off && sm90::device_runs_sm90_kernels();
 }
 
 template <typename Element, int kHeadDim>

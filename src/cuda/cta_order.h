@@ -2,10 +2,10 @@
 // The hardware starts CTAs in launch order (blockIdx.x fastest). Launched as (key block, kv head,
 // batch), a causal pass starts the heaviest key block of the last heads (key block 0 reaches
 // every query block, the last one a single block) among the last CTAs, and the kernel ends on its
-// long tail. With a group size G (run_bwd: bwd_cta_group_size) the grid is (G, key blocks, groups): the
-// (kv head, batch) pairs G at a time and, inside a group, the key blocks slowest, so that every
-// head's heaviest block starts first (longest job first) while only G heads' Q / dO are read at
-// once (they stay in L2). G = 1 is the plain order. The key block is blockIdx.y in every order
+// long tail. With a group size G (run_bwd: bwd_cta_group_size) the grid is (G, key blocks,
+// groups): the (kv head, batch) pairs G at a time and, inside a group, the key blocks slowest, so
+// that every head's heaviest block starts first (longest job first) while only G heads' Q / dO
+// are read at once (they stay in L2). G = 1 is the plain order. The key block is blockIdx.y in every order
 // (ptxas rematerializes a block index; a key block computed or selected at run time was held
 // across the loop and spilled).
 #pragma once
@@ -24,9 +24,10 @@ struct CtaCoords {
 inline int bwd_cta_group_size(int requested, int pairs) {
   int g = requested < 1 ? 1 : (requested < pairs ? requested : pairs);
   while (pairs % g != 0) --g;
-  if (pairs / g > 65535)
-    for (g = (pairs + 65534) / 65535; pairs % g != 0; ++g) {
-    }
+  if (pairs / g > 65535) {
+    g = (pairs + 65534) / 65535;
+    while (pairs % g != 0) ++g;
+  }
   return g;
 }
 
