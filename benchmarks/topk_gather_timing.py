@@ -10,12 +10,15 @@ Times (median of CUDA events, dmattn.bench.time_ms) for bf16, D=128, H=16, a per
     key set with its positions (its own selection included), the gathers of K/V/bias, the raw
     forward and backward ops on gathered rows;
   * the scaling series S = 4096 .. 32768 at B=1 (work should follow keep, not S);
-  * --profile: the CUDA kernels of one forward+backward step (torch.profiler), by total time.
+  * --profile: the CUDA kernels of one forward+backward step (torch.profiler), by total time,
+    the step's GPU idle gaps (where the GPU waited for the host, and before which kernel), and
+    the host time to enqueue one step while the GPU is kept busy (no waiting on the GPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
@@ -91,6 +94,41 @@ def pieces(q, k, v, bias, dout, warmup, iters):
     return t
 
 
+def host_enqueue_ms(fn, rounds: int = 10) -> float:
+    """Host time to enqueue fn (best of rounds) while a sleep kernel keeps the GPU busy, so that
+    nothing waits on the device: what a step costs the CPU alone."""
+    best = float("inf")
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time, longer than any host enqueue here
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    return best * 1e3
+
+
+def gpu_gaps(prof, top: int = 8) -> None:
+    """Span of the profiled step on the GPU, its busy time (kernels and memsets / copies), and
+    the largest idle gaps with the kernel that ended each (the GPU waiting for the host)."""
+    evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    if not evs:
+        return
+    span = evs[-1].time_range.end - evs[0].time_range.start
+    busy, gaps, end = 0.0, [], evs[0].time_range.start
+    for e in evs:
+        start, stop = e.time_range.start, e.time_range.end
+        if start > end:
+            gaps.append((start - end, e.name))
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    print(f"GPU span {span / 1e3:.3f} ms, busy {busy / 1e3:.3f} ms, idle {(span - busy) / 1e3:.3f} ms "
+          f"in {len(gaps)} gaps; largest (us, next kernel):")
+    for gap, name in sorted(gaps, reverse=True)[:top]:
+        print(f"  {gap:8.1f}  {name[:90]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--warmup", type=int, default=3)
@@ -120,6 +158,10 @@ def main() -> None:
             fwd_bwd()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+        gpu_gaps(prof)
+        fwd, _ = step_fns(*x, path="gather")
+        print(f"host enqueue time (GPU kept busy): fwd {host_enqueue_ms(fwd):.3f} ms, "
+              f"fwd+bwd {host_enqueue_ms(fwd_bwd):.3f} ms")
     del x
 
     print("\n## scaling at B=1 (keep=2048, causal), attention_topk end to end")

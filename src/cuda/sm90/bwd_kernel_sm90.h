@@ -136,6 +136,20 @@ __device__ __forceinline__ void colsum_flush_smem(const BwdArgs& a, float* s_col
   __syncthreads();
 }
 
+// The column sums of the fast path's column-sum product (kColSumMma) into row 0 of s_col, for
+// colsum_flush_smem: the lane holding column 0 of a key row writes its sum (every key row has one
+// such lane). m64n8 fp32 accumulator of warpgroup w (keys [64 w, 64 w + 64)): value i of a thread
+// holds key row 64 w + 16 (warp % 4) + lane / 4 + 8 (i / 2), column 2 (lane % 4) + i % 2.
+template <class Acc>
+__device__ __forceinline__ void colsum_acc_to_smem(Acc const& acc, float* s_col, int tid) {
+  static_assert(decltype(cute::size(acc))::value == 4);
+  if ((tid & 3) == 0) {
+    const int c = (tid / 128) * 64 + ((tid / 32) % 4) * 16 + (tid % 32) / 4;
+    s_col[c] = acc(0);
+    s_col[c + 8] = acc(2);
+  }
+}
+
 enum BwdBiasPath : int {
   kBiasPathOff = 0,     // the plain kernel (kMaskBias false) or the general mask / bias kernel
   kBiasPathDirect = 1,  // bias fast path, dbias kDbDirect or kDbNone
@@ -149,9 +163,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
   constexpr bool kBias16 = kBiasPath != kBiasPathOff;
   static_assert(!(kBias16 && (kMaskBias || kSoftcap)), "the bias fast path is a bias alone");
   constexpr bool kDbias = kMaskBias || kBias16;                     // dbias produced in this kernel
-  // kColSums: the column-sum adds compiled in. (The direct variant keeps the column sums' zeroing
-  // and flushes, which never run there: without them ptxas spilled 92 B instead of 20.)
-  constexpr bool kColSums = kMaskBias || kBiasPath == kBiasPathColSum;
+  // Query-broadcast dbias (kDbColSum): the general kernel adds the column sums of dS into shared
+  // memory every query block (colsum_add_smem); the fast path's variant takes them as one more
+  // product into registers (kColSumMma, BwdTileSm90::TiledMmaColSum). (The direct variant keeps
+  // the shared-memory column sums' zeroing and flushes, which never run there: without them
+  // ptxas spilled 92 B instead of 20.)
+  constexpr bool kColSumMma = kBiasPath == kBiasPathColSum;
   using Element = typename Tile::Element;
   constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN, kHeadDim = Tile::kHeadDim;
   constexpr int kThreads = Tile::kNThreads;
@@ -221,9 +238,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
   typename Tile::TiledMmaSdP mma_sdp;
   typename Tile::TiledMmadKV mma_dkv;
   typename Tile::TiledMmadQ mma_dq;
+  typename Tile::TiledMmaColSum mma_cs;
   auto thr_sdp = mma_sdp.get_thread_slice(tid);
   auto thr_dkv = mma_dkv.get_thread_slice(tid);
   auto thr_dq = mma_dq.get_thread_slice(tid);
+  auto thr_cs = mma_cs.get_thread_slice(tid);
 
   // Operand descriptors that do not depend on the Q / dO buffer. The plain kernels rebuild them
   // where used from an opaque copy of the shared-memory base (a few integer operations each): held
@@ -264,6 +283,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
 
   Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  // kColSumMma: the running column sums (each of the 8 columns holds them), flushed per target.
+  Tensor acc_db = partition_fragment_C(mma_cs, Shape<Int<kBlockN>, _8>{});
   constexpr int kRows = decltype(size<0>(tScS_rc))::value;
   constexpr int kCols = decltype(size<1>(tScS_rc))::value;
 
@@ -272,9 +293,20 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
   const bool colsum_per_head = mode == kDbColSum && bias_per_head && group > 1;
   const bool direct_from_smem = kDbias && mode == kDbDirect && !kSoftcap && !f.bias_fp32;
   auto colsum_flush = [&](int b, int h) {
-    colsum_flush_smem<Element, kBlockN, Tile::kWarpsPerCol, kThreads>(a, s_col, b, h, n0, cols_valid(), tid);
+    if constexpr (kColSumMma) {
+      colsum_acc_to_smem(acc_db, s_col, tid);
+      colsum_flush_smem<Element, kBlockN, 1, kThreads>(a, s_col, b, h, n0, cols_valid(), tid);
+      clear(acc_db);
+    } else {
+      colsum_flush_smem<Element, kBlockN, Tile::kWarpsPerCol, kThreads>(a, s_col, b, h, n0, cols_valid(), tid);
+    }
   };
-  if constexpr (kDbias) {
+  if constexpr (kColSumMma) {
+    // The ones tile (published to wgmma by the fence and barrier that open every query block).
+    Element* ones = reinterpret_cast<Element*>(smem + Tile::kOffOnes);
+    for (int i = tid; i < cosize(typename Tile::SmemLayoutOnes{}); i += kThreads) ones[i] = Element(1.f);
+    clear(acc_db);
+  } else if constexpr (kDbias) {
     // The column sums start at zero (each flush clears them again); the first barrier of the
     // loop, or the flush's own, orders this before any add.
     if (mode == kDbColSum)
@@ -434,7 +466,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
         gemm_wait<0>(acc_dp);
         bwd_p_ds(s_rc, dp_rc, row_m, row_log2l, delta);
         if constexpr (kDbias) {  // (no bias, no dbias)
-          if (kColSums && mode == kDbColSum) {
+          if (kMaskBias && mode == kDbColSum) {
             colsum_add_smem<kBlockN, Tile::kWarpsPerCol>(dp_rc, tScS_rc, s_col, tid);
           } else if constexpr (kMaskBias) {  // (kBias16: kDbDirect from the dS tile below, or none)
             float no_colsum[kCols];  // (not read: the column sums take the branch above)
@@ -467,6 +499,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
           gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdVrPt, tdVrdOt, acc_dv);
           gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdKrdSt, tdKrQt, acc_dk);
         }
+        if constexpr (kColSumMma) {
+          Tensor tCSrdSt = thr_cs.partition_fragment_A(fresh(Tile::kOffdS, typename Tile::SmemLayoutPdSt{}));
+          Tensor tCSrOnes = thr_cs.partition_fragment_B(fresh(Tile::kOffOnes, typename Tile::SmemLayoutOnes{}));
+          gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_cs, tCSrdSt, tCSrOnes, acc_db);
+        }
         if (a.dq_accum != nullptr) {
           Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
           const auto [tdQrdS, tdQrKt] = operands_dQ();
@@ -474,11 +511,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
           gemm_wait<0>(acc_dq);
           warpgroup_fence_operand(acc_dk);
           warpgroup_fence_operand(acc_dv);
+          if constexpr (kColSumMma) warpgroup_fence_operand(acc_db);
           float* gdq = a.dq_accum + (seq.batch_row() + m0) * f.num_heads * f.head_dim + int64_t(h) * f.head_dim;
           bwd_dq_atomic_add(acc_dq, tdQcdQ, gdq, int64_t(f.num_heads) * f.head_dim, rows_valid, f.head_dim, tid);
         } else {
           gemm_wait<0>(acc_dk);
           warpgroup_fence_operand(acc_dv);
+          if constexpr (kColSumMma) warpgroup_fence_operand(acc_db);
         }
         // dbias from the dS tile once the products are done (while they run, its registers
         // would sit next to dK, dV and dQ's: spills)

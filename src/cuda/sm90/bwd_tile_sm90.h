@@ -46,10 +46,17 @@ struct BwdTileSm90 : BwdSmemPlan<Element_, kHeadDim_, 64, 128, 2, 4> {
   using TiledMmadKV = SsMma<64, kHeadDim, kBlockM, cute::GMMA::Major::MN, cute::GMMA::Major::MN, AlongM>;
   using TiledMmadQ = SsMma<kBlockM, kHeadDim / 2, kBlockN, cute::GMMA::Major::K, cute::GMMA::Major::MN, AlongN>;
 
+  // The query-broadcast dbias of the bias fast path (kBiasPathColSum): its column sums as one
+  // more product, dS^T (keys x queries, the dK product's A operand) times a tile of ones (8 x
+  // kBlockM, K-major): each column of the 64 x 8 fp32 accumulator of a warpgroup holds the sums
+  // of its 64 keys over the query block, accumulated across query blocks in 4 registers.
+  using TiledMmaColSum = SsMma<64, 8, kBlockM, cute::GMMA::Major::MN, cute::GMMA::Major::K, AlongM>;
+
   using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
   using SmemLayoutQdO = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
   using SmemLayoutKV = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
   using SmemLayoutPdS = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
+  using SmemLayoutOnes = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::_8, cute::Int<kBlockM>>{}));
   using SmemLayoutQdOt = decltype(cute::composition(
       SmemLayoutQdO{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>>{}, cute::GenRowMajor{})));
   using SmemLayoutKt = decltype(cute::composition(
@@ -98,6 +105,10 @@ struct BwdTileSm90 : BwdSmemPlan<Element_, kHeadDim_, 64, 128, 2, 4> {
   static constexpr int kBias16TileBytes = kBlockM * kBlockN * 2;
   static constexpr int bias16_smem_bytes() { return kOffBias + Plan::kQBuffers * kBias16TileBytes; }
   static_assert(bias16_smem_bytes() + kSmemReserve <= kSmemMax);
+  // The ones tile of TiledMmaColSum takes the place of the shared-memory column sums, which that
+  // variant does not use.
+  static constexpr int kOffOnes = Plan::kOffColSum + 1024;
+  static_assert(kOffOnes % 1024 == 0 && Plan::kColSumBytes >= 1024 + 8 * kBlockM * 2);
   // 1024-byte aligned tiles (the swizzle atom's period) for the products' operands.
   static_assert(Plan::kOffdS % 1024 == 0 && Plan::kOffP % 1024 == 0 && Plan::kOffdO % 1024 == 0);
   static_assert(mb_sets(true, true, false) == 2 && mb_sets(true, true, true) == 1);
