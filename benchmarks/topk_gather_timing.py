@@ -66,11 +66,11 @@ def pieces(q, k, v, bias, dout, warmup, iters):
         return gather.topk_key_set(q, k, bias, KEEP, None, False)
 
     t["key set + positions (selection included)"] = time_ms(key_set_and_positions, "cuda", warmup, iters)
-    positions, index = key_set_and_positions()
+    positions, index, _ = key_set_and_positions()
     flat = gather._flat_row_index(index, batch, H, num_keys, k.shape[2])
 
     def gathers():
-        return (gather._gather_rows(k, flat, KEEP, H), gather._gather_rows(v, flat, KEEP, H),
+        return (gather._gather_rows(k, flat, KEEP, H, True), gather._gather_rows(v, flat, KEEP, H, True),
                 gather._gather_bias(bias, index, batch, H, H, num_keys))
 
     t["gathers of K, V, bias"] = time_ms(gathers, "cuda", warmup, iters)
@@ -86,11 +86,11 @@ def pieces(q, k, v, bias, dout, warmup, iters):
 
     def scatter_back():
         zeros = torch.zeros(batch * num_keys * H, D, dtype=k.dtype, device=k.device)
-        zeros.index_add_(0, flat, grads[1].reshape(-1, D))
-        zeros2 = torch.zeros_like(zeros).index_add_(0, flat, grads[2].reshape(-1, D))
+        zeros.index_copy_(0, flat, grads[1].reshape(-1, D))
+        zeros2 = torch.zeros_like(zeros).index_copy_(0, flat, grads[2].reshape(-1, D))
         return zeros, zeros2
 
-    t["scatter-back of dK, dV (index_add_)"] = time_ms(scatter_back, "cuda", warmup, iters)
+    t["scatter-back of dK, dV (index_copy_)"] = time_ms(scatter_back, "cuda", warmup, iters)
     return t
 
 

@@ -1,0 +1,83 @@
+"""Where the host time of one dmattn.attention_topk step goes (the gather path's Python glue,
+the dispatcher, the native calls), measured while a sleep kernel keeps the GPU busy so that no
+call waits on the device.
+
+    PYTHONPATH=python python3 benchmarks/topk_host_profile.py [--batch 2] [--seqlen 8192]
+
+Prints the host enqueue time of a forward and of a forward+backward (best of 10), then
+cProfile's functions by total (self) time and by cumulative time for 20 forward+backward steps,
+and the ATen ops of one step by self CPU time (torch.profiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+import dmattn
+
+H, D, KEEP = 16, 128, 2048
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seqlen", type=int, default=8192)
+    ap.add_argument("--rows", type=int, default=35)
+    args = ap.parse_args()
+    g = torch.Generator().manual_seed(0)
+    shape = (args.batch, args.seqlen, H, D)
+    q, k, v, dout = (torch.randn(*shape, generator=g).to("cuda", torch.bfloat16) for _ in range(4))
+    bias = torch.randn(args.batch, H, 1, args.seqlen, generator=g).to("cuda", torch.bfloat16)
+    for t in (q, k, v, bias):
+        t.requires_grad_(True)
+
+    def fwd():
+        with torch.no_grad():
+            return dmattn.attention_topk(q, k, v, bias, KEEP, causal=True)
+
+    def fwd_bwd():
+        out = dmattn.attention_topk(q, k, v, bias, KEEP, causal=True)
+        return torch.autograd.grad(out, (q, k, v, bias), dout)
+
+    def enqueue_ms(fn, rounds=10):
+        best = float("inf")
+        for _ in range(rounds):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(100_000_000)
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+            torch.cuda.synchronize()
+        return best * 1e3
+
+    for _ in range(3):
+        fwd_bwd()
+    print(f"host enqueue (GPU kept busy): fwd {enqueue_ms(fwd):.3f} ms, fwd+bwd {enqueue_ms(fwd_bwd):.3f} ms")
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(20):
+        fwd_bwd()
+    prof.disable()
+    torch.cuda.synchronize()
+    st = pstats.Stats(prof)
+    st.sort_stats("tottime").print_stats(args.rows)
+    st.sort_stats("cumulative").print_stats(args.rows)
+
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda._sleep(200_000_000)
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        fwd_bwd()
+    torch.cuda.synchronize()
+    print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=50))
+
+
+if __name__ == "__main__":
+    main()
