@@ -136,17 +136,19 @@ __device__ __forceinline__ void colsum_flush_smem(const BwdArgs& a, float* s_col
   __syncthreads();
 }
 
-// The column sums of the fast path's column-sum product (kColSumMma) into row 0 of s_col, for
-// colsum_flush_smem: the lane holding column 0 of a key row writes its sum (every key row has one
-// such lane). m64n8 fp32 accumulator of warpgroup w (keys [64 w, 64 w + 64)): value i of a thread
-// holds key row 64 w + 16 (warp % 4) + lane / 4 + 8 (i / 2), column 2 (lane % 4) + i % 2.
+// Adds the column sums of one query block, from the fast path's column-sum product (kColSumMma),
+// into row 0 of s_col (flushed by colsum_flush_smem): the lane holding column 0 of a key row adds
+// its sum. Every key row has one such lane, always the same one: no barrier between query
+// blocks, a fixed order of the adds. m64n8 fp32 accumulator of warpgroup w (keys [64 w, 64 w +
+// 64)): value i of a thread is key row 64 w + 16 (warp % 4) + lane / 4 + 8 (i / 2), column
+// 2 (lane % 4) + i % 2.
 template <class Acc>
-__device__ __forceinline__ void colsum_acc_to_smem(Acc const& acc, float* s_col, int tid) {
+__device__ __forceinline__ void colsum_acc_add_smem(Acc const& acc, float* s_col, int tid) {
   static_assert(decltype(cute::size(acc))::value == 4);
   if ((tid & 3) == 0) {
     const int c = (tid / 128) * 64 + ((tid / 32) % 4) * 16 + (tid % 32) / 4;
-    s_col[c] = acc(0);
-    s_col[c + 8] = acc(2);
+    s_col[c] += acc(0);
+    s_col[c + 8] += acc(2);
   }
 }
 
@@ -283,8 +285,6 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
 
   Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
-  // kColSumMma: the running column sums (each of the 8 columns holds them), flushed per target.
-  Tensor acc_db = partition_fragment_C(mma_cs, Shape<Int<kBlockN>, _8>{});
   constexpr int kRows = decltype(size<0>(tScS_rc))::value;
   constexpr int kCols = decltype(size<1>(tScS_rc))::value;
 
@@ -294,9 +294,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
   const bool direct_from_smem = kDbias && mode == kDbDirect && !kSoftcap && !f.bias_fp32;
   auto colsum_flush = [&](int b, int h) {
     if constexpr (kColSumMma) {
-      colsum_acc_to_smem(acc_db, s_col, tid);
       colsum_flush_smem<Element, kBlockN, 1, kThreads>(a, s_col, b, h, n0, cols_valid(), tid);
-      clear(acc_db);
     } else {
       colsum_flush_smem<Element, kBlockN, Tile::kWarpsPerCol, kThreads>(a, s_col, b, h, n0, cols_valid(), tid);
     }
@@ -305,7 +303,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
     // The ones tile (published to wgmma by the fence and barrier that open every query block).
     Element* ones = reinterpret_cast<Element*>(smem + Tile::kOffOnes);
     for (int i = tid; i < cosize(typename Tile::SmemLayoutOnes{}); i += kThreads) ones[i] = Element(1.f);
-    clear(acc_db);
+    for (int i = tid; i < kBlockN; i += kThreads) s_col[i] = 0.f;  // (as below, one row)
   } else if constexpr (kDbias) {
     // The column sums start at zero (each flush clears them again); the first barrier of the
     // loop, or the flush's own, orders this before any add.
@@ -499,10 +497,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
           gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdVrPt, tdVrdOt, acc_dv);
           gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdKrdSt, tdKrQt, acc_dk);
         }
+        // kColSumMma: this query block's column sums (each of the 8 columns holds them), added to
+        // the shared-memory row as soon as the products are done, before the dQ atomics: held
+        // across the loop, or through the atomics, the 4 registers made ptxas spill the atomics'
+        // addresses (84-120 B, ~3 us per query block).
+        Tensor acc_db = partition_fragment_C(mma_cs, Shape<Int<kBlockN>, _8>{});
         if constexpr (kColSumMma) {
           Tensor tCSrdSt = thr_cs.partition_fragment_A(fresh(Tile::kOffdS, typename Tile::SmemLayoutPdSt{}));
           Tensor tCSrOnes = thr_cs.partition_fragment_B(fresh(Tile::kOffOnes, typename Tile::SmemLayoutOnes{}));
-          gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_cs, tCSrdSt, tCSrOnes, acc_db);
+          gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_cs, tCSrdSt, tCSrOnes, acc_db);
         }
         if (a.dq_accum != nullptr) {
           Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
@@ -511,13 +514,32 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
           gemm_wait<0>(acc_dq);
           warpgroup_fence_operand(acc_dk);
           warpgroup_fence_operand(acc_dv);
-          if constexpr (kColSumMma) warpgroup_fence_operand(acc_db);
+          if constexpr (kColSumMma) {
+            warpgroup_fence_operand(acc_db);
+            colsum_acc_add_smem(acc_db, s_col, tid);
+          }
           float* gdq = a.dq_accum + (seq.batch_row() + m0) * f.num_heads * f.head_dim + int64_t(h) * f.head_dim;
-          bwd_dq_atomic_add(acc_dq, tdQcdQ, gdq, int64_t(f.num_heads) * f.head_dim, rows_valid, f.head_dim, tid);
+          if constexpr (kBias16) {
+            // The atomics' (row, column) pairs and row stride from an opaque thread index and
+            // stride: recomputed here (a few integer operations) rather than hoisted out of the
+            // loop, where ptxas held their offsets in registers or, in these kernels, spilled
+            // them and reloaded each before its reduction (20 / 84 B of spills -> 0; ~3 us per
+            // query block in the column-sum variant). (The plain kernel has no spills with the
+            // hoisted form; the general mask / bias kernels spill more with this one.)
+            int tid_dq = tid, dq_rs = f.num_heads * f.head_dim;
+            asm volatile("" : "+r"(tid_dq), "+r"(dq_rs));
+            Tensor tdQcdQ_here = mma_dq.get_thread_slice(tid_dq).partition_C(cdQ);
+            bwd_dq_atomic_add(acc_dq, tdQcdQ_here, gdq, int64_t(dq_rs), rows_valid, f.head_dim, tid_dq);
+          } else {
+            bwd_dq_atomic_add(acc_dq, tdQcdQ, gdq, int64_t(f.num_heads) * f.head_dim, rows_valid, f.head_dim, tid);
+          }
         } else {
           gemm_wait<0>(acc_dk);
           warpgroup_fence_operand(acc_dv);
-          if constexpr (kColSumMma) warpgroup_fence_operand(acc_db);
+          if constexpr (kColSumMma) {
+            warpgroup_fence_operand(acc_db);
+            colsum_acc_add_smem(acc_db, s_col, tid);
+          }
         }
         // dbias from the dS tile once the products are done (while they run, its registers
         // would sit next to dK, dV and dQ's: spills)
