@@ -23,8 +23,8 @@ from typing import Iterator, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .masks import bias_over_keys, dynamic_mask, selection_key, selection_shape
-from .ops import forward_with_grad, supports_key_positions
+from .masks import bias_over_keys, cached_index_tensor, dynamic_mask, selection_key, selection_shape
+from .ops import _call_op, attention_backward, attention_forward, forward_with_grad, supports_key_positions
 
 __all__ = ["KeySet", "mask_key_set", "topk_key_set", "attention_over_key_set", "force_path"]
 
@@ -204,13 +204,13 @@ def _flat_row_index(index: Tensor, batch: int, gathered_heads: int, num_keys: in
     """int64 (B * K * G,): for gathered row j of head g in batch b (key indices ``index``
     (1 or B, 1 or G, K)), the row of k or v flattened to (B * Sk * Hkv, D) that it reads:
     (b * Sk + index[b, g, j]) * Hkv + g // (G / Hkv). Shared by k and v."""
-    device = index.device
-    group = gathered_heads // heads_kv
-    kv_head = torch.arange(gathered_heads, device=device)
-    if group > 1:
-        kv_head = kv_head // group
-    batch_base = torch.arange(0, batch * num_keys * heads_kv, num_keys * heads_kv, device=device)
-    offsets = batch_base.view(batch, 1, 1) + kv_head  # (B, 1, G), tiny
+    def offsets_of() -> Tensor:  # (B, 1, G), tiny
+        kv_head = torch.arange(gathered_heads, device=index.device) // (gathered_heads // heads_kv)
+        batch_base = torch.arange(0, batch * num_keys * heads_kv, num_keys * heads_kv, device=index.device)
+        return batch_base.view(batch, 1, 1) + kv_head
+
+    offsets = cached_index_tensor(("row offsets", batch, gathered_heads, num_keys, heads_kv, index.device),
+                                  offsets_of)
     # (B, K, G): a copy when index has G > 1 rows (its transpose is not contiguous).
     return torch.add(offsets, index.transpose(1, 2), alpha=heads_kv).reshape(-1)
 
@@ -279,6 +279,55 @@ def _gather_bias(bias: Tensor, index: Tensor, batch: int, heads: int, heads_kv: 
     return torch.gather(bias3, -1, index).unsqueeze(2)
 
 
+class _DistinctRowsAttention(torch.autograd.Function):
+    """The gather path when no key row is read twice (a full key set, one gathered head per kv
+    head: attention_topk's per-key selection): the gathers of K, V and bias rows, the attention
+    op on them, and in the backward the copy of dK, dV, dbias back onto the original rows, as
+    ONE autograd node. Same values as the composed path (index_select, the op, index_copy_ /
+    scatter back); the gathers are not recorded by autograd and the backward runs one node
+    instead of about ten: host time, which the GPU waits on at these sizes."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, positions, index, flat_index, causal, window_left, window_right, scale,
+                softcap, deterministic):
+        batch, num_keys, heads_kv, head_dim = k.shape
+        width = positions.shape[-1]
+        k_rows = k.reshape(-1, head_dim).index_select(0, flat_index).view(batch, width, heads_kv, head_dim)
+        v_rows = v.reshape(-1, head_dim).index_select(0, flat_index).view(batch, width, heads_kv, head_dim)
+        bias_rows = None if bias is None else bias.gather(-1, index.unsqueeze(-2))
+        options = (causal, window_left, window_right, scale, softcap, deterministic)
+        out, lse = _call_op(attention_forward, q, k_rows, v_rows, None, bias_rows, *options, positions, num_keys)
+        ctx.save_for_backward(q, k_rows, v_rows, bias_rows, out, lse, positions, index, flat_index)
+        ctx.options, ctx.num_keys = options, num_keys
+        ctx.shapes = (k.shape, v.shape, None if bias is None else bias.shape)
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        if dout is None:  # out did not reach the loss
+            return (None,) * len(ctx.needs_input_grad)
+        q, k_rows, v_rows, bias_rows, out, lse, positions, index, flat_index = ctx.saved_tensors
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        want_dbias = bias_rows is not None and ctx.needs_input_grad[3]
+        dq, dk_rows, dv_rows, dbias_rows = _call_op(
+            attention_backward, dout, q, k_rows, v_rows, out, lse, None, bias_rows, want_dbias, *ctx.options,
+            positions, ctx.num_keys)
+        k_shape, v_shape, bias_shape = ctx.shapes
+
+        def rows_back(rows: Tensor, shape) -> Tensor:  # zeros, then each gathered row's gradient
+            full = rows.new_zeros(shape)
+            full.view(-1, shape[-1]).index_copy_(0, flat_index, rows.reshape(-1, shape[-1]))
+            return full
+
+        dk = rows_back(dk_rows, k_shape) if ctx.needs_input_grad[1] else None
+        dv = rows_back(dv_rows, v_shape) if ctx.needs_input_grad[2] else None
+        dbias = dbias_rows.new_zeros(bias_shape).scatter_(-1, index.unsqueeze(-2), dbias_rows) if want_dbias else None
+        return (dq, dk, dv, dbias) + (None,) * 9
+
+
 def attention_over_key_set(q: Tensor, k: Tensor, v: Tensor, key_set: KeySet, bias: Optional[Tensor],
                            causal: bool, window_left: int, window_right: int, scale: Optional[float],
                            softcap: float, deterministic: bool) -> Tuple[Tensor, Tensor]:
@@ -292,6 +341,12 @@ def attention_over_key_set(q: Tensor, k: Tensor, v: Tensor, key_set: KeySet, bia
     gathered_heads = heads if positions.shape[1] == heads != heads_kv else heads_kv
     # Padding rows (-1) read key 0 (index); the kernel never attends to them (zero gradient).
     flat_index = _flat_row_index(index, batch, gathered_heads, num_keys, heads_kv)
+    # One autograd node when no row is read twice and the bias (if any) has the key set's rows.
+    bias_fits = bias is None or (bias.dim() == 4 and bias.shape[2] == 1 and bias.shape[3] == num_keys
+                                 and tuple(bias.shape[:2]) == tuple(index.shape[:2]))
+    if key_set.full and gathered_heads == heads_kv and bias_fits and not torch.compiler.is_compiling():
+        return _DistinctRowsAttention.apply(q, k, v, bias, positions, index, flat_index, causal, window_left,
+                                            window_right, scale, softcap, deterministic)
     k_rows = _gather_rows(k, flat_index, key_set.width, gathered_heads, key_set.full)
     v_rows = _gather_rows(v, flat_index, key_set.width, gathered_heads, key_set.full)
     bias_rows = bias

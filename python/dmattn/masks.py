@@ -9,7 +9,7 @@ shape. See docs/semantics.md, "Dynamic masks (top-k)".
 from __future__ import annotations
 
 import numbers
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -83,6 +83,25 @@ def selection_shape(bias: Tensor, keep: int, mask: Optional[Tensor]) -> Tuple[in
 _BITS_DTYPE = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
 
+_index_tensors: dict = {}
+_INDEX_TENSORS_MAX = 64
+
+
+def cached_index_tensor(key: tuple, make: Callable[[], Tensor]) -> Tensor:
+    """make(), an index tensor that depends only on ``key`` (sizes, dtype, device; an arange or
+    the gather path's row offsets), kept for the next call with the same key: one kernel launch
+    less each time (host time). Read-only by contract. Not cached under torch.compile or while a
+    CUDA graph is captured (the tensor would belong to the graph's memory pool)."""
+    if torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return make()
+    t = _index_tensors.get(key)
+    if t is None:
+        if len(_index_tensors) >= _INDEX_TENSORS_MAX:
+            _index_tensors.clear()
+        t = _index_tensors[key] = make()
+    return t
+
+
 def selection_key(scores: Tensor, allowed: Optional[Tensor]) -> Optional[Tensor]:
     """An integer key per entry of ``scores`` (..., Sk), distinct within each row and ordered as
     dynamic_mask selects: the larger score first, equal scores (-0.0 == 0.0) by the lower key
@@ -107,7 +126,9 @@ def selection_key(scores: Tensor, allowed: Optional[Tensor]) -> Optional[Tensor]
     # For negative bits (= MIN + magnitude), MIN - bits = -magnitude; the other branch's value
     # (which may wrap) is not used.
     ordered = torch.where(bits < 0, torch.iinfo(bits_dtype).min - bits, bits)
-    minus_index = torch.arange(0, -num_keys, -1, dtype=key_dtype, device=scores.device)
+    minus_index = cached_index_tensor(
+        ("minus index", num_keys, key_dtype, scores.device),
+        lambda: torch.arange(0, -num_keys, -1, dtype=key_dtype, device=scores.device))
     key = torch.add(minus_index, ordered, alpha=shift)  # in key_dtype: ordered * 2^n - index
     if allowed is not None:
         key = torch.where(allowed, key, torch.iinfo(key_dtype).min)  # below any allowed key
