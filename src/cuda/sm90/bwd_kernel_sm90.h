@@ -14,9 +14,10 @@
 // dbias written tile by tile, not wanted, or -- a variant of its own -- reduced over the queries):
 // the plain kernel's code (operand descriptors rebuilt in the loop) plus one unpadded, row-swizzled
 // bias tile per Q / dO buffer (sm90/bias_tile_sm90.h, as the forward's fast path), loaded with
-// Q / dO of the same query block and added to the scaled scores. ptxas spills 20 B (direct) and
-// 84 B (column sums), against 288 B in the general mask / bias kernel (kMaskBias), which holds its
-// descriptors (benchmarks/bwd_notes.md, session 6).
+// Q / dO of the same query block and added to the scaled scores. No ptxas spills in either
+// variant (the dQ atomics' offsets recomputed each query block, the column sums as a wgmma),
+// against ~210-230 B in the general mask / bias kernel (kMaskBias), which holds its descriptors
+// (benchmarks/bwd_notes.md, sessions 6 and 7).
 // Compiled for every target, with a body only for sm_90a; run_bwd launches it on compute
 // capability 9.0 devices.
 #pragma once
@@ -167,7 +168,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
   constexpr bool kDbias = kMaskBias || kBias16;                     // dbias produced in this kernel
   // Query-broadcast dbias (kDbColSum): the general kernel adds the column sums of dS into shared
   // memory every query block (colsum_add_smem); the fast path's variant takes them as one more
-  // product into registers (kColSumMma, BwdTileSm90::TiledMmaColSum). (The direct variant keeps
+  // product (kColSumMma, BwdTileSm90::TiledMmaColSum), added to one shared row after the
+  // products' wait (colsum_acc_add_smem). (The direct variant keeps
   // the shared-memory column sums' zeroing and flushes, which never run there: without them
   // ptxas spilled 92 B instead of 20.)
   constexpr bool kColSumMma = kBiasPath == kBiasPathColSum;

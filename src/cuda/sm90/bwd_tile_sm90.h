@@ -49,7 +49,7 @@ struct BwdTileSm90 : BwdSmemPlan<Element_, kHeadDim_, 64, 128, 2, 4> {
   // The query-broadcast dbias of the bias fast path (kBiasPathColSum): its column sums as one
   // more product, dS^T (keys x queries, the dK product's A operand) times a tile of ones (8 x
   // kBlockM, K-major): each column of the 64 x 8 fp32 accumulator of a warpgroup holds the sums
-  // of its 64 keys over the query block, accumulated across query blocks in 4 registers.
+  // of its 64 keys over the query block, which the kernel adds to one shared row (colsum_acc_add_smem).
   using TiledMmaColSum = SsMma<64, 8, kBlockM, cute::GMMA::Major::MN, cute::GMMA::Major::K, AlongM>;
 
   using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
@@ -105,8 +105,8 @@ struct BwdTileSm90 : BwdSmemPlan<Element_, kHeadDim_, 64, 128, 2, 4> {
   static constexpr int kBias16TileBytes = kBlockM * kBlockN * 2;
   static constexpr int bias16_smem_bytes() { return kOffBias + Plan::kQBuffers * kBias16TileBytes; }
   static_assert(bias16_smem_bytes() + kSmemReserve <= kSmemMax);
-  // The ones tile of TiledMmaColSum takes the place of the shared-memory column sums, which that
-  // variant does not use.
+  // The ones tile of TiledMmaColSum sits in the second KB of the column-sum rows: that variant
+  // uses only their first row (kBlockN floats).
   static constexpr int kOffOnes = Plan::kOffColSum + 1024;
   static_assert(kOffOnes % 1024 == 0 && Plan::kColSumBytes >= 1024 + 8 * kBlockM * 2);
   // 1024-byte aligned tiles (the swizzle atom's period) for the products' operands.
