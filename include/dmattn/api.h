@@ -91,6 +91,20 @@ void run_forward(const ForwardParams& params);
 void run_backward(const BackwardParams& params);
 
 // Is the CUDA backend compiled in?
+// The gather path's glue on CUDA (dmattn.attention_topk without a mask), in destination-passing
+// style on the current stream `stream` (a cudaStream_t):
+//   select_topk_positions: per row (b, h) of bias (rows_b, rows_h, Sk) -- 16/32-bit floats, any
+//     strides -- the `keep` keys with the largest bias (ties: the lower key index; -0.0 == 0.0;
+//     bit-pattern order, as dmattn.dynamic_mask) in increasing order, into positions, int32
+//     (rows_b, rows_h, keep) contiguous;
+//   gather_key_rows: k_rows[b, j, g] = k[b, positions[b', g', j], g] (v likewise; k, v (B, Sk, Hkv,
+//     D), positions (1 or B, 1 or Hkv, K) contiguous, k_rows / v_rows (B, K, Hkv, D) contiguous),
+//     and, given, bias_rows[b', g', j] = bias[b', g', positions[b', g', j]] (bias (rows of the
+//     positions..., Sk), bias_rows contiguous). A negative position gives zeros.
+void select_topk_positions(const TensorDesc& bias, int64_t keep, const TensorDesc& positions, void* stream);
+void gather_key_rows(const TensorDesc& k, const TensorDesc& v, const TensorDesc& positions, const TensorDesc& k_rows,
+                     const TensorDesc& v_rows, const TensorDesc* bias, const TensorDesc* bias_rows, void* stream);
+
 bool cuda_available();
 
 // Does the backend of `device` read ForwardParams::key_positions? run_forward / run_backward

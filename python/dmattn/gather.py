@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from .masks import bias_over_keys, cached_index_tensor, dynamic_mask, selection_key, selection_shape
-from .ops import _call_op, attention_backward, attention_forward, forward_with_grad, supports_key_positions
+from .ops import (_GLUE_DTYPES, _call_op, attention_backward, attention_forward, forward_with_grad, gather_key_rows,
+                  native_glue_available, select_topk_positions, supports_key_positions)
 
 __all__ = ["KeySet", "mask_key_set", "topk_key_set", "attention_over_key_set", "force_path"]
 
@@ -153,6 +154,10 @@ def topk_key_set(q: Tensor, k: Tensor, bias: Tensor, keep: int, mask: Optional[T
     scores = bias3.detach().expand(*rows, num_keys)
     allowed = None if mask3 is None else mask3.expand(*rows, num_keys)
     width = min(keep, num_keys)
+    if mask is None and scores.is_cuda and scores.dtype in _GLUE_DTYPES and native_glue_available():
+        # The same selection as below (the order of selection_key) in one kernel, no torch ops.
+        positions = select_topk_positions(scores, width)
+        return KeySet(positions, positions.long(), full=True)
     key = selection_key(scores, allowed)
     if key is None:  # float64: the selection as a bool mask, compacted
         kept = _key_side_view(dynamic_mask(bias_over_keys(bias, num_keys), keep, mask), batch, heads,
@@ -288,13 +293,18 @@ class _DistinctRowsAttention(torch.autograd.Function):
     instead of about ten: host time, which the GPU waits on at these sizes."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, positions, index, flat_index, causal, window_left, window_right, scale,
+    def forward(ctx, q, k, v, bias, positions, index, native, causal, window_left, window_right, scale,
                 softcap, deterministic):
         batch, num_keys, heads_kv, head_dim = k.shape
         width = positions.shape[-1]
-        k_rows = k.reshape(-1, head_dim).index_select(0, flat_index).view(batch, width, heads_kv, head_dim)
-        v_rows = v.reshape(-1, head_dim).index_select(0, flat_index).view(batch, width, heads_kv, head_dim)
-        bias_rows = None if bias is None else bias.gather(-1, index.unsqueeze(-2))
+        flat_index = None  # (the backward's copy needs it; the native gathers do not)
+        if native:  # CUDA: one kernel for the K, V and bias rows
+            k_rows, v_rows, bias_rows = gather_key_rows(k, v, positions, None if bias is None else bias[:, :, 0])
+        else:
+            flat_index = _flat_row_index(index, batch, heads_kv, num_keys, heads_kv)
+            k_rows = k.reshape(-1, head_dim).index_select(0, flat_index).view(batch, width, heads_kv, head_dim)
+            v_rows = v.reshape(-1, head_dim).index_select(0, flat_index).view(batch, width, heads_kv, head_dim)
+            bias_rows = None if bias is None else bias.gather(-1, index.unsqueeze(-2))
         options = (causal, window_left, window_right, scale, softcap, deterministic)
         out, lse = _call_op(attention_forward, q, k_rows, v_rows, None, bias_rows, *options, positions, num_keys)
         ctx.save_for_backward(q, k_rows, v_rows, bias_rows, out, lse, positions, index, flat_index)
@@ -316,6 +326,8 @@ class _DistinctRowsAttention(torch.autograd.Function):
             attention_backward, dout, q, k_rows, v_rows, out, lse, None, bias_rows, want_dbias, *ctx.options,
             positions, ctx.num_keys)
         k_shape, v_shape, bias_shape = ctx.shapes
+        if flat_index is None:
+            flat_index = _flat_row_index(index, k_shape[0], k_shape[2], k_shape[1], k_shape[2])
 
         def rows_back(rows: Tensor, shape) -> Tensor:  # zeros, then each gathered row's gradient
             full = rows.new_zeros(shape)
@@ -339,14 +351,17 @@ def attention_over_key_set(q: Tensor, k: Tensor, v: Tensor, key_set: KeySet, bia
     # One kept set per kv head (positions heads 1 or Hkv): gather Hkv heads, the kernel's GQA
     # shares them. One per query head (H != Hkv): gather per query head.
     gathered_heads = heads if positions.shape[1] == heads != heads_kv else heads_kv
-    # Padding rows (-1) read key 0 (index); the kernel never attends to them (zero gradient).
-    flat_index = _flat_row_index(index, batch, gathered_heads, num_keys, heads_kv)
     # One autograd node when no row is read twice and the bias (if any) has the key set's rows.
     bias_fits = bias is None or (bias.dim() == 4 and bias.shape[2] == 1 and bias.shape[3] == num_keys
                                  and tuple(bias.shape[:2]) == tuple(index.shape[:2]))
     if key_set.full and gathered_heads == heads_kv and bias_fits and not torch.compiler.is_compiling():
-        return _DistinctRowsAttention.apply(q, k, v, bias, positions, index, flat_index, causal, window_left,
+        native = (k.is_cuda and k.dtype in _GLUE_DTYPES and v.dtype == k.dtype and k.stride(-1) == 1
+                  and v.stride(-1) == 1 and positions.is_contiguous()
+                  and (bias is None or bias.dtype in _GLUE_DTYPES) and native_glue_available())
+        return _DistinctRowsAttention.apply(q, k, v, bias, positions, index, native, causal, window_left,
                                             window_right, scale, softcap, deterministic)
+    # Padding rows (-1) read key 0 (index); the kernel never attends to them (zero gradient).
+    flat_index = _flat_row_index(index, batch, gathered_heads, num_keys, heads_kv)
     k_rows = _gather_rows(k, flat_index, key_set.width, gathered_heads, key_set.full)
     v_rows = _gather_rows(v, flat_index, key_set.width, gathered_heads, key_set.full)
     bias_rows = bias

@@ -89,6 +89,47 @@ def supports_key_positions(device_type: str) -> bool:
     return _native_supports_key_positions(device_type)
 
 
+# ---------------------------------------------------------------------------------------------
+# The gather path's glue on CUDA (native kernels instead of a dozen torch ops: host time).
+# ---------------------------------------------------------------------------------------------
+
+_GLUE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def native_glue_available() -> bool:
+    """Whether the loaded library has the CUDA glue (select_topk_positions, gather_key_rows)."""
+    try:
+        return lib().cuda_available() and hasattr(lib(), "select_topk_positions")
+    except Exception:  # noqa: BLE001 (no library: the ops report it where they are used)
+        return False
+
+
+def select_topk_positions(scores: Tensor, keep: int) -> Tensor:
+    """int32 (R_b, R_h, keep): per row of ``scores`` (R_b, R_h, Sk) on CUDA (16/32-bit floats,
+    any strides), the ``keep`` keys with the largest score in increasing order (ties: the lower
+    index; -0.0 == 0.0: dynamic_mask's selection). One kernel."""
+    positions = torch.empty((*scores.shape[:2], keep), dtype=torch.int32, device=scores.device)
+    lib().select_topk_positions(scores, keep, positions)
+    return positions
+
+
+def gather_key_rows(k: Tensor, v: Tensor, positions: Tensor,
+                    bias3: Optional[Tensor]) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """The rows of k, v (B, Sk, Hkv, D) at ``positions`` (1 or B, 1 or Hkv, K), as (B, K, Hkv,
+    D), and of bias3 (positions' leading dims, Sk) as (.., 1, K). One kernel (two with a bias)."""
+    batch, _, heads_kv, head_dim = k.shape
+    width = positions.shape[-1]
+    k_rows = torch.empty((batch, width, heads_kv, head_dim), dtype=k.dtype, device=k.device)
+    v_rows = torch.empty_like(k_rows)
+    bias_rows = None
+    if bias3 is not None:
+        bias_rows = torch.empty((*bias3.shape[:2], 1, width), dtype=bias3.dtype, device=bias3.device)
+    lib().gather_key_rows(k, v, positions, k_rows, v_rows, bias3,
+                          None if bias_rows is None else bias_rows.view(*bias3.shape[:2], width))
+    return k_rows, v_rows, bias_rows
+
+
 @torch.library.custom_op("dmattn::fwd", mutates_args=())
 def attention_forward(
     q: Tensor,

@@ -206,6 +206,26 @@ void check_cu_seqlens(TensorView cu_seqlens_q, TensorView cu_seqlens_k, int64_t 
   });
 }
 
+// The gather path's glue (dmattn/api.h): the top-k key positions of a key-side bias, and the
+// K / V / bias rows at them. CUDA tensors, on the current stream.
+void* glue_stream(const TensorView& t) {
+  const DLDevice device = t.device();
+  return device.device_type == kDLCUDA ? TVMFFIEnvGetStream(kDLCUDA, device.device_id) : nullptr;
+}
+
+void select_topk_positions(TensorView bias, int64_t keep, TensorView positions) {
+  translate_errors([&] { dmattn::select_topk_positions(to_desc(bias), keep, to_desc(positions), glue_stream(bias)); });
+}
+
+void gather_key_rows(TensorView k, TensorView v, TensorView positions, TensorView k_rows, TensorView v_rows,
+                     Optional<TensorView> bias, Optional<TensorView> bias_rows) {
+  translate_errors([&] {
+    const OptionalDesc bias_d(bias), bias_rows_d(bias_rows);
+    dmattn::gather_key_rows(to_desc(k), to_desc(v), to_desc(positions), to_desc(k_rows), to_desc(v_rows),
+                            bias_d.get(), bias_rows_d.get(), glue_stream(k));
+  });
+}
+
 bool cuda_available() { return dmattn::cuda_available(); }
 
 // Whether forward/backward accept key_positions for tensors on `device` ("cpu", "cuda").
@@ -224,3 +244,5 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(backward_varlen, backward_varlen);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(check_cu_seqlens, check_cu_seqlens);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(cuda_available, cuda_available);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(supports_key_positions, supports_key_positions);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(select_topk_positions, select_topk_positions);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(gather_key_rows, gather_key_rows);

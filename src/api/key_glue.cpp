@@ -1,0 +1,141 @@
+// Validation and dispatch of the gather path's glue (select_topk_positions, gather_key_rows):
+// CUDA only; the CPU path composes framework ops (python/dmattn/gather.py).
+#include <cstdint>
+
+#include "api/tensor_checks.h"
+#include "dmattn/api.h"
+#ifdef DMATTN_WITH_CUDA
+#include "cuda/key_glue.h"
+#endif
+
+namespace dmattn {
+
+namespace {
+
+bool is_float_16_or_32(DType d) { return d == DType::kFloat16 || d == DType::kBFloat16 || d == DType::kFloat32; }
+
+void check_cuda_tensor(const TensorDesc& t, const TensorDesc& ref, const char* name) {
+  check(t.device == DeviceKind::kCUDA, ErrorKind::kValue, name, ": expected a CUDA tensor, got ",
+        device_name(t.device), " (the gather path's glue runs on CUDA; the CPU composes torch ops)");
+  checks::check_same_device(ref, t, name);
+}
+
+#ifndef DMATTN_WITH_CUDA
+[[noreturn]] void no_cuda_glue() {
+  fail(ErrorKind::kRuntime, "bias: this build of dmattn has no CUDA backend");
+}
+#endif
+
+}  // namespace
+
+void select_topk_positions(const TensorDesc& bias, int64_t keep, const TensorDesc& positions, void* stream) {
+  check_cuda_tensor(bias, bias, "bias");
+  check_cuda_tensor(positions, bias, "positions");
+  checks::check_rank(bias, 3, "bias", "(rows_b, rows_h, Sk)");
+  check(is_float_16_or_32(bias.dtype), ErrorKind::kType,
+        "bias: expected dtype float16, bfloat16 or float32, got ", dtype_name(bias.dtype));
+  const int64_t num_keys = bias.shape[2];
+  check(keep >= 1 && keep <= num_keys && num_keys < (int64_t(1) << 31), ErrorKind::kValue,
+        "keep: expected 1 <= keep <= Sk = ", num_keys, " (< 2^31), got ", keep);
+  checks::check_dtype(positions, DType::kInt32, "positions");
+  checks::check_shape(positions, {bias.shape[0], bias.shape[1], keep}, "positions");
+  checks::check_contiguous(positions, "positions");
+#ifdef DMATTN_WITH_CUDA
+  cuda::TopkPositionsArgs a;
+  a.bias = bias.data;
+  a.stride_b = bias.strides[0];
+  a.stride_h = bias.strides[1];
+  a.stride_k = bias.strides[2];
+  a.rows_b = bias.shape[0];
+  a.rows_h = bias.shape[1];
+  a.num_keys = num_keys;
+  a.keep = keep;
+  a.elem_bytes = int(dtype_size(bias.dtype));
+  a.positions = static_cast<int32_t*>(positions.data);
+  cuda::topk_positions(a, stream);
+#else
+  (void)stream;
+  no_cuda_glue();
+#endif
+}
+
+void gather_key_rows(const TensorDesc& k, const TensorDesc& v, const TensorDesc& positions, const TensorDesc& k_rows,
+                     const TensorDesc& v_rows, const TensorDesc* bias, const TensorDesc* bias_rows, void* stream) {
+  check_cuda_tensor(k, k, "k");
+  for (const auto& [t, name] : {std::pair{&v, "v"}, {&positions, "positions"}, {&k_rows, "k_rows"}, {&v_rows, "v_rows"}})
+    check_cuda_tensor(*t, k, name);
+  checks::check_rank(k, 4, "k", "(B, Sk, Hkv, D)");
+  checks::check_shape(v, k.shape, "v");
+  check(is_float_16_or_32(k.dtype), ErrorKind::kType, "k: expected dtype float16, bfloat16 or float32, got ",
+        dtype_name(k.dtype));
+  checks::check_dtype(v, k.dtype, "v");
+  checks::check_last_dim_contiguous(k, "k");
+  checks::check_last_dim_contiguous(v, "v");
+  const int64_t batch = k.shape[0], num_keys = k.shape[1], heads = k.shape[2], head_dim = k.shape[3];
+  checks::check_dtype(positions, DType::kInt32, "positions");
+  checks::check_rank(positions, 3, "positions", "(1 or B, 1 or Hkv, K)");
+  checks::check_contiguous(positions, "positions");
+  const int64_t pos_batch = positions.shape[0], pos_heads = positions.shape[1], width = positions.shape[2];
+  check((pos_batch == 1 || pos_batch == batch) && (pos_heads == 1 || pos_heads == heads), ErrorKind::kValue,
+        "positions: expected shape (1 or ", batch, ", 1 or ", heads, ", K), got ", positions.shape_str());
+  for (const auto& [t, name] : {std::pair{&k_rows, "k_rows"}, {&v_rows, "v_rows"}}) {
+    checks::check_dtype(*t, k.dtype, name);
+    checks::check_shape(*t, {batch, width, heads, head_dim}, name);
+    checks::check_contiguous(*t, name);
+  }
+  check((bias == nullptr) == (bias_rows == nullptr), ErrorKind::kValue, "bias_rows: expected with bias, and only then");
+  if (bias != nullptr) {
+    check_cuda_tensor(*bias, k, "bias");
+    check_cuda_tensor(*bias_rows, k, "bias_rows");
+    checks::check_rank(*bias, 3, "bias", "(rows_b, rows_h, Sk): the positions' leading dims");
+    check(is_float_16_or_32(bias->dtype), ErrorKind::kType,
+          "bias: expected dtype float16, bfloat16 or float32, got ", dtype_name(bias->dtype));
+    checks::check_shape(*bias, {pos_batch, pos_heads, num_keys}, "bias");
+    checks::check_dtype(*bias_rows, bias->dtype, "bias_rows");
+    checks::check_shape(*bias_rows, {pos_batch, pos_heads, width}, "bias_rows");
+    checks::check_contiguous(*bias_rows, "bias_rows");
+  }
+#ifdef DMATTN_WITH_CUDA
+  cuda::GatherRowsArgs a;
+  const int64_t elem = int64_t(dtype_size(k.dtype));
+  bool vec16 = (head_dim * elem) % 16 == 0;
+  const TensorDesc* srcs[2] = {&k, &v};
+  const TensorDesc* dsts[2] = {&k_rows, &v_rows};
+  for (int i = 0; i < 2; ++i) {
+    const TensorDesc& s = *srcs[i];
+    a.operand[i] = {s.data, s.strides[0], s.strides[1], s.strides[2], dsts[i]->data};
+    vec16 = vec16 && reinterpret_cast<uintptr_t>(s.data) % 16 == 0 && reinterpret_cast<uintptr_t>(dsts[i]->data) % 16 == 0;
+    for (int d = 0; d < 3; ++d) vec16 = vec16 && (s.strides[d] * elem) % 16 == 0;
+  }
+  a.positions = static_cast<const int32_t*>(positions.data);
+  a.pos_batch = pos_batch;
+  a.pos_heads = pos_heads;
+  a.pos_sb = pos_heads * width;
+  a.pos_sh = width;
+  a.batch = batch;
+  a.width = width;
+  a.heads = heads;
+  a.row_bytes = head_dim * elem;
+  a.elem_bytes = int(elem);
+  cuda::gather_rows(a, vec16, stream);
+  if (bias != nullptr) {
+    cuda::GatherBiasArgs g;
+    g.bias = bias->data;
+    g.stride_b = bias->strides[0];
+    g.stride_h = bias->strides[1];
+    g.stride_k = bias->strides[2];
+    g.rows_b = pos_batch;
+    g.rows_h = pos_heads;
+    g.width = width;
+    g.elem_bytes = int(dtype_size(bias->dtype));
+    g.positions = a.positions;
+    g.out = bias_rows->data;
+    cuda::gather_bias(g, stream);
+  }
+#else
+  (void)stream;
+  no_cuda_glue();
+#endif
+}
+
+}  // namespace dmattn

@@ -1,0 +1,106 @@
+"""The gather path's native CUDA glue (ops.select_topk_positions, ops.gather_key_rows) against
+the torch composition it replaces: the same positions bit for bit (ties, -0.0 == 0.0, -inf,
+NaN, strided and broadcast rows), the same gathered rows, clear errors."""
+
+import pytest
+import torch
+
+import dmattn
+from dmattn import gather, ops
+from dmattn.masks import selection_key
+
+pytestmark = pytest.mark.gpu
+
+
+def _reference_positions(scores: torch.Tensor, keep: int) -> torch.Tensor:
+    """gather.topk_key_set's torch selection: top-k of the integer selection key, sorted."""
+    key = selection_key(scores, None)
+    return key.topk(keep, dim=-1, sorted=False).indices.sort(dim=-1).values.int()
+
+
+def _scores(kind: str, shape, dtype):
+    g = torch.Generator().manual_seed(hash(kind) % 1000)
+    if kind == "random":
+        x = torch.randn(*shape, generator=g)
+    elif kind == "ties":  # few distinct values: the lower index decides most of the selection
+        x = torch.randint(-2, 3, shape, generator=g).float()
+    else:  # special values: signed zeros, infinities, NaN, finfo extremes
+        pool = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1.0, -1.0,
+                             torch.finfo(dtype).max, torch.finfo(dtype).min])
+        x = pool[torch.randint(0, len(pool), shape, generator=g)]
+    return x.to(device="cuda", dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("kind", ["random", "ties", "special"])
+@pytest.mark.parametrize("num_keys,keep", [(1, 1), (100, 1), (1000, 37), (1000, 999), (1000, 1000), (8192, 2048),
+                                           (40000, 5000)])
+def test_select_topk_positions_matches_torch(dtype, kind, num_keys, keep):
+    scores = _scores(kind, (2, 3, num_keys), dtype)
+    got = ops.select_topk_positions(scores, keep)
+    torch.testing.assert_close(got, _reference_positions(scores, keep), rtol=0, atol=0)
+
+
+def test_select_topk_positions_strided_and_broadcast_rows():
+    base = _scores("ties", (3, 2, 500), torch.bfloat16)
+    for scores in (base.transpose(0, 1), base[:, :1].expand(3, 4, 500), base[..., ::2], base[:1, :1, :1].expand(2, 2, 300)):
+        got = ops.select_topk_positions(scores, 50)
+        torch.testing.assert_close(got, _reference_positions(scores, 50), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("pos_shape", [(2, 3), (1, 3), (2, 1), (1, 1)])
+def test_gather_key_rows_matches_indexing(dtype, pos_shape):
+    batch, num_keys, heads, dim, width = 2, 300, 3, 40, 17
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(batch, num_keys, heads, dim, generator=g).to("cuda", dtype)
+    v = torch.randn(batch, num_keys, heads * 2, dim, generator=g).to("cuda", dtype)[:, :, ::2]  # strided heads
+    bias = torch.randn(*pos_shape, num_keys, generator=g).to("cuda", dtype)
+    positions = torch.stack([torch.randperm(num_keys, generator=g)[:width].sort().values
+                             for _ in range(pos_shape[0] * pos_shape[1])]).view(*pos_shape, width).int()
+    positions[..., -1] = -1  # padding: zero rows
+    positions = positions.to("cuda")
+    k_rows, v_rows, bias_rows = ops.gather_key_rows(k, v, positions, bias)
+    idx = positions.long().clamp_min(0).expand(batch, heads, width)
+    valid = (positions >= 0).expand(batch, heads, width).transpose(1, 2).unsqueeze(-1)
+    for x, rows in ((k, k_rows), (v, v_rows)):
+        want = torch.gather(x, 1, idx.transpose(1, 2).unsqueeze(-1).expand(batch, width, heads, dim))
+        torch.testing.assert_close(rows, torch.where(valid, want, 0), rtol=0, atol=0)
+    want_bias = torch.where(positions >= 0, torch.gather(bias, -1, positions.long().clamp_min(0)), 0)
+    torch.testing.assert_close(bias_rows[:, :, 0], want_bias, rtol=0, atol=0)
+
+
+def test_glue_errors_name_the_argument():
+    scores = torch.randn(2, 3, 100, device="cuda")
+    with pytest.raises(ValueError, match="keep"):
+        ops.select_topk_positions(scores, 101)
+    with pytest.raises(TypeError, match="bias"):
+        ops.select_topk_positions(scores.double(), 10)
+    k = torch.randn(1, 50, 2, 16, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="v"):
+        ops.gather_key_rows(k, k.float(), torch.zeros(1, 2, 5, dtype=torch.int32, device="cuda"), None)
+    with pytest.raises(ValueError, match="positions"):
+        ops.gather_key_rows(k, k, torch.zeros(1, 3, 5, dtype=torch.int32, device="cuda"), None)
+
+
+def test_attention_topk_takes_the_native_glue(monkeypatch):
+    """attention_topk (no mask, CUDA) selects with the native kernel and gathers natively; its
+    output equals the torch composition's (the glue off) exactly, its gradients up to dQ's
+    atomic summation order."""
+    calls = []
+    for name in ("select_topk_positions", "gather_key_rows"):
+        fn = getattr(gather, name)
+        monkeypatch.setattr(gather, name, lambda *a, _fn=fn, _n=name: calls.append(_n) or _fn(*a))
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(2, 512, 4, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(4))
+    bias = torch.randn(2, 4, 1, 512, generator=g).to("cuda", torch.bfloat16)
+    results = []
+    for native in (True, False):
+        monkeypatch.setattr(gather, "native_glue_available", lambda _n=native: _n)
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v, bias)]
+        out = dmattn.attention_topk(*leaves[:3], leaves[3], 100, causal=True)
+        results.append((out, *torch.autograd.grad(out, leaves, dout)))
+    assert calls == ["select_topk_positions", "gather_key_rows"]
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)  # same kernel inputs
+    for a, b in zip(results[0][1:], results[1][1:]):  # (dq sums with atomics: its order may differ)
+        torch.testing.assert_close(a, b)
