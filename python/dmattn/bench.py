@@ -228,6 +228,11 @@ def _flex(cfg: Config, x: Inputs):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     b, s, h, d = x.q.shape
+    # Every configuration recompiles flex_attention (its score_mod / mask_mod close over new
+    # tensors). Without a reset, a long run reaches dynamo's recompile limit and flex_attention
+    # silently falls back to its eager path, which materializes (B, H, S, S) scores: a peer
+    # timed that way is slow or out of memory for reasons that are the benchmark's, not Flex's.
+    torch._dynamo.reset()
     compiled = torch.compile(flex_attention, dynamic=False)
     bias, mask, causal = x.bias, x.mask, cfg.causal
 
