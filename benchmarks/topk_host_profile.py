@@ -14,13 +14,11 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import time
 
 import torch
 
 import dmattn
-
-H, D, KEEP = 16, 128, 2048
+from topk_gather_timing import KEEP, host_enqueue_ms, make  # (this script's folder is on sys.path)
 
 
 def main() -> None:
@@ -29,12 +27,7 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--rows", type=int, default=35)
     args = ap.parse_args()
-    g = torch.Generator().manual_seed(0)
-    shape = (args.batch, args.seqlen, H, D)
-    q, k, v, dout = (torch.randn(*shape, generator=g).to("cuda", torch.bfloat16) for _ in range(4))
-    bias = torch.randn(args.batch, H, 1, args.seqlen, generator=g).to("cuda", torch.bfloat16)
-    for t in (q, k, v, bias):
-        t.requires_grad_(True)
+    q, k, v, bias, dout = make(args.batch, args.seqlen)
 
     def fwd():
         with torch.no_grad():
@@ -44,20 +37,9 @@ def main() -> None:
         out = dmattn.attention_topk(q, k, v, bias, KEEP, causal=True)
         return torch.autograd.grad(out, (q, k, v, bias), dout)
 
-    def enqueue_ms(fn, rounds=10):
-        best = float("inf")
-        for _ in range(rounds):
-            torch.cuda.synchronize()
-            torch.cuda._sleep(100_000_000)
-            t0 = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t0)
-            torch.cuda.synchronize()
-        return best * 1e3
-
     for _ in range(3):
         fwd_bwd()
-    print(f"host enqueue (GPU kept busy): fwd {enqueue_ms(fwd):.3f} ms, fwd+bwd {enqueue_ms(fwd_bwd):.3f} ms")
+    print(f"host enqueue (GPU kept busy): fwd {host_enqueue_ms(fwd):.3f} ms, fwd+bwd {host_enqueue_ms(fwd_bwd):.3f} ms")
 
     torch.cuda.synchronize()
     torch.cuda._sleep(1_000_000_000)

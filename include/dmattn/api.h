@@ -90,7 +90,6 @@ BackwardParams make_varlen_backward_params(
 void run_forward(const ForwardParams& params);
 void run_backward(const BackwardParams& params);
 
-// Is the CUDA backend compiled in?
 // The gather path's glue on CUDA (dmattn.attention_topk without a mask), in destination-passing
 // style on the current stream `stream` (a cudaStream_t):
 //   select_topk_positions: per row (b, h) of bias (rows_b, rows_h, Sk) -- 16/32-bit floats, any
@@ -105,6 +104,7 @@ void select_topk_positions(const TensorDesc& bias, int64_t keep, const TensorDes
 void gather_key_rows(const TensorDesc& k, const TensorDesc& v, const TensorDesc& positions, const TensorDesc& k_rows,
                      const TensorDesc& v_rows, const TensorDesc* bias, const TensorDesc* bias_rows, void* stream);
 
+// Is the CUDA backend compiled in?
 bool cuda_available();
 
 // Does the backend of `device` read ForwardParams::key_positions? run_forward / run_backward

@@ -295,15 +295,15 @@ class _DistinctRowsAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, positions, index, native, causal, window_left, window_right, scale,
                 softcap, deterministic):
-        batch, num_keys, heads_kv, head_dim = k.shape
+        batch, num_keys, heads_kv, _ = k.shape
         width = positions.shape[-1]
         flat_index = None  # (the backward's copy needs it; the native gathers do not)
         if native:  # CUDA: one kernel for the K, V and bias rows
             k_rows, v_rows, bias_rows = gather_key_rows(k, v, positions, None if bias is None else bias[:, :, 0])
         else:
             flat_index = _flat_row_index(index, batch, heads_kv, num_keys, heads_kv)
-            k_rows = k.reshape(-1, head_dim).index_select(0, flat_index).view(batch, width, heads_kv, head_dim)
-            v_rows = v.reshape(-1, head_dim).index_select(0, flat_index).view(batch, width, heads_kv, head_dim)
+            k_rows = _gather_rows(k, flat_index, width, heads_kv, distinct=False)  # (no autograd in here)
+            v_rows = _gather_rows(v, flat_index, width, heads_kv, distinct=False)
             bias_rows = None if bias is None else bias.gather(-1, index.unsqueeze(-2))
         options = (causal, window_left, window_right, scale, softcap, deterministic)
         out, lse = _call_op(attention_forward, q, k_rows, v_rows, None, bias_rows, *options, positions, num_keys)

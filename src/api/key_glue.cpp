@@ -12,7 +12,11 @@ namespace dmattn {
 
 namespace {
 
-bool is_float_16_or_32(DType d) { return d == DType::kFloat16 || d == DType::kBFloat16 || d == DType::kFloat32; }
+// The glue kernels move 16- or 32-bit float elements (bias keys, K / V rows).
+void check_float_16_or_32(const TensorDesc& t, const char* name) {
+  check(t.dtype == DType::kFloat16 || t.dtype == DType::kBFloat16 || t.dtype == DType::kFloat32, ErrorKind::kType,
+        name, ": expected dtype float16, bfloat16 or float32, got ", dtype_name(t.dtype));
+}
 
 void check_cuda_tensor(const TensorDesc& t, const TensorDesc& ref, const char* name) {
   check(t.device == DeviceKind::kCUDA, ErrorKind::kValue, name, ": expected a CUDA tensor, got ",
@@ -32,8 +36,7 @@ void select_topk_positions(const TensorDesc& bias, int64_t keep, const TensorDes
   check_cuda_tensor(bias, bias, "bias");
   check_cuda_tensor(positions, bias, "positions");
   checks::check_rank(bias, 3, "bias", "(rows_b, rows_h, Sk)");
-  check(is_float_16_or_32(bias.dtype), ErrorKind::kType,
-        "bias: expected dtype float16, bfloat16 or float32, got ", dtype_name(bias.dtype));
+  check_float_16_or_32(bias, "bias");
   const int64_t num_keys = bias.shape[2];
   check(keep >= 1 && keep <= num_keys && num_keys < (int64_t(1) << 31), ErrorKind::kValue,
         "keep: expected 1 <= keep <= Sk = ", num_keys, " (< 2^31), got ", keep);
@@ -66,8 +69,7 @@ void gather_key_rows(const TensorDesc& k, const TensorDesc& v, const TensorDesc&
     check_cuda_tensor(*t, k, name);
   checks::check_rank(k, 4, "k", "(B, Sk, Hkv, D)");
   checks::check_shape(v, k.shape, "v");
-  check(is_float_16_or_32(k.dtype), ErrorKind::kType, "k: expected dtype float16, bfloat16 or float32, got ",
-        dtype_name(k.dtype));
+  check_float_16_or_32(k, "k");
   checks::check_dtype(v, k.dtype, "v");
   checks::check_last_dim_contiguous(k, "k");
   checks::check_last_dim_contiguous(v, "v");
@@ -88,8 +90,7 @@ void gather_key_rows(const TensorDesc& k, const TensorDesc& v, const TensorDesc&
     check_cuda_tensor(*bias, k, "bias");
     check_cuda_tensor(*bias_rows, k, "bias_rows");
     checks::check_rank(*bias, 3, "bias", "(rows_b, rows_h, Sk): the positions' leading dims");
-    check(is_float_16_or_32(bias->dtype), ErrorKind::kType,
-          "bias: expected dtype float16, bfloat16 or float32, got ", dtype_name(bias->dtype));
+    check_float_16_or_32(*bias, "bias");
     checks::check_shape(*bias, {pos_batch, pos_heads, num_keys}, "bias");
     checks::check_dtype(*bias_rows, bias->dtype, "bias_rows");
     checks::check_shape(*bias_rows, {pos_batch, pos_heads, width}, "bias_rows");
