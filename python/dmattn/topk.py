@@ -7,7 +7,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import gather
+from . import gather, per_query_path
 from .interface import attention_on
 from .masks import bias_over_keys, check_keep, dynamic_mask
 
@@ -28,6 +28,7 @@ def attention_topk(
     softcap: float = 0.0,
     deterministic: bool = False,
     return_lse: bool = False,
+    per_query: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention restricted, per row of bias/mask, to the ``keep`` keys with the largest bias.
 
@@ -51,6 +52,11 @@ def attention_topk(
     if k.dim() != 4:
         raise ValueError(f"k: expected rank 4 (B, Sk, Hkv, D), got shape {tuple(k.shape)}")
     keep = check_keep(keep)
+    if per_query and causal:
+        return per_query_path.attention_per_query_topk(
+            q, k, v, bias, keep, mask, window=window, scale=scale, softcap=softcap,
+            deterministic=bool(deterministic), return_lse=return_lse)
+    # per_query without causal: every query sees every key, one key set per (batch, head).
     options = dict(causal=causal, window=window, scale=scale, softcap=softcap,
                    deterministic=deterministic, return_lse=return_lse)
     if isinstance(q, torch.Tensor):
