@@ -21,9 +21,12 @@ struct AttentionOptions {
 // "Gather path"): key_positions int32 (1 or B, 1 / Hkv / H, K) with K = k.shape[1] and a
 // contiguous last dimension; seqlen_k_original >= 0 the length the positions index into.
 // key_positions == null: k, v hold every key (seqlen_k_original is ignored).
+// key_ends (optional, only with key_positions): int32 of key_positions' shape, strides and
+// device; row j is allowed only for queries i < key_ends[b, h', j] (ForwardParams::key_ends).
 struct GatheredKeys {
   const TensorDesc* key_positions = nullptr;
   int64_t seqlen_k_original = 0;
+  const TensorDesc* key_ends = nullptr;
 };
 
 // Validates every argument (rank, shape, dtype, device, strides, head ratio, head dim,
@@ -103,6 +106,27 @@ void run_backward(const BackwardParams& params);
 void select_topk_positions(const TensorDesc& bias, int64_t keep, const TensorDesc& positions, void* stream);
 void gather_key_rows(const TensorDesc& k, const TensorDesc& v, const TensorDesc& positions, const TensorDesc& k_rows,
                      const TensorDesc& v_rows, const TensorDesc* bias, const TensorDesc* bias_rows, void* stream);
+
+// Per-query causal top-k glue (docs/semantics.md, "Per-query causal top-k"), CPU or CUDA tensors
+// (CUDA: on `stream`), destination-passing, every tensor int32 and contiguous:
+//   prefix_thresholds: per row r of ranks (R, S) -- the rank of key j in the selection order
+//     (0 = selected first; S for a key that may not be selected) -- and order (R, S), the key at
+//     each rank (order[r, ranks[r, j]] == j for every selectable key, the rest after them):
+//     thresholds[r, v] = the keep-th smallest rank among the selectable keys 0..v, or S while
+//     fewer than keep of them are. Key j <= v is kept by prefix v iff ranks[r, j] <= thresholds.
+//   segment_candidates: from interval ends (Rb, Rh, S) -- key j is kept by the queries whose
+//     visible prefix v = i + offset lies in [j, ends[j]) -- the candidate keys of each segment of
+//     seg_len queries (segment s: queries [s * seg_len, (s + 1) * seg_len), first prefix P = s *
+//     seg_len + offset): keys j < P + seg_len with ends[j] > max(j, P), in increasing order,
+//     into row (b * num_segments + s, h) of positions / key_ends / index (Rb * num_segments, Rh,
+//     W): positions j - P + num_segments * seg_len + offset - seg_len (causal on them, with
+//     seqlen_k_original = num_segments * seg_len + offset and seg_len queries, is j <= i +
+//     offset), key_ends ends[j] - P, index j; padding -1, 0, -1 after them. W must hold every
+//     segment's candidates (min(keep, S) + seg_len does); offset >= 0.
+void prefix_thresholds(const TensorDesc& ranks, const TensorDesc& order, int64_t keep, const TensorDesc& thresholds,
+                       void* stream);
+void segment_candidates(const TensorDesc& ends, int64_t offset, int64_t seg_len, const TensorDesc& positions,
+                        const TensorDesc& key_ends, const TensorDesc& index, void* stream);
 
 // Is the CUDA backend compiled in?
 bool cuda_available();

@@ -109,9 +109,16 @@ struct ForwardParams {
   int64_t key_positions_stride_b = 0, key_positions_stride_h = 0;
   int64_t key_positions_head_div = 1;
   int64_t seqlen_k_original = 0;  // meaningful only with key_positions
+  // Optional, only with key_positions: int32 with key_positions' shape and strides. Row j of
+  // (b, h) is allowed only for queries i < key_ends[same index] (i: this call's query index),
+  // on top of every other rule; rows whose end is <= a query block's first query are masked
+  // for the whole block. Per-query top-k runs on it: the queries that keep a key form one
+  // interval, whose start is the causal rule and whose end is this bound.
+  const int32_t* key_ends = nullptr;
 
   bool is_varlen() const { return cu_seqlens_q != nullptr; }
   bool has_key_positions() const { return key_positions != nullptr; }
+  bool has_key_ends() const { return key_ends != nullptr; }
   int64_t group_size() const { return num_heads_kv > 0 ? num_heads / num_heads_kv : 1; }
   // The key length causal/window are aligned with.
   int64_t window_seqlen_k() const { return has_key_positions() ? seqlen_k_original : seqlen_k; }

@@ -130,6 +130,39 @@ def gather_key_rows(k: Tensor, v: Tensor, positions: Tensor,
     return k_rows, v_rows, bias_rows
 
 
+# ---------------------------------------------------------------------------------------------
+# Per-query causal top-k glue (per_query.py): CPU or CUDA, int32 tensors.
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def per_query_glue_available() -> bool:
+    """Whether the loaded library has the per-query glue (prefix_thresholds, segment_candidates)."""
+    try:
+        return hasattr(lib(), "prefix_thresholds")
+    except Exception:  # noqa: BLE001 (no library: the ops report it where they are used)
+        return False
+
+
+def prefix_thresholds(ranks: Tensor, order: Tensor, keep: int) -> Tensor:
+    """int32 (R, S): per row, the keep-th smallest rank among the selectable keys 0..v (S while
+    fewer are); ranks / order int32 (R, S) contiguous (dmattn/api.h)."""
+    thresholds = torch.empty_like(ranks)
+    lib().prefix_thresholds(ranks, order, keep, thresholds)
+    return thresholds
+
+
+def segment_candidates(ends: Tensor, offset: int, seg_len: int, num_segments: int,
+                       width: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """(positions, key_ends, index), int32 (Rb * num_segments, Rh, width): the candidate keys of
+    each segment of seg_len queries, from the interval ends (Rb, Rh, S) (dmattn/api.h)."""
+    rows_b, rows_h, _ = ends.shape
+    shape = (rows_b * num_segments, rows_h, width)
+    positions, key_ends, index = (torch.empty(shape, dtype=torch.int32, device=ends.device) for _ in range(3))
+    lib().segment_candidates(ends, offset, seg_len, positions, key_ends, index)
+    return positions, key_ends, index
+
+
 @torch.library.custom_op("dmattn::fwd", mutates_args=())
 def attention_forward(
     q: Tensor,
@@ -145,6 +178,7 @@ def attention_forward(
     deterministic: bool,
     key_positions: Optional[Tensor] = None,
     seqlen_k_original: int = 0,
+    key_ends: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Returns (out, lse): out like q, lse (B, H, Sq) float32 (float64 for float64 inputs)."""
     _check_rank(q, "q", "(batch, seqlen_q, num_heads, head_dim)")
@@ -152,13 +186,13 @@ def attention_forward(
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q), device=q.device)
     q, k, v = (_cuda_layout(t) for t in (q, k, v))
     lib().forward(q, k, v, out, lse, mask, bias, causal, window_left, window_right,
-                  _scale_arg(scale), softcap, key_positions, seqlen_k_original)
+                  _scale_arg(scale), softcap, key_positions, seqlen_k_original, key_ends)
     return out, lse
 
 
 @attention_forward.register_fake
 def _(q, k, v, mask, bias, causal, window_left, window_right, scale, softcap, deterministic,
-      key_positions=None, seqlen_k_original=0):
+      key_positions=None, seqlen_k_original=0, key_ends=None):
     _check_rank(q, "q", "(batch, seqlen_q, num_heads, head_dim)")
     out = q.new_empty(q.shape)
     lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q))
@@ -184,6 +218,7 @@ def attention_backward(
     deterministic: bool,
     key_positions: Optional[Tensor] = None,
     seqlen_k_original: int = 0,
+    key_ends: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (dq, dk, dv, dbias); dbias is an empty tensor unless bias_requires_grad."""
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -202,7 +237,7 @@ def attention_backward(
     dout, q, k, v, out = (_cuda_layout(t) for t in (dout, q, k, v, out))
     lib().backward(q, k, v, out, lse, mask, bias, dout, dq, dk, dv, dbias, delta, dq_accum,
                    dbias_accum, causal, window_left, window_right, _scale_arg(scale), softcap,
-                   deterministic, key_positions, seqlen_k_original)
+                   deterministic, key_positions, seqlen_k_original, key_ends)
     if dbias is None:
         dbias = q.new_empty((0,))
     return dq, dk, dv, dbias
@@ -210,16 +245,16 @@ def attention_backward(
 
 @attention_backward.register_fake
 def _(dout, q, k, v, out, lse, mask, bias, bias_requires_grad, causal, window_left,
-      window_right, scale, softcap, deterministic, key_positions=None, seqlen_k_original=0):
+      window_right, scale, softcap, deterministic, key_positions=None, seqlen_k_original=0, key_ends=None):
     dbias = bias.new_empty(bias.shape) if (bias_requires_grad and bias is not None) else q.new_empty((0,))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, mask, bias, causal, window_left, window_right, scale, softcap, deterministic,
-     key_positions, seqlen_k_original) = inputs
+     key_positions, seqlen_k_original, key_ends) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, mask, bias, out, lse, key_positions)
+    ctx.save_for_backward(q, k, v, mask, bias, out, lse, key_positions, key_ends)
     ctx.options = (causal, window_left, window_right, scale, softcap, deterministic)
     ctx.seqlen_k_original = seqlen_k_original
     ctx.bias_requires_grad = bias is not None and ctx.needs_input_grad[4]
@@ -232,17 +267,17 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, _dlse):
     if dout is None:  # out did not reach the loss
         return (None,) * len(ctx.needs_input_grad)
-    q, k, v, mask, bias, out, lse, key_positions = ctx.saved_tensors
+    q, k, v, mask, bias, out, lse, key_positions, key_ends = ctx.saved_tensors
     causal, window_left, window_right, scale, softcap, deterministic = ctx.options
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     dq, dk, dv, dbias = _call_op(
         attention_backward,
         dout, q, k, v, out, lse, mask, bias, ctx.bias_requires_grad, causal, window_left,
-        window_right, scale, softcap, deterministic, key_positions, ctx.seqlen_k_original)
-    # Mask, options and key positions receive no gradient.
+        window_right, scale, softcap, deterministic, key_positions, ctx.seqlen_k_original, key_ends)
+    # Mask, options, key positions and ends receive no gradient.
     return (dq, dk, dv, None, dbias if ctx.bias_requires_grad else None,
-            None, None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None, None)
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -298,7 +333,7 @@ def _eager_autograd(op, setup, backward_fn, num_differentiable: int, defaults: t
 
 # dmattn::fwd with autograd, for the Python API (same arguments); q, k, v, mask, bias may
 # require grad.
-forward_with_grad = _eager_autograd(attention_forward, _setup_context, _backward, 5, (None, 0))
+forward_with_grad = _eager_autograd(attention_forward, _setup_context, _backward, 5, (None, 0, None))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,19 +1,39 @@
-"""dmattn.attention_topk(..., causal=True, per_query=True): the argument checks and the choice
-between the O(S) interval path and the dense reference mask (per_query.py)."""
+"""dmattn.attention_topk(..., causal=True, per_query=True): the argument checks, and the
+interval path that runs the per-query selection in O(S) memory.
+
+The interval path (docs/semantics.md, "Per-query causal top-k"): the queries are cut into
+segments of ``SEGMENT_LEN``; a segment's queries may only keep the keys kept by its first query
+plus the keys inside it, at most keep + SEGMENT_LEN candidates, which interval_ends /
+segment_candidates list per (batch, segment, head) in increasing order. Each segment becomes one
+batch entry of the gathered-keys kernels (K, V and bias rows gathered per segment): causal on
+the candidates' positions gives j <= i, and the candidates' key_ends give i < end_j, so every
+element is exactly the per-query selection. Work ~ Sq * (keep + SEGMENT_LEN), memory ~ Sq / L
+* (keep + L) gathered rows; no (Sq, Sk) tensor and no host synchronization.
+Gradients: dq from the kernels; dk, dv and dbias of the gathered rows summed back onto the
+original keys in float32 (a key is a candidate of several segments).
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from .gather import _key_side_view
-from .interface import _parse_window, attention_on
+from .gather import _GatherRowsSummed, _key_side_view, _to_heads, _combined_heads
+from .interface import _last_dim_contiguous, _parse_options, _parse_window, attention_on
 from .masks import bias_over_keys
-from .per_query import per_query_mask
+from .ops import forward_with_grad, per_query_glue_available, segment_candidates, supports_key_positions
+from .per_query import interval_ends, per_query_mask
 
-__all__ = ["attention_per_query_topk"]
+__all__ = ["attention_per_query_topk", "SEGMENT_LEN"]
+
+# Queries per segment: larger segments gather fewer rows (~ Sq / L * keep), smaller ones compute
+# fewer masked-out elements (~ Sq * L / 2); 512 is near the best on an H100 for keep = 2048.
+SEGMENT_LEN = int(os.environ.get("DMATTN_PER_QUERY_SEGMENT", "512"))
+
+_forced_dense = False
 
 
 def _check_key_side(t: Optional[Tensor], name: str, q: Tensor, k: Tensor) -> None:
@@ -27,6 +47,23 @@ def _check_key_side(t: Optional[Tensor], name: str, q: Tensor, k: Tensor) -> Non
             f"{name}: per_query=True needs a key-side {name} without a query dimension, "
             f"(1 or B, 1 / Hkv / H, 1, Sk) = (1 or {batch}, 1 / {heads_kv} / {heads}, 1, {num_keys}), "
             f"got shape {tuple(t.shape)}")
+
+
+def _interval_path_allowed(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, mask: Optional[Tensor],
+                           deterministic: bool) -> bool:
+    if _forced_dense or not per_query_glue_available() or not supports_key_positions(q.device.type):
+        return False
+    if any(t is not None and t.device != q.device for t in (k, v, bias, mask)):
+        return False  # the dense path reports it
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or k.shape[0] != q.shape[0]:
+        return False
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0 or q.shape[3] != k.shape[3]:
+        return False
+    num_queries, num_keys = q.shape[1], k.shape[1]
+    if num_queries == 0 or num_keys == 0 or num_queries > num_keys or num_keys >= 1 << 30:
+        return False
+    # The backward sums the gathered rows' gradients with atomics on CUDA.
+    return not (deterministic and q.device.type == "cuda")
 
 
 def attention_per_query_topk(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, keep: int,
@@ -44,8 +81,79 @@ def attention_per_query_topk(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, keep
     _check_key_side(mask, "mask", q, k)
     if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"mask: expected dtype torch.bool (True = may attend), got {mask.dtype}")
+    if not bias.dtype.is_floating_point:
+        raise TypeError(f"bias: expected a floating-point tensor, got dtype {bias.dtype}")
     options = dict(causal=True, window=(-1, -1), scale=scale, softcap=softcap,
                    deterministic=deterministic, return_lse=return_lse)
+    if _interval_path_allowed(q, k, v, bias, mask, deterministic):
+        _, _, scale, softcap = _parse_options((-1, -1), scale, softcap)
+        out, lse = _interval_attention(q, k, v, bias, keep, mask, scale, softcap, deterministic)
+        return (out, lse) if return_lse else out
     num_queries, num_keys = q.shape[1], k.shape[1]
     selected = per_query_mask(bias_over_keys(bias, num_keys), keep, mask, num_queries)
     return attention_on(q, k, v, selected, bias, None, **options)
+
+
+def _gather_summed(flat_x: Tensor, flat_index: Tensor) -> Tensor:
+    """Rows of flat_x whose gradient sums the repeats in float32 (in float64 for float64)."""
+    if flat_x.dtype == torch.float64:
+        return flat_x.index_select(0, flat_index)
+    return _GatherRowsSummed.apply(flat_x, flat_index)
+
+
+def _segments(num_queries: int) -> Tuple[int, int]:
+    """(segment length, number of segments) for Sq queries."""
+    seg_len = max(1, min(SEGMENT_LEN, num_queries))
+    return seg_len, -(-num_queries // seg_len)
+
+
+def _interval_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, keep: int, mask: Optional[Tensor],
+                        scale: Optional[float], softcap: float, deterministic: bool) -> Tuple[Tensor, Tensor]:
+    batch, num_queries, heads, head_dim = q.shape
+    num_keys, heads_kv = k.shape[1], k.shape[2]
+    offset = num_keys - num_queries
+    seg_len, num_segments = _segments(num_queries)
+
+    # The selection's rows: (1 or B, 1 / Hkv / H) of bias and mask together.
+    bias3 = _key_side_view(bias, batch, heads, heads_kv, num_keys)
+    mask3 = None if mask is None else _key_side_view(mask, batch, heads, heads_kv, num_keys)
+    rows_h = bias3.shape[1] if mask3 is None else _combined_heads(bias3.shape[1], mask3.shape[1], heads, heads_kv)
+    scores = _to_heads(bias3.detach(), rows_h, heads, heads_kv).expand(batch, rows_h, num_keys)
+    allowed = None if mask3 is None else _to_heads(mask3, rows_h, heads, heads_kv).expand(batch, rows_h, num_keys)
+    ends = interval_ends(scores.contiguous(), None if allowed is None else allowed.contiguous(), keep)
+    width = min(keep + seg_len, num_keys)
+    positions, key_ends, index = segment_candidates(ends, offset, seg_len, num_segments, width)
+
+    # Queries as (B * segments, seg_len, H, D): zero rows pad the last segment (their output is
+    # dropped and their zero output gradient contributes nothing).
+    padded = num_segments * seg_len
+    q_seg = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, padded - num_queries)) if padded != num_queries else q
+    q_seg = _last_dim_contiguous(q_seg.contiguous().view(batch * num_segments, seg_len, heads, head_dim))
+
+    # K, V rows per (segment, gathered head): one head per kv head when the selection's rows are
+    # shared by a kv head's queries, else one per query head (the kernels' positions rule).
+    gathered_heads = heads if rows_h == heads != heads_kv else heads_kv
+    seg_index = _to_heads(index, gathered_heads, heads, heads_kv).expand(-1, gathered_heads, -1)
+    kv_head = torch.arange(gathered_heads, device=q.device) // (gathered_heads // heads_kv)
+    batch_of = torch.arange(batch * num_segments, device=q.device) // num_segments
+    rows = (batch_of.view(-1, 1, 1) * num_keys + seg_index.clamp_min(0).transpose(1, 2)) * heads_kv + kv_head
+    flat_rows = rows.reshape(-1)  # (B * segments, W, gathered heads)
+    row_shape = (batch * num_segments, width, gathered_heads, head_dim)
+    k_rows = _gather_summed(k.reshape(-1, head_dim), flat_rows).view(row_shape)
+    v_rows = _gather_summed(v.reshape(-1, head_dim), flat_rows).view(row_shape)
+
+    # The bias at the candidates, float32 (a key's gradient sums over segments in float32;
+    # float64 stays float64).
+    bias_heads = _to_heads(bias3, rows_h, heads, heads_kv)
+    bias_flat = bias_heads.to(torch.float64 if bias.dtype == torch.float64 else torch.float32).expand(bias3.shape[0], rows_h, num_keys).reshape(-1)
+    bias_batch = batch_of if bias3.shape[0] > 1 else torch.zeros_like(batch_of)
+    bias_index = (bias_batch.view(-1, 1, 1) * rows_h + torch.arange(rows_h, device=q.device).view(1, -1, 1)) * num_keys
+    bias_index = (bias_index + index.clamp_min(0)).reshape(-1)
+    bias_rows = bias_flat.index_select(0, bias_index).view(batch * num_segments, rows_h, 1, width)
+
+    original = padded + offset
+    out, lse = forward_with_grad(q_seg, k_rows, v_rows, None, bias_rows, True, -1, -1, scale, softcap,
+                                 deterministic, positions, original, key_ends)
+    out = out.view(batch, padded, heads, head_dim)[:, :num_queries]
+    lse = lse.view(batch, num_segments, heads, seg_len).transpose(1, 2).reshape(batch, heads, padded)
+    return out, lse[..., :num_queries]

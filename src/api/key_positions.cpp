@@ -31,6 +31,8 @@ void check_row_order(const int32_t* row, int64_t count, int64_t seqlen_k_origina
 }  // namespace
 
 void set_key_positions(const TensorDesc& q, const GatheredKeys& gathered, ForwardParams& p) {
+  check(gathered.key_positions != nullptr || gathered.key_ends == nullptr, ErrorKind::kValue,
+        "key_ends: given without key_positions (it bounds the queries of gathered rows)");
   if (gathered.key_positions == nullptr) return;
   const TensorDesc& t = *gathered.key_positions;
   check_same_device(q, t, "key_positions");
@@ -52,6 +54,20 @@ void set_key_positions(const TensorDesc& q, const GatheredKeys& gathered, Forwar
   // One row per GQA group when sized Hkv (and Hkv != H), as for a bias.
   p.key_positions_head_div = (heads == p.num_heads_kv && heads != p.num_heads) ? p.group_size() : 1;
   p.seqlen_k_original = gathered.seqlen_k_original;
+
+  if (gathered.key_ends != nullptr) {
+    const TensorDesc& e = *gathered.key_ends;
+    check_same_device(q, e, "key_ends");
+    check_dtype(e, DType::kInt32, "key_ends");
+    bool same_layout = e.shape == t.shape;
+    for (size_t d = 0; same_layout && d < e.shape.size(); ++d) {
+      same_layout = e.shape[d] == 1 || e.strides[d] == t.strides[d];
+    }
+    check(same_layout, ErrorKind::kValue,
+          "key_ends: expected the shape and strides of key_positions ", t.shape_str(), ", got ",
+          e.shape_str());
+    p.key_ends = static_cast<const int32_t*>(e.data);
+  }
 
   if (t.device != DeviceKind::kCPU) return;
   for (int64_t b = 0; b < batch; ++b) {

@@ -82,13 +82,14 @@ dmattn::AttentionOptions make_options(bool causal, int64_t window_left, int64_t 
   return o;
 }
 
-// key_positions absent: k, v hold every key (seqlen_k_original is then ignored).
+// key_positions absent: k, v hold every key (seqlen_k_original is then ignored). key_ends:
+// optional per-row query bound of the gathered rows.
 struct GatheredKeysArg {
-  OptionalDesc positions;
+  OptionalDesc positions, ends;
   int64_t seqlen_k_original;
-  GatheredKeysArg(const Optional<TensorView>& key_positions, int64_t original)
-      : positions(key_positions), seqlen_k_original(original) {}
-  dmattn::GatheredKeys get() const { return {positions.get(), seqlen_k_original}; }
+  GatheredKeysArg(const Optional<TensorView>& key_positions, int64_t original, const Optional<TensorView>& key_ends)
+      : positions(key_positions), ends(key_ends), seqlen_k_original(original) {}
+  dmattn::GatheredKeys get() const { return {positions.get(), seqlen_k_original, ends.get()}; }
 };
 
 void* current_stream(const dmattn::ForwardParams& p) {
@@ -109,10 +110,10 @@ void translate_errors(Body&& body) {
 void forward(TensorView q, TensorView k, TensorView v, TensorView out, TensorView lse,
              Optional<TensorView> mask, Optional<TensorView> bias, bool causal,
              int64_t window_left, int64_t window_right, double scale, double softcap,
-             Optional<TensorView> key_positions, int64_t seqlen_k_original) {
+             Optional<TensorView> key_positions, int64_t seqlen_k_original, Optional<TensorView> key_ends) {
   translate_errors([&] {
     const OptionalDesc mask_d(mask), bias_d(bias);
-    const GatheredKeysArg gathered(key_positions, seqlen_k_original);
+    const GatheredKeysArg gathered(key_positions, seqlen_k_original, key_ends);
     dmattn::ForwardParams p = dmattn::make_forward_params(
         to_desc(q), to_desc(k), to_desc(v), to_desc(out), to_desc(lse), mask_d.get(),
         bias_d.get(), make_options(causal, window_left, window_right, scale, softcap, false),
@@ -128,11 +129,11 @@ void backward(TensorView q, TensorView k, TensorView v, TensorView out, TensorVi
               Optional<TensorView> softmax_delta, Optional<TensorView> dq_accum,
               Optional<TensorView> dbias_accum, bool causal, int64_t window_left,
               int64_t window_right, double scale, double softcap, bool deterministic,
-              Optional<TensorView> key_positions, int64_t seqlen_k_original) {
+              Optional<TensorView> key_positions, int64_t seqlen_k_original, Optional<TensorView> key_ends) {
   translate_errors([&] {
     const OptionalDesc mask_d(mask), bias_d(bias), dbias_d(dbias), delta_d(softmax_delta),
         dq_accum_d(dq_accum), dbias_accum_d(dbias_accum);
-    const GatheredKeysArg gathered(key_positions, seqlen_k_original);
+    const GatheredKeysArg gathered(key_positions, seqlen_k_original, key_ends);
     dmattn::BackwardParams p = dmattn::make_backward_params(
         to_desc(q), to_desc(k), to_desc(v), to_desc(out), to_desc(lse), mask_d.get(),
         bias_d.get(), to_desc(dout), to_desc(dq), to_desc(dk), to_desc(dv), dbias_d.get(),
@@ -226,6 +227,21 @@ void gather_key_rows(TensorView k, TensorView v, TensorView positions, TensorVie
   });
 }
 
+// Per-query causal top-k glue (dmattn/api.h), CPU or CUDA tensors.
+void prefix_thresholds(TensorView ranks, TensorView order, int64_t keep, TensorView thresholds) {
+  translate_errors([&] {
+    dmattn::prefix_thresholds(to_desc(ranks), to_desc(order), keep, to_desc(thresholds), glue_stream(ranks));
+  });
+}
+
+void segment_candidates(TensorView ends, int64_t offset, int64_t seg_len, TensorView positions, TensorView key_ends,
+                        TensorView index) {
+  translate_errors([&] {
+    dmattn::segment_candidates(to_desc(ends), offset, seg_len, to_desc(positions), to_desc(key_ends), to_desc(index),
+                               glue_stream(ends));
+  });
+}
+
 bool cuda_available() { return dmattn::cuda_available(); }
 
 // Whether forward/backward accept key_positions for tensors on `device` ("cpu", "cuda").
@@ -246,3 +262,5 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(cuda_available, cuda_available);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(supports_key_positions, supports_key_positions);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(select_topk_positions, select_topk_positions);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gather_key_rows, gather_key_rows);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(prefix_thresholds, prefix_thresholds);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(segment_candidates, segment_candidates);

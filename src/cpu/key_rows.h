@@ -56,7 +56,7 @@ struct WindowRule {
 class KeyRows {
  public:
   explicit KeyRows(const ForwardParams& p)
-      : window_(p), positions_(p.key_positions), stride_b_(p.key_positions_stride_b),
+      : window_(p), positions_(p.key_positions), ends_(p.key_ends), stride_b_(p.key_positions_stride_b),
         stride_h_(p.key_positions_stride_h), head_div_(p.key_positions_head_div),
         rows_(p.seqlen_k), seqlen_k_original_(p.seqlen_k_original) {}
 
@@ -70,6 +70,12 @@ class KeyRows {
     const int32_t* first = std::lower_bound(row, valid_end, positions.begin);
     const int32_t* last = std::lower_bound(first, valid_end, positions.end);
     return {first - row, last - row};
+  }
+
+  // key_ends[b, h', :] (ForwardParams::key_ends): row j is allowed only for queries i < the
+  // entry j; null without key ends.
+  const int32_t* ends_row(int64_t b, int64_t h) const {
+    return ends_ == nullptr ? nullptr : ends_ + b * stride_b_ + (h / head_div_) * stride_h_;
   }
 
   // Queries of (b, h) that may attend to at least one of the rows `keys`.
@@ -96,6 +102,7 @@ class KeyRows {
 
   WindowRule window_;
   const int32_t* positions_;  // null: row j is position j
+  const int32_t* ends_;       // null: no per-row query bound
   int64_t stride_b_, stride_h_, head_div_, rows_, seqlen_k_original_;
 };
 

@@ -1,5 +1,6 @@
 // Per-element score modification: scale, softcap, bias, and which positions are allowed
-// (mask, causal/sliding window on the key positions (key_rows.h), bias != -inf).
+// (mask, causal/sliding window on the key positions (key_rows.h), the gathered rows' query
+// bound key_ends, bias != -inf).
 //
 // A disallowed position is *replaced* by -inf, never offset by a sentinel, so a finite score
 // can never overflow and a disallowed position contributes nothing whatever its bias holds.
@@ -67,6 +68,11 @@ struct ScoreMod {
         for (int64_t c = allowed_begin; c < allowed_end; ++c) s[c] *= scale;
       }
 
+      if (const int32_t* ends = keys.ends_row(b, h)) {
+        for (int64_t c = allowed_begin; c < allowed_end; ++c) {
+          if (i >= ends[j0 + c]) s[c] = kNegInf;
+        }
+      }
       if (mask_base) {
         const uint8_t* m = mask_base + mask.offset(b, h, i, j0);
         for (int64_t c = allowed_begin; c < allowed_end; ++c) {

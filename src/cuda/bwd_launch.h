@@ -216,7 +216,8 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
   if (f.kpos.ptr) {  // gathered keys: the key block's positions (kBlockN int32) at the end,
     // at one offset for every kernel of the pass (the launches share the argument block)
     a.f.smem_kpos_off = smem > smem_main ? smem : smem_main;
-    smem = smem_main = a.f.smem_kpos_off + Tile::kBlockN * 4;
+    a.f.kpos.end_delta = a.f.kpos.ends ? Tile::kBlockN : 0;  // key ends: their tile right after
+    smem = smem_main = a.f.smem_kpos_off + (a.f.kpos.ends ? 2 : 1) * Tile::kBlockN * 4;
   }
   auto launch_with = [&](auto kernel, dim3 grid, int threads, int bytes, const char* what) {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), what);

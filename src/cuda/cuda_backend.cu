@@ -87,6 +87,7 @@ FwdArgs make_fwd_args(const ForwardParams& p) {
     a.kpos.stride_h = p.key_positions_stride_h;
     a.kpos.head_div = static_cast<int>(p.key_positions_head_div);
     a.kpos.seqlen_k_original = static_cast<int>(p.seqlen_k_original);
+    a.kpos.ends = p.key_ends;
   }
   return a;
 }

@@ -52,7 +52,9 @@ void launch_fwd_kernel(const FwdArgs& args, cudaStream_t stream, Kernel kernel) 
   // Shared memory: Q, K, V, then kMaskTiles mask tiles (look-ahead for block skipping), then one
   // or two bias tiles, then the positions tiles. A query-broadcast operand needs one row per tile.
   static_assert(kMaskTiles == 2 || kMaskTiles == 3);
-  const int kpos_bytes = a.kpos.ptr ? kPosTiles * Tile::kBlockN * 4 : 0;
+  // With key ends, each positions tile has an ends tile kPosTiles * kBlockN entries later.
+  a.kpos.end_delta = a.kpos.ends ? kPosTiles * Tile::kBlockN : 0;
+  const int kpos_bytes = a.kpos.ptr ? (a.kpos.ends ? 2 : 1) * kPosTiles * Tile::kBlockN * 4 : 0;
   int smem = Tile::kOffBias;
   if (a.mask.ptr) {
     const int bytes = fwd_round_up((a.mask.row_bcast ? 1 : Tile::kBlockM) * Tile::kMaskPitch, 128);

@@ -26,6 +26,11 @@ struct KeyPositionsArgs {
   int64_t stride_b = 0, stride_h = 0;
   int head_div = 1;
   int seqlen_k_original = 0;
+  // Per-row query bound (ForwardParams::key_ends; null = none): row j of (b, h) is allowed only
+  // for queries i < ends[b, h', j]; same strides as ptr. Its kBlockN-entry tile sits end_delta
+  // int32 after each positions tile in shared memory (set by the launcher; 0 without ends).
+  const int32_t* ends = nullptr;
+  int end_delta = 0;
 };
 
 // The window rule on original positions for query i: the allowed positions are [lo, hi) with
@@ -53,11 +58,18 @@ __device__ __forceinline__ const int32_t* positions_row(const KeyPositionsArgs& 
   return kp.ptr + int64_t(b) * kp.stride_b + int64_t(h / kp.head_div) * kp.stride_h;
 }
 
+// key_ends[b, h', :] for query head h, or null without key ends.
+__device__ __forceinline__ const int32_t* ends_row(const KeyPositionsArgs& kp, int b, int h) {
+  return kp.ends == nullptr ? nullptr : kp.ends + int64_t(b) * kp.stride_b + int64_t(h / kp.head_div) * kp.stride_h;
+}
+
 // Per-element test of the score transform (score_mask.h): the positions of the columns it
-// is handed (shared memory, column c at s_pos[c]) and the window on positions.
+// is handed (shared memory, column c at s_pos[c]), the window on positions, and with key ends
+// the query bound of column c at s_pos[c + end_delta].
 struct PositionTest {
   const int32_t* s_pos;  // the tile, already offset to the first column handed over
   WindowMask win;        // seqlen_k = seqlen_k_original
+  int end_delta;         // 0: no key ends
 };
 
 // One (batch, head) row of positions in global memory.
@@ -133,7 +145,8 @@ struct KeyPositionRow {
 // and inside the window of every query of the block. Reads two shared entries (broadcast).
 template <int kBlockN>
 __device__ __forceinline__ bool positions_block_needs_mask(const WindowMask& pwin, const int32_t* s_pos, int m0,
-                                                           int block_m) {
+                                                           int block_m, bool has_ends) {
+  if (has_ends) return true;  // (the per-row query bounds are not summarized per block)
   const int first = s_pos[0], last = s_pos[kBlockN - 1];
   if (first < 0 || last < 0 || last >= pwin.seqlen_k) return true;  // padding inside (sorted)
   const int64_t m_last = (m0 + block_m < pwin.seqlen_q ? m0 + block_m : pwin.seqlen_q) - 1;
@@ -146,25 +159,39 @@ __device__ __forceinline__ bool positions_block_needs_mask(const WindowMask& pwi
 // Stores the positions of rows [n0, n0 + kBlockN) into s_pos, -1 past the `count` gathered
 // rows. Plain loads and shared stores (512 bytes at most): visible after the caller's next
 // barrier, which must also separate it from the previous block's reads.
+// With key ends (end_row non-null) their tile goes to s_pos + end_delta the same way (0 past
+// the gathered rows).
 template <int kBlockN, int kThreads>
-__device__ __forceinline__ void load_positions_tile(int32_t* s_pos, const int32_t* row, int count, int n0, int tid) {
+__device__ __forceinline__ void load_positions_tile(int32_t* s_pos, const int32_t* row, int count, int n0, int tid,
+                                                    const int32_t* end_row, int end_delta) {
   for (int c = tid; c < kBlockN; c += kThreads) s_pos[c] = n0 + c < count ? __ldg(row + n0 + c) : -1;
+  if (end_row != nullptr) {
+    for (int c = tid; c < kBlockN; c += kThreads) s_pos[end_delta + c] = n0 + c < count ? __ldg(end_row + n0 + c) : 0;
+  }
 }
 
 // As load_positions_tile, but the rows inside the gathered count go through 4-byte cp.async
 // (the row need not be 16-byte aligned): it lands with the caller's next
 // cp_async_commit / cp_async_wait, so the load latency hides behind the caller's MMAs.
 template <int kBlockN, int kThreads>
-__device__ __forceinline__ void load_positions_tile_async(int32_t* s_pos, const int32_t* row, int count, int n0,
-                                                          int tid) {
+__device__ __forceinline__ void load_int_tile_async(int32_t* s_tile, const int32_t* row, int count, int n0, int tid,
+                                                    int past_end) {
   for (int c = tid; c < kBlockN; c += kThreads) {
     if (n0 + c < count) {
-      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(s_pos + c));
+      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(s_tile + c));
       asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(row + n0 + c));
     } else {
-      s_pos[c] = -1;
+      s_tile[c] = past_end;
     }
   }
+}
+
+// With key ends, their tile goes to s_pos + end_delta the same way (0 past the gathered rows).
+template <int kBlockN, int kThreads>
+__device__ __forceinline__ void load_positions_tile_async(int32_t* s_pos, const int32_t* row, int count, int n0,
+                                                          int tid, const int32_t* end_row, int end_delta) {
+  load_int_tile_async<kBlockN, kThreads>(s_pos, row, count, n0, tid, -1);
+  if (end_row != nullptr) load_int_tile_async<kBlockN, kThreads>(s_pos + end_delta, end_row, count, n0, tid, 0);
 }
 
 // The number of valid rows (0 <= pos < seqlen_k_original) in a tile just stored by

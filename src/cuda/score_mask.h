@@ -59,6 +59,11 @@ __device__ __forceinline__ void mask_and_bias_scores_impl(S& s, C const& coord, 
           const int2 p = *reinterpret_cast<const int2*>(pt->s_pos + col0 + cc);
           ok0 = ok0 && p.x >= lo && p.x < hi;
           ok1 = ok1 && p.y >= lo && p.y < hi;
+          if (pt->end_delta != 0) {  // key ends: the query must lie below the row's bound
+            const int2 e = *reinterpret_cast<const int2*>(pt->s_pos + pt->end_delta + col0 + cc);
+            ok0 = ok0 && m0 + row < e.x;
+            ok1 = ok1 && m0 + row < e.y;
+          }
         } else if constexpr (kPosMask) {
           ok0 = ok0 && cc >= lo && cc < hi;
           ok1 = ok1 && cc + 1 >= lo && cc + 1 < hi;

@@ -1,0 +1,104 @@
+// Validation and dispatch of the per-query causal top-k glue (prefix_thresholds,
+// segment_candidates; dmattn/api.h): CPU or CUDA.
+#include <cstdint>
+
+#include "api/tensor_checks.h"
+#include "cpu/per_query_glue.h"
+#include "dmattn/api.h"
+#ifdef DMATTN_WITH_CUDA
+#include "cuda/per_query_glue.h"
+#endif
+
+namespace dmattn {
+
+namespace {
+
+void check_int_tensor(const TensorDesc& t, const TensorDesc& ref, const char* name) {
+  check(t.device == DeviceKind::kCPU || t.device == DeviceKind::kCUDA, ErrorKind::kValue, name,
+        ": expected a CPU or CUDA tensor, got ", device_name(t.device));
+  checks::check_same_device(ref, t, name);
+  checks::check_dtype(t, DType::kInt32, name);
+  checks::check_contiguous(t, name);
+}
+
+bool on_cuda(const TensorDesc& t) {
+#ifdef DMATTN_WITH_CUDA
+  return t.device == DeviceKind::kCUDA;
+#else
+  check(t.device != DeviceKind::kCUDA, ErrorKind::kRuntime, "this build of dmattn has no CUDA backend");
+  return false;
+#endif
+}
+
+}  // namespace
+
+void prefix_thresholds(const TensorDesc& ranks, const TensorDesc& order, int64_t keep, const TensorDesc& thresholds,
+                       void* stream) {
+  check_int_tensor(ranks, ranks, "ranks");
+  check_int_tensor(order, ranks, "order");
+  check_int_tensor(thresholds, ranks, "thresholds");
+  checks::check_rank(ranks, 2, "ranks", "(rows, Sk)");
+  checks::check_shape(order, ranks.shape, "order");
+  checks::check_shape(thresholds, ranks.shape, "thresholds");
+  const int64_t rows = ranks.shape[0], num_keys = ranks.shape[1];
+  check(num_keys < (int64_t(1) << 30), ErrorKind::kValue, "ranks: expected Sk < 2^30, got ", num_keys);
+  check(keep >= 1, ErrorKind::kValue, "keep: expected >= 1, got ", keep);
+  const auto* r = static_cast<const int32_t*>(ranks.data);
+  const auto* o = static_cast<const int32_t*>(order.data);
+  auto* t = static_cast<int32_t*>(thresholds.data);
+  if (on_cuda(ranks)) {
+#ifdef DMATTN_WITH_CUDA
+    cuda::prefix_thresholds({r, o, t, rows, num_keys, keep}, stream);
+#endif
+    return;
+  }
+  (void)stream;
+  cpu::prefix_thresholds(r, o, t, rows, num_keys, keep);
+}
+
+void segment_candidates(const TensorDesc& ends, int64_t offset, int64_t seg_len, const TensorDesc& positions,
+                        const TensorDesc& key_ends, const TensorDesc& index, void* stream) {
+  check_int_tensor(ends, ends, "ends");
+  check_int_tensor(positions, ends, "positions");
+  check_int_tensor(key_ends, ends, "key_ends");
+  check_int_tensor(index, ends, "index");
+  checks::check_rank(ends, 3, "ends", "(rows_b, rows_h, Sk)");
+  checks::check_rank(positions, 3, "positions", "(rows_b * num_segments, rows_h, W)");
+  const int64_t rows_b = ends.shape[0], rows_h = ends.shape[1], num_keys = ends.shape[2];
+  check(seg_len >= 1 && offset >= 0, ErrorKind::kValue, "seg_len, offset: expected seg_len >= 1 and offset >= 0, got ",
+        seg_len, " and ", offset);
+  check(rows_b > 0 && positions.shape[0] % rows_b == 0 && positions.shape[1] == rows_h, ErrorKind::kValue,
+        "positions: expected shape (", rows_b, " * num_segments, ", rows_h, ", W), got ", positions.shape_str());
+  checks::check_shape(key_ends, positions.shape, "key_ends");
+  checks::check_shape(index, positions.shape, "index");
+  const int64_t num_segments = positions.shape[0] / rows_b, width = positions.shape[2];
+  check(num_segments * seg_len + offset < (int64_t(1) << 31) && num_keys < (int64_t(1) << 31), ErrorKind::kValue,
+        "segment_candidates: positions must fit int32 (num_segments * seg_len + offset = ",
+        num_segments * seg_len + offset, ")");
+  const auto* e = static_cast<const int32_t*>(ends.data);
+  auto* p = static_cast<int32_t*>(positions.data);
+  auto* ke = static_cast<int32_t*>(key_ends.data);
+  auto* ix = static_cast<int32_t*>(index.data);
+  if (on_cuda(ends)) {
+#ifdef DMATTN_WITH_CUDA
+    cuda::SegmentCandidatesArgs a;
+    a.ends = e;
+    a.positions = p;
+    a.key_ends = ke;
+    a.index = ix;
+    a.rows_b = rows_b;
+    a.rows_h = rows_h;
+    a.num_keys = num_keys;
+    a.num_segments = num_segments;
+    a.width = width;
+    a.offset = offset;
+    a.seg_len = seg_len;
+    cuda::segment_candidates(a, stream);
+#endif
+    return;
+  }
+  (void)stream;
+  cpu::segment_candidates(e, p, ke, ix, rows_b, rows_h, num_keys, num_segments, width, offset, seg_len);
+}
+
+}  // namespace dmattn

@@ -1,0 +1,32 @@
+// Launchers of the per-query causal top-k glue (per_query_glue.cu): the prefix thresholds of the
+// selection and the per-segment candidate keys. Plain argument structs; validation is the
+// caller's (src/api/per_query_glue.cpp). The semantics are documented in dmattn/api.h.
+#pragma once
+
+#include <cstdint>
+
+namespace dmattn::cuda {
+
+// rows x num_keys int32, contiguous: ranks (in), order (in), thresholds (out).
+struct PrefixThresholdsArgs {
+  const int32_t* ranks = nullptr;
+  const int32_t* order = nullptr;
+  int32_t* thresholds = nullptr;
+  int64_t rows = 0, num_keys = 0, keep = 0;
+};
+
+// ends (rows_b, rows_h, num_keys) in; positions / key_ends / index (rows_b * num_segments,
+// rows_h, width) out; all int32, contiguous.
+struct SegmentCandidatesArgs {
+  const int32_t* ends = nullptr;
+  int32_t* positions = nullptr;
+  int32_t* key_ends = nullptr;
+  int32_t* index = nullptr;
+  int64_t rows_b = 0, rows_h = 0, num_keys = 0, num_segments = 0, width = 0;
+  int64_t offset = 0, seg_len = 0;
+};
+
+void prefix_thresholds(const PrefixThresholdsArgs& a, void* stream);
+void segment_candidates(const SegmentCandidatesArgs& a, void* stream);
+
+}  // namespace dmattn::cuda
