@@ -136,14 +136,23 @@ def gather_key_rows(k: Tensor, v: Tensor, positions: Tensor,
 
 
 @functools.lru_cache(maxsize=None)
-def per_query_glue_available() -> bool:
-    """Whether the loaded library has the per-query glue (prefix_thresholds, segment_candidates)."""
+def _native_per_query_glue() -> bool:
     try:
         return hasattr(lib(), "prefix_thresholds")
     except Exception:  # noqa: BLE001 (no library: the ops report it where they are used)
         return False
 
 
+@torch.compiler.assume_constant_result
+def per_query_glue_available() -> bool:
+    """Whether the loaded library has the per-query glue (prefix_thresholds, segment_candidates);
+    constant for torch.compile (a property of the loaded library)."""
+    return _native_per_query_glue()
+
+
+# Custom ops (with fake implementations), so that torch.compile traces the per-query path
+# without graph breaks.
+@torch.library.custom_op("dmattn::prefix_thresholds", mutates_args=())
 def prefix_thresholds(ranks: Tensor, order: Tensor, keep: int) -> Tensor:
     """int32 (R, S): per row, the keep-th smallest rank among the selectable keys 0..v (S while
     fewer are); ranks / order int32 (R, S) contiguous (dmattn/api.h)."""
@@ -152,6 +161,12 @@ def prefix_thresholds(ranks: Tensor, order: Tensor, keep: int) -> Tensor:
     return thresholds
 
 
+@prefix_thresholds.register_fake
+def _(ranks, order, keep):
+    return torch.empty_like(ranks)
+
+
+@torch.library.custom_op("dmattn::segment_candidates", mutates_args=())
 def segment_candidates(ends: Tensor, offset: int, seg_len: int, num_segments: int,
                        width: int) -> Tuple[Tensor, Tensor, Tensor]:
     """(positions, key_ends, index), int32 (Rb * num_segments, Rh, width): the candidate keys of
@@ -161,6 +176,12 @@ def segment_candidates(ends: Tensor, offset: int, seg_len: int, num_segments: in
     positions, key_ends, index = (torch.empty(shape, dtype=torch.int32, device=ends.device) for _ in range(3))
     lib().segment_candidates(ends, offset, seg_len, positions, key_ends, index)
     return positions, key_ends, index
+
+
+@segment_candidates.register_fake
+def _(ends, offset, seg_len, num_segments, width):
+    shape = (ends.shape[0] * num_segments, ends.shape[1], width)
+    return tuple(ends.new_empty(shape) for _ in range(3))
 
 
 @torch.library.custom_op("dmattn::fwd", mutates_args=())

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .masks import cached_index_tensor, dynamic_mask, selection_key
-from .ops import prefix_thresholds
+from .ops import _call_op, prefix_thresholds
 
 __all__ = ["per_query_mask", "visible_keys", "selection_ranks", "interval_ends"]
 
@@ -75,7 +75,7 @@ def interval_ends(scores: Tensor, allowed: Optional[Tensor], keep: int) -> Tenso
     shape, num_keys = scores.shape, scores.shape[-1]
     ranks, order = selection_ranks(scores, allowed)
     ranks, order = ranks.reshape(-1, num_keys), order.reshape(-1, num_keys)
-    thresholds = prefix_thresholds(ranks, order, keep)  # non-increasing along each row
+    thresholds = _call_op(prefix_thresholds, ranks, order, keep)  # non-increasing along each row
     # The first prefix whose threshold falls below j's rank; before j, j is not visible yet.
     first_drop = torch.searchsorted(thresholds.neg(), ranks.neg(), right=True, out_int32=True)
     index = _arange(num_keys, torch.int32, scores.device)

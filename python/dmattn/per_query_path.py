@@ -24,7 +24,7 @@ from torch import Tensor
 from .gather import _GatherRowsSummed, _key_side_view, _to_heads, _combined_heads
 from .interface import _last_dim_contiguous, _parse_options, _parse_window, attention_on
 from .masks import bias_over_keys
-from .ops import forward_with_grad, per_query_glue_available, segment_candidates, supports_key_positions
+from .ops import _call_op, forward_with_grad, per_query_glue_available, segment_candidates, supports_key_positions
 from .per_query import interval_ends, per_query_mask
 
 __all__ = ["attention_per_query_topk", "SEGMENT_LEN"]
@@ -122,7 +122,7 @@ def _interval_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, keep: int
     allowed = None if mask3 is None else _to_heads(mask3, rows_h, heads, heads_kv).expand(batch, rows_h, num_keys)
     ends = interval_ends(scores.contiguous(), None if allowed is None else allowed.contiguous(), keep)
     width = min(keep + seg_len, num_keys)
-    positions, key_ends, index = segment_candidates(ends, offset, seg_len, num_segments, width)
+    positions, key_ends, index = _call_op(segment_candidates, ends, offset, seg_len, num_segments, width)
 
     # Queries as (B * segments, seg_len, H, D): zero rows pad the last segment (their output is
     # dropped and their zero output gradient contributes nothing).

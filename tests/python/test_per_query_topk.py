@@ -1,0 +1,192 @@
+"""Per-query causal top-k: dmattn.attention_topk(..., causal=True, per_query=True)
+(dmattn/per_query.py, per_query_path.py; docs/semantics.md, "Per-query causal top-k").
+
+* the interval ends (prefix thresholds, binary search) against the dense per-query selection,
+  on random scores with ties, padding masks, keep = 1, small, >= the visible keys;
+* out, lse, dq, dk, dv, dbias against the float64 reference of the same selection (the dense
+  mask of per_query_mask), over GQA, bias heads 1 / Hkv / H, Sq < Sk, padding, one and many
+  segments, non-contiguous q / k / v;
+* the interval path against the dense path at float64 (same function, other summation order);
+* every output written and finite (NaN-poisoned buffers), fully padded batches, errors, and
+  torch.compile without graph breaks.
+Every test with the ``device`` fixture also runs on CUDA (gpu marker) when a GPU is visible.
+"""
+
+import pytest
+import torch
+
+import dmattn
+from dmattn import per_query_path
+from dmattn.per_query import interval_ends, per_query_mask
+from reference import check_against_reference
+
+
+@pytest.fixture
+def segment_len():
+    """Sets per_query_path.SEGMENT_LEN for one test."""
+    saved = per_query_path.SEGMENT_LEN
+
+    def set_len(n):
+        per_query_path.SEGMENT_LEN = n
+
+    yield set_len
+    per_query_path.SEGMENT_LEN = saved
+
+
+def _dtypes(device):
+    return [torch.bfloat16, torch.float16] if device == "cuda" else [torch.float64, torch.float32]
+
+
+@pytest.mark.parametrize("num_keys", [1, 7, 50, 130])
+@pytest.mark.parametrize("keep", [1, 3, 17, 200])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_interval_ends_match_dense_selection(device, num_keys, keep, dtype):
+    gen = torch.Generator().manual_seed(num_keys * 1000 + keep)
+    # Rounded scores: many ties (the lower index wins), -inf and finfo.min among them.
+    scores = (torch.randn(2, 3, num_keys, generator=gen) * 2).round().to(dtype)
+    scores[0, 0, ::5] = float("-inf")
+    scores[1, 2, ::3] = torch.finfo(dtype).min
+    allowed = torch.rand(2, 3, num_keys, generator=gen) > 0.25
+    allowed[1, 1] = False  # a row with nothing selectable
+    scores, allowed = scores.to(device), allowed.to(device)
+    for mask in (None, allowed):
+        ends = interval_ends(scores, mask, keep)
+        assert ends.dtype == torch.int32 and ends.shape == scores.shape
+        dense = per_query_mask(scores[:, :, None, :], keep, None if mask is None else mask[:, :, None, :], num_keys)
+        i = torch.arange(num_keys, device=device).view(-1, 1)
+        j = torch.arange(num_keys, device=device)
+        from_ends = (i >= j) & (i < ends[:, :, None, :])
+        assert torch.equal(from_ends, dense), f"keep {keep}, mask {mask is not None}"
+
+
+def _per_query_case(device, dtype, gen, *, b, sq, sk, h, hkv, d, bias_heads, padding, layout="contiguous"):
+    def make(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype).to(device)
+
+    if layout == "hf":  # HF's (B, H, S, D) tensors transposed: non-contiguous (B, S, H, D) views
+        q = make(b, h, sq, d).transpose(1, 2)
+        k, v = make(b, hkv, sk, d).transpose(1, 2), make(b, hkv, sk, d).transpose(1, 2)
+    else:
+        q, k, v = make(b, sq, h, d), make(b, sk, hkv, d), make(b, sk, hkv, d)
+    dout = make(b, sq, h, d)
+    heads = {"1": 1, "hkv": hkv, "h": h}[bias_heads]
+    # Bias values on a coarse grid: ties in the selection.
+    bias = (torch.randn(b, heads, 1, sk, generator=gen) * 4).round().div(4).to(dtype).to(device)
+    mask = None
+    if padding:
+        mask = torch.ones(b, 1, 1, sk, dtype=torch.bool)
+        mask[0, ..., : sk // 3] = False  # left padding of the first sequence
+        mask[-1, ..., sk // 2] = False
+        mask = mask.to(device)
+    return q, k, v, dout, bias, mask
+
+
+def _run_per_query(q, k, v, bias, mask, keep, dout, **kw):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    leaf = bias.detach().requires_grad_()
+    out, lse = dmattn.attention_topk(q, k, v, leaf, keep, mask=mask, causal=True, per_query=True,
+                                     return_lse=True, **kw)
+    out.backward(dout)
+    return out.detach(), lse, {"q": q.grad, "k": k.grad, "v": v.grad, "bias": leaf.grad}
+
+
+CASES = [
+    # b, sq, sk, h, hkv, d, keep, bias heads, padding, segment length, layout
+    (2, 70, 70, 4, 2, 16, 9, "hkv", True, 16, "contiguous"),
+    (2, 70, 70, 4, 2, 16, 9, "hkv", False, 512, "hf"),
+    (1, 45, 80, 4, 4, 32, 12, "h", True, 8, "contiguous"),
+    (2, 33, 33, 4, 1, 16, 1, "1", True, 16, "contiguous"),
+    (2, 40, 40, 2, 2, 64, 100, "h", True, 16, "hf"),
+    (1, 200, 200, 2, 1, 64, 40, "hkv", True, 64, "contiguous"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_per_query_matches_reference(device, case, segment_len, nan_poison):
+    b, sq, sk, h, hkv, d, keep, bias_heads, padding, seg, layout = case
+    segment_len(seg)
+    for dtype in _dtypes(device):
+        gen = torch.Generator().manual_seed(sq * 31 + keep)
+        q, k, v, dout, bias, mask = _per_query_case(device, dtype, gen, b=b, sq=sq, sk=sk, h=h, hkv=hkv, d=d,
+                                                    bias_heads=bias_heads, padding=padding, layout=layout)
+        out, lse, grads = _run_per_query(q, k, v, bias, mask, keep, dout)
+        for name, t in [("out", out), *grads.items()]:
+            assert torch.isfinite(t).all(), f"{name}: non-finite values ({dtype})"
+        selected = per_query_mask(bias, keep, mask, sq)
+        check_against_reference(q, k, v, selected, bias, out, lse, grads, causal=True, dout=dout,
+                                context=f"[per-query {case} {dtype}]")
+
+
+def test_interval_path_equals_dense_path(segment_len):
+    """Same function on both paths; at float64 the results agree to rounding."""
+    gen = torch.Generator().manual_seed(5)
+    for seg in (8, 512):
+        segment_len(seg)
+        q, k, v, dout, bias, mask = _per_query_case("cpu", torch.float64, gen, b=2, sq=37, sk=50, h=4, hkv=2, d=8,
+                                                    bias_heads="h", padding=True)
+        results = []
+        for dense in (True, False):
+            per_query_path._forced_dense = dense
+            try:
+                results.append(_run_per_query(q, k, v, bias, mask, 6, dout))
+            finally:
+                per_query_path._forced_dense = False
+        (o0, l0, g0), (o1, l1, g1) = results
+        torch.testing.assert_close(o1, o0, rtol=0, atol=1e-12)
+        torch.testing.assert_close(l1, l0, rtol=0, atol=1e-12)
+        for name in g0:
+            torch.testing.assert_close(g1[name], g0[name], rtol=0, atol=1e-12, msg=f"d{name}")
+
+
+def test_fully_padded_batch(device):
+    gen = torch.Generator().manual_seed(3)
+    dtype = _dtypes(device)[0]
+    q, k, v, dout, bias, _ = _per_query_case(device, dtype, gen, b=2, sq=20, sk=20, h=2, hkv=2, d=16,
+                                             bias_heads="hkv", padding=False)
+    mask = torch.ones(2, 1, 1, 20, dtype=torch.bool, device=device)
+    mask[1] = False
+    out, lse, grads = _run_per_query(q, k, v, bias, mask, 4, dout)
+    assert torch.all(out[1] == 0) and torch.all(lse[1] == float("-inf"))
+    assert torch.all(grads["q"][1] == 0) and torch.all(grads["k"][1] == 0) and torch.all(grads["bias"][1] == 0)
+    assert torch.isfinite(out).all() and torch.isfinite(lse[0]).all()
+
+
+def test_per_query_without_causal_is_the_shared_key_set(device):
+    gen = torch.Generator().manual_seed(4)
+    dtype = _dtypes(device)[0]
+    q, k, v, _, bias, _ = _per_query_case(device, dtype, gen, b=1, sq=16, sk=30, h=2, hkv=2, d=16,
+                                          bias_heads="h", padding=False)
+    a = dmattn.attention_topk(q, k, v, bias, 5, per_query=True)
+    b = dmattn.attention_topk(q, k, v, bias, 5)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_per_query_errors():
+    q = torch.randn(1, 8, 2, 16)
+    k = v = torch.randn(1, 8, 2, 16)
+    bias = torch.randn(1, 2, 1, 8)
+    with pytest.raises(ValueError, match="window"):
+        dmattn.attention_topk(q, k, v, bias, 2, causal=True, per_query=True, window=(4, 0))
+    with pytest.raises(ValueError, match="bias"):
+        dmattn.attention_topk(q, k, v, torch.randn(1, 2, 8, 8), 2, causal=True, per_query=True)
+    with pytest.raises(ValueError, match="mask"):
+        dmattn.attention_topk(q, k, v, bias, 2, causal=True, per_query=True, mask=torch.ones(1, 1, 8, 8, dtype=torch.bool))
+    with pytest.raises(TypeError, match="mask"):
+        dmattn.attention_topk(q, k, v, bias, 2, causal=True, per_query=True, mask=torch.ones(1, 1, 1, 8))
+    with pytest.raises(ValueError, match="keep"):
+        dmattn.attention_topk(q, k, v, bias, 0, causal=True, per_query=True)
+
+
+def test_per_query_compiles_without_graph_breaks():
+    gen = torch.Generator().manual_seed(6)
+    q, k, v, _, bias, mask = _per_query_case("cpu", torch.float32, gen, b=1, sq=24, sk=24, h=2, hkv=1, d=16,
+                                             bias_heads="hkv", padding=True)
+
+    def f(q, k, v, bias, mask):
+        return dmattn.attention_topk(q, k, v, bias, 5, mask=mask, causal=True, per_query=True)
+
+    explanation = torch._dynamo.explain(f)(q, k, v, bias, mask)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k, v, bias, mask), f(q, k, v, bias, mask))
