@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_dq_kernel(const __grid
         if (f.mask.ptr) mask_tile.load(s_mask, Tile::kMaskPitch, n0, seq.len_k(), tid);
         if (f.bias.ptr) bias_tile.load(s_bias, Tile::kBiasPitch, n0, seq.len_k(), tid);
       }
-      if (gathered) load_positions_tile_async<kBlockN, kThreads>(s_pos, positions_row(f.kpos, b, h), f.seqlen_k, n0, tid, ends_row(f.kpos, b, h), f.kpos.end_delta);
+      if (gathered) load_positions_tile_async<kBlockN, kThreads, kMaskBias>(s_pos, positions_row(f.kpos, b, h), f.seqlen_k, n0, tid, ends_row(f.kpos, b, h), kBlockN);
       cp_async_commit();
       cp_async_wait<0>();
       __syncthreads();
@@ -146,8 +146,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_dq_kernel(const __grid
       Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
       Tensor tt = make_tensor<float>(acc_s.layout());
       Tensor tt_rc = make_tensor(tt.data(), acc_rowcol(tt.layout()));
-      const PositionTest kp_test{s_pos, position_window(f), f.kpos.end_delta};  // from the constant params
-      const bool pos_mask = gathered ? positions_block_needs_mask<kBlockN>(position_window(f), s_pos, m0, kBlockM, f.kpos.ends != nullptr)
+      const PositionTest kp_test{s_pos, position_window(f), kBlockN};  // from the constant params
+      const bool pos_mask = gathered ? positions_block_needs_mask<kBlockN>(position_window(f), s_pos, m0, kBlockM, kMaskBias && f.kpos.ends != nullptr)
                                      : seq.window().block_needs_mask(m0, kBlockM, kBlockN, n);
       bwd_scores<kMaskBias, kSoftcap, Element, kBlockN>(s_rc, tScS_rc, tt_rc, f, m0, n0, pos_mask, seq.window(),
                                                         f.bias.ptr ? s_bias : nullptr, bias_tile.pitch,

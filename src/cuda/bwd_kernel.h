@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
       int m_lo = win_m_lo, m_hi = win_m_hi;
       if (gathered) {
         const KeyPositionRow kp_row(f, b, kvh * group);
-        load_positions_tile<kBlockN, kThreads>(s_pos, kp_row.row, kp_row.count, n0, tid, ends_row(f.kpos, b, kvh * group), f.kpos.end_delta);
+        load_positions_tile<kBlockN, kThreads, kMaskBias>(s_pos, kp_row.row, kp_row.count, n0, tid, ends_row(f.kpos, b, kvh * group), kBlockN);
         const int n_valid = positions_tile_valid_count<kBlockN>(s_pos, f.kpos.seqlen_k_original, tid);
         kp_row.query_block_range(s_pos[0], s_pos[n_valid > 0 ? n_valid - 1 : 0], n_valid, kBlockM, m_lo, m_hi);
       }
@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
         Tensor tSsQ = copy_sdp_a.get_thread_slice(tid).partition_S(sQ);
         Tensor tdPsdO = copy_sdp_a.get_thread_slice(tid).partition_S(sdO);
 
-        const bool pos_mask = gathered ? positions_block_needs_mask<kBlockN>(position_window(f), s_pos, m0, kBlockM, f.kpos.ends != nullptr)
+        const bool pos_mask = gathered ? positions_block_needs_mask<kBlockN>(position_window(f), s_pos, m0, kBlockM, kMaskBias && f.kpos.ends != nullptr)
                                        : seq.window().block_needs_mask(m0, kBlockM, kBlockN, n_block);
         // Unrolled without mask / bias; a loop with them (the transform is larger: fewer spills).
         constexpr int kHalfUnroll = kMaskBias ? 1 : Tile::kHalves;
@@ -264,7 +264,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
           Tensor tt_rc = make_tensor(tt.data(), acc_rowcol(tt.layout()));
           const char* sb = f.bias.ptr ? s_bias + c_off * (f.bias_fp32 ? 4 : 2) : nullptr;
           const char* sm = f.mask.ptr ? s_mask + c_off : nullptr;
-          const PositionTest half_test{s_pos + c_off, position_window(f), f.kpos.end_delta};
+          const PositionTest half_test{s_pos + c_off, position_window(f), kBlockN};
           bwd_scores<kMaskBias, kSoftcap, Element, kHalfN>(s_rc, tScS_rc, tt_rc, f, m0, n0 + c_off, pos_mask, seq.window(),
                                                            sb, bias_tile.pitch, sm, mask_tile.pitch,
                                                            gathered ? &half_test : nullptr);

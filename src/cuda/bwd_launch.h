@@ -193,7 +193,8 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
   const bool dbias_all_zero = a.dbias != nullptr && (a.dbias_mode == kDbNone || B == 0 || Sk == 0);
   if (dbias_all_zero) write_dbias(false);
 
-  const bool mask_or_bias = f.mask.ptr != nullptr || f.bias.ptr != nullptr;
+  // Key ends are tested only by the mask / bias kernels (score_mask.h).
+  const bool mask_or_bias = f.mask.ptr != nullptr || f.bias.ptr != nullptr || f.kpos.ends != nullptr;
   bool sm90 = false;
   if constexpr (kHeadDim == 128) sm90 = bwd_sm90_enabled();
   const bool softcap = f.softcap != 0.f;
@@ -206,7 +207,7 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
   if constexpr (kHeadDim == 128) {
     static const bool bias16_off = sm90::env_switched_off("DMATTN_BWD_SM90_BIAS");
     bias16 = sm90 && !bias16_off && f.bias.ptr != nullptr && !f.bias_fp32 && f.bias.vec && f.cu_seqlens_k == nullptr &&
-             f.mask.ptr == nullptr && !softcap && a.dbias_mode != kDbAccum;
+             f.mask.ptr == nullptr && f.kpos.ends == nullptr && !softcap && a.dbias_mode != kDbAccum;
   }
   int smem = Tile::smem_bytes(f.mask.ptr != nullptr, f.bias.ptr != nullptr, f.bias_fp32);
   int smem_main = bias16 ? TileSm90::bias16_smem_bytes()
@@ -216,8 +217,8 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
   if (f.kpos.ptr) {  // gathered keys: the key block's positions (kBlockN int32) at the end,
     // at one offset for every kernel of the pass (the launches share the argument block)
     a.f.smem_kpos_off = smem > smem_main ? smem : smem_main;
-    a.f.kpos.end_delta = a.f.kpos.ends ? Tile::kBlockN : 0;  // key ends: their tile right after
-    smem = smem_main = a.f.smem_kpos_off + (a.f.kpos.ends ? 2 : 1) * Tile::kBlockN * 4;
+    // (and the key ends' tile right after it: key_positions.h)
+    smem = smem_main = a.f.smem_kpos_off + 2 * Tile::kBlockN * 4;
   }
   auto launch_with = [&](auto kernel, dim3 grid, int threads, int bytes, const char* what) {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), what);

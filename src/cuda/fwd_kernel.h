@@ -315,7 +315,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_co
           __syncthreads();
           load_rows_async<kBlockN, kHeadDim, kThreads>(sV, gV + int64_t(n0) * a.v_rs, a.v_rs, seq.len_k() - n0, a.head_dim, tid);
           // Read after the barrier below; the last block's tile was read before the one above.
-          if (gathered) load_positions_tile_async<kBlockN, kThreads>(s_pos, positions_row(a.kpos, b, h), a.seqlen_k, n0, tid, ends_row(a.kpos, b, h), a.kpos.end_delta);
+          if (gathered) load_positions_tile_async<kBlockN, kThreads, kMaskBias>(s_pos, positions_row(a.kpos, b, h), a.seqlen_k, n0, tid, ends_row(a.kpos, b, h), kBlockN);
           if constexpr (kMaskBias) {
             if (has_bias && !bias_db) bias_tile.load_any(s_bias_base, Tile::kBiasPitch, n0, seq.len_k(), tid);
             // The next block's mask tile, one block ahead, into the other buffer.
@@ -354,9 +354,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_co
 
           Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
           const WindowMask win = seq.window();
-          const PositionTest kp_test{s_pos, position_window(a), a.kpos.end_delta};  // from the constant params
+          const PositionTest kp_test{s_pos, position_window(a), kBlockN};  // from the constant params
           const PositionTest* const pt = gathered ? &kp_test : nullptr;
-          const bool pos_mask = gathered ? positions_block_needs_mask<kBlockN>(position_window(a), s_pos, m0, kBlockM, a.kpos.ends != nullptr)
+          const bool pos_mask = gathered ? positions_block_needs_mask<kBlockN>(position_window(a), s_pos, m0, kBlockM, kMaskBias && a.kpos.ends != nullptr)
                                          : win.block_needs_mask(m0, kBlockM, kBlockN, n);
           if constexpr (kMaskBias) {
             const char* sb = has_bias ? s_bias_base + bbuf * a.smem_bias_stride : nullptr;

@@ -52,9 +52,9 @@ void launch_fwd_kernel(const FwdArgs& args, cudaStream_t stream, Kernel kernel) 
   // Shared memory: Q, K, V, then kMaskTiles mask tiles (look-ahead for block skipping), then one
   // or two bias tiles, then the positions tiles. A query-broadcast operand needs one row per tile.
   static_assert(kMaskTiles == 2 || kMaskTiles == 3);
-  // With key ends, each positions tile has an ends tile kPosTiles * kBlockN entries later.
-  a.kpos.end_delta = a.kpos.ends ? kPosTiles * Tile::kBlockN : 0;
-  const int kpos_bytes = a.kpos.ptr ? (a.kpos.ends ? 2 : 1) * kPosTiles * Tile::kBlockN * 4 : 0;
+  // Behind the positions tile(s), as many key ends tiles (key_positions.h; read by the mask /
+  // bias kernels, which have one positions tile: at kBlockN entries from it).
+  const int kpos_bytes = a.kpos.ptr ? 2 * kPosTiles * Tile::kBlockN * 4 : 0;
   int smem = Tile::kOffBias;
   if (a.mask.ptr) {
     const int bytes = fwd_round_up((a.mask.row_bcast ? 1 : Tile::kBlockM) * Tile::kMaskPitch, 128);
@@ -120,7 +120,8 @@ inline bool fwd_sm90_enabled() {
 // (when enabled), everything else to the general one.
 template <typename Element, int kHeadDim>
 void run_fwd(const FwdArgs& a, cudaStream_t stream) {
-  const bool mask_or_bias = a.mask.ptr != nullptr || a.bias.ptr != nullptr;
+  // Key ends are tested only by the mask / bias kernels (score_mask.h).
+  const bool mask_or_bias = a.mask.ptr != nullptr || a.bias.ptr != nullptr || a.kpos.ends != nullptr;
   if constexpr (kHeadDim <= 128) {
     if (fwd_sm90_enabled()) {  // every option, packed batches and gathered keys included
       // A 16-bit bias alone (no mask, no softcap) takes the plain kernel's bias fast path: its
@@ -128,7 +129,7 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream) {
       // bias tiles double buffered with K (sm90/bias_tile_sm90.h).
       static const bool bias_path_off = sm90::env_switched_off("DMATTN_FWD_SM90_BIAS");  // (comparisons)
       const bool plain_bias = a.bias.ptr != nullptr && a.bias.esize == 2 && a.mask.ptr == nullptr && a.softcap == 0.f &&
-                              !bias_path_off;
+                              a.kpos.ends == nullptr && !bias_path_off;
       if ((mask_or_bias || a.softcap != 0.f) && !plain_bias) {
         // Three mask tiles (the look-ahead decided a block early), the bias double buffered
         // where two tiles fit (16-bit or query-broadcast bias; a full fp32 bias keeps one).

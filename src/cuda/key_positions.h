@@ -14,6 +14,7 @@
 // Key blocks made only of padding rows fall outside every range: never loaded or computed.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 
 #include "cuda/mask.h"
@@ -27,10 +28,11 @@ struct KeyPositionsArgs {
   int head_div = 1;
   int seqlen_k_original = 0;
   // Per-row query bound (ForwardParams::key_ends; null = none): row j of (b, h) is allowed only
-  // for queries i < ends[b, h', j]; same strides as ptr. Its kBlockN-entry tile sits end_delta
-  // int32 after each positions tile in shared memory (set by the launcher; 0 without ends).
+  // for queries i < ends[b, h', j]; same strides as ptr. The mask / bias kernels keep a
+  // kBlockN-entry tile of it right after their positions tile in shared memory (end_delta =
+  // kBlockN, a compile-time constant), INT_MAX without key ends, so that their test needs no
+  // branch and no register.
   const int32_t* ends = nullptr;
-  int end_delta = 0;
 };
 
 // The window rule on original positions for query i: the allowed positions are [lo, hi) with
@@ -64,12 +66,12 @@ __device__ __forceinline__ const int32_t* ends_row(const KeyPositionsArgs& kp, i
 }
 
 // Per-element test of the score transform (score_mask.h): the positions of the columns it
-// is handed (shared memory, column c at s_pos[c]), the window on positions, and with key ends
-// the query bound of column c at s_pos[c + end_delta].
+// is handed (shared memory, column c at s_pos[c]), the window on positions, and in the mask /
+// bias kernels the query bound of column c at s_pos[c + end_delta].
 struct PositionTest {
   const int32_t* s_pos;  // the tile, already offset to the first column handed over
   WindowMask win;        // seqlen_k = seqlen_k_original
-  int end_delta;         // 0: no key ends
+  int end_delta;
 };
 
 // One (batch, head) row of positions in global memory.
@@ -159,14 +161,15 @@ __device__ __forceinline__ bool positions_block_needs_mask(const WindowMask& pwi
 // Stores the positions of rows [n0, n0 + kBlockN) into s_pos, -1 past the `count` gathered
 // rows. Plain loads and shared stores (512 bytes at most): visible after the caller's next
 // barrier, which must also separate it from the previous block's reads.
-// With key ends (end_row non-null) their tile goes to s_pos + end_delta the same way (0 past
-// the gathered rows).
-template <int kBlockN, int kThreads>
+// kEnds (the mask / bias kernels): the key ends' tile goes to s_pos + end_delta the same way
+// (INT_MAX when end_row is null: no bound; 0 past the gathered rows).
+template <int kBlockN, int kThreads, bool kEnds>
 __device__ __forceinline__ void load_positions_tile(int32_t* s_pos, const int32_t* row, int count, int n0, int tid,
                                                     const int32_t* end_row, int end_delta) {
   for (int c = tid; c < kBlockN; c += kThreads) s_pos[c] = n0 + c < count ? __ldg(row + n0 + c) : -1;
-  if (end_row != nullptr) {
-    for (int c = tid; c < kBlockN; c += kThreads) s_pos[end_delta + c] = n0 + c < count ? __ldg(end_row + n0 + c) : 0;
+  if constexpr (kEnds) {
+    for (int c = tid; c < kBlockN; c += kThreads)
+      s_pos[end_delta + c] = n0 + c >= count ? 0 : end_row != nullptr ? __ldg(end_row + n0 + c) : INT_MAX;
   }
 }
 
@@ -186,12 +189,18 @@ __device__ __forceinline__ void load_int_tile_async(int32_t* s_tile, const int32
   }
 }
 
-// With key ends, their tile goes to s_pos + end_delta the same way (0 past the gathered rows).
-template <int kBlockN, int kThreads>
+// kEnds: the key ends' tile as in load_positions_tile.
+template <int kBlockN, int kThreads, bool kEnds>
 __device__ __forceinline__ void load_positions_tile_async(int32_t* s_pos, const int32_t* row, int count, int n0,
                                                           int tid, const int32_t* end_row, int end_delta) {
   load_int_tile_async<kBlockN, kThreads>(s_pos, row, count, n0, tid, -1);
-  if (end_row != nullptr) load_int_tile_async<kBlockN, kThreads>(s_pos + end_delta, end_row, count, n0, tid, 0);
+  if constexpr (kEnds) {
+    if (end_row != nullptr) {
+      load_int_tile_async<kBlockN, kThreads>(s_pos + end_delta, end_row, count, n0, tid, 0);
+    } else {
+      for (int c = tid; c < kBlockN; c += kThreads) s_pos[end_delta + c] = n0 + c < count ? INT_MAX : 0;
+    }
+  }
 }
 
 // The number of valid rows (0 <= pos < seqlen_k_original) in a tile just stored by

@@ -22,7 +22,8 @@ namespace dmattn::cuda {
 // kBias / kMask: which tiles are present, known at compile time inside the body (a run-time null
 // test per element pair compiled to 64-bit pointer compares and materialized booleans, ~25
 // instructions a pair; mask_and_bias_scores dispatches once per key block instead).
-template <bool kBias, bool kMask, bool kPosMask, bool kPositions, typename BiasT, int kBlockN, class S, class C>
+template <bool kBias, bool kMask, bool kPosMask, bool kPositions, bool kEnds, typename BiasT, int kBlockN, class S,
+          class C>
 __device__ __forceinline__ void mask_and_bias_scores_impl(S& s, C const& coord, int m0, int n0, const WindowMask& win,
                                                           const char* s_bias, int bias_pitch, const char* s_mask,
                                                           int mask_pitch, const PositionTest* pt) {
@@ -59,7 +60,7 @@ __device__ __forceinline__ void mask_and_bias_scores_impl(S& s, C const& coord, 
           const int2 p = *reinterpret_cast<const int2*>(pt->s_pos + col0 + cc);
           ok0 = ok0 && p.x >= lo && p.x < hi;
           ok1 = ok1 && p.y >= lo && p.y < hi;
-          if (pt->end_delta != 0) {  // key ends: the query must lie below the row's bound
+          if constexpr (kEnds) {  // key ends: the query must lie below the row's bound
             const int2 e = *reinterpret_cast<const int2*>(pt->s_pos + pt->end_delta + col0 + cc);
             ok0 = ok0 && m0 + row < e.x;
             ok1 = ok1 && m0 + row < e.y;
@@ -76,7 +77,9 @@ __device__ __forceinline__ void mask_and_bias_scores_impl(S& s, C const& coord, 
 }
 
 // s_bias / s_mask: the tiles, null when absent (read only when kMaskBias). pt: gathered keys'
-// positions test of these columns, null without gathered keys (read only when kPosMask).
+// positions test of these columns, null without gathered keys (read only when kPosMask); its
+// key ends are tested only in the mask / bias variants (kMaskBias: the launchers send key ends
+// there), so that the plain kernels keep their registers.
 template <bool kMaskBias, bool kPosMask, typename BiasT, int kBlockN, class S, class C>
 __device__ __forceinline__ void mask_and_bias_scores(S& s, C const& coord, int m0, int n0, const WindowMask& win,
                                                      const char* s_bias, int bias_pitch, const char* s_mask,
@@ -85,13 +88,13 @@ __device__ __forceinline__ void mask_and_bias_scores(S& s, C const& coord, int m
     constexpr bool kB = decltype(bias_present)::value, kM = decltype(mask_present)::value;
     if constexpr (kPosMask) {
       if (pt) {
-        mask_and_bias_scores_impl<kB, kM, true, true, BiasT, kBlockN>(s, coord, m0, n0, win, s_bias, bias_pitch,
-                                                                     s_mask, mask_pitch, pt);
+        mask_and_bias_scores_impl<kB, kM, true, true, kMaskBias, BiasT, kBlockN>(s, coord, m0, n0, win, s_bias,
+                                                                                bias_pitch, s_mask, mask_pitch, pt);
         return;
       }
     }
-    mask_and_bias_scores_impl<kB, kM, kPosMask, false, BiasT, kBlockN>(s, coord, m0, n0, win, s_bias, bias_pitch,
-                                                                      s_mask, mask_pitch, nullptr);
+    mask_and_bias_scores_impl<kB, kM, kPosMask, false, false, BiasT, kBlockN>(s, coord, m0, n0, win, s_bias,
+                                                                             bias_pitch, s_mask, mask_pitch, nullptr);
   };
   using T = std::true_type;
   using F = std::false_type;

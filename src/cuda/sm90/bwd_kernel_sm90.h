@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
       int m_lo = win_m_lo, m_hi = win_m_hi;
       if (gathered) {
         const KeyPositionRow kp_row(f, b, kvh * group);
-        load_positions_tile<kBlockN, kThreads>(s_pos, kp_row.row, kp_row.count, n0, tid, ends_row(f.kpos, b, kvh * group), f.kpos.end_delta);
+        load_positions_tile<kBlockN, kThreads, kMaskBias>(s_pos, kp_row.row, kp_row.count, n0, tid, ends_row(f.kpos, b, kvh * group), kBlockN);
         const int n_valid = positions_tile_valid_count<kBlockN>(s_pos, f.kpos.seqlen_k_original, tid);
         kp_row.query_block_range(s_pos[0], s_pos[n_valid > 0 ? n_valid - 1 : 0], n_valid, kBlockM, m_lo, m_hi);
       }
@@ -427,7 +427,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
           bwd_load_row_stats(tScS_rc, st, a.row_log2l ? st + kBlockM : nullptr, st + 2 * kBlockM, rows_valid, row_m,
                              row_log2l, delta);
         }
-        const bool pos_mask = gathered ? positions_block_needs_mask<kBlockN>(position_window(f), s_pos, m0, kBlockM, f.kpos.ends != nullptr)
+        const bool pos_mask = gathered ? positions_block_needs_mask<kBlockN>(position_window(f), s_pos, m0, kBlockM, kMaskBias && f.kpos.ends != nullptr)
                                        : seq.window().block_needs_mask(m0, kBlockM, kBlockN, n_block);
 
         gemm_wait<1>(acc_s);  // S done; dP may still run
@@ -439,7 +439,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
           // The test's address is taken, so it lives in local memory: written only for gathered
           // keys (written unconditionally, it cost 5 local 8-byte stores every query block).
           PositionTest block_test;
-          if (gathered) block_test = PositionTest{s_pos, position_window(f), f.kpos.end_delta};
+          if (gathered) block_test = PositionTest{s_pos, position_window(f), kBlockN};
           bwd_scores<kMaskBias, kSoftcap, Element, kBlockN>(s_rc, tScS_rc, tt_rc, f, m0, n0, pos_mask, seq.window(),
                                                             f.bias.ptr ? s_bias_at(t) : nullptr,
                                                             f.bias.row_bcast ? 0 : Tile::kBiasPitch,
@@ -454,12 +454,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel_sm90(const __gr
           CUTE_UNROLL
           for (int i = 0; i < size(acc_s); ++i) acc_s(i) *= f.scale;
           add_bias_swizzled<Element, kBlockN>(s_rc, tScS_rc, s_bias16_at(t), f.bias.row_bcast, 1.f);
-          const PositionTest block_test{s_pos, position_window(f), f.kpos.end_delta};
+          const PositionTest block_test{s_pos, position_window(f), kBlockN};
           if (pos_mask)
             mask_and_bias_scores<false, true, Element, kBlockN>(s_rc, tScS_rc, m0, n0, seq.window(), nullptr, 0,
                                                                nullptr, 0, gathered ? &block_test : nullptr);
         } else {  // (the plain kernels' code as it was)
-          const PositionTest block_test{s_pos, position_window(f), f.kpos.end_delta};
+          const PositionTest block_test{s_pos, position_window(f), kBlockN};
           bwd_scores<kMaskBias, kSoftcap, Element, kBlockN>(s_rc, tScS_rc, tt_rc, f, m0, n0, pos_mask, seq.window(),
                                                             nullptr, 0, nullptr, 0, gathered ? &block_test : nullptr);
         }

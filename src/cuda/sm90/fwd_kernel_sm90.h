@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
                                                    seq.len_k() - n * kBlockN, a.head_dim, tid);
     }
     if (gathered)
-      load_positions_tile_async<kBlockN, kThreads>(s_pos, positions_row(a.kpos, b, h), a.seqlen_k, n * kBlockN, tid, ends_row(a.kpos, b, h), a.kpos.end_delta);
+      load_positions_tile_async<kBlockN, kThreads, kMaskBias>(s_pos, positions_row(a.kpos, b, h), a.seqlen_k, n * kBlockN, tid, ends_row(a.kpos, b, h), kBlockN);
     if (plain_bias) load_bias_tile_swizzled(s_bias_at(0), bias_tile, n * kBlockN, seq.len_k(), tid);
     cp_async_commit();
     cp_async_wait<0>();
@@ -134,8 +134,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
         load_rows_async<kBlockN, kHeadDim, kThreads>(sKn, gK + int64_t(nn * kBlockN) * a.k_rs, a.k_rs,
                                                      seq.len_k() - nn * kBlockN, a.head_dim, tid);
         if (gathered)
-          load_positions_tile_async<kBlockN, kThreads>(s_pos + (kcur ^ 1) * kBlockN, positions_row(a.kpos, b, h),
-                                                       a.seqlen_k, nn * kBlockN, tid, ends_row(a.kpos, b, h), a.kpos.end_delta);
+          load_positions_tile_async<kBlockN, kThreads, kMaskBias>(s_pos + (kcur ^ 1) * kBlockN, positions_row(a.kpos, b, h),
+                                                       a.seqlen_k, nn * kBlockN, tid, ends_row(a.kpos, b, h), kBlockN);
         if (plain_bias) load_bias_tile_swizzled(s_bias_at(kcur ^ 1), bias_tile, nn * kBlockN, seq.len_k(), tid);
       }
       {
@@ -160,8 +160,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
       if (plain_bias) add_bias_swizzled<Element, kBlockN>(s_rc, tScS_rc, s_bias_at(kcur), a.bias.row_bcast, a.scale);
       const WindowMask win = seq.window();
       if (gathered) {
-        const PositionTest kp_test{s_pos + kcur * kBlockN, position_window(a), a.kpos.end_delta};  // landed with K[n]
-        if (positions_block_needs_mask<kBlockN>(kp_test.win, kp_test.s_pos, m0, kBlockM, a.kpos.ends != nullptr))
+        const PositionTest kp_test{s_pos + kcur * kBlockN, position_window(a), kBlockN};  // landed with K[n]
+        if (positions_block_needs_mask<kBlockN>(kp_test.win, kp_test.s_pos, m0, kBlockM, kMaskBias && a.kpos.ends != nullptr))
           transform_scores_ex<false, true, Element, kBlockN, false>(s_rc, tScS_rc, a, m0, n0, win, nullptr, 0, nullptr, 0,
                                                                     &kp_test);
       } else if (win.block_needs_mask(m0, kBlockM, kBlockN, n)) {
@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
         } else {
           __syncthreads();
         }
-        if (gathered) load_positions_tile_async<kBlockN, kThreads>(s_pos, positions_row(a.kpos, b, h), a.seqlen_k, n0, tid, ends_row(a.kpos, b, h), a.kpos.end_delta);
+        if (gathered) load_positions_tile_async<kBlockN, kThreads, kMaskBias>(s_pos, positions_row(a.kpos, b, h), a.seqlen_k, n0, tid, ends_row(a.kpos, b, h), kBlockN);
         if (has_bias && !bias_db) load_bias(0, n);
         cp_async_commit();  // G1
         load_rows_async<kBlockN, kHeadDim, kThreads>(sV, gV + int64_t(n0) * a.v_rs, a.v_rs, seq.len_k() - n0, a.head_dim, tid);
@@ -291,9 +291,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel_sm90(const __gr
         const char* sm = has_mask ? s_mask_base + mcur * a.smem_mask_stride : nullptr;
         const WindowMask win = seq.window();
         if (gathered) {  // (one call per branch: see the plain loop)
-          const PositionTest kp_test{s_pos, position_window(a), a.kpos.end_delta};  // from the constant params
+          const PositionTest kp_test{s_pos, position_window(a), kBlockN};  // from the constant params
           transform_general_scores<Element, kBlockN>(
-              s_rc, tScS_rc, a, m0, n0, positions_block_needs_mask<kBlockN>(kp_test.win, s_pos, m0, kBlockM, a.kpos.ends != nullptr), win, sb,
+              s_rc, tScS_rc, a, m0, n0, positions_block_needs_mask<kBlockN>(kp_test.win, s_pos, m0, kBlockM, kMaskBias && a.kpos.ends != nullptr), win, sb,
               bias_tile.pitch, sm, mask_tile.pitch, &kp_test);
         } else {
           transform_general_scores<Element, kBlockN>(s_rc, tScS_rc, a, m0, n0, win.block_needs_mask(m0, kBlockM, kBlockN, n),
