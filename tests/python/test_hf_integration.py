@@ -80,12 +80,19 @@ def test_register_without_transformers_names_the_install(monkeypatch):
 @needs_transformers
 def test_register():
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from dmattn.integrations import doge, hf_mask
 
     hf_dmattn.register()
     assert AttentionInterface()["dmattn"] is hf_dmattn.attention_forward
     # Without a mask function HF would hand attention_mask=None (padding dropped).
-    assert AttentionMaskInterface()["dmattn"] is sdpa_mask
+    assert AttentionMaskInterface()["dmattn"] is hf_mask.compact_causal_mask
+    forward = transformers.models.doge.modeling_doge.DogeAttention.forward
+    assert getattr(forward, "_dmattn_doge_hook", False)
+    hf_dmattn.register()  # idempotent: the hook wraps once
+    assert transformers.models.doge.modeling_doge.DogeAttention.forward is forward
+    assert "dmattn" in doge._NAMES
 
 
 # --------------------------------------------------------------------------- masks and flags

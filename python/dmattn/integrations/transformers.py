@@ -35,22 +35,26 @@ _INSTALL_HINT = ("dmattn.integrations.transformers.register() needs Hugging Face
 
 
 def register(name: str = "dmattn") -> None:
-    """Registers dmattn under ``name`` with transformers' AttentionInterface (and, when the
-    name has no mask function yet, sdpa's mask function with AttentionMaskInterface)."""
+    """Registers dmattn under ``name`` with transformers' AttentionInterface, dmattn's mask
+    function (hf_mask.compact_causal_mask) with AttentionMaskInterface, and the Doge hook
+    (doge.py: DogeAttention on dmattn.attention_topk(per_query=True) for that name)."""
     try:
         from transformers import AttentionInterface
     except ImportError as err:
         raise ImportError(_INSTALL_HINT) from err
     AttentionInterface.register(name, attention_forward)
     try:
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError:  # transformers before masking_utils: masks are built per model
         return
+    from . import doge, hf_mask
+
     # transformers builds masks only for implementations its mask registry knows and passes
-    # attention_mask=None to any other, which would silently drop padding. dmattn takes the
-    # masks sdpa takes (4D bool, or None when the pattern is purely causal).
-    if name not in AttentionMaskInterface():
-        AttentionMaskInterface.register(name, sdpa_mask)
+    # attention_mask=None to any other, which would silently drop padding. dmattn's mask
+    # function gives the compact form (None or the 2D padding mask) for plain causal patterns
+    # and sdpa's 4D bool mask for every other pattern.
+    AttentionMaskInterface.register(name, hf_mask.compact_causal_mask)
+    doge.install(name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,22 +99,19 @@ def _cuda_dtypes(module: torch.nn.Module, query: Tensor) -> Optional[Tuple[torch
     return torch.bfloat16, torch.float32
 
 
-def _float_mask_parts(mask: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
-    """A float additive mask as (bool mask, additive bias or None), both in the mask's shape.
-
-    Values at or below finfo.min / 2 (HF uses finfo.min, some code -inf, and sums of them
-    saturate there) mean "masked"; any other nonzero value is a genuine additive bias.
-    """
-    blocked = mask <= torch.finfo(mask.dtype).min / 2
-    allowed = ~blocked
-    # One device sync: most HF masks are pure 0 / finfo.min, which needs no bias at all.
-    if bool(((mask != 0) & allowed).any()):
-        return allowed, mask.masked_fill(blocked, 0)
-    return allowed, None
+def _float_mask_bias(mask: Tensor) -> Tensor:
+    """A float additive mask as dmattn's additive bias, decided without reading its values on
+    the host (no synchronization, no graph break): values at or below finfo.min / 2 (HF uses
+    finfo.min, some code -inf, and sums of them saturate there) become -inf, which dmattn
+    treats as masked (docs/semantics.md, "Masked positions and empty rows"): those positions
+    never contribute and a row with no other key gives 0, as with a bool mask. Every other
+    value is added to the scores as is, and gradients flow back to it."""
+    return mask.masked_fill(mask <= torch.finfo(mask.dtype).min / 2, float("-inf"))
 
 
 def _split_attention_mask(attention_mask, num_keys: int) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    """HF's attention_mask as (bool mask for dmattn, additive bias or None), never expanded."""
+    """HF's attention_mask as (bool mask or None, additive bias or None) for dmattn, never
+    expanded."""
     if attention_mask is None:
         return None, None
     if not isinstance(attention_mask, torch.Tensor):
@@ -127,7 +128,7 @@ def _split_attention_mask(attention_mask, num_keys: int) -> Tuple[Optional[Tenso
     if mask.dtype == torch.bool:
         return mask, None
     if mask.dtype.is_floating_point:
-        return _float_mask_parts(mask)
+        return None, _float_mask_bias(mask)
     raise TypeError(f"attention_mask: expected a bool or floating-point 4D mask, got dtype {mask.dtype}")
 
 
@@ -209,7 +210,11 @@ def attention_forward(
     softcap = 0.0 if softcap is None else softcap
     bias = _bias_for(bias, q.dtype)
     padding_2d = attention_mask is not None and attention_mask.dim() == 2
-    if padding_2d and not selects and (bias is None or key_side_bias(bias, q.shape[0], num_keys) is not None):
+    # Packing needs the real lengths on the host (two synchronizations), which torch.compile
+    # cannot trace without a graph break: compiled, the key mask runs on the dense path instead
+    # (same real rows; padded query rows then hold whatever their causal keys give).
+    packs = padding_2d and not selects and not torch.compiler.is_compiling()
+    if packs and (bias is None or key_side_bias(bias, q.shape[0], num_keys) is not None):
         # Only the real tokens are computed (FlashAttention's unpad / pad).
         out = padded_attention(q, k, v, mask[:, 0, 0, :], bias, causal=causal, scale=scaling, softcap=softcap)
     else:
