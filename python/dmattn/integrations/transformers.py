@@ -1,20 +1,32 @@
 """dmattn as a Hugging Face transformers attention implementation.
 
     import dmattn
+    from transformers import AutoModelForCausalLM
     dmattn.integrations.transformers.register()
-    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="dmattn")
+    model = AutoModelForCausalLM.from_pretrained(model_name, attn_implementation="dmattn")
 
-transformers is imported only inside register(); importing dmattn never needs it.
+transformers is imported only inside register(); importing dmattn never needs it. register()
+installs three pieces under the name:
+* the attention function below (AttentionInterface);
+* dmattn's mask function (hf_mask.py, AttentionMaskInterface): for a plain causal pattern it
+  hands over None (no padding) or the 2D padding mask (B, Sk) instead of a 4D mask, and sdpa's
+  4D bool mask for every other pattern (sliding window, chunked, packed sequences, static
+  cache slots, bidirectional, ...);
+* the Doge hook (doge.py): DogeAttention runs dmattn.attention_topk(per_query=True) on its
+  per-key dt_states instead of building a (B, H, Sq, Sk) dynamic mask.
 
 What the attention function accepts (HF layout (B, H, S, D), GQA through the k/v head count):
-* attention_mask: None; a 4D bool mask (True = attend) or a 4D float additive mask (0 where
-  allowed, finfo.min or -inf where not), each (B, 1 or H, Sq, Sk) and used without expansion;
-  or a 2D padding mask (B, Sk) (nonzero = attend): the real tokens run packed through
-  dmattn.attention_varlen (padding.py; padded query rows give 0), or, with keep_window_size or
-  a bias that has a query dimension, it is a key mask (B, 1, 1, Sk) on the dense path.
+* attention_mask: None; a 4D bool mask (True = attend), used as the mask without expansion; a
+  4D float additive mask (0 where allowed, finfo.min or -inf where not, any other value a bias),
+  used as an additive bias with values <= finfo.min / 2 made -inf (= masked), decided without
+  reading it on the host; each (B, 1 or H, Sq, Sk); or a 2D padding mask (B, Sk) (nonzero =
+  attend) with causal: the real tokens run packed through dmattn.attention_varlen
+  (padding.py; padded query rows give 0), or, with keep_window_size, a bias that has a query
+  dimension, or under torch.compile (packing reads the lengths on the host), it is a key mask
+  (B, 1, 1, Sk) on the dense path.
 * kwargs: is_causal, softcap, attention_bias (an additive, learnable bias broadcastable to
   (B, H, Sq, Sk)) and keep_window_size (keep only that many keys per row, selected from
-  attention_bias by dmattn.dynamic_mask, as Doge / flash-dmattn do).
+  attention_bias by dmattn.dynamic_mask, as flash-dmattn's integration does).
 """
 
 from __future__ import annotations
