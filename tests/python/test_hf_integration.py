@@ -291,6 +291,51 @@ def test_bias_sources_combine(device):
     torch.testing.assert_close(out, expected, **_tol(device))
 
 
+def test_float_mask_with_keep_window_size(device):
+    """A float mask is a bias with -inf where masked: selecting from it keeps the same keys as
+    selecting among the allowed ones, and its gradient reaches the mask's values."""
+    dtype = _dtype(device)
+    q, k, v = _hf_qkv(B, H, HKV, SQ, SK, D, dtype, device)
+    module = TinyAttention(H, HKV, dtype=dtype).to(device)
+    allowed = (torch.rand(B, 1, SQ, SK) < 0.7).to(device)
+    values = torch.randn(B, H, 1, SK).to(dtype).to(device)
+    float_mask = torch.where(allowed, values, torch.finfo(dtype).min).requires_grad_(True)
+    out, _ = hf_dmattn.attention_forward(module, q, k, v, float_mask, keep_window_size=3,
+                                         attention_bias=torch.zeros(1, device=device, dtype=dtype))
+    expected = dmattn.attention_topk(*(x.transpose(1, 2) for x in (q, k, v)), values, 3, mask=allowed)
+    torch.testing.assert_close(out, expected, **_tol(device))
+    (grad,) = torch.autograd.grad(out.sum(), float_mask)
+    assert torch.isfinite(grad).all() and grad[~allowed.expand_as(grad)].abs().sum() == 0
+
+
+@pytest.mark.parametrize("mask_kind", ["float_4d", "padding_2d"])
+def test_masks_trace_without_graph_breaks(mask_kind):
+    """No host read of a float mask; a 2D padding mask takes the dense key-mask path when
+    compiled (packing needs the lengths on the host) and gives the same real rows."""
+    q, k, v = _hf_qkv(B, H, HKV, SQ, SQ, D, torch.float32, "cpu")
+    module = TinyAttention(H, HKV)
+    if mask_kind == "float_4d":
+        allowed = torch.ones(SQ, SQ, dtype=torch.bool).tril().expand(B, 1, SQ, SQ)
+        mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+        real = torch.ones(B, SQ, dtype=torch.bool)
+    else:
+        mask = torch.ones(B, SQ, dtype=torch.long)
+        mask[1, :2] = 0
+        real = mask.bool()
+
+    def call(q_, k_, v_, mask_):
+        return hf_dmattn.attention_forward(module, q_, k_, v_, mask_, scaling=0.3)[0]
+
+    torch._dynamo.reset()
+    try:
+        explained = torch._dynamo.explain(call)(q, k, v, mask)
+        compiled = torch.compile(call, backend="eager", fullgraph=True)(q, k, v, mask)
+    finally:
+        torch._dynamo.reset()
+    assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]
+    torch.testing.assert_close(compiled[real], call(q, k, v, mask)[real], atol=1e-5, rtol=1e-5)
+
+
 def test_unsupported_kwargs(device):
     q, k, v = _hf_qkv(B, H, HKV, SQ, SQ, D, _dtype(device), device)
     module = TinyAttention(H, HKV, dtype=_dtype(device)).to(device)
