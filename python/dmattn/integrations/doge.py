@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..topk import attention_topk
+from .transformers import _cuda_dtypes
 
 try:
     from transformers.models.doge import modeling_doge
@@ -121,9 +122,6 @@ def _key_mask(attention_mask: Optional[Tensor], num_keys: int) -> Optional[Tenso
 
 def _topk_forward(self, hidden_states: Tensor, position_embeddings, attention_mask: Optional[Tensor],
                   *args, **kwargs):
-    # Imported here: transformers.py imports this module inside register().
-    from .transformers import _cuda_dtypes
-
     if self.training and self.attention_dropout:
         raise NotImplementedError(f"dropout: dmattn has no attention dropout, got {self.attention_dropout} in "
                                   "training mode; set the model's attention_dropout to 0")
