@@ -1,20 +1,32 @@
 """dmattn as a Hugging Face transformers attention implementation.
 
     import dmattn
+    from transformers import AutoModelForCausalLM
     dmattn.integrations.transformers.register()
-    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="dmattn")
+    model = AutoModelForCausalLM.from_pretrained(model_name, attn_implementation="dmattn")
 
-transformers is imported only inside register(); importing dmattn never needs it.
+transformers is imported only inside register(); importing dmattn never needs it. register()
+installs three pieces under the name:
+* the attention function below (AttentionInterface);
+* dmattn's mask function (hf_mask.py, AttentionMaskInterface): for a plain causal pattern it
+  hands over None (no padding) or the 2D padding mask (B, Sk) instead of a 4D mask, and sdpa's
+  4D bool mask for every other pattern (sliding window, chunked, packed sequences, static
+  cache slots, bidirectional, ...);
+* the Doge hook (doge.py): DogeAttention runs dmattn.attention_topk(per_query=True) on its
+  per-key dt_states instead of building a (B, H, Sq, Sk) dynamic mask.
 
 What the attention function accepts (HF layout (B, H, S, D), GQA through the k/v head count):
-* attention_mask: None; a 4D bool mask (True = attend) or a 4D float additive mask (0 where
-  allowed, finfo.min or -inf where not), each (B, 1 or H, Sq, Sk) and used without expansion;
-  or a 2D padding mask (B, Sk) (nonzero = attend): the real tokens run packed through
-  dmattn.attention_varlen (padding.py; padded query rows give 0), or, with keep_window_size or
-  a bias that has a query dimension, it is a key mask (B, 1, 1, Sk) on the dense path.
+* attention_mask: None; a 4D bool mask (True = attend), used as the mask without expansion; a
+  4D float additive mask (0 where allowed, finfo.min or -inf where not, any other value a bias),
+  used as an additive bias with values <= finfo.min / 2 made -inf (= masked), decided without
+  reading it on the host; each (B, 1 or H, Sq, Sk); or a 2D padding mask (B, Sk) (nonzero =
+  attend) with causal: the real tokens run packed through dmattn.attention_varlen
+  (padding.py; padded query rows give 0), or, with keep_window_size, a bias that has a query
+  dimension, or under torch.compile (packing reads the lengths on the host), it is a key mask
+  (B, 1, 1, Sk) on the dense path.
 * kwargs: is_causal, softcap, attention_bias (an additive, learnable bias broadcastable to
   (B, H, Sq, Sk)) and keep_window_size (keep only that many keys per row, selected from
-  attention_bias by dmattn.dynamic_mask, as Doge / flash-dmattn do).
+  attention_bias by dmattn.dynamic_mask, as flash-dmattn's integration does).
 """
 
 from __future__ import annotations
@@ -35,22 +47,26 @@ _INSTALL_HINT = ("dmattn.integrations.transformers.register() needs Hugging Face
 
 
 def register(name: str = "dmattn") -> None:
-    """Registers dmattn under ``name`` with transformers' AttentionInterface (and, when the
-    name has no mask function yet, sdpa's mask function with AttentionMaskInterface)."""
+    """Registers dmattn under ``name`` with transformers' AttentionInterface, dmattn's mask
+    function (hf_mask.compact_causal_mask) with AttentionMaskInterface, and the Doge hook
+    (doge.py: DogeAttention on dmattn.attention_topk(per_query=True) for that name)."""
     try:
         from transformers import AttentionInterface
     except ImportError as err:
         raise ImportError(_INSTALL_HINT) from err
     AttentionInterface.register(name, attention_forward)
     try:
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError:  # transformers before masking_utils: masks are built per model
         return
+    from . import doge, hf_mask
+
     # transformers builds masks only for implementations its mask registry knows and passes
-    # attention_mask=None to any other, which would silently drop padding. dmattn takes the
-    # masks sdpa takes (4D bool, or None when the pattern is purely causal).
-    if name not in AttentionMaskInterface():
-        AttentionMaskInterface.register(name, sdpa_mask)
+    # attention_mask=None to any other, which would silently drop padding. dmattn's mask
+    # function gives the compact form (None or the 2D padding mask) for plain causal patterns
+    # and sdpa's 4D bool mask for every other pattern.
+    AttentionMaskInterface.register(name, hf_mask.compact_causal_mask)
+    doge.install(name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,22 +111,19 @@ def _cuda_dtypes(module: torch.nn.Module, query: Tensor) -> Optional[Tuple[torch
     return torch.bfloat16, torch.float32
 
 
-def _float_mask_parts(mask: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
-    """A float additive mask as (bool mask, additive bias or None), both in the mask's shape.
-
-    Values at or below finfo.min / 2 (HF uses finfo.min, some code -inf, and sums of them
-    saturate there) mean "masked"; any other nonzero value is a genuine additive bias.
-    """
-    blocked = mask <= torch.finfo(mask.dtype).min / 2
-    allowed = ~blocked
-    # One device sync: most HF masks are pure 0 / finfo.min, which needs no bias at all.
-    if bool(((mask != 0) & allowed).any()):
-        return allowed, mask.masked_fill(blocked, 0)
-    return allowed, None
+def _float_mask_bias(mask: Tensor) -> Tensor:
+    """A float additive mask as dmattn's additive bias, decided without reading its values on
+    the host (no synchronization, no graph break): values at or below finfo.min / 2 (HF uses
+    finfo.min, some code -inf, and sums of them saturate there) become -inf, which dmattn
+    treats as masked (docs/semantics.md, "Masked positions and empty rows"): those positions
+    never contribute and a row with no other key gives 0, as with a bool mask. Every other
+    value is added to the scores as is, and gradients flow back to it."""
+    return mask.masked_fill(mask <= torch.finfo(mask.dtype).min / 2, float("-inf"))
 
 
 def _split_attention_mask(attention_mask, num_keys: int) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    """HF's attention_mask as (bool mask for dmattn, additive bias or None), never expanded."""
+    """HF's attention_mask as (bool mask or None, additive bias or None) for dmattn, never
+    expanded."""
     if attention_mask is None:
         return None, None
     if not isinstance(attention_mask, torch.Tensor):
@@ -127,7 +140,7 @@ def _split_attention_mask(attention_mask, num_keys: int) -> Tuple[Optional[Tenso
     if mask.dtype == torch.bool:
         return mask, None
     if mask.dtype.is_floating_point:
-        return _float_mask_parts(mask)
+        return None, _float_mask_bias(mask)
     raise TypeError(f"attention_mask: expected a bool or floating-point 4D mask, got dtype {mask.dtype}")
 
 
@@ -209,7 +222,11 @@ def attention_forward(
     softcap = 0.0 if softcap is None else softcap
     bias = _bias_for(bias, q.dtype)
     padding_2d = attention_mask is not None and attention_mask.dim() == 2
-    if padding_2d and not selects and (bias is None or key_side_bias(bias, q.shape[0], num_keys) is not None):
+    # Packing needs the real lengths on the host (two synchronizations), which torch.compile
+    # cannot trace without a graph break: compiled, the key mask runs on the dense path instead
+    # (same real rows; padded query rows then hold whatever their causal keys give).
+    packs = padding_2d and not selects and not torch.compiler.is_compiling()
+    if packs and (bias is None or key_side_bias(bias, q.shape[0], num_keys) is not None):
         # Only the real tokens are computed (FlashAttention's unpad / pad).
         out = padded_attention(q, k, v, mask[:, 0, 0, :], bias, causal=causal, scale=scaling, softcap=softcap)
     else:
