@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# On the development machine: gathers what scripts/gpu_cycle.sh needs on a registry-less GPU
-# machine into git-ignored folders, to pass as the device call's `carry: [".whl", ".devcarry"]`.
+# On the development machine: gathers what scripts/gpu_cycle.sh needs on a GPU machine without
+# a package registry into git-ignored folders, to copy there with the work tree: .whl/ and
+# .devcarry/.
 #   bash scripts/prepare_gpu_carry.sh lib BUILD_DIR: instead, the library of BUILD_DIR (configured
-#   with -DDMATTN_CUDA_ARCHS=90a) stripped and gzipped into .devlib/ for `carry: [".whl",
-#   ".devlib"]`; gpu_cycle.sh without its build step unpacks it.
+#   with -DDMATTN_CUDA_ARCHS=90a) stripped and gzipped into .devlib/, to copy with .whl/;
+#   gpu_cycle.sh without its build step unpacks it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ "${1:-}" = lib ]; then
@@ -14,7 +15,7 @@ if [ "${1:-}" = lib ]; then
   exit 0
 fi
 PY=${PYTHON:-python3}
-DEVICE_PY=${DEVICE_PY:-3.12}
+DEVICE_PY=${DEVICE_PY:-3.12}  # the GPU machine's Python
 mkdir -p .whl .devcarry
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$DEVICE_PY" \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
