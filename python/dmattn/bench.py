@@ -545,8 +545,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(table)
     written = report.write_results(results, table, out_dir, extra_json=args.json)
     if not args.no_plots:
-        from . import bench_plots
-        written += bench_plots.plot_results(results, out_dir)
+        try:
+            from . import bench_plots
+
+            written += bench_plots.plot_results(results, out_dir)
+        except ImportError as e:  # the figures are already safe on disk
+            log(f"no plots: {e} (pip install matplotlib)")
     log(f"\nresults in {out_dir}/: " + ", ".join(os.path.basename(p) for p in written))
     failed = [r for r in rows if r.check.startswith("FAIL")]
     return 1 if failed else 0

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "cpu/tile_math.h"
@@ -37,6 +38,28 @@ struct TilePointers {
 
 constexpr int64_t kTileElements = kBlockQ * kBlockK;
 
+// The tile store's memory outlives a call: the next backward takes it back instead of faulting
+// in fresh pages (allocations this large are mmap-ed and unmapped on free; the page faults
+// cost about a tenth of a backward at S = 1024). One buffer per accumulator type is kept.
+template <typename Acc>
+class SpareBuffer {
+ public:
+  static std::unique_ptr<Acc[]> take(int64_t elements) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (buffer_ && size_ >= elements) return std::move(buffer_);
+    return std::unique_ptr<Acc[]>(new Acc[elements]);  // not value-initialized
+  }
+  static void give_back(std::unique_ptr<Acc[]> buffer, int64_t elements) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!buffer_ || size_ < elements) buffer_ = std::move(buffer), size_ = elements;
+  }
+
+ private:
+  static inline std::mutex mutex_;
+  static inline std::unique_ptr<Acc[]> buffer_;
+  static inline int64_t size_ = 0;
+};
+
 template <typename Acc>
 class TileStore {
  public:
@@ -46,17 +69,23 @@ class TileStore {
       : heads_(heads), query_blocks_(query_blocks), key_blocks_(key_blocks) {
     const int64_t tiles = batch * heads * query_blocks * key_blocks;
     if (tiles == 0 || tiles * kTileElements * 2 * int64_t{sizeof(Acc)} > limit_bytes) return;
-    // Not value-initialized: only the tiles the query pass reaches are ever written or read.
-    probs_.reset(new Acc[tiles * kTileElements]);
-    dprobs_.reset(new Acc[tiles * kTileElements]);
+    // Uninitialized: only the tiles the query pass reaches are ever written or read.
+    elements_ = tiles * kTileElements * 2;  // P, then dS
+    data_ = SpareBuffer<Acc>::take(elements_);
+    dprobs_offset_ = tiles * kTileElements;
     computed_.assign(static_cast<size_t>(tiles), 0);
   }
+  ~TileStore() {
+    if (data_) SpareBuffer<Acc>::give_back(std::move(data_), elements_);
+  }
+  TileStore(const TileStore&) = delete;
+  TileStore& operator=(const TileStore&) = delete;
 
-  bool enabled() const { return probs_ != nullptr; }
+  bool enabled() const { return data_ != nullptr; }
 
   TilePointers<Acc> tile(int64_t b, int64_t h, int64_t query_block, int64_t key_block) const {
-    const int64_t e = index(b, h, query_block, key_block) * kTileElements;
-    return {probs_.get() + e, dprobs_.get() + e, nullptr};
+    Acc* probs = data_.get() + index(b, h, query_block, key_block) * kTileElements;
+    return {probs, probs + dprobs_offset_, nullptr};
   }
   // Set by the query pass for each tile it filled; a tile never filled is all zeros (no query
   // of its block reaches any of its keys).
@@ -73,7 +102,8 @@ class TileStore {
   }
 
   int64_t heads_, query_blocks_, key_blocks_;
-  std::unique_ptr<Acc[]> probs_, dprobs_;
+  int64_t elements_ = 0, dprobs_offset_ = 0;
+  std::unique_ptr<Acc[]> data_;
   std::vector<uint8_t> computed_;  // one byte per tile: written by one task each
 };
 
