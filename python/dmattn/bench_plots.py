@@ -83,8 +83,9 @@ def plot_speedup(results: dict, path: str) -> Optional[str]:
     ax.invert_yaxis()
     what = "forward" if fwd_only else "forward + backward"
     ax.set_xlabel(f"peer's {what} time / dmattn's (right of 1: dmattn faster)")
-    ax.set_title(f"dmattn vs each peer, {results['device']}", fontsize=10)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(f"dmattn vs each peer, {results['device']}", fontsize=10, pad=24)
+    ax.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(peers),
+              frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -101,6 +102,8 @@ def plot_scaling(results: dict, path: str) -> Optional[str]:
     if not series:
         return None
     plt = _pyplot()
+    from matplotlib import ticker
+
     fig, axes = plt.subplots(1, len(series), figsize=(5.2 * len(series), 4), squeeze=False)
     for ax, (name, cfgs) in zip(axes[0], series.items()):
         cfgs = sorted(cfgs, key=lambda c: c["seqlen"])
@@ -116,6 +119,10 @@ def plot_scaling(results: dict, path: str) -> Optional[str]:
                         linewidth=2.2 if provider == DMATTN else 1.2)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        plain = ticker.FuncFormatter(lambda v, _: f"{v:g}")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
+        ax.tick_params(axis="y", which="minor", labelsize=7)
         ax.set_xticks([c["seqlen"] for c in cfgs])
         ax.set_xticklabels([str(c["seqlen"]) for c in cfgs])
         ax.set_xlabel("sequence length S")
