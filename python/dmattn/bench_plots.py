@@ -120,6 +120,7 @@ def plot_scaling(results: dict, path: str) -> Optional[str]:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         plain = ticker.FuncFormatter(lambda v, _: f"{v:g}")
+        ax.yaxis.set_minor_locator(ticker.LogLocator(base=10, subs=(2.0, 3.0, 5.0)))
         ax.yaxis.set_major_formatter(plain)
         ax.yaxis.set_minor_formatter(plain)
         ax.tick_params(axis="y", which="minor", labelsize=7)
