@@ -473,7 +473,7 @@ def run_config(cfg: Config, device: str, warmup: int, iters: int, providers: Opt
             row.note = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:80]}"
             if name == "dmattn" and row.fwd_ms == row.fwd_ms:
                 dm_row = (row, run)  # the forward ran: still check it
-        log(f"    {name}: fwd {_fmt(row.fwd_ms, '.2f')} ms, fwd+bwd {_fmt(row.fwdbwd_ms, '.2f')} ms"
+        log(f"    {name}: fwd {report.fmt(row.fwd_ms, '.2f')} ms, fwd+bwd {report.fmt(row.fwdbwd_ms, '.2f')} ms"
             + (f" ({row.note})" if row.note else ""))
         rows.append(row)
     if dm_row is not None:
@@ -482,10 +482,6 @@ def run_config(cfg: Config, device: str, warmup: int, iters: int, providers: Opt
             out = run()
         row.check = _check(cfg, x, out, dm_grads, peer_grads)
     return rows
-
-
-def _fmt(v: float, spec: str) -> str:
-    return "-" if v != v else format(v, spec)
 
 
 def default_out_dir(device: str) -> str:

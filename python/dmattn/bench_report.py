@@ -80,7 +80,8 @@ def summary_line(results: dict) -> str:
             f"geometric mean {geo:.2f}x (best peer's time / dmattn's time).")
 
 
-def _fmt(v, spec: str) -> str:
+def fmt(v, spec: str) -> str:
+    """v formatted, "-" for a missing time (None or NaN)."""
     return "-" if v is None or v != v else format(v, spec)
 
 
@@ -99,9 +100,9 @@ def format_table(results: dict) -> str:
         if r["provider"] == DMATTN and r["config"] in ratios:
             value, peer = ratios[r["config"]]
             ratio = f"**{value:.2f}x** ({peer})"
-        cells = [r["config"], r["provider"], _fmt(r["fwd_ms"], ".2f"), _fmt(r["fwdbwd_ms"], ".2f"),
-                 _fmt(r["fwd_tflops"], ".3f"), _fmt(r["fwdbwd_tflops"], ".3f"),
-                 _fmt(r["peak_mem_gib"], ".2f"), ratio, r.get("check") or r.get("note") or ""]
+        cells = [r["config"], r["provider"], fmt(r["fwd_ms"], ".2f"), fmt(r["fwdbwd_ms"], ".2f"),
+                 fmt(r["fwd_tflops"], ".3f"), fmt(r["fwdbwd_tflops"], ".3f"),
+                 fmt(r["peak_mem_gib"], ".2f"), ratio, r.get("check") or r.get("note") or ""]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", summary_line(results)]
     return "\n".join(lines)

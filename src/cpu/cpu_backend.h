@@ -1,5 +1,5 @@
-// The CPU backend: a blockwise online-softmax implementation of the contract in
-// shared/spec/semantics.md, parallel with OpenMP. It reads everything through the params
+// The CPU backend: a blockwise implementation of the contract in docs/semantics.md (tile
+// products through BLAS), parallel with OpenMP. It reads everything through the params
 // structs, which make_forward_params / make_backward_params have validated.
 #pragma once
 
