@@ -79,6 +79,21 @@ struct BackwardContext {
     return (b * f.num_heads + h) * f.seqlen_q + i;
   }
 
+  // Of query head h's block `query_block`: its kv head, first row i0 and number of rows.
+  struct QueryRows {
+    int64_t kv_head, i0, rows;
+  };
+  QueryRows query_rows(int64_t h, int64_t query_block) const {
+    const int64_t i0 = query_block * kBlockQ;
+    return {h / f.group_size(), i0, std::min(kBlockQ, f.seqlen_q - i0)};
+  }
+
+  // dQ = scale * dq (the accumulated dS K) into rows [i0, i0 + rows) of head h.
+  void store_dq(int64_t b, int64_t h, int64_t i0, int64_t rows, const Acc* dq) const {
+    T* dq_out = static_cast<T*>(p.dq) + p.dq_strides.offset(b, i0, h);
+    store_rows(dq, rows, f.head_dim, mod.scale, dq_out, p.dq_strides.row_stride);
+  }
+
   // Loads Q and dO of query rows [i0, i0 + rows) of head h.
   void load_query_side(int64_t b, int64_t h, int64_t i0, int64_t rows,
                        BackwardTiles<Acc>& t) const {
@@ -184,9 +199,7 @@ template <typename T, typename Acc, typename BiasT>
 void row_stats_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int64_t h,
                     int64_t query_block, BackwardTiles<Acc>& t) {
   const ForwardParams& f = ctx.f;
-  const int64_t kv_head = h / f.group_size();
-  const int64_t i0 = query_block * kBlockQ;
-  const int64_t rows = std::min(kBlockQ, f.seqlen_q - i0);
+  const auto [kv_head, i0, rows] = ctx.query_rows(h, query_block);
   ctx.load_query_side(b, h, i0, rows, t);
   std::fill_n(t.online.begin(), rows, OnlineSoftmaxRow<Acc>{});
   std::fill_n(t.delta.begin(), rows, Acc(0));  // unnormalized until the end
@@ -221,9 +234,7 @@ void query_row_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int64_
   constexpr Acc kNegInf = -std::numeric_limits<Acc>::infinity();
   const ForwardParams& f = ctx.f;
   const int64_t dim = f.head_dim;
-  const int64_t kv_head = h / f.group_size();
-  const int64_t i0 = query_block * kBlockQ;
-  const int64_t rows = std::min(kBlockQ, f.seqlen_q - i0);
+  const auto [kv_head, i0, rows] = ctx.query_rows(h, query_block);
   ctx.load_query_side(b, h, i0, rows, t);
   const IndexRange keys = ctx.mod.keys.for_queries(b, h, {i0, i0 + rows});
   const int64_t first_block = keys.begin / kBlockK;
@@ -283,8 +294,7 @@ void query_row_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int64_
     load_rows(k, f.k_strides.row_stride, cols, dim, t.k.data(), kBlockK);
     accumulate_product(tile.dprobs, t.k.data(), dim, dq);
   }
-  T* dq_out = static_cast<T*>(ctx.p.dq) + ctx.p.dq_strides.offset(b, i0, h);
-  store_rows(dq, rows, dim, ctx.mod.scale, dq_out, ctx.p.dq_strides.row_stride);
+  ctx.store_dq(b, h, i0, rows, dq);
 }
 
 // How pass-1 tasks are laid out. A task covers a range of batches, kv heads and key blocks:
@@ -438,9 +448,7 @@ void query_block_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int6
                       int64_t query_block, BackwardTiles<Acc>& t) {
   const ForwardParams& f = ctx.f;
   const int64_t dim = f.head_dim;
-  const int64_t kv_head = h / f.group_size();
-  const int64_t i0 = query_block * kBlockQ;
-  const int64_t rows = std::min(kBlockQ, f.seqlen_q - i0);
+  const auto [kv_head, i0, rows] = ctx.query_rows(h, query_block);
   ctx.load_query_side(b, h, i0, rows, t);
   ctx.load_row_stats(b, h, i0, rows, t);
   Acc* dq = t.grad_a.data();
@@ -455,8 +463,7 @@ void query_block_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int6
     ctx.apply_softcap_grad(rows, cols, t);
     accumulate_product(t.dprobs.data(), t.k.data(), dim, dq);
   }
-  T* dq_out = static_cast<T*>(ctx.p.dq) + ctx.p.dq_strides.offset(b, i0, h);
-  store_rows(dq, rows, dim, ctx.mod.scale, dq_out, ctx.p.dq_strides.row_stride);
+  ctx.store_dq(b, h, i0, rows, dq);
 }
 
 template <typename T, typename BiasT>
