@@ -11,7 +11,7 @@ say() { echo "[setup] $*"; }
 
 # The CPU backend's matrix products use the system BLAS (CMake's FindBLAS; without one it
 # falls back to plain loops, several times slower).
-if ! ls /usr/include/cblas.h /usr/include/*/cblas.h /usr/include/openblas/cblas.h >/dev/null 2>&1; then
+if ! compgen -G "/usr/include/cblas.h" >/dev/null && ! compgen -G "/usr/include/*/cblas.h" >/dev/null; then
   install_system_package libopenblas-dev "OpenBLAS (the CPU backend's matrix products)"
 fi
 
