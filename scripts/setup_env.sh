@@ -42,9 +42,9 @@ if [ "$DMATTN_BUILD_CUDA" != OFF ] && command -v nvcc >/dev/null 2>&1; then
   if [ -z "${DMATTN_CUDA_ARCHS:-}" ] && command -v nvidia-smi >/dev/null 2>&1; then
     # Only the visible GPUs' architectures: 9.0 gets the Hopper kernels (90a), any 8.x the
     # sm80-class kernels (80), others their own number.
-    archs=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | sort -u |
-      awk -F. '{ if ($1 == 9 && $2 == 0) a = "90a"; else if ($1 == 8) a = "80"; else a = $1 $2;
-                 printf "%s%s", sep, a; sep = ";" }')
+    archs=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null |
+      awk -F. '/^[0-9]+\.[0-9]+/ { if ($1 == 9 && $2 == 0) print "90a"; else if ($1 == 8) print "80";
+                                   else print $1 $2 }' | sort -u | paste -sd';' -) || archs=""
     if [ -n "$archs" ]; then export DMATTN_CUDA_ARCHS="$archs"; fi
   fi
   archs=${DMATTN_CUDA_ARCHS:-80;90a}
