@@ -13,25 +13,18 @@ import pytest
 from dmattn import bench, bench_report
 
 
+def _row(config, provider, fwdbwd_ms, note=""):
+    return dict(config=config, provider=provider, fwd_ms=1.0 if fwdbwd_ms else None,
+                fwdbwd_ms=fwdbwd_ms, fwd_tflops=None, fwdbwd_tflops=None, peak_mem_gib=None,
+                check="ok" if provider == "dmattn" else "", note=note)
+
+
 def _results():
     configs = [dict(name="a", seqlen=512, series="s"), dict(name="b", seqlen=1024, series="s"),
                dict(name="c", seqlen=1024, series="")]
-    rows = [
-        dict(config="a", provider="dmattn", fwd_ms=1.0, fwdbwd_ms=2.0, fwd_tflops=None,
-             fwdbwd_tflops=None, peak_mem_gib=None, check="ok", note=""),
-        dict(config="a", provider="p1", fwd_ms=1.0, fwdbwd_ms=4.0, fwd_tflops=None,
-             fwdbwd_tflops=None, peak_mem_gib=None, check="", note=""),
-        dict(config="a", provider="p2", fwd_ms=1.0, fwdbwd_ms=3.0, fwd_tflops=None,
-             fwdbwd_tflops=None, peak_mem_gib=None, check="", note=""),
-        dict(config="b", provider="dmattn", fwd_ms=1.0, fwdbwd_ms=8.0, fwd_tflops=None,
-             fwdbwd_tflops=None, peak_mem_gib=None, check="ok", note=""),
-        dict(config="b", provider="p1", fwd_ms=1.0, fwdbwd_ms=4.0, fwd_tflops=None,
-             fwdbwd_tflops=None, peak_mem_gib=None, check="", note=""),
-        dict(config="c", provider="dmattn", fwd_ms=1.0, fwdbwd_ms=1.0, fwd_tflops=None,
-             fwdbwd_tflops=None, peak_mem_gib=None, check="ok", note=""),
-        dict(config="c", provider="p1", fwd_ms=None, fwdbwd_ms=None, fwd_tflops=None,
-             fwdbwd_tflops=None, peak_mem_gib=None, check="", note="not supported"),
-    ]
+    rows = [_row("a", "dmattn", 2.0), _row("a", "p1", 4.0), _row("a", "p2", 3.0),
+            _row("b", "dmattn", 8.0), _row("b", "p1", 4.0),
+            _row("c", "dmattn", 1.0), _row("c", "p1", None, note="not supported")]
     return dict(device="test", torch="x", configs=configs, rows=rows)
 
 
