@@ -53,7 +53,9 @@ inline void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Ac
     for (int64_t j = 0; j < n; ++j) c_row[j] = beta == Acc(0) ? Acc(0) : beta * c_row[j];
     for (int64_t p = 0; p < k; ++p) {
       const Acc a_ip = alpha * (trans_a ? a[p * lda + i] : a[i * lda + p]);
-      for (int64_t j = 0; j < n; ++j) c_row[j] += a_ip * (trans_b ? b[j * ldb + p] : b[p * ldb + j]);
+      for (int64_t j = 0; j < n; ++j) {
+        c_row[j] += a_ip * (trans_b ? b[j * ldb + p] : b[p * ldb + j]);
+      }
     }
   }
 }

@@ -57,9 +57,10 @@ struct BackwardTiles {
   std::vector<Acc> grad_a, grad_b;            // dK and dV (pass 1) or dQ (pass 2)
   std::vector<Acc> dbias;                     // the dbias slab a pass-1 task owns
   explicit BackwardTiles(int64_t dim)
-      : q(kBlockQ * dim), dout(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim), probs(kBlockQ * kBlockK), dprobs(kBlockQ * kBlockK),
-        cap_grad(kBlockQ * kBlockK), row_max(kBlockQ), inv_sum(kBlockQ), delta(kBlockQ),
-        online(kBlockQ), grad_a(std::max(kBlockQ, kBlockK) * dim), grad_b(kBlockK * dim) {}
+      : q(kBlockQ * dim), dout(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim),
+        probs(kBlockQ * kBlockK), dprobs(kBlockQ * kBlockK), cap_grad(kBlockQ * kBlockK),
+        row_max(kBlockQ), inv_sum(kBlockQ), delta(kBlockQ), online(kBlockQ),
+        grad_a(std::max(kBlockQ, kBlockK) * dim), grad_b(kBlockK * dim) {}
 };
 
 // Everything a task needs besides its indices.
@@ -248,7 +249,8 @@ void query_row_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int64_
     const TilePointers<Acc> tile = tiles_of(kb);
     ctx.load_key_side(b, kv_head, j0, cols, t);
     matmul_into_scores(t.q.data(), t.k.data(), dim, tile.probs);
-    ctx.mod.apply(b, h, i0, rows, j0, cols, tile.probs, ctx.softcap_on ? tile.cap_grad : nullptr);
+    ctx.mod.apply(b, h, i0, rows, j0, cols, tile.probs,
+                  ctx.softcap_on ? tile.cap_grad : nullptr);
     matmul_into_scores(t.dout.data(), t.v.data(), dim, tile.dprobs);
     for (int64_t r = 0; r < rows; ++r) {
       t.row_max[r] = std::max(t.row_max[r], row_max(tile.probs + r * kBlockK, cols));

@@ -5,7 +5,8 @@
 #include <cstring>
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#define DMATTN_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define DMATTN_VECTOR_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define DMATTN_VECTOR_CLONES
 #endif
@@ -25,7 +26,9 @@ __attribute__((always_inline)) inline Vec load(const float* p) {
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-__attribute__((always_inline)) inline void store(float* p, const Vec& v) { std::memcpy(p, &v, sizeof(v)); }
+__attribute__((always_inline)) inline void store(float* p, const Vec& v) {
+  std::memcpy(p, &v, sizeof(v));
+}
 __attribute__((always_inline)) inline Vec splat(float x) { return Vec{} + x; }
 
 // Lanes [0, n) of p, `fill` in the others.
