@@ -10,6 +10,9 @@
 //      KeyTaskGrid). Each task sums dbias in the accumulator type and casts once.
 //   2. One task per (batch, head, query block): recomputes dS and accumulates
 //      dQ = scale * (dS * softcap') K.
+// That is the bounded-memory form. Where the tiles fit in memory (score_cache.h), passes 0 and
+// 2 run as one task that keeps its query block's S and dP (query_row_task), and with the tile
+// store pass 1 reads P and dS instead of recomputing them.
 // Every output element is owned by one task with a fixed summation order, so the result is
 // bitwise identical for any number of threads.
 //

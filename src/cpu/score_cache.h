@@ -5,7 +5,7 @@
 // Two levels, each used when it fits its memory limit (set_backward_cache_limits):
 //  - TileStore: every tile of the problem, (batch, head, query block, key block). The query
 //    pass fills it; the key pass (dK, dV, dbias) then reads P and dS instead of recomputing
-//    them. Pages of tiles that causal / window skip are never touched.
+//    them. Tiles that causal / window skip are never written or read.
 //  - RowTiles: per thread, the tiles of one query block (every key block it reaches), so that
 //    the query pass computes S and dP once for both the softmax statistics and dQ.
 // Without either, the backward recomputes everything (three passes, bounded memory).
