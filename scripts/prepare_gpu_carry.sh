@@ -9,6 +9,13 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ "${1:-}" = lib ]; then
   mkdir -p .devlib
+  # A library linked to the system BLAS needs it on the GPU machine too; configure BUILD_DIR
+  # with -DDMATTN_USE_BLAS=OFF where that machine may lack it (the CPU backend then runs on
+  # plain loops there, which the GPU tests do not time).
+  if readelf -d "$2/libdmattn_ffi.so" | grep -qiE "NEEDED.*blas"; then
+    echo "note: $2/libdmattn_ffi.so links $(readelf -d "$2/libdmattn_ffi.so" | grep -oiE 'lib[a-z]*blas[^]]*' | head -1);" \
+      "the GPU machine needs it too (or configure with -DDMATTN_USE_BLAS=OFF)" >&2
+  fi
   strip --strip-unneeded -o .devlib/libdmattn_ffi.so "$2/libdmattn_ffi.so"
   gzip -1 -f .devlib/libdmattn_ffi.so
   ls -la .devlib
