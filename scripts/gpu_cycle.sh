@@ -39,7 +39,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="$PWD/python:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 # Without the build step the library is the one in python/dmattn/ (built on the development
-# machine with -DDMATTN_CUDA_ARCHS=90a and copied over: saves the GPU machine's build minutes),
+# machine with -DDMATTN_CUDA_ARCHS=90a, and -DDMATTN_USE_BLAS=OFF unless the GPU machine has
+# OpenBLAS, and copied over: saves the GPU machine's build minutes),
 # or, when present, .devlib/libdmattn_ffi.so.gz (scripts/prepare_gpu_carry.sh lib: the stripped
 # library is ~60 MiB; gzipped ~17 MB).
 if [[ " $STEPS " != *" build "* && -f "$CARRY_ROOT/.devlib/libdmattn_ffi.so.gz" ]]; then
