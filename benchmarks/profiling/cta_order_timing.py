@@ -16,7 +16,8 @@ import statistics
 
 import torch
 
-from dmattn.bench import Config, _dmattn, _fwd_bwd, make_inputs, time_ms
+from dmattn.bench import Config, _fwd_bwd, make_inputs, time_ms
+from dmattn.bench_providers import _dmattn
 
 ROWS = [
     Config("dense causal", 2, 8192, 16, 128, True),
