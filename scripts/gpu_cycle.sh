@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The whole GPU cycle in one command, for a GPU machine without a package registry
-# (the lent H100/H200): build the native library for the local GPU, run the GPU test group,
-# run the benchmark, optionally compute-sanitizer; logs and JSON go to $OUT.
+# The whole GPU cycle in one command, for a GPU machine without a package registry (a CI or
+# cloud H100/H200 host): build the native library for the local GPU, run the GPU test group,
+# run the benchmark, optionally compute-sanitizer; logs, the benchmark's table, JSON and plots
+# go to $OUT.
 #
 # Carried from the development machine (see scripts/prepare_gpu_carry.sh):
-#   .whl/        apache-tvm-ffi wheel for the device's Python
+#   .whl/        apache-tvm-ffi wheel for the GPU machine's Python
 #   .devcarry/   cutlass_include.tgz (CuTe/CUTLASS headers from the nvidia-cutlass wheel)
 #
-# Usage on the device (repo root):  bash scripts/gpu_cycle.sh [steps...]
+# Usage on the GPU machine (repo root):  bash scripts/gpu_cycle.sh [steps...]
 #   steps: build test bench sm90 sanitize (default: build test bench; sm90: the GPU tests with
 #          the Hopper kernels off, DMATTN_FWD_SM90=0 DMATTN_BWD_SM90=0 -- on a Hopper GPU the
 #          only run of the sm80-class kernels at head dims up to 128 -- and forward timings of
@@ -38,9 +39,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="$PWD/python:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 # Without the build step the library is the one in python/dmattn/ (built on the development
-# machine with -DDMATTN_CUDA_ARCHS=90a and carried: saves the device's build minutes), or, when
-# present, .devlib/libdmattn_ffi.so.gz (scripts/prepare_gpu_carry.sh lib: the stripped library
-# grew past what a device call may carry, ~60 of 64 MiB; gzipped it is ~17 MB).
+# machine with -DDMATTN_CUDA_ARCHS=90a, and -DDMATTN_USE_BLAS=OFF unless the GPU machine has
+# OpenBLAS, and copied over: saves the GPU machine's build minutes),
+# or, when present, .devlib/libdmattn_ffi.so.gz (scripts/prepare_gpu_carry.sh lib: the stripped
+# library is ~60 MiB; gzipped ~17 MB).
 if [[ " $STEPS " != *" build "* && -f "$CARRY_ROOT/.devlib/libdmattn_ffi.so.gz" ]]; then
   gunzip -c "$CARRY_ROOT/.devlib/libdmattn_ffi.so.gz" > python/dmattn/libdmattn_ffi.so || exit 1
 fi
@@ -72,7 +74,7 @@ fi
 if [[ " $STEPS " == *" bench "* ]]; then
   step "benchmark"
   # shellcheck disable=SC2086
-  python3 -m dmattn.bench --device cuda --json "$OUT/bench.json" ${BENCH_ARGS:-} \
+  python3 -m dmattn.bench --device cuda --out "$OUT/bench" --json "$OUT/bench.json" ${BENCH_ARGS:-} \
     2>"$OUT/bench.err" | tee "$OUT/bench.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
@@ -87,8 +89,8 @@ if [[ " $STEPS " == *" sm90 "* ]]; then
     2>&1 | tee "$OUT/pytest_gpu_sm80.log" | tail -15
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   step "forward timings, default (sm90) vs DMATTN_FWD_SM90=0 (sm80-class kernels)"
-  python3 benchmarks/fwd_timing.py 2>&1 | grep -A12 TABLE | tee "$OUT/fwd_timing_sm90.txt"
-  DMATTN_FWD_SM90=0 python3 benchmarks/fwd_timing.py 2>&1 | grep -A12 TABLE | tee "$OUT/fwd_timing_sm80.txt"
+  python3 benchmarks/profiling/fwd_timing.py 2>&1 | grep -A12 TABLE | tee "$OUT/fwd_timing_sm90.txt"
+  DMATTN_FWD_SM90=0 python3 benchmarks/profiling/fwd_timing.py 2>&1 | grep -A12 TABLE | tee "$OUT/fwd_timing_sm80.txt"
 fi
 
 if [[ " $STEPS " == *" sanitize "* ]]; then

@@ -7,13 +7,14 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . scripts/setup_env.sh
 
 if [ ! -f /usr/include/gtest/gtest.h ] && [ ! -f /usr/local/include/gtest/gtest.h ]; then
-  echo "GoogleTest missing: installing Debian's libgtest-dev"
-  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libgtest-dev >/dev/null
+  install_system_package libgtest-dev "GoogleTest (the C++ suite)"
 fi
+echo "[test] building and running the C++ GoogleTest suite (about a minute)"
 cmake -S . -B build/cpp-tests -G Ninja -DDMATTN_BUILD_TESTS=ON -DDMATTN_BUILD_CUDA=OFF \
   -DPython_EXECUTABLE="$(command -v python)" >/dev/null
 cmake --build build/cpp-tests --target dmattn_cpp_tests
 (cd build/cpp-tests && ctest --output-on-failure)
 
+# The suite ends with one line counting the skipped tests by reason (tests/python/conftest.py).
+echo "[test] running the Python suite"
 python -m pytest -q "$@"

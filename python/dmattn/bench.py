@@ -1,29 +1,35 @@
-"""The main job: dmattn beside its peers on the same device, one table.
+"""The main job: dmattn beside its peers on the same device.
 
-    python -m dmattn.bench            # or: dmattn-bench
-    python -m dmattn.bench --quick --json results.json
+    python -m dmattn.bench                         # every suite; or: dmattn-bench
+    python -m dmattn.bench --suite dense,topk      # suites: dense, bias, topk, varlen, gqa, long
+    python -m dmattn.bench --quick --out results/  # fewer, smaller configurations
 
 Every row runs the same inputs through each provider that supports the configuration,
 checks dmattn's output against a float64 reference on a slice of query rows (and every
 gradient for finiteness and against the peer), and reports the median time and TFLOP/s
 (FlashAttention's convention: forward 4*B*H*Sq*Sk*D, halved when causal; fwd+bwd 3.5x).
+The table (with dmattn's speed against the best peer of each row and a summary line), a JSON
+file and PNG plots go to one folder (bench-results/<date>-<device>/ unless --out says), named
+at the end.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import os
 import re
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional
+from dataclasses import asdict, dataclass
+from typing import Callable, List, Optional
 
 import torch
 
-from . import attention, attention_topk, attention_varlen, dynamic_mask
+from . import dynamic_mask
+from . import bench_report as report
+from .bench_providers import providers_for
 from ._lib import cuda_available
 
 
@@ -40,6 +46,8 @@ class Config:
     heads_kv: int = 0         # 0 = heads
     dtype: str = "bfloat16"
     packed: bool = False      # dmattn only: the batch as one packed varlen batch (B sequences of S)
+    suite: str = ""           # the --suite name that selects it
+    series: str = ""          # configurations of one series are plotted as time vs seqlen
 
     @property
     def hkv(self) -> int:
@@ -74,43 +82,82 @@ class Row:
     note: str = ""
 
 
+SUITES = ("dense", "bias", "topk", "varlen", "gqa", "long")
+
+
 def cpu_configs(quick: bool) -> List[Config]:
+    """fp32 unless named, B=1, H=8, D=64: sizes a 2-core machine runs in about a minute."""
     s = 512 if quick else 1024
+    dense_series, topk_series = "dense causal (B=1, H=8)", "per-key bias + top-256 causal (B=1, H=8)"
+
+    def dense_causal(n):
+        return Config(f"dense causal S={n}", 1, n, 8, 64, causal=True, dtype="float32",
+                      suite="dense" if n == s else "long", series=dense_series)
+
+    def topk(n):
+        return Config(f"per-key bias + top-256 S={n}", 1, n, 8, 64, causal=True, bias="per_key",
+                      keep=256, dtype="float32", suite="topk" if n == s else "long",
+                      series=topk_series)
+
+    longer = (s // 2, s * 2)
     return [
-        Config(f"dense S={s}", 1, s, 8, 64, dtype="float32"),
-        Config(f"dense causal S={s}", 1, s, 8, 64, causal=True, dtype="float32"),
-        Config(f"bias (B,H,S,S) S={s}", 1, s, 8, 64, bias="dense", dtype="float32"),
-        Config(f"bias causal S={s}", 1, s, 8, 64, causal=True, bias="dense", dtype="float32"),
-        Config(f"per-key bias + top-{s // 4} S={s}", 1, s, 8, 64, causal=True, bias="per_key",
-               keep=s // 4, dtype="float32"),
-        Config(f"bias bf16 S={s}", 1, s, 8, 64, bias="dense", dtype="bfloat16"),
-    ]
+        Config(f"dense S={s}", 1, s, 8, 64, dtype="float32", suite="dense"),
+        dense_causal(s),
+        Config(f"bias (B,H,S,S) S={s}", 1, s, 8, 64, bias="dense", dtype="float32", suite="bias"),
+        Config(f"bias causal S={s}", 1, s, 8, 64, causal=True, bias="dense", dtype="float32",
+               suite="bias"),
+        Config(f"bias bf16 S={s}", 1, s, 8, 64, bias="dense", dtype="bfloat16", suite="bias"),
+        topk(s),
+        Config(f"dense S={s // 4} B=4", 4, s // 4, 8, 64, dtype="float32", suite="varlen"),
+        Config(f"varlen packed equal lengths S={s // 4} B=4", 4, s // 4, 8, 64, dtype="float32",
+               packed=True, suite="varlen"),
+        Config(f"GQA 8/2 bias (B,H,S,S) S={s}", 1, s, 8, 64, bias="dense", heads_kv=2,
+               dtype="float32", suite="gqa"),
+    ] + [dense_causal(n) for n in longer] + [topk(n) for n in longer]
 
 
-def gpu_configs(quick: bool) -> List[Config]:
-    """The configurations of ../shared/baselines/h100-2026-11-22.md (bf16, D=128, H=16)."""
+def gpu_configs() -> List[Config]:
+    """bf16, D=128, H=16: the configurations of docs/perf.md."""
     rows = []
     for s, b in ((2048, 8), (8192, 2)):
         for causal in (False, True):
-            rows.append(Config(f"dense S={s} B={b}{' causal' if causal else ''}", b, s, 16, 128, causal))
-            # The same tokens as one packed batch (attention_varlen): the issue's "within 10% of
-            # the dense batched path" for equal lengths.
-            rows.append(Config(f"varlen packed equal lengths S={s} B={b}{' causal' if causal else ''}",
-                               b, s, 16, 128, causal, packed=True))
+            c = " causal" if causal else ""
+            rows.append(Config(f"dense S={s} B={b}{c}", b, s, 16, 128, causal, suite="dense"))
+            # The same tokens as one packed batch (attention_varlen): what packing costs against
+            # the dense batched path for equal lengths.
+            rows.append(Config(f"varlen packed equal lengths S={s} B={b}{c}", b, s, 16, 128, causal,
+                               packed=True, suite="varlen"))
     for s in (4096, 8192):
         for causal in (False, True):
-            rows.append(Config(f"bias (B,H,S,S) S={s}{' causal' if causal else ''}", 2, s, 16, 128,
-                               causal, bias="dense"))
-            rows.append(Config(f"per-key bias top-2048 S={s}{' causal' if causal else ''}", 2, s, 16,
-                               128, causal, bias="per_key", keep=2048))
+            c = " causal" if causal else ""
+            rows.append(Config(f"bias (B,H,S,S) S={s}{c}", 2, s, 16, 128, causal, bias="dense",
+                               suite="bias"))
+            rows.append(Config(f"per-key bias top-2048 S={s}{c}", 2, s, 16, 128, causal,
+                               bias="per_key", keep=2048, suite="topk"))
     for causal in (False, True):
-        rows.append(Config(f"GQA 32/8 bias (B,H,S,S) S=8192 B=1{' causal' if causal else ''}", 1, 8192,
-                           32, 128, causal, bias="dense", heads_kv=8))
-    # Scaling with S at a fixed kept-key count (B=1): work should follow `keep`, not S.
+        rows.append(Config(f"GQA 32/8 bias (B,H,S,S) S=8192 B=1{' causal' if causal else ''}", 1,
+                           8192, 32, 128, causal, bias="dense", heads_kv=8, suite="gqa"))
+    # Long context at B=1: dense causal grows with S^2, the Doge top-k rows with S * keep.
     for s in (4096, 8192, 16384, 32768):
+        rows.append(Config(f"scaling dense S={s} B=1 causal", 1, s, 16, 128, True, suite="long",
+                           series="dense causal (B=1)"))
         rows.append(Config(f"scaling per-key top-2048 S={s} B=1 causal", 1, s, 16, 128, True,
-                           bias="per_key", keep=2048))
-    return rows[:3] if quick else rows
+                           bias="per_key", keep=2048, suite="long",
+                           series="per-key bias + top-2048 causal (B=1)"))
+    return rows
+
+
+def select_configs(configs: List[Config], suites: Optional[str], pattern: Optional[str]) -> List[Config]:
+    """The configurations of the named suites (comma-separated; None = all) matching `pattern`."""
+    if suites:
+        wanted = [name.strip() for name in suites.split(",") if name.strip()]
+        unknown = sorted(set(wanted) - set(SUITES))
+        if unknown:
+            raise ValueError(f"--suite: unknown suite(s) {', '.join(unknown)}; choose from {', '.join(SUITES)}")
+        configs = [c for c in configs if c.suite in wanted]
+    if pattern:
+        configs = [c for c in configs if re.search(pattern, c.name)]
+    return configs
 
 
 def make_inputs(cfg: Config, device: str, seed: int = 0) -> Inputs:
@@ -142,172 +189,12 @@ def make_inputs(cfg: Config, device: str, seed: int = 0) -> Inputs:
 
 
 # ---------------------------------------------------------------------------------------------
-# Providers: each returns a function computing out (B, S, H, D) from Inputs, or None when it
-# cannot run the configuration (the reason goes into the table).
-# ---------------------------------------------------------------------------------------------
-
-def _dmattn(cfg: Config, x: Inputs):
-    if cfg.packed:
-        return _dmattn_packed(cfg, x)
-    if cfg.bias == "per_key" and 0 < cfg.keep < cfg.seqlen:
-        # The whole Doge step: top-k selection from the bias (mask construction) included in
-        # the timed call, on the gather path (only the kept keys are read).
-        return lambda: attention_topk(x.q, x.k, x.v, x.bias, cfg.keep, causal=cfg.causal)
-    return lambda: attention(x.q, x.k, x.v, x.mask, x.bias, causal=cfg.causal)
-
-
-def _dmattn_packed(cfg: Config, x: Inputs):
-    """attention_varlen on the (B * S, H, D) views of the batch (B sequences of S tokens);
-    returns out as (B, S, H, D) so that the checks treat it like the dense path's."""
-    if x.mask is not None or x.bias is not None:
-        return None  # the packed rows have no mask / bias
-    b, s, h, d = x.q.shape
-    cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=x.q.device)
-
-    def run():
-        q, k, v = (t.reshape(b * s, t.shape[2], d) for t in (x.q, x.k, x.v))
-        out = attention_varlen(q, k, v, cu, cu, s, s, causal=cfg.causal)
-        return out.view(b, s, h, d)
-
-    return run
-
-
-def _sdpa_float_mask(x: Inputs, causal: bool):
-    """SDPA with the mask, the bias and causality folded into one float mask (its only bias path)."""
-    b, s, h, d = x.q.shape
-    hkv = x.k.shape[2]
-
-    def run():
-        q, k, v = (t.transpose(1, 2) for t in (x.q, x.k, x.v))
-        if hkv != h:
-            k, v = (t.repeat_interleave(h // hkv, dim=1) for t in (k, v))
-        attn = None
-        if x.bias is not None or x.mask is not None or causal:
-            attn = torch.zeros((), dtype=q.dtype, device=q.device)
-            if x.bias is not None:
-                attn = attn + x.bias
-            allowed = torch.ones((), dtype=torch.bool, device=q.device)
-            if x.mask is not None:
-                allowed = allowed & x.mask
-            if causal:
-                allowed = allowed & torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-            attn = attn.masked_fill(~allowed, float("-inf"))
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn)
-        return o.transpose(1, 2)
-
-    return run
-
-
-def _sdpa_backend(backend_name: str):
-    def provider(cfg: Config, x: Inputs):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        backend = getattr(SDPBackend, backend_name)
-        if x.bias is not None and backend_name != "EFFICIENT_ATTENTION":
-            return None
-        b, s, h, _ = x.q.shape
-        if x.bias is not None and b * h * s * s * x.q.element_size() > _MAX_FLOAT_MASK_BYTES:
-            return None
-        inner = _sdpa_float_mask(x, cfg.causal) if x.bias is not None else None
-
-        def run():
-            with sdpa_kernel(backend):
-                if inner is not None:
-                    return inner()
-                q, k, v = (t.transpose(1, 2) for t in (x.q, x.k, x.v))
-                o = torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, is_causal=cfg.causal, enable_gqa=x.k.shape[2] != x.q.shape[2])
-                return o.transpose(1, 2)
-
-        return run
-
-    return provider
-
-
-def _flex(cfg: Config, x: Inputs):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    b, s, h, d = x.q.shape
-    # Every configuration recompiles flex_attention (its score_mod / mask_mod close over new
-    # tensors). Without a reset, a long run reaches dynamo's recompile limit and flex_attention
-    # silently falls back to its eager path, which materializes (B, H, S, S) scores: a peer
-    # timed that way is slow or out of memory for reasons that are the benchmark's, not Flex's.
-    torch._dynamo.reset()
-    compiled = torch.compile(flex_attention, dynamic=False)
-    bias, mask, causal = x.bias, x.mask, cfg.causal
-
-    def mask_mod(bi, hi, qi, ki):
-        ok = qi >= 0
-        if causal:
-            ok = ok & (qi >= ki)
-        if mask is not None:
-            ok = ok & mask[bi, hi, 0, ki]
-        return ok
-
-    score_mod = None
-    if bias is not None:
-        if bias.shape[2] == 1:
-            def score_mod(score, bi, hi, qi, ki):
-                return score + bias[bi, hi, 0, ki]
-        else:
-            def score_mod(score, bi, hi, qi, ki):
-                return score + bias[bi, hi, qi, ki]
-    block_mask = None
-    if causal or mask is not None:
-        # _compile=True builds the block mask without materializing (B, H, S, S) scores (the
-        # eager build sorts more than INT_MAX elements at B=2, H=16, S=8192 and fails).
-        try:
-            block_mask = create_block_mask(mask_mod, b, h, s, s, device=x.q.device, _compile=True)
-        except TypeError:
-            block_mask = create_block_mask(mask_mod, b, h, s, s, device=x.q.device)
-
-    def run():
-        q, k, v = (t.transpose(1, 2) for t in (x.q, x.k, x.v))
-        o = compiled(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                     enable_gqa=x.k.shape[2] != x.q.shape[2])
-        return o.transpose(1, 2)
-
-    return run
-
-
-def _flash_dmattn(cfg: Config, x: Inputs):
-    """flash-dmattn's CUDA function, when that package is importable (it is not on PyPI wheels
-    for every torch; ../shared/baselines holds its figures measured on the same GPU)."""
-    try:
-        from flash_dmattn import flash_dmattn_func as peer  # type: ignore
-    except Exception:
-        return None
-    b, s, h, d = x.q.shape
-    mask = x.mask
-    if cfg.causal is False and mask is None and x.bias is None:
-        return lambda: peer(x.q, x.k, x.v)
-    return lambda: peer(x.q, x.k, x.v, attn_mask=mask, attn_bias=x.bias, is_causal=cfg.causal)
-
-
-_MAX_FLOAT_MASK_BYTES = 24 * 2**30  # SDPA's only bias path materializes (B, H, S, S)
-
-
-def providers_for(device: str) -> Dict[str, Callable]:
-    if device == "cpu":
-        return {"dmattn": _dmattn, "sdpa (cpu, float mask)": lambda c, x: _sdpa_float_mask(x, c.causal)}
-    table = {}
-    if cuda_available():
-        table["dmattn"] = _dmattn
-    table["sdpa flash (FA2)"] = _sdpa_backend("FLASH_ATTENTION")
-    table["sdpa cudnn"] = _sdpa_backend("CUDNN_ATTENTION")
-    table["sdpa mem-efficient"] = _sdpa_backend("EFFICIENT_ATTENTION")
-    table["flex (compiled)"] = _flex
-    table["flash-dmattn"] = _flash_dmattn
-    return table
-
-
-# ---------------------------------------------------------------------------------------------
 # Timing and checking
 # ---------------------------------------------------------------------------------------------
 
 def time_ms(fn: Callable[[], object], device: str, warmup: int, iters: int) -> float:
     """Median time of fn in ms: CUDA events on "cuda", wall clock otherwise (also used by
-    the scripts in benchmarks/)."""
+    the scripts in benchmarks/profiling/)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -385,7 +272,7 @@ def _check(cfg: Config, x: Inputs, out: torch.Tensor, grads, peer_grads) -> str:
 
 
 def run_config(cfg: Config, device: str, warmup: int, iters: int, providers: Optional[str] = None,
-               fwd_only: bool = False) -> List[Row]:
+               fwd_only: bool = False, log: Callable[[str], None] = lambda line: None) -> List[Row]:
     x = make_inputs(cfg, device)
     rows: List[Row] = []
     dm_grads = None
@@ -427,6 +314,8 @@ def run_config(cfg: Config, device: str, warmup: int, iters: int, providers: Opt
             row.note = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:80]}"
             if name == "dmattn" and row.fwd_ms == row.fwd_ms:
                 dm_row = (row, run)  # the forward ran: still check it
+        log(f"    {name}: fwd {report.fmt(row.fwd_ms, '.2f')} ms, fwd+bwd {report.fmt(row.fwdbwd_ms, '.2f')} ms"
+            + (f" ({row.note})" if row.note else ""))
         rows.append(row)
     if dm_row is not None:
         row, run = dm_row
@@ -436,30 +325,24 @@ def run_config(cfg: Config, device: str, warmup: int, iters: int, providers: Opt
     return rows
 
 
-def _fmt(v: float, spec: str) -> str:
-    return "-" if v != v else format(v, spec)
-
-
-def print_table(rows: List[Row], device_name: str, file=sys.stdout) -> None:
-    print(f"\ndmattn benchmark on {device_name} (median ms; TFLOP/s in FlashAttention's convention)", file=file)
-    header = f"| {'config':36} | {'provider':22} | fwd ms | fwd+bwd ms | fwd TF/s | f+b TF/s | peak GiB | check / note |"
-    print(header, file=file)
-    print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|", file=file)
-    for r in rows:
-        print(f"| {r.config:36} | {r.provider:22} | {_fmt(r.fwd_ms, '6.2f'):>6} | "
-              f"{_fmt(r.fwdbwd_ms, '10.2f'):>10} | {_fmt(r.fwd_tflops, '8.3f'):>8} | "
-              f"{_fmt(r.fwdbwd_tflops, '8.3f'):>8} | {_fmt(r.peak_mem_gib, '8.2f'):>8} | {r.check or r.note} |", file=file)
+def default_out_dir(device: str) -> str:
+    kind = "cpu" if device == "cpu" else re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name()).strip("-").lower()
+    return os.path.join("bench-results", f"{time.strftime('%Y%m%d-%H%M%S')}-{kind}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--suite", help=f"comma-separated suites to run ({', '.join(SUITES)}; default: all)")
     ap.add_argument("--quick", action="store_true", help="fewer, smaller configurations")
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--iters", type=int, default=None)
-    ap.add_argument("--json", help="write the rows to this JSON file")
+    ap.add_argument("--out", help="folder for table.md, results.json and the plots "
+                    "(default: bench-results/<date>-<device>)")
+    ap.add_argument("--json", help="also write the results JSON to this file")
+    ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
     ap.add_argument("--filter", help="only configurations whose name contains this regex")
-    ap.add_argument("--providers", help="only providers whose name contains this regex")
+    ap.add_argument("--providers", help="only providers whose name contains this regex (dmattn always runs)")
     ap.add_argument("--fwd-only", action="store_true", help="time the forward pass only")
     args = ap.parse_args(argv)
     device = args.device
@@ -469,22 +352,45 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error("--device cuda: no CUDA device visible to PyTorch")
     warmup = args.warmup if args.warmup is not None else (3 if device == "cuda" else 1)
     iters = args.iters if args.iters is not None else (10 if device == "cuda" else 3)
-    configs = gpu_configs(args.quick) if device == "cuda" else cpu_configs(args.quick)
-    if args.filter:
-        configs = [c for c in configs if re.search(args.filter, c.name)]
+    try:
+        configs = select_configs(gpu_configs() if device == "cuda" else cpu_configs(args.quick),
+                                 args.suite, args.filter)
+        if args.quick and device == "cuda":
+            configs = configs[:3]  # the GPU sizes stay (the kernels' regime); fewer of them
+    except ValueError as e:
+        ap.error(str(e))
+    if not configs:
+        ap.error("no configuration matches --suite / --filter on this device")
     device_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     if device == "cuda" and not cuda_available():
         print("note: this dmattn build has no CUDA backend; showing the peers only", file=sys.stderr)
+    out_dir = args.out or default_out_dir(device)
+    os.makedirs(out_dir, exist_ok=True)
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    log(f"dmattn benchmark on {device_name}: {len(configs)} configurations, "
+        f"median of {iters} after {warmup} warm-up(s); results go to {out_dir}/")
     rows: List[Row] = []
-    for cfg in configs:
-        print(f"running: {cfg.name}", file=sys.stderr, flush=True)
-        rows.extend(run_config(cfg, device, warmup, iters, args.providers, args.fwd_only))
-    print_table(rows, device_name)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": device_name, "torch": torch.__version__,
-                       "configs": [asdict(c) for c in configs], "rows": [asdict(r) for r in rows]},
-                      f, indent=1)
+    start = time.perf_counter()
+    for n, cfg in enumerate(configs, 1):
+        log(f"[{n}/{len(configs)}] {cfg.name} ({time.perf_counter() - start:.0f} s elapsed)")
+        rows.extend(run_config(cfg, device, warmup, iters, args.providers, args.fwd_only, log))
+
+    results = report.results_dict(device_name, [asdict(c) for c in configs], [asdict(r) for r in rows],
+                                  command=" ".join(["python -m dmattn.bench"] + list(argv if argv is not None else sys.argv[1:])))
+    table = report.format_table(results)
+    print(table)
+    written = report.write_results(results, table, out_dir, extra_json=args.json)
+    if not args.no_plots:
+        try:
+            from . import bench_plots
+
+            written += bench_plots.plot_results(results, out_dir)
+        except ImportError as e:  # the figures are already safe on disk
+            log(f"no plots: {e} (pip install matplotlib)")
+    log(f"\nresults in {out_dir}/: " + ", ".join(os.path.basename(p) for p in written))
     failed = [r for r in rows if r.check.startswith("FAIL")]
     return 1 if failed else 0
 

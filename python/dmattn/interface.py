@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from . import gather
-from .ops import forward_with_grad, varlen_forward_with_grad
+from .ops import check_devices, forward_with_grad, varlen_forward_with_grad
 
 __all__ = ["attention", "attention_varlen", "flash_dmattn_func"]
 
@@ -134,6 +134,7 @@ def attention_on(
     _require_tensor(v, "v")
     _require_tensor(mask, "mask", optional=True)
     _require_tensor(bias, "bias", optional=True)
+    check_devices(q=q, k=k, v=v, mask=mask, bias=bias)
     left, right, scale, softcap = _parse_options(window, scale, softcap)
     causal, deterministic = bool(causal), bool(deterministic)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))

@@ -31,7 +31,7 @@ from ._lib import lib
 
 __all__ = ["attention_forward", "attention_backward", "attention_varlen_forward",
            "attention_varlen_backward", "supports_key_positions", "forward_with_grad",
-           "varlen_forward_with_grad"]
+           "varlen_forward_with_grad", "check_devices"]
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -56,6 +56,21 @@ def _cuda_layout(x: Tensor) -> Tensor:
 def _check_rank(t: Tensor, name: str, layout: str, rank: int = 4) -> None:
     if t.dim() != rank:
         raise ValueError(f"{name}: expected a {rank}-D tensor {layout}, got shape {tuple(t.shape)}")
+
+
+def check_devices(**tensors: Optional[Tensor]) -> None:
+    """Rejects, naming the argument, a tensor the native library cannot read: one on a device
+    other than cpu / cuda (meta, mps, xpu, ...) or on a ROCm GPU (torch's "cuda" on HIP
+    builds). Without this the DLPack hand-over fails with a C++ stack trace. Same-device and
+    every other rule are the native validation's."""
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor):
+            continue  # absent, or a type error that the caller reports
+        kind = t.device.type
+        if kind not in ("cpu", "cuda") or (kind == "cuda" and torch.version.hip is not None):
+            where = "a ROCm GPU" if kind == "cuda" else f"the {kind} device"
+            raise ValueError(f"{name}: dmattn runs on CPU and NVIDIA CUDA tensors; this one is "
+                             f"on {where} ({t.device})")
 
 
 def _scale_arg(scale: Optional[float]) -> float:
@@ -202,6 +217,7 @@ def attention_forward(
     key_ends: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Returns (out, lse): out like q, lse (B, H, Sq) float32 (float64 for float64 inputs)."""
+    check_devices(q=q, k=k, v=v, mask=mask, bias=bias, key_positions=key_positions)
     _check_rank(q, "q", "(batch, seqlen_q, num_heads, head_dim)")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q), device=q.device)
@@ -242,6 +258,8 @@ def attention_backward(
     key_ends: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (dq, dk, dv, dbias); dbias is an empty tensor unless bias_requires_grad."""
+    check_devices(dout=dout, q=q, k=k, v=v, out=out, lse=lse, mask=mask, bias=bias,
+                   key_positions=key_positions)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -431,6 +449,8 @@ def attention_varlen_forward(
     deterministic: bool,
 ) -> Tuple[Tensor, Tensor]:
     """Returns (out, lse): out like q, lse (H, total_q) float32 (float64 for float64 inputs)."""
+    check_devices(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, mask=mask,
+                   bias=bias)
     _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(_varlen_lse_shape(q), dtype=_lse_dtype(q), device=q.device)
@@ -470,6 +490,8 @@ def attention_varlen_backward(
     deterministic: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (dq, dk, dv, dbias); dbias is an empty tensor unless bias_requires_grad."""
+    check_devices(dout=dout, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                   out=out, lse=lse, mask=mask, bias=bias)
     _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)

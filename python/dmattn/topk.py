@@ -9,6 +9,7 @@ from torch import Tensor
 
 from . import gather, per_query_path
 from .interface import attention_on
+from .ops import check_devices
 from .masks import bias_over_keys, check_keep, dynamic_mask
 
 __all__ = ["attention_topk"]
@@ -51,6 +52,7 @@ def attention_topk(
         raise TypeError(f"k: expected a torch.Tensor, got {type(k).__name__}")
     if k.dim() != 4:
         raise ValueError(f"k: expected rank 4 (B, Sk, Hkv, D), got shape {tuple(k.shape)}")
+    check_devices(q=q, k=k, v=v, bias=bias, mask=mask)  # before the selection touches them
     keep = check_keep(keep)
     if per_query and causal:
         return per_query_path.attention_per_query_topk(

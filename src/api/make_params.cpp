@@ -1,5 +1,5 @@
-// The one host-side validation routine: checks every argument against the spec
-// (shared/spec/semantics.md, docs/semantics.md) and fills ForwardParams/BackwardParams.
+// The one host-side validation routine: checks every argument against the contract
+// (docs/semantics.md) and fills ForwardParams/BackwardParams.
 // Every backend trusts what comes out of here and checks nothing itself.
 #include <cmath>
 #include <string>

@@ -10,6 +10,9 @@
 //      KeyTaskGrid). Each task sums dbias in the accumulator type and casts once.
 //   2. One task per (batch, head, query block): recomputes dS and accumulates
 //      dQ = scale * (dS * softcap') K.
+// That is the bounded-memory form. Where the tiles fit in memory (score_cache.h), passes 0 and
+// 2 run as one task that keeps its query block's S and dP (query_row_task), and with the tile
+// store pass 1 reads P and dS instead of recomputing them.
 // Every output element is owned by one task with a fixed summation order, so the result is
 // bitwise identical for any number of threads.
 //
@@ -23,6 +26,7 @@
 //    Delta_exact - Delta_used, i.e. pure rounding noise, far above PyTorch's own error.
 // lse and out of the forward are therefore not read here.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -30,8 +34,10 @@
 #include "cpu/cpu_backend.h"
 #include "cpu/element_types.h"
 #include "cpu/online_softmax.h"
+#include "cpu/score_cache.h"
 #include "cpu/score_mod.h"
 #include "cpu/tile_math.h"
+#include "cpu/vector_math.h"
 
 namespace dmattn::cpu {
 namespace {
@@ -47,17 +53,17 @@ struct RowStats {
 // Per-thread tile buffers, reused by all three passes.
 template <typename Acc>
 struct BackwardTiles {
-  std::vector<Acc> q, dout, k, k_t, v_t;      // operand tiles
+  std::vector<Acc> q, dout, k, v;             // operand tiles
   std::vector<Acc> probs, dprobs, cap_grad;   // scores then P, dP then dS, softcap derivative
   std::vector<Acc> row_max, inv_sum, delta;   // RowStats of the current query block
   std::vector<OnlineSoftmaxRow<Acc>> online;  // pass 0's running statistics
   std::vector<Acc> grad_a, grad_b;            // dK and dV (pass 1) or dQ (pass 2)
   std::vector<Acc> dbias;                     // the dbias slab a pass-1 task owns
   explicit BackwardTiles(int64_t dim)
-      : q(kBlockQ * dim), dout(kBlockQ * dim), k(kBlockK * dim), k_t(dim * kBlockK),
-        v_t(dim * kBlockK), probs(kBlockQ * kBlockK), dprobs(kBlockQ * kBlockK),
-        cap_grad(kBlockQ * kBlockK), row_max(kBlockQ), inv_sum(kBlockQ), delta(kBlockQ),
-        online(kBlockQ), grad_a(std::max(kBlockQ, kBlockK) * dim), grad_b(kBlockK * dim) {}
+      : q(kBlockQ * dim), dout(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim),
+        probs(kBlockQ * kBlockK), dprobs(kBlockQ * kBlockK), cap_grad(kBlockQ * kBlockK),
+        row_max(kBlockQ), inv_sum(kBlockQ), delta(kBlockQ), online(kBlockQ),
+        grad_a(std::max(kBlockQ, kBlockK) * dim), grad_b(kBlockK * dim) {}
 };
 
 // Everything a task needs besides its indices.
@@ -77,13 +83,28 @@ struct BackwardContext {
     return (b * f.num_heads + h) * f.seqlen_q + i;
   }
 
+  // Of query head h's block `query_block`: its kv head, first row i0 and number of rows.
+  struct QueryRows {
+    int64_t kv_head, i0, rows;
+  };
+  QueryRows query_rows(int64_t h, int64_t query_block) const {
+    const int64_t i0 = query_block * kBlockQ;
+    return {h / f.group_size(), i0, std::min(kBlockQ, f.seqlen_q - i0)};
+  }
+
+  // dQ = scale * dq (the accumulated dS K) into rows [i0, i0 + rows) of head h.
+  void store_dq(int64_t b, int64_t h, int64_t i0, int64_t rows, const Acc* dq) const {
+    T* dq_out = static_cast<T*>(p.dq) + p.dq_strides.offset(b, i0, h);
+    store_rows(dq, rows, f.head_dim, mod.scale, dq_out, p.dq_strides.row_stride);
+  }
+
   // Loads Q and dO of query rows [i0, i0 + rows) of head h.
   void load_query_side(int64_t b, int64_t h, int64_t i0, int64_t rows,
                        BackwardTiles<Acc>& t) const {
     const T* q = static_cast<const T*>(f.q) + f.q_strides.offset(b, i0, h);
     const T* dout = static_cast<const T*>(p.dout) + p.dout_strides.offset(b, i0, h);
-    load_rows(q, f.q_strides.row_stride, rows, f.head_dim, t.q.data());
-    load_rows(dout, p.dout_strides.row_stride, rows, f.head_dim, t.dout.data());
+    load_rows(q, f.q_strides.row_stride, rows, f.head_dim, t.q.data(), kBlockQ);
+    load_rows(dout, p.dout_strides.row_stride, rows, f.head_dim, t.dout.data(), kBlockQ);
   }
 
   void load_row_stats(int64_t b, int64_t h, int64_t i0, int64_t rows,
@@ -102,14 +123,13 @@ struct BackwardContext {
     std::copy_n(t.delta.begin(), rows, stats.delta.begin() + first);
   }
 
-  // Loads K (row-major and transposed) and V (transposed) of keys [j0, j0 + cols).
+  // Loads K and V of keys [j0, j0 + cols).
   void load_key_side(int64_t b, int64_t kv_head, int64_t j0, int64_t cols,
                      BackwardTiles<Acc>& t) const {
     const T* k = static_cast<const T*>(f.k) + f.k_strides.offset(b, j0, kv_head);
     const T* v = static_cast<const T*>(f.v) + f.v_strides.offset(b, j0, kv_head);
-    load_rows(k, f.k_strides.row_stride, cols, f.head_dim, t.k.data());
-    load_rows_transposed(k, f.k_strides.row_stride, cols, f.head_dim, t.k_t.data());
-    load_rows_transposed(v, f.v_strides.row_stride, cols, f.head_dim, t.v_t.data());
+    load_rows(k, f.k_strides.row_stride, cols, f.head_dim, t.k.data(), kBlockK);
+    load_rows(v, f.v_strides.row_stride, cols, f.head_dim, t.v.data(), kBlockK);
   }
 
   // From the loaded tiles: probs = final scores (-inf where disallowed), dprobs = dP = dO V^T,
@@ -117,26 +137,26 @@ struct BackwardContext {
   void compute_scores_and_dp(int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0,
                              int64_t cols, BackwardTiles<Acc>& t) const {
     const int64_t dim = f.head_dim;
-    matmul_into_scores(t.q.data(), t.k_t.data(), rows, cols, dim, t.probs.data());
+    matmul_into_scores(t.q.data(), t.k.data(), dim, t.probs.data());
     mod.apply(b, h, i0, rows, j0, cols, t.probs.data(),
               softcap_on ? t.cap_grad.data() : nullptr);
-    matmul_into_scores(t.dout.data(), t.v_t.data(), rows, cols, dim, t.dprobs.data());
+    matmul_into_scores(t.dout.data(), t.v.data(), dim, t.dprobs.data());
   }
 
-  // probs: scores -> P = exp(s - m) / l. Exactly 0 at disallowed positions and on empty rows
-  // (m = -inf); exp never sees -inf - (-inf).
-  void scores_to_probs(int64_t rows, int64_t cols, BackwardTiles<Acc>& t) const {
+  // probs: scores -> P = exp(s - m) / l (tile of `rows` rows, leading dim kBlockK). Exactly 0
+  // at disallowed positions and on empty rows (m = -inf); exp never sees -inf - (-inf).
+  static void scores_to_probs(int64_t rows, int64_t cols, const Acc* row_max,
+                              const Acc* inv_sum, Acc* probs) {
     constexpr Acc kNegInf = -std::numeric_limits<Acc>::infinity();
     for (int64_t r = 0; r < rows; ++r) {
-      Acc* prob = t.probs.data() + r * kBlockK;
-      const Acc row_max = t.row_max[r], inv_sum = t.inv_sum[r];
-      if (row_max == kNegInf) {
+      Acc* prob = probs + r * kBlockK;
+      if (row_max[r] == kNegInf) {
         std::fill(prob, prob + cols, Acc(0));
         continue;
       }
-      for (int64_t c = 0; c < cols; ++c) {
-        prob[c] = prob[c] == kNegInf ? Acc(0) : std::exp(prob[c] - row_max) * inv_sum;
-      }
+      exp_shifted(prob, cols, row_max[r]);  // -inf -> exactly 0
+      const Acc factor = inv_sum[r];
+      for (int64_t c = 0; c < cols; ++c) prob[c] *= factor;
     }
   }
 
@@ -144,29 +164,36 @@ struct BackwardContext {
   void compute_p_and_dp(int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0,
                         int64_t cols, BackwardTiles<Acc>& t) const {
     compute_scores_and_dp(b, h, i0, rows, j0, cols, t);
-    scores_to_probs(rows, cols, t);
+    scores_to_probs(rows, cols, t.row_max.data(), t.inv_sum.data(), t.probs.data());
   }
 
   // dprobs: dP -> dS = P * (dP - Delta), exactly 0 where P is 0.
-  void compute_ds(int64_t rows, int64_t cols, BackwardTiles<Acc>& t) const {
+  static void compute_ds(int64_t rows, int64_t cols, const Acc* probs, const Acc* delta,
+                         Acc* dprobs) {
     for (int64_t r = 0; r < rows; ++r) {
-      const Acc* prob = t.probs.data() + r * kBlockK;
-      Acc* ds = t.dprobs.data() + r * kBlockK;
-      const Acc delta_r = t.delta[r];
+      const Acc* prob = probs + r * kBlockK;
+      Acc* ds = dprobs + r * kBlockK;
+      const Acc delta_r = delta[r];
       for (int64_t c = 0; c < cols; ++c) {
         ds[c] = prob[c] == Acc(0) ? Acc(0) : prob[c] * (ds[c] - delta_r);
       }
     }
   }
+  void compute_ds(int64_t rows, int64_t cols, BackwardTiles<Acc>& t) const {
+    compute_ds(rows, cols, t.probs.data(), t.delta.data(), t.dprobs.data());
+  }
 
   // dS * softcap' in place (the chain rule through s = softcap * tanh(x / softcap)).
-  void apply_softcap_grad(int64_t rows, int64_t cols, BackwardTiles<Acc>& t) const {
+  void apply_softcap_grad(int64_t rows, int64_t cols, const Acc* cap_grad, Acc* dprobs) const {
     if (!softcap_on) return;
     for (int64_t r = 0; r < rows; ++r) {
-      Acc* ds = t.dprobs.data() + r * kBlockK;
-      const Acc* g = t.cap_grad.data() + r * kBlockK;
+      Acc* ds = dprobs + r * kBlockK;
+      const Acc* g = cap_grad + r * kBlockK;
       for (int64_t c = 0; c < cols; ++c) ds[c] *= g[c];
     }
+  }
+  void apply_softcap_grad(int64_t rows, int64_t cols, BackwardTiles<Acc>& t) const {
+    apply_softcap_grad(rows, cols, t.cap_grad.data(), t.dprobs.data());
   }
 };
 
@@ -176,9 +203,7 @@ template <typename T, typename Acc, typename BiasT>
 void row_stats_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int64_t h,
                     int64_t query_block, BackwardTiles<Acc>& t) {
   const ForwardParams& f = ctx.f;
-  const int64_t kv_head = h / f.group_size();
-  const int64_t i0 = query_block * kBlockQ;
-  const int64_t rows = std::min(kBlockQ, f.seqlen_q - i0);
+  const auto [kv_head, i0, rows] = ctx.query_rows(h, query_block);
   ctx.load_query_side(b, h, i0, rows, t);
   std::fill_n(t.online.begin(), rows, OnlineSoftmaxRow<Acc>{});
   std::fill_n(t.delta.begin(), rows, Acc(0));  // unnormalized until the end
@@ -191,9 +216,7 @@ void row_stats_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int64_
       Acc* weight = t.probs.data() + r * kBlockK;  // becomes exp(s - running max)
       const Acc rescale = t.online[r].update(weight, cols);
       const Acc* dprob = t.dprobs.data() + r * kBlockK;
-      Acc block_sum = 0;
-      for (int64_t c = 0; c < cols; ++c) block_sum += weight[c] * dprob[c];
-      t.delta[r] = t.delta[r] * rescale + block_sum;
+      t.delta[r] = t.delta[r] * rescale + row_dot(weight, dprob, cols);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -203,6 +226,80 @@ void row_stats_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int64_
     t.delta[r] *= t.inv_sum[r];
   }
   ctx.store_row_stats(b, h, i0, rows, t);
+}
+
+// Passes 0 and 2 of one query block as one task, with the block's tiles of every key block
+// it reaches kept in `tiles_of` (RowTiles, or the TileStore's tiles for pass 1 to reuse): S and
+// dP are multiplied out once for both the statistics and dQ, and the row max is known before
+// any exp, so no online rescaling is needed.
+template <typename T, typename Acc, typename BiasT, typename TileOf>
+void query_row_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int64_t h,
+                    int64_t query_block, TileOf&& tiles_of, BackwardTiles<Acc>& t) {
+  constexpr Acc kNegInf = -std::numeric_limits<Acc>::infinity();
+  const ForwardParams& f = ctx.f;
+  const int64_t dim = f.head_dim;
+  const auto [kv_head, i0, rows] = ctx.query_rows(h, query_block);
+  ctx.load_query_side(b, h, i0, rows, t);
+  const IndexRange keys = ctx.mod.keys.for_queries(b, h, {i0, i0 + rows});
+  const int64_t first_block = keys.begin / kBlockK;
+  const int64_t end_block = keys.empty() ? first_block : ceil_div(keys.end, kBlockK);
+  auto key_cols = [&](int64_t kb) { return std::min(kBlockK, f.seqlen_k - kb * kBlockK); };
+
+  // Final scores (P's tile) and dP of every reachable key block; the row max.
+  std::fill_n(t.row_max.begin(), rows, kNegInf);
+  for (int64_t kb = first_block; kb < end_block; ++kb) {
+    const int64_t j0 = kb * kBlockK, cols = key_cols(kb);
+    const TilePointers<Acc> tile = tiles_of(kb);
+    ctx.load_key_side(b, kv_head, j0, cols, t);
+    matmul_into_scores(t.q.data(), t.k.data(), dim, tile.probs);
+    ctx.mod.apply(b, h, i0, rows, j0, cols, tile.probs,
+                  ctx.softcap_on ? tile.cap_grad : nullptr);
+    matmul_into_scores(t.dout.data(), t.v.data(), dim, tile.dprobs);
+    for (int64_t r = 0; r < rows; ++r) {
+      t.row_max[r] = std::max(t.row_max[r], row_max(tile.probs + r * kBlockK, cols));
+    }
+  }
+  // exp(s - m) in place; the row sums l and Delta = sum_j P_ij dP_ij.
+  std::fill_n(t.inv_sum.begin(), rows, Acc(0));  // the sum l until the end of this loop
+  std::fill_n(t.delta.begin(), rows, Acc(0));
+  for (int64_t kb = first_block; kb < end_block; ++kb) {
+    const int64_t cols = key_cols(kb);
+    const TilePointers<Acc> tile = tiles_of(kb);
+    for (int64_t r = 0; r < rows; ++r) {
+      Acc* weight = tile.probs + r * kBlockK;
+      if (t.row_max[r] == kNegInf) {  // empty row: P = 0, exp never sees -inf - (-inf)
+        std::fill(weight, weight + cols, Acc(0));
+        continue;
+      }
+      exp_shifted(weight, cols, t.row_max[r]);
+      t.inv_sum[r] += row_dot(weight, static_cast<const Acc*>(nullptr), cols);
+      t.delta[r] += row_dot(weight, tile.dprobs + r * kBlockK, cols);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    t.inv_sum[r] = t.row_max[r] == kNegInf ? Acc(0) : Acc(1) / t.inv_sum[r];
+    t.delta[r] *= t.inv_sum[r];
+  }
+  ctx.store_row_stats(b, h, i0, rows, t);
+
+  // P, dS and dQ = scale * (dS * softcap') K.
+  Acc* dq = t.grad_a.data();
+  std::fill(dq, dq + kBlockQ * dim, Acc(0));
+  for (int64_t kb = first_block; kb < end_block; ++kb) {
+    const int64_t j0 = kb * kBlockK, cols = key_cols(kb);
+    const TilePointers<Acc> tile = tiles_of(kb);
+    for (int64_t r = 0; r < rows; ++r) {
+      Acc* prob = tile.probs + r * kBlockK;
+      const Acc factor = t.inv_sum[r];
+      for (int64_t c = 0; c < cols; ++c) prob[c] *= factor;
+    }
+    ctx.compute_ds(rows, cols, tile.probs, t.delta.data(), tile.dprobs);
+    ctx.apply_softcap_grad(rows, cols, tile.cap_grad, tile.dprobs);
+    const T* k = static_cast<const T*>(f.k) + f.k_strides.offset(b, j0, kv_head);
+    load_rows(k, f.k_strides.row_stride, cols, dim, t.k.data(), kBlockK);
+    accumulate_product(tile.dprobs, t.k.data(), dim, dq);
+  }
+  ctx.store_dq(b, h, i0, rows, dq);
 }
 
 // How pass-1 tasks are laid out. A task covers a range of batches, kv heads and key blocks:
@@ -244,7 +341,7 @@ struct DbiasSlab {
 
 template <typename T, typename Acc, typename BiasT>
 void key_block_task(const BackwardContext<T, Acc, BiasT>& ctx, const KeyTaskGrid& grid,
-                    int64_t task, BackwardTiles<Acc>& t) {
+                    const TileStore<Acc>& store, int64_t task, BackwardTiles<Acc>& t) {
   const ForwardParams& f = ctx.f;
   const BackwardParams& p = ctx.p;
   const BroadcastOperand& bias = f.bias;
@@ -284,11 +381,11 @@ void key_block_task(const BackwardContext<T, Acc, BiasT>& ctx, const KeyTaskGrid
       for (int64_t kb = key_blocks.begin; kb < key_blocks.end; ++kb) {
         const int64_t j0 = kb * kBlockK;
         const int64_t cols = std::min(kBlockK, f.seqlen_k - j0);
-        ctx.load_key_side(b, kv_head, j0, cols, t);
+        if (!store.enabled()) ctx.load_key_side(b, kv_head, j0, cols, t);
         Acc* dk = t.grad_a.data();
         Acc* dv = t.grad_b.data();
-        std::fill(dk, dk + cols * dim, Acc(0));
-        std::fill(dv, dv + cols * dim, Acc(0));
+        std::fill(dk, dk + kBlockK * dim, Acc(0));
+        std::fill(dv, dv + kBlockK * dim, Acc(0));
 
         for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
           // Per query head: with gathered keys each head may read the rows as other positions.
@@ -296,17 +393,26 @@ void key_block_task(const BackwardContext<T, Acc, BiasT>& ctx, const KeyTaskGrid
           for (int64_t i0 = aligned_block_start(queries.begin, kBlockQ); i0 < queries.end;
                i0 += kBlockQ) {
             const int64_t rows = std::min(kBlockQ, f.seqlen_q - i0);
+            const Acc* probs = t.probs.data();
+            Acc* ds_tile = t.dprobs.data();
+            if (store.enabled()) {  // P and dS from the query pass (no softcap: dS is final)
+              if (!store.computed(b, h, i0 / kBlockQ, kb)) continue;  // P = 0 throughout
+              const TilePointers<Acc> tile = store.tile(b, h, i0 / kBlockQ, kb);
+              probs = tile.probs, ds_tile = tile.dprobs;
+            }
             ctx.load_query_side(b, h, i0, rows, t);
-            ctx.load_row_stats(b, h, i0, rows, t);
-            ctx.compute_p_and_dp(b, h, i0, rows, j0, cols, t);
-            ctx.compute_ds(rows, cols, t);
-            accumulate_transposed_product(t.probs.data(), t.dout.data(), rows, cols, dim, dv);
+            if (!store.enabled()) {
+              ctx.load_row_stats(b, h, i0, rows, t);
+              ctx.compute_p_and_dp(b, h, i0, rows, j0, cols, t);
+              ctx.compute_ds(rows, cols, t);
+            }
+            accumulate_transposed_product(probs, t.dout.data(), dim, dv);
             if (want_dbias) {
               // dbias takes dS itself: the bias is added after scale and softcap.
               const int64_t bias_head = bias.size_h == 1 ? 0 : h / bias.head_div;
               for (int64_t r = 0; r < rows; ++r) {
                 const int64_t bias_query = bias.size_q == 1 ? 0 : i0 + r;
-                const Acc* ds = t.dprobs.data() + r * kBlockK;
+                const Acc* ds = ds_tile + r * kBlockK;
                 Acc* out = t.dbias.data() + slab.index(bias_head, bias_query, slab.first_key);
                 if (bias.size_k == 1) {
                   Acc row_sum = 0;
@@ -317,8 +423,8 @@ void key_block_task(const BackwardContext<T, Acc, BiasT>& ctx, const KeyTaskGrid
                 }
               }
             }
-            ctx.apply_softcap_grad(rows, cols, t);
-            accumulate_transposed_product(t.dprobs.data(), t.q.data(), rows, cols, dim, dk);
+            if (!store.enabled()) ctx.apply_softcap_grad(rows, cols, t);
+            accumulate_transposed_product(ds_tile, t.q.data(), dim, dk);
           }
         }
         T* dk_out = static_cast<T*>(p.dk) + p.dk_strides.offset(b, j0, kv_head);
@@ -347,13 +453,11 @@ void query_block_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int6
                       int64_t query_block, BackwardTiles<Acc>& t) {
   const ForwardParams& f = ctx.f;
   const int64_t dim = f.head_dim;
-  const int64_t kv_head = h / f.group_size();
-  const int64_t i0 = query_block * kBlockQ;
-  const int64_t rows = std::min(kBlockQ, f.seqlen_q - i0);
+  const auto [kv_head, i0, rows] = ctx.query_rows(h, query_block);
   ctx.load_query_side(b, h, i0, rows, t);
   ctx.load_row_stats(b, h, i0, rows, t);
   Acc* dq = t.grad_a.data();
-  std::fill(dq, dq + rows * dim, Acc(0));
+  std::fill(dq, dq + kBlockQ * dim, Acc(0));
 
   const IndexRange keys = ctx.mod.keys.for_queries(b, h, {i0, i0 + rows});
   for (int64_t j0 = aligned_block_start(keys.begin, kBlockK); j0 < keys.end; j0 += kBlockK) {
@@ -362,10 +466,9 @@ void query_block_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int6
     ctx.compute_p_and_dp(b, h, i0, rows, j0, cols, t);
     ctx.compute_ds(rows, cols, t);
     ctx.apply_softcap_grad(rows, cols, t);
-    accumulate_product(t.dprobs.data(), t.k.data(), rows, cols, dim, dq);
+    accumulate_product(t.dprobs.data(), t.k.data(), dim, dq);
   }
-  T* dq_out = static_cast<T*>(ctx.p.dq) + ctx.p.dq_strides.offset(b, i0, h);
-  store_rows(dq, rows, dim, ctx.mod.scale, dq_out, ctx.p.dq_strides.row_stride);
+  ctx.store_dq(b, h, i0, rows, dq);
 }
 
 template <typename T, typename BiasT>
@@ -380,34 +483,72 @@ void backward_typed(const BackwardParams& p) {
   const int64_t query_blocks = ceil_div(f.seqlen_q, kBlockQ);
   const int64_t query_tasks = f.batch * f.num_heads * query_blocks;
 
+  // The cache levels of score_cache.h that fit. The store holds dS without softcap', which the
+  // key pass would need separately, so softcap uses the row tiles only.
+  const BackwardCacheLimits limits = backward_cache_limits();
+  TileStore<Acc> store(f.batch, f.num_heads, query_blocks, ctx.softcap_on ? 0 : grid.key_blocks,
+                       limits.store_bytes);
+  const bool rows_fit =
+      store.enabled() || RowTiles<Acc>::bytes(grid.key_blocks, ctx.softcap_on) <= limits.row_bytes;
+
+  auto query_task = [&](int64_t task, auto&& run) {
+    const int64_t query_block = task % query_blocks;
+    const int64_t h = (task / query_blocks) % f.num_heads;
+    const int64_t b = task / (query_blocks * f.num_heads);
+    run(b, h, query_block);
+  };
+
 #pragma omp parallel
   {
     BackwardTiles<Acc> tiles(f.head_dim);
+    RowTiles<Acc> row(rows_fit && !store.enabled() ? grid.key_blocks : 0, ctx.softcap_on);
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < query_tasks; ++task) {
-      const int64_t query_block = task % query_blocks;
-      const int64_t h = (task / query_blocks) % f.num_heads;
-      const int64_t b = task / (query_blocks * f.num_heads);
-      row_stats_task(ctx, b, h, query_block, tiles);
+      query_task(task, [&](int64_t b, int64_t h, int64_t query_block) {
+        if (store.enabled()) {
+          query_row_task(ctx, b, h, query_block, [&](int64_t kb) {
+            store.mark_computed(b, h, query_block, kb);
+            return store.tile(b, h, query_block, kb);
+          }, tiles);
+        } else if (rows_fit) {
+          query_row_task(ctx, b, h, query_block, [&](int64_t kb) { return row.tile(kb); }, tiles);
+        } else {
+          row_stats_task(ctx, b, h, query_block, tiles);
+        }
+      });
     }
-    // (implicit barrier: passes 1 and 2 read the statistics of every row)
+    // (implicit barrier: the key pass reads the statistics, or the stored tiles, of every row)
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < key_tasks; ++task) {
-      key_block_task(ctx, grid, task, tiles);
+      key_block_task(ctx, grid, store, task, tiles);
     }
+    if (!rows_fit) {  // dQ still to do: the query pass only computed the statistics
 #pragma omp for schedule(dynamic)
-    for (int64_t task = 0; task < query_tasks; ++task) {
-      const int64_t query_block = task % query_blocks;
-      const int64_t h = (task / query_blocks) % f.num_heads;
-      const int64_t b = task / (query_blocks * f.num_heads);
-      query_block_task(ctx, b, h, query_block, tiles);
+      for (int64_t task = 0; task < query_tasks; ++task) {
+        query_task(task, [&](int64_t b, int64_t h, int64_t query_block) {
+          query_block_task(ctx, b, h, query_block, tiles);
+        });
+      }
     }
   }
 }
 
 }  // namespace
 
+namespace {
+std::atomic<int64_t> store_limit_bytes{int64_t{256} << 20};
+std::atomic<int64_t> row_limit_bytes{int64_t{16} << 20};
+}  // namespace
+
+BackwardCacheLimits backward_cache_limits() { return {store_limit_bytes, row_limit_bytes}; }
+
+void set_backward_cache_limits(int64_t store_bytes, int64_t row_bytes) {
+  store_limit_bytes = store_bytes;
+  row_limit_bytes = row_bytes;
+}
+
 void backward(const BackwardParams& p) {
+  use_single_threaded_blas();
   const ForwardParams& f = p.fwd;
   const DType bias_dtype = f.bias.present() ? f.bias.dtype : f.dtype;
   dispatch_element_types(f.dtype, bias_dtype, [&](auto element, auto bias_element) {

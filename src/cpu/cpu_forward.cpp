@@ -19,10 +19,10 @@ namespace {
 // Per-thread tile buffers.
 template <typename Acc>
 struct ForwardTiles {
-  std::vector<Acc> q, k_t, v, scores, out_acc;
+  std::vector<Acc> q, k, v, scores, out_acc;
   std::vector<OnlineSoftmaxRow<Acc>> row_stats;
   explicit ForwardTiles(int64_t dim)
-      : q(kBlockQ * dim), k_t(dim * kBlockK), v(kBlockK * dim), scores(kBlockQ * kBlockK),
+      : q(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim), scores(kBlockQ * kBlockK),
         out_acc(kBlockQ * dim), row_stats(kBlockQ) {}
 };
 
@@ -35,7 +35,7 @@ void forward_query_block(const ForwardParams& p, const ScoreMod<Acc, BiasT>& mod
   const int64_t rows = std::min(kBlockQ, p.seqlen_q - i0);
 
   const T* q = static_cast<const T*>(p.q) + p.q_strides.offset(b, i0, h);
-  load_rows(q, p.q_strides.row_stride, rows, dim, tiles.q.data());
+  load_rows(q, p.q_strides.row_stride, rows, dim, tiles.q.data(), kBlockQ);
   std::fill(tiles.out_acc.begin(), tiles.out_acc.end(), Acc(0));
   std::fill(tiles.row_stats.begin(), tiles.row_stats.end(), OnlineSoftmaxRow<Acc>{});
 
@@ -45,10 +45,10 @@ void forward_query_block(const ForwardParams& p, const ScoreMod<Acc, BiasT>& mod
     const int64_t cols = std::min(kBlockK, p.seqlen_k - j0);
     const T* k = static_cast<const T*>(p.k) + p.k_strides.offset(b, j0, kv_head);
     const T* v = static_cast<const T*>(p.v) + p.v_strides.offset(b, j0, kv_head);
-    load_rows_transposed(k, p.k_strides.row_stride, cols, dim, tiles.k_t.data());
-    load_rows(v, p.v_strides.row_stride, cols, dim, tiles.v.data());
+    load_rows(k, p.k_strides.row_stride, cols, dim, tiles.k.data(), kBlockK);
+    load_rows(v, p.v_strides.row_stride, cols, dim, tiles.v.data(), kBlockK);
 
-    matmul_into_scores(tiles.q.data(), tiles.k_t.data(), rows, cols, dim, tiles.scores.data());
+    matmul_into_scores(tiles.q.data(), tiles.k.data(), dim, tiles.scores.data());
     mod.apply(b, h, i0, rows, j0, cols, tiles.scores.data(), nullptr);
     for (int64_t r = 0; r < rows; ++r) {
       const Acc rescale = tiles.row_stats[r].update(tiles.scores.data() + r * kBlockK, cols);
@@ -57,8 +57,7 @@ void forward_query_block(const ForwardParams& p, const ScoreMod<Acc, BiasT>& mod
         for (int64_t d = 0; d < dim; ++d) out_row[d] *= rescale;
       }
     }
-    accumulate_product(tiles.scores.data(), tiles.v.data(), rows, cols, dim,
-                       tiles.out_acc.data());
+    accumulate_product(tiles.scores.data(), tiles.v.data(), dim, tiles.out_acc.data());
   }
 
   // Normalize and write. An empty row (m = -inf, l = 0) gets out = 0 and lse = -inf.
@@ -99,6 +98,7 @@ void forward_typed(const ForwardParams& p) {
 }  // namespace
 
 void forward(const ForwardParams& p) {
+  use_single_threaded_blas();
   const DType bias_dtype = p.bias.present() ? p.bias.dtype : p.dtype;
   dispatch_element_types(p.dtype, bias_dtype, [&](auto element, auto bias_element) {
     forward_typed<typename decltype(element)::type, typename decltype(bias_element)::type>(p);

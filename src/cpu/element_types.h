@@ -11,8 +11,8 @@
 
 namespace dmattn::cpu {
 
-// fp64 inputs accumulate in fp64 (so gradcheck can pass); everything else in fp32, as the spec
-// requires of every backend.
+// fp64 inputs accumulate in fp64 (so gradcheck can pass); everything else in fp32, as
+// docs/semantics.md requires of every backend.
 template <typename T>
 using AccumulatorOf = std::conditional_t<std::is_same_v<T, double>, double, float>;
 

@@ -4,7 +4,7 @@
 // between gcc/clang versions), so both formats are plain 16-bit patterns converted with
 // integer arithmetic. Narrowing conversions round to nearest, ties to even, like the GPU's
 // cvt.rn; the *_saturate variants additionally clamp finite values to the largest finite
-// value of the format, because the spec forbids turning a finite fp32 result into Inf.
+// value of the format, because docs/semantics.md forbids turning a finite fp32 result into Inf.
 #pragma once
 
 #include <cmath>

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "cpu/vector_math.h"
+
 namespace dmattn::cpu {
 
 template <typename Acc>
@@ -22,18 +24,13 @@ struct OnlineSoftmaxRow {
   // accumulated with the old max must be rescaled: exp(old max - new max), 0 before the first
   // allowed key, 1 if the max did not move. exp never sees -inf - (-inf).
   Acc update(Acc* scores, int64_t cols) {
-    Acc block_max = kNegInf;
-    for (int64_t c = 0; c < cols; ++c) block_max = std::max(block_max, scores[c]);
-    const Acc new_max = std::max(max, block_max);
+    const Acc new_max = std::max(max, row_max(scores, cols));
     if (new_max == kNegInf) {  // nothing allowed so far
       std::fill(scores, scores + cols, Acc(0));
       return Acc(1);
     }
-    Acc block_sum = 0;
-    for (int64_t c = 0; c < cols; ++c) {
-      scores[c] = std::exp(scores[c] - new_max);  // -inf -> 0, new_max is finite
-      block_sum += scores[c];
-    }
+    exp_shifted(scores, cols, new_max);  // -inf -> 0, new_max is finite
+    const Acc block_sum = row_dot(scores, static_cast<const Acc*>(nullptr), cols);
     const Acc rescale = max == new_max ? Acc(1) : (empty() ? Acc(0) : std::exp(max - new_max));
     sum = sum * rescale + block_sum;
     max = new_max;

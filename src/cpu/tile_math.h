@@ -1,14 +1,19 @@
-// Tile sizes, tile loads/stores and the small matrix products of the blockwise algorithm.
+// Tile sizes, tile loads/stores and the matrix products of the blockwise algorithm.
 //
-// Every tile is a contiguous row-major buffer of the accumulator type. The products are
-// written so that the innermost loop is an axpy over contiguous memory (no reduction), which
-// gcc vectorizes at -O3 without -ffast-math; the summation order is fixed at compile time, so
-// results do not depend on the thread count.
+// Every tile is a contiguous row-major buffer of the accumulator type, kBlockQ or kBlockK rows
+// whatever the sequence lengths: rows past the end of a sequence are zero, and every product
+// is a BLAS call (blas_gemm.h) on whole tiles. The fixed shapes matter for more than
+// simplicity: a BLAS may pick a different kernel (and summation order) for a different shape,
+// and with whole tiles a score, an output or a gradient element is the same function of its
+// inputs wherever its tile lies, so gathering the kept keys (attention_topk) gives the bitwise
+// result of masking the others. Zero rows make zero scores, probabilities and products, so the
+// padding contributes exactly nothing.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 
+#include "cpu/blas_gemm.h"
 #include "cpu/element_types.h"
 
 namespace dmattn::cpu {
@@ -19,25 +24,16 @@ constexpr int64_t kBlockK = 64;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// tile[r * dim + d] = src[r * row_stride + d], for r < rows, d < dim.
+// tile[r * dim + d] = src[r * row_stride + d] for r < rows, d < dim; 0 for rows <= r < tile_rows.
 template <typename T, typename Acc>
 inline void load_rows(const T* src, int64_t row_stride, int64_t rows, int64_t dim,
-                      Acc* __restrict tile) {
+                      Acc* __restrict tile, int64_t tile_rows) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* row = src + r * row_stride;
     Acc* out = tile + r * dim;
     for (int64_t d = 0; d < dim; ++d) out[d] = load_as<Acc>(row[d]);
   }
-}
-
-// Transposed load: tile_t[d * kBlockK + r] = src[r * row_stride + d], for r < rows <= kBlockK.
-template <typename T, typename Acc>
-inline void load_rows_transposed(const T* src, int64_t row_stride, int64_t rows, int64_t dim,
-                                 Acc* __restrict tile_t) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* row = src + r * row_stride;
-    for (int64_t d = 0; d < dim; ++d) tile_t[d * kBlockK + r] = load_as<Acc>(row[d]);
-  }
+  std::fill(tile + rows * dim, tile + tile_rows * dim, Acc(0));
 }
 
 // dst[r * row_stride + d] = factor * tile[r * dim + d], saturating to T.
@@ -51,56 +47,25 @@ inline void store_rows(const Acc* tile, int64_t rows, int64_t dim, Acc factor, T
   }
 }
 
-// c (rows x cols, leading dim kBlockK) = a (rows x dim) * b_t (dim x cols, leading dim kBlockK).
-// Used for scores S = Q K^T and dP = dO V^T, with K^T / V^T loaded transposed.
+// c (kBlockQ x kBlockK, leading dim kBlockK) = a (kBlockQ x dim) * b^T, b (kBlockK x dim).
+// Used for scores S = Q K^T and dP = dO V^T.
 template <typename Acc>
-inline void matmul_into_scores(const Acc* __restrict a, const Acc* __restrict b_t, int64_t rows,
-                               int64_t cols, int64_t dim, Acc* __restrict c) {
-  for (int64_t r = 0; r < rows; ++r) {
-    Acc* c_row = c + r * kBlockK;
-    for (int64_t j = 0; j < cols; ++j) c_row[j] = Acc(0);
-    const Acc* a_row = a + r * dim;
-    for (int64_t d = 0; d < dim; ++d) {
-      const Acc a_rd = a_row[d];
-      const Acc* b_row = b_t + d * kBlockK;
-      for (int64_t j = 0; j < cols; ++j) c_row[j] += a_rd * b_row[j];
-    }
-  }
+inline void matmul_into_scores(const Acc* a, const Acc* b, int64_t dim, Acc* c) {
+  gemm(false, true, kBlockQ, kBlockK, dim, Acc(1), a, dim, b, dim, Acc(0), c, kBlockK);
 }
 
-// acc (rows x dim) += p (rows x cols, leading dim kBlockK) * b (cols x dim).
+// acc (kBlockQ x dim) += p (kBlockQ x kBlockK, leading dim kBlockK) * b (kBlockK x dim).
 // Used for O += P V and dQ += dS K.
 template <typename Acc>
-inline void accumulate_product(const Acc* __restrict p, const Acc* __restrict b, int64_t rows,
-                               int64_t cols, int64_t dim, Acc* __restrict acc) {
-  for (int64_t r = 0; r < rows; ++r) {
-    Acc* acc_row = acc + r * dim;
-    const Acc* p_row = p + r * kBlockK;
-    for (int64_t j = 0; j < cols; ++j) {
-      const Acc weight = p_row[j];
-      if (weight == Acc(0)) continue;  // masked positions: adding zero changes nothing
-      const Acc* b_row = b + j * dim;
-      for (int64_t d = 0; d < dim; ++d) acc_row[d] += weight * b_row[d];
-    }
-  }
+inline void accumulate_product(const Acc* p, const Acc* b, int64_t dim, Acc* acc) {
+  gemm(false, false, kBlockQ, dim, kBlockK, Acc(1), p, kBlockK, b, dim, Acc(1), acc, dim);
 }
 
-// acc (cols x dim) += p^T (p: rows x cols, leading dim kBlockK) * a (rows x dim).
+// acc (kBlockK x dim) += p^T (p: kBlockQ x kBlockK, leading dim kBlockK) * a (kBlockQ x dim).
 // Used for dV += P^T dO and dK += dS^T Q.
 template <typename Acc>
-inline void accumulate_transposed_product(const Acc* __restrict p, const Acc* __restrict a,
-                                          int64_t rows, int64_t cols, int64_t dim,
-                                          Acc* __restrict acc) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const Acc* p_row = p + r * kBlockK;
-    const Acc* a_row = a + r * dim;
-    for (int64_t j = 0; j < cols; ++j) {
-      const Acc weight = p_row[j];
-      if (weight == Acc(0)) continue;
-      Acc* acc_row = acc + j * dim;
-      for (int64_t d = 0; d < dim; ++d) acc_row[d] += weight * a_row[d];
-    }
-  }
+inline void accumulate_transposed_product(const Acc* p, const Acc* a, int64_t dim, Acc* acc) {
+  gemm(true, false, kBlockK, dim, kBlockQ, Acc(1), p, kBlockK, a, dim, Acc(1), acc, dim);
 }
 
 }  // namespace dmattn::cpu

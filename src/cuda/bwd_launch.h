@@ -135,7 +135,7 @@ inline bool bwd_sm90_enabled() {
 // a wave of CTAs per group (G x key blocks >= SMs, G a power of two) and at most 8 (kv head,
 // batch) pairs, whose Q / dO (4 MB each at S = 8192, D = 128) stay in L2. Without a window all
 // key blocks weigh the same and the plain order (G = 1) keeps fewer heads' Q / dO in flight.
-// H100, B=2 S=8192 H=16, fwd+bwd (benchmarks/cta_order_timing.py, docs/perf.md): causal dense
+// H100, B=2 S=8192 H=16, fwd+bwd (benchmarks/profiling/cta_order_timing.py, docs/design.md): causal dense
 // 6.86 -> 6.62 ms (G = 4), Doge top-2048 causal 4.81 -> 4.34 (G = 8); without a window G = 4 to 8
 // was up to 8 % slower.
 inline int bwd_cta_group_default(const FwdArgs& f, int n_blocks) {

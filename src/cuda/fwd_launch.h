@@ -109,7 +109,7 @@ inline bool fwd_sm90_enabled() {
 
 // The init kernel (mask / bias folded into the QK^T accumulator's initial value): measured on the
 // H100 10-15 % faster than the general kernel on bias rows, but its lse is wrong for rows whose
-// every allowed key carries a finfo.min bias (benchmarks/fwd_notes.md), so it stays off
+// every allowed key carries a finfo.min bias (docs/design.md), so it stays off
 // (-DDMATTN_FWD_INIT_KERNEL=1 builds it). Off: a mask or bias goes to the general kernel.
 #ifndef DMATTN_FWD_INIT_KERNEL
 #define DMATTN_FWD_INIT_KERNEL 0

@@ -1,4 +1,4 @@
-// Naive float64 reference of the attention contract (shared/spec/semantics.md): for each
+// Naive float64 reference of the attention contract (docs/semantics.md): for each
 // (batch, head, query) it materializes the full score row and applies the spec formulas
 // directly. Besides each result it returns a "magnitude" -- the same sum taken over absolute
 // values, with each softmax weight widened by the error a rounded score would cause -- which

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "attention_case.h"
+#include "cpu/cpu_backend.h"
 
 namespace dmattn::test {
 namespace {
@@ -93,6 +94,25 @@ TEST(CpuBackendRandom, Float32) { run_random_configs(DType::kFloat32, 200, 101);
 TEST(CpuBackendRandom, BFloat16) { run_random_configs(DType::kBFloat16, 120, 202); }
 TEST(CpuBackendRandom, Float16) { run_random_configs(DType::kFloat16, 120, 303); }
 TEST(CpuBackendRandom, Float64) { run_random_configs(DType::kFloat64, 60, 404); }
+
+// The backward's other memory levels (score_cache.h): the per-thread row tiles only, and no
+// cache at all (the three-pass recomputation); the default keeps every tile.
+class CacheLimits {
+ public:
+  CacheLimits(int64_t store_bytes, int64_t row_bytes) {
+    cpu::set_backward_cache_limits(store_bytes, row_bytes);
+  }
+  ~CacheLimits() { cpu::set_backward_cache_limits(int64_t{256} << 20, int64_t{16} << 20); }
+};
+
+TEST(CpuBackendRandom, Float32RowTilesOnly) {
+  CacheLimits limits(0, int64_t{16} << 20);
+  run_random_configs(DType::kFloat32, 60, 505);
+}
+TEST(CpuBackendRandom, BFloat16WithoutCache) {
+  CacheLimits limits(0, 0);
+  run_random_configs(DType::kBFloat16, 60, 606);
+}
 
 // Every bias shape the spec allows (with dbias) and every mask shape, over two key blocks, a
 // GQA group of 2 and a tail query block.

@@ -3,6 +3,7 @@
 * Every test starts from a fixed seed (``torch.manual_seed`` / ``random.seed``).
 * ``@pytest.mark.gpu`` tests are skipped when no CUDA device is visible.
 * The ``device`` fixture runs a test on "cpu" and, when available, on "cuda".
+* The run ends with one line counting the skipped tests by reason.
 * ``nan_poison``: while active, every torch.empty/empty_like/new_empty allocation (in particular
   the outputs and scratch buffers the dmattn ops allocate) is filled with NaN, through
   ``torch.use_deterministic_algorithms(True)`` + ``torch.utils.deterministic.
@@ -38,6 +39,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line: how many tests were skipped, and why (grouped by reason)."""
+    reasons = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    if reasons:
+        parts = [f"{n} {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
+        terminalreporter.write_line(f"skipped {sum(reasons.values())}: " + "; ".join(parts))
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,6 @@
 """The one shared materialized reference for the dmattn test-suite, and its tolerance rule.
 
-``reference_attention`` implements the contract (shared/spec/semantics.md, docs/semantics.md)
+``reference_attention`` implements the contract (docs/semantics.md)
 literally, on a materialized (B, H, Sq, Sk) score matrix:
 
     s = scale * q k^T ; s = softcap * tanh(s / softcap) if softcap > 0 ; s = s + bias

@@ -1,4 +1,4 @@
-"""Edge cases of the contract and regressions for the seed bug reports (shared/seeds/):
+"""Edge cases of the contract and regressions for the first bug reports ("seed 000" to "seed 003"):
 
 * rows with no allowed key: out 0, lse -inf, every gradient contribution exactly 0;
 * fully masked blocks, -inf and finfo.min biases, Sk = 0, Sq = 0, B = 0;

@@ -234,3 +234,34 @@ def test_cuda_dtype(dtype):
     q = torch.randn(1, 4, 2, 64, device="cuda", dtype=dtype)
     with pytest.raises(TypeError, match="q"):
         dmattn.attention(q, q, q)
+
+
+# A tensor on a device the library does not run on (here meta) is rejected in Python, naming
+# the argument, before anything reaches the native library (whose DLPack hand-over would fail
+# with a C++ stack trace).
+@pytest.mark.parametrize("name", ["q", "k", "v", "mask", "bias"])
+def test_meta_tensor_names_the_argument(name):
+    args = base()
+    args[name] = args[name].to("meta")
+    with pytest.raises(ValueError, match=rf"^{name}: .*meta device"):
+        call(args)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "bias"])
+def test_meta_tensor_attention_topk(name):
+    args = base()
+    args["bias"] = args["bias"][:, :, :1]  # a per-key bias (B, H, 1, Sk)
+    args[name] = args[name].to("meta")
+    with pytest.raises(ValueError, match=rf"^{name}: .*meta device"):
+        dmattn.attention_topk(args["q"], args["k"], args["v"], args["bias"], 3)
+
+
+@pytest.mark.parametrize("name", ["q", "cu_seqlens_q", "bias"])
+def test_meta_tensor_attention_varlen(name):
+    args = dict(q=rnd(SQ, H, D), k=rnd(SQ, HKV, D), v=rnd(SQ, HKV, D),
+                cu_seqlens_q=torch.tensor([0, 3, SQ], dtype=torch.int32),
+                cu_seqlens_k=torch.tensor([0, 3, SQ], dtype=torch.int32), bias=rnd(H, SQ))
+    args[name] = args[name].to("meta")
+    with pytest.raises(ValueError, match=rf"^{name}: .*meta device"):
+        dmattn.attention_varlen(args["q"], args["k"], args["v"], args["cu_seqlens_q"],
+                                args["cu_seqlens_k"], SQ - 3, SQ - 3, bias=args["bias"])

@@ -17,7 +17,7 @@
 // Q / dO of the same query block and added to the scaled scores. No ptxas spills in either
 // variant (the dQ atomics' offsets recomputed each query block, the column sums as a wgmma),
 // against ~210-230 B in the general mask / bias kernel (kMaskBias), which holds its descriptors
-// (benchmarks/bwd_notes.md, sessions 6 and 7).
+// (docs/design.md, "Hopper backward").
 // Compiled for every target, with a body only for sm_90a; run_bwd launches it on compute
 // capability 9.0 devices.
 #pragma once

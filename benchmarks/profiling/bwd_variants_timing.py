@@ -1,7 +1,7 @@
 """Per-iteration cost of the backward main kernel on the gather path against the dense kernels,
 to see what the gathered keys, the per-key bias and its column sums each cost.
 
-    PYTHONPATH=python python3 benchmarks/bwd_variants_timing.py
+    PYTHONPATH=python python3 benchmarks/profiling/bwd_variants_timing.py
 
 B=2, H=16, D=128 bf16, causal, S=8192; the raw dmattn::bwd op (Delta, main kernel, dQ convert)
 timed with CUDA events (median of 20). "iters" is the number of (key block, query block) tile

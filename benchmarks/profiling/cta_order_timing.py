@@ -3,7 +3,7 @@ bf16 D=128 H=16 B=2 S=8192 rows for each DMATTN_BWD_CTA_GROUP value (1 = key blo
 (kv head, batch) pairs G at a time, key blocks slowest inside a group; 32 = all pairs here), in
 interleaved rounds so that drift hits every order alike.
 
-    PYTHONPATH=python python3 benchmarks/cta_order_timing.py [--groups d,1,4,8,32] [--rounds 3]
+    PYTHONPATH=python python3 benchmarks/profiling/cta_order_timing.py [--groups d,1,4,8,32] [--rounds 3]
 
 ("d": the variable unset, i.e. run_bwd's default: grouped only under a causal / sliding window.)
 """
@@ -16,7 +16,8 @@ import statistics
 
 import torch
 
-from dmattn.bench import Config, _dmattn, _fwd_bwd, make_inputs, time_ms
+from dmattn.bench import Config, _fwd_bwd, make_inputs, time_ms
+from dmattn.bench_providers import _dmattn
 
 ROWS = [
     Config("dense causal", 2, 8192, 16, 128, True),

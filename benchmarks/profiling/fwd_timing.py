@@ -2,7 +2,7 @@
 
 bf16, B=2, H=16, S=8192, D=128 unless told otherwise; median of CUDA-event timings after
 warm-up; random (never zero) inputs. TFLOP/s with FlashAttention's convention (4*B*H*S*S*D,
-halved when causal).   python benchmarks/fwd_timing.py [--flex] [--iters 20]
+halved when causal).   python benchmarks/profiling/fwd_timing.py [--flex] [--iters 20]
 """
 
 import argparse

@@ -1,7 +1,7 @@
-"""One forward + backward step of a chosen case, for Nsight Compute (ncu) on the device.
+"""One forward + backward step of a chosen case, for Nsight Compute (ncu) on a GPU machine.
 
     ncu --clock-control none --set full -k regex:sm90 -c 2 -o OUT/case \
-        python3 benchmarks/ncu_probe.py CASE [--s 4096 --b 1]
+        python3 benchmarks/profiling/ncu_probe.py CASE [--s 4096 --b 1]
 
 CASE: plain (no mask / bias), bias (dense (B,H,S,S) bf16 bias with gradient), topk
 (attention_topk, per-key bias with gradient, keep = S / 4, causal). bf16, H=16, D=128. Random

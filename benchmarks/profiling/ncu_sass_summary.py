@@ -1,7 +1,7 @@
 """Summarize `ncu --page source --csv --print-source sass` output per kernel (run it where the
 report is: the CSV of a large kernel is tens of MB).
 
-    python3 benchmarks/ncu_sass_summary.py FILE.csv [--top 40]
+    python3 benchmarks/profiling/ncu_sass_summary.py FILE.csv [--top 40]
 
 Per kernel: instructions executed by opcode class (what the kernel spends its issue slots on),
 local-memory (spill) instructions, stall samples by reason, and the instructions with the most

@@ -1,6 +1,6 @@
 """Host-side cost of dmattn.attention_topk's glue (gather path), measured on the CPU.
 
-    PYTHONPATH=python python3 benchmarks/topk_host_overhead.py [--shape B,S,H,Hkv,D,keep]
+    PYTHONPATH=python python3 benchmarks/profiling/topk_host_overhead.py [--shape B,S,H,Hkv,D,keep]
         [--dtype float32|bfloat16|float64] [--mask] [--list]
 
 On the GPU the kernels run asynchronously, so the Python/ATen work around them (selection,

@@ -1,6 +1,6 @@
 """Where the time of dmattn.attention_topk (the gather path) goes on the GPU.
 
-    PYTHONPATH=python python3 benchmarks/topk_gather_timing.py [--profile]
+    PYTHONPATH=python python3 benchmarks/profiling/topk_gather_timing.py [--profile]
 
 Times (median of CUDA events, dmattn.bench.time_ms) for bf16, D=128, H=16, a per-key bias
 (B, H, 1, S) with gradient, keep=2048, causal:

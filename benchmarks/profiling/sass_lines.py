@@ -1,9 +1,9 @@
 """Per-source-line totals of one kernel's ncu per-instruction counts (the --dump of
-ncu_sass_summary.py, taken on the device) joined with this machine's disassembly of the same
+ncu_sass_summary.py, taken on the GPU machine) joined with this machine's disassembly of the same
 build (the instruction order is the same when the object files are the same).
 
-    python3 benchmarks/sass_extract.py build/.../bwd_bf16_hd128.cu.o /tmp/bwd.cubin
-    python3 benchmarks/sass_lines.py /tmp/bwd.cubin 'bwd_kernel_sm90.*Lb1ELb0E' dump_1.tsv [--top 40]
+    python3 benchmarks/profiling/sass_extract.py build/.../bwd_bf16_hd128.cu.o /tmp/bwd.cubin
+    python3 benchmarks/profiling/sass_lines.py /tmp/bwd.cubin 'bwd_kernel_sm90.*Lb1ELb0E' dump_1.tsv [--top 40]
 """
 
 import argparse

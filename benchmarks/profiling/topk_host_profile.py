@@ -2,7 +2,7 @@
 the dispatcher, the native calls), measured while a sleep kernel keeps the GPU busy so that no
 call waits on the device.
 
-    PYTHONPATH=python python3 benchmarks/topk_host_profile.py [--batch 2] [--seqlen 8192]
+    PYTHONPATH=python python3 benchmarks/profiling/topk_host_profile.py [--batch 2] [--seqlen 8192]
 
 Prints the host enqueue time of a forward and of a forward+backward (best of 10), then
 cProfile's functions by total (self) time and by cumulative time for 20 forward+backward steps,

@@ -1,7 +1,7 @@
 """Pull the sm_90a cubin (ELF, machine 190) out of an nvcc object file (its uncompressed fatbin),
 so that nvdisasm can read it where cuobjdump is not installed.
 
-    python3 benchmarks/sass_extract.py OBJ.o OUT.cubin
+    python3 benchmarks/profiling/sass_extract.py OBJ.o OUT.cubin
 """
 
 import struct

@@ -1,0 +1,66 @@
+"""The main job's report: the speed column against the best peer, the summary line, the
+results folder (table, JSON, plots) and suite selection. The timings themselves are not
+checked (any machine, any load)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from dmattn import bench, bench_report
+
+
+def _row(config, provider, fwdbwd_ms, note=""):
+    return dict(config=config, provider=provider, fwd_ms=1.0 if fwdbwd_ms else None,
+                fwdbwd_ms=fwdbwd_ms, fwd_tflops=None, fwdbwd_tflops=None, peak_mem_gib=None,
+                check="ok" if provider == "dmattn" else "", note=note)
+
+
+def _results():
+    configs = [dict(name="a", seqlen=512, series="s"), dict(name="b", seqlen=1024, series="s"),
+               dict(name="c", seqlen=1024, series="")]
+    rows = [_row("a", "dmattn", 2.0), _row("a", "p1", 4.0), _row("a", "p2", 3.0),
+            _row("b", "dmattn", 8.0), _row("b", "p1", 4.0),
+            _row("c", "dmattn", 1.0), _row("c", "p1", None, note="not supported")]
+    return dict(device="test", torch="x", configs=configs, rows=rows)
+
+
+def test_speed_is_against_the_best_peer():
+    ratios = bench_report.speedups(_results())
+    assert ratios["a"] == (1.5, "p2")  # p2's 3.0 ms is the best peer; dmattn 2.0
+    assert ratios["b"] == (0.5, "p1")
+    assert "c" not in ratios  # no peer time
+
+
+def test_table_has_the_speed_column_and_a_summary():
+    table = bench_report.format_table(_results())
+    assert "vs best peer" in table.splitlines()[2]
+    assert "**1.50x** (p2)" in table
+    summary = table.splitlines()[-1]
+    assert summary.startswith("Summary (fwd+bwd): dmattn is faster than the best peer on 1 of 2")
+    assert f"geometric mean {math.sqrt(1.5 * 0.5):.2f}x" in summary
+
+
+def test_suites_select_by_name():
+    configs = bench.cpu_configs(quick=True)
+    assert {c.suite for c in configs} == set(bench.SUITES)
+    assert all(c.suite == "topk" for c in bench.select_configs(configs, "topk", None))
+    with pytest.raises(ValueError, match="unknown suite"):
+        bench.select_configs(configs, "dense,nope", None)
+
+
+def test_main_writes_table_json_and_plots(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "run"
+    rc = bench.main(["--device", "cpu", "--quick", "--suite", "varlen", "--warmup", "0",
+                     "--iters", "1", "--out", str(out)])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "[1/2]" in err and "[2/2]" in err and f"results in {out}/" in err
+    assert (out / "table.md").read_text().rstrip().splitlines()[-1].startswith("Summary")
+    results = json.loads((out / "results.json").read_text())
+    assert {r["provider"] for r in results["rows"]} >= {"dmattn"}
+    assert os.path.exists(out / "speedup.png")
