@@ -2,7 +2,7 @@
 per_query=True), forward + backward, selection included) by kernel, with torch.profiler;
 --hf: of one training step of the transformers Doge model of dmattn.bench_doge instead.
 
-    python benchmarks/per_query_profile.py [--seq 8192] [--batch 2] [--segments 512,1024] [--hf]
+    python benchmarks/profiling/per_query_profile.py [--seq 8192] [--batch 2] [--segments 512,1024] [--hf]
 """
 
 import argparse
