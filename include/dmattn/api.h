@@ -111,7 +111,7 @@ void gather_key_rows(const TensorDesc& k, const TensorDesc& v, const TensorDesc&
 // (CUDA: on `stream`), destination-passing, every tensor int32 and contiguous:
 //   prefix_thresholds: per row r of ranks (R, S) -- the rank of key j in the selection order
 //     (0 = selected first; S for a key that may not be selected) -- and order (R, S), the key at
-//     each rank (order[r, ranks[r, j]] == j for every selectable key, the rest after them):
+//     each rank of a selectable key (order[r, ranks[r, j]] == j), S at the ranks after them:
 //     thresholds[r, v] = the keep-th smallest rank among the selectable keys 0..v, or S while
 //     fewer than keep of them are. Key j <= v is kept by prefix v iff ranks[r, j] <= thresholds.
 //   segment_candidates: from interval ends (Rb, Rh, S) -- key j is kept by the queries whose
@@ -121,12 +121,26 @@ void gather_key_rows(const TensorDesc& k, const TensorDesc& v, const TensorDesc&
 //     into row (b * num_segments + s, h) of positions / key_ends / index (Rb * num_segments, Rh,
 //     W): positions j - P + num_segments * seg_len + offset - seg_len (causal on them, with
 //     seqlen_k_original = num_segments * seg_len + offset and seg_len queries, is j <= i +
-//     offset), key_ends ends[j] - P, index j; padding -1, 0, -1 after them. W must hold every
-//     segment's candidates (min(keep, S) + seg_len does); offset >= 0.
+//     offset), key_ends ends[j] - P, index j; padding -1, 0, -1 after them; and slots (Rb,
+//     num_segments, Rh, S): the row of key j in segment s's list, -1 where it is none. W must hold
+//     every segment's candidates (min(keep, S) + seg_len does); offset >= 0.
 void prefix_thresholds(const TensorDesc& ranks, const TensorDesc& order, int64_t keep, const TensorDesc& thresholds,
                        void* stream);
 void segment_candidates(const TensorDesc& ends, int64_t offset, int64_t seg_len, const TensorDesc& positions,
-                        const TensorDesc& key_ends, const TensorDesc& index, void* stream);
+                        const TensorDesc& key_ends, const TensorDesc& index, const TensorDesc& slots, void* stream);
+// The per-query path's K / V row copies on CUDA (the CPU composes torch ops), current stream:
+//   gather_segment_rows: k_rows[b', w, g] = k[b' / (B' / B), index[b', g', w], g / (G / Hkv)] (v
+//     likewise; zeros where index < 0): k, v (B, S, Hkv, D) with a contiguous last dim, 16- or
+//     32-bit floats; index int32 (B', 1 or G, W) contiguous with B' a multiple of B; rows (B', W,
+//     G, D) contiguous, G a multiple of Hkv;
+//   sum_segment_rows: dk[b, j, kvh] = the float32 sum, rounded once, of dk_rows[b * nseg + s,
+//     slots[b, s, g', j], g] over the segments s and the heads g of kv head kvh where the slot is
+//     >= 0 (dv likewise); rows (B * nseg, W, G, D), slots int32 (B, nseg, 1 or G, S), dk / dv (B,
+//     S, Hkv, D), all contiguous.
+void gather_segment_rows(const TensorDesc& k, const TensorDesc& v, const TensorDesc& index, const TensorDesc& k_rows,
+                         const TensorDesc& v_rows, void* stream);
+void sum_segment_rows(const TensorDesc& dk_rows, const TensorDesc& dv_rows, const TensorDesc& slots,
+                      const TensorDesc& dk, const TensorDesc& dv, void* stream);
 
 // Is the CUDA backend compiled in?
 bool cuda_available();

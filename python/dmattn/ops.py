@@ -183,20 +183,57 @@ def _(ranks, order, keep):
 
 @torch.library.custom_op("dmattn::segment_candidates", mutates_args=())
 def segment_candidates(ends: Tensor, offset: int, seg_len: int, num_segments: int,
-                       width: int) -> Tuple[Tensor, Tensor, Tensor]:
+                       width: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(positions, key_ends, index), int32 (Rb * num_segments, Rh, width): the candidate keys of
-    each segment of seg_len queries, from the interval ends (Rb, Rh, S) (dmattn/api.h)."""
-    rows_b, rows_h, _ = ends.shape
+    each segment of seg_len queries, from the interval ends (Rb, Rh, S); and slots, int32 (Rb,
+    num_segments, Rh, S): each key's row in each segment's list, -1 where none (dmattn/api.h)."""
+    rows_b, rows_h, num_keys = ends.shape
     shape = (rows_b * num_segments, rows_h, width)
     positions, key_ends, index = (torch.empty(shape, dtype=torch.int32, device=ends.device) for _ in range(3))
-    lib().segment_candidates(ends, offset, seg_len, positions, key_ends, index)
-    return positions, key_ends, index
+    slots = torch.empty((rows_b, num_segments, rows_h, num_keys), dtype=torch.int32, device=ends.device)
+    lib().segment_candidates(ends, offset, seg_len, positions, key_ends, index, slots)
+    return positions, key_ends, index, slots
 
 
 @segment_candidates.register_fake
 def _(ends, offset, seg_len, num_segments, width):
     shape = (ends.shape[0] * num_segments, ends.shape[1], width)
-    return tuple(ends.new_empty(shape) for _ in range(3))
+    slots = ends.new_empty((ends.shape[0], num_segments, ends.shape[1], ends.shape[2]))
+    return (*(ends.new_empty(shape) for _ in range(3)), slots)
+
+
+@torch.library.custom_op("dmattn::gather_segment_rows", mutates_args=())
+def gather_segment_rows(k: Tensor, v: Tensor, index: Tensor, heads: int) -> Tuple[Tensor, Tensor]:
+    """The K and V rows of each segment's candidates, (B * segments, W, heads, D), from k, v
+    (B, S, Hkv, D) and index int32 (B * segments, 1 or heads, W) (CUDA; dmattn/api.h)."""
+    shape = (index.shape[0], index.shape[2], heads, k.shape[3])
+    k_rows = torch.empty(shape, dtype=k.dtype, device=k.device)
+    v_rows = torch.empty(shape, dtype=v.dtype, device=v.device)
+    lib().gather_segment_rows(k, v, index, k_rows, v_rows)
+    return k_rows, v_rows
+
+
+@gather_segment_rows.register_fake
+def _(k, v, index, heads):
+    shape = (index.shape[0], index.shape[2], heads, k.shape[3])
+    return k.new_empty(shape), v.new_empty(shape)
+
+
+@torch.library.custom_op("dmattn::sum_segment_rows", mutates_args=())
+def sum_segment_rows(dk_rows: Tensor, dv_rows: Tensor, slots: Tensor, heads_kv: int) -> Tuple[Tensor, Tensor]:
+    """The gradients of k and v, (B, S, heads_kv, D): each key's gathered rows summed over the
+    segments (and the query heads of its kv head) in float32 (CUDA; dmattn/api.h)."""
+    shape = (slots.shape[0], slots.shape[3], heads_kv, dk_rows.shape[3])
+    dk = torch.empty(shape, dtype=dk_rows.dtype, device=dk_rows.device)
+    dv = torch.empty(shape, dtype=dv_rows.dtype, device=dv_rows.device)
+    lib().sum_segment_rows(dk_rows.contiguous(), dv_rows.contiguous(), slots, dk, dv)
+    return dk, dv
+
+
+@sum_segment_rows.register_fake
+def _(dk_rows, dv_rows, slots, heads_kv):
+    shape = (slots.shape[0], slots.shape[3], heads_kv, dk_rows.shape[3])
+    return dk_rows.new_empty(shape), dv_rows.new_empty(shape)
 
 
 @torch.library.custom_op("dmattn::fwd", mutates_args=())

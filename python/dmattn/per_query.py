@@ -51,7 +51,8 @@ def _arange(num_keys: int, dtype: torch.dtype, device) -> Tensor:
 def selection_ranks(scores: Tensor, allowed: Optional[Tensor]) -> tuple:
     """(ranks, order), int32 (..., Sk) each: the rank of every key in the selection order of
     dynamic_mask (larger score first, ties by the lower index; -0.0 == 0.0), Sk for keys that
-    ``allowed`` excludes, and the key at each rank (the excluded keys last)."""
+    ``allowed`` excludes, and the key at each rank of an allowed key (Sk at the ranks after
+    them, which the excluded keys take)."""
     num_keys = scores.shape[-1]
     key = selection_key(scores, allowed)
     if key is not None:  # distinct integers: one sort
@@ -65,6 +66,7 @@ def selection_ranks(scores: Tensor, allowed: Optional[Tensor]) -> tuple:
     ranks = torch.empty(order.shape, dtype=torch.int32, device=scores.device).scatter_(-1, order, positions)
     if allowed is not None:
         ranks = ranks.masked_fill(~allowed, num_keys)
+        order = order.masked_fill(~allowed.gather(-1, order), num_keys)
     return ranks, order.to(torch.int32)
 
 

@@ -21,10 +21,11 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .gather import _GatherRowsSummed, _key_side_view, _to_heads, _combined_heads
+from .gather import _key_side_view, _to_heads, _combined_heads
 from .interface import _last_dim_contiguous, _parse_options, _parse_window, attention_on
 from .masks import bias_over_keys
-from .ops import _call_op, forward_with_grad, per_query_glue_available, segment_candidates, supports_key_positions
+from .ops import (_GLUE_DTYPES, _call_op, forward_with_grad, gather_segment_rows, native_glue_available,
+                  per_query_glue_available, segment_candidates, sum_segment_rows, supports_key_positions)
 from .per_query import interval_ends, per_query_mask
 
 __all__ = ["attention_per_query_topk", "SEGMENT_LEN"]
@@ -94,11 +95,48 @@ def attention_per_query_topk(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, keep
     return attention_on(q, k, v, selected, bias, None, **options)
 
 
-def _gather_summed(flat_x: Tensor, flat_index: Tensor) -> Tensor:
-    """Rows of flat_x whose gradient sums the repeats in float32 (in float64 for float64)."""
-    if flat_x.dtype == torch.float64:
-        return flat_x.index_select(0, flat_index)
-    return _GatherRowsSummed.apply(flat_x, flat_index)
+class _SegmentRows(torch.autograd.Function):
+    """The K and V rows of every segment's candidates, (B * segments, W, G, D), from k, v (B, S,
+    Hkv, D) and the candidates' key index (B * segments, 1 or G, W; -1: padding, a zero row); the
+    backward sums each key's rows over the segments (and the G / Hkv heads of its kv head) in
+    float32 (float64 for float64) and rounds once. CUDA: one native kernel each way
+    (gather_segment_rows / sum_segment_rows, with the candidates' slots); CPU: index_select and
+    index_add_."""
+
+    @staticmethod
+    def forward(ctx, k, v, index, slots, heads, native):
+        batch, num_keys, heads_kv, head_dim = k.shape
+        ctx.native, ctx.k_shape = native, k.shape
+        if native:
+            ctx.save_for_backward(slots)
+            return _call_op(gather_segment_rows, k, v, index, heads)
+        rows_b, width = index.shape[0], index.shape[2]
+        num_segments = rows_b // batch
+        seg_index = index.expand(rows_b, heads, width) if index.shape[1] == 1 else index
+        kv_head = torch.arange(heads, device=k.device) // (heads // heads_kv)
+        batch_of = torch.arange(rows_b, device=k.device) // num_segments
+        rows = (batch_of.view(-1, 1, 1) * num_keys + seg_index.clamp_min(0).transpose(1, 2).long()) * heads_kv + kv_head
+        flat_rows = rows.reshape(-1)  # (B * segments, W, G)
+        ctx.save_for_backward(flat_rows)
+        shape = (rows_b, width, heads, head_dim)
+        return (k.reshape(-1, head_dim).index_select(0, flat_rows).view(shape),
+                v.reshape(-1, head_dim).index_select(0, flat_rows).view(shape))
+
+    @staticmethod
+    def backward(ctx, dk_rows, dv_rows):
+        (saved,) = ctx.saved_tensors
+        if ctx.native:
+            dk, dv = _call_op(sum_segment_rows, dk_rows, dv_rows, saved, ctx.k_shape[2])
+            return dk, dv, None, None, None, None
+        head_dim = ctx.k_shape[3]
+
+        def sum_back(rows):
+            acc_dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
+            acc = torch.zeros(ctx.k_shape.numel() // head_dim, head_dim, dtype=acc_dtype, device=rows.device)
+            acc.index_add_(0, saved, rows.reshape(-1, head_dim).to(acc_dtype))
+            return acc.to(rows.dtype).view(ctx.k_shape)
+
+        return sum_back(dk_rows), sum_back(dv_rows), None, None, None, None
 
 
 def _segments(num_queries: int) -> Tuple[int, int]:
@@ -122,7 +160,7 @@ def _interval_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, keep: int
     allowed = None if mask3 is None else _to_heads(mask3, rows_h, heads, heads_kv).expand(batch, rows_h, num_keys)
     ends = interval_ends(scores.contiguous(), None if allowed is None else allowed.contiguous(), keep)
     width = min(keep + seg_len, num_keys)
-    positions, key_ends, index = _call_op(segment_candidates, ends, offset, seg_len, num_segments, width)
+    positions, key_ends, index, slots = _call_op(segment_candidates, ends, offset, seg_len, num_segments, width)
 
     # Queries as (B * segments, seg_len, H, D): zero rows pad the last segment (their output is
     # dropped and their zero output gradient contributes nothing).
@@ -131,21 +169,19 @@ def _interval_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, keep: int
     q_seg = _last_dim_contiguous(q_seg.contiguous().view(batch * num_segments, seg_len, heads, head_dim))
 
     # K, V rows per (segment, gathered head): one head per kv head when the selection's rows are
-    # shared by a kv head's queries, else one per query head (the kernels' positions rule).
+    # shared by a kv head's queries, else one per query head (the kernels' positions rule). The
+    # selection's rows (1, Hkv or H) are then 1 or the gathered heads: index / slots fit as they are.
     gathered_heads = heads if rows_h == heads != heads_kv else heads_kv
-    seg_index = _to_heads(index, gathered_heads, heads, heads_kv).expand(-1, gathered_heads, -1)
-    kv_head = torch.arange(gathered_heads, device=q.device) // (gathered_heads // heads_kv)
-    batch_of = torch.arange(batch * num_segments, device=q.device) // num_segments
-    rows = (batch_of.view(-1, 1, 1) * num_keys + seg_index.clamp_min(0).transpose(1, 2)) * heads_kv + kv_head
-    flat_rows = rows.reshape(-1)  # (B * segments, W, gathered heads)
-    row_shape = (batch * num_segments, width, gathered_heads, head_dim)
-    k_rows = _gather_summed(k.reshape(-1, head_dim), flat_rows).view(row_shape)
-    v_rows = _gather_summed(v.reshape(-1, head_dim), flat_rows).view(row_shape)
+    native = (k.is_cuda and k.dtype in _GLUE_DTYPES and v.dtype == k.dtype and head_dim <= 256
+              and native_glue_available())
+    k_rows, v_rows = _SegmentRows.apply(_last_dim_contiguous(k), _last_dim_contiguous(v), index, slots,
+                                        gathered_heads, native)
 
     # The bias at the candidates, float32 (a key's gradient sums over segments in float32;
     # float64 stays float64).
     bias_heads = _to_heads(bias3, rows_h, heads, heads_kv)
     bias_flat = bias_heads.to(torch.float64 if bias.dtype == torch.float64 else torch.float32).expand(bias3.shape[0], rows_h, num_keys).reshape(-1)
+    batch_of = torch.arange(batch * num_segments, device=q.device) // num_segments
     bias_batch = batch_of if bias3.shape[0] > 1 else torch.zeros_like(batch_of)
     bias_index = (bias_batch.view(-1, 1, 1) * rows_h + torch.arange(rows_h, device=q.device).view(1, -1, 1)) * num_keys
     bias_index = (bias_index + index.clamp_min(0)).reshape(-1)

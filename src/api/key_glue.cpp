@@ -139,4 +139,110 @@ void gather_key_rows(const TensorDesc& k, const TensorDesc& v, const TensorDesc&
 #endif
 }
 
+void gather_segment_rows(const TensorDesc& k, const TensorDesc& v, const TensorDesc& index, const TensorDesc& k_rows,
+                         const TensorDesc& v_rows, void* stream) {
+  check_cuda_tensor(k, k, "k");
+  for (const auto& [t, name] : {std::pair{&v, "v"}, {&index, "index"}, {&k_rows, "k_rows"}, {&v_rows, "v_rows"}})
+    check_cuda_tensor(*t, k, name);
+  checks::check_rank(k, 4, "k", "(B, Sk, Hkv, D)");
+  checks::check_shape(v, k.shape, "v");
+  check_float_16_or_32(k, "k");
+  checks::check_dtype(v, k.dtype, "v");
+  checks::check_last_dim_contiguous(k, "k");
+  checks::check_last_dim_contiguous(v, "v");
+  const int64_t batch = k.shape[0], heads_kv = k.shape[2], head_dim = k.shape[3];
+  checks::check_dtype(index, DType::kInt32, "index");
+  checks::check_rank(index, 3, "index", "(B * segments, 1 or G, W)");
+  checks::check_contiguous(index, "index");
+  checks::check_rank(k_rows, 4, "k_rows", "(B * segments, W, G, D)");
+  const int64_t rows_b = k_rows.shape[0], width = k_rows.shape[1], heads = k_rows.shape[2];
+  check(batch > 0 && rows_b % batch == 0 && heads_kv > 0 && heads % heads_kv == 0 &&
+            (index.shape[1] == 1 || index.shape[1] == heads) && index.shape[0] == rows_b && index.shape[2] == width,
+        ErrorKind::kValue, "index, k_rows: expected index (B * segments, 1 or G, W) and rows (B * segments, W, G, D) "
+        "with B = ", batch, " and G a multiple of Hkv = ", heads_kv, ", got ", index.shape_str(), " and ",
+        k_rows.shape_str());
+  for (const auto& [t, name] : {std::pair{&k_rows, "k_rows"}, {&v_rows, "v_rows"}}) {
+    checks::check_dtype(*t, k.dtype, name);
+    checks::check_shape(*t, {rows_b, width, heads, head_dim}, name);
+    checks::check_contiguous(*t, name);
+  }
+#ifdef DMATTN_WITH_CUDA
+  cuda::GatherRowsArgs a;
+  const int64_t elem = int64_t(dtype_size(k.dtype));
+  bool vec16 = (head_dim * elem) % 16 == 0;
+  const TensorDesc* srcs[2] = {&k, &v};
+  const TensorDesc* dsts[2] = {&k_rows, &v_rows};
+  for (int i = 0; i < 2; ++i) {
+    const TensorDesc& s = *srcs[i];
+    a.operand[i] = {s.data, s.strides[0], s.strides[1], s.strides[2], dsts[i]->data};
+    vec16 = vec16 && reinterpret_cast<uintptr_t>(s.data) % 16 == 0 && reinterpret_cast<uintptr_t>(dsts[i]->data) % 16 == 0;
+    for (int d = 0; d < 3; ++d) vec16 = vec16 && (s.strides[d] * elem) % 16 == 0;
+  }
+  a.positions = static_cast<const int32_t*>(index.data);
+  a.pos_batch = rows_b;
+  a.pos_heads = index.shape[1];
+  a.pos_sb = index.shape[1] * width;
+  a.pos_sh = width;
+  a.batch = rows_b;
+  a.width = width;
+  a.heads = heads;
+  a.row_bytes = head_dim * elem;
+  a.elem_bytes = int(elem);
+  a.src_batch_div = rows_b / batch;
+  a.src_head_div = heads / heads_kv;
+  cuda::gather_rows(a, vec16, stream);
+#else
+  (void)stream;
+  no_cuda_glue();
+#endif
+}
+
+void sum_segment_rows(const TensorDesc& dk_rows, const TensorDesc& dv_rows, const TensorDesc& slots,
+                      const TensorDesc& dk, const TensorDesc& dv, void* stream) {
+  check_cuda_tensor(dk_rows, dk_rows, "dk_rows");
+  for (const auto& [t, name] : {std::pair{&dv_rows, "dv_rows"}, {&slots, "slots"}, {&dk, "dk"}, {&dv, "dv"}})
+    check_cuda_tensor(*t, dk_rows, name);
+  checks::check_rank(dk_rows, 4, "dk_rows", "(B * segments, W, G, D)");
+  check_float_16_or_32(dk_rows, "dk_rows");
+  checks::check_rank(dk, 4, "dk", "(B, Sk, Hkv, D)");
+  checks::check_rank(slots, 4, "slots", "(B, segments, 1 or G, Sk)");
+  const int64_t rows_b = dk_rows.shape[0], width = dk_rows.shape[1], heads = dk_rows.shape[2], head_dim = dk_rows.shape[3];
+  const int64_t batch = dk.shape[0], num_keys = dk.shape[1], heads_kv = dk.shape[2];
+  const int64_t segments = slots.shape[1];
+  check(batch > 0 && slots.shape[0] == batch && rows_b == batch * segments && heads_kv > 0 && heads % heads_kv == 0 &&
+            (slots.shape[2] == 1 || slots.shape[2] == heads) && slots.shape[3] == num_keys && dk.shape[3] == head_dim &&
+            head_dim <= 256,
+        ErrorKind::kValue, "dk_rows, slots, dk: expected rows (B * segments, W, G, D), slots (B, segments, 1 or G, Sk) ",
+        "and dk (B, Sk, Hkv, D) with G a multiple of Hkv and D <= 256, got ", dk_rows.shape_str(), ", ",
+        slots.shape_str(), " and ", dk.shape_str());
+  checks::check_dtype(slots, DType::kInt32, "slots");
+  for (const auto& [t, name] : {std::pair{&dk_rows, "dk_rows"}, {&dv_rows, "dv_rows"}, {&slots, "slots"}, {&dk, "dk"},
+                                {&dv, "dv"}})
+    checks::check_contiguous(*t, name);
+  checks::check_shape(dv_rows, dk_rows.shape, "dv_rows");
+  checks::check_shape(dv, dk.shape, "dv");
+  for (const auto& [t, name] : {std::pair{&dv_rows, "dv_rows"}, {&dk, "dk"}, {&dv, "dv"}})
+    checks::check_dtype(*t, dk_rows.dtype, name);
+#ifdef DMATTN_WITH_CUDA
+  cuda::SumSegmentRowsArgs a;
+  a.operand[0] = {dk_rows.data, dk.data};
+  a.operand[1] = {dv_rows.data, dv.data};
+  a.slots = static_cast<const int32_t*>(slots.data);
+  a.batch = batch;
+  a.num_segments = segments;
+  a.slot_heads = slots.shape[2];
+  a.num_keys = num_keys;
+  a.width = width;
+  a.heads = heads;
+  a.heads_kv = heads_kv;
+  a.head_dim = head_dim;
+  a.elem_bytes = int(dtype_size(dk_rows.dtype));
+  a.bf16 = dk_rows.dtype == DType::kBFloat16;
+  cuda::sum_segment_rows(a, stream);
+#else
+  (void)stream;
+  no_cuda_glue();
+#endif
+}
+
 }  // namespace dmattn

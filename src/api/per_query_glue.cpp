@@ -57,11 +57,12 @@ void prefix_thresholds(const TensorDesc& ranks, const TensorDesc& order, int64_t
 }
 
 void segment_candidates(const TensorDesc& ends, int64_t offset, int64_t seg_len, const TensorDesc& positions,
-                        const TensorDesc& key_ends, const TensorDesc& index, void* stream) {
+                        const TensorDesc& key_ends, const TensorDesc& index, const TensorDesc& slots, void* stream) {
   check_int_tensor(ends, ends, "ends");
   check_int_tensor(positions, ends, "positions");
   check_int_tensor(key_ends, ends, "key_ends");
   check_int_tensor(index, ends, "index");
+  check_int_tensor(slots, ends, "slots");
   checks::check_rank(ends, 3, "ends", "(rows_b, rows_h, Sk)");
   checks::check_rank(positions, 3, "positions", "(rows_b * num_segments, rows_h, W)");
   const int64_t rows_b = ends.shape[0], rows_h = ends.shape[1], num_keys = ends.shape[2];
@@ -72,6 +73,7 @@ void segment_candidates(const TensorDesc& ends, int64_t offset, int64_t seg_len,
   checks::check_shape(key_ends, positions.shape, "key_ends");
   checks::check_shape(index, positions.shape, "index");
   const int64_t num_segments = positions.shape[0] / rows_b, width = positions.shape[2];
+  checks::check_shape(slots, {rows_b, num_segments, rows_h, num_keys}, "slots");
   check(num_segments * seg_len + offset < (int64_t(1) << 31) && num_keys < (int64_t(1) << 31), ErrorKind::kValue,
         "segment_candidates: positions must fit int32 (num_segments * seg_len + offset = ",
         num_segments * seg_len + offset, ")");
@@ -79,6 +81,7 @@ void segment_candidates(const TensorDesc& ends, int64_t offset, int64_t seg_len,
   auto* p = static_cast<int32_t*>(positions.data);
   auto* ke = static_cast<int32_t*>(key_ends.data);
   auto* ix = static_cast<int32_t*>(index.data);
+  auto* sl = static_cast<int32_t*>(slots.data);
   if (on_cuda(ends)) {
 #ifdef DMATTN_WITH_CUDA
     cuda::SegmentCandidatesArgs a;
@@ -86,6 +89,7 @@ void segment_candidates(const TensorDesc& ends, int64_t offset, int64_t seg_len,
     a.positions = p;
     a.key_ends = ke;
     a.index = ix;
+    a.slots = sl;
     a.rows_b = rows_b;
     a.rows_h = rows_h;
     a.num_keys = num_keys;
@@ -98,7 +102,7 @@ void segment_candidates(const TensorDesc& ends, int64_t offset, int64_t seg_len,
     return;
   }
   (void)stream;
-  cpu::segment_candidates(e, p, ke, ix, rows_b, rows_h, num_keys, num_segments, width, offset, seg_len);
+  cpu::segment_candidates(e, p, ke, ix, sl, rows_b, rows_h, num_keys, num_segments, width, offset, seg_len);
 }
 
 }  // namespace dmattn

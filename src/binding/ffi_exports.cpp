@@ -235,10 +235,24 @@ void prefix_thresholds(TensorView ranks, TensorView order, int64_t keep, TensorV
 }
 
 void segment_candidates(TensorView ends, int64_t offset, int64_t seg_len, TensorView positions, TensorView key_ends,
-                        TensorView index) {
+                        TensorView index, TensorView slots) {
   translate_errors([&] {
     dmattn::segment_candidates(to_desc(ends), offset, seg_len, to_desc(positions), to_desc(key_ends), to_desc(index),
-                               glue_stream(ends));
+                               to_desc(slots), glue_stream(ends));
+  });
+}
+
+void gather_segment_rows(TensorView k, TensorView v, TensorView index, TensorView k_rows, TensorView v_rows) {
+  translate_errors([&] {
+    dmattn::gather_segment_rows(to_desc(k), to_desc(v), to_desc(index), to_desc(k_rows), to_desc(v_rows),
+                                glue_stream(k));
+  });
+}
+
+void sum_segment_rows(TensorView dk_rows, TensorView dv_rows, TensorView slots, TensorView dk, TensorView dv) {
+  translate_errors([&] {
+    dmattn::sum_segment_rows(to_desc(dk_rows), to_desc(dv_rows), to_desc(slots), to_desc(dk), to_desc(dv),
+                             glue_stream(dk_rows));
   });
 }
 
@@ -264,3 +278,5 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(select_topk_positions, select_topk_positions);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gather_key_rows, gather_key_rows);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(prefix_thresholds, prefix_thresholds);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(segment_candidates, segment_candidates);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(gather_segment_rows, gather_segment_rows);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(sum_segment_rows, sum_segment_rows);

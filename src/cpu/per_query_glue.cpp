@@ -37,7 +37,8 @@ void prefix_thresholds(const int32_t* ranks, const int32_t* order, int32_t* thre
   }
 }
 
-void segment_candidates(const int32_t* ends, int32_t* positions, int32_t* key_ends, int32_t* index, int64_t rows_b,
+void segment_candidates(const int32_t* ends, int32_t* positions, int32_t* key_ends, int32_t* index, int32_t* slots,
+                        int64_t rows_b,
                         int64_t rows_h, int64_t num_keys, int64_t num_segments, int64_t width, int64_t offset,
                         int64_t seg_len) {
   const int64_t original = num_segments * seg_len + offset;
@@ -49,12 +50,15 @@ void segment_candidates(const int32_t* ends, int32_t* positions, int32_t* key_en
         const int64_t out_row = ((b * num_segments + s) * rows_h + h) * width;
         const int64_t first = s * seg_len + offset;  // the segment's first visible-prefix index
         const int64_t stop = std::min(num_keys, first + seg_len);
+        int32_t* slot = slots + ((b * num_segments + s) * rows_h + h) * num_keys;
+        std::fill(slot, slot + num_keys, -1);
         int64_t n = 0;
         for (int64_t j = 0; j < stop && n < width; ++j) {
           if (e[j] > std::max(j, first)) {
             positions[out_row + n] = static_cast<int32_t>(j - first + original - seg_len);
             key_ends[out_row + n] = static_cast<int32_t>(e[j] - first);
             index[out_row + n] = static_cast<int32_t>(j);
+            slot[j] = static_cast<int32_t>(n);
             ++n;
           }
         }

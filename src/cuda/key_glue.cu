@@ -9,6 +9,8 @@
 // bits (8 bits per pass, most significant first), then writes the selected indices in index
 // order with one block-wide scan.
 #include <cub/block/block_scan.cuh>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
 
@@ -106,9 +108,10 @@ __global__ void gather_rows_kernel(GatherRowsArgs a) {
     const int32_t pos = a.positions[(a.pos_batch > 1 ? b : 0) * a.pos_sb + (a.pos_heads > 1 ? g : 0) * a.pos_sh + j];
     Chunk v{};
     if (pos >= 0)
-      v = *reinterpret_cast<const Chunk*>(static_cast<const char*>(op.src) +
-                                          (b * op.sb + int64_t(pos) * op.sr + g * op.sh) * a.elem_bytes +
-                                          ch * int64_t(sizeof(Chunk)));
+      v = *reinterpret_cast<const Chunk*>(
+          static_cast<const char*>(op.src) +
+          ((b / a.src_batch_div) * op.sb + int64_t(pos) * op.sr + (g / a.src_head_div) * op.sh) * a.elem_bytes +
+          ch * int64_t(sizeof(Chunk)));
     reinterpret_cast<Chunk*>(op.dst)[c] = v;
   }
 }
@@ -121,6 +124,56 @@ __global__ void gather_bias_kernel(GatherBiasArgs a) {
     const int32_t pos = a.positions[bh * a.width + j];
     const Bits* src = static_cast<const Bits*>(a.bias) + (bh / a.rows_h) * a.stride_b + (bh % a.rows_h) * a.stride_h;
     static_cast<Bits*>(a.out)[e] = pos >= 0 ? src[int64_t(pos) * a.stride_k] : Bits(0);
+  }
+}
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
+
+// One warp per output row (b, j, kv head); each lane sums its elements over the row's copies.
+template <typename T>
+__global__ void sum_segment_rows_kernel(SumSegmentRowsArgs a) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5;
+  const int64_t total = a.batch * a.num_keys * a.heads_kv;
+  if (warp >= total) return;
+  const int64_t kvh = warp % a.heads_kv, bj = warp / a.heads_kv, j = bj % a.num_keys, b = bj / a.num_keys;
+  const int64_t group = a.heads / a.heads_kv;
+  constexpr int kPerLane = 8;  // head_dim <= 256
+  float acc[2][kPerLane];
+  for (int o = 0; o < 2; ++o)
+    for (int e = 0; e < kPerLane; ++e) acc[o][e] = 0.f;
+  for (int64_t s = 0; s < a.num_segments; ++s) {
+    for (int64_t g = kvh * group; g < (kvh + 1) * group; ++g) {
+      const int64_t slot_head = a.slot_heads > 1 ? g : 0;
+      const int32_t slot = a.slots[((b * a.num_segments + s) * a.slot_heads + slot_head) * a.num_keys + j];
+      if (slot < 0) continue;
+      const int64_t row = ((b * a.num_segments + s) * a.width + slot) * a.heads + g;
+      for (int o = 0; o < 2; ++o) {
+        const T* src = static_cast<const T*>(a.operand[o].rows) + row * a.head_dim;
+        for (int e = 0; e < kPerLane; ++e) {
+          const int64_t d = lane + 32 * e;
+          if (d < a.head_dim) acc[o][e] += to_float(src[d]);
+        }
+      }
+    }
+  }
+  const int64_t out_row = (bj * a.heads_kv + kvh) * a.head_dim;
+  for (int o = 0; o < 2; ++o) {
+    T* dst = static_cast<T*>(a.operand[o].out) + out_row;
+    for (int e = 0; e < kPerLane; ++e) {
+      const int64_t d = lane + 32 * e;
+      if (d < a.head_dim) dst[d] = from_float<T>(acc[o][e]);
+    }
   }
 }
 
@@ -150,6 +203,17 @@ void gather_rows(const GatherRowsArgs& a, bool vec16, void* stream_ptr) {
   else if (a.elem_bytes == 2) gather_rows_kernel<uint16_t><<<grid, 256, 0, stream>>>(a);
   else gather_rows_kernel<uint32_t><<<grid, 256, 0, stream>>>(a);
   check_cuda(cudaGetLastError(), "gather of key rows launch");
+}
+
+void sum_segment_rows(const SumSegmentRowsArgs& a, void* stream_ptr) {
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const int64_t warps = a.batch * a.num_keys * a.heads_kv;
+  if (warps == 0) return;
+  const int64_t blocks = (warps * 32 + 255) / 256;
+  if (a.elem_bytes == 4) sum_segment_rows_kernel<float><<<unsigned(blocks), 256, 0, stream>>>(a);
+  else if (a.bf16) sum_segment_rows_kernel<__nv_bfloat16><<<unsigned(blocks), 256, 0, stream>>>(a);
+  else sum_segment_rows_kernel<__half><<<unsigned(blocks), 256, 0, stream>>>(a);
+  check_cuda(cudaGetLastError(), "sum of segment rows launch");
 }
 
 void gather_bias(const GatherBiasArgs& a, void* stream_ptr) {

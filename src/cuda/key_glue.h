@@ -33,6 +33,27 @@ struct GatherRowsArgs {
   int64_t pos_batch = 1, pos_heads = 1, pos_sb = 0, pos_sh = 0;
   int64_t batch = 0, width = 0, heads = 0, row_bytes = 0;
   int elem_bytes = 2;
+  // dst batch b reads source batch b / src_batch_div, dst head g source head g / src_head_div
+  // (the per-query path: one dst batch per (batch, segment), one dst head per query head).
+  int64_t src_batch_div = 1, src_head_div = 1;
+};
+
+// out[b, j, kvh, :] = sum over segments s and the gathered heads g of kv head kvh (g / group ==
+// kvh, group = heads / heads_kv) with slot = slots[b, s, g' (0 when slot_heads == 1), j] >= 0 of
+// rows[b * num_segments + s, slot, g, :], summed in float32 and rounded once; operands 0 and 1
+// (dk, dv). rows contiguous (batch * num_segments, width, heads, head_dim); out contiguous
+// (batch, num_keys, heads_kv, head_dim); slots int32 contiguous (batch, num_segments,
+// slot_heads, num_keys).
+struct SumSegmentRowsArgs {
+  struct Operand {
+    const void* rows = nullptr;
+    void* out = nullptr;
+  } operand[2];
+  const int32_t* slots = nullptr;
+  int64_t batch = 0, num_segments = 0, slot_heads = 1, num_keys = 0, width = 0;
+  int64_t heads = 0, heads_kv = 0, head_dim = 0;
+  int elem_bytes = 2;
+  bool bf16 = true;  // 2-byte elements: bfloat16 (else float16)
 };
 
 // out[b, h, j] = bias[b * stride_b + h * stride_h + positions[b, h, j] * stride_k] (0 for a
@@ -50,5 +71,6 @@ void topk_positions(const TopkPositionsArgs& a, void* stream);
 // vec16: every row and source offset 16-byte aligned (16-byte chunks), else element-wise.
 void gather_rows(const GatherRowsArgs& a, bool vec16, void* stream);
 void gather_bias(const GatherBiasArgs& a, void* stream);
+void sum_segment_rows(const SumSegmentRowsArgs& a, void* stream);
 
 }  // namespace dmattn::cuda

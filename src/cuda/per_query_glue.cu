@@ -1,10 +1,11 @@
 // The per-query causal top-k glue on CUDA (semantics in dmattn/api.h):
-//   * prefix_thresholds: one warp per row streams the keys in index order and keeps the
-//     threshold x = the keep-th smallest rank seen so far (cpu/per_query_glue.cpp is the
-//     sequential form). A 32-key chunk costs one ballot when no key of it enters the kept set;
-//     each entering key evicts x, and the new x (the largest rank below x already seen) is found
-//     32 ranks per ballot in the row's `order`, held in shared memory when it fits. x only
-//     decreases, so the searches of a row cost O(num_keys / 32) ballots together.
+//   * prefix_thresholds: the threshold x = the keep-th smallest rank seen so far, for every
+//     prefix of a row (cpu/per_query_glue.cpp is the sequential form). The keys are cut into
+//     chunks of 256, one CTA each: the state before a chunk follows from `order` alone (a count
+//     in rank order), then one warp streams the chunk's keys. A 32-key group costs one ballot
+//     when no key of it enters the kept set; each entering key evicts x, and the new x (the
+//     largest rank below x already seen) is found 32 ranks per ballot. One CTA per row would
+//     leave most of the GPU idle (B * H rows) and run its events one after the other.
 //   * segment_candidates: one CTA per (batch row, segment, head row) compacts, in index order,
 //     the keys a segment's queries may keep (a block-wide scan per 256 keys).
 #include <cub/block/block_scan.cuh>
@@ -20,51 +21,83 @@ namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
 
-__global__ void __launch_bounds__(32) prefix_thresholds_kernel(PrefixThresholdsArgs a, bool order_in_smem) {
-  extern __shared__ int32_t s_order[];
-  const int lane = threadIdx.x;
-  const int n = int(a.num_keys);
+constexpr int kChunk = 256;          // keys per CTA of prefix_thresholds
+constexpr int kThresholdThreads = 128;
+
+// One CTA per (row, chunk of kChunk keys). Phase 1 (whole CTA): the state before the chunk's
+// first key v0 from `order` alone -- the selectable keys before v0 are the ranks r with
+// order[r] < v0 (order holds num_keys for keys that are not selectable), so the threshold is the
+// keep-th such r, counted in rank order (or, when fewer than keep, their count and largest rank).
+// Phase 2 (warp 0): the chunk's keys one 32-key ballot at a time, events (a key filling the set
+// or entering below x) in order; the lanes between two events write the threshold in force.
+__global__ void __launch_bounds__(kThresholdThreads) prefix_thresholds_kernel(PrefixThresholdsArgs a) {
+  __shared__ int s_warp[kThresholdThreads / 32];
+  __shared__ int s_state[3];  // count, x, fill_max
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int n = int(a.num_keys), keep = int(a.keep);
   const int32_t* rank = a.ranks + blockIdx.x * a.num_keys;
   const int32_t* order = a.order + blockIdx.x * a.num_keys;
   int32_t* out = a.thresholds + blockIdx.x * a.num_keys;
-  if (order_in_smem) {
-    for (int i = lane; i < n; i += 32) s_order[i] = order[i];
-    __syncwarp();
-    order = s_order;
+  const int v0 = blockIdx.y * kChunk;
+
+  // Phase 1: scan ranks upward, counting those already seen, until the keep-th.
+  int count = 0, x = n, fill_max = -1;  // (uniform after each round)
+  for (int r0 = 0; r0 < n && v0 > 0; r0 += kThresholdThreads) {
+    const int r = r0 + tid;
+    const bool seen = r < n && order[r] < v0;
+    const unsigned ballot = __ballot_sync(kFull, seen);
+    if (lane == 0) s_warp[warp] = __popc(ballot);
+    __syncthreads();
+    int before = 0, total = 0;
+    for (int w = 0; w < kThresholdThreads / 32; ++w) {
+      before += w < warp ? s_warp[w] : 0;
+      total += s_warp[w];
+    }
+    const int my_index = count + before + __popc(ballot & ((1u << lane) - 1u));  // 0-based, if seen
+    if (seen && my_index == keep - 1) s_state[1] = r;  // the keep-th seen rank: the threshold
+    // The largest seen rank of this round (for a set still filling).
+    if (seen && my_index == count + total - 1) s_state[2] = r;
+    __syncthreads();
+    const bool reached = count + total >= keep;
+    if (total > 0 && !reached) fill_max = s_state[2];
+    count = min(count + total, keep);
+    if (reached) {
+      x = s_state[1];
+      break;
+    }
+    __syncthreads();  // (s_warp / s_state reused)
   }
-  const int keep = int(a.keep);
-  int count = 0, x = n, fill_max = -1;  // warp-uniform
-  int next = lane < n ? rank[lane] : n;
-  for (int v0 = 0; v0 < n; v0 += 32) {
-    const int v = v0 + lane;
-    const int k = next;
-    next = v + 32 < n ? rank[v + 32] : n;  // the next chunk's load, in flight during this one
+  if (warp != 0) return;
+
+  // Phase 2: the chunk's keys, as the sequential form does.
+  const int v_end = min(n, v0 + kChunk);
+  for (int c0 = v0; c0 < v_end; c0 += 32) {
+    const int v = c0 + lane;
+    const int k = v < v_end ? rank[v] : n;
     const bool selectable = k < n;
     const unsigned sel = __ballot_sync(kFull, selectable);
-    if (count + __popc(sel) < keep) {  // the whole chunk only fills the kept set
+    if (count + __popc(sel) < keep) {  // the whole 32 keys only fill the set
       int m = selectable ? k : -1;
       for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(kFull, m, o));
       fill_max = max(fill_max, m);
       count += __popc(sel);
-      if (v < n) out[v] = n;
+      if (v < v_end) out[v] = n;
       continue;
     }
-    // Events (a key filling the set or entering below x), one at a time; the lanes between two
-    // events write the threshold in force.
     int done = 0;
     while (true) {
       const bool event = lane >= done && selectable && (count < keep || k < x);
       const unsigned ev = __ballot_sync(kFull, event);
       const int first = ev ? __ffs(ev) - 1 : 32;
-      if (lane >= done && lane < first && v < n) out[v] = count < keep ? n : x;
+      if (lane >= done && lane < first && v < v_end) out[v] = count < keep ? n : x;
       if (first == 32) break;
       const int kf = __shfl_sync(kFull, k, first);
-      const int vf = v0 + first;
+      const int vf = c0 + first;
       if (count < keep) {
         fill_max = max(fill_max, kf);
         if (++count == keep) x = fill_max;
       } else {
-        int top = x;  // search ranks [top - 32, top) for the largest one already seen
+        int top = x;  // the largest rank below x already seen (kf at the latest)
         while (true) {
           const int cand = top - 1 - lane;
           const bool seen = cand >= 0 && order[cand] <= vf;
@@ -92,11 +125,13 @@ __global__ void __launch_bounds__(kCandThreads) segment_candidates_kernel(Segmen
   const int64_t s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int32_t* e = a.ends + (b * a.rows_h + h) * a.num_keys;
   const int64_t out_row = ((b * a.num_segments + s) * a.rows_h + h) * a.width;
+  int32_t* slot_row = a.slots + ((b * a.num_segments + s) * a.rows_h + h) * a.num_keys;
   const int64_t first = s * a.seg_len + a.offset;
   const int64_t original = a.num_segments * a.seg_len + a.offset;
   const int64_t stop = min(a.num_keys, first + a.seg_len);
   int64_t n = 0;  // candidates written (uniform)
-  for (int64_t j0 = 0; j0 < stop && n < a.width; j0 += kCandThreads) {
+  int64_t j0 = 0;
+  for (; j0 < stop && n < a.width; j0 += kCandThreads) {
     const int64_t j = j0 + tid;
     const bool take = j < stop && e[j] > max(j, first);
     int slot = 0;
@@ -107,11 +142,14 @@ __global__ void __launch_bounds__(kCandThreads) segment_candidates_kernel(Segmen
       a.key_ends[o] = int32_t(e[j] - first);
       a.index[o] = int32_t(j);
     }
+    if (j < stop) slot_row[j] = take && n + slot < a.width ? int32_t(n + slot) : -1;
     if (tid == kCandThreads - 1) s_total = slot + int(take);
     __syncthreads();
     n += s_total;
     __syncthreads();  // (s_total and the scan storage are reused)
   }
+  // Keys the scan did not reach (it stops once the width is full) and keys past the segment.
+  for (int64_t j = j0 + tid; j < a.num_keys; j += kCandThreads) slot_row[j] = -1;
   for (int64_t w = min(n, a.width) + tid; w < a.width; w += kCandThreads) {
     a.positions[out_row + w] = -1;
     a.key_ends[out_row + w] = 0;
@@ -123,16 +161,8 @@ __global__ void __launch_bounds__(kCandThreads) segment_candidates_kernel(Segmen
 
 void prefix_thresholds(const PrefixThresholdsArgs& a, void* stream) {
   if (a.rows == 0 || a.num_keys == 0) return;
-  int dev = 0, max_smem = 0;
-  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
-             "cudaDeviceGetAttribute(smem per block)");
-  const int64_t bytes = a.num_keys * 4;
-  const bool in_smem = bytes <= max_smem;
-  const int smem = in_smem ? int(bytes) : 0;
-  check_cuda(cudaFuncSetAttribute(prefix_thresholds_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-             "cudaFuncSetAttribute(prefix_thresholds)");
-  prefix_thresholds_kernel<<<dim3(unsigned(a.rows)), 32, smem, static_cast<cudaStream_t>(stream)>>>(a, in_smem);
+  const dim3 grid(unsigned(a.rows), unsigned((a.num_keys + kChunk - 1) / kChunk));
+  prefix_thresholds_kernel<<<grid, kThresholdThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
   check_cuda(cudaGetLastError(), "prefix_thresholds kernel");
 }
 

@@ -16,12 +16,13 @@ struct PrefixThresholdsArgs {
 };
 
 // ends (rows_b, rows_h, num_keys) in; positions / key_ends / index (rows_b * num_segments,
-// rows_h, width) out; all int32, contiguous.
+// rows_h, width) and slots (rows_b, num_segments, rows_h, num_keys) out; all int32, contiguous.
 struct SegmentCandidatesArgs {
   const int32_t* ends = nullptr;
   int32_t* positions = nullptr;
   int32_t* key_ends = nullptr;
   int32_t* index = nullptr;
+  int32_t* slots = nullptr;
   int64_t rows_b = 0, rows_h = 0, num_keys = 0, num_segments = 0, width = 0;
   int64_t offset = 0, seg_len = 0;
 };
