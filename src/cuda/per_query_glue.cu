@@ -148,8 +148,9 @@ __global__ void __launch_bounds__(kCandThreads) segment_candidates_kernel(Segmen
     n += s_total;
     __syncthreads();  // (s_total and the scan storage are reused)
   }
-  // Keys the scan did not reach (it stops once the width is full) and keys past the segment.
-  for (int64_t j = j0 + tid; j < a.num_keys; j += kCandThreads) slot_row[j] = -1;
+  // Keys the scan did not reach (it stops once the width is full) and keys past the segment (the
+  // scan's last round wrote the slots of its keys below `stop` only).
+  for (int64_t j = min(j0, stop) + tid; j < a.num_keys; j += kCandThreads) slot_row[j] = -1;
   for (int64_t w = min(n, a.width) + tid; w < a.width; w += kCandThreads) {
     a.positions[out_row + w] = -1;
     a.key_ends[out_row + w] = 0;

@@ -37,8 +37,8 @@ def _dtypes(device):
     return [torch.bfloat16, torch.float16] if device == "cuda" else [torch.float64, torch.float32]
 
 
-@pytest.mark.parametrize("num_keys", [1, 7, 50, 130])
-@pytest.mark.parametrize("keep", [1, 3, 17, 200])
+@pytest.mark.parametrize("num_keys", [1, 7, 50, 130, 700])
+@pytest.mark.parametrize("keep", [1, 3, 17, 200, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_interval_ends_match_dense_selection(device, num_keys, keep, dtype):
     gen = torch.Generator().manual_seed(num_keys * 1000 + keep)
@@ -57,6 +57,32 @@ def test_interval_ends_match_dense_selection(device, num_keys, keep, dtype):
         j = torch.arange(num_keys, device=device)
         from_ends = (i >= j) & (i < ends[:, :, None, :])
         assert torch.equal(from_ends, dense), f"keep {keep}, mask {mask is not None}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("num_keys,keep,seg_len", [(3000, 700, 256), (1000, 37, 100), (513, 512, 64)])
+def test_glue_cuda_equals_cpu(num_keys, keep, seg_len):
+    """The CUDA glue (several 256-key chunks per row, segments not aligned to them) against the
+    sequential CPU form, on every output, slots included."""
+    from dmattn.ops import prefix_thresholds, segment_candidates
+    from dmattn.per_query import selection_ranks
+
+    gen = torch.Generator().manual_seed(num_keys + keep)
+    scores = (torch.randn(2, 3, num_keys, generator=gen) * 3).round()
+    allowed = torch.rand(2, 3, num_keys, generator=gen) > 0.2
+    results = {}
+    for device in ("cpu", "cuda"):
+        ranks, order = selection_ranks(scores.to(device), allowed.to(device))
+        thresholds = prefix_thresholds(ranks.reshape(-1, num_keys), order.reshape(-1, num_keys), keep)
+        ends = interval_ends(scores.to(device), allowed.to(device), keep)
+        offset = 37
+        segments = -(-(num_keys - offset) // seg_len)
+        outputs = segment_candidates(ends, offset, seg_len, segments, min(keep + seg_len, num_keys))
+        results[device] = [t.cpu() for t in (thresholds, ends, *outputs)]
+    for name, a, b in zip(["thresholds", "ends", "positions", "key_ends", "index", "slots"], results["cpu"],
+                          results["cuda"]):
+        assert torch.equal(a, b), name
 
 
 def _per_query_case(device, dtype, gen, *, b, sq, sk, h, hkv, d, bias_heads, padding, layout="contiguous"):
