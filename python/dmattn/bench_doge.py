@@ -77,7 +77,7 @@ def _kernel_rows(batch: int, heads: int, seq: int, head_dim: int, segments: List
     try:
         for seg in segments:
             per_query_path.SEGMENT_LEN = seg
-            add(f"dmattn per-query top-k (segment {seg})",
+            add("dmattn per-query top-k" + (f" (segment {seg})" if seg else ""),
                 step(lambda: attention_topk(q, k, v, bias, KEEP, causal=True, per_query=True)), flops)
     finally:
         per_query_path.SEGMENT_LEN = saved
@@ -147,8 +147,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", default="kernel,hf", help="comma-separated: kernel, hf")
     ap.add_argument("--seq", default="8192,32768", help="comma-separated sequence lengths")
-    ap.add_argument("--segments", default=str(per_query_path.SEGMENT_LEN),
-                    help="comma-separated segment lengths of the per-query path to time")
+    ap.add_argument("--segments", default="",
+                    help="comma-separated segment lengths of the per-query path to time (default: its own "
+                         "choice)")
     ap.add_argument("--impl", default="dmattn,sdpa,eager", help="HF attn_implementations")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
@@ -160,7 +161,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     suites = args.suite.split(",")
     seqs = [int(s) for s in args.seq.split(",")]
-    segments = [int(s) for s in args.segments.split(",")]
+    segments = [int(s) for s in args.segments.split(",")] if args.segments else [None]
     rows: List[Dict] = []
     for seq in seqs:
         if "kernel" in suites:

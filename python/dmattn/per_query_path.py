@@ -31,8 +31,11 @@ from .per_query import interval_ends, per_query_mask
 __all__ = ["attention_per_query_topk", "SEGMENT_LEN"]
 
 # Queries per segment: larger segments gather fewer rows (~ Sq / L * keep), smaller ones compute
-# fewer masked-out elements (~ Sq * L / 2); 512 is near the best on an H100 for keep = 2048.
-SEGMENT_LEN = int(os.environ.get("DMATTN_PER_QUERY_SEGMENT", "512"))
+# fewer masked-out elements (~ Sq * L / 2). None: keep rounded up to a multiple of 128, within
+# [512, 2048] (on an H100 at keep = 2048: 8.4 ms fwd+bwd at B=2, S=8192 with L = 2048, 9.0 ms
+# with 512; docs/design.md). DMATTN_PER_QUERY_SEGMENT sets it.
+SEGMENT_LEN: Optional[int] = int(os.environ["DMATTN_PER_QUERY_SEGMENT"]) if "DMATTN_PER_QUERY_SEGMENT" in os.environ \
+    else None
 
 _forced_dense = False
 
@@ -139,9 +142,10 @@ class _SegmentRows(torch.autograd.Function):
         return sum_back(dk_rows), sum_back(dv_rows), None, None, None, None
 
 
-def _segments(num_queries: int) -> Tuple[int, int]:
+def _segments(num_queries: int, keep: int) -> Tuple[int, int]:
     """(segment length, number of segments) for Sq queries."""
-    seg_len = max(1, min(SEGMENT_LEN, num_queries))
+    preferred = SEGMENT_LEN if SEGMENT_LEN is not None else min(2048, max(512, -(-keep // 128) * 128))
+    seg_len = max(1, min(preferred, num_queries))
     return seg_len, -(-num_queries // seg_len)
 
 
@@ -150,7 +154,7 @@ def _interval_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, keep: int
     batch, num_queries, heads, head_dim = q.shape
     num_keys, heads_kv = k.shape[1], k.shape[2]
     offset = num_keys - num_queries
-    seg_len, num_segments = _segments(num_queries)
+    seg_len, num_segments = _segments(num_queries, keep)
 
     # The selection's rows: (1 or B, 1 / Hkv / H) of bias and mask together.
     bias3 = _key_side_view(bias, batch, heads, heads_kv, num_keys)
