@@ -216,3 +216,27 @@ def test_per_query_compiles_without_graph_breaks():
     torch._dynamo.reset()
     compiled = torch.compile(f, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(q, k, v, bias, mask), f(q, k, v, bias, mask))
+
+
+def test_key_ends_and_glue_errors_name_the_argument():
+    from dmattn._lib import lib
+    from dmattn.ops import prefix_thresholds, segment_candidates
+
+    q = torch.randn(1, 4, 2, 8)
+    k = v = torch.randn(1, 6, 2, 8)
+    out, lse = torch.empty_like(q), torch.empty(1, 2, 4)
+    positions = torch.arange(6, dtype=torch.int32).view(1, 1, 6)
+    ends = torch.full((1, 1, 6), 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="key_ends"):  # without key_positions
+        lib().forward(q, k, v, out, lse, None, None, True, -1, -1, 0.5, 0.0, None, 0, ends)
+    with pytest.raises(ValueError, match="key_ends"):  # not key_positions' shape
+        lib().forward(q, k, v, out, lse, None, None, True, -1, -1, 0.5, 0.0, positions, 6, ends[..., :5])
+    with pytest.raises(TypeError, match="key_ends"):
+        lib().forward(q, k, v, out, lse, None, None, True, -1, -1, 0.5, 0.0, positions, 6, ends.float())
+    ranks = torch.zeros(2, 5, dtype=torch.int32)
+    with pytest.raises(TypeError, match="order"):
+        prefix_thresholds(ranks, ranks.long(), 3)
+    with pytest.raises(ValueError, match="keep"):
+        prefix_thresholds(ranks, ranks, 0)
+    with pytest.raises(ValueError, match="offset"):
+        segment_candidates(torch.zeros(1, 1, 5, dtype=torch.int32), -1, 2, 3, 4)
