@@ -183,8 +183,9 @@ def _interval_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, keep: int
 
     # The bias at the candidates, float32 (a key's gradient sums over segments in float32;
     # float64 stays float64).
-    bias_heads = _to_heads(bias3, rows_h, heads, heads_kv)
-    bias_flat = bias_heads.to(torch.float64 if bias.dtype == torch.float64 else torch.float32).expand(bias3.shape[0], rows_h, num_keys).reshape(-1)
+    acc_dtype = torch.float64 if bias.dtype == torch.float64 else torch.float32
+    bias_heads = _to_heads(bias3, rows_h, heads, heads_kv).to(acc_dtype)
+    bias_flat = bias_heads.expand(bias3.shape[0], rows_h, num_keys).reshape(-1)
     batch_of = torch.arange(batch * num_segments, device=q.device) // num_segments
     bias_batch = batch_of if bias3.shape[0] > 1 else torch.zeros_like(batch_of)
     bias_index = (bias_batch.view(-1, 1, 1) * rows_h + torch.arange(rows_h, device=q.device).view(1, -1, 1)) * num_keys
