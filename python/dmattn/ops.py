@@ -254,7 +254,7 @@ def attention_forward(
     key_ends: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Returns (out, lse): out like q, lse (B, H, Sq) float32 (float64 for float64 inputs)."""
-    check_devices(q=q, k=k, v=v, mask=mask, bias=bias, key_positions=key_positions)
+    check_devices(q=q, k=k, v=v, mask=mask, bias=bias, key_positions=key_positions, key_ends=key_ends)
     _check_rank(q, "q", "(batch, seqlen_q, num_heads, head_dim)")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q), device=q.device)
@@ -296,7 +296,7 @@ def attention_backward(
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (dq, dk, dv, dbias); dbias is an empty tensor unless bias_requires_grad."""
     check_devices(dout=dout, q=q, k=k, v=v, out=out, lse=lse, mask=mask, bias=bias,
-                   key_positions=key_positions)
+                   key_positions=key_positions, key_ends=key_ends)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
