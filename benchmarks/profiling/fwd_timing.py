@@ -1,8 +1,10 @@
-"""Forward timings of dmattn (CUDA) against SDPA flash (FA2) and FlexAttention in one process.
+"""Forward timings of dmattn (CUDA) against SDPA cuDNN, SDPA flash (FA2) and FlexAttention in one
+process.
 
-bf16, B=2, H=16, S=8192, D=128 unless told otherwise; median of CUDA-event timings after
-warm-up; random (never zero) inputs. TFLOP/s with FlashAttention's convention (4*B*H*S*S*D,
-halved when causal).   python benchmarks/profiling/fwd_timing.py [--flex] [--iters 20]
+bf16, B=2, H=16, S=8192, D=128 unless told otherwise (--head-dims adds dense rows at other head
+dims: H=16 up to 128, H=8 above); median of CUDA-event timings after warm-up; random (never
+zero) inputs. TFLOP/s with FlashAttention's convention (4*B*H*S*S*D, halved when causal).
+    python benchmarks/profiling/fwd_timing.py [--flex] [--iters 20] [--head-dims 64,256]
 """
 
 import argparse
@@ -22,6 +24,7 @@ def main():
     ap.add_argument("--flex", action="store_true", help="also time FlexAttention (compiles)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("-S", type=int, default=8192)
+    ap.add_argument("--head-dims", default="", help="comma-separated extra head dims for the dense rows")
     args = ap.parse_args()
     B, H, S, D = 2, 16, args.S, 128
     dev, dt = "cuda", torch.bfloat16
@@ -33,15 +36,15 @@ def main():
     key_mask = torch.zeros(B, H, 1, S, device=dev, dtype=torch.bool).scatter_(-1, idx, True)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
 
-    def flops(causal):
-        return 4 * B * H * S * S * D * (0.5 if causal else 1.0)
+    def flops(causal, h=H, d=D):
+        return 4 * B * h * S * S * d * (0.5 if causal else 1.0)
 
     rows = []
 
-    def add(name, fn, causal):
+    def add(name, fn, causal, h=H, d=D):
         try:
             ms = time_ms(fn, iters=args.iters)
-            rows.append((name, ms, flops(causal) / ms / 1e9))
+            rows.append((name, ms, flops(causal, h, d) / ms / 1e9))
         except Exception as e:  # noqa: BLE001
             rows.append((name, float("nan"), float("nan")))
             print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
@@ -50,16 +53,27 @@ def main():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     F = torch.nn.functional
 
-    def sdpa(causal):
+    def sdpa(causal, backend=SDPBackend.FLASH_ATTENTION, tensors=(qt, kt, vt)):
         def run():
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(*tensors, is_causal=causal)
         return run
 
-    add("dmattn dense", lambda: dmattn.attention(q, k, v), False)
-    add("sdpa flash (FA2) dense", sdpa(False), False)
-    add("dmattn causal", lambda: dmattn.attention(q, k, v, causal=True), True)
-    add("sdpa flash (FA2) causal", sdpa(True), True)
+    for causal in (False, True):
+        kind = "causal" if causal else "dense"
+        add(f"dmattn {kind}", lambda: dmattn.attention(q, k, v, causal=causal), causal)
+        add(f"sdpa cudnn {kind}", sdpa(causal, SDPBackend.CUDNN_ATTENTION), causal)
+        add(f"sdpa flash (FA2) {kind}", sdpa(causal), causal)
+    for d in (int(x) for x in args.head_dims.split(",") if x):
+        h = 16 if d <= 128 else 8
+        qd, kd, vd = (torch.randn(B, S, h, d, device=dev, dtype=dt, generator=g) for _ in range(3))
+        tens = tuple(t.transpose(1, 2) for t in (qd, kd, vd))
+        for causal in (False, True):
+            kind = f"{'causal' if causal else 'dense'} D={d} H={h}"
+            add(f"dmattn {kind}", lambda: dmattn.attention(qd, kd, vd, causal=causal), causal, h, d)
+            add(f"sdpa cudnn {kind}", sdpa(causal, SDPBackend.CUDNN_ATTENTION, tens), causal, h, d)
+            add(f"sdpa flash (FA2) {kind}", sdpa(causal, tensors=tens), causal, h, d)
+        del qd, kd, vd, tens
     add("dmattn dense bias (B,H,S,S) bf16", lambda: dmattn.attention(q, k, v, bias=dense_bias), False)
     add("dmattn dense bias causal", lambda: dmattn.attention(q, k, v, bias=dense_bias, causal=True), True)
     add("dmattn Doge per-key bias+mask(2048) causal",

@@ -21,6 +21,7 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream);
 #include "cuda/fwd_kernel.h"
 #include "cuda/sm90/enabled.h"
 #include "cuda/sm90/fwd_kernel_sm90.h"
+#include "cuda/sm90/fwd_ws_launch_sm90.h"
 #include "dmattn/error.h"
 
 namespace dmattn::cuda {
@@ -122,6 +123,17 @@ template <typename Element, int kHeadDim>
 void run_fwd(const FwdArgs& a, cudaStream_t stream) {
   // Key ends are tested only by the mask / bias kernels (score_mask.h).
   const bool mask_or_bias = a.mask.ptr != nullptr || a.bias.ptr != nullptr || a.kpos.ends != nullptr;
+  // The warp-specialized Hopper kernel (TMA producer, pingpong consumers) for what it covers.
+  if (fwd_sm90_enabled() && sm90::fwd_ws_supports<kHeadDim>(a)) {
+    if constexpr (kHeadDim <= 128) {
+      if (a.bias.ptr) {
+        sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, true>::Tile>(a, stream);
+        return;
+      }
+    }
+    sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, false>::Tile>(a, stream);
+    return;
+  }
   if constexpr (kHeadDim <= 128) {
     if (fwd_sm90_enabled()) {  // every option, packed batches and gathered keys included
       // A 16-bit bias alone (no mask, no softcap) takes the plain kernel's bias fast path: its

@@ -1,0 +1,311 @@
+// The warp-specialized Hopper forward (sm_90a), FlashAttention-3's structure: one CTA per
+// (query block, head, batch) with
+//   - a producer warpgroup (registers given back with setmaxnreg) whose one thread issues every
+//     load by TMA: Q once (its own transaction barrier), then K[n] and V[n] for each key block,
+//     from the last to the first, through two kStages-deep PipelineTmaAsync pipelines (K[n - 1]
+//     is issued before V[n], so that the next S product never waits behind a V load);
+//   - kConsumers consumer warpgroups of 64 query rows each (registers raised), which run
+//     S = Q K^T and O += P V on wgmma and the online softmax:
+//       first block:  S = Q K[n]^T; softmax; P
+//       block n:      issue S = Q K[n]^T, issue O += P V[n + 1]; wait S; release K[n];
+//                     softmax of S (the rescale of O deferred); wait O; release V[n + 1];
+//                     rescale O; P = S
+//       last:         O += P V[n_min]
+//     (intra-warpgroup overlap: the softmax of block n runs while P V of block n + 1 does).
+//     Across warpgroups, named barriers hand the tensor cores round-robin from one consumer's
+//     GEMM pair to the next (pingpong: one warpgroup's softmax overlaps another's GEMMs).
+// Scores as the sm90 plain kernel's: scale folded into the softmax's exponent, the window /
+// causal / tail test only on the key blocks that need it (mask.h). With a bias (Tile::kBias),
+// its tile of block n is loaded with K[n] and s = scale * qk + bias before the test, the softmax
+// then on final scores (scale 1, the safe subtraction: a finfo.min bias stays finite). Rows past
+// the sequence and head-dim columns past head_dim arrive as zeros (TMA's out-of-bounds fill).
+// Epilogue: each consumer writes its 64 output rows through its own rows of the Q buffer
+// (fwd_epilogue's saturating conversion) and the lse of its rows.
+// Compiled for every target, with a body only for sm_90a.
+#pragma once
+
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "cuda/fwd_args.h"
+#include "cuda/mask.h"
+#include "cuda/seq_bounds.h"
+#include "cuda/softmax.h"
+#include "cuda/sm90/fwd_ws_tile_sm90.h"
+#include "cuda/sm90/gmma.h"
+#include "cuda/fwd_kernel.h"
+
+namespace dmattn::cuda::sm90 {
+
+template <class Tile>
+struct FwdWsParams {
+  FwdArgs a;
+  typename Tile::TmaQ tma_q;
+  typename Tile::TmaKV tma_k, tma_v;
+  typename Tile::TmaBias tma_bias;  // (Tile::kBias only)
+  int bias_heads, bias_batch;       // extents of the bias's head / batch dims (1: broadcast)
+};
+
+// s = s * scale + bias on the accumulator row/col view, the bias read from a (kBlockM, kBlockN)
+// tile in the 128-byte swizzled K-major layout (64-key halves of 128-byte rows, 16-byte chunk c
+// of row r at c ^ (r % 8)). A -inf bias gives a -inf score through the fma (a finite qk).
+template <typename Element, int kBlockM, class S, class C>
+__device__ __forceinline__ void add_bias_sw128(S& s, C const& coord, const Element* s_bias, float scale) {
+  using namespace cute;
+  const char* base = reinterpret_cast<const char*>(s_bias);
+  const int col0 = get<1>(coord(0, 0));
+  CUTE_UNROLL
+  for (int r = 0; r < size<0>(s); ++r) {
+    const int row = get<0>(coord(r, 0));
+    const char* p = base + row * 128 + col0 * 2;
+    const int xs = (row & 7) << 4;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(s); c += 2) {
+      const int cc = get<1>(coord(r, c)) - col0;  // 8 j, compile-time after folding
+      float b0, b1;
+      ElemInfo<Element>::to_float2(p + (cc >> 6) * (kBlockM * 128) + ((((cc & 63) >> 3) << 4) ^ xs), b0, b1);
+      s(r, c) = fmaf(s(r, c), scale, b0);
+      s(r, c + 1) = fmaf(s(r, c + 1), scale, b1);
+    }
+  }
+}
+
+// Named barriers of the consumers (ids after CUTLASS's reserved ones): kSchedBarrier + w is
+// consumer w's turn on the tensor cores; kEpilogueBarrier + w orders its output staging.
+// A turn is passed between two warpgroups: 256 threads per scheduling barrier.
+constexpr int kSchedBarrier = 0;
+constexpr int kSchedThreads = 256;
+constexpr int kEpilogueBarrier = 4;
+
+template <class Tile>
+__global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const __grid_constant__ FwdWsParams<Tile> p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace cute;
+  using Element = typename Tile::Element;
+  using Pipeline = typename Tile::Pipeline;
+  using PipelineState = typename cutlass::PipelineState<Tile::kStages>;
+  using NamedBarrier = cutlass::arch::NamedBarrier;
+  constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN, kHeadDim = Tile::kHeadDim;
+  constexpr int kConsumers = Tile::kConsumers, kConsumerThreads = Tile::kConsumerThreads;
+  const FwdArgs& a = p.a;
+
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& ss = *reinterpret_cast<typename Tile::SharedStorage*>(smem_raw);
+  const int warp_group = threadIdx.x / 128;
+  const int m_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int m0 = m_block * kBlockM;
+  const SeqBounds seq(a, b);
+  // (dense batches only: the launcher sends packed ones elsewhere, so every CTA has rows)
+  const int h_kv = h / a.group;
+  int n_min, n_max;
+  seq.window().key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
+
+  // Barriers: initialized by warp 0, visible to all before the roles split.
+  typename Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = Tile::kKVStageBytes;
+  pipe_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = kConsumerThreads;
+  Pipeline pipe_k(ss.pipe_k, pipe_params, Shape<_1, _1, _1>{});
+  Pipeline pipe_v(ss.pipe_v, pipe_params, Shape<_1, _1, _1>{});
+  pipe_params.transaction_bytes = Tile::kBiasStageBytes;
+  Pipeline pipe_bias(ss.pipe_bias, pipe_params, Shape<_1, _1, _1>{});
+  auto& q_full = *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&ss.q_full);
+  if (threadIdx.x == 0) {
+    q_full.init(1);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tile::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tile::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tile::SmemLayoutKV{});
+
+  if (warp_group == 0) {  // ---------------------------------------------------------- producer
+    cutlass::arch::warpgroup_reg_dealloc<Tile::kProducerRegs>();
+    if (threadIdx.x != 0 || n_max <= n_min) return;
+    Tensor mQ = p.tma_q.get_tma_tensor(make_shape(a.seqlen_q, a.head_dim, a.num_heads, a.batch));
+    Tensor mK = p.tma_k.get_tma_tensor(make_shape(a.seqlen_k, a.head_dim, a.num_heads / a.group, a.batch));
+    Tensor mV = p.tma_v.get_tma_tensor(make_shape(a.seqlen_k, a.head_dim, a.num_heads / a.group, a.batch));
+    Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+    Tensor gK = local_tile(mK(_, _, h_kv, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
+    Tensor gV = local_tile(mV(_, _, h_kv, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
+    auto [tQgQ, tQsQ] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    // The bias of this query block: (kBlockM, kBlockN, key blocks) of its (head, batch) slice.
+    Tensor mB = p.tma_bias.get_tma_tensor(make_shape(a.seqlen_q, a.seqlen_k, p.bias_heads, p.bias_batch));
+    Tensor gB = local_tile(mB(_, _, p.bias_heads == 1 ? 0 : h / a.bias.head_div, p.bias_batch == 1 ? 0 : b),
+                           Shape<Int<kBlockM>, Int<Tile::kBiasN>>{}, make_coord(m_block, _));
+    Tensor sBias = make_tensor(make_smem_ptr(ss.bias.data()), typename Tile::SmemLayoutBias{});
+    const auto tB = tma_partition(p.tma_bias, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sBias), group_modes<0, 2>(gB));
+    PipelineState write_b = cutlass::make_producer_start_state<Pipeline>();
+    auto load_bias = [&](int nb) {  // with K[nb]
+      if constexpr (Tile::kBias) {
+        pipe_bias.producer_acquire(write_b);
+        copy(p.tma_bias.with(*pipe_bias.producer_get_barrier(write_b)), get<0>(tB)(_, nb), get<1>(tB)(_, write_b.index()));
+        ++write_b;
+      }
+    };
+
+    PipelineState write_k = cutlass::make_producer_start_state<Pipeline>();
+    PipelineState write_v = cutlass::make_producer_start_state<Pipeline>();
+    int n = n_max - 1;
+    pipe_k.producer_acquire(write_k);
+    copy(p.tma_k.with(*pipe_k.producer_get_barrier(write_k)), tKgK(_, n), tKsK(_, write_k.index()));
+    ++write_k;
+    load_bias(n);
+    q_full.arrive_and_expect_tx(Tile::kQBytes);
+    copy(p.tma_q.with(ss.q_full), tQgQ, tQsQ);
+    for (; n >= n_min; --n) {
+      if (n > n_min) {
+        pipe_k.producer_acquire(write_k);
+        copy(p.tma_k.with(*pipe_k.producer_get_barrier(write_k)), tKgK(_, n - 1), tKsK(_, write_k.index()));
+        ++write_k;
+        load_bias(n - 1);
+      }
+      pipe_v.producer_acquire(write_v);
+      copy(p.tma_v.with(*pipe_v.producer_get_barrier(write_v)), tVgV(_, n), tVsV(_, write_v.index()));
+      ++write_v;
+    }
+    // Stay until the consumers have released every stage (no load outlives the CTA's smem).
+    pipe_k.producer_tail(write_k);
+    pipe_v.producer_tail(write_v);
+    if constexpr (Tile::kBias) pipe_bias.producer_tail(write_b);
+    return;
+  }
+
+  // ---------------------------------------------------------------------------- consumers
+  cutlass::arch::warpgroup_reg_alloc<Tile::kConsumerRegs>();
+  const int ctid = threadIdx.x - 128;
+  const int consumer = ctid / 128;
+
+  typename Tile::TiledMmaS mma_s;
+  typename Tile::TiledMmaO mma_o;
+  auto thr_s = mma_s.get_thread_slice(ctid);
+  auto thr_o = mma_o.get_thread_slice(ctid);
+  Tensor sVt = make_tensor(sV.data(), typename Tile::SmemLayoutVt{});
+  Tensor tSrQ = thr_s.partition_fragment_A(sQ);  // shared-memory descriptors
+  Tensor tSrK = thr_s.partition_fragment_B(sK);  // (..., stage)
+  Tensor tOrVt = thr_o.partition_fragment_B(sVt);
+  Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  clear(acc_o);
+  Tensor acc_o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
+  Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor tScS = thr_s.partition_C(cS);
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+  constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
+  OnlineSoftmax<kRows> softmax;
+  softmax.init();
+  constexpr float kLog2e = 1.4426950408889634f;
+  const float sl2 = a.scale * kLog2e;  // (no bias: the scale folded into the exponent)
+
+  // Consumer w's turn on the tensor cores: it waits on barrier w, and hands the turn to w + 1.
+  auto sched_sync = [&]() { NamedBarrier::sync(kSchedThreads, kSchedBarrier + consumer); };
+  auto sched_pass = [&]() {
+    NamedBarrier::arrive(kSchedThreads, kSchedBarrier + (consumer + 1 == kConsumers ? 0 : consumer + 1));
+  };
+
+  if (n_max > n_min) {
+    if (consumer == kConsumers - 1) NamedBarrier::arrive(kSchedThreads, kSchedBarrier + 0);  // the first turn
+    PipelineState read_k, read_v, read_b;
+    Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+    Tensor rP = make_tensor<Element>(acc_s.layout());
+    Tensor tOrP = make_tensor(rP.data(), acc_to_a(rP.layout()));
+    const WindowMask win = seq.window();
+    // The bias and the window / tail test of block n, then the softmax; alpha: O's rescale
+    // factors.
+    auto scores_to_probs = [&](int n, float (&alpha)[kRows]) {
+      if constexpr (Tile::kBias) {
+        pipe_bias.consumer_wait(read_b);
+        add_bias_sw128<Element, kBlockM>(s_rc, tScS_rc, ss.bias.data() + read_b.index() * (kBlockM * kBlockN), a.scale);
+        pipe_bias.consumer_release(read_b);
+        ++read_b;
+      }
+      if (win.block_needs_mask(m0, kBlockM, kBlockN, n))
+        transform_scores_ex<false, true, Element, kBlockN, false>(s_rc, tScS_rc, a, m0, n * kBlockN, win, nullptr, 0,
+                                                                  nullptr, 0);
+      if constexpr (Tile::kBias) softmax.template update_scaled_deferred<true>(s_rc, kLog2e, alpha);
+      else softmax.template update_scaled_deferred<false>(s_rc, sl2, alpha);
+    };
+
+    int n = n_max - 1;
+    q_full.wait(0);
+    pipe_k.consumer_wait(read_k);
+    sched_sync();
+    gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
+    sched_pass();
+    gemm_wait<0>(acc_s);
+    pipe_k.consumer_release(read_k);
+    ++read_k;
+    {
+      float alpha[kRows];
+      scores_to_probs(n, alpha);  // (alpha = 0: O is still zero)
+    }
+    convert_fragment<Element, false>(acc_s, rP);
+
+    for (--n; n >= n_min; --n) {
+      pipe_k.consumer_wait(read_k);
+      sched_sync();
+      gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
+      pipe_v.consumer_wait(read_v);
+      gemm_issue</*kZeroInit=*/false, /*kRegA=*/true>(mma_o, tOrP, tOrVt(_, _, _, read_v.index()), acc_o);
+      sched_pass();
+      gemm_wait<1>(acc_s);
+      pipe_k.consumer_release(read_k);
+      ++read_k;
+      float alpha[kRows];
+      scores_to_probs(n, alpha);
+      gemm_wait<0>(acc_o);
+      pipe_v.consumer_release(read_v);
+      ++read_v;
+      softmax.rescale(acc_o_rc, alpha);
+      convert_fragment<Element, false>(acc_s, rP);
+    }
+    pipe_v.consumer_wait(read_v);
+    sched_sync();
+    gemm_issue</*kZeroInit=*/false, /*kRegA=*/true>(mma_o, tOrP, tOrVt(_, _, _, read_v.index()), acc_o);
+    sched_pass();
+    gemm_wait<0>(acc_o);
+    pipe_v.consumer_release(read_v);
+    // The last consumer's final hand-over is to consumer 0: consume it, so that no barrier
+    // outlives the CTA half arrived.
+    if (consumer == 0) sched_sync();
+  }
+
+  float lse[kRows];
+  int rows[kRows];
+  softmax.finalize(acc_o_rc, lse, Tile::kBias ? 1.f : a.scale);
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) rows[r] = get<0>(tScS_rc(r, 0));
+
+  // Epilogue: this consumer's 64 rows through its own rows of sQ (read only by its own S GEMMs,
+  // all complete), then 16-byte coalesced stores.
+  Tensor rO = make_tensor<Element>(acc_o.layout());
+  convert_fragment<Element, /*kSaturate=*/true>(acc_o, rO);
+  Tensor tOsO = thr_o.partition_C(sQ);
+  copy(rO, tOsO);
+  const int rows_valid = seq.rows_valid(m0, kBlockM);
+  float* g_lse = a.lse + seq.stat_offset(h) + m0;
+  if ((ctid & 3) == 0) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r)
+      if (rows[r] < rows_valid) g_lse[rows[r]] = lse[r];
+  }
+  NamedBarrier::sync(128, kEpilogueBarrier + consumer);
+  Element* gO = static_cast<Element*>(a.out) + int64_t(b) * a.o_bs + int64_t(seq.q0() + m0) * a.o_rs + int64_t(h) * a.o_hs;
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  constexpr int kChunks = 64 * kChunksPerRow;
+  static_assert(kChunks % 128 == 0);
+  const int wtid = ctid % 128;
+  CUTE_UNROLL
+  for (int it = 0; it < kChunks / 128; ++it) {
+    const int idx = it * 128 + wtid;
+    const int r = consumer * 64 + idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
+    if (r < rows_valid && c < a.head_dim)
+      *reinterpret_cast<uint4*>(gO + r * a.o_rs + c) = *reinterpret_cast<const uint4*>(&sQ(r, c));
+  }
+#endif
+}
+
+}  // namespace dmattn::cuda::sm90

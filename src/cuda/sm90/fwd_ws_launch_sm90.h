@@ -1,0 +1,86 @@
+// Host side of the warp-specialized Hopper forward (fwd_ws_kernel_sm90.h): which problems it
+// takes, the TMA descriptors of q, k and v, and the launch.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/check.h"
+#include "cuda/fwd_args.h"
+#include "cuda/sm90/enabled.h"
+#include "cuda/sm90/fwd_ws_kernel_sm90.h"
+
+namespace dmattn::cuda::sm90 {
+
+// TMA needs every stride of a dimension with more than one index to be a non-zero multiple of
+// 16 bytes (the sequence tensors' strides are multiples of 8 elements: check_seq_tensor).
+inline bool fwd_ws_strides_ok(int64_t bs, int64_t hs, int batch, int heads) {
+  return (batch == 1 || bs != 0) && (heads == 1 || hs != 0);
+}
+
+// A bias the kernel's TMA tiles take: q's dtype, one row per query, contiguous keys, 16-byte
+// multiples as strides.
+inline bool fwd_ws_bias_ok(const OperandArgs& b) {
+  return b.esize == 2 && !b.row_bcast && b.stride_k == 1 && b.stride_q % 8 == 0 && b.stride_h % 8 == 0 &&
+         b.stride_b % 8 == 0 && reinterpret_cast<uintptr_t>(b.ptr) % 16 == 0;
+}
+
+// The problems the warp-specialized kernel takes: dense batches with plain scores or a bias
+// (fwd_ws_bias_ok; head dims up to 128): no mask, softcap, key positions or ends. The others run
+// the sm90 kernel of fwd_kernel_sm90.h.
+template <int kHeadDim>
+bool fwd_ws_supports(const FwdArgs& a) {
+  static const bool off = env_switched_off("DMATTN_FWD_SM90_WS");  // (comparisons)
+  if (off) return false;
+  if (a.mask.ptr || a.softcap != 0.f || a.kpos.ptr || a.kpos.ends || a.cu_seqlens_q) return false;
+  if (a.bias.ptr && (kHeadDim > 128 || !fwd_ws_bias_ok(a.bias))) return false;
+  const int heads_kv = a.num_heads / a.group;
+  return fwd_ws_strides_ok(a.q_bs, a.q_hs, a.batch, a.num_heads) && fwd_ws_strides_ok(a.k_bs, a.k_hs, a.batch, heads_kv) &&
+         fwd_ws_strides_ok(a.v_bs, a.v_hs, a.batch, heads_kv);
+}
+
+// A stride TMA accepts for a dimension of one index (its value is never used).
+inline int64_t fwd_ws_stride(int64_t stride, int extent, int64_t fallback) { return extent == 1 ? fallback : stride; }
+
+template <class Tile>
+void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
+  using namespace cute;
+  using Element = typename Tile::Element;
+  const int heads_kv = a.num_heads / a.group;
+  // (rows, cols, heads, batch) views, cols contiguous, with TMA-valid strides for size-1 dims.
+  auto gmem = [&](const void* ptr, int rows, int cols, int heads, int batch, int64_t rs, int64_t hs, int64_t bs) {
+    const int64_t hs_ok = fwd_ws_stride(hs, heads, rs * rows == 0 ? 8 : rs * rows);
+    const int64_t bs_ok = fwd_ws_stride(bs, batch, hs_ok * heads == 0 ? 8 : hs_ok * heads);
+    return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)),
+                       make_layout(make_shape(rows, cols, heads, batch), make_stride(rs, _1{}, hs_ok, bs_ok)));
+  };
+  const auto q = gmem(a.q, a.seqlen_q, a.head_dim, a.num_heads, a.batch, a.q_rs, a.q_hs, a.q_bs);
+  // The bias's head and batch extents: 1 where it broadcasts (stride 0), else its own.
+  const int bias_heads = a.bias.stride_h == 0 ? 1 : a.num_heads / a.bias.head_div;
+  const int bias_batch = a.bias.stride_b == 0 ? 1 : a.batch;
+  FwdWsParams<Tile> p{
+      a,
+      make_tma_copy(SM90_TMA_LOAD{}, q, typename Tile::SmemLayoutQ{}),
+      make_tma_copy(SM90_TMA_LOAD{}, gmem(a.k, a.seqlen_k, a.head_dim, heads_kv, a.batch, a.k_rs, a.k_hs, a.k_bs),
+                    take<0, 2>(typename Tile::SmemLayoutKV{})),
+      make_tma_copy(SM90_TMA_LOAD{}, gmem(a.v, a.seqlen_k, a.head_dim, heads_kv, a.batch, a.v_rs, a.v_hs, a.v_bs),
+                    take<0, 2>(typename Tile::SmemLayoutKV{})),
+      // (without a bias, a descriptor over q that is never used)
+      make_tma_copy(SM90_TMA_LOAD{},
+                    Tile::kBias ? gmem(a.bias.ptr, a.seqlen_q, a.seqlen_k, bias_heads, bias_batch, a.bias.stride_q,
+                                       a.bias.stride_h, a.bias.stride_b)
+                                : q,
+                    take<0, 2>(typename Tile::SmemLayoutBias{})),
+      bias_heads,
+      bias_batch,
+  };
+  auto kernel = fwd_ws_kernel_sm90<Tile>;
+  constexpr int smem = Tile::kSmemBytes;
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+             "cudaFuncSetAttribute(forward smem)");
+  // Query blocks in reverse order (the kernel's m_block): the longest causal rows start first.
+  const dim3 grid((a.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM, a.num_heads, a.batch);
+  kernel<<<grid, Tile::kNThreads, smem, stream>>>(p);
+  check_cuda(cudaGetLastError(), "forward kernel launch");
+}
+
+}  // namespace dmattn::cuda::sm90

@@ -1,0 +1,124 @@
+// Tile, shared-memory layouts, TMA types and pipelines of the warp-specialized Hopper forward
+// (fwd_ws_kernel_sm90.h).
+// One producer warpgroup (TMA loads) and kConsumers consumer warpgroups of 64 query rows each
+// (kBlockM = 64 * kConsumers). Q, K and V use wgmma's 128-byte-swizzled K-major layout, which
+// TMA writes directly; V is read transposed (MN-major B operand of O += P V) through a composed
+// view, without a copy. K and V each have kStages pipeline stages.
+// kBias: a 16-bit bias with one row per query, (kBlockM, kBlockN) tiles loaded by TMA with K into
+// kStages stages of its own, in the same 128-byte swizzle (chunk c of a 64-key half-row at
+// c ^ (row % 8): the accumulator-layout reads of a warp hit 8 different bank groups).
+// Per head dim (FwdWsConfig): 64: 192 x 128 (three consumers); 128: 128 x 128; 256: 128 x 80 (the
+// largest key block whose Q, two K and two V stages fit in 227 KB).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+namespace dmattn::cuda::sm90 {
+
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kBias_, int kProducerRegs_,
+          int kConsumerRegs_>
+struct FwdWsTile {
+  static constexpr bool kBias = kBias_;
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kConsumers = kBlockM / 64;  // consumer warpgroups
+  static constexpr int kConsumerThreads = kConsumers * 128;
+  static constexpr int kNThreads = kConsumerThreads + 128;  // + the producer warpgroup
+  static_assert(kBlockM % 64 == 0 && kConsumers >= 2 && kConsumers <= 3);
+  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256 && kBlockN % 16 == 0 && kBlockN <= 256);
+  // setmaxnreg budgets (multiples of 8): the launch gives every thread kLaunchRegs (64 K
+  // registers per SM over kNThreads); the producer gives back what its address arithmetic does
+  // not need and the consumers take it. setmaxnreg.inc waits until the registers are free, so a
+  // budget the producer does not release hangs the CTA: checked here.
+  static constexpr int kLaunchRegs = 65536 / kNThreads / 8 * 8;
+  static constexpr int kProducerRegs = kProducerRegs_;
+  static constexpr int kConsumerRegs = kConsumerRegs_;
+  static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0 && kProducerRegs >= 24 && kConsumerRegs <= 256);
+  static_assert((kLaunchRegs - kProducerRegs) * 128 >= (kConsumerRegs - kLaunchRegs) * kConsumerThreads,
+                "the consumers' registers must come from the producer's");
+
+  using ConsumerLayout = cute::Layout<cute::Shape<cute::Int<kConsumers>, cute::_1, cute::_1>>;
+  // S = Q K^T: both operands from shared memory, K-major.
+  using TiledMmaS = decltype(cute::make_tiled_mma(
+      cute::SM90::GMMA::ss_op_selector<Element, Element, float,
+                                       cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>>(),
+      ConsumerLayout{}));
+  // O += P V: P from registers (K-major A), V^T from shared memory (MN-major B).
+  using TiledMmaO = decltype(cute::make_tiled_mma(
+      cute::SM90::GMMA::rs_op_selector<Element, Element, float,
+                                       cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockN>>,
+                                       cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+      ConsumerLayout{}));
+
+  using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutQ = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+  // V (keys, D, stage) viewed as (D, keys, stage).
+  using SmemLayoutVt = decltype(cute::composition(
+      SmemLayoutKV{},
+      cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStages>>{},
+                        cute::Stride<cute::Int<kBlockN>, cute::_1, cute::Int<kBlockN * kHeadDim>>{})));
+
+  // Global q / k / v as (rows, head dim, heads, batch); the row, head and batch strides are the
+  // tensor's (16-byte multiples: launch_fwd_ws checks).
+  using GmemStride = cute::Stride<int64_t, cute::_1, int64_t, int64_t>;
+  using GmemLayout = cute::Layout<cute::Shape<int, int, int, int>, GmemStride>;
+  using GmemTensor = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<const Element*>(nullptr)), GmemLayout{}));
+  using TmaQ = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{}));
+  using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
+                                             cute::take<0, 2>(SmemLayoutKV{})));
+
+  // (without a bias, a placeholder tile of 64 keys: kBlockN need not be a multiple of the atom's)
+  static constexpr int kBiasN = kBias ? kBlockN : 64;
+  using SmemLayoutBias = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBiasN>, cute::Int<kStages>>{}));
+  using TmaBias = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
+                                               cute::take<0, 2>(SmemLayoutBias{})));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kKVStageBytes = kBlockN * kHeadDim * int(sizeof(Element));
+  static constexpr int kBiasStageBytes = kBlockM * kBlockN * int(sizeof(Element));
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;  // O in the epilogue
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> k;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> v;
+    alignas(1024) cute::array_aligned<Element, kBias ? cute::cosize_v<SmemLayoutBias> : 8, 1024> bias;
+    typename Pipeline::SharedStorage pipe_k, pipe_v, pipe_bias;
+    alignas(8) cutlass::arch::ClusterTransactionBarrier::ValueType q_full;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+};
+
+// The tile of each head dim (a dim below it runs zero-filled by TMA: 96 on 128), with the
+// register budgets that keep both roles free of spills (ptxas -v). Two consumers: the producer at
+// 40 and the consumers at 232 (24 / 240 spilled the producer's descriptors of the bias
+// variant). No bias tiles at 256: Q, K and V take the whole shared memory. With a bias at 64,
+// two consumers (three spilled at 160 registers).
+template <typename Element, int kHeadDim, bool kBias> struct FwdWsConfig;
+template <typename Element> struct FwdWsConfig<Element, 64, false> {
+  using Tile = FwdWsTile<Element, 64, 192, 128, 2, false, 32, 160>;
+};
+template <typename Element> struct FwdWsConfig<Element, 64, true> {
+  using Tile = FwdWsTile<Element, 64, 128, 128, 2, true, 40, 232>;
+};
+template <typename Element, bool kBias> struct FwdWsConfig<Element, 128, kBias> {
+  using Tile = FwdWsTile<Element, 128, 128, 128, 2, kBias, 40, 232>;
+};
+template <typename Element> struct FwdWsConfig<Element, 256, false> {
+  using Tile = FwdWsTile<Element, 256, 128, 80, 2, false, 24, 240>;
+};
+
+}  // namespace dmattn::cuda::sm90
