@@ -94,8 +94,8 @@ if [[ " $STEPS " == *" sm90 "* ]]; then
 fi
 
 if [[ " $STEPS " == *" sanitize "* ]]; then
-  step "compute-sanitizer (memcheck, racecheck) on a small configuration set"
-  for tool in memcheck racecheck; do
+  step "compute-sanitizer (memcheck, racecheck, synccheck) on a small configuration set"
+  for tool in memcheck racecheck synccheck; do
     compute-sanitizer --tool "$tool" --error-exitcode 9 python3 scripts/sanitizer_cases.py \
       > "$OUT/sanitize_$tool.log" 2>&1
     rc=$?

@@ -38,4 +38,12 @@ for dtype in (torch.bfloat16, torch.float16):
     # column-sum variant, GQA group 2).
     case(1, 200, 320, 4, 2, 128, dtype, bias_shape=(1, 4, 200, 320))
     case(1, 130, 256, 2, 1, 128, dtype, bias_shape=(1, 2, 1, 256), causal=True)
+    # The warp-specialized Hopper forward (TMA producer, pipelines, named barriers): plain and
+    # full-bias variants, several key blocks and a partial one, every head-dim tile (three
+    # consumers at 64, a key block of 80 at 256), GQA, causal with Sq < Sk.
+    case(2, 300, 520, 4, 2, 64, dtype, causal=True)
+    case(1, 200, 600, 2, 2, 96, dtype)
+    case(1, 260, 390, 2, 1, 256, dtype, causal=True)
+    case(2, 200, 456, 4, 2, 128, dtype, bias_shape=(2, 1, 200, 456), causal=True)
+    case(1, 129, 304, 2, 2, 64, dtype, bias_shape=(1, 2, 129, 304))
 print("sanitizer cases done")
