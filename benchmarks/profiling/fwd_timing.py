@@ -64,6 +64,22 @@ def main():
         add(f"dmattn {kind}", lambda: dmattn.attention(q, k, v, causal=causal), causal)
         add(f"sdpa cudnn {kind}", sdpa(causal, SDPBackend.CUDNN_ATTENTION), causal)
         add(f"sdpa flash (FA2) {kind}", sdpa(causal), causal)
+    # A packed batch of 4 sequences of S/2 against the dense batch of the same shape.
+    nseq, sl = 4, S // 2
+    qp, kp, vp = (torch.randn(nseq * sl, H, D, device=dev, dtype=dt, generator=g) for _ in range(3))
+    cu = torch.arange(0, nseq * sl + 1, sl, device=dev, dtype=torch.int32)
+    qb, kb, vb = (t.view(nseq, sl, H, D) for t in (qp, kp, vp))
+    for causal in (False, True):
+        kind = f"{nseq} x {sl}{' causal' if causal else ''}"
+        fl = 4 * nseq * H * sl * sl * D * (0.5 if causal else 1.0)
+        for name, fn in ((f"dmattn dense batch {kind}", lambda: dmattn.attention(qb, kb, vb, causal=causal)),
+                         (f"dmattn packed {kind}",
+                          lambda: dmattn.attention_varlen(qp, kp, vp, cu, cu, sl, sl, causal=causal))):
+            ms = time_ms(fn, iters=args.iters)
+            rows.append((name, ms, fl / ms / 1e9))
+            print(f"{name:<58} {ms:8.3f} ms {rows[-1][2]:7.1f} TFLOP/s", flush=True)
+    del qp, kp, vp, qb, kb, vb
+
     for d in (int(x) for x in args.head_dims.split(",") if x):
         h = 16 if d <= 128 else 8
         qd, kd, vd = (torch.randn(B, S, h, d, device=dev, dtype=dt, generator=g) for _ in range(3))

@@ -71,6 +71,7 @@ FwdArgs make_fwd_args(const ForwardParams& p) {
   a.cu_seqlens_q = p.cu_seqlens_q;
   a.cu_seqlens_k = p.cu_seqlens_k;
   a.q_rows = query_rows(p);
+  a.k_rows = p.is_varlen() ? p.total_k : p.batch * p.seqlen_k;
   a.scale = static_cast<float>(p.scale);
   a.softcap = p.softcap > 0 ? static_cast<float>(p.softcap) : 0.f;
   a.scale_div_softcap = p.softcap > 0 ? static_cast<float>(p.scale / p.softcap) : 0.f;

@@ -36,6 +36,7 @@ struct FwdArgs {
   const int* cu_seqlens_q = nullptr;
   const int* cu_seqlens_k = nullptr;
   int64_t q_rows = 0;  // query rows of the whole batch: B * seqlen_q, or total_q when packed
+  int64_t k_rows = 0;  // key rows of the whole batch: B * seqlen_k, or total_k when packed
   float scale = 1.f;
   float softcap = 0.f;          // 0 = off
   float scale_div_softcap = 0.f;

@@ -43,6 +43,7 @@ struct FwdWsParams {
   typename Tile::TmaKV tma_k, tma_v;
   typename Tile::TmaBias tma_bias;  // (Tile::kBias only)
   int bias_heads, bias_batch;       // extents of the bias's head / batch dims (1: broadcast)
+  int rows_q, rows_k, batch;        // the q / k tensors as TMA sees them (packed: all rows, batch 1)
 };
 
 // s = s * scale + bias on the accumulator row/col view, the bias read from a (kBlockM, kBlockN)
@@ -75,6 +76,7 @@ __device__ __forceinline__ void add_bias_sw128(S& s, C const& coord, const Eleme
 constexpr int kSchedBarrier = 0;
 constexpr int kSchedThreads = 256;
 constexpr int kEpilogueBarrier = 4;
+constexpr int kTailBarrier = 7;  // all consumers: packed batches' V tail (clear_v_tail)
 
 template <class Tile>
 __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const __grid_constant__ FwdWsParams<Tile> p) {
@@ -94,7 +96,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
   const int m_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int m0 = m_block * kBlockM;
   const SeqBounds seq(a, b);
-  // (dense batches only: the launcher sends packed ones elsewhere, so every CTA has rows)
+  if (m0 >= seq.len_q()) return;  // packed batch: past the end of a shorter sequence (whole CTA)
+  const bool packed = a.cu_seqlens_q != nullptr;
   const int h_kv = h / a.group;
   int n_min, n_max;
   seq.window().key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
@@ -123,12 +126,17 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
   if (warp_group == 0) {  // ---------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<Tile::kProducerRegs>();
     if (threadIdx.x != 0 || n_max <= n_min) return;
-    Tensor mQ = p.tma_q.get_tma_tensor(make_shape(a.seqlen_q, a.head_dim, a.num_heads, a.batch));
-    Tensor mK = p.tma_k.get_tma_tensor(make_shape(a.seqlen_k, a.head_dim, a.num_heads / a.group, a.batch));
-    Tensor mV = p.tma_v.get_tma_tensor(make_shape(a.seqlen_k, a.head_dim, a.num_heads / a.group, a.batch));
-    Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
-    Tensor gK = local_tile(mK(_, _, h_kv, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
-    Tensor gV = local_tile(mV(_, _, h_kv, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
+    // This sequence's rows (packed: from its first row among all of them, in batch 0).
+    const int tb = packed ? 0 : b;
+    Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.rows_q, a.head_dim, a.num_heads, p.batch));
+    Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.rows_k, a.head_dim, a.num_heads / a.group, p.batch));
+    Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.rows_k, a.head_dim, a.num_heads / a.group, p.batch));
+    Tensor gQ = local_tile(domain_offset(make_coord(seq.q0(), 0), mQ(_, _, h, tb)), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                           make_coord(m_block, 0));
+    Tensor gK = local_tile(domain_offset(make_coord(seq.k0(), 0), mK(_, _, h_kv, tb)), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                           make_coord(_, 0));
+    Tensor gV = local_tile(domain_offset(make_coord(seq.k0(), 0), mV(_, _, h_kv, tb)), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                           make_coord(_, 0));
     auto [tQgQ, tQsQ] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
     auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
@@ -139,11 +147,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
     Tensor sBias = make_tensor(make_smem_ptr(ss.bias.data()), typename Tile::SmemLayoutBias{});
     const auto tB = tma_partition(p.tma_bias, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sBias), group_modes<0, 2>(gB));
     PipelineState write_b = cutlass::make_producer_start_state<Pipeline>();
-    auto load_bias = [&](int nb) {  // with K[nb]
+    // With K[nb]. The bias streams from HBM (no other CTA reads it) and the two stages give it
+    // one block of lead: the tile kBiasPrefetch blocks further is prefetched into L2 meanwhile.
+    constexpr int kBiasPrefetch = 2;
+    auto load_bias = [&](int nb) {
       if constexpr (Tile::kBias) {
         pipe_bias.producer_acquire(write_b);
         copy(p.tma_bias.with(*pipe_bias.producer_get_barrier(write_b)), get<0>(tB)(_, nb), get<1>(tB)(_, write_b.index()));
         ++write_b;
+        if (nb - kBiasPrefetch >= n_min) prefetch(p.tma_bias, get<0>(tB)(_, nb - kBiasPrefetch));
       }
     };
 
@@ -229,6 +241,21 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       else softmax.template update_scaled_deferred<false>(s_rc, sl2, alpha);
     };
 
+    // Packed batches: the rows of a key block past the sequence's end are the next sequence's
+    // keys (zeros only at the end of the tensor). Their scores are -inf (the tail test), so P is
+    // exactly 0 there, but 0 * a NaN or Inf in those V rows would reach this sequence's output:
+    // the consumers zero them in the one block that has them, before any P V of that stage, and
+    // outside the tensor-core turns (every consumer takes part in the barrier).
+    auto clear_v_tail = [&](int nv) {
+      const int valid = seq.len_k() - nv * kBlockN;
+      if (!packed || valid >= kBlockN) return;
+      pipe_v.consumer_wait(read_v);
+      for (int idx = ctid; idx < (kBlockN - valid) * kHeadDim; idx += kConsumerThreads)
+        sV(valid + idx / kHeadDim, idx % kHeadDim, read_v.index()) = Element(0.f);
+      fence_smem_for_wgmma();
+      NamedBarrier::sync(kConsumerThreads, kTailBarrier);
+    };
+
     int n = n_max - 1;
     q_full.wait(0);
     pipe_k.consumer_wait(read_k);
@@ -246,6 +273,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
 
     for (--n; n >= n_min; --n) {
       pipe_k.consumer_wait(read_k);
+      clear_v_tail(n + 1);
       sched_sync();
       gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
       pipe_v.consumer_wait(read_v);
@@ -262,6 +290,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       softmax.rescale(acc_o_rc, alpha);
       convert_fragment<Element, false>(acc_s, rP);
     }
+    clear_v_tail(n_min);
     pipe_v.consumer_wait(read_v);
     sched_sync();
     gemm_issue</*kZeroInit=*/false, /*kRegA=*/true>(mma_o, tOrP, tOrVt(_, _, _, read_v.index()), acc_o);

@@ -24,18 +24,19 @@ inline bool fwd_ws_bias_ok(const OperandArgs& b) {
          b.stride_b % 8 == 0 && reinterpret_cast<uintptr_t>(b.ptr) % 16 == 0;
 }
 
-// The problems the warp-specialized kernel takes: dense batches with plain scores or a bias
-// (fwd_ws_bias_ok; head dims up to 128): no mask, softcap, key positions or ends. The others run
-// the sm90 kernel of fwd_kernel_sm90.h.
+// The problems the warp-specialized kernel takes: dense or packed batches with plain scores, or
+// dense ones with a bias (fwd_ws_bias_ok; head dims up to 128): no mask, softcap, key positions
+// or ends. The others run the sm90 kernel of fwd_kernel_sm90.h.
 template <int kHeadDim>
 bool fwd_ws_supports(const FwdArgs& a) {
   static const bool off = env_switched_off("DMATTN_FWD_SM90_WS");  // (comparisons)
   if (off) return false;
-  if (a.mask.ptr || a.softcap != 0.f || a.kpos.ptr || a.kpos.ends || a.cu_seqlens_q) return false;
+  if (a.mask.ptr || a.softcap != 0.f || a.kpos.ptr || a.kpos.ends) return false;
   if (a.bias.ptr && (kHeadDim > 128 || !fwd_ws_bias_ok(a.bias))) return false;
   const int heads_kv = a.num_heads / a.group;
-  return fwd_ws_strides_ok(a.q_bs, a.q_hs, a.batch, a.num_heads) && fwd_ws_strides_ok(a.k_bs, a.k_hs, a.batch, heads_kv) &&
-         fwd_ws_strides_ok(a.v_bs, a.v_hs, a.batch, heads_kv);
+  const int batch = a.cu_seqlens_q ? 1 : a.batch;  // a packed batch is one sequence to TMA
+  return fwd_ws_strides_ok(a.q_bs, a.q_hs, batch, a.num_heads) && fwd_ws_strides_ok(a.k_bs, a.k_hs, batch, heads_kv) &&
+         fwd_ws_strides_ok(a.v_bs, a.v_hs, batch, heads_kv);
 }
 
 // A stride TMA accepts for a dimension of one index (its value is never used).
@@ -53,16 +54,20 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
     return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)),
                        make_layout(make_shape(rows, cols, heads, batch), make_stride(rs, _1{}, hs_ok, bs_ok)));
   };
-  const auto q = gmem(a.q, a.seqlen_q, a.head_dim, a.num_heads, a.batch, a.q_rs, a.q_hs, a.q_bs);
+  // A packed batch is one sequence of all rows (batch 1); the kernel offsets each sequence's rows.
+  const bool packed = a.cu_seqlens_q != nullptr;
+  const int rows_q = packed ? int(a.q_rows) : a.seqlen_q, rows_k = packed ? int(a.k_rows) : a.seqlen_k;
+  const int batch = packed ? 1 : a.batch;
+  const auto q = gmem(a.q, rows_q, a.head_dim, a.num_heads, batch, a.q_rs, a.q_hs, a.q_bs);
   // The bias's head and batch extents: 1 where it broadcasts (stride 0), else its own.
   const int bias_heads = a.bias.stride_h == 0 ? 1 : a.num_heads / a.bias.head_div;
   const int bias_batch = a.bias.stride_b == 0 ? 1 : a.batch;
   FwdWsParams<Tile> p{
       a,
       make_tma_copy(SM90_TMA_LOAD{}, q, typename Tile::SmemLayoutQ{}),
-      make_tma_copy(SM90_TMA_LOAD{}, gmem(a.k, a.seqlen_k, a.head_dim, heads_kv, a.batch, a.k_rs, a.k_hs, a.k_bs),
+      make_tma_copy(SM90_TMA_LOAD{}, gmem(a.k, rows_k, a.head_dim, heads_kv, batch, a.k_rs, a.k_hs, a.k_bs),
                     take<0, 2>(typename Tile::SmemLayoutKV{})),
-      make_tma_copy(SM90_TMA_LOAD{}, gmem(a.v, a.seqlen_k, a.head_dim, heads_kv, a.batch, a.v_rs, a.v_hs, a.v_bs),
+      make_tma_copy(SM90_TMA_LOAD{}, gmem(a.v, rows_k, a.head_dim, heads_kv, batch, a.v_rs, a.v_hs, a.v_bs),
                     take<0, 2>(typename Tile::SmemLayoutKV{})),
       // (without a bias, a descriptor over q that is never used)
       make_tma_copy(SM90_TMA_LOAD{},
@@ -72,6 +77,9 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
                     take<0, 2>(typename Tile::SmemLayoutBias{})),
       bias_heads,
       bias_batch,
+      rows_q,
+      rows_k,
+      batch,
   };
   auto kernel = fwd_ws_kernel_sm90<Tile>;
   constexpr int smem = Tile::kSmemBytes;
