@@ -123,6 +123,11 @@ def main():
         o2 = F.scaled_dot_product_attention(qt, kt, vt).transpose(1, 2)
     rel = ((o1.float() - o2.float()).norm() / o2.float().norm()).item()
     print(f"dense out vs SDPA flash: rel err {rel:.2e}, finite {bool(torch.isfinite(o1).all())}")
+    # The matmul ceiling of this GPU in this process: a bf16 GEMM of 8192^3 (2*M*N*K FLOP), the
+    # figure the attention rows are a fraction of.
+    a_mm, b_mm = (torch.randn(8192, 8192, device=dev, dtype=dt, generator=g) for _ in range(2))
+    ms = time_ms(lambda: a_mm @ b_mm, iters=args.iters)
+    rows.append(("torch.mm bf16 8192^3 (matmul ceiling)", ms, 2 * 8192**3 / ms / 1e9))
     print("\nTABLE")
     for name, ms, tf in rows:
         print(f"| {name} | {ms:.3f} | {tf:.1f} |")

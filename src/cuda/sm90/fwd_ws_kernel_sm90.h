@@ -246,8 +246,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
     // exactly 0 there, but 0 * a NaN or Inf in those V rows would reach this sequence's output:
     // the consumers zero them in the one block that has them, before any P V of that stage, and
     // outside the tensor-core turns (every consumer takes part in the barrier).
+    const int len_k = seq.len_k();  // (read once: packed lengths come from memory)
     auto clear_v_tail = [&](int nv) {
-      const int valid = seq.len_k() - nv * kBlockN;
+      const int valid = len_k - nv * kBlockN;
       if (!packed || valid >= kBlockN) return;
       pipe_v.consumer_wait(read_v);
       for (int idx = ctid; idx < (kBlockN - valid) * kHeadDim; idx += kConsumerThreads)
