@@ -89,8 +89,8 @@ if [[ " $STEPS " == *" sm90 "* ]]; then
     2>&1 | tee "$OUT/pytest_gpu_sm80.log" | tail -15
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   step "forward timings, default (sm90) vs DMATTN_FWD_SM90=0 (sm80-class kernels)"
-  python3 benchmarks/profiling/fwd_timing.py 2>&1 | grep -A12 TABLE | tee "$OUT/fwd_timing_sm90.txt"
-  DMATTN_FWD_SM90=0 python3 benchmarks/profiling/fwd_timing.py 2>&1 | grep -A12 TABLE | tee "$OUT/fwd_timing_sm80.txt"
+  python3 benchmarks/profiling/fwd_timing.py 2>&1 | grep -A40 TABLE | tee "$OUT/fwd_timing_sm90.txt"
+  DMATTN_FWD_SM90=0 python3 benchmarks/profiling/fwd_timing.py 2>&1 | grep -A40 TABLE | tee "$OUT/fwd_timing_sm80.txt"
 fi
 
 if [[ " $STEPS " == *" sanitize "* ]]; then

@@ -99,9 +99,11 @@ void launch_fwd(const FwdArgs& args, cudaStream_t stream) {
   launch_fwd_kernel<Tile, kInit>(args, stream, fwd_kernel<Tile, kMaskBias, kInit>);
 }
 
-// The Hopper kernel (sm90/fwd_kernel_sm90.h: wgmma, head dims up to 128) is the forward on
-// compute capability 9.0 (faster than the sm80-class kernels there: docs/perf.md);
-// DMATTN_FWD_SM90=0 turns it off (the sm80-class kernels, which run everywhere), for comparisons.
+// The Hopper kernels are the forward on compute capability 9.0 (faster than the sm80-class
+// kernels there: docs/perf.md): the warp-specialized one (sm90/fwd_ws_kernel_sm90.h, every head
+// dim) for plain scores and 16-bit full biases, the general one (sm90/fwd_kernel_sm90.h, head
+// dims up to 128) for the rest. DMATTN_FWD_SM90=0 turns both off (the sm80-class kernels, which
+// run everywhere), DMATTN_FWD_SM90_WS=0 the first alone, for comparisons.
 // (sm90/enabled.h: never in a build without sm_90a code)
 inline bool fwd_sm90_enabled() {
   static const bool off = sm90::env_switched_off("DMATTN_FWD_SM90");
