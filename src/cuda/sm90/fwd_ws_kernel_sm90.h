@@ -195,10 +195,6 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
   typename Tile::TiledMmaO mma_o;
   auto thr_s = mma_s.get_thread_slice(ctid);
   auto thr_o = mma_o.get_thread_slice(ctid);
-  Tensor sVt = make_tensor(sV.data(), typename Tile::SmemLayoutVt{});
-  Tensor tSrQ = thr_s.partition_fragment_A(sQ);  // shared-memory descriptors
-  Tensor tSrK = thr_s.partition_fragment_B(sK);  // (..., stage)
-  Tensor tOrVt = thr_o.partition_fragment_B(sVt);
   Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   clear(acc_o);
   Tensor acc_o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
@@ -224,6 +220,25 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
     Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
     Tensor rP = make_tensor<Element>(acc_s.layout());
     Tensor tOrP = make_tensor(rP.data(), acc_to_a(rP.layout()));
+    // The GEMMs' shared-memory descriptors, rebuilt at each issue from an address the compiler
+    // cannot see through: hoisted out of the loop, every k-step's descriptors of Q, K and V
+    // held registers that the accumulators need.
+    auto opaque = [](Element* ptr) {
+      asm volatile("" : "+l"(ptr));
+      return ptr;
+    };
+    auto issue_s = [&](int stage) {
+      Tensor q = make_tensor(make_smem_ptr(opaque(ss.q.data())), typename Tile::SmemLayoutQ{});
+      Tensor k = make_tensor(make_smem_ptr(opaque(ss.k.data())), typename Tile::SmemLayoutKV{});
+      Tensor tSrQ = thr_s.partition_fragment_A(q);
+      Tensor tSrK = thr_s.partition_fragment_B(k);
+      gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
+    };
+    auto issue_pv = [&](int stage) {
+      Tensor vt = make_tensor(make_smem_ptr(opaque(ss.v.data())), typename Tile::SmemLayoutVt{});
+      Tensor tOrVt = thr_o.partition_fragment_B(vt);
+      gemm_issue</*kZeroInit=*/false, /*kRegA=*/true>(mma_o, tOrP, tOrVt(_, _, _, stage), acc_o);
+    };
     const WindowMask win = seq.window();
     // The bias and the window / tail test of block n, then the softmax; alpha: O's rescale
     // factors.
@@ -261,7 +276,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
     q_full.wait(0);
     pipe_k.consumer_wait(read_k);
     sched_sync();
-    gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
+    issue_s(read_k.index());
     sched_pass();
     gemm_wait<0>(acc_s);
     pipe_k.consumer_release(read_k);
@@ -276,9 +291,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       pipe_k.consumer_wait(read_k);
       clear_v_tail(n + 1);
       sched_sync();
-      gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_s, tSrQ, tSrK(_, _, _, read_k.index()), acc_s);
+      issue_s(read_k.index());
       pipe_v.consumer_wait(read_v);
-      gemm_issue</*kZeroInit=*/false, /*kRegA=*/true>(mma_o, tOrP, tOrVt(_, _, _, read_v.index()), acc_o);
+      issue_pv(read_v.index());
       sched_pass();
       gemm_wait<1>(acc_s);
       pipe_k.consumer_release(read_k);
@@ -294,7 +309,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
     clear_v_tail(n_min);
     pipe_v.consumer_wait(read_v);
     sched_sync();
-    gemm_issue</*kZeroInit=*/false, /*kRegA=*/true>(mma_o, tOrP, tOrVt(_, _, _, read_v.index()), acc_o);
+    issue_pv(read_v.index());
     sched_pass();
     gemm_wait<0>(acc_o);
     pipe_v.consumer_release(read_v);

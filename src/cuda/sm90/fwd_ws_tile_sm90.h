@@ -104,8 +104,9 @@ struct FwdWsTile {
 
 // The tile of each head dim (a dim below it runs zero-filled by TMA: 96 on 128), with the
 // register budgets that keep both roles free of spills (ptxas -v). Two consumers: the producer at
-// 40 and the consumers at 232 (24 / 240 spilled the producer's descriptors of the bias
-// variant). No bias tiles at 256: Q, K and V take the whole shared memory. With a bias at 64,
+// 40 and the consumers at 232 (24 / 240 spilled the producer's TMA coordinates and
+// descriptors; at D = 256 the consumers fit 232 only with the GEMM descriptors rebuilt per
+// issue, fwd_ws_kernel_sm90.h). No bias tiles at 256: Q, K and V take the whole shared memory. With a bias at 64,
 // two consumers (three spilled at 160 registers).
 template <typename Element, int kHeadDim, bool kBias> struct FwdWsConfig;
 template <typename Element> struct FwdWsConfig<Element, 64, false> {
@@ -118,7 +119,7 @@ template <typename Element, bool kBias> struct FwdWsConfig<Element, 128, kBias> 
   using Tile = FwdWsTile<Element, 128, 128, 128, 2, kBias, 40, 232>;
 };
 template <typename Element> struct FwdWsConfig<Element, 256, false> {
-  using Tile = FwdWsTile<Element, 256, 128, 80, 2, false, 24, 240>;
+  using Tile = FwdWsTile<Element, 256, 128, 80, 2, false, 40, 232>;
 };
 
 }  // namespace dmattn::cuda::sm90
