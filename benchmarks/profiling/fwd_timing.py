@@ -36,15 +36,15 @@ def main():
     key_mask = torch.zeros(B, H, 1, S, device=dev, dtype=torch.bool).scatter_(-1, idx, True)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
 
-    def flops(causal, h=H, d=D):
-        return 4 * B * h * S * S * d * (0.5 if causal else 1.0)
+    def flops(causal, h=H, d=D, b=B, s=S):
+        return 4 * b * h * s * s * d * (0.5 if causal else 1.0)
 
     rows = []
 
-    def add(name, fn, causal, h=H, d=D):
+    def add(name, fn, causal, h=H, d=D, b=B, s=S):
         try:
             ms = time_ms(fn, iters=args.iters)
-            rows.append((name, ms, flops(causal, h, d) / ms / 1e9))
+            rows.append((name, ms, flops(causal, h, d, b, s) / ms / 1e9))
         except Exception as e:  # noqa: BLE001
             rows.append((name, float("nan"), float("nan")))
             print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
@@ -71,13 +71,9 @@ def main():
     qb, kb, vb = (t.view(nseq, sl, H, D) for t in (qp, kp, vp))
     for causal in (False, True):
         kind = f"{nseq} x {sl}{' causal' if causal else ''}"
-        fl = 4 * nseq * H * sl * sl * D * (0.5 if causal else 1.0)
-        for name, fn in ((f"dmattn dense batch {kind}", lambda: dmattn.attention(qb, kb, vb, causal=causal)),
-                         (f"dmattn packed {kind}",
-                          lambda: dmattn.attention_varlen(qp, kp, vp, cu, cu, sl, sl, causal=causal))):
-            ms = time_ms(fn, iters=args.iters)
-            rows.append((name, ms, fl / ms / 1e9))
-            print(f"{name:<58} {ms:8.3f} ms {rows[-1][2]:7.1f} TFLOP/s", flush=True)
+        add(f"dmattn dense batch {kind}", lambda: dmattn.attention(qb, kb, vb, causal=causal), causal, b=nseq, s=sl)
+        add(f"dmattn packed {kind}", lambda: dmattn.attention_varlen(qp, kp, vp, cu, cu, sl, sl, causal=causal),
+            causal, b=nseq, s=sl)
     del qp, kp, vp, qb, kb, vb
 
     for d in (int(x) for x in args.head_dims.split(",") if x):
