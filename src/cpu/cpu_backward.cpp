@@ -256,7 +256,7 @@ void query_row_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int64_
                   ctx.softcap_on ? tile.cap_grad : nullptr);
     matmul_into_scores(t.dout.data(), t.v.data(), dim, tile.dprobs);
     for (int64_t r = 0; r < rows; ++r) {
-      t.row_max[r] = std::max(t.row_max[r], row_max(tile.probs + r * kBlockK, cols));
+      t.row_max[r] = max_keep_nan(t.row_max[r], row_max(tile.probs + r * kBlockK, cols));
     }
   }
   // exp(s - m) in place; the row sums l and Delta = sum_j P_ij dP_ij.

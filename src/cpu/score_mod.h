@@ -68,6 +68,17 @@ struct ScoreMod {
         for (int64_t c = allowed_begin; c < allowed_end; ++c) s[c] *= scale;
       }
 
+      if (bias_base) {
+        const BiasT* bias_row = bias_base + bias.offset(b, h, i, j0);
+        for (int64_t c = allowed_begin; c < allowed_end; ++c) {
+          const Acc value = load_as<Acc>(bias_row[c * bias.stride_k]);
+          // -inf bias means "not allowed": replaced (not added), so that it masks a NaN score
+          // too.
+          s[c] = value == -std::numeric_limits<Acc>::infinity() ? kNegInf : s[c] + value;
+        }
+      }
+      // The mask and the key ends come after the bias and replace the score, so that a
+      // disallowed position stays exactly -inf whatever the bias holds there (NaN included).
       if (const int32_t* ends = keys.ends_row(b, h)) {
         for (int64_t c = allowed_begin; c < allowed_end; ++c) {
           if (i >= ends[j0 + c]) s[c] = kNegInf;
@@ -77,15 +88,6 @@ struct ScoreMod {
         const uint8_t* m = mask_base + mask.offset(b, h, i, j0);
         for (int64_t c = allowed_begin; c < allowed_end; ++c) {
           if (!m[c * mask.stride_k]) s[c] = kNegInf;
-        }
-      }
-      if (bias_base) {
-        const BiasT* bias_row = bias_base + bias.offset(b, h, i, j0);
-        for (int64_t c = allowed_begin; c < allowed_end; ++c) {
-          const Acc value = load_as<Acc>(bias_row[c * bias.stride_k]);
-          // -inf bias means "not allowed"; replacing (not adding) also keeps an already
-          // masked position at exactly -inf.
-          s[c] = value == -std::numeric_limits<Acc>::infinity() ? kNegInf : s[c] + value;
         }
       }
     }

@@ -74,18 +74,19 @@ DMATTN_VECTOR_CLONES void exp_shifted(float* x, int64_t n, float shift) {
 
 DMATTN_VECTOR_CLONES float row_max(const float* x, int64_t n) {
   const float kNegInf = -std::numeric_limits<float>::infinity();
+  // Per lane: v where v > m or v is NaN, so a NaN lane stays NaN (NaN < v is false).
   Vec m = splat(kNegInf);
   int64_t c = 0;
   for (; c + kLanes <= n; c += kLanes) {
     const Vec v = load(x + c);
-    m = m < v ? v : m;
+    m = (m < v) | (v != v) ? v : m;
   }
   if (c < n) {
     const Vec v = load_partial(x + c, n - c, kNegInf);
-    m = m < v ? v : m;
+    m = (m < v) | (v != v) ? v : m;
   }
   float result = kNegInf;
-  for (int l = 0; l < kLanes; ++l) result = result < m[l] ? m[l] : result;
+  for (int l = 0; l < kLanes; ++l) result = max_keep_nan(result, m[l]);
   return result;
 }
 

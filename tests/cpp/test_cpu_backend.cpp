@@ -5,6 +5,8 @@
 
 #include <cmath>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "attention_case.h"
@@ -305,6 +307,59 @@ TEST(CpuBackend, Float16GradientsSaturate) {
   run_case(c, t);
   // A single key gets p = 1 from every query: dv = sum of 64 x (+-30000) per dim = +-1.92e6.
   for (int64_t d = 0; d < c.dim; ++d) EXPECT_EQ(t.dv.get(d), d % 2 ? 65504.0 : -65504.0);
+}
+
+// NaN in, NaN out: a NaN in one element of a query row makes that row's out, lse and dq NaN
+// (not an empty row's 0 / -inf: its scores are all NaN, so the running max must not skip
+// them), and its dbias row, in every dtype and at every memory level of the backward. Every
+// other row of out, lse, dq and dbias is bitwise what the NaN-free call gives: rows are
+// computed independently.
+TEST(CpuBackend, NanInAQueryRowReachesThatRowOnly) {
+  const std::pair<int64_t, int64_t> levels[] = {
+      {int64_t{256} << 20, int64_t{16} << 20}, {0, int64_t{16} << 20}, {0, 0}};
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat64}) {
+    for (const auto& [store_bytes, row_bytes] : levels) {
+      CacheLimits limits(store_bytes, row_bytes);
+      CaseConfig c;
+      c.dtype = dtype;
+      c.heads = 2, c.seqlen_q = 70, c.seqlen_k = 130, c.dim = 16, c.causal = true;
+      c.bias_shape = std::vector<int64_t>{1, 2, 70, 130};
+      SCOPED_TRACE(describe(c) + " store " + std::to_string(store_bytes) + " rows " +
+                   std::to_string(row_bytes));
+      CaseTensors clean = make_case_tensors(c);
+      run_case(c, clean);
+      CaseTensors t = make_case_tensors(c);  // the same inputs (same seed)
+      const int64_t nan_row = 40, nan_head = 1;
+      t.q.set((nan_row * c.heads + nan_head) * c.dim + 3, NAN);
+      run_case(c, t);
+
+      // Row r of a tensor whose last dim has `width` elements.
+      auto check_rows = [&](const char* name, const TestTensor& got, const TestTensor& ref,
+                            int64_t width, auto is_nan_row) {
+        for (int64_t r = 0; r < got.numel() / width; ++r) {
+          bool any_nan = false, same = true;
+          for (int64_t e = r * width; e < (r + 1) * width; ++e) {
+            any_nan |= std::isnan(got.get(e));
+            same &= got.get(e) == ref.get(e);
+          }
+          if (is_nan_row(r)) EXPECT_TRUE(any_nan) << name << " row " << r << ": no NaN";
+          else EXPECT_TRUE(same) << name << " row " << r << " differs from the NaN-free call";
+        }
+      };
+      // out / dq rows are (i, h); lse and dbias rows (h, i).
+      auto seq_row = [&](int64_t r) { return r == nan_row * c.heads + nan_head; };
+      auto head_row = [&](int64_t r) { return r == nan_head * c.seqlen_q + nan_row; };
+      check_rows("out", t.out, clean.out, c.dim, seq_row);
+      check_rows("dq", t.dq, clean.dq, c.dim, seq_row);
+      check_rows("lse", t.lse, clean.lse, 1, head_row);
+      check_rows("dbias", t.dbias, clean.dbias, c.seqlen_k, head_row);
+      // dk / dv of the keys the row attends (j <= nan_row + Sk - Sq) are NaN.
+      for (int64_t j = 0; j <= nan_row + c.seqlen_k - c.seqlen_q; ++j) {
+        EXPECT_TRUE(std::isnan(t.dk.get(j * c.dim))) << "dk row " << j;
+        EXPECT_TRUE(std::isnan(t.dv.get(j * c.dim))) << "dv row " << j;
+      }
+    }
+  }
 }
 
 }  // namespace
