@@ -102,10 +102,19 @@ def cached_index_tensor(key: tuple, make: Callable[[], Tensor]) -> Tensor:
     return t
 
 
+def nan_as_inf(scores: Tensor) -> Tensor:
+    """``scores`` with every NaN (either sign) replaced by +inf: the selection ranks a NaN bias
+    as +inf, so that it is kept and reaches the attention (docs/semantics.md, "NaN in, NaN
+    out"), the same on every path. Left to itself, torch.topk's NaN would make dynamic_mask's
+    threshold NaN and empty the row, and a sign-magnitude key would put -NaN last."""
+    return scores.masked_fill(scores.isnan(), float("inf"))
+
+
 def selection_key(scores: Tensor, allowed: Optional[Tensor]) -> Optional[Tensor]:
     """An integer key per entry of ``scores`` (..., Sk), distinct within each row and ordered as
-    dynamic_mask selects: the larger score first, equal scores (-0.0 == 0.0) by the lower key
-    index, keys that ``allowed`` (bool, same shape, or None) excludes below every allowed key,
+    dynamic_mask selects: the larger score first (NaN as +inf), equal scores (-0.0 == 0.0) by
+    the lower key index, keys that ``allowed`` (bool, same shape, or None) excludes below every
+    allowed key,
     at the key dtype's minimum. The top-``keep`` keys of a row are then exactly the keys
     dynamic_mask keeps, plus excluded ones when fewer than ``keep`` are allowed. None for a
     dtype without such a key (float64). Elementwise ops only, no host synchronization.
@@ -122,7 +131,7 @@ def selection_key(scores: Tensor, allowed: Optional[Tensor]) -> Optional[Tensor]
         key_dtype, shift = torch.int32, 1 << 16  # |ordered| < 2^15: fits int32 with the index
     else:
         key_dtype, shift = torch.int64, 1 << 32
-    bits = scores.view(bits_dtype)
+    bits = nan_as_inf(scores).view(bits_dtype)
     # For negative bits (= MIN + magnitude), MIN - bits = -magnitude; the other branch's value
     # (which may wrap) is not used.
     ordered = torch.where(bits < 0, torch.iinfo(bits_dtype).min - bits, bits)
@@ -145,7 +154,8 @@ def dynamic_mask(bias: Tensor, keep: int, mask: Optional[Tensor] = None) -> Tens
 
     Returns a new bool tensor of the broadcast shape of bias and mask (True = selected):
     a bias and mask without a query dimension give one key set per (batch, head) and nothing
-    of shape (B, H, Sq, Sk) is allocated. Ties are broken by the lower key index. The
+    of shape (B, H, Sq, Sk) is allocated. Ties are broken by the lower key index; a NaN bias
+    ranks as +inf (so a NaN reaches the attention instead of emptying its row). The
     selection runs on a detached bias; the bias is neither modified nor expanded. Causal and
     window constraints are not part of the selection (the attention call applies them).
     """
@@ -158,7 +168,7 @@ def dynamic_mask(bias: Tensor, keep: int, mask: Optional[Tensor] = None) -> Tens
             return torch.ones(shape, dtype=torch.bool, device=bias.device)
         return mask.expand(shape).contiguous()
 
-    scores = bias.detach().expand(shape)
+    scores = nan_as_inf(bias.detach()).expand(shape)
     allowed = None if mask is None else mask.expand(shape)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))

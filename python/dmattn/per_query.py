@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .masks import cached_index_tensor, dynamic_mask, selection_key
+from .masks import cached_index_tensor, dynamic_mask, nan_as_inf, selection_key
 from .ops import _call_op, prefix_thresholds
 
 __all__ = ["per_query_mask", "visible_keys", "selection_ranks", "interval_ends"]
@@ -58,7 +58,7 @@ def selection_ranks(scores: Tensor, allowed: Optional[Tensor]) -> tuple:
     if key is not None:  # distinct integers: one sort
         order = key.argsort(dim=-1, descending=True)
     else:  # float64: by score (stable: ties keep the index order), then allowed keys first
-        order = scores.argsort(dim=-1, descending=True, stable=True)
+        order = nan_as_inf(scores).argsort(dim=-1, descending=True, stable=True)
         if allowed is not None:
             excluded_first = (~allowed).gather(-1, order)
             order = order.gather(-1, excluded_first.to(torch.int8).argsort(dim=-1, stable=True))

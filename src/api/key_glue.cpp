@@ -54,6 +54,7 @@ void select_topk_positions(const TensorDesc& bias, int64_t keep, const TensorDes
   a.num_keys = num_keys;
   a.keep = keep;
   a.elem_bytes = int(dtype_size(bias.dtype));
+  a.inf_bits = bias.dtype == DType::kFloat16 ? 0x7C00u : bias.dtype == DType::kBFloat16 ? 0x7F80u : 0x7F800000u;
   a.positions = static_cast<int32_t*>(positions.data);
   cuda::topk_positions(a, stream);
 #else

@@ -2,7 +2,8 @@
 // every op launched costs the host more than these kernels cost the GPU):
 //   * topk_positions: per row of a key-side bias, the indices of the `keep` largest values in
 //     increasing order -- dynamic_mask's selection (larger bias first, equal values, -0.0 ==
-//     0.0 included, by the lower key index) as the sorted key_positions operand;
+//     0.0 included, by the lower key index; a NaN ranks as +inf) as the sorted key_positions
+//     operand;
 //   * gather_key_rows: the K, V (and bias) rows at those positions, laid out as the kernels'
 //     gathered operands.
 // One CTA per row selects by a radix select on an order-preserving 32-bit key of the bias's
@@ -24,7 +25,14 @@ namespace {
 constexpr int kSelectThreads = 512;
 
 // Order-preserving unsigned keys of float bit patterns: sign-magnitude -> two's complement
-// (-0.0 and 0.0 both 0, as masks.selection_key), shifted to unsigned.
+// (-0.0 and 0.0 both 0, as masks.selection_key), shifted to unsigned. A NaN of either sign
+// (magnitude above inf_bits, the format's +inf) becomes +inf first, as in masks.selection_key.
+__device__ __forceinline__ uint16_t nan_as_inf(uint16_t bits, uint32_t inf_bits) {
+  return (bits & 0x7FFFu) > inf_bits ? uint16_t(inf_bits) : bits;
+}
+__device__ __forceinline__ uint32_t nan_as_inf(uint32_t bits, uint32_t inf_bits) {
+  return (bits & 0x7FFFFFFFu) > inf_bits ? inf_bits : bits;
+}
 __device__ __forceinline__ uint32_t ordered_key(uint16_t bits) {
   const int32_t b = int16_t(bits);
   const int32_t o = b >= 0 ? b : (-32768 - b);
@@ -46,7 +54,7 @@ __global__ void __launch_bounds__(kSelectThreads) topk_positions_kernel(TopkPosi
   const int tid = threadIdx.x;
   const int64_t row = blockIdx.x;
   const Bits* src = static_cast<const Bits*>(a.bias) + (row / a.rows_h) * a.stride_b + (row % a.rows_h) * a.stride_h;
-  auto key = [&](int64_t i) { return ordered_key(src[i * a.stride_k]); };
+  auto key = [&](int64_t i) { return ordered_key(nan_as_inf(src[i * a.stride_k], a.inf_bits)); };
 
   // Radix select: the keep-th largest key T, and `left` = how many keys equal to T are taken.
   uint32_t prefix = 0, prefix_mask = 0;

@@ -15,6 +15,9 @@ struct TopkPositionsArgs {
   int64_t stride_b = 0, stride_h = 0, stride_k = 0;
   int64_t rows_b = 0, rows_h = 0, num_keys = 0, keep = 0;
   int elem_bytes = 2;
+  // The bit pattern of +inf in the bias's format (0x7C00 float16, 0x7F80 bfloat16, 0x7F800000
+  // float32): a larger magnitude is a NaN, which the selection ranks as +inf.
+  uint32_t inf_bits = 0x7F800000u;
   int32_t* positions = nullptr;
 };
 
