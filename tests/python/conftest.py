@@ -2,7 +2,8 @@
 
 * Every test starts from a fixed seed (``torch.manual_seed`` / ``random.seed``).
 * ``@pytest.mark.gpu`` tests are skipped when no CUDA device is visible.
-* The ``device`` fixture runs a test on "cpu" and, when available, on "cuda".
+* The ``device`` fixture runs a test on "cpu" and, when available, on "cuda";
+  ``device_bwd_path`` likewise, with CUDA once per backward path (DMATTN_BWD_EXACT=0 / 1).
 * The run ends with one line counting the skipped tests by reason.
 * ``nan_poison``: while active, every torch.empty/empty_like/new_empty allocation (in particular
   the outputs and scratch buffers the dmattn ops allocate) is filled with NaN, through
@@ -63,6 +64,26 @@ def _seed():
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param
+
+
+# (device, DMATTN_BWD_EXACT): the CPU backend has one backward path, CUDA two (FlashAttention-2's
+# Delta = rowsum(dO * O) with dq atomics, and the exact three-pass path). Forcing one per variant
+# tests both (the automatic choice looks at the problem size). The CUDA variants carry the gpu
+# marker, like `device`'s.
+BWD_PATH_DEVICES = [pytest.param(("cpu", None), id="cpu")]
+if CUDA:
+    BWD_PATH_DEVICES += [pytest.param(("cuda", exact), id=f"cuda-{name}", marks=pytest.mark.gpu)
+                         for exact, name in (("0", "fa2_bwd"), ("1", "exact_bwd"))]
+
+
+@pytest.fixture(params=BWD_PATH_DEVICES)
+def device_bwd_path(request, monkeypatch):
+    """`device`, with each CUDA backward path as its own variant (DMATTN_BWD_EXACT set for the
+    test); a module takes it as its `device` by overriding that fixture."""
+    dev, exact = request.param
+    if exact is not None:
+        monkeypatch.setenv("DMATTN_BWD_EXACT", exact)
+    return dev
 
 
 @pytest.fixture

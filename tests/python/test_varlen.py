@@ -34,22 +34,12 @@ from cases import CPU_DTYPES, GPU_DTYPES
 from reference import assert_finite, check_against_reference
 
 
-# (device, DMATTN_BWD_EXACT): the CPU backend has one backward path, CUDA two. Forcing one makes
-# the packed and the dense calls share it (the automatic choice looks at the problem size, which
-# differs between them). The CUDA variants carry the gpu marker, like conftest.py's `device`.
-DEVICE_VARIANTS = [pytest.param(("cpu", None), id="cpu")]
-if torch.cuda.is_available():
-    DEVICE_VARIANTS += [pytest.param(("cuda", exact), id=f"cuda-{name}", marks=pytest.mark.gpu)
-                        for exact, name in (("0", "fa2_bwd"), ("1", "exact_bwd"))]
-
-
-@pytest.fixture(params=DEVICE_VARIANTS)
-def device(request, monkeypatch):
-    """This module's `device`: conftest.py's, with each CUDA backward path as its own variant."""
-    dev, exact = request.param
-    if exact is not None:
-        monkeypatch.setenv("DMATTN_BWD_EXACT", exact)
-    return dev
+@pytest.fixture
+def device(device_bwd_path):
+    """This module's `device`: each CUDA backward path as its own variant (conftest.py). Forcing
+    one makes the packed and the dense calls share it (the automatic choice looks at the problem
+    size, which differs between them)."""
+    return device_bwd_path
 
 
 # ---------------------------------------------------------------------------------------------
