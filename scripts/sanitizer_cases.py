@@ -7,18 +7,33 @@ import torch
 import dmattn
 
 
-def case(b, sq, sk, h, hkv, d, dtype, mask_shape=None, bias_shape=None, **kw):
+def case(b, sq, sk, h, hkv, d, dtype, mask_shape=None, bias_shape=None, bias_dtype=None, **kw):
     g = torch.Generator().manual_seed(sq * 1000 + sk)
     dev = "cuda"
     q = torch.randn(b, sq, h, d, generator=g).to(dev, dtype).requires_grad_()
     k = torch.randn(b, sk, hkv, d, generator=g).to(dev, dtype).requires_grad_()
     v = torch.randn(b, sk, hkv, d, generator=g).to(dev, dtype).requires_grad_()
     mask = (torch.rand(mask_shape, generator=g) > 0.3).to(dev) if mask_shape else None
-    bias = torch.randn(bias_shape, generator=g).to(dev, dtype).requires_grad_() if bias_shape else None
+    bias = torch.randn(bias_shape, generator=g).to(dev, bias_dtype or dtype).requires_grad_() if bias_shape else None
     out = dmattn.attention(q, k, v, mask, bias, **kw)
     out.backward(torch.randn_like(out))
     torch.cuda.synchronize()
     for t in (out, q.grad, k.grad, v.grad) + ((bias.grad,) if bias is not None else ()):
+        assert torch.isfinite(t).all(), "non-finite value"
+
+
+def topk_case(b, s, h, hkv, d, dtype, keep, **kw):
+    """dmattn.attention_topk with a per-key bias (B, H, 1, S): the gather path."""
+    g = torch.Generator().manual_seed(s * 7 + keep)
+    dev = "cuda"
+    q = torch.randn(b, s, h, d, generator=g).to(dev, dtype).requires_grad_()
+    k = torch.randn(b, s, hkv, d, generator=g).to(dev, dtype).requires_grad_()
+    v = torch.randn(b, s, hkv, d, generator=g).to(dev, dtype).requires_grad_()
+    bias = torch.randn(b, h, 1, s, generator=g).to(dev, dtype).requires_grad_()
+    out = dmattn.attention_topk(q, k, v, bias, keep, **kw)
+    out.backward(torch.randn_like(out))
+    torch.cuda.synchronize()
+    for t in (out, q.grad, k.grad, v.grad, bias.grad):
         assert torch.isfinite(t).all(), "non-finite value"
 
 
@@ -46,4 +61,14 @@ for dtype in (torch.bfloat16, torch.float16):
     case(1, 260, 390, 2, 1, 256, dtype, causal=True)
     case(2, 200, 456, 4, 2, 128, dtype, bias_shape=(2, 1, 200, 456), causal=True)
     case(1, 129, 304, 2, 2, 64, dtype, bias_shape=(1, 2, 129, 304))
+
+    # The warp-specialized forward's per-key rows (loader warp, its pipeline): a query-broadcast
+    # bias in q's dtype and in fp32, gathered keys with a per-key bias (one key set per head, and
+    # per query: candidates with key ends), several key blocks and a partial one.
+    case(2, 200, 456, 4, 2, 128, dtype, bias_shape=(2, 4, 1, 456), causal=True)
+    case(1, 129, 304, 2, 2, 64, dtype, bias_shape=(1, 2, 1, 304))
+    case(1, 150, 333, 2, 1, 128, dtype, bias_shape=(1, 1, 1, 333), bias_dtype=torch.float32)
+    topk_case(2, 300, 4, 2, 128, dtype, keep=160, causal=True)
+    topk_case(1, 520, 2, 2, 64, dtype, keep=200, causal=True, per_query=True)
+    topk_case(1, 260, 2, 1, 128, dtype, keep=96, causal=False)
 print("sanitizer cases done")

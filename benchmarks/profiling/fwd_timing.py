@@ -41,10 +41,10 @@ def main():
 
     rows = []
 
-    def add(name, fn, causal, h=H, d=D, b=B, s=S):
+    def add(name, fn, causal, h=H, d=D, b=B, s=S, flop=None):
         try:
             ms = time_ms(fn, iters=args.iters)
-            rows.append((name, ms, flops(causal, h, d, b, s) / ms / 1e9))
+            rows.append((name, ms, (flop if flop is not None else flops(causal, h, d, b, s)) / ms / 1e9))
         except Exception as e:  # noqa: BLE001
             rows.append((name, float("nan"), float("nan")))
             print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
@@ -91,6 +91,18 @@ def main():
     add("dmattn Doge per-key bias+mask(2048) causal",
         lambda: dmattn.attention(q, k, v, key_mask, key_bias, causal=True), True)
 
+    # Top-2048 of a per-key bias, causal: TFLOP/s over the (query, key) pairs the key set keeps
+    # (query i keeps the selected keys j <= i: sum over them of S - j).
+    def causal_pairs(keys):
+        return float((S - keys.float()).sum())
+
+    topk_flop = 4 * D * causal_pairs(key_bias.float().topk(2048, dim=-1).indices)
+    add("dmattn attention_topk(2048) causal, with the selection",
+        lambda: dmattn.attention_topk(q, k, v, key_bias, 2048, causal=True), True, flop=topk_flop)
+    add("dmattn attention_topk(2048) causal per query, with the selection",
+        lambda: dmattn.attention_topk(q, k, v, key_bias, 2048, causal=True, per_query=True), True,
+        flop=4 * D * B * H * sum(min(2048, i + 1) for i in range(S)))
+
     if args.flex:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         flex = torch.compile(flex_attention, dynamic=False)
@@ -111,7 +123,8 @@ def main():
         bm_doge = create_block_mask(doge_mm, B, H, S, S, device=dev)
         add("flex dense bias", lambda: flex(qt, kt, vt, score_mod=bias_mod), False)
         add("flex dense bias causal", lambda: flex(qt, kt, vt, score_mod=bias_mod, block_mask=bm_causal), True)
-        add("flex Doge causal", lambda: flex(qt, kt, vt, score_mod=key_mod, block_mask=bm_doge), True)
+        add("flex Doge causal", lambda: flex(qt, kt, vt, score_mod=key_mod, block_mask=bm_doge), True,
+            flop=4 * D * causal_pairs(idx))
 
     # correctness spot check of the dense case against SDPA (same inputs)
     o1 = dmattn.attention(q, k, v)

@@ -10,7 +10,7 @@ Times (median of CUDA events, dmattn.bench.time_ms) for bf16, D=128, H=16, a per
     key set with its positions (its own selection included), the gathers of K/V/bias, the raw
     forward and backward ops on gathered rows;
   * the scaling series S = 4096 .. 32768 at B=1 (work should follow keep, not S);
-  * --profile: the CUDA kernels of one forward+backward step (torch.profiler), by total time,
+  * --profile: the CUDA kernels of one forward and one forward+backward step (torch.profiler), by total time,
     the step's GPU idle gaps (where the GPU waited for the host, and before which kernel), and
     the host time to enqueue one step while the GPU is kept busy (no waiting on the GPU).
 """
@@ -151,15 +151,16 @@ def main() -> None:
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        _, fwd_bwd = step_fns(*x, path="gather")
-        fwd_bwd()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fwd_bwd()
+        fwd, fwd_bwd = step_fns(*x, path="gather")
+        for name, fn in (("forward", fwd), ("forward + backward", fwd_bwd)):
+            fn()
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
-        gpu_gaps(prof)
-        fwd, _ = step_fns(*x, path="gather")
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            print(f"\n{name}:")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+            gpu_gaps(prof)
         print(f"host enqueue time (GPU kept busy): fwd {host_enqueue_ms(fwd):.3f} ms, "
               f"fwd+bwd {host_enqueue_ms(fwd_bwd):.3f} ms")
     del x

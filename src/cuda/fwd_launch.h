@@ -101,8 +101,9 @@ void launch_fwd(const FwdArgs& args, cudaStream_t stream) {
 
 // The Hopper kernels are the forward on compute capability 9.0 (faster than the sm80-class
 // kernels there: docs/perf.md): the warp-specialized one (sm90/fwd_ws_kernel_sm90.h, every head
-// dim) for plain scores and 16-bit full biases, the general one (sm90/fwd_kernel_sm90.h, head
-// dims up to 128) for the rest. DMATTN_FWD_SM90=0 turns both off (the sm80-class kernels, which
+// dim) for plain scores, 16-bit full biases, query-broadcast biases and gathered keys
+// (fwd_ws_supports), the general one (sm90/fwd_kernel_sm90.h, head dims up to 128) for the
+// rest (masks, softcap). DMATTN_FWD_SM90=0 turns both off (the sm80-class kernels, which
 // run everywhere), DMATTN_FWD_SM90_WS=0 the first alone, for comparisons.
 // (sm90/enabled.h: never in a build without sm_90a code)
 inline bool fwd_sm90_enabled() {
@@ -127,13 +128,20 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream) {
   const bool mask_or_bias = a.mask.ptr != nullptr || a.bias.ptr != nullptr || a.kpos.ends != nullptr;
   // The warp-specialized Hopper kernel (TMA producer, pingpong consumers) for what it covers.
   if (fwd_sm90_enabled() && sm90::fwd_ws_supports<kHeadDim>(a)) {
+    using sm90::FwdWsScores;
     if constexpr (kHeadDim <= 128) {
-      if (a.bias.ptr) {
-        sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, true>::Tile>(a, stream);
-        return;
+      switch (sm90::fwd_ws_scores(a)) {
+        case FwdWsScores::kKeyRows:
+          sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kKeyRows>::Tile>(a, stream);
+          return;
+        case FwdWsScores::kFullBias:
+          sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullBias>::Tile>(a, stream);
+          return;
+        case FwdWsScores::kPlain:
+          break;
       }
     }
-    sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, false>::Tile>(a, stream);
+    sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kPlain>::Tile>(a, stream);
     return;
   }
   if constexpr (kHeadDim <= 128) {

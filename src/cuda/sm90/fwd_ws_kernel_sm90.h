@@ -19,6 +19,14 @@
 // its tile of block n is loaded with K[n] and s = scale * qk + bias before the test, the softmax
 // then on final scores (scale 1, the safe subtraction: a finfo.min bias stays finite). Rows past
 // the sequence and head-dim columns past head_dim arrive as zeros (TMA's out-of-bounds fill).
+// With per-key rows (Tile::kKeyRows: gathered keys, key ends, a query-broadcast bias or mask,
+// softcap), warp 1
+// of the producer warpgroup loads block n's positions, query bounds and bias (load_key_rows)
+// into a stage of their own pipeline; s = scale * qk + bias (softcap: softcap * tanh(scale * qk
+// / softcap) + bias), then on the blocks that need it
+// the test on positions and bounds (score_mask.h), the softmax on final scores. Gathered keys
+// take the key-block range of their positions (KeyPositionRow): blocks of padding rows only,
+// or of positions no query of the block sees, are never loaded.
 // Epilogue: each consumer writes its 64 output rows through its own rows of the Q buffer
 // (fwd_epilogue's saturating conversion) and the lse of its rows.
 // Compiled for every target, with a body only for sm_90a.
@@ -26,8 +34,12 @@
 
 #include <cutlass/arch/reg_reconfig.h>
 
+#include <climits>
+
 #include "cuda/fwd_args.h"
+#include "cuda/key_positions.h"
 #include "cuda/mask.h"
+#include "cuda/score_mask.h"
 #include "cuda/seq_bounds.h"
 #include "cuda/softmax.h"
 #include "cuda/sm90/fwd_ws_tile_sm90.h"
@@ -70,6 +82,50 @@ __device__ __forceinline__ void add_bias_sw128(S& s, C const& coord, const Eleme
   }
 }
 
+// s = s * scale + bias[col] on the accumulator row/col view, the key bias from a kBlockN fp32 row
+// in shared memory (read as column pairs: broadcast within a quad's columns).
+template <class S, class C>
+__device__ __forceinline__ void add_key_bias(S& s, C const& coord, const float* s_bias, float scale) {
+  using namespace cute;
+  const int col0 = get<1>(coord(0, 0));
+  CUTE_UNROLL
+  for (int c = 0; c < size<1>(s); c += 2) {
+    const int cc = get<1>(coord(0, c)) - col0;  // compile-time after folding, even
+    const float2 bv = *reinterpret_cast<const float2*>(s_bias + col0 + cc);
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(s); ++r) {
+      s(r, c) = fmaf(s(r, c), scale, bv.x);
+      s(r, c + 1) = fmaf(s(r, c + 1), scale, bv.y);
+    }
+  }
+}
+
+// The per-key rows of key block n (Tile::kKeyRows) into `st`, by the 32 lanes of one warp:
+// position (gathered keys' own, else the index), query bound (key ends, else INT_MAX; 0 where
+// a query-broadcast mask is false: no query sees the key) and bias (fp32 or q's dtype, else 0);
+// past the `count` keys -1, 0 and 0 (a padding row: masked).
+template <typename Element, class Stage, int kBlockN>
+__device__ __forceinline__ void load_key_rows(Stage& st, int n, int count, const int32_t* pos_row,
+                                              const int32_t* end_row, const char* bias_row, int64_t bias_step,
+                                              bool bias_fp32, const uint8_t* mask_row, int64_t mask_step) {
+  const int lane = threadIdx.x & 31;
+  CUTE_UNROLL
+  for (int c = lane; c < kBlockN; c += 32) {
+    const int j = n * kBlockN + c;
+    const bool in = j < count;
+    st.pos[c] = !in ? -1 : pos_row != nullptr ? __ldg(pos_row + j) : j;
+    int end = !in ? 0 : end_row != nullptr ? __ldg(end_row + j) : INT_MAX;
+    if (in && mask_row != nullptr && __ldg(mask_row + int64_t(j) * mask_step) == 0) end = 0;
+    st.end[c] = end;
+    float bv = 0.f;
+    if (in && bias_row != nullptr) {
+      const char* e = bias_row + int64_t(j) * bias_step;
+      bv = bias_fp32 ? __ldg(reinterpret_cast<const float*>(e)) : ElemInfo<Element>::to_float(e);
+    }
+    st.bias[c] = bv;
+  }
+}
+
 // Named barriers of the consumers (ids after CUTLASS's reserved ones): kSchedBarrier + w is
 // consumer w's turn on the tensor cores; kEpilogueBarrier + w orders its output staging.
 // A turn is passed between two warpgroups: 256 threads per scheduling barrier.
@@ -100,7 +156,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
   const bool packed = a.cu_seqlens_q != nullptr;
   const int h_kv = h / a.group;
   int n_min, n_max;
-  seq.window().key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
+  // (gathered keys: warp-cooperative, every warp finds the same range)
+  if (Tile::kKeyRows && a.kpos.ptr != nullptr) KeyPositionRow(a, b, h).key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
+  else seq.window().key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
 
   // Barriers: initialized by warp 0, visible to all before the roles split.
   typename Pipeline::Params pipe_params;
@@ -112,6 +170,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
   Pipeline pipe_v(ss.pipe_v, pipe_params, Shape<_1, _1, _1>{});
   pipe_params.transaction_bytes = Tile::kBiasStageBytes;
   Pipeline pipe_bias(ss.pipe_bias, pipe_params, Shape<_1, _1, _1>{});
+  using KeyRowPipeline = typename Tile::KeyRowPipeline;
+  typename KeyRowPipeline::Params key_rows_params;
+  key_rows_params.role = warp_group == 0 ? KeyRowPipeline::ThreadCategory::Producer : KeyRowPipeline::ThreadCategory::Consumer;
+  key_rows_params.producer_arv_count = 32;  // the loader warp's lanes
+  key_rows_params.consumer_arv_count = kConsumerThreads;
+  KeyRowPipeline pipe_key_rows(ss.pipe_key_rows, key_rows_params);
   auto& q_full = *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&ss.q_full);
   if (threadIdx.x == 0) {
     q_full.init(1);
@@ -125,7 +189,33 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
 
   if (warp_group == 0) {  // ---------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<Tile::kProducerRegs>();
-    if (threadIdx.x != 0 || n_max <= n_min) return;
+    if (n_max <= n_min) return;
+    if constexpr (Tile::kKeyRows) {
+      if (threadIdx.x / 32 == 1) {  // the key rows' loader, in the consumers' block order
+        const OperandArgs& bias = a.bias;
+        const char* bias_row = bias.ptr == nullptr ? nullptr
+                               : bias.ptr + (int64_t(b) * bias.stride_b + int64_t(h / bias.head_div) * bias.stride_h +
+                                             int64_t(seq.k0()) * bias.stride_k) * bias.esize;
+        const OperandArgs& mask = a.mask;
+        const uint8_t* mask_row = mask.ptr == nullptr ? nullptr
+                                  : reinterpret_cast<const uint8_t*>(mask.ptr) + int64_t(b) * mask.stride_b +
+                                        int64_t(h / mask.head_div) * mask.stride_h + int64_t(seq.k0()) * mask.stride_k;
+        const int32_t* pos_row = a.kpos.ptr != nullptr ? positions_row(a.kpos, b, h) : nullptr;
+        const int32_t* end_row = a.kpos.ptr != nullptr ? ends_row(a.kpos, b, h) : nullptr;
+        const int count = seq.len_k();
+        PipelineState write_r = cutlass::make_producer_start_state<KeyRowPipeline>();
+        for (int n = n_max - 1; n >= n_min; --n) {
+          pipe_key_rows.producer_acquire(write_r);
+          load_key_rows<Element, typename Tile::KeyRowStage, kBlockN>(ss.key_rows[write_r.index()], n, count, pos_row,
+                                                                      end_row, bias_row, bias.stride_k * bias.esize,
+                                                                      a.bias_fp32, mask_row, mask.stride_k);
+          pipe_key_rows.producer_commit(write_r);
+          ++write_r;
+        }
+        return;
+      }
+    }
+    if (threadIdx.x != 0) return;
     // This sequence's rows (packed: from its first row among all of them, in batch 0).
     const int tb = packed ? 0 : b;
     Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.rows_q, a.head_dim, a.num_heads, p.batch));
@@ -205,7 +295,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
   OnlineSoftmax<kRows> softmax;
   softmax.init();
   constexpr float kLog2e = 1.4426950408889634f;
-  const float sl2 = a.scale * kLog2e;  // (no bias: the scale folded into the exponent)
+  const float sl2 = a.scale * kLog2e;  // (raw scores: the scale folded into the exponent)
 
   // Consumer w's turn on the tensor cores: it waits on barrier w, and hands the turn to w + 1.
   auto sched_sync = [&]() { NamedBarrier::sync(kSchedThreads, kSchedBarrier + consumer); };
@@ -215,7 +305,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
 
   if (n_max > n_min) {
     if (consumer == kConsumers - 1) NamedBarrier::arrive(kSchedThreads, kSchedBarrier + 0);  // the first turn
-    PipelineState read_k, read_v, read_b;
+    PipelineState read_k, read_v, read_b, read_r;
     Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
     Tensor rP = make_tensor<Element>(acc_s.layout());
@@ -250,10 +340,29 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         pipe_bias.consumer_release(read_b);
         ++read_b;
       }
-      if (win.block_needs_mask(m0, kBlockM, kBlockN, n))
+      if constexpr (Tile::kKeyRows) {
+        pipe_key_rows.consumer_wait(read_r);
+        const auto& st = ss.key_rows[read_r.index()];
+        if (a.softcap != 0.f) {  // s = softcap * tanh(scale * qk / softcap) + bias
+          CUTE_UNROLL
+          for (int i = 0; i < size(s_rc); ++i) s_rc(i) = a.softcap * tanhf(s_rc(i) * a.scale_div_softcap);
+          add_key_bias(s_rc, tScS_rc, st.bias, 1.f);
+        } else {
+          add_key_bias(s_rc, tScS_rc, st.bias, a.scale);
+        }
+        // The test on positions: gathered keys' window on original positions, else the plain
+        // window (positions are indices); query bounds (key ends, a mask) on every block.
+        const PositionTest pt{st.pos, a.kpos.ptr != nullptr ? position_window(a) : win, Tile::kKeyRowEndDelta};
+        if (positions_block_needs_mask<kBlockN>(pt.win, st.pos, m0, kBlockM, a.kpos.ends != nullptr || a.mask.ptr != nullptr))
+          mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(s_rc, tScS_rc, m0, n * kBlockN, win,
+                                                                                   nullptr, 0, nullptr, 0, &pt);
+        pipe_key_rows.consumer_release(read_r);
+        ++read_r;
+      } else if (win.block_needs_mask(m0, kBlockM, kBlockN, n)) {
         transform_scores_ex<false, true, Element, kBlockN, false>(s_rc, tScS_rc, a, m0, n * kBlockN, win, nullptr, 0,
                                                                   nullptr, 0);
-      if constexpr (Tile::kBias) softmax.template update_scaled_deferred<true>(s_rc, kLog2e, alpha);
+      }
+      if constexpr (Tile::kScaledScores) softmax.template update_scaled_deferred<true>(s_rc, kLog2e, alpha);
       else softmax.template update_scaled_deferred<false>(s_rc, sl2, alpha);
     };
 
@@ -321,7 +430,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
 
   float lse[kRows];
   int rows[kRows];
-  softmax.finalize(acc_o_rc, lse, Tile::kBias ? 1.f : a.scale);
+  softmax.finalize(acc_o_rc, lse, Tile::kScaledScores ? 1.f : a.scale);
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) rows[r] = get<0>(tScS_rc(r, 0));
 

@@ -24,15 +24,36 @@ inline bool fwd_ws_bias_ok(const OperandArgs& b) {
          b.stride_b % 8 == 0 && reinterpret_cast<uintptr_t>(b.ptr) % 16 == 0;
 }
 
-// The problems the warp-specialized kernel takes: dense or packed batches with plain scores, or
-// dense ones with a bias (fwd_ws_bias_ok; head dims up to 128): no mask, softcap, key positions
-// or ends. The others run the sm90 kernel of fwd_kernel_sm90.h.
+// The score policy a problem needs: the bias tiles for a full 16-bit bias alone, per-key rows
+// for everything else the kernel takes (gathered keys and key ends, query-broadcast biases and
+// masks, softcap), plain scores without any of them.
+inline FwdWsScores fwd_ws_scores(const FwdArgs& a) {
+  if (a.bias.ptr != nullptr && !a.bias.row_bcast) return FwdWsScores::kFullBias;
+  if (a.kpos.ptr != nullptr || a.bias.ptr != nullptr || a.mask.ptr != nullptr || a.softcap != 0.f)
+    return FwdWsScores::kKeyRows;
+  return FwdWsScores::kPlain;
+}
+
+// The problems the warp-specialized kernel takes: dense or packed batches with plain scores;
+// up to head dim 128, also with softcap, a query-broadcast bias (any dtype) or mask, and gathered
+// keys with key ends; dense batches with a full 16-bit bias (fwd_ws_bias_ok) alone. The others
+// (full masks, fp32 full biases, a full bias with anything else) run the sm90 kernel of
+// fwd_kernel_sm90.h.
 template <int kHeadDim>
 bool fwd_ws_supports(const FwdArgs& a) {
   static const bool off = env_switched_off("DMATTN_FWD_SM90_WS");  // (comparisons)
   if (off) return false;
-  if (a.mask.ptr || a.softcap != 0.f || a.kpos.ptr || a.kpos.ends) return false;
-  if (a.bias.ptr && (kHeadDim > 128 || !fwd_ws_bias_ok(a.bias))) return false;
+  if ((a.mask.ptr && !a.mask.row_bcast) || (a.kpos.ends && !a.kpos.ptr)) return false;
+  switch (fwd_ws_scores(a)) {
+    case FwdWsScores::kKeyRows:
+      if (kHeadDim > 128) return false;
+      break;
+    case FwdWsScores::kFullBias:
+      if (kHeadDim > 128 || !fwd_ws_bias_ok(a.bias) || a.mask.ptr || a.softcap != 0.f || a.kpos.ptr) return false;
+      break;
+    case FwdWsScores::kPlain:
+      break;
+  }
   const int heads_kv = a.num_heads / a.group;
   const int batch = a.cu_seqlens_q ? 1 : a.batch;  // a packed batch is one sequence to TMA
   return fwd_ws_strides_ok(a.q_bs, a.q_hs, batch, a.num_heads) && fwd_ws_strides_ok(a.k_bs, a.k_hs, batch, heads_kv) &&

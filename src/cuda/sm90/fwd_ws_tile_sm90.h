@@ -4,12 +4,22 @@
 // (kBlockM = 64 * kConsumers). Q, K and V use wgmma's 128-byte-swizzled K-major layout, which
 // TMA writes directly; V is read transposed (MN-major B operand of O += P V) through a composed
 // view, without a copy. K and V each have kStages pipeline stages.
-// kBias: a 16-bit bias with one row per query, (kBlockM, kBlockN) tiles loaded by TMA with K into
-// kStages stages of its own, in the same 128-byte swizzle (chunk c of a 64-key half-row at
-// c ^ (row % 8): the accumulator-layout reads of a warp hit 8 different bank groups).
+// The score policy (FwdWsScores):
+//   kPlain:    scale * q k^T, the window / causal / tail test;
+//   kFullBias: a 16-bit bias with one row per query, (kBlockM, kBlockN) tiles loaded by TMA with
+//              K into kStages stages of its own, in the same 128-byte swizzle (chunk c of a
+//              64-key half-row at c ^ (row % 8): the accumulator-layout reads of a warp hit 8
+//              different bank groups);
+//   kKeyRows:  per-key operands, one kBlockN row of each per key block: the key's position
+//              (gathered keys; else its index), its query bound (key ends; else none) and its
+//              bias (a query-broadcast bias in any of its dtypes, converted to fp32; else 0).
+//              A producer warp loads them into kStages KeyRowStage buffers (a PipelineAsync);
+//              the test runs on positions (key_positions.h).
 // Per head dim (FwdWsConfig): 64: 192 x 128 (three consumers); 128: 128 x 128; 256: 128 x 80 (the
 // largest key block whose Q, two K and two V stages fit in 227 KB).
 #pragma once
+
+#include <cstdint>
 
 #include <cute/tensor.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
@@ -22,10 +32,17 @@
 
 namespace dmattn::cuda::sm90 {
 
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kBias_, int kProducerRegs_,
-          int kConsumerRegs_>
+enum class FwdWsScores { kPlain, kFullBias, kKeyRows };
+
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, FwdWsScores kScores_,
+          int kProducerRegs_, int kConsumerRegs_>
 struct FwdWsTile {
-  static constexpr bool kBias = kBias_;
+  static constexpr FwdWsScores kScores = kScores_;
+  static constexpr bool kBias = kScores == FwdWsScores::kFullBias;     // the (kBlockM, kBlockN) bias tiles
+  static constexpr bool kKeyRows = kScores == FwdWsScores::kKeyRows;   // the per-key rows
+  // Final scores (scale and bias applied before the softmax, scale 1 there) or raw q k^T with
+  // the scale folded into the softmax's exponent.
+  static constexpr bool kScaledScores = kBias || kKeyRows;
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
@@ -87,6 +104,14 @@ struct FwdWsTile {
                                                cute::take<0, 2>(SmemLayoutBias{})));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  // Per-key rows of one key block (kKeyRows): written by the loader warp's plain stores.
+  struct KeyRowStage {
+    int32_t pos[kBlockN];  // position of the key (-1: a padding row past the keys)
+    int32_t end[kBlockN];  // queries i < end may see it (INT_MAX: no bound; 0 past the keys)
+    float bias[kBlockN];
+  };
+  static constexpr int kKeyRowEndDelta = kBlockN;  // end[] behind pos[] (PositionTest::end_delta)
+  using KeyRowPipeline = cutlass::PipelineAsync<kStages>;
   static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kKVStageBytes = kBlockN * kHeadDim * int(sizeof(Element));
   static constexpr int kBiasStageBytes = kBlockM * kBlockN * int(sizeof(Element));
@@ -96,7 +121,9 @@ struct FwdWsTile {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> k;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> v;
     alignas(1024) cute::array_aligned<Element, kBias ? cute::cosize_v<SmemLayoutBias> : 8, 1024> bias;
+    cute::array_aligned<KeyRowStage, kKeyRows ? kStages : 1, 16> key_rows;
     typename Pipeline::SharedStorage pipe_k, pipe_v, pipe_bias;
+    typename KeyRowPipeline::SharedStorage pipe_key_rows;
     alignas(8) cutlass::arch::ClusterTransactionBarrier::ValueType q_full;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
@@ -106,20 +133,20 @@ struct FwdWsTile {
 // register budgets that keep both roles free of spills (ptxas -v). Two consumers: the producer at
 // 40 and the consumers at 232 (24 / 240 spilled the producer's TMA coordinates and
 // descriptors; at D = 256 the consumers fit 232 only with the GEMM descriptors rebuilt per
-// issue, fwd_ws_kernel_sm90.h). No bias tiles at 256: Q, K and V take the whole shared memory. With a bias at 64,
-// two consumers (three spilled at 160 registers).
-template <typename Element, int kHeadDim, bool kBias> struct FwdWsConfig;
-template <typename Element> struct FwdWsConfig<Element, 64, false> {
-  using Tile = FwdWsTile<Element, 64, 192, 128, 2, false, 32, 160>;
+// issue, fwd_ws_kernel_sm90.h). Plain scores only at 256: Q, K and V take the whole shared
+// memory. With a bias or key rows at 64, two consumers (three spilled at 160 registers).
+template <typename Element, int kHeadDim, FwdWsScores kScores> struct FwdWsConfig;
+template <typename Element> struct FwdWsConfig<Element, 64, FwdWsScores::kPlain> {
+  using Tile = FwdWsTile<Element, 64, 192, 128, 2, FwdWsScores::kPlain, 32, 160>;
 };
-template <typename Element> struct FwdWsConfig<Element, 64, true> {
-  using Tile = FwdWsTile<Element, 64, 128, 128, 2, true, 40, 232>;
+template <typename Element, FwdWsScores kScores> struct FwdWsConfig<Element, 64, kScores> {
+  using Tile = FwdWsTile<Element, 64, 128, 128, 2, kScores, 40, 232>;
 };
-template <typename Element, bool kBias> struct FwdWsConfig<Element, 128, kBias> {
-  using Tile = FwdWsTile<Element, 128, 128, 128, 2, kBias, 40, 232>;
+template <typename Element, FwdWsScores kScores> struct FwdWsConfig<Element, 128, kScores> {
+  using Tile = FwdWsTile<Element, 128, 128, 128, 2, kScores, 40, 232>;
 };
-template <typename Element> struct FwdWsConfig<Element, 256, false> {
-  using Tile = FwdWsTile<Element, 256, 128, 80, 2, false, 40, 232>;
+template <typename Element> struct FwdWsConfig<Element, 256, FwdWsScores::kPlain> {
+  using Tile = FwdWsTile<Element, 256, 128, 80, 2, FwdWsScores::kPlain, 40, 232>;
 };
 
 }  // namespace dmattn::cuda::sm90
