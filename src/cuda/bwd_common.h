@@ -134,14 +134,14 @@ __device__ __forceinline__ void bwd_softcap_chain(DS& ds, TT const& tt) {
   for (int i = 0; i < size(ds); ++i) ds(i) *= 1.f - tt(i) * tt(i);
 }
 
-// Element (or float) store of an fp32 value, saturating for the 16-bit types.
+// Element (or float) store of an fp32 value, saturating for the 16-bit types (saturate_keep_nan:
+// a NaN stays NaN).
 template <typename T>
 __device__ __forceinline__ void store_sat(T* p, float v) {
   if constexpr (std::is_same_v<T, float>) {
     *p = v;
   } else {
-    v = fminf(fmaxf(v, -ElemInfo<T>::kMax), ElemInfo<T>::kMax);
-    *p = T(v);
+    *p = T(saturate_keep_nan<T>(v));
   }
 }
 

@@ -160,12 +160,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_dq_kernel(const __grid
           float bm = t_m[r];
           CUTE_UNROLL
           for (int c = 0; c < size<1>(s_rc); ++c) bm = fmaxf(bm, s_rc(r, c));
-          if (bm == -INFINITY) continue;  // nothing allowed yet in this thread's columns
-          const float alpha = exp2f((t_m[r] - bm) * kLog2e);  // old max -inf -> 0
+          // Nothing allowed yet in this thread's columns: bm = -inf, exp2 of the differences
+          // from 0 instead, so that -inf scores give 0 and NaN scores (which fmaxf leaves out of
+          // the max) still make l and d NaN (NaN in, NaN out), as the forward's softmax.
+          const float bm_use = bm == -INFINITY ? 0.f : bm;
+          const float alpha = exp2f((t_m[r] - bm_use) * kLog2e);  // old max -inf -> 0
           float l = 0.f, d = 0.f;
           CUTE_UNROLL
           for (int c = 0; c < size<1>(s_rc); ++c) {
-            const float e = exp2f((s_rc(r, c) - bm) * kLog2e);
+            const float e = exp2f((s_rc(r, c) - bm_use) * kLog2e);
             l += e;
             d = fmaf(e, dp_rc(r, c), d);
           }
@@ -192,10 +195,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_dq_kernel(const __grid
   if constexpr (kStats) {
     // Merge the per-thread statistics of each row: over the quad, then over the warps.
     constexpr float kLog2e = 1.4426950408889634f;
+    // (m = -inf on both sides: the factors are 0, and a NaN l or d still reaches the sum.)
     auto merge = [&](float& m1, float& l1, float& d1, float m2, float l2, float d2) {
       const float mx = fmaxf(m1, m2);
-      if (mx == -INFINITY) return;
-      const float a1 = exp2f((m1 - mx) * kLog2e), a2 = exp2f((m2 - mx) * kLog2e);
+      const float mx_use = mx == -INFINITY ? 0.f : mx;
+      const float a1 = exp2f((m1 - mx_use) * kLog2e), a2 = exp2f((m2 - mx_use) * kLog2e);
       l1 = l1 * a1 + l2 * a2;
       d1 = d1 * a1 + d2 * a2;
       m1 = mx;
@@ -236,7 +240,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_dq_kernel(const __grid
         const float* e = red + 3 * (row * kWarps + w);
         merge(m1, l1, d1, e[0], e[1], e[2]);
       }
-      const bool empty = !(l1 > 0.f);
+      // Empty: l == 0 exactly (a NaN l is a NaN row: its log2 l and Delta stay NaN, and so do its
+      // P and dS wherever its scores are computed).
+      const bool empty = l1 == 0.f;
       a.stats_m[rs + row] = empty ? INFINITY : m1;
       a.stats_log2l[rs + row] = empty ? 0.f : log2f(l1);
       a.delta[rs + row] = empty ? 0.f : d1 / l1;

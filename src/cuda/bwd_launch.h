@@ -95,9 +95,8 @@ __global__ void bwd_convert_dq(const __grid_constant__ BwdArgs a) {
     auto* o2 = reinterpret_cast<typename ElemInfo<Element>::Native2*>(&out);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float lo = fminf(fmaxf(v[2 * e] * f.scale, -ElemInfo<Element>::kMax), ElemInfo<Element>::kMax);
-      const float hi = fminf(fmaxf(v[2 * e + 1] * f.scale, -ElemInfo<Element>::kMax), ElemInfo<Element>::kMax);
-      o2[e] = ElemInfo<Element>::pack(lo, hi);
+      o2[e] = ElemInfo<Element>::pack(saturate_keep_nan<Element>(v[2 * e] * f.scale),
+                                      saturate_keep_nan<Element>(v[2 * e + 1] * f.scale));
     }
     Element* dst = static_cast<Element*>(a.dq) + b * a.dq_bs + i * a.dq_rs + int64_t(h) * a.dq_hs + c;
     *reinterpret_cast<uint4*>(dst) = out;

@@ -267,8 +267,9 @@ __device__ __forceinline__ void bwd_store_dkdv(SK const& sdK, SV const& sdV, Ele
   }
 }
 
-// An fp32 accumulator of a (rows, head_dim) tile times `scale`, saturated to Element, written
-// to global rows [0, rows) (row stride `rs`) as the pairs of adjacent columns each thread holds.
+// An fp32 accumulator of a (rows, head_dim) tile times `scale`, saturated to Element
+// (saturate_keep_nan), written to global rows [0, rows) (row stride `rs`) as the pairs of
+// adjacent columns each thread holds.
 template <typename Element, class Acc, class C>
 __device__ __forceinline__ void bwd_store_acc_pairs(Acc const& acc, C const& coord, Element* g, int64_t rs, int rows,
                                                     int head_dim, float scale) {
@@ -278,9 +279,8 @@ __device__ __forceinline__ void bwd_store_acc_pairs(Acc const& acc, C const& coo
   for (int i = 0; i < size(acc); i += 2) {
     const int r = get<0>(coord(i)), c = get<1>(coord(i));
     if (r < rows && c < head_dim) {
-      const float x = fminf(fmaxf(acc(i) * scale, -Info::kMax), Info::kMax);
-      const float y = fminf(fmaxf(acc(i + 1) * scale, -Info::kMax), Info::kMax);
-      *reinterpret_cast<typename Info::Native2*>(g + int64_t(r) * rs + c) = Info::pack(x, y);
+      *reinterpret_cast<typename Info::Native2*>(g + int64_t(r) * rs + c) =
+          Info::pack(saturate_keep_nan<Element>(acc(i) * scale), saturate_keep_nan<Element>(acc(i + 1) * scale));
     }
   }
 }

@@ -79,7 +79,9 @@ struct OnlineSoftmax {
     }
   }
 
-  // Normalizes o; lse[r] = m + log(l), -inf (and o = 0) for a row with no allowed key.
+  // Normalizes o; lse[r] = m + log(l), -inf (and o = 0) for a row with no allowed key (l == 0).
+  // A NaN score (a NaN in q, k or the bias) is no allowed key's absence: fmaxf leaves it out of
+  // the max, but p = exp2(NaN) makes l NaN, and with it o and lse (NaN in, NaN out).
   template <class O>
   __device__ __forceinline__ void finalize(O& o, float (&lse)[kRows]) {
     finalize(o, lse, 1.f);
@@ -92,7 +94,7 @@ struct OnlineSoftmax {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const float l = quad_sum(row_sum[r]);
-      const bool empty = !(l > 0.f);
+      const bool empty = l == 0.f;  // not !(l > 0.f): that would take a NaN sum for empty
       const float inv = empty ? 0.f : 1.f / l;
       lse[r] = empty ? -INFINITY : row_max[r] * score_scale + logf(l);
       CUTE_UNROLL

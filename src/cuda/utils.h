@@ -61,8 +61,28 @@ template <> struct ElemInfo<cutlass::bfloat16_t> {
   }
 };
 
-// Converts an fp32 fragment to Element pairwise; kSaturate clamps to the finite range first,
-// so no finite fp32 value becomes Inf.
+// ---- saturation ----------------------------------------------------------------------------
+// The saturating stores' clamp to Element's finite range [-kMax, kMax]: no finite fp32 value
+// becomes Inf (docs/semantics.md; an infinite one, which only non-finite inputs make, is
+// clamped too), and a NaN stays NaN, so that a NaN input reaches the outputs it touches.
+// min / max.NaN (sm_80+) cost what fminf / fmaxf cost, which would turn a NaN into -kMax. (A
+// clamp of finite values only, Inf passing through, took an extra select per element, which
+// spilled registers in the Hopper backward's dK / dV stores and the sm80-class forward.)
+template <typename Element>
+__device__ __forceinline__ float saturate_keep_nan(float x) {
+  constexpr float kMax = ElemInfo<Element>::kMax;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float y;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(x), "f"(-kMax));
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(y), "f"(kMax));
+  return y;
+#else
+  return x != x ? x : fminf(fmaxf(x, -kMax), kMax);
+#endif
+}
+
+// Converts an fp32 fragment to Element pairwise; kSaturate clamps to the finite range first
+// (saturate_keep_nan), so no finite fp32 value becomes Inf and a NaN stays NaN.
 template <typename Element, bool kSaturate, class TensorF, class TensorE>
 __device__ __forceinline__ void convert_fragment(TensorF const& src, TensorE& dst) {
   static_assert(decltype(cute::size(src))::value % 2 == 0);
@@ -72,8 +92,8 @@ __device__ __forceinline__ void convert_fragment(TensorF const& src, TensorE& ds
   for (int i = 0; i < cute::size(src) / 2; ++i) {
     float a = src(2 * i), b = src(2 * i + 1);
     if constexpr (kSaturate) {
-      a = fminf(fmaxf(a, -Info::kMax), Info::kMax);
-      b = fminf(fmaxf(b, -Info::kMax), Info::kMax);
+      a = saturate_keep_nan<Element>(a);
+      b = saturate_keep_nan<Element>(b);
     }
     out[i] = Info::pack(a, b);
   }

@@ -10,7 +10,8 @@ everything it does not touch stays finite and equal to the NaN-free result.
   v, lse and dv are untouched (neither depends on v);
 * a NaN in an allowed bias element (i, j): out row i, lse_i, dq row i and dbias row i NaN;
   a NaN in a key-side bias at key j: every row attending j;
-* +inf in q or v is not hidden either: the rows it reaches are not finite;
+* +inf in q or v is not hidden either: the rows it reaches are NaN or Inf (or +-finfo.max,
+  where CUDA's 16-bit stores saturate an Inf);
 * top-k: a NaN in the bias is selected (it ranks as +inf, whatever its sign), on the dense, the
   gather and the per-query paths.
 What the contract leaves open (a NaN in a position a row does not attend, which kernels that
@@ -315,7 +316,8 @@ def test_nan_in_bias(device, dtype, shape, causal, nan_poison):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_inf_input_is_not_hidden(device, dtype, which):
     """+inf in q row i (non-causal: some score is +inf) or in a v row: the rows it reaches are
-    not finite (NaN or Inf), never a finite value or an empty row's 0."""
+    NaN or Inf (a 16-bit CUDA output saturates Inf to +-finfo.max), never an ordinary value or
+    an empty row's 0."""
     _skip_unsupported(device, dtype)
     gen = torch.Generator().manual_seed(4)
     q, k, v, _, _, _ = _dense_case(device, dtype, "none", gen)
@@ -326,11 +328,14 @@ def test_inf_input_is_not_hidden(device, dtype, which):
         t[1, KEY, 1, 4] = INF
     out, lse = dmattn.attention(q, k, v, return_lse=True)
     out = out.cpu()
+    infinite = ~torch.isfinite(out)
+    if device == "cuda":
+        infinite |= out.abs() == torch.finfo(dtype).max
     if which == "q":
-        assert not torch.isfinite(out[1, ROW, 3]).all() and not torch.isfinite(lse[1, 3, ROW])
+        assert infinite[1, ROW, 3].any() and not torch.isfinite(lse[1, 3, ROW])
         out[1, ROW, 3] = 0
     else:
-        assert not torch.isfinite(out[1, :, 2:, 4]).any(), "every row attending the key"
+        assert infinite[1, :, 2:, 4].all(), "every row attending the key"
         out[1, :, 2:] = 0
     assert torch.isfinite(out).all(), "the other rows stay finite"
 
