@@ -51,7 +51,11 @@ def _skip_unsupported(device, dtype):
 
 
 # Dense problem: batch 1, query head 3 (kv head 1) carries the NaN; Sk spans several key blocks.
-B, SQ, SK, H, HKV, D = 2, 40, 150, 4, 2, 32
+B, SQ, SK, H, HKV = 2, 40, 150, 4, 2
+# Head dims: on an H100, 128 takes the Hopper kernels (the warp-specialized forward, the sm90
+# backward), 32 the others. 128 only where a GPU is visible (the CPU code does not depend on it).
+HEAD_DIMS = pytest.mark.parametrize("d", [32] + ([128] if torch.cuda.is_available() else []),
+                                    ids=lambda d: f"d{d}")
 ROW = 17   # query row of the NaN (sees keys <= 127 when causal: off = 110)
 KEY = 120  # key row of the NaN (causal: rows >= 10 see it)
 
@@ -123,12 +127,12 @@ def _attention(q, k, v, bias, *, mask=None, **kw):
     return dmattn.attention(q, k, v, mask, bias, **kw)
 
 
-def _dense_case(device, dtype, operands, gen):
+def _dense_case(device, dtype, operands, gen, d):
     """q, k, v, dout, mask, bias of the dense problem. operands: "none"; "bias" (B, H, Sq, Sk)
     in q's dtype with a few -inf; "mask_bias32" a (B, 1, Sq, Sk) mask and a (1, H, 1, Sk) fp32
     bias (reduced over batch and queries in dbias)."""
     q, k, v, dout = (_randn(s, dtype, device, gen) for s in
-                     ((B, SQ, H, D), (B, SK, HKV, D), (B, SK, HKV, D), (B, SQ, H, D)))
+                     ((B, SQ, H, d), (B, SK, HKV, d), (B, SK, HKV, d), (B, SQ, H, d)))
     mask = bias = None
     if operands == "bias":
         bias = torch.randn(B, H, SQ, SK, generator=gen)
@@ -205,10 +209,11 @@ def _check_dense(res, ref, low, nan):
 @pytest.mark.parametrize("operands", ["none", "bias", "mask_bias32"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_nan_in_q_row(device, dtype, causal, operands, nan_poison):
+@HEAD_DIMS
+def test_nan_in_q_row(device, dtype, d, causal, operands, nan_poison):
     _skip_unsupported(device, dtype)
     gen = torch.Generator().manual_seed(1)
-    q, k, v, dout, mask, bias = _dense_case(device, dtype, operands, gen)
+    q, k, v, dout, mask, bias = _dense_case(device, dtype, operands, gen, d)
     if mask is not None:
         mask[1, 0, ROW, :8] = True  # the row attends something
     ref, low = _reference(q, k, v, mask, bias, dout, causal)
@@ -234,10 +239,11 @@ def test_nan_in_q_row(device, dtype, causal, operands, nan_poison):
 @pytest.mark.parametrize("operands", ["none", "bias", "mask_bias32"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_nan_in_k_or_v_row(device, dtype, which, causal, operands, nan_poison):
+@HEAD_DIMS
+def test_nan_in_k_or_v_row(device, dtype, d, which, causal, operands, nan_poison):
     _skip_unsupported(device, dtype)
     gen = torch.Generator().manual_seed(2)
-    q, k, v, dout, mask, bias = _dense_case(device, dtype, operands, gen)
+    q, k, v, dout, mask, bias = _dense_case(device, dtype, operands, gen, d)
     if mask is not None:
         mask[1, 0, 20:, KEY] = True  # attended by rows 20.. (and maybe some before)
     if bias is not None and bias.shape[-2] != 1:
@@ -275,12 +281,13 @@ def test_nan_in_k_or_v_row(device, dtype, which, causal, operands, nan_poison):
 @pytest.mark.parametrize("shape", ["element", "key"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_nan_in_bias(device, dtype, shape, causal, nan_poison):
+@HEAD_DIMS
+def test_nan_in_bias(device, dtype, d, shape, causal, nan_poison):
     """A NaN bias element (i, j) (full (B, H, Sq, Sk) bias, q's dtype) or a NaN in a key-side
     (B, H, 1, Sk) fp32 bias at key j."""
     _skip_unsupported(device, dtype)
     gen = torch.Generator().manual_seed(3)
-    q, k, v, dout, _, _ = _dense_case(device, dtype, "none", gen)
+    q, k, v, dout, _, _ = _dense_case(device, dtype, "none", gen, d)
     if shape == "element":
         bias = torch.randn(B, H, SQ, SK, generator=gen).to(dtype).to(device)
         where = (1, 3, ROW, 60)
@@ -314,13 +321,14 @@ def test_nan_in_bias(device, dtype, shape, causal, nan_poison):
 
 @pytest.mark.parametrize("which", ["q", "v"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_inf_input_is_not_hidden(device, dtype, which):
+@HEAD_DIMS
+def test_inf_input_is_not_hidden(device, dtype, d, which):
     """+inf in q row i (non-causal: some score is +inf) or in a v row: the rows it reaches are
     NaN or Inf (a 16-bit CUDA output saturates Inf to +-finfo.max), never an ordinary value or
     an empty row's 0."""
     _skip_unsupported(device, dtype)
     gen = torch.Generator().manual_seed(4)
-    q, k, v, _, _, _ = _dense_case(device, dtype, "none", gen)
+    q, k, v, _, _, _ = _dense_case(device, dtype, "none", gen, d)
     t = {"q": q, "v": v}[which]
     if which == "q":
         t[1, ROW, 3, 5] = INF
@@ -347,7 +355,8 @@ def test_inf_input_is_not_hidden(device, dtype, which):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_nan_varlen(device, dtype, causal, nan_poison):
+@HEAD_DIMS
+def test_nan_varlen(device, dtype, d, causal, nan_poison):
     """One NaN source per sequence (sequences are independent): bias at a key of sequence 0,
     q row of sequence 2, k row of sequence 3 (causal: seen by its last rows only), v row of
     sequence 4. Sequence 1 (no queries) and every row the NaN does not reach equal the NaN-free
@@ -360,8 +369,8 @@ def test_nan_varlen(device, dtype, causal, nan_poison):
     q0, k0 = cu_q.tolist(), cu_k.tolist()
     tq, tk = sum(lens_q), sum(lens_k)
     gen = torch.Generator().manual_seed(5)
-    q, dout = _randn((tq, H, D), dtype, device, gen), _randn((tq, H, D), dtype, device, gen)
-    k, v = _randn((tk, HKV, D), dtype, device, gen), _randn((tk, HKV, D), dtype, device, gen)
+    q, dout = _randn((tq, H, d), dtype, device, gen), _randn((tq, H, d), dtype, device, gen)
+    k, v = _randn((tk, HKV, d), dtype, device, gen), _randn((tk, HKV, d), dtype, device, gen)
     bias = torch.randn(HKV, tk, generator=gen).to(device)
 
     def call(q, k, v, bias, **kw):
@@ -436,15 +445,16 @@ def _topk_call(path, causal):
 @pytest.mark.parametrize("source", ["q", "k", "v", "bias", "minus_nan_bias"])
 @pytest.mark.parametrize("path,causal", TOPK_CASES, ids=[f"{p}-{'causal' if c else 'full'}" for p, c in TOPK_CASES])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_nan_topk(device, dtype, path, causal, source):
+@HEAD_DIMS
+def test_nan_topk(device, dtype, d, path, causal, source):
     """One key set per (batch, head) from a (B, H, 1, S) bias (per_query: a key set per query,
     always causal). The NaN key carries the largest bias of its row (a NaN bias, of either
     sign, ranks as +inf), so it is kept wherever it is visible, in the NaN-free call alike."""
     _skip_unsupported(device, dtype)
     s = S_TOPK
     gen = torch.Generator().manual_seed(6)
-    q, dout = _randn((B, s, H, D), dtype, device, gen), _randn((B, s, H, D), dtype, device, gen)
-    k, v = _randn((B, s, HKV, D), dtype, device, gen), _randn((B, s, HKV, D), dtype, device, gen)
+    q, dout = _randn((B, s, H, d), dtype, device, gen), _randn((B, s, H, d), dtype, device, gen)
+    k, v = _randn((B, s, HKV, d), dtype, device, gen), _randn((B, s, HKV, d), dtype, device, gen)
     bias = torch.randn(B, H, 1, s, generator=gen).to(dtype).to(device)
     bias[:, :, :, KEY] = 50.0
     run = _topk_call(path, causal)
