@@ -78,7 +78,8 @@ __device__ __forceinline__ void bwd_scores(S& s, C const& coord, TT& tt, const F
 //   lse path:   m = lse (from the forward), log2 l = 0 (g_log2l null);
 //   exact path: m, log2 l from bwd_stats (recomputed; keeps log l even when |m| is huge).
 // A row outside Sq or with no allowed key gets m = +inf, so that P is exactly 0 there and -inf
-// never meets -inf; its Delta is 0.
+// never meets -inf; its Delta is 0. The test is m == -inf exactly: a NaN row (NaN lse, or NaN
+// log2 l and Delta) keeps P and dS NaN.
 template <int kRows, class C>
 __device__ __forceinline__ void bwd_load_row_stats(C const& coord, const float* g_m, const float* g_log2l,
                                                    const float* g_delta, int rows_valid, float (&m)[kRows],
