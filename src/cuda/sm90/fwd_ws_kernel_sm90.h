@@ -216,6 +216,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       }
     }
     if (threadIdx.x != 0) return;
+    // (the descriptors' first use would otherwise fetch them on the critical path)
+    cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+    if constexpr (Tile::kBias) cute::prefetch_tma_descriptor(p.tma_bias.get_tma_descriptor());
     // This sequence's rows (packed: from its first row among all of them, in batch 0).
     const int tb = packed ? 0 : b;
     Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.rows_q, a.head_dim, a.num_heads, p.batch));
