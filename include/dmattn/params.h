@@ -150,6 +150,13 @@ struct BackwardParams {
   void* dbias_accum = nullptr;
 
   bool deterministic = false;
+  // false: the softmax statistics (row max and sum) and Delta_i = sum_j P_ij dP_ij are
+  // recomputed from the keys of this call, and fwd.lse / fwd.out are not read (CPU, and the
+  // CUDA exact path). true: FlashAttention's P = exp(S - lse) and Delta = rowsum(dO * out) from
+  // the given lse and out, so that a call over a part of the keys of a softmax normalized over
+  // more keys (context parallelism: lse and out of the whole row) gives that part's share of
+  // the gradients. An empty row has lse = -inf (P = 0).
+  bool forward_stats = false;
 
   int64_t dbias_offset(int64_t b, int64_t hb, int64_t i, int64_t j) const {
     // hb is the bias head index (already divided by head_div).

@@ -293,8 +293,16 @@ def attention_backward(
     key_positions: Optional[Tensor] = None,
     seqlen_k_original: int = 0,
     key_ends: Optional[Tensor] = None,
+    forward_stats: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns (dq, dk, dv, dbias); dbias is an empty tensor unless bias_requires_grad."""
+    """Returns (dq, dk, dv, dbias); dbias is an empty tensor unless bias_requires_grad.
+
+    forward_stats=False (the default): the softmax statistics and Delta are recomputed from the
+    keys of this call; ``out`` and ``lse`` are not read on the CPU (and the CUDA exact path).
+    forward_stats=True: P = exp(S - lse) and Delta = rowsum(dout * out) from the given ``lse``
+    and ``out``, which may belong to a softmax over more keys than k holds: the call then returns
+    these keys' share of the gradients of that softmax (context parallelism,
+    dmattn.distributed). lse -inf marks an empty row."""
     check_devices(dout=dout, q=q, k=k, v=v, out=out, lse=lse, mask=mask, bias=bias,
                    key_positions=key_positions, key_ends=key_ends)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -313,7 +321,7 @@ def attention_backward(
     dout, q, k, v, out = (_cuda_layout(t) for t in (dout, q, k, v, out))
     lib().backward(q, k, v, out, lse, mask, bias, dout, dq, dk, dv, dbias, delta, dq_accum,
                    dbias_accum, causal, window_left, window_right, _scale_arg(scale), softcap,
-                   deterministic, key_positions, seqlen_k_original, key_ends)
+                   deterministic, key_positions, seqlen_k_original, key_ends, bool(forward_stats))
     if dbias is None:
         dbias = q.new_empty((0,))
     return dq, dk, dv, dbias
@@ -321,7 +329,8 @@ def attention_backward(
 
 @attention_backward.register_fake
 def _(dout, q, k, v, out, lse, mask, bias, bias_requires_grad, causal, window_left,
-      window_right, scale, softcap, deterministic, key_positions=None, seqlen_k_original=0, key_ends=None):
+      window_right, scale, softcap, deterministic, key_positions=None, seqlen_k_original=0, key_ends=None,
+      forward_stats=False):
     dbias = bias.new_empty(bias.shape) if (bias_requires_grad and bias is not None) else q.new_empty((0,))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 

@@ -129,7 +129,8 @@ void backward(TensorView q, TensorView k, TensorView v, TensorView out, TensorVi
               Optional<TensorView> softmax_delta, Optional<TensorView> dq_accum,
               Optional<TensorView> dbias_accum, bool causal, int64_t window_left,
               int64_t window_right, double scale, double softcap, bool deterministic,
-              Optional<TensorView> key_positions, int64_t seqlen_k_original, Optional<TensorView> key_ends) {
+              Optional<TensorView> key_positions, int64_t seqlen_k_original, Optional<TensorView> key_ends,
+              bool forward_stats) {
   translate_errors([&] {
     const OptionalDesc mask_d(mask), bias_d(bias), dbias_d(dbias), delta_d(softmax_delta),
         dq_accum_d(dq_accum), dbias_accum_d(dbias_accum);
@@ -140,6 +141,7 @@ void backward(TensorView q, TensorView k, TensorView v, TensorView out, TensorVi
         delta_d.get(), dq_accum_d.get(), dbias_accum_d.get(),
         make_options(causal, window_left, window_right, scale, softcap, deterministic),
         gathered.get());
+    p.forward_stats = forward_stats;
     p.fwd.stream = current_stream(p.fwd);
     dmattn::run_backward(p);
   });

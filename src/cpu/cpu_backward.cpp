@@ -24,7 +24,10 @@
 //  - the stored fp16/bf16 `out` carries a rounding error (~2^-9 |dO||O| sqrt(D)) that does
 //    not cancel in dS: a bias broadcast over keys has dbias = sum_j dS_ij =
 //    Delta_exact - Delta_used, i.e. pure rounding noise, far above PyTorch's own error.
-// lse and out of the forward are therefore not read here.
+// lse and out of the forward are therefore not read here, unless the caller asks for exactly
+// that (BackwardParams::forward_stats: a call over a part of the keys of a softmax normalized
+// over more keys, as in context parallelism): then pass 0 is replaced by m = lse, 1 / l = 1
+// and Delta = rowsum(dO * out) (given_row_stats_task), and passes 1 and 2 run as above.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -224,6 +227,29 @@ void row_stats_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int64_
     t.row_max[r] = row.max;  // -inf marks an empty row
     t.inv_sum[r] = row.empty() ? Acc(0) : Acc(1) / row.sum;
     t.delta[r] *= t.inv_sum[r];
+  }
+  ctx.store_row_stats(b, h, i0, rows, t);
+}
+
+// Pass 0 with BackwardParams::forward_stats: the statistics of the rows of one query block from
+// the given lse and out (FlashAttention's P = exp(S - lse), Delta = rowsum(dO * out)): m = lse,
+// 1 / l = 1, or 0 on an empty row (lse = -inf, which scores_to_probs turns into P = 0).
+template <typename T, typename Acc, typename BiasT>
+void given_row_stats_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int64_t h,
+                          int64_t query_block, BackwardTiles<Acc>& t) {
+  constexpr Acc kNegInf = -std::numeric_limits<Acc>::infinity();
+  const ForwardParams& f = ctx.f;
+  const int64_t dim = f.head_dim;
+  const auto [kv_head, i0, rows] = ctx.query_rows(h, query_block);
+  const T* out = static_cast<const T*>(f.out) + f.out_strides.offset(b, i0, h);
+  const T* dout = static_cast<const T*>(ctx.p.dout) + ctx.p.dout_strides.offset(b, i0, h);
+  load_rows(out, f.out_strides.row_stride, rows, dim, t.q.data(), kBlockQ);  // (the q tile as scratch)
+  load_rows(dout, ctx.p.dout_strides.row_stride, rows, dim, t.dout.data(), kBlockQ);
+  const Acc* lse = static_cast<const Acc*>(f.lse) + b * f.lse_batch_stride + h * f.lse_head_stride + i0;
+  for (int64_t r = 0; r < rows; ++r) {
+    t.row_max[r] = lse[r];
+    t.inv_sum[r] = lse[r] == kNegInf ? Acc(0) : Acc(1);
+    t.delta[r] = row_dot(t.q.data() + r * dim, t.dout.data() + r * dim, dim);
   }
   ctx.store_row_stats(b, h, i0, rows, t);
 }
@@ -485,11 +511,13 @@ void backward_typed(const BackwardParams& p) {
 
   // The cache levels of score_cache.h that fit. The store holds dS without softcap', which the
   // key pass would need separately, so softcap uses the row tiles only.
+  // With the given statistics (forward_stats) the bounded form runs: pass 0 reads lse and out.
   const BackwardCacheLimits limits = backward_cache_limits();
+  const bool given_stats = p.forward_stats;
   TileStore<Acc> store(f.batch, f.num_heads, query_blocks, ctx.softcap_on ? 0 : grid.key_blocks,
-                       limits.store_bytes);
-  const bool rows_fit =
-      store.enabled() || RowTiles<Acc>::bytes(grid.key_blocks, ctx.softcap_on) <= limits.row_bytes;
+                       given_stats ? 0 : limits.store_bytes);
+  const bool rows_fit = !given_stats && (store.enabled() ||
+      RowTiles<Acc>::bytes(grid.key_blocks, ctx.softcap_on) <= limits.row_bytes);
 
   auto query_task = [&](int64_t task, auto&& run) {
     const int64_t query_block = task % query_blocks;
@@ -512,6 +540,8 @@ void backward_typed(const BackwardParams& p) {
           }, tiles);
         } else if (rows_fit) {
           query_row_task(ctx, b, h, query_block, [&](int64_t kb) { return row.tile(kb); }, tiles);
+        } else if (given_stats) {
+          given_row_stats_task(ctx, b, h, query_block, tiles);
         } else {
           row_stats_task(ctx, b, h, query_block, tiles);
         }

@@ -265,6 +265,7 @@ void backward(const BackwardParams& p) {
   constexpr double kExactMaxScores = double(int64_t(1) << 28);
   bool exact = double(f.batch) * double(f.num_heads) * double(f.seqlen_q) * double(f.seqlen_k) <= kExactMaxScores;
   if (const char* env = std::getenv("DMATTN_BWD_EXACT")) exact = env[0] == '1';
+  exact = exact && !p.forward_stats;  // the given lse and out are the statistics
   exact = exact && p.dq_accum != nullptr;
   if (const char* env = std::getenv("DMATTN_BWD_EXP")) a.exp_flags = std::atoi(env);
 
