@@ -1,0 +1,186 @@
+"""dmattn.distributed (context parallelism) against single-process dmattn on the whole sequence.
+
+* One spawned gloo group per world size (2, 3, 4) runs every case of distributed_cases.py in a
+  loop (spawning costs a few seconds) and the invalid-argument checks; each rank writes its
+  failures to a file. The group is joined with a deadline and killed after it, and gloo's own
+  timeout bounds every collective, so a failing rank cannot hang the suite.
+* Local parts without communication: the sharding helpers, the plans, and the backward op's
+  ``forward_stats`` mode that the ring's backward is built on.
+* World size 1 (a group of this process only) on CPU and, marked gpu, on CUDA (NCCL).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import dmattn
+import dmattn.distributed as dd
+from dmattn.distributed import layout as lay
+from dmattn.ops import attention_backward, attention_forward
+
+import distributed_cases
+
+DEADLINE_S = 300
+
+
+def _spawn(world_size: int, tmp_path, monkeypatch, case_names=None):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # 2..4 processes share the machine's cores
+    ctx = mp.start_processes(distributed_cases.worker, nprocs=world_size, join=False, start_method="spawn",
+                             args=(world_size, str(tmp_path / "init"), str(tmp_path), case_names))
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                pytest.fail(f"world size {world_size}: the ranks did not finish within {DEADLINE_S} s")
+    finally:
+        for process in ctx.processes:
+            if process.is_alive():
+                process.kill()
+    results = []
+    for rank in range(world_size):
+        with open(tmp_path / f"rank{rank}.json") as f:
+            results.append(json.load(f))
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ring_attention_matches_single_process(world_size, tmp_path, monkeypatch):
+    results = _spawn(world_size, tmp_path, monkeypatch)
+    failures = [f"rank {rank}: {line}" for rank, r in enumerate(results) for line in r["failures"]]
+    assert not failures, "\n".join(failures)
+    assert all(r["ran"] == len(distributed_cases.CASES) for r in results), results
+
+
+# ---------------------------------------------------------------------------------------------
+# Local parts (no communication).
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_shard_helpers_roundtrip(world_size):
+    x = torch.arange(2 * 4 * world_size * 3).view(2, 4 * world_size, 3)
+    for shard, unshard, layout in ((dd.zigzag_shard, dd.zigzag_unshard, "zigzag"),
+                                   (dd.contiguous_shard, dd.contiguous_unshard, "contiguous")):
+        shards = [shard(x, 1, world_size, r) for r in range(world_size)]
+        assert torch.equal(unshard(shards, 1, world_size), x)
+        assert torch.equal(unshard(torch.cat(shards, 1), 1, world_size), x)
+        for r, s in enumerate(shards):  # the rows hold the positions sequence_positions says
+            positions = dd.sequence_positions(4, world_size=world_size, rank=r, layout=layout)
+            assert torch.equal(s, x[:, positions])
+    if world_size == 2:  # chunks 0 and 3 on rank 0, 1 and 2 on rank 1
+        assert dd.zigzag_shard(x, 1, 2, 0)[0, :, 0].tolist() == [0, 3, 18, 21]
+    with pytest.raises(ValueError, match="x"):
+        dd.zigzag_shard(x[:, :-1], 1, world_size, 0)
+    with pytest.raises(ValueError, match="rank"):
+        dd.zigzag_shard(x, 1, world_size, world_size)
+
+
+def _visible(plan_layout, world_size, local_len, causal):
+    """Per rank, the (query position, key position) pairs its plan computes, each at most once."""
+    seen = set()
+    for rank in range(world_size):
+        q_pos = dd.sequence_positions(local_len, world_size=world_size, rank=rank, layout=plan_layout).tolist()
+        for source, calls in lay.ring_plan(plan_layout, world_size, rank, local_len, causal):
+            k_pos = dd.sequence_positions(local_len, world_size=world_size, rank=source,
+                                          layout=plan_layout).tolist()
+            for call in calls:
+                n_q, n_k = call.q_hi - call.q_lo, call.k_end
+                for i in range(n_q):
+                    for j in range(n_k):
+                        if call.causal and j > i + n_k - n_q:  # bottom-right aligned
+                            continue
+                        pair = (q_pos[call.q_lo + i], k_pos[j])
+                        assert pair not in seen
+                        seen.add(pair)
+    return seen
+
+
+@pytest.mark.parametrize("plan_layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+def test_ring_plan_covers_each_pair_once(plan_layout, world_size):
+    """Every (query, key) pair that causal allows is computed exactly once over the ring, no
+    other pair (and every pair without causal); zigzag gives every rank the same work."""
+    local_len = 6
+    total = world_size * local_len
+    assert _visible(plan_layout, world_size, local_len, False) == {(i, j) for i in range(total) for j in range(total)}
+    assert _visible(plan_layout, world_size, local_len, True) == {(i, j) for i in range(total) for j in range(i + 1)}
+    if plan_layout == "zigzag":
+        work = {sum((c.q_hi - c.q_lo) * c.k_end for _, calls in lay.ring_plan("zigzag", world_size, r, local_len, True)
+                    for c in calls) for r in range(world_size)}
+        assert len(work) == 1
+
+
+def test_backward_forward_stats_splits_keys():
+    """dmattn::bwd with forward_stats on the whole row's out and lse: the gradients of two halves
+    of the keys are the two halves of the whole (and dq their sum); the ring's backward relies on
+    it. On its own call's out and lse it is the ordinary backward."""
+    gen = torch.Generator().manual_seed(0)
+    q, dout = torch.randn(2, 40, 4, 16, generator=gen, dtype=torch.float64), torch.randn(2, 40, 4, 16, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 50, 2, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    bias = torch.randn(2, 4, 1, 50, generator=gen, dtype=torch.float64)
+    mask = torch.rand(1, 1, 40, 50, generator=gen) > 0.3
+    out, lse = attention_forward(q, k, v, mask, bias, True, -1, -1, None, 0.0, False)
+    whole = attention_backward(dout, q, k, v, out, lse, mask, bias, True, True, -1, -1, None, 0.0, False)
+    given = attention_backward(dout, q, k, v, out, lse, mask, bias, True, True, -1, -1, None, 0.0, False,
+                               None, 0, None, True)
+    for a, b in zip(whole, given):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    cut = 22  # keys [0, 22) and [22, 50)
+    # Causal over the whole row: key j <= i + 10. The halves' calls see the same rule through the mask.
+    causal = torch.arange(50) <= torch.arange(40).unsqueeze(1) + 10
+    first = attention_backward(dout, q, k[:, :cut], v[:, :cut], out, lse, (mask & causal)[..., :cut],
+                               bias[..., :cut], True, False, -1, -1, None, 0.0, False, None, 0, None, True)
+    second = attention_backward(dout, q, k[:, cut:], v[:, cut:], out, lse, (mask & causal)[..., cut:],
+                                bias[..., cut:], True, False, -1, -1, None, 0.0, False, None, 0, None, True)
+    torch.testing.assert_close(first[0] + second[0], whole[0], rtol=1e-12, atol=1e-12)
+    for index in (1, 2, 3):
+        torch.testing.assert_close(torch.cat([first[index], second[index]], 1 if index < 3 else -1), whole[index],
+                                   rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# World size 1: a group of this process alone.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def single_rank_group(tmp_path, device):
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    backend = "nccl" if device == "cuda" and dist.is_nccl_available() else "gloo"
+    dist.init_process_group(backend, init_method="file://" + str(tmp_path / "init"), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kv_exchange", ["ring", "allgather"])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_world_size_one_equals_attention(single_rank_group, device, layout, kv_exchange):
+    """One rank: ring_attention is dmattn.attention (causal, GQA, a key bias with its gradient);
+    on CUDA in bf16 (FlashAttention's statistics in the backward vs. the exact path: rounding)."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 256, 8, 64, generator=gen).to(device, dtype)
+    k, v = (torch.randn(2, 256, 2, 64, generator=gen).to(device, dtype) for _ in range(2))
+    bias = torch.randn(2, 8, 1, 256, generator=gen).to(device, dtype)
+    dout = torch.randn(2, 256, 8, 64, generator=gen).to(device, dtype)
+    results = []
+    for fn in (lambda *a, **kw: dmattn.attention(*a, **kw),
+               lambda *a, **kw: dd.ring_attention(*a, layout=layout, kv_exchange=kv_exchange, **kw)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+        out, lse = fn(*leaves[:3], None, leaves[3], causal=True, return_lse=True)
+        results.append([out, lse, *torch.autograd.grad(out, leaves, dout)])
+    for name, got, want in zip(["out", "lse", "dq", "dk", "dv", "dbias"], results[1], results[0]):
+        bound = (2e-2 if dtype == torch.bfloat16 else 1e-5) * want.float().abs().max().item()
+        assert (got.float() - want.float()).abs().max().item() <= bound, name
