@@ -98,16 +98,49 @@ def _merge(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> None:
     lse_acc.copy_(new)
 
 
-def _travelling(k, v, key_bias4, key_mask4) -> List[Tensor]:
-    return [t for t in (k, v, key_bias4, key_mask4) if t is not None]
+class _Operands:
+    """The mask and bias of one ring pass: key-side ones travel with K and V (4-D views), global
+    ones stay (4-D, keys in rank-major order); ``for_call`` cuts each call's operands."""
+
+    def __init__(self, bias: Optional[Tensor], mask: Optional[Tensor], spec: RingSpec):
+        self.spec = spec
+        self.key_bias = as4d(bias) if spec.bias is not None and spec.bias.kind == "key" else None
+        self.key_mask = as4d(mask) if spec.mask is not None and spec.mask.kind == "key" else None
+        self.glob_bias = _rank_major_keys(as4d(bias), spec.bias, spec) if self.key_bias is None else None
+        self.glob_mask = _rank_major_keys(as4d(mask), spec.mask, spec) if self.key_mask is None else None
+
+    def blocks(self, k: Tensor, v: Tensor) -> List[Tensor]:
+        """What travels: K, V and the key-side operands."""
+        return [t for t in (k, v, self.key_bias, self.key_mask) if t is not None]
+
+    def unpack(self, blocks: List[Tensor]):
+        rest = list(blocks[2:])
+        key_bias = rest.pop(0) if self.key_bias is not None else None
+        key_mask = rest.pop(0) if self.key_mask is not None else None
+        return blocks[0], blocks[1], key_bias, key_mask
+
+    def for_call(self, call: Call, source: int, key_bias: Optional[Tensor], key_mask: Optional[Tensor]):
+        """(mask, bias) of one call; key_bias / key_mask: the travelling ones held now."""
+        spec = self.spec
+        mask = _slice(key_mask if key_mask is not None else self.glob_mask, spec.mask, call, source, spec.local_len)
+        bias = _slice(key_bias if key_bias is not None else self.glob_bias, spec.bias, call, source, spec.local_len)
+        return mask, bias
 
 
-def _unpack(blocks: List[Tensor], has_bias: bool, has_mask: bool):
-    k, v = blocks[0], blocks[1]
-    rest = blocks[2:]
-    bias = rest.pop(0) if has_bias else None
-    mask = rest.pop(0) if has_mask else None
-    return k, v, bias, mask
+def _single_call(spec: RingSpec) -> bool:
+    """One rank whose one call covers every row and key (with one rank every layout's plan is
+    that, causal or not)."""
+    if len(spec.plan) != 1 or len(spec.plan[0][1]) != 1:
+        return False
+    call = spec.plan[0][1][0]
+    return call.q_lo == 0 and call.q_hi == spec.local_len and call.k_end == spec.local_len
+
+
+def _saved(ctx, q, k, v, bias, mask, out, lse):
+    ctx.save_for_backward(q, k, v, bias, mask, out, lse)
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+    return out, lse
 
 
 class RingAttention(torch.autograd.Function):
@@ -118,37 +151,35 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
                 spec: RingSpec):
         acc = _acc_dtype(q.dtype)
-        key_bias = as4d(bias) if spec.bias is not None and spec.bias.kind == "key" else None
-        key_mask = as4d(mask) if spec.mask is not None and spec.mask.kind == "key" else None
-        glob_bias = _rank_major_keys(as4d(bias), spec.bias, spec) if key_bias is None else None
-        glob_mask = _rank_major_keys(as4d(mask), spec.mask, spec) if key_mask is None else None
+        operands = _Operands(bias, mask, spec)
+        ctx.spec = spec
+        if _single_call(spec):  # one rank: the op's own results, no accumulators
+            (_, (call,)), = spec.plan
+            out, lse = _call_op(attention_forward, q, k, v, *operands.for_call(call, 0, operands.key_bias,
+                                                                               operands.key_mask),
+                                call.causal, -1, -1, spec.scale, spec.softcap, spec.deterministic)
+            return _saved(ctx, q, k, v, bias, mask, out, lse)
 
         out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), NEG_INF, dtype=acc, device=q.device)
-        blocks = _travelling(k, v, key_bias, key_mask)
+        blocks = operands.blocks(k, v)
         for step, (source, calls) in enumerate(spec.plan):
             pending = spec.comm.start(blocks) if step + 1 < len(spec.plan) else None
-            k_blk, v_blk, kb_blk, km_blk = _unpack(blocks, key_bias is not None, key_mask is not None)
+            k_blk, v_blk, kb_blk, km_blk = operands.unpack(blocks)
             for call in calls:
-                bias_c = _slice(kb_blk if key_bias is not None else glob_bias, spec.bias, call, source, spec.local_len)
-                mask_c = _slice(km_blk if key_mask is not None else glob_mask, spec.mask, call, source, spec.local_len)
-                out, lse = _call_op(attention_forward, q[:, call.q_lo:call.q_hi], k_blk[:, :call.k_end],
-                                    v_blk[:, :call.k_end], mask_c, bias_c, call.causal, -1, -1, spec.scale,
-                                    spec.softcap, spec.deterministic)
+                rows = slice(call.q_lo, call.q_hi)
+                out, lse = _call_op(attention_forward, q[:, rows], k_blk[:, :call.k_end], v_blk[:, :call.k_end],
+                                    *operands.for_call(call, source, kb_blk, km_blk), call.causal, -1, -1,
+                                    spec.scale, spec.softcap, spec.deterministic)
                 if step == 0:  # the first step's calls cover disjoint rows: nothing to merge yet
-                    out_acc[:, call.q_lo:call.q_hi].copy_(out)
-                    lse_acc[:, :, call.q_lo:call.q_hi].copy_(lse)
+                    out_acc[:, rows].copy_(out)
+                    lse_acc[:, :, rows].copy_(lse)
                 else:
-                    _merge(out_acc[:, call.q_lo:call.q_hi], lse_acc[:, :, call.q_lo:call.q_hi], out, lse)
+                    _merge(out_acc[:, rows], lse_acc[:, :, rows], out, lse)
             if pending is not None:
                 blocks = pending.wait()
 
-        out = out_acc.to(q.dtype)
-        ctx.spec = spec
-        ctx.save_for_backward(q, k, v, bias, mask, out, lse_acc)
-        ctx.mark_non_differentiable(lse_acc)
-        ctx.set_materialize_grads(False)
-        return out, lse_acc
+        return _saved(ctx, q, k, v, bias, mask, out_acc.to(q.dtype), lse_acc)
 
     @staticmethod
     def backward(ctx, dout: Optional[Tensor], _dlse):
@@ -162,31 +193,35 @@ class RingAttention(torch.autograd.Function):
         bias_op = spec.bias
         # A bias constant over the keys has the gradient 0 by definition (docs/semantics.md).
         bias_grad = ctx.needs_input_grad[3] and not (bias_op.kind == "global" and not bias_op.key_global)
-        key_bias = as4d(bias) if bias_op is not None and bias_op.kind == "key" else None
-        key_mask = as4d(mask) if spec.mask is not None and spec.mask.kind == "key" else None
-        glob_bias = _rank_major_keys(as4d(bias), bias_op, spec) if key_bias is None else None
-        glob_mask = _rank_major_keys(as4d(mask), spec.mask, spec) if key_mask is None else None
+        operands = _Operands(bias, mask, spec)
+        if _single_call(spec):  # one rank: the op's own backward (its statistics are the whole row's)
+            (_, (call,)), = spec.plan
+            dq, dk, dv, dbias = _call_op(
+                attention_backward, dout, q, k, v, out, lse,
+                *operands.for_call(call, 0, operands.key_bias, operands.key_mask),
+                bias_grad, call.causal, -1, -1, spec.scale, spec.softcap, spec.deterministic)
+            if ctx.needs_input_grad[3]:
+                dbias = dbias.reshape(bias.shape) if bias_grad else torch.zeros_like(bias)
+            return dq, dk, dv, dbias if ctx.needs_input_grad[3] else None, None, None
 
         dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dglob_bias = torch.zeros(glob_bias.shape, dtype=acc, device=q.device) \
-            if bias_grad and glob_bias is not None else None
-        key_bias_grad = bias_grad and key_bias is not None
-        blocks = _travelling(k, v, key_bias, key_mask)
+        dglob_bias = torch.zeros(operands.glob_bias.shape, dtype=acc, device=q.device) \
+            if bias_grad and operands.glob_bias is not None else None
+        key_bias_grad = bias_grad and operands.key_bias is not None
+        blocks = operands.blocks(k, v)
         grads_pending = None
         grads: List[Tensor] = []
         last = len(spec.plan) - 1
         for step, (source, calls) in enumerate(spec.plan):
             pending = spec.comm.start(blocks) if step < last else None
-            k_blk, v_blk, kb_blk, km_blk = _unpack(blocks, key_bias is not None, key_mask is not None)
+            k_blk, v_blk, kb_blk, km_blk = operands.unpack(blocks)
             share = None  # this rank's share of the block's dK, dV (, dbias)
             for call in calls:
                 rows = slice(call.q_lo, call.q_hi)
-                bias_c = _slice(kb_blk if key_bias is not None else glob_bias, bias_op, call, source, spec.local_len)
-                mask_c = _slice(km_blk if key_mask is not None else glob_mask, spec.mask, call, source, spec.local_len)
                 dq, dk, dv, dbias = _call_op(
                     attention_backward, dout[:, rows], q[:, rows], k_blk[:, :call.k_end], v_blk[:, :call.k_end],
-                    out[:, rows], lse[:, :, rows].contiguous(), mask_c, bias_c, bias_grad, call.causal, -1, -1,
-                    spec.scale, spec.softcap, spec.deterministic, None, 0, None, True)
+                    out[:, rows], lse[:, :, rows].contiguous(), *operands.for_call(call, source, kb_blk, km_blk),
+                    bias_grad, call.causal, -1, -1, spec.scale, spec.softcap, spec.deterministic, None, 0, None, True)
                 dq_acc[:, rows] += dq
                 if share is None:
                     share = [torch.zeros(k_blk.shape, dtype=acc, device=q.device),
