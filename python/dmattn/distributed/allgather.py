@@ -1,8 +1,7 @@
 """kv_exchange="allgather": K and V (and a key-side bias / mask) are gathered once into global
-order, and this rank's queries run against them with dmattn's public functions, one call per
-query chunk (layout.allgather_calls): causal over keys [0, chunk end), which bottom-right
+order, and this rank's queries run against them, one call per query chunk (layout.allgather_calls): causal over keys [0, chunk end), which bottom-right
 alignment turns into exactly "key j <= the query's global position". The backward is autograd's
-through those calls, and the gathered tensors' gradients go back to their owners
+through those calls (the dmattn::fwd op with its registered backward), and the gathered tensors' gradients go back to their owners
 (comm.GatherSequence: all_to_all and a float32 sum in rank order).
 
 With ``keep`` (Doge's per-query causal top-k) each chunk calls
@@ -18,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..interface import attention
+from ..ops import forward_with_grad
 from ..topk import attention_topk
 from .comm import GatherSequence, all_gather_sequence
 from .layout import allgather_calls
@@ -69,8 +68,10 @@ def allgather_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
                                       scale=scale, softcap=softcap, deterministic=deterministic,
                                       return_lse=True)
         else:
-            out, lse = attention(q_c, k_c, v_c, mask_c, bias_c, causal=call.causal, scale=scale,
-                                 softcap=softcap, deterministic=deterministic, return_lse=True)
+            # The op itself (dense): dmattn.attention's automatic gather path would read the
+            # mask's kept count on the host.
+            out, lse = forward_with_grad(q_c, k_c, v_c, mask_c, bias_c, call.causal, -1, -1, scale, softcap,
+                                         deterministic)
         outs.append(out)
         lses.append(lse)
     if len(outs) == 1:

@@ -155,12 +155,12 @@ def ring_attention(
         lse = torch.full((q.shape[0], q.shape[2], 0), float("-inf"), dtype=torch.float64
                          if q.dtype == torch.float64 else torch.float32, device=q.device)
         return (out, lse) if return_lse else out
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # (as dmattn.attention)
     if kv_exchange == "allgather":
         out, lse = allgather_attention(q, k, v, bias, mask, bias_op=bias_op, mask_op=mask_op, group=group,
                                        world_size=world_size, rank=rank, layout=layout, causal=causal,
                                        scale=scale, softcap=softcap, deterministic=deterministic, keep=keep)
     else:
-        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         spec = RingSpec(
             comm=RingExchange(group, world_size, rank) if world_size > 1 else None,
             plan=lay.ring_plan(layout, world_size, rank, q.shape[1], causal),
