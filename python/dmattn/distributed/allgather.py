@@ -1,8 +1,9 @@
 """kv_exchange="allgather": K and V (and a key-side bias / mask) are gathered once into global
-order, and this rank's queries run against them, one call per query chunk (layout.allgather_calls): causal over keys [0, chunk end), which bottom-right
-alignment turns into exactly "key j <= the query's global position". The backward is autograd's
-through those calls (the dmattn::fwd op with its registered backward), and the gathered tensors' gradients go back to their owners
-(comm.GatherSequence: all_to_all and a float32 sum in rank order).
+order, and this rank's queries run against them, one call per query chunk
+(layout.allgather_calls): causal over keys [0, chunk end), which bottom-right alignment turns
+into exactly "key j <= the query's global position". The backward is autograd's through those
+calls (the dmattn::fwd op with its registered backward), and the gathered tensors' gradients go
+back to their owners (comm.GatherSequence: all_to_all and a float32 sum in rank order).
 
 With ``keep`` (Doge's per-query causal top-k) each chunk calls
 ``dmattn.attention_topk(..., causal=True, per_query=True)`` on the same keys: query i keeps the
