@@ -80,9 +80,9 @@ def _operand(x, name: str, q: Tensor, heads_kv: int, world_size: int) -> Optiona
         raise ValueError(f"{name}: its batch / heads dims must be 1 or B = {batch} / 1, Hkv = {heads_kv} or "
                          f"H = {heads}; got shape {tuple(x.shape)}")
     if sk == local_len and sq == 1:
-        return Operand("key", tuple(x.shape), False, False)
+        return Operand("key", False, False)
     if sk in (total, 1) and sq in (local_len, 1):
-        return Operand("global", tuple(x.shape), sq == local_len and local_len != 1, sk == total and total != 1)
+        return Operand("global", sq == local_len and local_len != 1, sk == total and total != 1)
     raise ValueError(f"{name}: expected {layouts}; got shape {tuple(x.shape)}")
 
 
@@ -121,8 +121,7 @@ def ring_attention(
     "Context parallelism".
     """
     _check_qkv(q, k, v)
-    if not isinstance(layout, str) or layout not in lay.LAYOUTS:
-        raise ValueError(f"layout: expected 'zigzag' or 'contiguous', got {layout!r}")
+    lay.check_layout(layout)
     if not isinstance(kv_exchange, str) or kv_exchange not in KV_EXCHANGES:
         raise ValueError(f"kv_exchange: expected 'ring' or 'allgather', got {kv_exchange!r}")
     if _parse_window(window) != (-1, -1):

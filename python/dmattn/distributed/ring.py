@@ -36,9 +36,8 @@ class Operand:
     """How a mask or bias is laid out. kind "key": (B|1, Hb, 1, S_local), this rank's keys; it
     travels with them. kind "global": (B|1, Hb, S_local|1, S|1), this rank's query rows (or one
     row for all) x the keys of the whole sequence in global order (or one key); each call takes
-    its rows x its keys. ``shape``: the user's shape (rank <= 4)."""
+    its rows x its keys."""
     kind: str
-    shape: Tuple[int, ...]
     query_rows: bool  # query dim S_local (else 1)
     key_global: bool  # key dim S (else 1); kind "global" only
 
