@@ -260,6 +260,12 @@ void sum_segment_rows(TensorView dk_rows, TensorView dv_rows, TensorView slots, 
 
 bool cuda_available() { return dmattn::cuda_available(); }
 
+#ifndef DMATTN_BUILD_INFO
+#define DMATTN_BUILD_INFO ""
+#endif
+// What this build contains: "cuda=1 archs=80,90a cuda_version=13.0.88 blas=1" (CMakeLists.txt).
+std::string build_info() { return DMATTN_BUILD_INFO; }
+
 // Whether forward/backward accept key_positions for tensors on `device` ("cpu", "cuda").
 bool supports_key_positions(const std::string& device) {
   if (device == "cpu") return dmattn::key_positions_supported(dmattn::DeviceKind::kCPU);
@@ -275,6 +281,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward_varlen, forward_varlen);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(backward_varlen, backward_varlen);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(check_cu_seqlens, check_cu_seqlens);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(cuda_available, cuda_available);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(build_info, build_info);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(supports_key_positions, supports_key_positions);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(select_topk_positions, select_topk_positions);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gather_key_rows, gather_key_rows);
