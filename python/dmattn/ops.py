@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from ._lib import lib
+from ._lib import check_cuda_device, lib
 
 __all__ = ["attention_forward", "attention_backward", "attention_varlen_forward",
            "attention_varlen_backward", "supports_key_positions", "forward_with_grad",
@@ -62,7 +62,10 @@ def check_devices(**tensors: Optional[Tensor]) -> None:
     """Rejects, naming the argument, a tensor the native library cannot read: one on a device
     other than cpu / cuda (meta, mps, xpu, ...) or on a ROCm GPU (torch's "cuda" on HIP
     builds). Without this the DLPack hand-over fails with a C++ stack trace. Same-device and
-    every other rule are the native validation's."""
+    every other rule are the native validation's. The first CUDA tensor's GPU must be one the
+    kernels run on (compute capability 8.0 or newer, and an architecture this build has
+    kernels for): an older one is refused by name here rather than failing a kernel launch."""
+    gpu_checked = False
     for name, t in tensors.items():
         if not isinstance(t, Tensor):
             continue  # absent, or a type error that the caller reports
@@ -71,6 +74,9 @@ def check_devices(**tensors: Optional[Tensor]) -> None:
             where = "a ROCm GPU" if kind == "cuda" else f"the {kind} device"
             raise ValueError(f"{name}: dmattn runs on CPU and NVIDIA CUDA tensors; this one is "
                              f"on {where} ({t.device})")
+        if kind == "cuda" and not gpu_checked and not torch.compiler.is_compiling():
+            gpu_checked = True
+            check_cuda_device(t.device)
 
 
 def _scale_arg(scale: Optional[float]) -> float:
