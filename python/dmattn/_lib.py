@@ -68,7 +68,10 @@ def arch_runs_on(arch: str, capability) -> bool:
     minor; an arch-specific one ("90a") only on exactly its capability."""
     major, minor = capability
     digits = arch.rstrip("af")
-    a_major, a_minor = int(digits[:-1]), int(digits[-1])
+    try:
+        a_major, a_minor = int(digits[:-1]), int(digits[-1])
+    except ValueError:  # an arch spelled otherwise: no grounds to refuse the GPU
+        return True
     if arch != digits:
         return (a_major, a_minor) == (major, minor)
     return a_major == major and a_minor <= minor
