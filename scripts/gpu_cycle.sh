@@ -9,10 +9,11 @@
 #   .devcarry/   cutlass_include.tgz (CuTe/CUTLASS headers from the nvidia-cutlass wheel)
 #
 # Usage on the GPU machine (repo root):  bash scripts/gpu_cycle.sh [steps...]
-#   steps: build test bench sm90 sanitize (default: build test bench; sm90: the GPU tests with
+#   steps: build test bench sm90 bwd sanitize (default: build test bench; sm90: the GPU tests with
 #          the Hopper kernels off, DMATTN_FWD_SM90=0 DMATTN_BWD_SM90=0 -- on a Hopper GPU the
 #          only run of the sm80-class kernels at head dims up to 128 -- and forward timings of
-#          both)
+#          both; bwd: the warp-specialized Hopper backward's own tests, then fwd+bwd timings
+#          with it and with the general Hopper kernel, DMATTN_BWD_SM90_WS=0)
 #   env:   OUT (default /tmp/dmattn-out), ARCHS (default 90a), PYTEST_ARGS, BENCH_ARGS,
 #          CARRY_ROOT (folder holding .whl/ and .devcarry/, default the repo root; lets a copy of
 #          a work tree staged inside the checkout reuse the checkout's carried folders)
@@ -91,6 +92,17 @@ if [[ " $STEPS " == *" sm90 "* ]]; then
   step "forward timings, default (sm90) vs DMATTN_FWD_SM90=0 (sm80-class kernels)"
   python3 benchmarks/profiling/fwd_timing.py 2>&1 | grep -A40 TABLE | tee "$OUT/fwd_timing_sm90.txt"
   DMATTN_FWD_SM90=0 python3 benchmarks/profiling/fwd_timing.py 2>&1 | grep -A40 TABLE | tee "$OUT/fwd_timing_sm80.txt"
+fi
+
+if [[ " $STEPS " == *" bwd "* ]]; then
+  step "warp-specialized backward: tests"
+  timeout 200 python3 -m pytest tests/python/test_gpu_backward_ws.py -q -x -p no:cacheprovider -rf \
+    2>&1 | tee "$OUT/pytest_bwd_ws.log" | tail -15
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  step "fwd+bwd timings: warp-specialized backward, then the general Hopper kernel (DMATTN_BWD_SM90_WS=0)"
+  timeout 150 python3 benchmarks/profiling/bwd_timing.py 2>&1 | tee "$OUT/bwd_timing_ws.txt" | grep -A40 -E "TABLE|rel err"
+  DMATTN_BWD_SM90_WS=0 timeout 150 python3 benchmarks/profiling/bwd_timing.py 2>&1 | tee "$OUT/bwd_timing_general.txt" |
+    grep -A40 TABLE
 fi
 
 if [[ " $STEPS " == *" sanitize "* ]]; then

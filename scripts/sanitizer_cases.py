@@ -71,4 +71,13 @@ for dtype in (torch.bfloat16, torch.float16):
     topk_case(2, 300, 4, 2, 128, dtype, keep=160, causal=True)
     topk_case(1, 520, 2, 2, 64, dtype, keep=200, causal=True, per_query=True)
     topk_case(1, 260, 2, 1, 128, dtype, keep=96, causal=False)
+
+    # The warp-specialized Hopper backward (head dim 128: TMA producer, row-statistics loader and
+    # dQ writer warps, the named barriers of the dQ hand-over): plain scores with several query
+    # blocks per key block and a partial one, key blocks no query reaches, per-key rows with the
+    # column sums and a query-broadcast mask, gathered keys with key ends (per query).
+    case(2, 300, 520, 4, 2, 128, dtype, causal=True)
+    case(1, 96, 700, 2, 2, 128, dtype, window=(32, 0))
+    case(1, 200, 333, 4, 2, 128, dtype, mask_shape=(1, 1, 1, 333), bias_shape=(1, 4, 1, 333), causal=True)
+    topk_case(1, 520, 2, 2, 128, dtype, keep=200, causal=True, per_query=True)
 print("sanitizer cases done")

@@ -31,6 +31,7 @@ void run_bwd(const BwdArgs& a, bool deterministic, bool exact, cudaStream_t stre
 #include "cuda/bwd_kernel.h"
 #include "cuda/seq_bounds.h"
 #include "cuda/sm90/bwd_kernel_sm90.h"
+#include "cuda/sm90/bwd_ws_launch_sm90.h"
 #include "cuda/sm90/enabled.h"
 
 namespace dmattn::cuda {
@@ -122,8 +123,10 @@ inline int bwd_grid_stride_blocks(int64_t work, int threads) {
   return int(blocks < 4096 ? (blocks > 0 ? blocks : 1) : 4096);
 }
 
-// The main kernel runs on wgmma (sm90/bwd_kernel_sm90.h, head dim 128) on compute capability
-// 9.0 unless DMATTN_BWD_SM90=0 (sm90/enabled.h); the sm80-class kernel everywhere else.
+// The main kernel runs on wgmma on compute capability 9.0 unless DMATTN_BWD_SM90=0
+// (sm90/enabled.h): at head dim 128 the warp-specialized kernel (sm90/bwd_ws_kernel_sm90.h) for
+// the problems it takes, else the general Hopper kernel (sm90/bwd_kernel_sm90.h); the sm80-class
+// kernel everywhere else.
 inline bool bwd_sm90_enabled() {
   static const bool off = sm90::env_switched_off("DMATTN_BWD_SM90");
   return !off && sm90::device_runs_sm90_kernels();
@@ -269,7 +272,11 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
     };
     using T = std::true_type;
     using F = std::false_type;
-    if (mask_or_bias) {
+    bool ws = false;  // the warp-specialized Hopper kernel (sm90/bwd_ws_launch_sm90.h)
+    if constexpr (kHeadDim == 128) ws = sm90 && sm90::bwd_ws_supports(a);
+    if (ws) {
+      if constexpr (kHeadDim == 128) sm90::launch_bwd_ws<Element>(a, grid90, stream);
+    } else if (mask_or_bias) {
       if (softcap) launch_main(T{}, T{});
       else launch_main(T{}, F{});
     } else {

@@ -8,14 +8,9 @@
 #include "cuda/fwd_args.h"
 #include "cuda/sm90/enabled.h"
 #include "cuda/sm90/fwd_ws_kernel_sm90.h"
+#include "cuda/sm90/tma_views.h"
 
 namespace dmattn::cuda::sm90 {
-
-// TMA needs every stride of a dimension with more than one index to be a non-zero multiple of
-// 16 bytes (the sequence tensors' strides are multiples of 8 elements: check_seq_tensor).
-inline bool fwd_ws_strides_ok(int64_t bs, int64_t hs, int batch, int heads) {
-  return (batch == 1 || bs != 0) && (heads == 1 || hs != 0);
-}
 
 // A bias the kernel's TMA tiles take: q's dtype, one row per query, contiguous keys, 16-byte
 // multiples as strides.
@@ -56,24 +51,17 @@ bool fwd_ws_supports(const FwdArgs& a) {
   }
   const int heads_kv = a.num_heads / a.group;
   const int batch = a.cu_seqlens_q ? 1 : a.batch;  // a packed batch is one sequence to TMA
-  return fwd_ws_strides_ok(a.q_bs, a.q_hs, batch, a.num_heads) && fwd_ws_strides_ok(a.k_bs, a.k_hs, batch, heads_kv) &&
-         fwd_ws_strides_ok(a.v_bs, a.v_hs, batch, heads_kv);
+  return tma_strides_ok(a.q_bs, a.q_hs, batch, a.num_heads) && tma_strides_ok(a.k_bs, a.k_hs, batch, heads_kv) &&
+         tma_strides_ok(a.v_bs, a.v_hs, batch, heads_kv);
 }
-
-// A stride TMA accepts for a dimension of one index (its value is never used).
-inline int64_t fwd_ws_stride(int64_t stride, int extent, int64_t fallback) { return extent == 1 ? fallback : stride; }
 
 template <class Tile>
 void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
   using namespace cute;
   using Element = typename Tile::Element;
   const int heads_kv = a.num_heads / a.group;
-  // (rows, cols, heads, batch) views, cols contiguous, with TMA-valid strides for size-1 dims.
   auto gmem = [&](const void* ptr, int rows, int cols, int heads, int batch, int64_t rs, int64_t hs, int64_t bs) {
-    const int64_t hs_ok = fwd_ws_stride(hs, heads, rs * rows == 0 ? 8 : rs * rows);
-    const int64_t bs_ok = fwd_ws_stride(bs, batch, hs_ok * heads == 0 ? 8 : hs_ok * heads);
-    return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)),
-                       make_layout(make_shape(rows, cols, heads, batch), make_stride(rs, _1{}, hs_ok, bs_ok)));
+    return tma_gmem_view(static_cast<const Element*>(ptr), rows, cols, heads, batch, rs, hs, bs);
   };
   // A packed batch is one sequence of all rows (batch 1); the kernel offsets each sequence's rows.
   const bool packed = a.cu_seqlens_q != nullptr;

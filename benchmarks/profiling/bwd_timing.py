@@ -1,0 +1,109 @@
+"""Forward + backward timings of dmattn (CUDA) against SDPA cuDNN and SDPA flash (FA2) in one
+process, on the rows of the Hopper backward: dense and causal, a per-key bias (B, H, 1, S) with
+its gradient, attention_topk's shared key set and Doge's per-query selection (selection
+included), GQA.
+
+bf16, B=2, H=16, S=8192, D=128; every gradient (q, k, v and the bias's); median of CUDA-event
+timings after warm-up; random (never zero) inputs. TFLOP/s with FlashAttention's convention
+(4*B*H*S*S*D x 3.5, halved when causal; the top-k rows count the kept pairs). The backward kernel
+is the one dmattn picks (DMATTN_BWD_SM90_WS=0: the general Hopper kernel instead, for a
+comparison in a second process). Ends with a check of dmattn's dense gradients against SDPA's.
+    python benchmarks/profiling/bwd_timing.py [--iters 10] [-S 8192]
+"""
+
+import argparse
+
+import torch
+
+import dmattn
+from dmattn.bench import time_ms as bench_time_ms
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("-S", type=int, default=8192)
+    args = ap.parse_args()
+    B, H, S, D, KEEP = 2, 16, args.S, 128, 2048
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def leaf(*shape):
+        return torch.randn(*shape, device=dev, dtype=dt, generator=g).requires_grad_()
+
+    q, k, v = leaf(B, S, H, D), leaf(B, S, H, D), leaf(B, S, H, D)
+    key_bias = leaf(B, H, 1, S)
+    dout = torch.randn(B, S, H, D, device=dev, dtype=dt, generator=g)
+    qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    doutt = dout.transpose(1, 2)
+
+    rows = []
+
+    def add(name, fn, leaves, d_out, flop):
+        def step():
+            return torch.autograd.grad(fn(), leaves, d_out)
+        try:
+            ms = bench_time_ms(step, "cuda", 3, args.iters)
+            rows.append((name, ms, flop / ms / 1e9))
+        except Exception as e:  # noqa: BLE001
+            rows.append((name, float("nan"), float("nan")))
+            print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+        print(f"{rows[-1][0]:<62} {rows[-1][1]:8.3f} ms {rows[-1][2]:7.1f} TFLOP/s", flush=True)
+
+    def dense_flop(causal, h=H, s=S, b=B):
+        return 4 * b * h * s * s * D * 3.5 * (0.5 if causal else 1.0)
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    F = torch.nn.functional
+
+    def sdpa(causal, backend):
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        return run
+
+    for causal in (False, True):
+        kind = "causal" if causal else "dense"
+        add(f"dmattn {kind}", lambda: dmattn.attention(q, k, v, causal=causal), [q, k, v], dout, dense_flop(causal))
+        add(f"sdpa cudnn {kind}", sdpa(causal, SDPBackend.CUDNN_ATTENTION), [qt, kt, vt], doutt, dense_flop(causal))
+        add(f"sdpa flash (FA2) {kind}", sdpa(causal, SDPBackend.FLASH_ATTENTION), [qt, kt, vt], doutt,
+            dense_flop(causal))
+    for causal in (False, True):
+        add(f"dmattn per-key bias (B,H,1,S) + dbias{' causal' if causal else ''}",
+            lambda: dmattn.attention(q, k, v, bias=key_bias, causal=causal), [q, k, v, key_bias], dout,
+            dense_flop(causal))
+    # attention_topk: the shared key set (query i keeps the selected keys j <= i under causal) and
+    # Doge's per-query selection (query i keeps min(keep, i + 1) keys).
+    sel = key_bias.detach().float().topk(KEEP, dim=-1).indices
+    shared_causal = 4 * D * float((S - sel.float()).sum()) * 3.5
+    add("dmattn attention_topk(2048) causal, with the selection",
+        lambda: dmattn.attention_topk(q, k, v, key_bias, KEEP, causal=True), [q, k, v, key_bias], dout, shared_causal)
+    add("dmattn attention_topk(2048), with the selection",
+        lambda: dmattn.attention_topk(q, k, v, key_bias, KEEP), [q, k, v, key_bias], dout,
+        4 * D * B * H * KEEP * S * 3.5)
+    per_query = 4 * D * B * H * sum(min(KEEP, i + 1) for i in range(S)) * 3.5
+    add("dmattn attention_topk(2048) causal per query, with the selection",
+        lambda: dmattn.attention_topk(q, k, v, key_bias, KEEP, causal=True, per_query=True), [q, k, v, key_bias],
+        dout, per_query)
+    # GQA 32 / 8 heads, causal, B=1.
+    qg = leaf(1, S, 32, D)
+    kg, vg = leaf(1, S, 8, D), leaf(1, S, 8, D)
+    add("dmattn GQA 32/8 causal (B=1)", lambda: dmattn.attention(qg, kg, vg, causal=True), [qg, kg, vg],
+        torch.randn(1, S, 32, D, device=dev, dtype=dt, generator=g), dense_flop(True, h=32, b=1))
+
+    # Gradient check of the dense causal case against SDPA flash (same inputs, fp32 norms).
+    out = dmattn.attention(q, k, v, causal=True)
+    mine = torch.autograd.grad(out, [q, k, v], dout)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        ref = torch.autograd.grad(F.scaled_dot_product_attention(qt, kt, vt, is_causal=True), [qt, kt, vt], doutt)
+    for name, a, r in zip("qkv", mine, ref):
+        r = r.transpose(1, 2)
+        rel = ((a.float() - r.float()).norm() / r.float().norm()).item()
+        print(f"d{name} (causal) vs SDPA flash: rel err {rel:.2e}, finite {bool(torch.isfinite(a).all())}")
+    print("\nTABLE")
+    for name, ms, tf in rows:
+        print(f"| {name} | {ms:.3f} | {tf:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

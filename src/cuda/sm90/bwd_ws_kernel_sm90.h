@@ -1,0 +1,423 @@
+// The warp-specialized Hopper backward (sm_90a), FlashAttention-3's structure: one CTA per (key
+// block, kv head, batch) (cta_order.h) with
+//   - a producer warpgroup (registers given back with setmaxnreg):
+//       warp 0, one thread: K and V once (one transaction barrier), then Q[t] and dO[t] of every
+//         query block t the key block meets (every query head of the GQA group), by TMA through
+//         two kStages-deep PipelineTmaAsync pipelines;
+//       warp 1: the row statistics of block t (lse or the exact path's m and log2 l, Delta) and,
+//         with key rows, the key block's positions, query bounds and bias for t's query head,
+//         into a stage of a PipelineAsync;
+//       warp 2: dQ's writer: once a consumer has staged its half of dQ[t] in shared memory, one
+//         TMA reduce-add per (64, 32) box into dq_accum, then the buffer is handed back (named
+//         barriers dQFull / dQEmpty, FlashAttention-3's scheme): the consumers never wait on
+//         the global reduction;
+//   - two consumer warpgroups (registers raised), per query block t:
+//       issue S = Q K^T, dP = dO V^T; the score transform (scale, key bias, window / positions
+//       tests) and P = exp(s - lse) while dP runs; dS = P (dP - Delta); column sums of dS for a
+//       key bias; P, dS -> shared memory; one barrier of both consumers (dS complete);
+//       issue dV += P^T dO, dK += dS^T Q, dQ = dS K; wait; release Q[t], dO[t];
+//       dQ -> shared memory (fp32) for the writer.
+//     dK and dV stay in registers across the loop and are stored at the end (scale applied).
+// The score transform, P / dS and the column sums are the general Hopper kernel's
+// (bwd_common.h, dbias_colsum_sm90.h): the same numerics, exactly.
+// Buffers: P has one buffer (read only by its own consumer's dV product, complete at that
+// consumer's wait), dS two (the other consumer's dQ product of block t may still read it while
+// block t + 1 is written; the barrier of block t + 1 orders block t + 2's writes after it).
+// Compiled for every target, with a body only for sm_90a.
+#pragma once
+
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "cuda/bwd_args.h"
+#include "cuda/bwd_common.h"
+#include "cuda/bwd_parts.h"
+#include "cuda/cta_order.h"
+#include "cuda/key_positions.h"
+#include "cuda/score_mask.h"
+#include "cuda/seq_bounds.h"
+#include "cuda/sm90/bwd_ws_tile_sm90.h"
+#include "cuda/sm90/dbias_colsum_sm90.h"
+#include "cuda/sm90/gmma.h"
+#include "cuda/sm90/key_rows_sm90.h"
+
+namespace dmattn::cuda::sm90 {
+
+template <class Tile>
+struct BwdWsParams {
+  BwdArgs a;
+  typename Tile::TmaQ tma_q, tma_do;
+  typename Tile::TmaKV tma_k, tma_v;
+  typename Tile::TmadQ tma_dq;  // (unused without dq_accum)
+};
+
+// Named barriers (ids after CUTLASS's reserved ones).
+struct BwdWsBarrier {
+  static constexpr int kPdS = 0;        // both consumers: P and dS of block t written
+  static constexpr int kDqFull = 1;     // + w: consumer w's dQ staged (consumer w + the writer warp)
+  static constexpr int kDqEmpty = 3;    // + w: consumer w's dQ buffer free again
+  static constexpr int kColSum = 5;     // both consumers: column-sum flushes
+  static constexpr int kDqThreads = 128 + 32;
+};
+
+template <class Tile>
+__global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const __grid_constant__ BwdWsParams<Tile> p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace cute;
+  using Element = typename Tile::Element;
+  using Pipeline = typename Tile::Pipeline;
+  using RowPipeline = typename Tile::RowPipeline;
+  using PipelineState = typename cutlass::PipelineState<Tile::kStages>;
+  using NamedBarrier = cutlass::arch::NamedBarrier;
+  using Bar = BwdWsBarrier;
+  constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN, kHeadDim = Tile::kHeadDim;
+  constexpr int kConsumerThreads = Tile::kConsumerThreads;
+  const BwdArgs& a = p.a;
+  const FwdArgs& f = a.f;
+
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& ss = *reinterpret_cast<typename Tile::SharedStorage*>(smem_raw);
+  const int warp_group = threadIdx.x / 128;
+  const CtaCoords cta = bwd_cta_coords(a);
+  const int n_block = bwd_cta_n_block();
+  const int n0 = n_block * kBlockN;
+  const int kvh = cta.y, b = cta.z;
+  const int group = f.group;
+  const SeqBounds seq(f, b);
+  const bool want_dq = a.dq_accum != nullptr;
+  const bool colsum = Tile::kKeyRows && a.dbias != nullptr && a.dbias_mode == kDbColSum;
+
+  // The query blocks [m_lo, m_hi) that meet this key block (gathered keys: from its positions,
+  // which every thread reads after the counting barrier).
+  int m_lo, m_hi;
+  if constexpr (Tile::kKeyRows) {
+    if (f.kpos.ptr != nullptr) {
+      const KeyPositionRow kp_row(f, b, kvh * group);
+      load_positions_tile<kBlockN, Tile::kNThreads, false>(ss.pos.data(), kp_row.row, kp_row.count, n0, threadIdx.x,
+                                                           nullptr, 0);
+      const int n_valid = positions_tile_valid_count<kBlockN>(ss.pos.data(), f.kpos.seqlen_k_original, threadIdx.x);
+      kp_row.query_block_range(ss.pos[0], ss.pos[n_valid > 0 ? n_valid - 1 : 0], n_valid, kBlockM, m_lo, m_hi);
+    } else {
+      bwd_query_block_range(seq.window(), n0, kBlockN, kBlockM, m_lo, m_hi);
+    }
+    if (colsum)
+      for (int i = threadIdx.x; i < Tile::kWarpsPerCol * kBlockN; i += Tile::kNThreads) ss.colsum[i] = 0.f;
+  } else {
+    bwd_query_block_range(seq.window(), n0, kBlockN, kBlockM, m_lo, m_hi);
+  }
+  const int n_m = max(m_hi - m_lo, 0);
+  const int n_iter = n_m * group;
+
+  typename Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = Tile::kQBytes;
+  pipe_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = kConsumerThreads;
+  Pipeline pipe_q(ss.pipe_q, pipe_params, Shape<_1, _1, _1>{});
+  Pipeline pipe_do(ss.pipe_do, pipe_params, Shape<_1, _1, _1>{});
+  typename RowPipeline::Params row_params;
+  row_params.role = warp_group == 0 ? RowPipeline::ThreadCategory::Producer : RowPipeline::ThreadCategory::Consumer;
+  row_params.producer_arv_count = 32;  // the loader warp's lanes
+  row_params.consumer_arv_count = kConsumerThreads;
+  RowPipeline pipe_rows(ss.pipe_rows, row_params);
+  auto& kv_full = *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&ss.kv_full);
+  if (threadIdx.x == 0) {
+    kv_full.init(1);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  // Query block t: query head kvh * group + t / n_m, block m_lo + t % n_m.
+  auto head_of = [&](int t) { return kvh * group + t / n_m; };
+  auto m_block_of = [&](int t) { return m_lo + t % n_m; };
+
+  if (warp_group == 0) {  // ---------------------------------------------------------- producer
+    cutlass::arch::warpgroup_reg_dealloc<Tile::kProducerRegs>();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (n_iter == 0) return;
+    if (warp == 1) {  // the row statistics and key rows
+      PipelineState write = cutlass::make_producer_start_state<RowPipeline>();
+      for (int t = 0; t < n_iter; ++t) {
+        const int h = head_of(t);
+        const int m0 = m_block_of(t) * kBlockM;
+        const int rows_valid = seq.rows_valid(m0, kBlockM);
+        const int64_t row_stat = seq.stat_offset(h) + m0;
+        pipe_rows.producer_acquire(write);
+        auto& st = ss.rows[write.index()];
+        for (int r = lane; r < rows_valid; r += 32) {
+          st.m[r] = a.row_m[row_stat + r];
+          if (a.row_log2l != nullptr) st.log2l[r] = a.row_log2l[row_stat + r];
+          st.delta[r] = a.delta[row_stat + r];
+        }
+        if constexpr (Tile::kKeyRows) {
+          const OperandArgs& bias = f.bias;
+          const char* bias_row = bias.ptr == nullptr ? nullptr
+                                 : bias.ptr + (int64_t(b) * bias.stride_b + int64_t(h / bias.head_div) * bias.stride_h +
+                                               int64_t(seq.k0()) * bias.stride_k) * bias.esize;
+          const OperandArgs& mask = f.mask;
+          const uint8_t* mask_row = mask.ptr == nullptr ? nullptr
+                                    : reinterpret_cast<const uint8_t*>(mask.ptr) + int64_t(b) * mask.stride_b +
+                                          int64_t(h / mask.head_div) * mask.stride_h + int64_t(seq.k0()) * mask.stride_k;
+          const int32_t* pos_row = f.kpos.ptr != nullptr ? positions_row(f.kpos, b, h) : nullptr;
+          const int32_t* end_row = f.kpos.ptr != nullptr ? ends_row(f.kpos, b, h) : nullptr;
+          load_key_rows<Element, typename Tile::KeyRows, kBlockN>(st.keys, n_block, seq.len_k(), pos_row, end_row,
+                                                                  bias_row, bias.stride_k * bias.esize, f.bias_fp32,
+                                                                  mask_row, mask.stride_k);
+        }
+        pipe_rows.producer_commit(write);
+        ++write;
+      }
+      return;
+    }
+    if (warp == 2) {  // dQ's writer
+      if (!want_dq) return;
+      Tensor mdQ = p.tma_dq.get_tma_tensor(make_shape(f.seqlen_q, f.head_dim, f.num_heads, f.batch));
+      Tensor sdQ = make_tensor(make_smem_ptr(ss.dq.data()), typename Tile::SmemLayoutdQBoxes{});
+      // Both buffers start free; each later hand-back but the last matches a consumer's wait
+      // (no barrier is left half arrived when the CTA ends).
+      CUTE_UNROLL
+      for (int w = 0; w < Tile::kConsumers; ++w) NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqEmpty + w);
+      for (int t = 0; t < n_iter; ++t) {
+        Tensor gdQ = local_tile(mdQ(_, _, head_of(t), b), Shape<Int<kBlockM>, Int<Tile::kDqBoxCols>>{},
+                                make_coord(m_block_of(t), _));
+        auto [tdQgdQ, tdQsdQ] = tma_partition(p.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
+                                              group_modes<0, 2>(gdQ));
+        CUTE_UNROLL
+        for (int w = 0; w < Tile::kConsumers; ++w) {
+          NamedBarrier::sync(Bar::kDqThreads, Bar::kDqFull + w);
+          if (lane == 0) {
+            constexpr int kBoxesPerConsumer = Tile::kDqBoxes / Tile::kConsumers;
+            CUTE_UNROLL
+            for (int j = 0; j < kBoxesPerConsumer; ++j)
+              copy(p.tma_dq, tdQsdQ(_, w * kBoxesPerConsumer + j), tdQgdQ(_, w * kBoxesPerConsumer + j));
+            tma_store_arrive();
+            tma_store_wait<0>();  // the boxes have been read: the buffer may be written again
+          }
+          __syncwarp();
+          if (t + 1 < n_iter) NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqEmpty + w);
+        }
+      }
+      if (lane == 0) tma_store_wait<0>();
+      return;
+    }
+    if (threadIdx.x != 0) return;
+    cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+    const int heads_kv = f.num_heads / group;
+    Tensor mK = p.tma_k.get_tma_tensor(make_shape(f.seqlen_k, f.head_dim, heads_kv, f.batch));
+    Tensor mV = p.tma_v.get_tma_tensor(make_shape(f.seqlen_k, f.head_dim, heads_kv, f.batch));
+    Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tile::SmemLayoutKV{});
+    Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tile::SmemLayoutKV{});
+    Tensor gK = local_tile(mK(_, _, kvh, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+    Tensor gV = local_tile(mV(_, _, kvh, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+    auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    kv_full.arrive_and_expect_tx(2 * Tile::kKVBytes);
+    copy(p.tma_k.with(ss.kv_full), tKgK, tKsK);
+    copy(p.tma_v.with(ss.kv_full), tVgV, tVsV);
+
+    Tensor mQ = p.tma_q.get_tma_tensor(make_shape(f.seqlen_q, f.head_dim, f.num_heads, f.batch));
+    Tensor mdO = p.tma_do.get_tma_tensor(make_shape(f.seqlen_q, f.head_dim, f.num_heads, f.batch));
+    Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tile::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tile::SmemLayoutQ{});
+    PipelineState write_q = cutlass::make_producer_start_state<Pipeline>();
+    PipelineState write_do = cutlass::make_producer_start_state<Pipeline>();
+    for (int t = 0; t < n_iter; ++t) {
+      const int h = head_of(t), mb = m_block_of(t);
+      Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(mb, 0));
+      Tensor gdO = local_tile(mdO(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(mb, 0));
+      auto [tQgQ, tQsQ] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto [tdOgdO, tdOsdO] =
+          tma_partition(p.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+      pipe_q.producer_acquire(write_q);
+      copy(p.tma_q.with(*pipe_q.producer_get_barrier(write_q)), tQgQ, tQsQ(_, write_q.index()));
+      ++write_q;
+      pipe_do.producer_acquire(write_do);
+      copy(p.tma_do.with(*pipe_do.producer_get_barrier(write_do)), tdOgdO, tdOsdO(_, write_do.index()));
+      ++write_do;
+    }
+    // Stay until the consumers have released every stage (no load outlives the CTA's smem).
+    pipe_q.producer_tail(write_q);
+    pipe_do.producer_tail(write_do);
+    return;
+  }
+
+  // ---------------------------------------------------------------------------- consumers
+  cutlass::arch::warpgroup_reg_alloc<Tile::kConsumerRegs>();
+  const int ctid = threadIdx.x - 128;
+  const int consumer = ctid / 128;
+
+  typename Tile::TiledMmaSdP mma_sdp;
+  typename Tile::TiledMmadKV mma_dkv;
+  typename Tile::TiledMmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(ctid);
+  auto thr_dkv = mma_dkv.get_thread_slice(ctid);
+  auto thr_dq = mma_dq.get_thread_slice(ctid);
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tile::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tile::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Tile::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Tile::SmemLayoutQt{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tile::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tile::SmemLayoutKV{});
+  Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Tile::SmemLayoutKt{});
+  Tensor sP = make_tensor(make_smem_ptr(ss.p.data()), typename Tile::SmemLayoutP{});
+  Tensor sPt = make_tensor(make_smem_ptr(ss.p.data()), typename Tile::SmemLayoutPt{});
+  auto sdS_at = [&](int buf) {
+    return make_tensor(make_smem_ptr(ss.ds.data() + buf * Tile::kPElems), typename Tile::SmemLayoutP{});
+  };
+  auto sdSt_at = [&](int buf) {
+    return make_tensor(make_smem_ptr(ss.ds.data() + buf * Tile::kPElems), typename Tile::SmemLayoutPt{});
+  };
+  Tensor sdQ = make_tensor(make_smem_ptr(ss.dq.data()), typename Tile::SmemLayoutdQ{});
+
+  Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor tScS = thr_sdp.partition_C(cS);
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+  constexpr int kRows = decltype(size<0>(tScS_rc))::value;
+
+  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+
+  const bool bias_per_head = a.bsize_h == f.num_heads && a.bias_head_div == 1;
+  const bool colsum_per_head = colsum && bias_per_head && group > 1;
+  const int cols_valid = min(kBlockN, seq.len_k() - n0);
+  auto consumers_sync = [] { NamedBarrier::sync(kConsumerThreads, Bar::kColSum); };
+  auto colsum_flush = [&](int h) {
+    colsum_flush_smem<Element, kBlockN, Tile::kWarpsPerCol, kConsumerThreads>(a, ss.colsum.data(), b, h, n0,
+                                                                              cols_valid, ctid, consumers_sync);
+  };
+
+  if (n_iter > 0) {
+    kv_full.wait(0);
+    PipelineState read_q, read_do, read_r;
+    const WindowMask win = seq.window();
+    for (int t = 0; t < n_iter; ++t) {
+      const int h = head_of(t);
+      const int m0 = m_block_of(t) * kBlockM;
+      const int rows_valid = seq.rows_valid(m0, kBlockM);
+      const int buf = t & 1;
+
+      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      pipe_q.consumer_wait(read_q);
+      {
+        Tensor tSrQ = thr_sdp.partition_fragment_A(sQ)(_, _, _, read_q.index());
+        Tensor tSrK = thr_sdp.partition_fragment_B(sK);
+        gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_sdp, tSrQ, tSrK, acc_s);
+      }
+      pipe_do.consumer_wait(read_do);
+      {
+        Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO)(_, _, _, read_do.index());
+        Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+        gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_sdp, tdPrdO, tdPrV, acc_dp);
+      }
+      pipe_rows.consumer_wait(read_r);
+      const auto& st = ss.rows[read_r.index()];
+      float row_m[kRows], row_log2l[kRows], delta[kRows];
+      bwd_load_row_stats(tScS_rc, st.m, a.row_log2l != nullptr ? st.log2l : nullptr, st.delta, rows_valid, row_m,
+                         row_log2l, delta);
+
+      gemm_wait<1>(acc_s);  // S done; dP may still run
+      Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+      Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
+      if constexpr (Tile::kKeyRows) {
+        // s = scale * qk, then + bias (two roundings, as the general transform: the exact path's
+        // statistics kernel computes m and l with it, and a single-key row must give P = 1
+        // exactly), then the tests on positions and query bounds.
+        const auto& kr = st.keys;
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_s); ++i) acc_s(i) *= f.scale;
+        add_key_bias(s_rc, tScS_rc, kr.bias, 1.f);
+        const PositionTest pt{kr.pos, f.kpos.ptr != nullptr ? position_window(f) : win, Tile::kKeyRowEndDelta};
+        if (positions_block_needs_mask<kBlockN>(pt.win, kr.pos, m0, kBlockM, f.kpos.ends != nullptr || f.mask.ptr != nullptr))
+          mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(s_rc, tScS_rc, m0, n0, win, nullptr, 0,
+                                                                                   nullptr, 0, &pt);
+      } else {
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_s); ++i) acc_s(i) *= f.scale;
+        if (win.block_needs_mask(m0, kBlockM, kBlockN, n_block))
+          mask_and_bias_scores<false, true, Element, kBlockN>(s_rc, tScS_rc, m0, n0, win, nullptr, 0, nullptr, 0);
+      }
+      gemm_wait<0>(acc_dp);
+      bwd_p_ds(s_rc, dp_rc, row_m, row_log2l, delta);
+      if constexpr (Tile::kKeyRows) {
+        if (colsum) colsum_add_smem<kBlockN, Tile::kWarpsPerCol>(dp_rc, tScS_rc, ss.colsum.data(), ctid);
+      }
+      pipe_rows.consumer_release(read_r);
+      ++read_r;
+
+      {  // P, dS -> shared memory. P's buffer is free: this consumer's dV product of t - 1 is
+         // complete (its wait). dS[t % 2] was last read by the dQ products of t - 2, which both
+         // consumers finished before the barrier of t - 1.
+        Tensor rP = make_tensor<Element>(acc_s.layout());
+        convert_fragment<Element, false>(acc_s, rP);
+        Tensor rdS = make_tensor<Element>(acc_dp.layout());
+        convert_fragment<Element, true>(acc_dp, rdS);
+        copy(rP, thr_sdp.partition_C(sP));
+        copy(rdS, thr_sdp.partition_C(sdS_at(buf)));
+      }
+      fence_smem_for_wgmma();
+      NamedBarrier::sync(kConsumerThreads, Bar::kPdS);
+
+      {
+        Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);
+        Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);
+        gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, read_do.index()), acc_dv);
+        Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt_at(buf));
+        Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
+        gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, read_q.index()), acc_dk);
+      }
+      if (want_dq) {
+        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+        Tensor tdQrdS = thr_dq.partition_fragment_A(sdS_at(buf));
+        Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+        gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_dq, tdQrdS, tdQrKt, acc_dq);
+        gemm_wait<0>(acc_dq);
+        warpgroup_fence_operand(acc_dk);
+        warpgroup_fence_operand(acc_dv);
+        pipe_q.consumer_release(read_q);
+        pipe_do.consumer_release(read_do);
+        // dQ -> this consumer's boxes once the writer has read the previous ones.
+        NamedBarrier::sync(Bar::kDqThreads, Bar::kDqEmpty + consumer);
+        copy(acc_dq, thr_dq.partition_C(sdQ));
+        cutlass::arch::fence_view_async_shared();  // the writer's TMA reads them
+        NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqFull + consumer);
+      } else {
+        gemm_wait<0>(acc_dk);
+        warpgroup_fence_operand(acc_dv);
+        pipe_q.consumer_release(read_q);
+        pipe_do.consumer_release(read_do);
+      }
+      ++read_q;
+      ++read_do;
+      if constexpr (Tile::kKeyRows) {
+        if (colsum_per_head && t % n_m == n_m - 1) colsum_flush(h);
+      }
+    }
+  }
+
+  // dbias pieces nothing reached, then dK / dV.
+  if constexpr (Tile::kKeyRows) {
+    if (colsum) {
+      if (colsum_per_head) {
+        if (n_iter == 0)
+          for (int h = kvh * group; h < (kvh + 1) * group; ++h) colsum_flush(h);
+      } else {
+        colsum_flush(kvh * group);
+      }
+    }
+  }
+  Element* gdK = static_cast<Element*>(a.dk) + int64_t(b) * a.dk_bs + int64_t(seq.k0() + n0) * a.dk_rs + int64_t(kvh) * a.dk_hs;
+  Element* gdV = static_cast<Element*>(a.dv) + int64_t(b) * a.dv_bs + int64_t(seq.k0() + n0) * a.dv_rs + int64_t(kvh) * a.dv_hs;
+  Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor tcKV = thr_dkv.partition_C(cKV);
+  bwd_store_acc_pairs<Element>(acc_dk, tcKV, gdK, a.dk_rs, cols_valid, f.head_dim, f.scale);
+  bwd_store_acc_pairs<Element>(acc_dv, tcKV, gdV, a.dv_rs, cols_valid, f.head_dim, 1.f);
+#endif
+}
+
+}  // namespace dmattn::cuda::sm90

@@ -1,0 +1,84 @@
+// Host side of the warp-specialized Hopper backward (bwd_ws_kernel_sm90.h): which problems it
+// takes, the TMA descriptors of q, dO, k, v and dQ's accumulator, and the launch.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/bwd_args.h"
+#include "cuda/check.h"
+#include "cuda/cta_order.h"
+#include "cuda/sm90/bwd_ws_kernel_sm90.h"
+#include "cuda/sm90/enabled.h"
+#include "cuda/sm90/tma_views.h"
+
+namespace dmattn::cuda::sm90 {
+
+// The score policy of a problem the kernel takes: per-key rows for gathered keys / key ends, a
+// query-broadcast bias or mask; plain scores without any of them.
+inline BwdWsScores bwd_ws_scores(const FwdArgs& f) {
+  return f.kpos.ptr != nullptr || f.bias.ptr != nullptr || f.mask.ptr != nullptr ? BwdWsScores::kKeyRows
+                                                                                 : BwdWsScores::kPlain;
+}
+
+// The problems the warp-specialized backward takes: dense batches at head dim 128 with plain
+// scores, or with per-key rows (gathered keys and key ends, a query-broadcast bias with its
+// column-sum gradient or without one, a query-broadcast mask); the lse or the exact path's
+// statistics; dQ by the kernel or (deterministic) by the query-major kernel. The others (full
+// masks and biases, softcap, packed batches, a dbias reduced by folding batch / heads into a
+// CTA) run the general Hopper kernel (bwd_kernel_sm90.h). DMATTN_BWD_SM90_WS=0 switches it off.
+inline bool bwd_ws_supports(const BwdArgs& a) {
+  // (read on every call, so that one process can compare both kernels: the tests do)
+  const FwdArgs& f = a.f;
+  if (env_switched_off("DMATTN_BWD_SM90_WS") || f.head_dim != 128 || f.softcap != 0.f) return false;
+  if (f.cu_seqlens_q != nullptr || f.cu_seqlens_k != nullptr || a.fold_batch || a.fold_heads) return false;
+  if ((f.mask.ptr && !f.mask.row_bcast) || (f.bias.ptr && !f.bias.row_bcast) || (f.kpos.ends && !f.kpos.ptr)) return false;
+  if (a.dbias != nullptr && a.dbias_mode != kDbColSum && a.dbias_mode != kDbNone) return false;
+  const int heads_kv = f.num_heads / f.group;
+  return tma_strides_ok(f.q_bs, f.q_hs, f.batch, f.num_heads) && tma_strides_ok(a.do_bs, a.do_hs, f.batch, f.num_heads) &&
+         tma_strides_ok(f.k_bs, f.k_hs, f.batch, heads_kv) && tma_strides_ok(f.v_bs, f.v_hs, f.batch, heads_kv);
+}
+
+template <class Tile>
+void launch_bwd_ws_tile(const BwdArgs& a, dim3 grid, cudaStream_t stream) {
+  using namespace cute;
+  using Element = typename Tile::Element;
+  const FwdArgs& f = a.f;
+  const int heads_kv = f.num_heads / f.group;
+  auto view = [&](const void* ptr, int rows, int heads, int64_t rs, int64_t hs, int64_t bs) {
+    return tma_gmem_view(static_cast<const Element*>(ptr), rows, f.head_dim, heads, f.batch, rs, hs, bs);
+  };
+  const int64_t hd = f.head_dim;
+  // dq_accum: (B, Sq, H, D) fp32, contiguous. Without it (deterministic), a descriptor that is
+  // never used, over any aligned float buffer.
+  auto dq_view = a.dq_accum != nullptr
+                     ? tma_gmem_view(a.dq_accum, f.seqlen_q, f.head_dim, f.num_heads, f.batch, f.num_heads * hd, hd,
+                                     f.seqlen_q * f.num_heads * hd)
+                     : tma_gmem_view(a.delta, Tile::kBlockM, Tile::kDqBoxCols, 1, 1, Tile::kDqBoxCols, 0, 0);
+  BwdWsParams<Tile> p{
+      a,
+      make_tma_copy(SM90_TMA_LOAD{}, view(f.q, f.seqlen_q, f.num_heads, f.q_rs, f.q_hs, f.q_bs),
+                    take<0, 2>(typename Tile::SmemLayoutQ{})),
+      make_tma_copy(SM90_TMA_LOAD{}, view(a.dout, f.seqlen_q, f.num_heads, a.do_rs, a.do_hs, a.do_bs),
+                    take<0, 2>(typename Tile::SmemLayoutQ{})),
+      make_tma_copy(SM90_TMA_LOAD{}, view(f.k, f.seqlen_k, heads_kv, f.k_rs, f.k_hs, f.k_bs), typename Tile::SmemLayoutKV{}),
+      make_tma_copy(SM90_TMA_LOAD{}, view(f.v, f.seqlen_k, heads_kv, f.v_rs, f.v_hs, f.v_bs), typename Tile::SmemLayoutKV{}),
+      make_tma_copy(SM90_TMA_REDUCE_ADD{}, dq_view, take<0, 2>(typename Tile::SmemLayoutdQBoxes{})),
+  };
+  auto kernel = bwd_ws_kernel_sm90<Tile>;
+  constexpr int smem = Tile::kSmemBytes;
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+             "cudaFuncSetAttribute(backward smem)");
+  kernel<<<grid, Tile::kNThreads, smem, stream>>>(p);
+  check_cuda(cudaGetLastError(), "backward kernel launch (sm90, warp-specialized)");
+}
+
+// grid: the general Hopper kernel's (cta_order.h), one CTA per (key block of 128, kv head, batch).
+template <typename Element>
+void launch_bwd_ws(const BwdArgs& a, dim3 grid, cudaStream_t stream) {
+  if (bwd_ws_scores(a.f) == BwdWsScores::kKeyRows)
+    launch_bwd_ws_tile<BwdWsTile<Element, 128, BwdWsScores::kKeyRows>>(a, grid, stream);
+  else
+    launch_bwd_ws_tile<BwdWsTile<Element, 128, BwdWsScores::kPlain>>(a, grid, stream);
+}
+
+}  // namespace dmattn::cuda::sm90

@@ -1,0 +1,146 @@
+// Tile, shared-memory layouts, TMA types and pipelines of the warp-specialized Hopper backward
+// (bwd_ws_kernel_sm90.h). One CTA per (key block of 128, kv head, batch): a producer warpgroup
+// and two consumer warpgroups; the key block's K and V stay in shared memory, Q / dO of each
+// query block (64 rows) stream through kStages-deep TMA pipelines. The products, split between
+// the consumers as in the general Hopper backward (bwd_tile_sm90.h):
+//   S = Q K^T, dP = dO V^T    (64 queries, 128 keys): consumer w takes keys [64 w, 64 w + 64)
+//   dV += P^T dO, dK += dS^T Q (128 keys, D):        consumer w takes keys [64 w, 64 w + 64)
+//   dQ = dS K                  (64 queries, D):       consumer w takes columns [w D/2, (w+1) D/2)
+// so that dV and dK read only the consumer's own columns of P and dS; dQ reads both halves of dS
+// (one barrier of the two consumers). dQ leaves through shared memory (fp32, 128-byte swizzled
+// 64 x 32 boxes) by TMA reduce-add into dq_accum. Every operand of a product comes from shared
+// memory in wgmma's 128-byte-swizzled K-major layout; the transposed operands are composed views.
+// The score policy (BwdWsScores):
+//   kPlain:   scale * q k^T, the window / causal / tail test;
+//   kKeyRows: per-key rows of the key block (key_rows_sm90.h): positions (gathered keys; else the
+//             index), query bounds (key ends, a query-broadcast mask) and a query-broadcast bias,
+//             whose gradient is the column sums of dS (dbias_colsum_sm90.h). Loaded per query
+//             block (the bias and the mask change with the query head under GQA).
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+namespace dmattn::cuda::sm90 {
+
+enum class BwdWsScores { kPlain, kKeyRows };
+
+template <typename Element_, int kHeadDim_, BwdWsScores kScores_>
+struct BwdWsTile {
+  using Element = Element_;
+  static constexpr BwdWsScores kScores = kScores_;
+  static constexpr bool kKeyRows = kScores == BwdWsScores::kKeyRows;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 64;
+  static constexpr int kBlockN = 128;
+  static constexpr int kStages = 2;  // Q / dO (and their row statistics)
+  static constexpr int kConsumers = 2;
+  static constexpr int kConsumerThreads = kConsumers * 128;
+  static constexpr int kNThreads = kConsumerThreads + 128;
+  // dQ's K^T slice of a consumer (D / 2 columns) must be whole 64-element swizzle rows.
+  static_assert(kHeadDim == 128, "head dim 128 only");
+  // setmaxnreg: 65536 / 384 = 168 at launch; the producer keeps 40 and the consumers take 232
+  // (dK and dV hold 128 accumulator registers, S and dP 64, dQ 32). With 24 / 240 the producer's
+  // TMA coordinates spilled (ptxas -v: 96 B in the plain kernel, none at 40 / 232).
+  static constexpr int kLaunchRegs = 65536 / kNThreads / 8 * 8;
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  static_assert((kLaunchRegs - kProducerRegs) * 128 >= (kConsumerRegs - kLaunchRegs) * kConsumerThreads,
+                "the consumers' registers must come from the producer's");
+
+  template <int M, int N, int K, cute::GMMA::Major kMajorA, cute::GMMA::Major kMajorB, class WarpgroupLayout>
+  using SsMma = decltype(cute::make_tiled_mma(
+      cute::SM90::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::Int<M>, cute::Int<N>, cute::Int<K>>,
+                                       kMajorA, kMajorB>(),
+      WarpgroupLayout{}));
+  using AlongM = cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>;
+  using AlongN = cute::Layout<cute::Shape<cute::_1, cute::_2, cute::_1>>;
+  using TiledMmaSdP = SsMma<64, kBlockN / 2, kHeadDim, cute::GMMA::Major::K, cute::GMMA::Major::K, AlongN>;
+  using TiledMmadKV = SsMma<64, kHeadDim, kBlockM, cute::GMMA::Major::MN, cute::GMMA::Major::MN, AlongM>;
+  using TiledMmadQ = SsMma<kBlockM, kHeadDim / 2, kBlockN, cute::GMMA::Major::K, cute::GMMA::Major::MN, AlongN>;
+
+  using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
+  using Stage = cute::Int<kStages>;
+  // Q / dO: (rows, D, stage), and their transposes (D, rows, stage) for dK / dV's B operand.
+  using SmemLayoutQ = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, Stage>{}));
+  using SmemLayoutQt = decltype(cute::composition(
+      SmemLayoutQ{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>, Stage>{},
+                                       cute::Stride<cute::Int<kBlockM>, cute::_1, cute::Int<kBlockM * kHeadDim>>{})));
+  using SmemLayoutKV = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutKt = decltype(cute::composition(
+      SmemLayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
+  // P (one buffer: read only by its own consumer's dV product) and dS (two: the other consumer's
+  // dQ product of query block t may still read it while block t + 1 is written).
+  using SmemLayoutP = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
+  using SmemLayoutPt = decltype(cute::composition(
+      SmemLayoutP{}, cute::make_layout(cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>{}, cute::GenRowMajor{})));
+  static constexpr int kPElems = kBlockM * kBlockN;
+
+  // dQ's fp32 tile: 128-byte-swizzled (64, 32) boxes, the TMA reduce-add's unit; consumer w
+  // writes boxes 2 w and 2 w + 1.
+  using SmemAtomF32 = cute::GMMA::Layout_K_SW128_Atom<float>;
+  static constexpr int kDqBoxCols = 32;
+  static constexpr int kDqBoxes = kHeadDim / kDqBoxCols;
+  using SmemLayoutdQ = decltype(cute::tile_to_shape(SmemAtomF32{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutdQBoxes = decltype(cute::tile_to_shape(
+      SmemAtomF32{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kDqBoxCols>, cute::Int<kDqBoxes>>{}));
+
+  // Global tensors as (rows, cols, heads, batch) (tma_views.h).
+  using GmemLayout = cute::Layout<cute::Shape<int, int, int, int>, cute::Stride<int64_t, cute::_1, int64_t, int64_t>>;
+  using GmemTensor = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<const Element*>(nullptr)), GmemLayout{}));
+  using GmemTensorF32 = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<float*>(nullptr)), GmemLayout{}));
+  using TmaQ = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, cute::take<0, 2>(SmemLayoutQ{})));
+  using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{}));
+  using TmadQ = decltype(cute::make_tma_copy(cute::SM90_TMA_REDUCE_ADD{}, GmemTensorF32{},
+                                             cute::take<0, 2>(SmemLayoutdQBoxes{})));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using RowPipeline = cutlass::PipelineAsync<kStages>;
+  // What the loader warp writes per query block: the rows' statistics and, with key rows, the
+  // key block's per-key operands (field names as load_key_rows expects them).
+  struct KeyRows {
+    int32_t pos[kBlockN];  // position (-1: a padding row past the keys)
+    int32_t end[kBlockN];  // queries i < end may see the key (INT_MAX: no bound; 0: none)
+    float bias[kBlockN];
+  };
+  static constexpr int kKeyRowEndDelta = kBlockN;  // end[] behind pos[] (PositionTest::end_delta)
+  struct NoKeyRows {};
+  struct RowStage {
+    float m[kBlockM];      // lse (or the exact path's m); rows past the sequence unwritten
+    float log2l[kBlockM];  // exact path only
+    float delta[kBlockM];
+    std::conditional_t<kKeyRows, KeyRows, NoKeyRows> keys;
+  };
+  static constexpr int kWarpsPerCol = 4;  // column-sum rows: the 4 warps of a consumer split its 64 queries
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> dout;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> k;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> v;
+    alignas(1024) cute::array_aligned<Element, kPElems, 1024> p;
+    alignas(1024) cute::array_aligned<Element, 2 * kPElems, 1024> ds;
+    alignas(1024) cute::array_aligned<float, cute::cosize_v<SmemLayoutdQ>, 1024> dq;
+    RowStage rows[kStages];
+    cute::array_aligned<float, kKeyRows ? kWarpsPerCol * kBlockN : 4, 16> colsum;
+    cute::array_aligned<int32_t, kKeyRows ? kBlockN : 4, 16> pos;  // the CTA's positions (query range)
+    typename Pipeline::SharedStorage pipe_q, pipe_do;
+    typename RowPipeline::SharedStorage pipe_rows;
+    alignas(8) cutlass::arch::ClusterTransactionBarrier::ValueType kv_full;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024);
+  static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kKVBytes = kBlockN * kHeadDim * int(sizeof(Element));
+};
+
+}  // namespace dmattn::cuda::sm90

@@ -1,0 +1,30 @@
+// Global-memory views that the Hopper kernels hand to make_tma_copy: a sequence tensor (q, k,
+// v, dO, the bias, dQ's fp32 accumulator) as (rows, cols, heads, batch) with contiguous cols.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+
+namespace dmattn::cuda::sm90 {
+
+// TMA needs every stride of a dimension with more than one index to be a non-zero multiple of
+// 16 bytes (the sequence tensors' strides are multiples of 8 elements: check_seq_tensor).
+inline bool tma_strides_ok(int64_t bs, int64_t hs, int batch, int heads) {
+  return (batch == 1 || bs != 0) && (heads == 1 || hs != 0);
+}
+
+// A stride TMA accepts for a dimension of one index (its value is never used).
+inline int64_t tma_stride(int64_t stride, int extent, int64_t fallback) { return extent == 1 ? fallback : stride; }
+
+// (rows, cols, heads, batch) over `ptr` with row / head / batch strides rs, hs, bs (elements),
+// the strides of dims of one index replaced by valid ones.
+template <typename T>
+auto tma_gmem_view(T* ptr, int rows, int cols, int heads, int batch, int64_t rs, int64_t hs, int64_t bs) {
+  using namespace cute;
+  const int64_t hs_ok = tma_stride(hs, heads, rs * rows == 0 ? 8 : rs * rows);
+  const int64_t bs_ok = tma_stride(bs, batch, hs_ok * heads == 0 ? 8 : hs_ok * heads);
+  return make_tensor(make_gmem_ptr(ptr), make_layout(make_shape(rows, cols, heads, batch), make_stride(rs, _1{}, hs_ok, bs_ok)));
+}
+
+}  // namespace dmattn::cuda::sm90
