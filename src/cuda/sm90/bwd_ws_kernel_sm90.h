@@ -309,19 +309,23 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         Tensor tSrK = thr_sdp.partition_fragment_B(sK);
         gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_sdp, tSrQ, tSrK, acc_s);
       }
-      pipe_do.consumer_wait(read_do);
-      {
+      auto issue_dp = [&] {
+        pipe_do.consumer_wait(read_do);
         Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO)(_, _, _, read_do.index());
         Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
         gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_sdp, tdPrdO, tdPrV, acc_dp);
-      }
+      };
+      // Plain scores: dP runs while S is transformed. Key rows: dP is issued after the
+      // per-element tests, whose position and bound reads would otherwise sit beside dP's
+      // accumulators in flight (ptxas: 432 B of spills that way).
+      if constexpr (!Tile::kKeyRows) issue_dp();
       pipe_rows.consumer_wait(read_r);
       const auto& st = ss.rows[read_r.index()];
       float row_m[kRows], row_log2l[kRows], delta[kRows];
       bwd_load_row_stats(tScS_rc, st.m, a.row_log2l != nullptr ? st.log2l : nullptr, st.delta, rows_valid, row_m,
                          row_log2l, delta);
 
-      gemm_wait<1>(acc_s);  // S done; dP may still run
+      gemm_wait<Tile::kKeyRows ? 0 : 1>(acc_s);  // S done; dP may still run
       Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
       Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
       if constexpr (Tile::kKeyRows) {
@@ -336,6 +340,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         if (positions_block_needs_mask<kBlockN>(pt.win, kr.pos, m0, kBlockM, f.kpos.ends != nullptr || f.mask.ptr != nullptr))
           mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(s_rc, tScS_rc, m0, n0, win, nullptr, 0,
                                                                                    nullptr, 0, &pt);
+        issue_dp();
       } else {
         CUTE_UNROLL
         for (int i = 0; i < size(acc_s); ++i) acc_s(i) *= f.scale;
@@ -350,48 +355,53 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       pipe_rows.consumer_release(read_r);
       ++read_r;
 
-      {  // P, dS -> shared memory. P's buffer is free: this consumer's dV product of t - 1 is
-         // complete (its wait). dS[t % 2] was last read by the dQ products of t - 2, which both
-         // consumers finished before the barrier of t - 1.
+      {  // P, dS -> shared memory (stmatrix). P's buffer is free: this consumer's dV product of
+         // t - 1 is complete (its wait). dS[t % 2] was last read by the dQ products of t - 2,
+         // which both consumers finished before the barrier of t - 1.
         Tensor rP = make_tensor<Element>(acc_s.layout());
         convert_fragment<Element, false>(acc_s, rP);
         Tensor rdS = make_tensor<Element>(acc_dp.layout());
         convert_fragment<Element, true>(acc_dp, rdS);
-        copy(rP, thr_sdp.partition_C(sP));
-        copy(rdS, thr_sdp.partition_C(sdS_at(buf)));
+        auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+        auto thr_r2s = r2s.get_thread_slice(ctid);
+        copy(r2s, thr_r2s.retile_S(rP), thr_r2s.partition_D(sP));
+        copy(r2s, thr_r2s.retile_S(rdS), thr_r2s.partition_D(sdS_at(buf)));
       }
       fence_smem_for_wgmma();
       NamedBarrier::sync(kConsumerThreads, Bar::kPdS);
 
+      // dV += P^T dO, then dQ = dS K, then dK += dS^T Q: dQ is staged for its writer while dK
+      // still runs.
+      auto issue_dk = [&] {
+        Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt_at(buf));
+        Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
+        gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, read_q.index()), acc_dk);
+      };
       {
         Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);
         Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);
         gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, read_do.index()), acc_dv);
-        Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt_at(buf));
-        Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
-        gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, read_q.index()), acc_dk);
       }
       if (want_dq) {
         Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
         Tensor tdQrdS = thr_dq.partition_fragment_A(sdS_at(buf));
         Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
         gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_dq, tdQrdS, tdQrKt, acc_dq);
-        gemm_wait<0>(acc_dq);
-        warpgroup_fence_operand(acc_dk);
+        issue_dk();
+        gemm_wait<1>(acc_dq);  // dV and dQ done
         warpgroup_fence_operand(acc_dv);
-        pipe_q.consumer_release(read_q);
-        pipe_do.consumer_release(read_do);
         // dQ -> this consumer's boxes once the writer has read the previous ones.
         NamedBarrier::sync(Bar::kDqThreads, Bar::kDqEmpty + consumer);
         copy(acc_dq, thr_dq.partition_C(sdQ));
         cutlass::arch::fence_view_async_shared();  // the writer's TMA reads them
         NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqFull + consumer);
       } else {
-        gemm_wait<0>(acc_dk);
-        warpgroup_fence_operand(acc_dv);
-        pipe_q.consumer_release(read_q);
-        pipe_do.consumer_release(read_do);
+        issue_dk();
       }
+      gemm_wait<0>(acc_dk);
+      warpgroup_fence_operand(acc_dv);
+      pipe_q.consumer_release(read_q);
+      pipe_do.consumer_release(read_do);
       ++read_q;
       ++read_do;
       if constexpr (Tile::kKeyRows) {
