@@ -1,7 +1,7 @@
 """Forward + backward timings of dmattn (CUDA) against SDPA cuDNN and SDPA flash (FA2) in one
 process, on the rows of the Hopper backward: dense and causal, a per-key bias (B, H, 1, S) with
 its gradient, attention_topk's shared key set and Doge's per-query selection (selection
-included), GQA.
+included), GQA, head dim 64.
 
 bf16, B=2, H=16, S=8192, D=128; every gradient (q, k, v and the bias's); median of CUDA-event
 timings after warm-up; random (never zero) inputs. TFLOP/s with FlashAttention's convention
@@ -90,6 +90,18 @@ def main():
     kg, vg = leaf(1, S, 8, D), leaf(1, S, 8, D)
     add("dmattn GQA 32/8 causal (B=1)", lambda: dmattn.attention(qg, kg, vg, causal=True), [qg, kg, vg],
         torch.randn(1, S, 32, D, device=dev, dtype=dt, generator=g), dense_flop(True, h=32, b=1))
+
+    # Head dim 64, causal (H=16).
+    q64, k64, v64 = leaf(B, S, H, 64), leaf(B, S, H, 64), leaf(B, S, H, 64)
+    dout64 = torch.randn(B, S, H, 64, device=dev, dtype=dt, generator=g)
+    q64t, k64t, v64t = (t.detach().transpose(1, 2).requires_grad_() for t in (q64, k64, v64))
+    flop64 = dense_flop(True) / 2
+    add("dmattn causal D=64", lambda: dmattn.attention(q64, k64, v64, causal=True), [q64, k64, v64], dout64, flop64)
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash (FA2)", SDPBackend.FLASH_ATTENTION)):
+        def run64(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q64t, k64t, v64t, is_causal=True)
+        add(f"sdpa {name} causal D=64", run64, [q64t, k64t, v64t], dout64.transpose(1, 2), flop64)
 
     # Gradient check of the dense causal case against SDPA flash (same inputs, fp32 norms).
     out = dmattn.attention(q, k, v, causal=True)

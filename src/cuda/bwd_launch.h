@@ -244,7 +244,10 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
     // The Hopper kernel's CTA order (cta_order.h): (kv head, batch) pairs G at a time, key blocks
     // slowest inside a group. DMATTN_BWD_CTA_GROUP=G overrides the default (read on every call, so
     // that one process can time several orders).
-    int cta_group = sm90 ? bwd_cta_group_default(f, int(n_blocks)) : 1;
+    // The warp-specialized Hopper kernel (sm90/bwd_ws_launch_sm90.h) where it takes the problem.
+    bool ws = false;
+    if constexpr (kHeadDim == 64 || kHeadDim == 128) ws = bwd_sm90_enabled() && sm90::bwd_ws_supports(a);
+    int cta_group = sm90 || ws ? bwd_cta_group_default(f, int(n_blocks)) : 1;
     if (const char* env = std::getenv("DMATTN_BWD_CTA_GROUP")) cta_group = std::atoi(env);
     const int pairs = int(grid.y * grid.z);
     const dim3 grid90 = bwd_cta_grid(bwd_cta_group_size(cta_group, pairs), int(n_blocks), pairs);
@@ -272,10 +275,8 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
     };
     using T = std::true_type;
     using F = std::false_type;
-    bool ws = false;  // the warp-specialized Hopper kernel (sm90/bwd_ws_launch_sm90.h)
-    if constexpr (kHeadDim == 128) ws = sm90 && sm90::bwd_ws_supports(a);
     if (ws) {
-      if constexpr (kHeadDim == 128) sm90::launch_bwd_ws<Element>(a, grid90, stream);
+      if constexpr (kHeadDim == 64 || kHeadDim == 128) sm90::launch_bwd_ws<Element, kHeadDim>(a, grid90, stream);
     } else if (mask_or_bias) {
       if (softcap) launch_main(T{}, T{});
       else launch_main(T{}, F{});

@@ -1,5 +1,5 @@
 """The warp-specialized Hopper backward (src/cuda/sm90/bwd_ws_kernel_sm90.h) on the problems it
-takes (head dim 128, dense batches: plain scores, per-key rows with a query-broadcast bias and its
+takes (head dims 64 and 128, dense batches: plain scores, per-key rows with a query-broadcast bias and its
 column-sum gradient, a query-broadcast mask, gathered keys with key ends), against the float64
 reference and against the general Hopper kernel (DMATTN_BWD_SM90_WS=0) on the top-k paths.
 Both backward paths (DMATTN_BWD_EXACT=0 / 1) and the deterministic mode. On GPUs other than
@@ -43,6 +43,11 @@ CASES = {
     "key_mask": Case(BF16, 2, 129, 300, 4, 4, 128, mask_shape=(2, 1, 1, 300), mask_density=0.5),
     "key_mask_bias_no_grad": Case(BF16, 1, 257, 257, 4, 4, 128, causal=True, mask_shape=(1, 4, 1, 257),
                                   mask_density=0.3, bias_shape=(1, 4, 1, 257)),
+    # head dim 64 (dQ split along the keys, both shares added by the TMA reduce)
+    "d64_plain": Case(BF16, 2, 333, 333, 4, 4, 64),
+    "d64_gqa_causal_fp16": Case(torch.float16, 1, 300, 517, 6, 2, 64, causal=True),
+    "d64_key_bias_mask": Case(BF16, 2, 200, 300, 4, 2, 64, causal=True, mask_shape=(2, 1, 1, 300),
+                              bias_shape=(2, 4, 1, 300), bias_grad=True),
 }
 
 
@@ -64,9 +69,9 @@ def test_deterministic_bitwise(name):
             assert torch.equal(first[n], again[n]), n
 
 
-def _topk_grads(per_query, causal, seed):
+def _topk_grads(per_query, causal, seed, d=128):
     g = torch.Generator(device=DEV).manual_seed(seed)
-    b, s, h, hkv, d, keep = 2, 700, 4, 2, 128, 200
+    b, s, h, hkv, keep = 2, 700, 4, 2, 200
     q = torch.randn(b, s, h, d, device=DEV, dtype=BF16, generator=g).requires_grad_()
     k = torch.randn(b, s, hkv, d, device=DEV, dtype=BF16, generator=g).requires_grad_()
     v = torch.randn(b, s, hkv, d, device=DEV, dtype=BF16, generator=g).requires_grad_()
@@ -77,14 +82,15 @@ def _topk_grads(per_query, causal, seed):
     return (out,) + grads
 
 
-@pytest.mark.parametrize("per_query,causal", [(False, False), (False, True), (True, True)],
-                         ids=["shared", "shared_causal", "per_query"])
-def test_topk_paths_match_general_kernel(per_query, causal, monkeypatch):
+@pytest.mark.parametrize("per_query,causal,d", [(False, False, 128), (False, True, 128), (True, True, 128),
+                                                 (True, True, 64)],
+                         ids=["shared", "shared_causal", "per_query", "per_query_d64"])
+def test_topk_paths_match_general_kernel(per_query, causal, d, monkeypatch):
     """Gathered keys (key ends on the per-query path), per-key bias gradient: the same gradients
-    as the general Hopper kernel, within the two kernels' different summation orders."""
-    ws = _topk_grads(per_query, causal, 3)
+    as the general kernels (DMATTN_BWD_SM90_WS=0), within their different summation orders."""
+    ws = _topk_grads(per_query, causal, 3, d)
     monkeypatch.setenv("DMATTN_BWD_SM90_WS", "0")
-    general = _topk_grads(per_query, causal, 3)
+    general = _topk_grads(per_query, causal, 3, d)
     for name, a, r in zip(["out", "dq", "dk", "dv", "dbias"], ws, general):
         assert torch.isfinite(a).all(), name
         rel = ((a.float() - r.float()).norm() / r.float().norm().clamp_min(1e-30)).item()

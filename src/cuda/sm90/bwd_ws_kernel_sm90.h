@@ -56,6 +56,7 @@ struct BwdWsBarrier {
   static constexpr int kDqFull = 1;     // + w: consumer w's dQ staged (consumer w + the writer warp)
   static constexpr int kDqEmpty = 3;    // + w: consumer w's dQ buffer free again
   static constexpr int kColSum = 5;     // both consumers: column-sum flushes
+  static constexpr int kPdSOwn = 6;     // + w: consumer w's P and dS written (dQ split along the keys)
   static constexpr int kDqThreads = 128 + 32;
 };
 
@@ -187,8 +188,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
           if (lane == 0) {
             constexpr int kBoxesPerConsumer = Tile::kDqBoxes / Tile::kConsumers;
             CUTE_UNROLL
-            for (int j = 0; j < kBoxesPerConsumer; ++j)
-              copy(p.tma_dq, tdQsdQ(_, w * kBoxesPerConsumer + j), tdQgdQ(_, w * kBoxesPerConsumer + j));
+            for (int j = 0; j < kBoxesPerConsumer; ++j) {
+              const int box = w * kBoxesPerConsumer + j;
+              copy(p.tma_dq, tdQsdQ(_, box), tdQgdQ(_, box % Tile::kDqHeadBoxes));
+            }
             tma_store_arrive();
             tma_store_wait<0>();  // the boxes have been read: the buffer may be written again
           }
@@ -253,7 +256,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   typename Tile::TiledMmadQ mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(ctid);
   auto thr_dkv = mma_dkv.get_thread_slice(ctid);
-  auto thr_dq = mma_dq.get_thread_slice(ctid);
+  auto thr_dq = mma_dq.get_thread_slice(Tile::kDqSplitKeys ? ctid % 128 : ctid);
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tile::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tile::SmemLayoutQ{});
@@ -299,7 +302,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       const int h = head_of(t);
       const int m0 = m_block_of(t) * kBlockM;
       const int rows_valid = seq.rows_valid(m0, kBlockM);
-      const int buf = t & 1;
+      const int buf = Tile::kDsBuffers == 2 ? t & 1 : 0;
 
       Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -368,7 +371,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         copy(r2s, thr_r2s.retile_S(rdS), thr_r2s.partition_D(sdS_at(buf)));
       }
       fence_smem_for_wgmma();
-      NamedBarrier::sync(kConsumerThreads, Bar::kPdS);
+      if constexpr (Tile::kDqSplitKeys) NamedBarrier::sync(128, Bar::kPdSOwn + consumer);
+      else NamedBarrier::sync(kConsumerThreads, Bar::kPdS);
 
       // dV += P^T dO, then dQ = dS K, then dK += dS^T Q: dQ is staged for its writer while dK
       // still runs.
@@ -383,16 +387,30 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, read_do.index()), acc_dv);
       }
       if (want_dq) {
-        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-        Tensor tdQrdS = thr_dq.partition_fragment_A(sdS_at(buf));
-        Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
-        gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_dq, tdQrdS, tdQrKt, acc_dq);
+        // D = 128: this consumer's half of the columns, from all of dS and K; D = 64: every
+        // column, from this consumer's keys (its columns of dS, its rows of K).
+        constexpr int kDqN = Tile::kDqSplitKeys ? kHeadDim : kHeadDim / 2;
+        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqN * (Tile::kDqSplitKeys ? 1 : 2)>>{});
+        if constexpr (Tile::kDqSplitKeys) {
+          Tensor sdS_own = local_tile(sdS_at(buf), Shape<Int<kBlockM>, Int<kBlockN / 2>>{}, make_coord(0, consumer));
+          Tensor sKt_own = local_tile(sKt, Shape<Int<kHeadDim>, Int<kBlockN / 2>>{}, make_coord(0, consumer));
+          Tensor tdQrdS = thr_dq.partition_fragment_A(sdS_own);
+          Tensor tdQrKt = thr_dq.partition_fragment_B(sKt_own);
+          gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_dq, tdQrdS, tdQrKt, acc_dq);
+        } else {
+          Tensor tdQrdS = thr_dq.partition_fragment_A(sdS_at(buf));
+          Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+          gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_dq, tdQrdS, tdQrKt, acc_dq);
+        }
         issue_dk();
         gemm_wait<1>(acc_dq);  // dV and dQ done
         warpgroup_fence_operand(acc_dv);
         // dQ -> this consumer's boxes once the writer has read the previous ones.
         NamedBarrier::sync(Bar::kDqThreads, Bar::kDqEmpty + consumer);
-        copy(acc_dq, thr_dq.partition_C(sdQ));
+        if constexpr (Tile::kDqSplitKeys)
+          copy(acc_dq, thr_dq.partition_C(local_tile(sdQ, Shape<Int<kBlockM>, Int<64>>{}, make_coord(0, consumer))));
+        else
+          copy(acc_dq, thr_dq.partition_C(sdQ));
         cutlass::arch::fence_view_async_shared();  // the writer's TMA reads them
         NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqFull + consumer);
       } else {

@@ -20,7 +20,7 @@ inline BwdWsScores bwd_ws_scores(const FwdArgs& f) {
                                                                                  : BwdWsScores::kPlain;
 }
 
-// The problems the warp-specialized backward takes: dense batches at head dim 128 with plain
+// The problems the warp-specialized backward takes: dense batches at head dims 64 and 128 with plain
 // scores, or with per-key rows (gathered keys and key ends, a query-broadcast bias with its
 // column-sum gradient or without one, a query-broadcast mask); the lse or the exact path's
 // statistics; dQ by the kernel or (deterministic) by the query-major kernel. The others (full
@@ -29,7 +29,8 @@ inline BwdWsScores bwd_ws_scores(const FwdArgs& f) {
 inline bool bwd_ws_supports(const BwdArgs& a) {
   // (read on every call, so that one process can compare both kernels: the tests do)
   const FwdArgs& f = a.f;
-  if (env_switched_off("DMATTN_BWD_SM90_WS") || f.head_dim != 128 || f.softcap != 0.f) return false;
+  if (env_switched_off("DMATTN_BWD_SM90_WS") || (f.head_dim != 64 && f.head_dim != 128) || f.softcap != 0.f)
+    return false;
   if (f.cu_seqlens_q != nullptr || f.cu_seqlens_k != nullptr || a.fold_batch || a.fold_heads) return false;
   if ((f.mask.ptr && !f.mask.row_bcast) || (f.bias.ptr && !f.bias.row_bcast) || (f.kpos.ends && !f.kpos.ptr)) return false;
   if (a.dbias != nullptr && a.dbias_mode != kDbColSum && a.dbias_mode != kDbNone) return false;
@@ -73,12 +74,12 @@ void launch_bwd_ws_tile(const BwdArgs& a, dim3 grid, cudaStream_t stream) {
 }
 
 // grid: the general Hopper kernel's (cta_order.h), one CTA per (key block of 128, kv head, batch).
-template <typename Element>
+template <typename Element, int kHeadDim>
 void launch_bwd_ws(const BwdArgs& a, dim3 grid, cudaStream_t stream) {
   if (bwd_ws_scores(a.f) == BwdWsScores::kKeyRows)
-    launch_bwd_ws_tile<BwdWsTile<Element, 128, BwdWsScores::kKeyRows>>(a, grid, stream);
+    launch_bwd_ws_tile<BwdWsTile<Element, kHeadDim, BwdWsScores::kKeyRows>>(a, grid, stream);
   else
-    launch_bwd_ws_tile<BwdWsTile<Element, 128, BwdWsScores::kPlain>>(a, grid, stream);
+    launch_bwd_ws_tile<BwdWsTile<Element, kHeadDim, BwdWsScores::kPlain>>(a, grid, stream);
 }
 
 }  // namespace dmattn::cuda::sm90

@@ -5,10 +5,17 @@
 // the consumers as in the general Hopper backward (bwd_tile_sm90.h):
 //   S = Q K^T, dP = dO V^T    (64 queries, 128 keys): consumer w takes keys [64 w, 64 w + 64)
 //   dV += P^T dO, dK += dS^T Q (128 keys, D):        consumer w takes keys [64 w, 64 w + 64)
-//   dQ = dS K                  (64 queries, D):       consumer w takes columns [w D/2, (w+1) D/2)
-// so that dV and dK read only the consumer's own columns of P and dS; dQ reads both halves of dS
-// (one barrier of the two consumers). dQ leaves through shared memory (fp32, 128-byte swizzled
-// 64 x 32 boxes) by TMA reduce-add into dq_accum. Every operand of a product comes from shared
+//   dQ = dS K                  (64 queries, D):       D = 128: consumer w takes columns
+//                                                      [64 w, 64 w + 64), from both halves of dS
+//                                                      (one barrier of the two consumers);
+//                                                      D = 64: consumer w takes its own keys'
+//                                                      share of every column (split along the
+//                                                      keys: a (64 x 32)-column slice of K^T is
+//                                                      no whole 128-byte swizzle row), and the
+//                                                      TMA reduce adds both shares
+// so that dV and dK read only the consumer's own columns of P and dS. dQ leaves through shared
+// memory (fp32, one 64 x 64 region per consumer in 128-byte swizzled 64 x 32 boxes) by TMA
+// reduce-add into dq_accum. Every operand of a product comes from shared
 // memory in wgmma's 128-byte-swizzled K-major layout; the transposed operands are composed views.
 // The score policy (BwdWsScores):
 //   kPlain:   scale * q k^T, the window / causal / tail test;
@@ -46,14 +53,16 @@ struct BwdWsTile {
   static constexpr int kConsumers = 2;
   static constexpr int kConsumerThreads = kConsumers * 128;
   static constexpr int kNThreads = kConsumerThreads + 128;
-  // dQ's K^T slice of a consumer (D / 2 columns) must be whole 64-element swizzle rows.
-  static_assert(kHeadDim == 128, "head dim 128 only");
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128");
+  static constexpr bool kDqSplitKeys = kHeadDim == 64;
+  static constexpr int kDsBuffers = kDqSplitKeys ? 1 : 2;  // dS read across consumers: two
   // setmaxnreg: 65536 / 384 = 168 at launch; the producer keeps 40 and the consumers take 232
   // (dK and dV hold 128 accumulator registers, S and dP 64, dQ 32). With 24 / 240 the producer's
-  // TMA coordinates spilled (ptxas -v: 96 B in the plain kernel, none at 40 / 232).
+  // TMA coordinates spilled (ptxas -v: 96 B in the plain kernel, none at 40 / 232). At D = 64
+  // the consumers need far fewer (64 + 64 + 32): the key-row loader gets 56.
   static constexpr int kLaunchRegs = 65536 / kNThreads / 8 * 8;
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
+  static constexpr int kProducerRegs = kHeadDim == 64 ? 56 : 40;
+  static constexpr int kConsumerRegs = kHeadDim == 64 ? 224 : 232;
   static_assert((kLaunchRegs - kProducerRegs) * 128 >= (kConsumerRegs - kLaunchRegs) * kConsumerThreads,
                 "the consumers' registers must come from the producer's");
 
@@ -66,7 +75,10 @@ struct BwdWsTile {
   using AlongN = cute::Layout<cute::Shape<cute::_1, cute::_2, cute::_1>>;
   using TiledMmaSdP = SsMma<64, kBlockN / 2, kHeadDim, cute::GMMA::Major::K, cute::GMMA::Major::K, AlongN>;
   using TiledMmadKV = SsMma<64, kHeadDim, kBlockM, cute::GMMA::Major::MN, cute::GMMA::Major::MN, AlongM>;
-  using TiledMmadQ = SsMma<kBlockM, kHeadDim / 2, kBlockN, cute::GMMA::Major::K, cute::GMMA::Major::MN, AlongN>;
+  using OneWarpgroup = cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>;
+  using TiledMmadQ = std::conditional_t<
+      kDqSplitKeys, SsMma<kBlockM, kHeadDim, kBlockN / 2, cute::GMMA::Major::K, cute::GMMA::Major::MN, OneWarpgroup>,
+      SsMma<kBlockM, kHeadDim / 2, kBlockN, cute::GMMA::Major::K, cute::GMMA::Major::MN, AlongN>>;
 
   using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
   using Stage = cute::Int<kStages>;
@@ -78,19 +90,22 @@ struct BwdWsTile {
   using SmemLayoutKV = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
   using SmemLayoutKt = decltype(cute::composition(
       SmemLayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
-  // P (one buffer: read only by its own consumer's dV product) and dS (two: the other consumer's
-  // dQ product of query block t may still read it while block t + 1 is written).
+  // P (one buffer: read only by its own consumer's dV product) and dS (D = 128: two, the other
+  // consumer's dQ product of query block t may still read it while block t + 1 is written).
   using SmemLayoutP = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
   using SmemLayoutPt = decltype(cute::composition(
       SmemLayoutP{}, cute::make_layout(cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>{}, cute::GenRowMajor{})));
   static constexpr int kPElems = kBlockM * kBlockN;
 
   // dQ's fp32 tile: 128-byte-swizzled (64, 32) boxes, the TMA reduce-add's unit; consumer w
-  // writes boxes 2 w and 2 w + 1.
+  // writes the 64 columns [64 w, 64 w + 64) of a (64, 128) tile, boxes 2 w and 2 w + 1, which
+  // the writer adds to dQ's columns [64 w, 64 w + 64) (D = 128) or [0, 64) (D = 64).
   using SmemAtomF32 = cute::GMMA::Layout_K_SW128_Atom<float>;
   static constexpr int kDqBoxCols = 32;
-  static constexpr int kDqBoxes = kHeadDim / kDqBoxCols;
-  using SmemLayoutdQ = decltype(cute::tile_to_shape(SmemAtomF32{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  static constexpr int kDqCols = 64 * kConsumers;
+  static constexpr int kDqBoxes = kDqCols / kDqBoxCols;
+  static constexpr int kDqHeadBoxes = kHeadDim / kDqBoxCols;  // boxes of one dQ row
+  using SmemLayoutdQ = decltype(cute::tile_to_shape(SmemAtomF32{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kDqCols>>{}));
   using SmemLayoutdQBoxes = decltype(cute::tile_to_shape(
       SmemAtomF32{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kDqBoxCols>, cute::Int<kDqBoxes>>{}));
 
@@ -128,7 +143,7 @@ struct BwdWsTile {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> k;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> v;
     alignas(1024) cute::array_aligned<Element, kPElems, 1024> p;
-    alignas(1024) cute::array_aligned<Element, 2 * kPElems, 1024> ds;
+    alignas(1024) cute::array_aligned<Element, kDsBuffers * kPElems, 1024> ds;
     alignas(1024) cute::array_aligned<float, cute::cosize_v<SmemLayoutdQ>, 1024> dq;
     RowStage rows[kStages];
     cute::array_aligned<float, kKeyRows ? kWarpsPerCol * kBlockN : 4, 16> colsum;
