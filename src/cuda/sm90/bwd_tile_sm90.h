@@ -16,6 +16,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "cuda/bwd_tile.h"
+#include "cuda/sm90/bwd_mmas_sm90.h"
 
 namespace dmattn::cuda::sm90 {
 
@@ -35,16 +36,13 @@ struct BwdTileSm90 : BwdSmemPlan<Element_, kHeadDim_, 64, 128, 2, 4> {
   static constexpr int kNWarps = 8;
   static constexpr int kNThreads = kNWarps * 32;
 
+  using Mmas = BwdMmas<Element, kHeadDim, kBlockM, kBlockN>;  // (bwd_mmas_sm90.h)
   template <int M, int N, int K, cute::GMMA::Major kMajorA, cute::GMMA::Major kMajorB, class WarpgroupLayout>
-  using SsMma = decltype(cute::make_tiled_mma(
-      cute::SM90::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::Int<M>, cute::Int<N>, cute::Int<K>>,
-                                       kMajorA, kMajorB>(),
-      WarpgroupLayout{}));
-  using AlongM = cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>;
-  using AlongN = cute::Layout<cute::Shape<cute::_1, cute::_2, cute::_1>>;
-  using TiledMmaSdP = SsMma<64, kBlockN / 2, kHeadDim, cute::GMMA::Major::K, cute::GMMA::Major::K, AlongN>;
-  using TiledMmadKV = SsMma<64, kHeadDim, kBlockM, cute::GMMA::Major::MN, cute::GMMA::Major::MN, AlongM>;
-  using TiledMmadQ = SsMma<kBlockM, kHeadDim / 2, kBlockN, cute::GMMA::Major::K, cute::GMMA::Major::MN, AlongN>;
+  using SsMma = typename Mmas::template SsMma<M, N, K, kMajorA, kMajorB, WarpgroupLayout>;
+  using AlongM = typename Mmas::AlongM;
+  using TiledMmaSdP = typename Mmas::TiledMmaSdP;
+  using TiledMmadKV = typename Mmas::TiledMmadKV;
+  using TiledMmadQ = typename Mmas::TiledMmadQ;
 
   // The query-broadcast dbias of the bias fast path (kBiasPathColSum): its column sums as one
   // more product, dS^T (keys x queries, the dK product's A operand) times a tile of ones (8 x

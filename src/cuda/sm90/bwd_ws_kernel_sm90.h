@@ -39,6 +39,7 @@
 #include "cuda/sm90/dbias_colsum_sm90.h"
 #include "cuda/sm90/gmma.h"
 #include "cuda/sm90/key_rows_sm90.h"
+#include "cuda/sm90/pipeline_params_sm90.h"
 
 namespace dmattn::cuda::sm90 {
 
@@ -108,18 +109,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   const int n_m = max(m_hi - m_lo, 0);
   const int n_iter = n_m * group;
 
-  typename Pipeline::Params pipe_params;
-  pipe_params.transaction_bytes = Tile::kQBytes;
-  pipe_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  pipe_params.is_leader = threadIdx.x == 0;
-  pipe_params.num_consumers = kConsumerThreads;
+  const auto pipe_params = tma_pipeline_params<Pipeline>(Tile::kQBytes, warp_group == 0, kConsumerThreads);
   Pipeline pipe_q(ss.pipe_q, pipe_params, Shape<_1, _1, _1>{});
   Pipeline pipe_do(ss.pipe_do, pipe_params, Shape<_1, _1, _1>{});
-  typename RowPipeline::Params row_params;
-  row_params.role = warp_group == 0 ? RowPipeline::ThreadCategory::Producer : RowPipeline::ThreadCategory::Consumer;
-  row_params.producer_arv_count = 32;  // the loader warp's lanes
-  row_params.consumer_arv_count = kConsumerThreads;
-  RowPipeline pipe_rows(ss.pipe_rows, row_params);
+  RowPipeline pipe_rows(ss.pipe_rows, loader_pipeline_params<RowPipeline>(warp_group == 0, kConsumerThreads));
   auto& kv_full = *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&ss.kv_full);
   if (threadIdx.x == 0) {
     kv_full.init(1);

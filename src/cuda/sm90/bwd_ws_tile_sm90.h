@@ -37,6 +37,8 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
+#include "cuda/sm90/bwd_mmas_sm90.h"
+
 namespace dmattn::cuda::sm90 {
 
 enum class BwdWsScores { kPlain, kKeyRows };
@@ -66,19 +68,15 @@ struct BwdWsTile {
   static_assert((kLaunchRegs - kProducerRegs) * 128 >= (kConsumerRegs - kLaunchRegs) * kConsumerThreads,
                 "the consumers' registers must come from the producer's");
 
-  template <int M, int N, int K, cute::GMMA::Major kMajorA, cute::GMMA::Major kMajorB, class WarpgroupLayout>
-  using SsMma = decltype(cute::make_tiled_mma(
-      cute::SM90::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::Int<M>, cute::Int<N>, cute::Int<K>>,
-                                       kMajorA, kMajorB>(),
-      WarpgroupLayout{}));
-  using AlongM = cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>;
-  using AlongN = cute::Layout<cute::Shape<cute::_1, cute::_2, cute::_1>>;
-  using TiledMmaSdP = SsMma<64, kBlockN / 2, kHeadDim, cute::GMMA::Major::K, cute::GMMA::Major::K, AlongN>;
-  using TiledMmadKV = SsMma<64, kHeadDim, kBlockM, cute::GMMA::Major::MN, cute::GMMA::Major::MN, AlongM>;
-  using OneWarpgroup = cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>;
+  using Mmas = BwdMmas<Element, kHeadDim, kBlockM, kBlockN>;  // (bwd_mmas_sm90.h)
+  using TiledMmaSdP = typename Mmas::TiledMmaSdP;
+  using TiledMmadKV = typename Mmas::TiledMmadKV;
+  // D = 64: one warpgroup's product over its own 64 keys.
   using TiledMmadQ = std::conditional_t<
-      kDqSplitKeys, SsMma<kBlockM, kHeadDim, kBlockN / 2, cute::GMMA::Major::K, cute::GMMA::Major::MN, OneWarpgroup>,
-      SsMma<kBlockM, kHeadDim / 2, kBlockN, cute::GMMA::Major::K, cute::GMMA::Major::MN, AlongN>>;
+      kDqSplitKeys,
+      typename Mmas::template SsMma<kBlockM, kHeadDim, kBlockN / 2, cute::GMMA::Major::K, cute::GMMA::Major::MN,
+                                    typename Mmas::OneWarpgroup>,
+      typename Mmas::TiledMmadQ>;
 
   using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
   using Stage = cute::Int<kStages>;

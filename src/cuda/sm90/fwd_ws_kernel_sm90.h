@@ -45,6 +45,7 @@
 #include "cuda/sm90/fwd_ws_tile_sm90.h"
 #include "cuda/sm90/gmma.h"
 #include "cuda/sm90/key_rows_sm90.h"
+#include "cuda/sm90/pipeline_params_sm90.h"
 #include "cuda/fwd_kernel.h"
 
 namespace dmattn::cuda::sm90 {
@@ -118,21 +119,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
   else seq.window().key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
 
   // Barriers: initialized by warp 0, visible to all before the roles split.
-  typename Pipeline::Params pipe_params;
-  pipe_params.transaction_bytes = Tile::kKVStageBytes;
-  pipe_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  pipe_params.is_leader = threadIdx.x == 0;
-  pipe_params.num_consumers = kConsumerThreads;
-  Pipeline pipe_k(ss.pipe_k, pipe_params, Shape<_1, _1, _1>{});
-  Pipeline pipe_v(ss.pipe_v, pipe_params, Shape<_1, _1, _1>{});
-  pipe_params.transaction_bytes = Tile::kBiasStageBytes;
-  Pipeline pipe_bias(ss.pipe_bias, pipe_params, Shape<_1, _1, _1>{});
+  const auto kv_params = tma_pipeline_params<Pipeline>(Tile::kKVStageBytes, warp_group == 0, kConsumerThreads);
+  Pipeline pipe_k(ss.pipe_k, kv_params, Shape<_1, _1, _1>{});
+  Pipeline pipe_v(ss.pipe_v, kv_params, Shape<_1, _1, _1>{});
+  Pipeline pipe_bias(ss.pipe_bias, tma_pipeline_params<Pipeline>(Tile::kBiasStageBytes, warp_group == 0, kConsumerThreads),
+                     Shape<_1, _1, _1>{});
   using KeyRowPipeline = typename Tile::KeyRowPipeline;
-  typename KeyRowPipeline::Params key_rows_params;
-  key_rows_params.role = warp_group == 0 ? KeyRowPipeline::ThreadCategory::Producer : KeyRowPipeline::ThreadCategory::Consumer;
-  key_rows_params.producer_arv_count = 32;  // the loader warp's lanes
-  key_rows_params.consumer_arv_count = kConsumerThreads;
-  KeyRowPipeline pipe_key_rows(ss.pipe_key_rows, key_rows_params);
+  KeyRowPipeline pipe_key_rows(ss.pipe_key_rows, loader_pipeline_params<KeyRowPipeline>(warp_group == 0, kConsumerThreads));
   auto& q_full = *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&ss.q_full);
   if (threadIdx.x == 0) {
     q_full.init(1);

@@ -1,0 +1,30 @@
+// The products of the Hopper backward kernels (the general one, bwd_kernel_sm90.h, and the
+// warp-specialized one, bwd_ws_kernel_sm90.h) on two warpgroups, every operand from shared
+// memory:
+//   S = Q K^T, dP = dO V^T   (kBlockM queries, kBlockN keys): warpgroup w takes keys [64 w, 64 w + 64)
+//   dV += P^T dO, dK += dS^T Q  (kBlockN keys, D):            warpgroup w takes keys [64 w, 64 w + 64)
+//   dQ = dS K                   (kBlockM queries, D):         warpgroup w takes columns [w D/2, (w+1) D/2)
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+
+namespace dmattn::cuda::sm90 {
+
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN>
+struct BwdMmas {
+  template <int M, int N, int K, cute::GMMA::Major kMajorA, cute::GMMA::Major kMajorB, class WarpgroupLayout>
+  using SsMma = decltype(cute::make_tiled_mma(
+      cute::SM90::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::Int<M>, cute::Int<N>, cute::Int<K>>,
+                                       kMajorA, kMajorB>(),
+      WarpgroupLayout{}));
+  using AlongM = cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>;
+  using AlongN = cute::Layout<cute::Shape<cute::_1, cute::_2, cute::_1>>;
+  using OneWarpgroup = cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>;
+  using TiledMmaSdP = SsMma<64, kBlockN / 2, kHeadDim, cute::GMMA::Major::K, cute::GMMA::Major::K, AlongN>;
+  using TiledMmadKV = SsMma<64, kHeadDim, kBlockM, cute::GMMA::Major::MN, cute::GMMA::Major::MN, AlongM>;
+  using TiledMmadQ = SsMma<kBlockM, kHeadDim / 2, kBlockN, cute::GMMA::Major::K, cute::GMMA::Major::MN, AlongN>;
+};
+
+}  // namespace dmattn::cuda::sm90

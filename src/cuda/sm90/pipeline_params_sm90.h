@@ -1,0 +1,31 @@
+// Parameters of the CUTLASS pipelines that connect the producer warpgroup and the consumers of the
+// warp-specialized Hopper kernels: TMA pipelines (the producer's one thread issues, transaction
+// bytes complete a stage) and loader pipelines (a producer warp's plain stores, each lane arrives).
+#pragma once
+
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+namespace dmattn::cuda::sm90 {
+
+template <class Pipeline>
+__device__ __forceinline__ typename Pipeline::Params tma_pipeline_params(int transaction_bytes, bool producer,
+                                                                         int consumer_threads) {
+  typename Pipeline::Params p;
+  p.transaction_bytes = transaction_bytes;
+  p.role = producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  p.is_leader = threadIdx.x == 0;
+  p.num_consumers = consumer_threads;
+  return p;
+}
+
+// (one loader warp: its 32 lanes arrive)
+template <class Pipeline>
+__device__ __forceinline__ typename Pipeline::Params loader_pipeline_params(bool producer, int consumer_threads) {
+  typename Pipeline::Params p;
+  p.role = producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  p.producer_arv_count = 32;
+  p.consumer_arv_count = consumer_threads;
+  return p;
+}
+
+}  // namespace dmattn::cuda::sm90
