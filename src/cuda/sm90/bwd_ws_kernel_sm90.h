@@ -143,19 +143,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
           st.delta[r] = a.delta[row_stat + r];
         }
         if constexpr (Tile::kKeyRows) {
-          const OperandArgs& bias = f.bias;
-          const char* bias_row = bias.ptr == nullptr ? nullptr
-                                 : bias.ptr + (int64_t(b) * bias.stride_b + int64_t(h / bias.head_div) * bias.stride_h +
-                                               int64_t(seq.k0()) * bias.stride_k) * bias.esize;
-          const OperandArgs& mask = f.mask;
-          const uint8_t* mask_row = mask.ptr == nullptr ? nullptr
-                                    : reinterpret_cast<const uint8_t*>(mask.ptr) + int64_t(b) * mask.stride_b +
-                                          int64_t(h / mask.head_div) * mask.stride_h + int64_t(seq.k0()) * mask.stride_k;
-          const int32_t* pos_row = f.kpos.ptr != nullptr ? positions_row(f.kpos, b, h) : nullptr;
-          const int32_t* end_row = f.kpos.ptr != nullptr ? ends_row(f.kpos, b, h) : nullptr;
-          load_key_rows<Element, typename Tile::KeyRows, kBlockN>(st.keys, n_block, seq.len_k(), pos_row, end_row,
-                                                                  bias_row, bias.stride_k * bias.esize, f.bias_fp32,
-                                                                  mask_row, mask.stride_k);
+          load_key_rows<Element, typename Tile::KeyRows, kBlockN>(st.keys, n_block, seq.len_k(),
+                                                                  key_row_sources(f, b, h, seq.k0()));
         }
         pipe_rows.producer_commit(write);
         ++write;

@@ -142,23 +142,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
     if (n_max <= n_min) return;
     if constexpr (Tile::kKeyRows) {
       if (threadIdx.x / 32 == 1) {  // the key rows' loader, in the consumers' block order
-        const OperandArgs& bias = a.bias;
-        const char* bias_row = bias.ptr == nullptr ? nullptr
-                               : bias.ptr + (int64_t(b) * bias.stride_b + int64_t(h / bias.head_div) * bias.stride_h +
-                                             int64_t(seq.k0()) * bias.stride_k) * bias.esize;
-        const OperandArgs& mask = a.mask;
-        const uint8_t* mask_row = mask.ptr == nullptr ? nullptr
-                                  : reinterpret_cast<const uint8_t*>(mask.ptr) + int64_t(b) * mask.stride_b +
-                                        int64_t(h / mask.head_div) * mask.stride_h + int64_t(seq.k0()) * mask.stride_k;
-        const int32_t* pos_row = a.kpos.ptr != nullptr ? positions_row(a.kpos, b, h) : nullptr;
-        const int32_t* end_row = a.kpos.ptr != nullptr ? ends_row(a.kpos, b, h) : nullptr;
+        const KeyRowSources src = key_row_sources(a, b, h, seq.k0());
         const int count = seq.len_k();
         PipelineState write_r = cutlass::make_producer_start_state<KeyRowPipeline>();
         for (int n = n_max - 1; n >= n_min; --n) {
           pipe_key_rows.producer_acquire(write_r);
-          load_key_rows<Element, typename Tile::KeyRowStage, kBlockN>(ss.key_rows[write_r.index()], n, count, pos_row,
-                                                                      end_row, bias_row, bias.stride_k * bias.esize,
-                                                                      a.bias_fp32, mask_row, mask.stride_k);
+          load_key_rows<Element, typename Tile::KeyRowStage, kBlockN>(ss.key_rows[write_r.index()], n, count, src);
           pipe_key_rows.producer_commit(write_r);
           ++write_r;
         }

@@ -9,6 +9,8 @@
 
 #include <cute/tensor.hpp>
 
+#include "cuda/fwd_args.h"
+#include "cuda/key_positions.h"
 #include "cuda/utils.h"
 
 namespace dmattn::cuda::sm90 {
@@ -31,27 +33,59 @@ __device__ __forceinline__ void add_key_bias(S& s, C const& coord, const float* 
   }
 }
 
-// The per-key rows of key block n (Tile::kKeyRows) into `st`, by the 32 lanes of one warp:
-// position (gathered keys' own, else the index), query bound (key ends, else INT_MAX; 0 where
-// a query-broadcast mask is false: no query sees the key) and bias (fp32 or q's dtype, else 0);
-// past the `count` keys -1, 0 and 0 (a padding row: masked).
+// Where the per-key rows of one (batch, query head) come from; null where absent.
+struct KeyRowSources {
+  const int32_t* pos = nullptr;  // gathered keys' positions
+  const int32_t* end = nullptr;  // key ends
+  const char* bias = nullptr;    // a query-broadcast bias's key row (fp32 or q's dtype)
+  int64_t bias_step = 0;         // bytes between keys
+  bool bias_fp32 = false;
+  const uint8_t* mask = nullptr;  // a query-broadcast mask's key row
+  int64_t mask_step = 0;
+};
+
+// The rows of (batch b, query head h), keys from the sequence's first key k0.
+__device__ __forceinline__ KeyRowSources key_row_sources(const FwdArgs& a, int b, int h, int64_t k0) {
+  KeyRowSources src;
+  const OperandArgs& bias = a.bias;
+  if (bias.ptr != nullptr) {
+    src.bias = bias.ptr + (int64_t(b) * bias.stride_b + int64_t(h / bias.head_div) * bias.stride_h + k0 * bias.stride_k) *
+                              bias.esize;
+    src.bias_step = bias.stride_k * bias.esize;
+    src.bias_fp32 = a.bias_fp32;
+  }
+  const OperandArgs& mask = a.mask;
+  if (mask.ptr != nullptr) {
+    src.mask = reinterpret_cast<const uint8_t*>(mask.ptr) + int64_t(b) * mask.stride_b +
+               int64_t(h / mask.head_div) * mask.stride_h + k0 * mask.stride_k;
+    src.mask_step = mask.stride_k;
+  }
+  if (a.kpos.ptr != nullptr) {
+    src.pos = positions_row(a.kpos, b, h);
+    src.end = ends_row(a.kpos, b, h);
+  }
+  return src;
+}
+
+// The per-key rows of key block n (keys [n kBlockN, (n + 1) kBlockN)) into `st`, by the 32
+// lanes of one warp: position (gathered keys' own, else the index), query bound (key ends,
+// else INT_MAX; 0 where a query-broadcast mask is false: no query sees the key) and bias (fp32
+// or q's dtype, else 0); past the `count` keys -1, 0 and 0 (a padding row: masked).
 template <typename Element, class Stage, int kBlockN>
-__device__ __forceinline__ void load_key_rows(Stage& st, int n, int count, const int32_t* pos_row,
-                                              const int32_t* end_row, const char* bias_row, int64_t bias_step,
-                                              bool bias_fp32, const uint8_t* mask_row, int64_t mask_step) {
+__device__ __forceinline__ void load_key_rows(Stage& st, int n, int count, const KeyRowSources& src) {
   const int lane = threadIdx.x & 31;
   CUTE_UNROLL
   for (int c = lane; c < kBlockN; c += 32) {
     const int j = n * kBlockN + c;
     const bool in = j < count;
-    st.pos[c] = !in ? -1 : pos_row != nullptr ? __ldg(pos_row + j) : j;
-    int end = !in ? 0 : end_row != nullptr ? __ldg(end_row + j) : INT_MAX;
-    if (in && mask_row != nullptr && __ldg(mask_row + int64_t(j) * mask_step) == 0) end = 0;
+    st.pos[c] = !in ? -1 : src.pos != nullptr ? __ldg(src.pos + j) : j;
+    int end = !in ? 0 : src.end != nullptr ? __ldg(src.end + j) : INT_MAX;
+    if (in && src.mask != nullptr && __ldg(src.mask + int64_t(j) * src.mask_step) == 0) end = 0;
     st.end[c] = end;
     float bv = 0.f;
-    if (in && bias_row != nullptr) {
-      const char* e = bias_row + int64_t(j) * bias_step;
-      bv = bias_fp32 ? __ldg(reinterpret_cast<const float*>(e)) : ElemInfo<Element>::to_float(e);
+    if (in && src.bias != nullptr) {
+      const char* e = src.bias + int64_t(j) * src.bias_step;
+      bv = src.bias_fp32 ? __ldg(reinterpret_cast<const float*>(e)) : ElemInfo<Element>::to_float(e);
     }
     st.bias[c] = bv;
   }
