@@ -14,7 +14,7 @@
 #          only run of the sm80-class kernels at head dims up to 128 -- and forward timings of
 #          both; bwd: the warp-specialized Hopper backward's own tests, then fwd+bwd timings
 #          with it and with the general Hopper kernel, DMATTN_BWD_SM90_WS=0)
-#   env:   OUT (default /tmp/dmattn-out), ARCHS (default 90a), PYTEST_ARGS, BENCH_ARGS, BWD_EXP,
+#   env:   OUT (default /tmp/dmattn-out), ARCHS (default 90a), PYTEST_ARGS, BENCH_ARGS,
 #          CARRY_ROOT (folder holding .whl/ and .devcarry/, default the repo root; lets a copy of
 #          a work tree staged inside the checkout reuse the checkout's carried folders)
 set -uo pipefail
@@ -103,11 +103,6 @@ if [[ " $STEPS " == *" bwd "* ]]; then
   timeout 150 python3 benchmarks/profiling/bwd_timing.py 2>&1 | tee "$OUT/bwd_timing_ws.txt" | grep -A40 -E "TABLE|rel err"
   DMATTN_BWD_SM90_WS=0 timeout 150 python3 benchmarks/profiling/bwd_timing.py 2>&1 | tee "$OUT/bwd_timing_general.txt" |
     grep -A40 TABLE
-  if [ -n "${BWD_EXP:-}" ]; then  # a profiling experiment of the warp-specialized kernel (DMATTN_BWD_EXP)
-    step "fwd+bwd timings with DMATTN_BWD_EXP=$BWD_EXP"
-    DMATTN_BWD_EXP=$BWD_EXP timeout 150 python3 benchmarks/profiling/bwd_timing.py 2>&1 |
-      tee "$OUT/bwd_timing_exp$BWD_EXP.txt" | grep -A40 TABLE
-  fi
 fi
 
 if [[ " $STEPS " == *" sanitize "* ]]; then

@@ -156,6 +156,7 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
   using TileSm90 = sm90::BwdTileSm90<Element, 128>;  // (used at head dim 128 only)
   BwdArgs a = args;
   const FwdArgs& f = a.f;
+  const bool deterministic_asked = deterministic;  // (the exact path below sets it too)
   // Sq / Sk: the longest sequence of a packed batch (grid sizes); q_rows: the query rows of the
   // whole batch (B * Sq dense, total_q packed), which size dq_accum, Delta and the statistics.
   const int64_t B = f.batch, Sq = f.seqlen_q, Sk = f.seqlen_k, H = f.num_heads, D = f.head_dim;
@@ -246,7 +247,10 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
     // that one process can time several orders).
     // The warp-specialized Hopper kernel (sm90/bwd_ws_launch_sm90.h) where it takes the problem.
     bool ws = false;
-    if constexpr (kHeadDim == 64 || kHeadDim == 128) ws = bwd_sm90_enabled() && sm90::bwd_ws_supports(a);
+    // Deterministic mode stays on the general kernels, which also take packed batches: a packed
+    // batch then equals its sequences run one by one, bit for bit.
+    if constexpr (kHeadDim == 64 || kHeadDim == 128)
+      ws = !deterministic_asked && bwd_sm90_enabled() && sm90::bwd_ws_supports(a);
     int cta_group = sm90 || ws ? bwd_cta_group_default(f, int(n_blocks)) : 1;
     if (const char* env = std::getenv("DMATTN_BWD_CTA_GROUP")) cta_group = std::atoi(env);
     const int pairs = int(grid.y * grid.z);

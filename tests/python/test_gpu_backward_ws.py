@@ -2,8 +2,8 @@
 takes (head dims 64 and 128, dense batches: plain scores, per-key rows with a query-broadcast bias and its
 column-sum gradient, a query-broadcast mask, gathered keys with key ends), against the float64
 reference and against the general Hopper kernel (DMATTN_BWD_SM90_WS=0) on the top-k paths.
-Both backward paths (DMATTN_BWD_EXACT=0 / 1) and the deterministic mode. On GPUs other than
-compute capability 9.0 the same tests run the sm80-class kernels.
+Both backward paths (DMATTN_BWD_EXACT=0 / 1; the exact path's main pass runs it without dQ). On
+GPUs other than compute capability 9.0 the same tests run the sm80-class kernels.
 """
 
 import pytest
@@ -58,7 +58,7 @@ def test_against_reference(name, bwd_path, nan_poison):
 
 @pytest.mark.parametrize("name", ["plain_gqa_causal", "key_bias_per_kv_head"])
 def test_deterministic_bitwise(name):
-    """Deterministic mode (dQ by the query-major kernel): bitwise equal over runs."""
+    """Deterministic mode (the general kernels, as for packed batches): bitwise equal over runs."""
     from cases import make_inputs, run_dmattn
     c = CASES[name]
     x = make_inputs(c, DEV)

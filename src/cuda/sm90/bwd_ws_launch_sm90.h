@@ -23,9 +23,9 @@ inline BwdWsScores bwd_ws_scores(const FwdArgs& f) {
 // The problems the warp-specialized backward takes: dense batches at head dims 64 and 128 with plain
 // scores, or with per-key rows (gathered keys and key ends, a query-broadcast bias with its
 // column-sum gradient or without one, a query-broadcast mask); the lse or the exact path's
-// statistics; dQ by the kernel or (deterministic) by the query-major kernel. The others (full
-// masks and biases, softcap, packed batches, a dbias reduced by folding batch / heads into a
-// CTA) run the general Hopper kernel (bwd_kernel_sm90.h). DMATTN_BWD_SM90_WS=0 switches it off.
+// statistics (dQ then by the query-major kernel). The others (full masks and biases, softcap,
+// packed batches, a dbias reduced by folding batch / heads into a CTA) and deterministic mode
+// (run_bwd) run the general kernels. DMATTN_BWD_SM90_WS=0 switches it off.
 inline bool bwd_ws_supports(const BwdArgs& a) {
   // (read on every call, so that one process can compare both kernels: the tests do)
   const FwdArgs& f = a.f;
