@@ -11,8 +11,9 @@
 #     its dependencies into dmattn.libs/);
 # libtvm_ffi.so is not copied: it comes from the apache-tvm-ffi dependency.
 #
-# On a 16-core machine with the CUDA toolkit (nvcc) and a Python >= 3.9 (about 10 minutes for
-# both architectures; no GPU is needed to build):
+# On a machine with the CUDA toolkit (nvcc) and a Python >= 3.9 (no GPU is needed to build; both
+# architectures took 1830 s on 2 cores, part of it beside another build; JOBS sets the
+# parallelism, and the time falls with the core count):
 #   python3 -m venv /tmp/wheel-build && source /tmp/wheel-build/bin/activate
 #   scripts/build_wheel.sh
 # then check it on a GPU: pip install dist/dmattn-*.whl && python -m dmattn.info
