@@ -32,8 +32,8 @@ __all__ = ["attention_per_query_topk", "SEGMENT_LEN"]
 
 # Queries per segment: larger segments gather fewer rows (~ Sq / L * keep), smaller ones compute
 # fewer masked-out elements (~ Sq * L / 2). None: keep rounded up to a multiple of 128, within
-# [512, 2048] (on an H100 at keep = 2048: 8.4 ms fwd+bwd at B=2, S=8192 with L = 2048, 9.0 ms
-# with 512; docs/design.md). DMATTN_PER_QUERY_SEGMENT sets it.
+# [512, 2048] (on an H100 at keep = 2048, with the general Hopper backward: 8.4 ms fwd+bwd at B=2,
+# S=8192 with L = 2048, 9.0 ms with 512; docs/design.md). DMATTN_PER_QUERY_SEGMENT sets it.
 SEGMENT_LEN: Optional[int] = int(os.environ["DMATTN_PER_QUERY_SEGMENT"]) if "DMATTN_PER_QUERY_SEGMENT" in os.environ \
     else None
 
