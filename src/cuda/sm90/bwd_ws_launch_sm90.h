@@ -32,6 +32,9 @@ inline bool bwd_ws_supports(const BwdArgs& a) {
   if (env_switched_off("DMATTN_BWD_SM90_WS") || (f.head_dim != 64 && f.head_dim != 128) || f.softcap != 0.f)
     return false;
   if (f.cu_seqlens_q != nullptr || f.cu_seqlens_k != nullptr || a.fold_batch || a.fold_heads) return false;
+  // (no query or no key: nothing for TMA to describe -- an empty tensor may even have a null
+  // pointer; the general kernels write the zeros)
+  if (f.seqlen_q <= 0 || f.seqlen_k <= 0 || f.batch <= 0) return false;
   if ((f.mask.ptr && !f.mask.row_bcast) || (f.bias.ptr && !f.bias.row_bcast) || (f.kpos.ends && !f.kpos.ptr)) return false;
   if (a.dbias != nullptr && a.dbias_mode != kDbColSum && a.dbias_mode != kDbNone) return false;
   const int heads_kv = f.num_heads / f.group;
