@@ -124,9 +124,9 @@ inline int bwd_grid_stride_blocks(int64_t work, int threads) {
 }
 
 // The main kernel runs on wgmma on compute capability 9.0 unless DMATTN_BWD_SM90=0
-// (sm90/enabled.h): at head dim 128 the warp-specialized kernel (sm90/bwd_ws_kernel_sm90.h) for
-// the problems it takes, else the general Hopper kernel (sm90/bwd_kernel_sm90.h); the sm80-class
-// kernel everywhere else.
+// (sm90/enabled.h): at head dims 64 and 128 the warp-specialized kernel (sm90/bwd_ws_kernel_sm90.h)
+// for the problems it takes, else at 128 the general Hopper kernel (sm90/bwd_kernel_sm90.h); the
+// sm80-class kernel everywhere else.
 inline bool bwd_sm90_enabled() {
   static const bool off = sm90::env_switched_off("DMATTN_BWD_SM90");
   return !off && sm90::device_runs_sm90_kernels();
