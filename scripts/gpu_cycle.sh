@@ -9,11 +9,13 @@
 #   .devcarry/   cutlass_include.tgz (CuTe/CUTLASS headers from the nvidia-cutlass wheel)
 #
 # Usage on the GPU machine (repo root):  bash scripts/gpu_cycle.sh [steps...]
-#   steps: build test bench sm90 bwd sanitize (default: build test bench; sm90: the GPU tests with
-#          the Hopper kernels off, DMATTN_FWD_SM90=0 DMATTN_BWD_SM90=0 -- on a Hopper GPU the
-#          only run of the sm80-class kernels at head dims up to 128 -- and forward timings of
-#          both; bwd: the warp-specialized Hopper backward's own tests, then fwd+bwd timings
-#          with it and with the general Hopper kernel, DMATTN_BWD_SM90_WS=0)
+#   steps: build test bench sm90 bwd multigpu sanitize (default: build test bench; sm90: the GPU
+#          tests with the Hopper kernels off, DMATTN_FWD_SM90=0 DMATTN_BWD_SM90=0 -- on a Hopper
+#          GPU the only run of the sm80-class kernels at head dims up to 128 -- and forward
+#          timings of both; bwd: the warp-specialized Hopper backward's own tests, then fwd+bwd
+#          timings with it and with the general Hopper kernel, DMATTN_BWD_SM90_WS=0; multigpu:
+#          context parallelism on every visible GPU, the NCCL tests of dmattn.distributed and
+#          the scaling table of benchmarks/profiling/ring_scaling.py)
 #   env:   OUT (default /tmp/dmattn-out), ARCHS (default 90a), PYTEST_ARGS, BENCH_ARGS,
 #          CARRY_ROOT (folder holding .whl/ and .devcarry/, default the repo root; lets a copy of
 #          a work tree staged inside the checkout reuse the checkout's carried folders)
@@ -103,6 +105,23 @@ if [[ " $STEPS " == *" bwd "* ]]; then
   timeout 150 python3 benchmarks/profiling/bwd_timing.py 2>&1 | tee "$OUT/bwd_timing_ws.txt" | grep -A40 -E "TABLE|rel err"
   DMATTN_BWD_SM90_WS=0 timeout 150 python3 benchmarks/profiling/bwd_timing.py 2>&1 | tee "$OUT/bwd_timing_general.txt" |
     grep -A40 TABLE
+fi
+
+if [[ " $STEPS " == *" multigpu "* ]]; then
+  # Time limits grow with the GPU count: the tests spawn a group per world size (2, 4, 8) and the
+  # scaling script one per world size (1, 2, 4, 8) whose work per rank grows with it. On 2 GPUs
+  # the step ends within about 5 minutes; the script ends its running group at its deadline and
+  # still prints the rows of the world sizes that finished.
+  ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  step "context parallelism: tests over NCCL, $ngpu GPUs"
+  NCCL_NVLS_ENABLE=0 timeout $((90 + 30 * ngpu)) python3 -m pytest tests/python/test_ring_attention.py -m gpu -q \
+    -p no:cacheprovider -rfs 2>&1 | tee "$OUT/pytest_multigpu.log" | tail -15
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  step "context parallelism: ring_attention scaling over 1..$ngpu GPUs"
+  limit=$((60 + 40 * ngpu))
+  timeout $((limit + 20)) python3 benchmarks/profiling/ring_scaling.py --deadline-s "$limit" \
+    --json "$OUT/ring_scaling.json" 2>&1 | tee "$OUT/ring_scaling.txt" | tail -20
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
 if [[ " $STEPS " == *" sanitize "* ]]; then

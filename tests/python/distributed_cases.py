@@ -1,10 +1,15 @@
-"""The cases of test_ring_attention.py and the worker that runs them in each rank of a gloo group.
+"""The cases of test_ring_attention.py and the worker that runs them in each rank of a process
+group: gloo on the CPU, or NCCL with one CUDA device per rank.
 
 Every rank builds the same global q, k, v, bias, mask and dout from the case's seed, shards
 them, runs dmattn.distributed.ring_attention and its backward, gathers out, lse and the
 gradients (unshard_sequence) and compares them, on every rank, with single-process dmattn on the
-whole sequence (dmattn.attention, or dmattn.attention_topk(per_query=True) for ``keep``). The
-failures of each rank go to a JSON file that the test reads.
+whole sequence on the same device (dmattn.attention, or dmattn.attention_topk(per_query=True)
+for ``keep``). The failures of each rank go to a JSON file that the test reads.
+
+CUDA runs ``cases_for("cuda")``: the same cases mapped onto what the CUDA kernels take
+(``for_cuda``), so that every path the gloo tests cover (layouts, exchanges, key-side and full
+masks and biases, Doge's per-query top-k, determinism, NaN) is checked over NCCL too.
 """
 
 from __future__ import annotations
@@ -48,7 +53,9 @@ class RingCase:
     nan_row: Optional[int] = None  # a NaN in q at this global position of batch 0, head 0
 
     def tolerance(self) -> float:
-        return {F64: 1e-10, F32: 1e-5}.get(self.dtype, 3e-2)
+        # 16-bit: each step's partial output is rounded before the merge, and the backward reads
+        # the rounded out (docs/semantics.md, "Numerics"): rounding of the dtype, a few times.
+        return {F64: 1e-10, F32: 1e-5, torch.float16: 1e-2}.get(self.dtype, 3e-2)
 
 
 BASE = [
@@ -83,9 +90,29 @@ CASES += [
     RingCase("deterministic/allgather", bias="full", deterministic=True, dtype=F32, kv_exchange="allgather"),
 ]
 
+# CUDA takes float16 / bfloat16 and head dims that are multiples of 8. Rows per rank x32: zigzag
+# chunks of 128 and 192 rows, so the kernels run whole tiles and a partial one (keep scales along).
+CUDA_SCALE = 32
 
-def make_inputs(case: RingCase, world_size: int, seed: int):
-    """The global tensors of a case (the same on every rank)."""
+
+def for_cuda(case: RingCase) -> RingCase:
+    """A case mapped onto the CUDA kernels: float64 -> bfloat16, float32 -> float16 (a float32
+    bias_dtype stays: CUDA takes a float32 bias), head dims 16 / 32 -> 64 / 128, CUDA_SCALE
+    times the rows and keep."""
+    return replace(case, dtype=torch.bfloat16 if case.dtype in (F64, torch.bfloat16) else torch.float16,
+                   local_len=case.local_len * CUDA_SCALE, d=64 if case.d <= 16 else 128,
+                   keep=None if case.keep is None else case.keep * CUDA_SCALE)
+
+
+CUDA_CASES: List[RingCase] = [for_cuda(case) for case in CASES]
+
+
+def cases_for(device: str) -> List[RingCase]:
+    return CUDA_CASES if device == "cuda" else CASES
+
+
+def make_inputs(case: RingCase, world_size: int, seed: int, device: str = "cpu"):
+    """The global tensors of a case (the same on every rank), on ``device``."""
     gen = torch.Generator().manual_seed(seed)
     b, h, hkv, d = case.b, case.h, case.hkv, case.d
     s = world_size * case.local_len
@@ -117,7 +144,8 @@ def make_inputs(case: RingCase, world_size: int, seed: int):
     elif case.mask == "first_rank_off":  # keys of the first S_local positions: none allowed
         mask = torch.ones(1, 1, 1, s, dtype=torch.bool)
         mask[..., :case.local_len] = False
-    return q, k, v, bias, mask, dout
+    # Drawn on the CPU from the seed, then moved: the same values on every rank and device.
+    return tuple(None if x is None else x.to(device) for x in (q, k, v, bias, mask, dout))
 
 
 KEY_SIDE = ("key", "key_hkv", "first_rank_off")
@@ -172,7 +200,7 @@ def unshard_results(case: RingCase, bias, out, lse, grads):
         elif bias.shape[-2] != 1:
             full.append(dd.unshard_sequence(grads[3], -2, layout=layout))
         else:  # a query-broadcast global bias: each rank holds a share of its gradient
-            total = grads[3].clone()
+            total = grads[3].clone(memory_format=torch.contiguous_format)  # (NCCL needs it dense)
             dist.all_reduce(total)
             full.append(total)
     return full
@@ -181,13 +209,13 @@ def unshard_results(case: RingCase, bias, out, lse, grads):
 NAMES = ["out", "lse", "dq", "dk", "dv", "dbias"]
 
 
-def _nan_required(case: RingCase, name: str, shape) -> Optional[torch.Tensor]:
+def _nan_required(case: RingCase, name: str, shape, device) -> Optional[torch.Tensor]:
     """Where a NaN in q[0, nan_row, 0, 0] must arrive (docs/semantics.md, "NaN in, NaN out"): its
     out and dq row, and the dk, dv and dbias entries of the keys that row attends (j <= nan_row
     under causal, in batch 0, kv head 0 / bias head 0). Elsewhere a NaN may or may not spread."""
     if name == "lse":
         return None
-    required = torch.zeros(shape, dtype=torch.bool)
+    required = torch.zeros(shape, dtype=torch.bool, device=device)
     keys = slice(0, case.nan_row + 1) if case.causal else slice(None)
     if name in ("out", "dq"):
         required[0, case.nan_row, 0] = True
@@ -206,7 +234,7 @@ def compare(case: RingCase, got: List[torch.Tensor], want: List[torch.Tensor]) -
             continue
         a64, b64 = a.double(), b.double()
         if case.nan_row is not None:
-            required = _nan_required(case, name, a.shape)
+            required = _nan_required(case, name, a.shape, a.device)
             if required is not None and not torch.isnan(a64[required]).all():
                 errors.append(f"{name}: the NaN does not reach what it touches (hidden)")
             both = torch.isfinite(a64) & torch.isfinite(b64)
@@ -227,15 +255,15 @@ def compare(case: RingCase, got: List[torch.Tensor], want: List[torch.Tensor]) -
         out = got[0]
         if not torch.isnan(out[0, case.nan_row, 0]).all():
             errors.append("out: the NaN query row is not NaN")
-        finite_rows = torch.ones(out.shape[1], dtype=torch.bool)
+        finite_rows = torch.ones(out.shape[1], dtype=torch.bool, device=out.device)
         finite_rows[case.nan_row] = False
         if not torch.isfinite(out[1:]).all() or not torch.isfinite(out[0, finite_rows]).all():
             errors.append("out: a NaN reached a row without one")
     return errors
 
 
-def run_case(case: RingCase, world_size: int, seed: int) -> List[str]:
-    q, k, v, bias, mask, dout = make_inputs(case, world_size, seed)
+def run_case(case: RingCase, world_size: int, seed: int, device: str = "cpu") -> List[str]:
+    q, k, v, bias, mask, dout = make_inputs(case, world_size, seed, device)
     want_out, want_lse, want_grads = reference(case, q, k, v, bias, mask, dout)
     want = [want_out, want_lse] + want_grads
     out, lse, grads = distributed(case, q, k, v, bias, mask, dout)
@@ -248,11 +276,16 @@ def run_case(case: RingCase, world_size: int, seed: int) -> List[str]:
     return errors
 
 
-def error_cases(world_size: int) -> List[str]:
+def error_cases(world_size: int, device: str = "cpu") -> List[str]:
     """Invalid arguments raise before any communication, naming the argument."""
-    q = torch.randn(1, 8, 4, 16)
-    k = v = torch.randn(1, 8, 2, 16)
-    key_bias = torch.randn(1, 4, 1, 8)
+    dtype = F32 if device == "cpu" else torch.bfloat16  # a dtype the device's kernels take
+
+    def randn(*shape, dtype=dtype):
+        return torch.randn(*shape, dtype=dtype, device=device)
+
+    q = randn(1, 8, 4, 16)
+    k = v = randn(1, 8, 2, 16)
+    key_bias = randn(1, 4, 1, 8)
     checks = [
         (dict(layout="diagonal"), ValueError, "layout"),
         (dict(kv_exchange="p2p"), ValueError, "kv_exchange"),
@@ -261,19 +294,19 @@ def error_cases(world_size: int) -> List[str]:
         (dict(keep=4, bias=key_bias, causal=True), ValueError, "kv_exchange"),
         (dict(keep=4, bias=key_bias, kv_exchange="allgather"), ValueError, "causal"),
         (dict(keep=0, bias=key_bias, causal=True, kv_exchange="allgather"), ValueError, "keep"),
-        (dict(keep=2, bias=torch.randn(1, 4, 8, 8 * world_size), causal=True, kv_exchange="allgather"),
+        (dict(keep=2, bias=randn(1, 4, 8, 8 * world_size), causal=True, kv_exchange="allgather"),
          ValueError, "bias"),
-        (dict(bias=torch.randn(1, 4, 8, 8)), ValueError, "bias") if world_size > 1 else None,
-        (dict(bias=torch.randn(1, 3, 1, 8)), ValueError, "bias"),
-        (dict(bias=torch.randn(1, 4, 1, 7)), ValueError, "bias"),
-        (dict(bias=torch.randn(1, 4, 1, 8, dtype=F64)), TypeError, "bias"),
-        (dict(mask=torch.ones(1, 1, 1, 8)), TypeError, "mask"),
+        (dict(bias=randn(1, 4, 8, 8)), ValueError, "bias") if world_size > 1 else None,
+        (dict(bias=randn(1, 3, 1, 8)), ValueError, "bias"),
+        (dict(bias=randn(1, 4, 1, 7)), ValueError, "bias"),
+        (dict(bias=randn(1, 4, 1, 8, dtype=F64)), TypeError, "bias"),
+        (dict(mask=torch.ones(1, 1, 1, 8, device=device)), TypeError, "mask"),
         (dict(scale=-1.0), ValueError, "scale"),
-        (dict(k=torch.randn(1, 6, 2, 16), v=torch.randn(1, 6, 2, 16)), ValueError, "S_local"),
-        (dict(q=torch.randn(1, 7, 4, 16), k=torch.randn(1, 7, 2, 16), v=torch.randn(1, 7, 2, 16)),
+        (dict(k=randn(1, 6, 2, 16), v=randn(1, 6, 2, 16)), ValueError, "S_local"),
+        (dict(q=randn(1, 7, 4, 16), k=randn(1, 7, 2, 16), v=randn(1, 7, 2, 16)),
          ValueError, "even"),
-        (dict(v=torch.randn(1, 8, 2, 16, dtype=F64)), TypeError, "v"),
-        (dict(k=torch.randn(1, 8, 3, 16), v=torch.randn(1, 8, 3, 16)), ValueError, "k"),
+        (dict(v=randn(1, 8, 2, 16, dtype=F64)), TypeError, "v"),
+        (dict(k=randn(1, 8, 3, 16), v=randn(1, 8, 3, 16)), ValueError, "k"),
     ]
     errors = []
     for check in checks:
@@ -290,7 +323,7 @@ def error_cases(world_size: int) -> List[str]:
                 errors.append(f"errors: {list(kwargs)}: message does not name {word!r}: {e}")
         except Exception as e:  # noqa: BLE001
             errors.append(f"errors: {list(kwargs)}: {type(e).__name__} instead of {exc.__name__}: {e}")
-    for call, exc in ((lambda: dd.shard_sequence(torch.randn(1, 2 * world_size + 1, 2), 1), ValueError),
+    for call, exc in ((lambda: dd.shard_sequence(randn(1, 2 * world_size + 1, 2), 1), ValueError),
                       (lambda: dd.shard_sequence(q, 1, layout="stripes"), ValueError)):
         try:
             call()
@@ -300,22 +333,29 @@ def error_cases(world_size: int) -> List[str]:
     return errors
 
 
-def worker(rank: int, world_size: int, init_file: str, out_dir: str, case_names: Optional[List[str]]) -> None:
+def worker(rank: int, world_size: int, init_file: str, out_dir: str, case_names: Optional[List[str]],
+           device: str = "cpu") -> None:
+    """One rank: gloo on the CPU; on "cuda" NCCL with device ``rank`` (one GPU per rank)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=120))
+    options = {}
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        options["device_id"] = torch.device("cuda", rank)  # binds the communicator (barrier included)
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method="file://" + init_file, rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=120), **options)
     failures, ran = [], 0
     try:
-        for index, case in enumerate(CASES):
+        for index, case in enumerate(cases_for(device)):
             if case_names is not None and case.name not in case_names:
                 continue
             try:
-                failures += [f"{case.name}: {e}" for e in run_case(case, world_size, seed=1000 * world_size + index)]
+                failures += [f"{case.name}: {e}"
+                             for e in run_case(case, world_size, seed=1000 * world_size + index, device=device)]
             except Exception:  # noqa: BLE001 (reported, then the next case)
                 failures.append(f"{case.name}: raised\n{traceback.format_exc()}")
             ran += 1
         if case_names is None:
-            failures += error_cases(world_size)
+            failures += error_cases(world_size, device)
         dist.barrier()
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

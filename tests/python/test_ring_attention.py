@@ -4,6 +4,9 @@
   loop (spawning costs a few seconds) and the invalid-argument checks; each rank writes its
   failures to a file. The group is joined with a deadline and killed after it, and gloo's own
   timeout bounds every collective, so a failing rank cannot hang the suite.
+* Marked gpu: the same over NCCL with one GPU per rank (world sizes 2, 4, 8, each skipped where
+  fewer GPUs are visible), the cases mapped onto the CUDA kernels (distributed_cases.for_cuda) and
+  compared with one dmattn call on one GPU over the whole sequence.
 * Local parts without communication: the sharding helpers, the plans, and the backward op's
   ``forward_stats`` mode that the ring's backward is built on.
 * World size 1 (a group of this process only) on CPU and, marked gpu, on CUDA (NCCL).
@@ -29,12 +32,16 @@ from dmattn.ops import attention_backward, attention_forward
 import distributed_cases
 
 DEADLINE_S = 300
+GPU_COUNT = torch.cuda.device_count()
 
 
-def _spawn(world_size: int, tmp_path, monkeypatch, case_names=None):
+def _spawn(world_size: int, tmp_path, monkeypatch, case_names=None, device="cpu"):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # 2..4 processes share the machine's cores
+    # NVLink multicast (NVLS) off: the exchanges are point-to-point, all-gather and all-to-all;
+    # NVLS would only add its per-communicator setup and buffers (no effect with gloo).
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
     ctx = mp.start_processes(distributed_cases.worker, nprocs=world_size, join=False, start_method="spawn",
-                             args=(world_size, str(tmp_path / "init"), str(tmp_path), case_names))
+                             args=(world_size, str(tmp_path / "init"), str(tmp_path), case_names, device))
     deadline = time.monotonic() + DEADLINE_S
     try:
         while not ctx.join(timeout=5):
@@ -51,12 +58,27 @@ def _spawn(world_size: int, tmp_path, monkeypatch, case_names=None):
     return results
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_ring_attention_matches_single_process(world_size, tmp_path, monkeypatch):
-    results = _spawn(world_size, tmp_path, monkeypatch)
+def _check(results, device: str) -> None:
     failures = [f"rank {rank}: {line}" for rank, r in enumerate(results) for line in r["failures"]]
     assert not failures, "\n".join(failures)
-    assert all(r["ran"] == len(distributed_cases.CASES) for r in results), results
+    assert all(r["ran"] == len(distributed_cases.cases_for(device)) for r in results), results
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ring_attention_matches_single_process(world_size, tmp_path, monkeypatch):
+    _check(_spawn(world_size, tmp_path, monkeypatch), "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world_size", [
+    pytest.param(w, marks=pytest.mark.skipif(GPU_COUNT < w, reason=f"needs {w} CUDA devices (one per rank), "
+                                                                   f"{GPU_COUNT} visible"))
+    for w in (2, 4, 8)])
+def test_ring_attention_nccl_matches_single_gpu(world_size, tmp_path, monkeypatch):
+    """Over NCCL, one GPU per rank: outputs and gradients of every case equal one dmattn call on
+    one GPU over the whole sequence (both layouts, both exchanges, key-side and full masks and
+    biases, GQA, per-query top-k, determinism, NaN)."""
+    _check(_spawn(world_size, tmp_path, monkeypatch, device="cuda"), "cuda")
 
 
 # ---------------------------------------------------------------------------------------------
