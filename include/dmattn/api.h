@@ -87,6 +87,36 @@ BackwardParams make_varlen_backward_params(
     const TensorDesc* dbias, const TensorDesc* softmax_delta, const TensorDesc* dq_accum,
     const TensorDesc* dbias_accum, const AttentionOptions& options);
 
+// ---- Decode (docs/decode.md): the split-KV kernel for short query lengths, CUDA only.
+
+// The key-side inputs of a decode call: per-batch key lengths, paged keys, the split-KV
+// workspace. k / v are (B, Sk, Hkv, D) when block_table is null, else pages
+// (num_blocks, page_size, Hkv, D) with block_table int32 (B, max_blocks) (unit stride along the
+// blocks) and the key axis Sk = max_blocks * page_size (what mask / bias broadcast against).
+// seqused_k: int32 (B,) contiguous, or null (every batch holds Sk keys). workspace: float32,
+// contiguous, at least num_splits * B * H * Sq * (D + 1) elements when num_splits > 1.
+struct DecodeInputs {
+  const TensorDesc* seqused_k = nullptr;
+  const TensorDesc* block_table = nullptr;
+  const TensorDesc* workspace = nullptr;
+  int64_t num_splits = 1;
+};
+
+// The number of key splits the decode path uses for this problem on `device` (a property of
+// the shapes and the GPU, never of tensor values), or 0 where it does not apply: another
+// device, no CUDA build, seqlen_q * (num_heads / num_heads_kv) > max_rows, or a head dim or
+// head ratio the decode kernel does not take (the general kernels then report the error).
+int64_t decode_splits(DeviceKind device, int32_t device_id, int64_t batch, int64_t seqlen_q,
+                      int64_t num_heads, int64_t num_heads_kv, int64_t head_dim, int64_t seqlen_k,
+                      int64_t max_rows);
+
+// make_forward_params for the decode path: every rule of the dense call (q, out, lse, mask,
+// bias, options) with the key side of `inputs`; sets decode_splits = inputs.num_splits (>= 1).
+ForwardParams make_decode_forward_params(const TensorDesc& q, const TensorDesc& k, const TensorDesc& v,
+                                         const TensorDesc& out, const TensorDesc& lse, const TensorDesc* mask,
+                                         const TensorDesc* bias, const AttentionOptions& options,
+                                         const DecodeInputs& inputs);
+
 // Run on params.device. CPU always available; CUDA when built with it (otherwise an Error).
 // Varlen params (params.is_varlen()) and gathered keys (params.has_key_positions()) run on the
 // CPU; on CUDA they raise kNotImplemented until the kernels read them.

@@ -116,6 +116,21 @@ struct ForwardParams {
   // interval, whose start is the causal rule and whose end is this bound.
   const int32_t* key_ends = nullptr;
 
+  // ---- Decode (docs/decode.md): the split-KV kernel for short query lengths; decode_splits == 0
+  // = off (the general kernels). Only make_decode_forward_params sets these, CUDA only.
+  // seqused_k: int32 (B,) on the device, or null: batch b reads keys [0, seqused_k[b]) only
+  // (clamped to seqlen_k), and causal / window are aligned with that length (off = len - Sq);
+  // the keys behind it are never loaded. block_table: int32, paged keys: key j of batch b is
+  // row j % page_size of page block_table[b * block_table_stride + j / page_size], a page
+  // being k + page * k_strides.batch_stride (v likewise); seqlen_k = max_blocks * page_size.
+  // split_workspace: float32, decode_splits * B * H * Sq * (D + 1) elements when
+  // decode_splits > 1 (the partial outputs and their lse, combined by a second kernel).
+  int64_t decode_splits = 0;
+  const int32_t* seqused_k = nullptr;
+  const int32_t* block_table = nullptr;
+  int64_t block_table_stride = 0, page_size = 0;
+  float* split_workspace = nullptr;
+
   bool is_varlen() const { return cu_seqlens_q != nullptr; }
   bool has_key_positions() const { return key_positions != nullptr; }
   bool has_key_ends() const { return key_ends != nullptr; }

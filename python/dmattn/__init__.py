@@ -11,10 +11,12 @@ See README.md and docs/semantics.md.
 from . import integrations  # cheap: transformers is imported only by register()
 from ._lib import cuda_available
 from .interface import attention, attention_varlen, flash_dmattn_func
+from .kvcache import attention_with_kvcache
 from .masks import dynamic_mask
 from .topk import attention_topk
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_topk", "attention_varlen", "dynamic_mask", "flash_dmattn_func",
+__all__ = ["attention", "attention_topk", "attention_varlen", "attention_with_kvcache", "dynamic_mask",
+           "flash_dmattn_func",
            "cuda_available", "integrations", "__version__"]

@@ -262,6 +262,11 @@ def attention_forward(
     """Returns (out, lse): out like q, lse (B, H, Sq) float32 (float64 for float64 inputs)."""
     check_devices(q=q, k=k, v=v, mask=mask, bias=bias, key_positions=key_positions, key_ends=key_ends)
     _check_rank(q, "q", "(batch, seqlen_q, num_heads, head_dim)")
+    if key_positions is None and q.device.type == "cuda":  # short Sq: the split-KV kernel (decode.py)
+        from .decode import maybe_decode_forward
+        decoded = maybe_decode_forward(q, k, v, mask, bias, causal, window_left, window_right, scale, softcap)
+        if decoded is not None:
+            return decoded
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q), device=q.device)
     q, k, v = (_cuda_layout(t) for t in (q, k, v))

@@ -3,6 +3,7 @@
 #include "cpu/cpu_backend.h"
 #ifdef DMATTN_WITH_CUDA
 #include "cuda/cuda_backend.h"
+#include "cuda/decode_backend.h"
 #endif
 
 namespace dmattn {
@@ -35,11 +36,14 @@ bool key_positions_supported(DeviceKind device) {
 }
 
 void run_forward(const ForwardParams& params) {
+  check(params.decode_splits == 0 || params.device == DeviceKind::kCUDA, ErrorKind::kNotImplemented,
+        "q: the decode kernel runs on CUDA tensors only");
   if (params.device == DeviceKind::kCPU) {
     return params.is_varlen() ? cpu::forward_varlen(params) : cpu::forward(params);
   }
   reject_unsupported_key_positions(params);
 #ifdef DMATTN_WITH_CUDA
+  if (params.decode_splits > 0) return cuda::decode_forward(params);  // docs/decode.md
   return cuda::forward(params);
 #else
   no_cuda();

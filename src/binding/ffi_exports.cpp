@@ -258,6 +258,41 @@ void sum_segment_rows(TensorView dk_rows, TensorView dv_rows, TensorView slots, 
   });
 }
 
+// The decode path (docs/decode.md): forward_decode runs the split-KV kernel with num_splits
+// splits (decode_splits' answer for these shapes); cache_seqlens / block_table / workspace are
+// optional (dmattn/api.h, DecodeInputs).
+void forward_decode(TensorView q, TensorView k, TensorView v, TensorView out, TensorView lse,
+                    Optional<TensorView> mask, Optional<TensorView> bias, bool causal, int64_t window_left,
+                    int64_t window_right, double scale, double softcap, Optional<TensorView> cache_seqlens,
+                    Optional<TensorView> block_table, Optional<TensorView> workspace, int64_t num_splits) {
+  translate_errors([&] {
+    const OptionalDesc mask_d(mask), bias_d(bias), seqlens_d(cache_seqlens), table_d(block_table),
+        workspace_d(workspace);
+    dmattn::DecodeInputs inputs;
+    inputs.seqused_k = seqlens_d.get();
+    inputs.block_table = table_d.get();
+    inputs.workspace = workspace_d.get();
+    inputs.num_splits = num_splits;
+    dmattn::ForwardParams p = dmattn::make_decode_forward_params(
+        to_desc(q), to_desc(k), to_desc(v), to_desc(out), to_desc(lse), mask_d.get(), bias_d.get(),
+        make_options(causal, window_left, window_right, scale, softcap, false), inputs);
+    p.stream = current_stream(p);
+    dmattn::run_forward(p);
+  });
+}
+
+int64_t decode_splits(const std::string& device, int64_t device_id, int64_t batch, int64_t seqlen_q,
+                      int64_t num_heads, int64_t num_heads_kv, int64_t head_dim, int64_t seqlen_k,
+                      int64_t max_rows) {
+  const auto kind = device == "cuda" ? dmattn::DeviceKind::kCUDA : dmattn::DeviceKind::kCPU;
+  int64_t splits = 0;
+  translate_errors([&] {
+    splits = dmattn::decode_splits(kind, static_cast<int32_t>(device_id), batch, seqlen_q, num_heads,
+                                   num_heads_kv, head_dim, seqlen_k, max_rows);
+  });
+  return splits;
+}
+
 bool cuda_available() { return dmattn::cuda_available(); }
 
 #ifndef DMATTN_BUILD_INFO
@@ -281,6 +316,8 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward_varlen, forward_varlen);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(backward_varlen, backward_varlen);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(check_cu_seqlens, check_cu_seqlens);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(cuda_available, cuda_available);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward_decode, forward_decode);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_splits, decode_splits);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(build_info, build_info);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(supports_key_positions, supports_key_positions);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(select_topk_positions, select_topk_positions);

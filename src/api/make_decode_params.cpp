@@ -1,0 +1,103 @@
+// Validation of the decode path's key-side inputs (per-batch lengths, paged keys, split-KV
+// workspace) on top of make_forward_params, and the decode_splits query.
+#include <vector>
+
+#include "api/tensor_checks.h"
+#include "dmattn/api.h"
+#ifdef DMATTN_WITH_CUDA
+#include "cuda/decode_backend.h"
+#endif
+
+namespace dmattn {
+namespace {
+
+using namespace checks;  // NOLINT: the shared argument checks
+
+// A (B, Sk, Hkv, D) view of a paged cache (num_blocks, page_size, Hkv, D) for the dense
+// validation: stride 0 along the batch (each batch's pages come from block_table).
+TensorDesc paged_view(const TensorDesc& cache, int64_t batch, int64_t max_blocks) {
+  TensorDesc view = cache;
+  view.shape = {batch, max_blocks * cache.shape[1], cache.shape[2], cache.shape[3]};
+  view.strides = {0, cache.strides[1], cache.strides[2], cache.strides[3]};
+  return view;
+}
+
+}  // namespace
+
+int64_t decode_splits(DeviceKind device, int32_t device_id, int64_t batch, int64_t seqlen_q, int64_t num_heads,
+                      int64_t num_heads_kv, int64_t head_dim, int64_t seqlen_k, int64_t max_rows) {
+  if (device != DeviceKind::kCUDA || num_heads_kv < 1 || num_heads % num_heads_kv != 0) return 0;
+  if (head_dim < 8 || head_dim > 256 || head_dim % 8 != 0 || seqlen_q < 1) return 0;
+  const int64_t group = num_heads / num_heads_kv;
+  if (seqlen_q * group > max_rows) return 0;
+#ifdef DMATTN_WITH_CUDA
+  const int64_t ctas = batch * num_heads_kv * cuda::decode_row_chunks(seqlen_q, group);
+  return cuda::decode_num_splits(ctas, seqlen_k, device_id);
+#else
+  (void)batch, (void)seqlen_k, (void)device_id;
+  return 0;
+#endif
+}
+
+ForwardParams make_decode_forward_params(const TensorDesc& q, const TensorDesc& k, const TensorDesc& v,
+                                         const TensorDesc& out, const TensorDesc& lse, const TensorDesc* mask,
+                                         const TensorDesc* bias, const AttentionOptions& options,
+                                         const DecodeInputs& inputs) {
+  check_rank(q, 4, "q", "(batch, seqlen_q, num_heads, head_dim)");
+  check(q.device == DeviceKind::kCUDA, ErrorKind::kNotImplemented,
+        "q: the decode kernel runs on CUDA tensors; got a tensor on ", device_name(q.device));
+  const int64_t batch = q.shape[0];
+  check(inputs.num_splits >= 1, ErrorKind::kValue, "num_splits: expected >= 1, got ", inputs.num_splits);
+
+  ForwardParams p;
+  if (inputs.block_table != nullptr) {
+    const TensorDesc& bt = *inputs.block_table;
+    check_rank(bt, 2, "block_table", "(batch, max_blocks)");
+    check_same_device(q, bt, "block_table");
+    check_dtype(bt, DType::kInt32, "block_table");
+    check(bt.shape[0] == batch, ErrorKind::kValue, "block_table: expected ", batch, " rows (q's batch), got shape ",
+          bt.shape_str());
+    check(bt.shape[1] <= 1 || bt.strides[1] == 1, ErrorKind::kValue,
+          "block_table: expected a unit stride along the blocks, got strides (", bt.strides[0], ", ", bt.strides[1],
+          ")");
+    check_rank(k, 4, "k_cache", "(num_blocks, page_size, num_heads_kv, head_dim)");
+    check_rank(v, 4, "v_cache", "(num_blocks, page_size, num_heads_kv, head_dim)");
+    check(k.shape == v.shape, ErrorKind::kValue, "v_cache: expected the shape of k_cache ", k.shape_str(), ", got ",
+          v.shape_str());
+    check(k.shape[1] >= 1, ErrorKind::kValue, "k_cache: expected a page size >= 1, got shape ", k.shape_str());
+    const int64_t max_blocks = bt.shape[1];
+    p = make_forward_params(q, paged_view(k, batch, max_blocks), paged_view(v, batch, max_blocks), out, lse, mask,
+                            bias, options);
+    p.k_strides.batch_stride = k.strides[0];
+    p.v_strides.batch_stride = v.strides[0];
+    p.block_table = static_cast<const int32_t*>(bt.data);
+    p.block_table_stride = bt.strides[0];
+    p.page_size = k.shape[1];
+  } else {
+    p = make_forward_params(q, k, v, out, lse, mask, bias, options);
+  }
+  if (inputs.seqused_k != nullptr) {
+    const TensorDesc& s = *inputs.seqused_k;
+    check_same_device(q, s, "cache_seqlens");
+    check_dtype(s, DType::kInt32, "cache_seqlens");
+    check_shape(s, {batch}, "cache_seqlens");
+    check_contiguous(s, "cache_seqlens");
+    p.seqused_k = static_cast<const int32_t*>(s.data);
+  }
+  if (inputs.num_splits > 1) {
+    check(inputs.workspace != nullptr, ErrorKind::kValue, "workspace: ", inputs.num_splits,
+          " key splits need a float32 workspace, got none");
+    const TensorDesc& w = *inputs.workspace;
+    check_same_device(q, w, "workspace");
+    check_dtype(w, DType::kFloat32, "workspace");
+    check_contiguous(w, "workspace");
+    const int64_t need = inputs.num_splits * batch * p.num_heads * p.seqlen_q * (p.head_dim + 1);
+    check(w.numel() >= need, ErrorKind::kValue, "workspace: expected at least ", need,
+          " float32 elements, got ", w.numel());
+    p.split_workspace = static_cast<float*>(w.data);
+  }
+  p.decode_splits = inputs.num_splits;
+  return p;
+}
+
+}  // namespace dmattn

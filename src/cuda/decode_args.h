@@ -1,0 +1,55 @@
+// The decode kernels' argument block (docs/decode.md), filled once on the host from
+// ForwardParams (decode_backend.cu). Plain data; device code reads nothing else.
+#pragma once
+
+#include <cstdint>
+
+namespace dmattn::cuda {
+
+// Threads of one decode CTA: a memory-bound kernel wants many resident warps, not large tiles.
+inline constexpr int kDecodeThreads = 128;
+// Query rows per CTA: the four query heads of a kv head in the usual GQA ratio; larger groups
+// and several queries take several row chunks (more rows per CTA spilled registers).
+inline constexpr int kDecodeRows = 4;
+// Steps of the per-thread cp.async ring (decode_kernel.h): kDecodeStages - 1 steps of K / V
+// rows in flight per thread.
+inline constexpr int kDecodeStages = 4;
+
+// A mask or bias element (b, h, i, j) at ptr[b * sb + (h / head_div) * sh + i * sq + j * sk]
+// (stride 0 = broadcast); the decode kernel reads single elements, so every layout is legal.
+struct DecodeOperand {
+  const char* ptr = nullptr;  // null = absent
+  int64_t sb = 0, sh = 0, sq = 0, sk = 0;
+  int head_div = 1;
+};
+
+struct DecodeArgs {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;  // (b, h, i) at b * lse_bs + h * lse_hs + i
+  int64_t lse_bs = 0, lse_hs = 0;
+  int64_t q_bs = 0, q_rs = 0, q_hs = 0;
+  int64_t k_bs = 0, k_rs = 0, k_hs = 0;  // k_bs: the page stride when paged
+  int64_t v_bs = 0, v_rs = 0, v_hs = 0;
+  int64_t o_bs = 0, o_rs = 0, o_hs = 0;
+  int batch = 0, seqlen_q = 0, seqlen_k = 0, num_heads = 0, heads_kv = 0, group = 1, head_dim = 0;
+  const int32_t* seqused_k = nullptr;    // null: every batch holds seqlen_k keys
+  const int32_t* block_table = nullptr;  // null: contiguous keys
+  int64_t bt_stride = 0;
+  int page_size = 1;
+  float q_scale = 1.f;  // folded into q: scale, or scale / softcap with a softcap
+  float softcap = 0.f;  // 0 = off
+  int64_t window_left = -1, window_right = -1;  // -1 = unbounded, causal folded in
+  DecodeOperand mask, bias;
+  bool bias_fp32 = false;
+  // Query rows (query i, head g of the group: row i * group + g) per CTA, and the CTAs that
+  // share one (batch, kv head): row_chunks * num_splits, the chunk index varying fastest so
+  // that the chunks reading the same keys run side by side (their second read hits L2).
+  int row_chunks = 1, num_splits = 1;
+  float* part_out = nullptr;  // (num_splits, B, H, Sq, D) float32, with num_splits > 1
+  float* part_lse = nullptr;  // (num_splits, B, H, Sq) float32, natural log
+};
+
+}  // namespace dmattn::cuda

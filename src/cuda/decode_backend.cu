@@ -1,0 +1,156 @@
+// Host side of the decode path: the split-count heuristic, the checks only these kernels
+// need, DecodeArgs filled in one place, and the dispatch to the instantiation per dtype.
+#include "cuda/decode_backend.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+
+#include <cutlass/numeric_types.h>
+
+#include "cuda/check.h"
+#include "cuda/decode_args.h"
+#include "cuda/decode_launch.h"
+#include "dmattn/error.h"
+
+namespace dmattn::cuda {
+namespace {
+
+// Resident decode CTAs per SM (decode_kernel.h's launch bounds).
+constexpr int64_t kCtasPerSm = 2;
+// A split reads at least this many keys: below it the partial rows' write and the combine
+// kernel cost more than the parallelism gains.
+constexpr int64_t kMinKeysPerSplit = 256;
+constexpr int64_t kMaxSplits = 128;
+
+int sm_count(int device_id) {
+  static std::mutex mu;
+  static int counts[64] = {};
+  std::lock_guard<std::mutex> lock(mu);
+  if (device_id < 0 || device_id >= 64) return 108;
+  if (counts[device_id] == 0) {
+    check_cuda(cudaDeviceGetAttribute(&counts[device_id], cudaDevAttrMultiProcessorCount, device_id),
+               "cudaDeviceGetAttribute(multiprocessor count)");
+  }
+  return counts[device_id];
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+void check_rows(const char* name, const void* ptr, const SeqTensor& t) {
+  check(aligned16(ptr) && t.batch_stride % 8 == 0 && t.row_stride % 8 == 0 && t.head_stride % 8 == 0,
+        ErrorKind::kValue, name, ": the CUDA backend needs a 16-byte aligned data pointer and strides ",
+        "that are multiples of 8 elements, got strides (", t.batch_stride, ", ", t.row_stride, ", ",
+        t.head_stride, ")");
+}
+
+DecodeOperand make_operand(const BroadcastOperand& op) {
+  DecodeOperand o;
+  if (!op.present()) return o;
+  o.ptr = static_cast<const char*>(op.ptr);
+  o.sb = op.size_b == 1 ? 0 : op.stride_b;
+  o.sh = op.size_h == 1 ? 0 : op.stride_h;
+  o.sq = op.size_q == 1 ? 0 : op.stride_q;
+  o.sk = op.size_k == 1 ? 0 : op.stride_k;
+  o.head_div = static_cast<int>(op.head_div);
+  return o;
+}
+
+}  // namespace
+
+int64_t decode_row_chunks(int64_t seqlen_q, int64_t group) {
+  return (seqlen_q * group + kDecodeRows - 1) / kDecodeRows;
+}
+
+// FlashAttention's num_splits heuristic, with this kernel's occupancy: a wave is
+// sm_count * kCtasPerSm CTAs; among 1..max splits, the fewest whose last wave is at least 85%
+// as full as the best possible, so that few splits are used when they already fill the GPU.
+int64_t decode_num_splits(int64_t ctas, int64_t seqlen_k, int device_id) {
+  if (ctas <= 0) return 1;
+  const double wave = double(sm_count(device_id)) * kCtasPerSm;
+  const int64_t max_splits = std::min(kMaxSplits, std::max<int64_t>(1, seqlen_k / kMinKeysPerSplit));
+  if (double(ctas) >= 0.8 * wave || max_splits == 1) return 1;
+  const auto efficiency = [&](int64_t s) {
+    const double waves = double(ctas) * double(s) / wave;
+    return waves / std::ceil(waves);
+  };
+  double best = 0;
+  for (int64_t s = 1; s <= max_splits; ++s) best = std::max(best, efficiency(s));
+  for (int64_t s = 1; s <= max_splits; ++s) {
+    if (efficiency(s) >= 0.85 * best) return s;
+  }
+  return 1;
+}
+
+void decode_forward(const ForwardParams& p) {
+  check(p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16, ErrorKind::kType,
+        "q: the CUDA backend supports float16 and bfloat16, got ", dtype_name(p.dtype));
+  check(p.head_dim % 8 == 0 && p.head_dim >= 8 && p.head_dim <= 256, ErrorKind::kValue, "q: head_dim ",
+        p.head_dim, " is not supported by the CUDA backend (expected a multiple of 8 up to 256)");
+  check(!p.mask.present() || p.mask.dtype == DType::kBool, ErrorKind::kType, "mask: expected dtype bool");
+  check(!p.bias.present() || p.bias.dtype == DType::kFloat32 || p.bias.dtype == p.dtype, ErrorKind::kType,
+        "bias: expected q's dtype or float32");
+  check(p.seqlen_k < (int64_t(1) << 31) && p.seqlen_q < (int64_t(1) << 31) && p.batch <= 65535 &&
+            p.num_heads_kv <= 65535,
+        ErrorKind::kValue, "q/k: the CUDA decode path supports lengths below 2^31 and at most 65535 batches ",
+        "and kv heads");
+  if (p.batch == 0 || p.seqlen_q == 0 || p.num_heads == 0) return;
+  check_rows("q", p.q, p.q_strides);
+  check_rows("out", p.out, p.out_strides);
+  if (p.seqlen_k > 0) {
+    check_rows("k", p.k, p.k_strides);
+    check_rows("v", p.v, p.v_strides);
+  }
+  check(p.decode_splits == 1 || p.split_workspace != nullptr, ErrorKind::kValue,
+        "workspace: ", p.decode_splits, " key splits need a float32 workspace, got none");
+
+  DecodeArgs a;
+  a.q = p.q; a.k = p.k; a.v = p.v; a.out = p.out;
+  a.lse = static_cast<float*>(p.lse);
+  a.lse_bs = p.lse_batch_stride; a.lse_hs = p.lse_head_stride;
+  a.q_bs = p.q_strides.batch_stride; a.q_rs = p.q_strides.row_stride; a.q_hs = p.q_strides.head_stride;
+  a.k_bs = p.k_strides.batch_stride; a.k_rs = p.k_strides.row_stride; a.k_hs = p.k_strides.head_stride;
+  a.v_bs = p.v_strides.batch_stride; a.v_rs = p.v_strides.row_stride; a.v_hs = p.v_strides.head_stride;
+  a.o_bs = p.out_strides.batch_stride; a.o_rs = p.out_strides.row_stride; a.o_hs = p.out_strides.head_stride;
+  a.batch = static_cast<int>(p.batch);
+  a.seqlen_q = static_cast<int>(p.seqlen_q);
+  a.seqlen_k = static_cast<int>(p.seqlen_k);
+  a.num_heads = static_cast<int>(p.num_heads);
+  a.heads_kv = static_cast<int>(p.num_heads_kv);
+  a.group = static_cast<int>(p.group_size());
+  a.head_dim = static_cast<int>(p.head_dim);
+  a.seqused_k = p.seqused_k;
+  a.block_table = p.block_table;
+  a.bt_stride = p.block_table_stride;
+  a.page_size = p.block_table != nullptr ? static_cast<int>(p.page_size) : 1;
+  a.softcap = p.softcap > 0 ? static_cast<float>(p.softcap) : 0.f;
+  a.q_scale = static_cast<float>(p.softcap > 0 ? p.scale / p.softcap : p.scale);
+  a.window_left = p.window_left;
+  a.window_right = p.window_right;
+  a.mask = make_operand(p.mask);
+  a.bias = make_operand(p.bias);
+  a.bias_fp32 = p.bias.present() && p.bias.dtype == DType::kFloat32;
+  a.row_chunks = static_cast<int>(decode_row_chunks(p.seqlen_q, p.group_size()));
+  a.num_splits = static_cast<int>(std::max<int64_t>(1, p.decode_splits));
+  if (a.num_splits > 1) {
+    a.part_out = p.split_workspace;
+    a.part_lse = p.split_workspace + int64_t(a.num_splits) * p.batch * p.num_heads * p.seqlen_q * p.head_dim;
+  }
+
+  int prev = -1;
+  check_cuda(cudaGetDevice(&prev), "cudaGetDevice");
+  if (prev != p.device_id) check_cuda(cudaSetDevice(p.device_id), "cudaSetDevice");
+  auto stream = static_cast<cudaStream_t>(p.stream);
+  try {
+    if (p.dtype == DType::kBFloat16) run_decode<cutlass::bfloat16_t>(a, stream);
+    else run_decode<cutlass::half_t>(a, stream);
+  } catch (...) {
+    if (prev != p.device_id) cudaSetDevice(prev);
+    throw;
+  }
+  if (prev != p.device_id) cudaSetDevice(prev);
+}
+
+}  // namespace dmattn::cuda

@@ -1,0 +1,54 @@
+// Launcher of the decode kernels for one element type (docs/decode.md); instantiated once per
+// type in src/cuda/inst/decode_<dtype>.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/decode_args.h"
+
+namespace dmattn::cuda {
+
+// The head-dim bucket run_decode picks: 64 / 128 / 256.
+inline constexpr int decode_max_head_dim(int d) { return d <= 64 ? 64 : d <= 128 ? 128 : 256; }
+
+template <typename Element>
+void run_decode(const DecodeArgs& a, cudaStream_t stream);
+
+}  // namespace dmattn::cuda
+
+#ifdef DMATTN_DECODE_LAUNCH_IMPL
+#include "cuda/check.h"
+#include "cuda/decode_kernel.h"
+
+namespace dmattn::cuda {
+
+template <typename Element, int kMaxD>
+void launch_decode(const DecodeArgs& a, cudaStream_t stream) {
+  const dim3 grid(a.row_chunks * a.num_splits, a.heads_kv, a.batch);
+  if (a.mask.ptr != nullptr || a.bias.ptr != nullptr) {
+    decode_kernel<Element, kMaxD, kDecodeRows, true><<<grid, kDecodeThreads, 0, stream>>>(a);
+  } else {
+    decode_kernel<Element, kMaxD, kDecodeRows, false><<<grid, kDecodeThreads, 0, stream>>>(a);
+  }
+  check_cuda(cudaGetLastError(), "decode kernel launch");
+}
+
+template <typename Element>
+void run_decode(const DecodeArgs& a, cudaStream_t stream) {
+  switch (decode_max_head_dim(a.head_dim)) {
+    case 64: launch_decode<Element, 64>(a, stream); break;
+    case 128: launch_decode<Element, 128>(a, stream); break;
+    default: launch_decode<Element, 256>(a, stream); break;
+  }
+  if (a.num_splits > 1) {
+    const int64_t rows = int64_t(a.batch) * a.num_heads * a.seqlen_q;
+    decode_combine_kernel<Element><<<static_cast<unsigned>((rows + 3) / 4), 128, 0, stream>>>(a);
+    check_cuda(cudaGetLastError(), "decode combine kernel launch");
+  }
+}
+
+}  // namespace dmattn::cuda
+
+#define DMATTN_INSTANTIATE_DECODE(Element) \
+  template void dmattn::cuda::run_decode<Element>(const dmattn::cuda::DecodeArgs&, cudaStream_t);
+#endif

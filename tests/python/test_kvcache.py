@@ -1,0 +1,260 @@
+"""dmattn.attention_with_kvcache (docs/semantics.md, "KV cache") against the float64 reference:
+ragged cache lengths (0 and 1 included), appends that cross page boundaries, contiguous and
+paged caches, GQA / MQA, mask, bias, softcap, window, NaN-poisoned unused cache slots; errors
+that name the argument; torch.compile. The CUDA variants run the split-KV decode kernel
+(rows <= KVCACHE_MAX_ROWS) or the composed path above it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dmattn
+from dmattn.decode import KVCACHE_MAX_ROWS
+from reference import check_against_reference
+
+NAN = float("nan")
+
+
+def _make_case(device, dtype, *, batch, seqlen_q, heads, heads_kv, head_dim, capacity, lens, new,
+               page_size=None, mask_shape=None, bias_shape=None, bias_dtype=None, generator_seed=0):
+    """Inputs of one cache call, its logical keys per row (for the reference) and the cache
+    with every slot past the pre-append length poisoned with NaN."""
+    g = torch.Generator().manual_seed(generator_seed)
+    rnd = lambda *s, dt=dtype: torch.randn(*s, generator=g).to(dt)  # noqa: E731
+    q = rnd(batch, seqlen_q, heads, head_dim)
+    k_log = rnd(batch, capacity, heads_kv, head_dim)  # the logical keys of every row
+    v_log = rnd(batch, capacity, heads_kv, head_dim)
+    lens = torch.tensor(lens, dtype=torch.int32)
+    k_new = v_new = None
+    if new:
+        k_new = rnd(batch, new, heads_kv, head_dim)
+        v_new = rnd(batch, new, heads_kv, head_dim)
+        for b in range(batch):
+            k_log[b, lens[b]:lens[b] + new] = k_new[b]
+            v_log[b, lens[b]:lens[b] + new] = v_new[b]
+    poisoned = lambda t: t.clone()  # noqa: E731
+    k_cache, v_cache = poisoned(k_log), poisoned(v_log)
+    for b in range(batch):
+        k_cache[b, lens[b]:] = NAN
+        v_cache[b, lens[b]:] = NAN
+    block_table = None
+    if page_size is not None:
+        blocks = capacity // page_size
+        num_pages = batch * blocks + 3
+        perm = torch.randperm(num_pages, generator=g)[: batch * blocks].view(batch, blocks)
+        pages_k = torch.full((num_pages, page_size, heads_kv, head_dim), NAN).to(dtype)
+        pages_v = pages_k.clone()
+        for b in range(batch):
+            for p in range(blocks):
+                pages_k[perm[b, p]] = k_cache[b, p * page_size:(p + 1) * page_size]
+                pages_v[perm[b, p]] = v_cache[b, p * page_size:(p + 1) * page_size]
+        block_table = perm.to(torch.int32)
+        # Blocks wholly behind a row's final length are never read: they may hold anything.
+        for b in range(batch):
+            first_unused = (int(lens[b]) + new + page_size - 1) // page_size
+            block_table[b, first_unused:] = -1
+        k_cache, v_cache = pages_k, pages_v
+    mask = bias = None
+    if mask_shape is not None:
+        mask = torch.rand(*mask_shape, generator=g) > 0.3
+    if bias_shape is not None:
+        bias = torch.randn(*bias_shape, generator=g).to(bias_dtype or dtype)
+        bias[..., int(max(lens)) + new:] = NAN  # behind every row's length
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return dict(q=to(q), k_cache=to(k_cache), v_cache=to(v_cache), k=to(k_new), v=to(v_new),
+                cache_seqlens=to(lens), block_table=to(block_table), mask=to(mask), bias=to(bias),
+                k_log=k_log, v_log=v_log, lens=lens, new=new)
+
+
+def _run(case, **kw):
+    return dmattn.attention_with_kvcache(
+        case["q"], case["k_cache"], case["v_cache"], case["k"], case["v"], cache_seqlens=case["cache_seqlens"],
+        block_table=case["block_table"], mask=case["mask"], bias=case["bias"], return_lse=True, **kw)
+
+
+def _check(case, out, lse, *, causal=True, window=(-1, -1), softcap=0.0, scale=None):
+    """Row by row against the reference on the row's own keys (length after the append)."""
+    assert out.shape == case["q"].shape and lse.shape == (out.shape[0], out.shape[2], out.shape[1])
+    for b in range(out.shape[0]):
+        length = int(case["lens"][b]) + case["new"]
+        cut = lambda t: None if t is None else (t[b:b + 1] if t.dim() == 4 and t.shape[0] > 1 else t)[..., :length]  # noqa: E731
+        check_against_reference(case["q"][b:b + 1].cpu(), case["k_log"][b:b + 1, :length],
+                                case["v_log"][b:b + 1, :length], cut(case["mask"]),
+                                cut(case["bias"]), out[b:b + 1], lse[b:b + 1], causal=causal, window=window,
+                                softcap=softcap, scale=scale, context=f"(row {b}, length {length})")
+
+
+def _dtype(device):
+    return torch.float32 if device == "cpu" else torch.bfloat16
+
+
+@pytest.mark.parametrize("new", [0, 1, 3])
+def test_contiguous_ragged(device, new):
+    case = _make_case(device, _dtype(device), batch=4, seqlen_q=max(new, 1), heads=8, heads_kv=2, head_dim=64,
+                      capacity=80, lens=[0, 1, 37, 80 - max(new, 1)], new=new)
+    out, lse = _run(case)
+    _check(case, out, lse)
+    if new == 0:  # the row without keys: out 0, lse -inf
+        assert torch.all(out[0] == 0) and torch.all(lse[0] == float("-inf"))
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_paged_append_crosses_pages(device, page_size):
+    new = 3
+    lens = [page_size - 1, 0, 2 * page_size - 2, 1]  # rows 0 and 2 append across a page boundary
+    case = _make_case(device, _dtype(device), batch=4, seqlen_q=new, heads=4, heads_kv=4, head_dim=32,
+                      capacity=4 * page_size, lens=lens, new=new, page_size=page_size)
+    out, lse = _run(case)
+    _check(case, out, lse)
+    # The new keys landed in the pages the table names for them.
+    bt, kc = case["block_table"].cpu(), case["k_cache"].cpu()
+    for b, start in enumerate(lens):
+        for t in range(new):
+            pos = start + t
+            torch.testing.assert_close(kc[bt[b, pos // page_size], pos % page_size], case["k"][b, t].cpu())
+
+
+@pytest.mark.parametrize("heads_kv", [1, 2, 8])
+@pytest.mark.parametrize("operands", ["mask", "key_bias", "query_bias", "fp32_bias", "both"])
+def test_mask_bias_gqa(device, heads_kv, operands):
+    batch, sq, heads, cap = 3, 2, 8, 48
+    shapes = {"mask": dict(mask_shape=(batch, 1, 1, cap)),
+              "key_bias": dict(bias_shape=(batch, heads, 1, cap)),
+              "query_bias": dict(bias_shape=(1, heads_kv, sq, cap)),
+              "fp32_bias": dict(bias_shape=(batch, 1, 1, cap), bias_dtype=torch.float32),
+              "both": dict(mask_shape=(1, heads, sq, cap), bias_shape=(batch, heads, 1, cap))}[operands]
+    case = _make_case(device, _dtype(device), batch=batch, seqlen_q=sq, heads=heads, heads_kv=heads_kv,
+                      head_dim=64, capacity=cap, lens=[5, 0, 30], new=sq, **shapes)
+    out, lse = _run(case)
+    _check(case, out, lse)
+
+
+@pytest.mark.parametrize("opts", [dict(softcap=5.0), dict(window=(4, -1)), dict(causal=False),
+                                  dict(causal=False, window=(3, 1)), dict(scale=0.3)])
+def test_options(device, opts):
+    case = _make_case(device, _dtype(device), batch=3, seqlen_q=4, heads=4, heads_kv=2, head_dim=64,
+                      capacity=64, lens=[0, 9, 60], new=4, page_size=16, bias_shape=(3, 4, 1, 64))
+    out, lse = _run(case, **opts)
+    _check(case, out, lse, **{"causal": True, **opts})
+
+
+def test_int_seqlens_and_no_lse(device):
+    case = _make_case(device, _dtype(device), batch=2, seqlen_q=1, heads=4, heads_kv=1, head_dim=32, capacity=20,
+                      lens=[7, 7], new=1)
+    out = dmattn.attention_with_kvcache(case["q"], case["k_cache"], case["v_cache"], case["k"], case["v"],
+                                        cache_seqlens=7)
+    ref, _ = _run(_make_case(device, _dtype(device), batch=2, seqlen_q=1, heads=4, heads_kv=1, head_dim=32,
+                             capacity=20, lens=[7, 7], new=1))
+    torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 72])
+def test_gpu_long_cache_splits(dtype, head_dim):
+    """Enough keys for several key splits; head dims of every bucket and one that fills none."""
+    case = _make_case("cuda", dtype, batch=2, seqlen_q=1, heads=8, heads_kv=2, head_dim=head_dim, capacity=4096,
+                      lens=[4000, 1], new=1, page_size=256, bias_shape=(2, 8, 1, 4096))
+    out, lse = _run(case)
+    _check(case, out, lse)
+
+
+@pytest.mark.gpu
+def test_gpu_rows_above_kernel_limit():
+    """More query rows than the decode kernel takes: the composed path, same contract."""
+    sq = KVCACHE_MAX_ROWS // 4 + 2
+    case = _make_case("cuda", torch.bfloat16, batch=2, seqlen_q=sq, heads=8, heads_kv=2, head_dim=64,
+                      capacity=128, lens=[3, 40], new=sq, page_size=32, mask_shape=(2, 1, 1, 128))
+    out, lse = _run(case)
+    _check(case, out, lse)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture():
+    case = _make_case("cuda", torch.bfloat16, batch=2, seqlen_q=1, heads=8, heads_kv=2, head_dim=128,
+                      capacity=2048, lens=[100, 1500], new=0, page_size=64)
+    out_eager, _ = _run(case)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _run(case)  # warm-up outside the capture (allocator, lazy initialization)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_graph, _ = _run(case)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out_graph, out_eager, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlen_q,heads_kv", [(1, 8), (1, 2), (4, 8), (2, 1)])
+def test_gpu_attention_takes_decode_kernel(monkeypatch, seqlen_q, heads_kv):
+    """dmattn.attention with a short Sq on CUDA (the decode kernel) against the reference and
+    the general kernels (DMATTN_DECODE=0)."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, seqlen_q, 8, 128, generator=g).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(2, 3000, heads_kv, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    bias = torch.randn(2, 8, 1, 3000, generator=g).to("cuda", torch.bfloat16)
+    mask = torch.rand(2, 1, 1, 3000, generator=g).to("cuda") > 0.2
+    for kw in (dict(), dict(causal=True, window=(500, -1)), dict(softcap=10.0)):
+        out, lse = dmattn.attention(q, k, v, mask=mask, bias=bias, return_lse=True, **kw)
+        check_against_reference(q, k, v, mask, bias, out, lse, causal=kw.get("causal", False),
+                                window=kw.get("window", (-1, -1)), softcap=kw.get("softcap", 0.0))
+        monkeypatch.setenv("DMATTN_DECODE", "0")
+        out_general, lse_general = dmattn.attention(q, k, v, mask=mask, bias=bias, return_lse=True, **kw)
+        monkeypatch.delenv("DMATTN_DECODE")
+        torch.testing.assert_close(out, out_general, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(lse, lse_general, rtol=1e-4, atol=1e-4)
+
+
+def test_compile_fullgraph():
+    """torch.compile traces the call (append included) without graph breaks (fake impl)."""
+    case = _make_case("cpu", torch.float32, batch=2, seqlen_q=1, heads=4, heads_kv=2, head_dim=32, capacity=32,
+                      lens=[3, 10], new=1, page_size=16)
+    eager_case = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in case.items()}
+    out_eager, _ = _run(eager_case)
+
+    def step(q, kc, vc, k, v, lens, bt):
+        return dmattn.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, block_table=bt)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    out = compiled(case["q"], case["k_cache"], case["v_cache"], case["k"], case["v"], case["cache_seqlens"],
+                   case["block_table"])
+    torch.testing.assert_close(out, out_eager)
+    torch.testing.assert_close(case["k_cache"], eager_case["k_cache"], equal_nan=True)
+
+
+def _good():
+    q = torch.randn(2, 1, 4, 16)
+    kc = torch.randn(2, 10, 2, 16)
+    return dict(q=q, k_cache=kc, v_cache=kc.clone(), cache_seqlens=torch.tensor([1, 2], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("change,exc,name", [
+    (dict(q=torch.randn(2, 4, 16)), ValueError, "q"),
+    (dict(k_cache=torch.randn(2, 10, 3, 16)), ValueError, "v_cache"),
+    (dict(k_cache=torch.randn(2, 10, 3, 16), v_cache=torch.randn(2, 10, 3, 16)), ValueError, "k_cache"),
+    (dict(k_cache=torch.randn(2, 10, 2, 8), v_cache=torch.randn(2, 10, 2, 8)), ValueError, "k_cache"),
+    (dict(v_cache=torch.randn(2, 10, 2, 16, dtype=torch.float64)), TypeError, "v_cache"),
+    (dict(cache_seqlens=torch.tensor([1, 2])), TypeError, "cache_seqlens"),
+    (dict(cache_seqlens=torch.tensor([1, 2, 3], dtype=torch.int32)), ValueError, "cache_seqlens"),
+    (dict(cache_seqlens=torch.tensor([1, 11], dtype=torch.int32)), ValueError, "cache_seqlens"),
+    (dict(cache_seqlens=[1, 2]), TypeError, "cache_seqlens"),
+    (dict(block_table=torch.zeros(2, 1, dtype=torch.int64)), TypeError, "block_table"),
+    (dict(block_table=torch.zeros(3, 1, dtype=torch.int32)), ValueError, "block_table"),
+    (dict(mask=torch.ones(2, 1, 1, 9, dtype=torch.bool)), ValueError, "mask"),
+    (dict(mask=torch.ones(2, 1, 1, 10)), TypeError, "mask"),
+    (dict(bias=torch.zeros(3, 1, 1, 10)), ValueError, "bias"),
+    (dict(window=(-2, 0)), ValueError, "window"),
+    (dict(window=5), TypeError, "window"),
+    (dict(k=torch.randn(2, 1, 2, 16)), ValueError, "k, v"),
+    (dict(k=torch.randn(2, 1, 3, 16), v=torch.randn(2, 1, 3, 16)), ValueError, "k, v"),
+])
+def test_errors_name_the_argument(change, exc, name):
+    args = {**_good(), **change}
+    q, kc, vc = args.pop("q"), args.pop("k_cache"), args.pop("v_cache")
+    k, v = args.pop("k", None), args.pop("v", None)
+    with pytest.raises(exc, match=rf"^{name}:"):
+        dmattn.attention_with_kvcache(q, kc, vc, k, v, **args)
