@@ -1,0 +1,119 @@
+"""Decode timings (one short query block against a long KV cache) of dmattn against SDPA
+(enable_gqa, PyTorch's own kernel choice) in one process.
+
+bf16, D=128; median of CUDA-event timings after warm-up. Rows: B=8 H=32 Hkv=8 with a full 32k
+cache, Sq=1 (plain and with a per-key bias (B, H, 1, Sk)), paged caches (page 64 and 256),
+Sq=4 and 16; B=1 with a 128k cache. dmattn runs attention_with_kvcache (the split-KV decode
+kernel; the cache is read in place) and dmattn.attention (which takes the decode kernel by itself
+for short Sq). --general times dmattn.attention with DMATTN_DECODE=0 instead (the kernels of
+the long-sequence path), in a process of its own. TB/s counts
+the K and V bytes read once (the floor of any decode kernel). No causal mask (SDPA's is
+top-left aligned), so every call reads every key.
+    PYTHONPATH=python python3 benchmarks/profiling/decode_timing.py [--general] [--iters 50] [--json FILE]
+"""
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+import dmattn
+
+
+def time_ms(fn, warmup=5, iters=50):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_ceiling(nbytes):
+    """TB/s of a device-to-device copy of nbytes / 2 (reads + writes nbytes): the memory roof."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return nbytes / (time_ms(lambda: dst.copy_(src)) * 1e-3) / 1e12
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--json", default="")
+    ap.add_argument("--general", action="store_true", help="only dmattn.attention with DMATTN_DECODE=0")
+    args = ap.parse_args()
+    dev, dt, D = "cuda", torch.bfloat16, 128
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+
+    def add(case, name, fn, kv_bytes):
+        try:
+            ms = time_ms(fn, iters=args.iters)
+        except Exception as e:  # noqa: BLE001
+            print(f"{case} {name}: {type(e).__name__}: {str(e)[:200]}")
+            ms = float("nan")
+        tbs = kv_bytes / (ms * 1e-3) / 1e12
+        rows.append(dict(case=case, impl=name, ms=ms, kv_tb_s=tbs))
+        print(f"{case:<34} {name:<26} {ms:8.3f} ms {tbs:6.2f} TB/s", flush=True)
+
+    if args.general:
+        os.environ["DMATTN_DECODE"] = "0"
+
+    def workload(case, B, H, Hkv, Sk, Sq, bias=False, pages=()):
+        q = torch.randn(B, Sq, H, D, device=dev, dtype=dt, generator=g)
+        k = torch.randn(B, Sk, Hkv, D, device=dev, dtype=dt, generator=g)
+        v = torch.randn(B, Sk, Hkv, D, device=dev, dtype=dt, generator=g)
+        b = torch.randn(B, H, 1, Sk, device=dev, dtype=dt, generator=g) if bias else None
+        kv_bytes = 2 * k.numel() * k.element_size()
+        seqlens = torch.full((B,), Sk, dtype=torch.int32, device=dev)
+        if args.general:
+            add(case, "dmattn attention (general)", lambda: dmattn.attention(q, k, v, bias=b), kv_bytes)
+            return
+        add(case, "dmattn kvcache", lambda: dmattn.attention_with_kvcache(
+            q, k, v, cache_seqlens=seqlens, bias=b, causal=False), kv_bytes)
+        add(case, "dmattn attention", lambda: dmattn.attention(q, k, v, bias=b), kv_bytes)
+        for page in pages:
+            blocks = Sk // page
+            table = torch.randperm(B * blocks, device=dev).view(B, blocks).to(torch.int32)
+            kp = torch.empty(B * blocks, page, Hkv, D, device=dev, dtype=dt)
+            vp = torch.empty_like(kp)
+            kp[table.long()] = k.view(B, blocks, page, Hkv, D)
+            vp[table.long()] = v.view(B, blocks, page, Hkv, D)
+            add(case, f"dmattn kvcache page {page}", lambda: dmattn.attention_with_kvcache(
+                q, kp, vp, cache_seqlens=seqlens, block_table=table, bias=b, causal=False), kv_bytes)
+            del kp, vp
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        add(case, "SDPA (enable_gqa)", lambda: F.scaled_dot_product_attention(
+            qt, kt, vt, attn_mask=b, enable_gqa=True), kv_bytes)
+        # The decode kernel against the float64 reference of one row (sanity, not timed).
+        out = dmattn.attention_with_kvcache(q[:1], k[:1], v[:1], cache_seqlens=seqlens[:1],
+                                            bias=None if b is None else b[:1], causal=False)
+        ref = F.scaled_dot_product_attention(qt[:1].double(), kt[:1].double(), vt[:1].double(),
+                                             attn_mask=None if b is None else b[:1].double(), enable_gqa=True)
+        err = (out.transpose(1, 2).double() - ref).abs().max().item()
+        print(f"{case:<34} max |dmattn - float64| = {err:.2e}", flush=True)
+        del q, k, v, b
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, D={D}")
+    print(f"copy ceiling: {copy_ceiling(1 << 30):.2f} TB/s")
+    workload("B=8 H=32 Hkv=8 Sk=32k Sq=1", 8, 32, 8, 32768, 1, pages=(64, 256))
+    workload("... per-key bias (B,H,1,Sk)", 8, 32, 8, 32768, 1, bias=True)
+    workload("B=1 H=32 Hkv=8 Sk=128k Sq=1", 1, 32, 8, 131072, 1)
+    workload("B=8 H=32 Hkv=8 Sk=32k Sq=4", 8, 32, 8, 32768, 4)
+    workload("B=8 H=32 Hkv=8 Sk=32k Sq=16", 8, 32, 8, 32768, 16)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
