@@ -21,9 +21,9 @@ What the attention function accepts (HF layout (B, H, S, D), GQA through the k/v
   used as an additive bias with values <= finfo.min / 2 made -inf (= masked), decided without
   reading it on the host; each (B, 1 or H, Sq, Sk); or a 2D padding mask (B, Sk) (nonzero =
   attend) with causal: the real tokens run packed through dmattn.attention_varlen
-  (padding.py; padded query rows give 0), or, with keep_window_size, a bias that has a query
-  dimension, or under torch.compile (packing reads the lengths on the host), it is a key mask
-  (B, 1, 1, Sk) on the dense path.
+  (padding.py; padded query rows give 0), or, for one query per row (a decoding step), with
+  keep_window_size, a bias that has a query dimension, or under torch.compile (packing reads
+  the lengths on the host), it is a key mask (B, 1, 1, Sk) on the dense path.
 * kwargs: is_causal, softcap, attention_bias (an additive, learnable bias broadcastable to
   (B, H, Sq, Sk)) and keep_window_size (keep only that many keys per row, selected from
   attention_bias by dmattn.dynamic_mask, as flash-dmattn's integration does).
@@ -225,7 +225,10 @@ def attention_forward(
     # Packing needs the real lengths on the host (two synchronizations), which torch.compile
     # cannot trace without a graph break: compiled, the key mask runs on the dense path instead
     # (same real rows; padded query rows then hold whatever their causal keys give).
-    packs = padding_2d and not selects and not torch.compiler.is_compiling()
+    # A decode step (one query per row) stays dense with the key mask: the one query of every row
+    # is real, dmattn.attention runs it on the split-KV decode kernel (docs/decode.md), and no
+    # lengths are read on the host.
+    packs = padding_2d and not selects and not torch.compiler.is_compiling() and num_queries > 1
     if packs and (bias is None or key_side_bias(bias, q.shape[0], num_keys) is not None):
         # Only the real tokens are computed (FlashAttention's unpad / pad).
         out = padded_attention(q, k, v, mask[:, 0, 0, :], bias, causal=causal, scale=scaling, softcap=softcap)
