@@ -20,22 +20,11 @@ import torch
 import torch.nn.functional as F
 
 import dmattn
+from dmattn.bench import time_ms as bench_time_ms
 
 
-def time_ms(fn, warmup=5, iters=50):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+def time_ms(fn, iters=50):
+    return bench_time_ms(fn, "cuda", 5, iters)
 
 
 def copy_ceiling(nbytes):

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "dmattn/params.h"
+
 namespace dmattn::cuda {
 
 // Threads of one decode CTA: a memory-bound kernel wants many resident warps, not large tiles.
@@ -30,10 +32,7 @@ struct DecodeArgs {
   void* out = nullptr;
   float* lse = nullptr;  // (b, h, i) at b * lse_bs + h * lse_hs + i
   int64_t lse_bs = 0, lse_hs = 0;
-  int64_t q_bs = 0, q_rs = 0, q_hs = 0;
-  int64_t k_bs = 0, k_rs = 0, k_hs = 0;  // k_bs: the page stride when paged
-  int64_t v_bs = 0, v_rs = 0, v_hs = 0;
-  int64_t o_bs = 0, o_rs = 0, o_hs = 0;
+  SeqTensor q_st, k_st, v_st, o_st;  // k / v: batch_stride is the page stride when paged
   int batch = 0, seqlen_q = 0, seqlen_k = 0, num_heads = 0, heads_kv = 0, group = 1, head_dim = 0;
   const int32_t* seqused_k = nullptr;    // null: every batch holds seqlen_k keys
   const int32_t* block_table = nullptr;  // null: contiguous keys

@@ -110,10 +110,7 @@ void decode_forward(const ForwardParams& p) {
   a.q = p.q; a.k = p.k; a.v = p.v; a.out = p.out;
   a.lse = static_cast<float*>(p.lse);
   a.lse_bs = p.lse_batch_stride; a.lse_hs = p.lse_head_stride;
-  a.q_bs = p.q_strides.batch_stride; a.q_rs = p.q_strides.row_stride; a.q_hs = p.q_strides.head_stride;
-  a.k_bs = p.k_strides.batch_stride; a.k_rs = p.k_strides.row_stride; a.k_hs = p.k_strides.head_stride;
-  a.v_bs = p.v_strides.batch_stride; a.v_rs = p.v_strides.row_stride; a.v_hs = p.v_strides.head_stride;
-  a.o_bs = p.out_strides.batch_stride; a.o_rs = p.out_strides.row_stride; a.o_hs = p.out_strides.head_stride;
+  a.q_st = p.q_strides; a.k_st = p.k_strides; a.v_st = p.v_strides; a.o_st = p.out_strides;
   a.batch = static_cast<int>(p.batch);
   a.seqlen_q = static_cast<int>(p.seqlen_q);
   a.seqlen_k = static_cast<int>(p.seqlen_k);

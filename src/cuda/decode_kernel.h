@@ -42,7 +42,8 @@ __device__ __forceinline__ KeyRow key_row(const DecodeArgs& a, int b, int kvh, i
     page = a.block_table[b * a.bt_stride + p];
     row = j - p * a.page_size;
   }
-  return {page * a.k_bs + row * a.k_rs + kvh * a.k_hs, page * a.v_bs + row * a.v_rs + kvh * a.v_hs};
+  return {page * a.k_st.batch_stride + row * a.k_st.row_stride + kvh * a.k_st.head_stride,
+          page * a.v_st.batch_stride + row * a.v_st.row_stride + kvh * a.v_st.head_stride};
 }
 
 // The allowed test and transform of one score (docs/semantics.md): softcap, bias, mask,
@@ -109,8 +110,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_kernel(const DecodeA
     row_h[r] = kvh * a.group + row % a.group;
     uint4 raw = make_uint4(0, 0, 0, 0);
     if (r < nrows && d_ok) {
-      raw = *reinterpret_cast<const uint4*>(static_cast<const Element*>(a.q) + b * a.q_bs + row_i[r] * a.q_rs +
-                                            row_h[r] * a.q_hs + d0);
+      raw = *reinterpret_cast<const uint4*>(static_cast<const Element*>(a.q) + b * a.q_st.batch_stride +
+                                            row_i[r] * a.q_st.row_stride + row_h[r] * a.q_st.head_stride + d0);
     }
     unpack8<Element>(raw, q[r]);
 #pragma unroll
@@ -269,7 +270,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_kernel(const DecodeA
     const int row = r0 + r, qi = row / a.group, h = kvh * a.group + row % a.group;
     const float lse = empty ? -INFINITY : (sm_row_m[r] + __log2f(sum)) * 0.6931471805599453f;
     if (direct) {
-      Element* out = static_cast<Element*>(a.out) + b * a.o_bs + qi * a.o_rs + h * a.o_hs;
+      Element* out = static_cast<Element*>(a.out) + b * a.o_st.batch_stride + qi * a.o_st.row_stride +
+                     h * a.o_st.head_stride;
       out[d] = Element(saturate_keep_nan<Element>(o));
       if (d == 0) a.lse[b * a.lse_bs + h * a.lse_hs + qi] = lse;
     } else {
@@ -303,7 +305,8 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeArgs a)
   const int i = static_cast<int>(row % a.seqlen_q);
   const int h = static_cast<int>((row / a.seqlen_q) % a.num_heads);
   const int b = static_cast<int>(row / (int64_t(a.seqlen_q) * a.num_heads));
-  Element* out = static_cast<Element*>(a.out) + b * a.o_bs + i * a.o_rs + h * a.o_hs;
+  Element* out =
+      static_cast<Element*>(a.out) + b * a.o_st.batch_stride + i * a.o_st.row_stride + h * a.o_st.head_stride;
   for (int d = lane; d < a.head_dim; d += 32) {
     float o = 0.f;
     if (!empty) {
