@@ -189,7 +189,7 @@ def test_gpu_cuda_graph_capture():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seqlen_q,heads_kv", [(1, 8), (1, 2), (4, 8), (2, 1)])
+@pytest.mark.parametrize("seqlen_q,heads_kv", [(1, 8), (1, 2), (4, 8), (2, 4)])
 def test_gpu_attention_takes_decode_kernel(monkeypatch, seqlen_q, heads_kv):
     """dmattn.attention with a short Sq on CUDA (the decode kernel) against the reference and
     the general kernels (DMATTN_DECODE=0)."""
