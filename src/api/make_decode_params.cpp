@@ -44,8 +44,6 @@ ForwardParams make_decode_forward_params(const TensorDesc& q, const TensorDesc& 
                                          const TensorDesc* bias, const AttentionOptions& options,
                                          const DecodeInputs& inputs) {
   check_rank(q, 4, "q", "(batch, seqlen_q, num_heads, head_dim)");
-  check(q.device == DeviceKind::kCUDA, ErrorKind::kNotImplemented,
-        "q: the decode kernel runs on CUDA tensors; got a tensor on ", device_name(q.device));
   const int64_t batch = q.shape[0];
   check(inputs.num_splits >= 1, ErrorKind::kValue, "num_splits: expected >= 1, got ", inputs.num_splits);
 
@@ -96,6 +94,9 @@ ForwardParams make_decode_forward_params(const TensorDesc& q, const TensorDesc& 
           " float32 elements, got ", w.numel());
     p.split_workspace = static_cast<float*>(w.data);
   }
+  // Last, so that every argument is checked on any device (the C++ tests run on the CPU).
+  check(q.device == DeviceKind::kCUDA, ErrorKind::kNotImplemented,
+        "q: the decode kernel runs on CUDA tensors; got a tensor on ", device_name(q.device));
   p.decode_splits = inputs.num_splits;
   return p;
 }

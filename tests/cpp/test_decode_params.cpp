@@ -1,0 +1,87 @@
+// GoogleTest suite of the decode path's host side (make_decode_forward_params, decode_splits):
+// every key-side input is validated with an error naming it, paged caches get the page stride
+// and the key axis max_blocks * page_size, and CPU tensors are refused (the kernel is CUDA
+// only; the CPU runs the cache call composed in Python).
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <string>
+
+#include "dmattn/api.h"
+#include "test_tensor.h"
+
+namespace dmattn::test {
+namespace {
+
+struct DecodeCase {
+  TestTensor q{DType::kFloat16, {2, 1, 8, 64}};
+  TestTensor out{DType::kFloat16, {2, 1, 8, 64}};
+  TestTensor lse{DType::kFloat32, {2, 8, 1}};
+  TestTensor k{DType::kFloat16, {6, 16, 2, 64}};  // 6 pages of 16 keys
+  TestTensor v{DType::kFloat16, {6, 16, 2, 64}};
+  TestTensor seqlens{DType::kInt32, {2}};
+  TestTensor table{DType::kInt32, {2, 3}};
+  TestTensor workspace{DType::kFloat32, {4 * 2 * 8 * 1 * 65}};
+};
+
+// The error of make_decode_forward_params after `change` alters the descriptors.
+Error decode_error(const std::function<void(TensorDesc& q, TensorDesc& k, TensorDesc& seqlens, TensorDesc& table,
+                                            DecodeInputs& inputs)>& change) {
+  DecodeCase c;
+  TensorDesc q = c.q.desc(), k = c.k.desc(), v = c.v.desc(), seqlens = c.seqlens.desc(), table = c.table.desc(),
+             workspace = c.workspace.desc();
+  DecodeInputs inputs;
+  inputs.seqused_k = &seqlens;
+  inputs.block_table = &table;
+  inputs.workspace = &workspace;
+  inputs.num_splits = 4;
+  change(q, k, seqlens, table, inputs);
+  try {
+    make_decode_forward_params(q, k, v, c.out.desc(), c.lse.desc(), nullptr, nullptr, AttentionOptions{}, inputs);
+  } catch (const Error& e) {
+    return e;
+  }
+  return Error(ErrorKind::kRuntime, "no error");
+}
+
+void expect_error(const Error& e, ErrorKind kind, const std::string& message_part) {
+  EXPECT_EQ(static_cast<int>(e.kind()), static_cast<int>(kind)) << e.what();
+  EXPECT_NE(std::string(e.what()).find(message_part), std::string::npos) << e.what();
+}
+
+TEST(DecodeParams, KeySideInputsAreNamed) {
+  expect_error(decode_error([](auto&, auto&, auto&, TensorDesc& t, auto&) { t.dtype = DType::kFloat32; }),
+               ErrorKind::kType, "block_table: expected dtype int32");
+  expect_error(decode_error([](auto&, auto&, auto&, TensorDesc& t, auto&) { t.shape = {3, 2}; }), ErrorKind::kValue,
+               "block_table: expected 2 rows");
+  expect_error(decode_error([](auto&, auto&, TensorDesc& s, auto&, auto&) { s.dtype = DType::kFloat32; }),
+               ErrorKind::kType, "cache_seqlens: expected dtype int32");
+  expect_error(decode_error([](auto&, auto&, TensorDesc& s, auto&, auto&) { s.shape = {3}; }), ErrorKind::kValue,
+               "cache_seqlens: expected shape (2,)");
+  expect_error(decode_error([](auto&, TensorDesc& k, auto&, auto&, auto&) { k.shape = {6, 16, 2}; }),
+               ErrorKind::kValue, "k_cache: expected a 4-D tensor");
+  expect_error(decode_error([](auto&, TensorDesc& k, auto&, auto&, auto&) { k.shape = {6, 8, 2, 64}; }),
+               ErrorKind::kValue, "v_cache: expected the shape of k_cache");
+  expect_error(decode_error([](auto&, auto&, auto&, auto&, DecodeInputs& in) { in.workspace = nullptr; }),
+               ErrorKind::kValue, "workspace: 4 key splits need a float32 workspace");
+  expect_error(decode_error([](auto&, auto&, auto&, auto&, DecodeInputs& in) { in.num_splits = 200; }),
+               ErrorKind::kValue, "workspace: expected at least");
+  expect_error(decode_error([](auto&, auto&, auto&, auto&, DecodeInputs& in) { in.num_splits = 0; }),
+               ErrorKind::kValue, "num_splits: expected >= 1");
+}
+
+TEST(DecodeParams, CpuTensorsAreRefusedAfterValidation) {
+  expect_error(decode_error([](auto&, auto&, auto&, auto&, auto&) {}), ErrorKind::kNotImplemented,
+               "q: the decode kernel runs on CUDA tensors");
+  EXPECT_EQ(decode_splits(DeviceKind::kCPU, 0, 8, 1, 32, 8, 128, 32768, 64), 0);
+}
+
+TEST(DecodeParams, NoSplitsForShapesTheKernelDoesNotTake) {
+  // Rows beyond max_rows, a head dim that is no multiple of 8, heads that do not divide.
+  EXPECT_EQ(decode_splits(DeviceKind::kCUDA, 0, 8, 16, 32, 8, 128, 32768, 16), 0);
+  EXPECT_EQ(decode_splits(DeviceKind::kCUDA, 0, 8, 1, 32, 8, 100, 32768, 64), 0);
+  EXPECT_EQ(decode_splits(DeviceKind::kCUDA, 0, 8, 1, 32, 6, 128, 32768, 64), 0);
+}
+
+}  // namespace
+}  // namespace dmattn::test
