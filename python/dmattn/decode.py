@@ -158,6 +158,14 @@ def _(q, k_cache, v_cache, seqlens, block_table, mask, bias, causal, window_left
     return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=lse_dtype)
 
 
+def _no_gradient(ctx, grad_out, grad_lse):
+    raise NotImplementedError("attention_with_kvcache: inference only, it has no gradient; use dmattn.attention "
+                              "(with the cached keys as k, v) to train")
+
+
+kvcache_forward.register_autograd(_no_gradient)
+
+
 def _append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, cache_seqlens: Tensor,
             block_table: Optional[Tensor]) -> None:
     """Writes k, v (B, Sn, Hkv, D) at positions cache_seqlens[b] + [0, Sn) of each row, in place."""

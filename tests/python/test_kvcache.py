@@ -226,6 +226,21 @@ def test_compile_fullgraph():
     torch.testing.assert_close(case["k_cache"], eager_case["k_cache"], equal_nan=True)
 
 
+def test_no_gradient_is_named():
+    q = torch.randn(2, 1, 4, 16, requires_grad=True)
+    kc = torch.randn(2, 10, 2, 16)
+    out = dmattn.attention_with_kvcache(q, kc, kc.clone(), cache_seqlens=3)
+    with pytest.raises(NotImplementedError, match="^attention_with_kvcache: inference only"):
+        out.sum().backward()
+
+
+def test_half_precision_cpu():
+    case = _make_case("cpu", torch.bfloat16, batch=3, seqlen_q=2, heads=4, heads_kv=2, head_dim=32, capacity=48,
+                      lens=[0, 1, 40], new=2, page_size=16, bias_shape=(3, 4, 1, 48))
+    out, lse = _run(case)
+    _check(case, out, lse)
+
+
 def _good():
     q = torch.randn(2, 1, 4, 16)
     kc = torch.randn(2, 10, 2, 16)
