@@ -147,11 +147,14 @@ void gather_key_rows(const TensorDesc& k, const TensorDesc& v, const TensorDesc&
 //   segment_candidates: from interval ends (Rb, Rh, S) -- key j is kept by the queries whose
 //     visible prefix v = i + offset lies in [j, ends[j]) -- the candidate keys of each segment of
 //     seg_len queries (segment s: queries [s * seg_len, (s + 1) * seg_len), first prefix P = s *
-//     seg_len + offset): keys j < P + seg_len with ends[j] > max(j, P), in increasing order,
-//     into row (b * num_segments + s, h) of positions / key_ends / index (Rb * num_segments, Rh,
+//     seg_len + offset): keys j < P + seg_len with ends[j] > max(j, P) -- first
+//     those before the segment (j < P) by increasing end bucket ceil(min(ends[j] - P, seg_len) /
+//     span), span = 64 while seg_len <= 16320 (src/api/segment_order.h), index order inside a
+//     bucket; then the others in increasing order -- into row (b * num_segments + s, h) of positions / key_ends / index (Rb * num_segments, Rh,
 //     W): positions j - P + num_segments * seg_len + offset - seg_len (causal on them, with
 //     seqlen_k_original = num_segments * seg_len + offset and seg_len queries, is j <= i +
-//     offset), key_ends ends[j] - P, index j; padding -1, 0, -1 after them; and slots (Rb,
+//     offset) for the segment's own keys, and for the n keys before it, visible to all its
+//     queries, the n positions just below the segment's first (increasing), key_ends ends[j] - P, index j; padding -1, 0, -1 after them; and slots (Rb,
 //     num_segments, Rh, S): the row of key j in segment s's list, -1 where it is none. W must hold
 //     every segment's candidates (min(keep, S) + seg_len does); offset >= 0.
 void prefix_thresholds(const TensorDesc& ranks, const TensorDesc& order, int64_t keep, const TensorDesc& thresholds,

@@ -8,7 +8,9 @@ same run:
 * ``hf``: one training step (forward, loss, backward) of transformers' DogeForCausalLM
   (2 layers, hidden 2048, 16 heads of 128, keep_window_size 2048, bf16) with
   attn_implementation "dmattn" (dmattn.integrations.transformers.register()), "sdpa" and
-  "eager": median step time and peak memory.
+  "eager": median step time and peak memory; and "floor": the dmattn model with its attention
+  replaced by the value rows (no selection, no attention), the time and memory of the rest of
+  the model.
 
     python -m dmattn.bench_doge [--suite kernel,hf] [--seq 8192,32768] [--json out.json]
 
@@ -101,9 +103,15 @@ def _doge_config(seq: int):
                       max_position_embeddings=max(seq, 2048), is_moe=False, attention_dropout=0.0)
 
 
+def _values_only(q, k, v, *args, **kwargs):
+    """The "floor" row's attention: the value rows as they are (no selection, no attention)."""
+    return v.expand_as(q)
+
+
 def _hf_rows(seq: int, implementations: List[str], warmup: int, iters: int) -> List[Dict]:
     from transformers import DogeForCausalLM
 
+    from .integrations import doge
     from .integrations.transformers import register
 
     register()
@@ -114,9 +122,14 @@ def _hf_rows(seq: int, implementations: List[str], warmup: int, iters: int) -> L
         row = dict(suite="hf", config=f"DogeForCausalLM 2 layers, hidden 2048, 16 heads, keep {KEEP}, B=1 S={seq}",
                    provider=impl)
         model = None
+        # floor: the dmattn model with its attention call returning the value rows, i.e. what
+        # the rest of the step costs (projections, norms, MLP, output layer, loss).
+        saved_attention = doge.attention_topk
+        if impl == "floor":
+            doge.attention_topk = _values_only
         try:
             config = _doge_config(seq)
-            config._attn_implementation = impl
+            config._attn_implementation = "dmattn" if impl == "floor" else impl
             model = DogeForCausalLM(config).to(device="cuda", dtype=torch.bfloat16)
             with torch.no_grad():  # A is zero at initialization: every dt_state 1, all keys tied
                 for layer in model.model.layers:
@@ -137,6 +150,7 @@ def _hf_rows(seq: int, implementations: List[str], warmup: int, iters: int) -> L
             row["error"] = "out of memory"
             print(f"  S={seq:<6} {impl:<8} out of memory", flush=True)
         finally:
+            doge.attention_topk = saved_attention
             del model
             torch.cuda.empty_cache()
         rows.append(row)
@@ -150,7 +164,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--segments", default="",
                     help="comma-separated segment lengths of the per-query path to time (default: its own "
                          "choice)")
-    ap.add_argument("--impl", default="dmattn,sdpa,eager", help="HF attn_implementations")
+    ap.add_argument("--impl", default="dmattn,sdpa,eager,floor",
+                    help="HF attn_implementations, and floor (the model without its attention)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", help="write the rows to this JSON file")

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .gather import _key_side_view, _to_heads, _combined_heads
 from .interface import _last_dim_contiguous, _parse_options, _parse_window, attention_on
-from .masks import bias_over_keys
+from .masks import bias_over_keys, cached_index_tensor
 from .ops import (_GLUE_DTYPES, _call_op, forward_with_grad, gather_segment_rows, native_glue_available,
                   per_query_glue_available, segment_candidates, sum_segment_rows, supports_key_positions)
 from .per_query import interval_ends, per_query_mask
@@ -91,7 +91,7 @@ def attention_per_query_topk(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, keep
                    deterministic=deterministic, return_lse=return_lse)
     if _interval_path_allowed(q, k, v, bias, mask, deterministic):
         _, _, scale, softcap = _parse_options((-1, -1), scale, softcap)
-        out, lse = _interval_attention(q, k, v, bias, keep, mask, scale, softcap, deterministic)
+        out, lse = _interval_attention(q, k, v, bias, keep, mask, scale, softcap, deterministic, return_lse)
         return (out, lse) if return_lse else out
     num_queries, num_keys = q.shape[1], k.shape[1]
     selected = per_query_mask(bias_over_keys(bias, num_keys), keep, mask, num_queries)
@@ -149,8 +149,18 @@ def _segments(num_queries: int, keep: int) -> Tuple[int, int]:
     return seg_len, -(-num_queries // seg_len)
 
 
+def _bias_row_base(batch: int, num_segments: int, bias_batch: int, rows_h: int, num_keys: int, device) -> Tensor:
+    """int64 (B * segments, rows_h, 1): the offset of each candidate row's bias row in the flat
+    (bias_batch, rows_h, Sk) bias."""
+    batch_of = torch.arange(batch * num_segments, device=device) // num_segments
+    if bias_batch == 1:
+        batch_of = torch.zeros_like(batch_of)
+    return (batch_of.view(-1, 1, 1) * rows_h + torch.arange(rows_h, device=device).view(1, -1, 1)) * num_keys
+
+
 def _interval_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, keep: int, mask: Optional[Tensor],
-                        scale: Optional[float], softcap: float, deterministic: bool) -> Tuple[Tensor, Tensor]:
+                        scale: Optional[float], softcap: float, deterministic: bool,
+                        want_lse: bool) -> Tuple[Tensor, Optional[Tensor]]:
     batch, num_queries, heads, head_dim = q.shape
     num_keys, heads_kv = k.shape[1], k.shape[2]
     offset = num_keys - num_queries
@@ -182,19 +192,24 @@ def _interval_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, keep: int
                                         gathered_heads, native)
 
     # The bias at the candidates, float32 (a key's gradient sums over segments in float32;
-    # float64 stays float64).
+    # float64 stays float64): index_select from the flat (1 or B, rows_h, Sk) rows, whose
+    # backward adds into that size (padding candidates read key 0; the kernels give them no
+    # weight and a zero gradient). The rows' offsets depend on the shapes only: cached.
     acc_dtype = torch.float64 if bias.dtype == torch.float64 else torch.float32
     bias_heads = _to_heads(bias3, rows_h, heads, heads_kv).to(acc_dtype)
     bias_flat = bias_heads.expand(bias3.shape[0], rows_h, num_keys).reshape(-1)
-    batch_of = torch.arange(batch * num_segments, device=q.device) // num_segments
-    bias_batch = batch_of if bias3.shape[0] > 1 else torch.zeros_like(batch_of)
-    bias_index = (bias_batch.view(-1, 1, 1) * rows_h + torch.arange(rows_h, device=q.device).view(1, -1, 1)) * num_keys
-    bias_index = (bias_index + index.clamp_min(0)).reshape(-1)
-    bias_rows = bias_flat.index_select(0, bias_index).view(batch * num_segments, rows_h, 1, width)
+    row_base = cached_index_tensor(("per_query_bias_rows", batch, num_segments, bias3.shape[0], rows_h, num_keys, q.device),
+                                   lambda: _bias_row_base(batch, num_segments, bias3.shape[0], rows_h, num_keys, q.device))
+    bias_rows = bias_flat.index_select(0, (index.clamp_min(0) + row_base).view(-1))
+    bias_rows = bias_rows.view(batch * num_segments, rows_h, 1, width)
 
     original = padded + offset
     out, lse = forward_with_grad(q_seg, k_rows, v_rows, None, bias_rows, True, -1, -1, scale, softcap,
                                  deterministic, positions, original, key_ends)
-    out = out.view(batch, padded, heads, head_dim)[:, :num_queries]
+    out = out.view(batch, padded, heads, head_dim)
+    if padded != num_queries:  # (a full-length slice would still cost a copy in the backward)
+        out = out[:, :num_queries]
+    if not want_lse:
+        return out, None
     lse = lse.view(batch, num_segments, heads, seg_len).transpose(1, 2).reshape(batch, heads, padded)
     return out, lse[..., :num_queries]

@@ -3,6 +3,10 @@
 #include "cpu/per_query_glue.h"
 
 #include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "api/segment_order.h"
 
 namespace dmattn::cpu {
 
@@ -42,6 +46,7 @@ void segment_candidates(const int32_t* ends, int32_t* positions, int32_t* key_en
                         int64_t rows_h, int64_t num_keys, int64_t num_segments, int64_t width, int64_t offset,
                         int64_t seg_len) {
   const int64_t original = num_segments * seg_len + offset;
+  const int64_t span = segment_order::bucket_span(seg_len);
 #pragma omp parallel for collapse(3) schedule(static)
   for (int64_t b = 0; b < rows_b; ++b) {
     for (int64_t s = 0; s < num_segments; ++s) {
@@ -53,15 +58,25 @@ void segment_candidates(const int32_t* ends, int32_t* positions, int32_t* key_en
         int32_t* slot = slots + ((b * num_segments + s) * rows_h + h) * num_keys;
         std::fill(slot, slot + num_keys, -1);
         int64_t n = 0;
-        for (int64_t j = 0; j < stop && n < width; ++j) {
-          if (e[j] > std::max(j, first)) {
-            positions[out_row + n] = static_cast<int32_t>(j - first + original - seg_len);
-            key_ends[out_row + n] = static_cast<int32_t>(e[j] - first);
-            index[out_row + n] = static_cast<int32_t>(j);
-            slot[j] = static_cast<int32_t>(n);
-            ++n;
-          }
-        }
+        auto put = [&](int64_t j, int64_t pos) {
+          positions[out_row + n] = static_cast<int32_t>(pos);
+          key_ends[out_row + n] = static_cast<int32_t>(e[j] - first);
+          index[out_row + n] = static_cast<int32_t>(j);
+          slot[j] = static_cast<int32_t>(n);
+          ++n;
+        };
+        // The keys before the segment by end bucket, smallest first (api/segment_order.h), then
+        // the segment's own keys in index order.
+        std::vector<std::pair<int, int64_t>> before;  // (bucket, j): sorts as listed
+        for (int64_t j = 0; j < std::min(stop, first); ++j)
+          if (e[j] > first) before.emplace_back(segment_order::bucket(e[j] - first, seg_len, span), j);
+        std::sort(before.begin(), before.end());
+        // They are visible to every query of the segment: the positions just below its first
+        // one, increasing (the positions contract).
+        const int64_t n_before = std::min(static_cast<int64_t>(before.size()), width);
+        for (int64_t r = 0; r < n_before; ++r) put(before[r].second, original - seg_len - n_before + r);
+        for (int64_t j = first; j < stop && n < width; ++j)
+          if (e[j] > j) put(j, j - first + original - seg_len);
         for (; n < width; ++n) {
           positions[out_row + n] = -1;
           key_ends[out_row + n] = 0;

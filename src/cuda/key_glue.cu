@@ -185,6 +185,85 @@ __global__ void sum_segment_rows_kernel(SumSegmentRowsArgs a) {
   }
 }
 
+// Four consecutive elements as float: 8-byte loads of 16-bit types, 16-byte loads of float.
+__device__ __forceinline__ void load4(const float* p, float (&v)[4]) {
+  const float4 x = *reinterpret_cast<const float4*>(p);
+  v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+}
+template <typename T2, typename T>
+__device__ __forceinline__ void load4_16(const T* p, float (&v)[4]) {
+  const uint2 x = *reinterpret_cast<const uint2*>(p);
+  const T2 lo = *reinterpret_cast<const T2*>(&x.x), hi = *reinterpret_cast<const T2*>(&x.y);
+  v[0] = to_float(lo.x), v[1] = to_float(lo.y), v[2] = to_float(hi.x), v[3] = to_float(hi.y);
+}
+__device__ __forceinline__ void load4(const __nv_bfloat16* p, float (&v)[4]) { load4_16<__nv_bfloat162>(p, v); }
+__device__ __forceinline__ void load4(const __half* p, float (&v)[4]) { load4_16<__half2>(p, v); }
+template <typename T>
+__device__ __forceinline__ void store4(T* p, const float (&v)[4]) {
+  for (int e = 0; e < 4; ++e) p[e] = from_float<T>(v[e]);
+}
+
+// As sum_segment_rows_kernel for head dims that are a multiple of 4 (aligned rows): the warp
+// reads the row's slots 32 (segment, head) pairs at a time, then the copies two by two, each
+// lane four consecutive elements per load, so that every copy's loads are in flight together.
+template <typename T>
+__global__ void sum_segment_rows_vec4_kernel(SumSegmentRowsArgs a) {
+  constexpr unsigned kFull = 0xffffffffu;
+  constexpr int kIters = 2;  // head_dim <= 256 = kIters * 32 lanes * 4
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5;
+  const int64_t total = a.batch * a.num_keys * a.heads_kv;
+  if (warp >= total) return;
+  const int64_t kvh = warp % a.heads_kv, bj = warp / a.heads_kv, j = bj % a.num_keys, b = bj / a.num_keys;
+  const int64_t group = a.heads / a.heads_kv;
+  // Per segment: one slot per gathered head (slot_heads > 1), or one for all of the kv head's.
+  const int64_t per_segment = a.slot_heads > 1 ? group : 1;
+  const int heads_per_copy = a.slot_heads > 1 ? 1 : int(group);
+  const int64_t pairs = a.num_segments * per_segment;
+  const T* src[2] = {static_cast<const T*>(a.operand[0].rows), static_cast<const T*>(a.operand[1].rows)};
+  float acc[2][kIters][4] = {};
+  auto add_copy = [&](int64_t row) {  // row: the copy's first (row, head) index
+    for (int g = 0; g < heads_per_copy; ++g) {
+#pragma unroll
+      for (int it = 0; it < kIters; ++it) {
+        const int64_t d = (it * 32 + lane) * 4;
+        if (d >= a.head_dim) continue;
+        float v0[4], v1[4];
+        load4(src[0] + (row + g) * a.head_dim + d, v0);
+        load4(src[1] + (row + g) * a.head_dim + d, v1);
+        for (int e = 0; e < 4; ++e) acc[0][it][e] += v0[e], acc[1][it][e] += v1[e];
+      }
+    }
+  };
+  for (int64_t p0 = 0; p0 < pairs; p0 += 32) {
+    const int64_t pp = p0 + lane;
+    int64_t row = -1;
+    if (pp < pairs) {
+      const int64_t s = pp / per_segment, g = kvh * group + pp % per_segment;
+      const int32_t slot = a.slots[((b * a.num_segments + s) * a.slot_heads + (a.slot_heads > 1 ? g : 0)) * a.num_keys + j];
+      if (slot >= 0) row = ((b * a.num_segments + s) * a.width + slot) * a.heads + g;
+    }
+    unsigned copies = __ballot_sync(kFull, row >= 0);
+    while (copies) {
+      const int l0 = __ffs(copies) - 1;
+      copies &= copies - 1;
+      const int l1 = copies ? __ffs(copies) - 1 : -1;
+      if (l1 >= 0) copies &= copies - 1;
+      const int64_t r0 = __shfl_sync(kFull, row, l0), r1 = __shfl_sync(kFull, row, l1 >= 0 ? l1 : l0);
+      add_copy(r0);
+      if (l1 >= 0) add_copy(r1);
+    }
+  }
+  const int64_t out_row = (bj * a.heads_kv + kvh) * a.head_dim;
+  for (int o = 0; o < 2; ++o) {
+    T* dst = static_cast<T*>(a.operand[o].out) + out_row;
+    for (int it = 0; it < kIters; ++it) {
+      const int64_t d = (it * 32 + lane) * 4;
+      if (d < a.head_dim) store4(dst + d, acc[o][it]);
+    }
+  }
+}
+
 int grid_for(int64_t work, int threads) {
   const int64_t blocks = (work + threads - 1) / threads;
   return int(blocks < 65535 * 16 ? (blocks > 0 ? blocks : 1) : 65535 * 16);
@@ -218,9 +297,21 @@ void sum_segment_rows(const SumSegmentRowsArgs& a, void* stream_ptr) {
   const int64_t warps = a.batch * a.num_keys * a.heads_kv;
   if (warps == 0) return;
   const int64_t blocks = (warps * 32 + 255) / 256;
-  if (a.elem_bytes == 4) sum_segment_rows_kernel<float><<<unsigned(blocks), 256, 0, stream>>>(a);
-  else if (a.bf16) sum_segment_rows_kernel<__nv_bfloat16><<<unsigned(blocks), 256, 0, stream>>>(a);
-  else sum_segment_rows_kernel<__half><<<unsigned(blocks), 256, 0, stream>>>(a);
+  // Vector loads: rows of a multiple of 4 elements from 16-byte-aligned tensors.
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const bool vec4 = a.head_dim % 4 == 0 && aligned(a.operand[0].rows) && aligned(a.operand[1].rows) &&
+                    aligned(a.operand[0].out) && aligned(a.operand[1].out);
+  if (vec4) {
+    if (a.elem_bytes == 4) sum_segment_rows_vec4_kernel<float><<<unsigned(blocks), 256, 0, stream>>>(a);
+    else if (a.bf16) sum_segment_rows_vec4_kernel<__nv_bfloat16><<<unsigned(blocks), 256, 0, stream>>>(a);
+    else sum_segment_rows_vec4_kernel<__half><<<unsigned(blocks), 256, 0, stream>>>(a);
+  } else if (a.elem_bytes == 4) {
+    sum_segment_rows_kernel<float><<<unsigned(blocks), 256, 0, stream>>>(a);
+  } else if (a.bf16) {
+    sum_segment_rows_kernel<__nv_bfloat16><<<unsigned(blocks), 256, 0, stream>>>(a);
+  } else {
+    sum_segment_rows_kernel<__half><<<unsigned(blocks), 256, 0, stream>>>(a);
+  }
   check_cuda(cudaGetLastError(), "sum of segment rows launch");
 }
 

@@ -158,6 +158,16 @@ __device__ __forceinline__ bool positions_block_needs_mask(const WindowMask& pwi
   return false;
 }
 
+// As positions_block_needs_mask, for a block whose query bounds (key ends, a query-broadcast
+// mask as bound 0) are summarized by their smallest, end_min (INT_MAX without bounds): no test
+// when every query of the block is below every bound.
+template <int kBlockN>
+__device__ __forceinline__ bool bounded_block_needs_mask(const WindowMask& pwin, const int32_t* s_pos, int m0,
+                                                         int block_m, int end_min) {
+  const int m_end = m0 + block_m < pwin.seqlen_q ? m0 + block_m : int(pwin.seqlen_q);
+  return end_min < m_end || positions_block_needs_mask<kBlockN>(pwin, s_pos, m0, block_m, false);
+}
+
 // Stores the positions of rows [n0, n0 + kBlockN) into s_pos, -1 past the `count` gathered
 // rows. Plain loads and shared stores (512 bytes at most): visible after the caller's next
 // barrier, which must also separate it from the previous block's reads.
@@ -214,6 +224,26 @@ __device__ __forceinline__ int positions_tile_valid_count(const int32_t* s_pos, 
     valid = pos >= 0 && pos < seqlen_k_original;
   }
   return __syncthreads_count(valid);
+}
+
+// The largest key end among the gathered rows [n0, n0 + kBlockN) (below `count`) of query heads
+// [h0, h0 + heads), 0 when the block has none: no query at or past it keeps a row of the block,
+// so a key-block-major backward may stop its query loop there. Only with key ends. Block-wide
+// (every thread calls it; one barrier); s_warp_max: kThreads / 32 ints of shared memory, free
+// after the call.
+template <int kBlockN, int kThreads>
+__device__ __forceinline__ int key_block_end_max(const KeyPositionsArgs& kp, int b, int h0, int heads, int count,
+                                                 int n0, int tid, int* s_warp_max) {
+  static_assert(kBlockN <= kThreads && kThreads % 32 == 0);
+  int v = 0;
+  if (tid < kBlockN && n0 + tid < count)
+    for (int h = h0; h < h0 + heads; ++h) v = max(v, int(__ldg(ends_row(kp, b, h) + n0 + tid)));
+  v = __reduce_max_sync(0xffffffffu, v);
+  if (tid % 32 == 0) s_warp_max[tid / 32] = v;
+  __syncthreads();
+  int m = 0;
+  for (int w = 0; w < kThreads / 32; ++w) m = max(m, s_warp_max[w]);
+  return m;
 }
 
 }  // namespace dmattn::cuda

@@ -6,13 +6,15 @@
 //     when no key of it enters the kept set; each entering key evicts x, and the new x (the
 //     largest rank below x already seen) is found 32 ranks per ballot. One CTA per row would
 //     leave most of the GPU idle (B * H rows) and run its events one after the other.
-//   * segment_candidates: one CTA per (batch row, segment, head row) compacts, in index order,
-//     the keys a segment's queries may keep (a block-wide scan per 256 keys).
+//   * segment_candidates: one CTA per (batch row, segment, head row) lists the keys a segment's
+//     queries may keep: those before the segment by end bucket (api/segment_order.h), then its
+//     own keys in index order.
 #include <cub/block/block_scan.cuh>
 
 #include <cstdint>
 
 #include "cuda/check.h"
+#include "api/segment_order.h"
 #include "cuda/per_query_glue.h"
 
 namespace dmattn::cuda {
@@ -116,12 +118,23 @@ __global__ void __launch_bounds__(kThresholdThreads) prefix_thresholds_kernel(Pr
 }
 
 constexpr int kCandThreads = 256;
+constexpr int kCandWarps = kCandThreads / 32;
+constexpr int kBuckets = segment_order::kMaxBuckets;
+static_assert(kBuckets == kCandThreads, "one end bucket per thread in the bucket bookkeeping");
 
+// One CTA per (batch row, segment, head row). The keys before the segment (kept by its first
+// query) are placed by end bucket (api/segment_order.h): a histogram, the buckets' first rows
+// (smallest bucket first), then a stable placement 256 keys at a time -- a key's row is its
+// bucket's next row plus the keys of its bucket before it in the round (earlier warps, then
+// lower lanes: __match_any_sync). The segment's own keys follow in index order (a block scan per
+// 256 keys).
 __global__ void __launch_bounds__(kCandThreads) segment_candidates_kernel(SegmentCandidatesArgs a) {
   using BlockScan = cub::BlockScan<int, kCandThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
   __shared__ int s_total;
-  const int tid = threadIdx.x;
+  __shared__ int s_next[kBuckets];                   // the next row of each bucket
+  __shared__ int s_warp_count[kCandWarps][kBuckets];  // this round's keys per (warp, bucket)
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int32_t* e = a.ends + (b * a.rows_h + h) * a.num_keys;
   const int64_t out_row = ((b * a.num_segments + s) * a.rows_h + h) * a.width;
@@ -129,19 +142,72 @@ __global__ void __launch_bounds__(kCandThreads) segment_candidates_kernel(Segmen
   const int64_t first = s * a.seg_len + a.offset;
   const int64_t original = a.num_segments * a.seg_len + a.offset;
   const int64_t stop = min(a.num_keys, first + a.seg_len);
-  int64_t n = 0;  // candidates written (uniform)
-  int64_t j0 = 0;
+  const int64_t before_stop = min(first, stop);
+  const int64_t span = segment_order::bucket_span(a.seg_len);
+  // Row n holds key j at position pos (the own keys': j - first + original - seg_len).
+  auto write_row = [&](int64_t n, int64_t j, int64_t pos) {
+    const int64_t o = out_row + n;
+    a.positions[o] = int32_t(pos);
+    a.key_ends[o] = int32_t(e[j] - first);
+    a.index[o] = int32_t(j);
+  };
+
+  // The keys before the segment.
+  s_next[tid] = 0;
+  for (int w = 0; w < kCandWarps; ++w) s_warp_count[w][tid] = 0;
+  __syncthreads();
+  for (int64_t j = tid; j < before_stop; j += kCandThreads)
+    if (e[j] > first) atomicAdd(&s_next[segment_order::bucket(e[j] - first, a.seg_len, span)], 1);
+  __syncthreads();
+  if (tid == 0) {
+    int run = 0;
+    for (int k = 1; k < kBuckets; ++k) {
+      const int c = s_next[k];
+      s_next[k] = run;
+      run += c;
+    }
+    s_total = run;
+  }
+  __syncthreads();
+  int64_t n = min(int64_t(s_total), a.width);  // candidates written (uniform)
+  // The keys before the segment are visible to all its queries: rows 0..n-1 take the positions
+  // just below the segment's first one, increasing as the positions contract asks.
+  const int64_t before_pos0 = original - a.seg_len - n;
+  for (int64_t j0 = 0; j0 < before_stop; j0 += kCandThreads) {
+    const int64_t j = j0 + tid;
+    const bool take = j < before_stop && e[j] > first;
+    const int bk = take ? segment_order::bucket(e[j] - first, a.seg_len, span) : 0;
+    const unsigned peers = __match_any_sync(kFull, bk);
+    const int rank = __popc(peers & ((1u << lane) - 1u));
+    if (take && rank == 0) s_warp_count[warp][bk] = __popc(peers);
+    __syncthreads();
+    if (take) {
+      int row = s_next[bk] + rank;
+      for (int w = 0; w < warp; ++w) row += s_warp_count[w][bk];
+      if (row < a.width) write_row(row, j, before_pos0 + row);
+      slot_row[j] = row < a.width ? row : -1;
+    } else if (j < before_stop) {
+      slot_row[j] = -1;
+    }
+    __syncthreads();
+    int round = 0;
+    for (int w = 0; w < kCandWarps; ++w) {
+      round += s_warp_count[w][tid];
+      s_warp_count[w][tid] = 0;
+    }
+    s_next[tid] += round;
+    __syncthreads();
+  }
+  __syncthreads();  // (s_total is rewritten below)
+
+  // The segment's own keys, in index order.
+  int64_t j0 = before_stop;
   for (; j0 < stop && n < a.width; j0 += kCandThreads) {
     const int64_t j = j0 + tid;
-    const bool take = j < stop && e[j] > max(j, first);
+    const bool take = j < stop && e[j] > j;
     int slot = 0;
     BlockScan(scan_storage).ExclusiveSum(int(take), slot);
-    if (take && n + slot < a.width) {
-      const int64_t o = out_row + n + slot;
-      a.positions[o] = int32_t(j - first + original - a.seg_len);
-      a.key_ends[o] = int32_t(e[j] - first);
-      a.index[o] = int32_t(j);
-    }
+    if (take && n + slot < a.width) write_row(n + slot, j, j - first + original - a.seg_len);
     if (j < stop) slot_row[j] = take && n + slot < a.width ? int32_t(n + slot) : -1;
     if (tid == kCandThreads - 1) s_total = slot + int(take);
     __syncthreads();

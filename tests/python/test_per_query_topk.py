@@ -85,6 +85,58 @@ def test_glue_cuda_equals_cpu(num_keys, keep, seg_len):
         assert torch.equal(a, b), name
 
 
+def _segment_candidates_reference(ends, offset, seg_len, num_segments, width):
+    """dmattn/api.h's segment_candidates written out: a segment's keys before it by increasing
+    end bucket (index order inside one), then its own keys; positions increasing."""
+    rows_b, rows_h, num_keys = ends.shape
+    original = num_segments * seg_len + offset
+    span = 64 * max(1, -(-seg_len // (64 * 255)))
+    positions = torch.full((rows_b * num_segments, rows_h, width), -1, dtype=torch.int32)
+    key_ends = torch.zeros_like(positions)
+    index = torch.full_like(positions, -1)
+    slots = torch.full((rows_b, num_segments, rows_h, num_keys), -1, dtype=torch.int32)
+    for b in range(rows_b):
+        for h in range(rows_h):
+            e = ends[b, h].tolist()
+            for s in range(num_segments):
+                first = s * seg_len + offset
+                stop = min(num_keys, first + seg_len)
+                before = [j for j in range(min(first, stop)) if e[j] > first]
+                before.sort(key=lambda j: (-(-min(e[j] - first, seg_len) // span), j))
+                own = [j for j in range(first, stop) if e[j] > j]
+                row = b * num_segments + s
+                for n, j in enumerate((before + own)[:width]):
+                    own_pos = j - first + original - seg_len
+                    positions[row, h, n] = original - seg_len - len(before) + n if n < len(before) else own_pos
+                    key_ends[row, h, n] = e[j] - first
+                    index[row, h, n] = j
+                    slots[b, s, h, j] = n
+    return positions, key_ends, index, slots
+
+
+@pytest.mark.parametrize("num_keys,keep,seg_len,offset", [(700, 150, 128, 0), (1000, 37, 100, 37),
+                                                          (513, 512, 64, 5), (16700, 300, 16400, 11)])
+def test_segment_candidates_order(device, num_keys, keep, seg_len, offset):
+    """The candidate lists against the contract written out: the keys before a segment grouped
+    by how long they stay kept (the backward stops a key block's query loop at its largest end),
+    positions strictly increasing with the ones before the segment visible to all its queries."""
+    from dmattn.ops import segment_candidates
+
+    gen = torch.Generator().manual_seed(num_keys + seg_len)
+    scores = (torch.randn(2, 3, num_keys, generator=gen) * 3).round()
+    allowed = torch.rand(2, 3, num_keys, generator=gen) > 0.2
+    ends = interval_ends(scores.to(device), allowed.to(device), keep)
+    num_segments = -(-(num_keys - offset) // seg_len)
+    width = min(keep + seg_len, num_keys)
+    got = segment_candidates(ends, offset, seg_len, num_segments, width)
+    expected = _segment_candidates_reference(ends.cpu(), offset, seg_len, num_segments, width)
+    for name, a, b in zip(["positions", "key_ends", "index", "slots"], expected, got):
+        assert torch.equal(a, b.cpu()), name
+    valid = expected[0] >= 0
+    steps = expected[0][..., 1:] - expected[0][..., :-1]
+    assert bool((steps[valid[..., 1:]] > 0).all())
+
+
 def _per_query_case(device, dtype, gen, *, b, sq, sk, h, hkv, d, bias_heads, padding, layout="contiguous"):
     def make(*shape):
         return torch.randn(*shape, generator=gen).to(dtype).to(device)

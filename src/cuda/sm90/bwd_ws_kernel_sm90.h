@@ -98,6 +98,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
                                                            nullptr, 0);
       const int n_valid = positions_tile_valid_count<kBlockN>(ss.pos.data(), f.kpos.seqlen_k_original, threadIdx.x);
       kp_row.query_block_range(ss.pos[0], ss.pos[n_valid > 0 ? n_valid - 1 : 0], n_valid, kBlockM, m_lo, m_hi);
+      // Key ends: the queries from the block's largest end on keep none of its rows (the
+      // per-query path orders its candidates so that a block's ends are close together).
+      if (f.kpos.ends != nullptr) {
+        const int end_max = key_block_end_max<kBlockN, Tile::kNThreads>(f.kpos, b, kvh * group, group, kp_row.count,
+                                                                        n0, threadIdx.x, ss.end_max);
+        m_hi = min(m_hi, int((int64_t(end_max) + kBlockM - 1) / kBlockM));
+      }
     } else {
       bwd_query_block_range(seq.window(), n0, kBlockN, kBlockM, m_lo, m_hi);
     }
@@ -324,7 +331,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         for (int i = 0; i < size(acc_s); ++i) acc_s(i) *= f.scale;
         add_key_bias(s_rc, tScS_rc, kr.bias, 1.f);
         const PositionTest pt{kr.pos, f.kpos.ptr != nullptr ? position_window(f) : win, Tile::kKeyRowEndDelta};
-        if (positions_block_needs_mask<kBlockN>(pt.win, kr.pos, m0, kBlockM, f.kpos.ends != nullptr || f.mask.ptr != nullptr))
+        if (bounded_block_needs_mask<kBlockN>(pt.win, kr.pos, m0, kBlockM, kr.end_min))
           mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(s_rc, tScS_rc, m0, n0, win, nullptr, 0,
                                                                                    nullptr, 0, &pt);
         issue_dp();

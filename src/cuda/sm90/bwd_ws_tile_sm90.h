@@ -124,6 +124,7 @@ struct BwdWsTile {
     int32_t pos[kBlockN];  // position (-1: a padding row past the keys)
     int32_t end[kBlockN];  // queries i < end may see the key (INT_MAX: no bound; 0: none)
     float bias[kBlockN];
+    alignas(16) int32_t end_min;  // the smallest of end[] (16-byte aligned: the next stage's rows are read as float2)
   };
   static constexpr int kKeyRowEndDelta = kBlockN;  // end[] behind pos[] (PositionTest::end_delta)
   struct NoKeyRows {};
@@ -146,6 +147,7 @@ struct BwdWsTile {
     RowStage rows[kStages];
     cute::array_aligned<float, kKeyRows ? kWarpsPerCol * kBlockN : 4, 16> colsum;
     cute::array_aligned<int32_t, kKeyRows ? kBlockN : 4, 16> pos;  // the CTA's positions (query range)
+    int32_t end_max[kNThreads / 32];  // key_block_end_max's per-warp maxima
     typename Pipeline::SharedStorage pipe_q, pipe_do;
     typename RowPipeline::SharedStorage pipe_rows;
     alignas(8) cutlass::arch::ClusterTransactionBarrier::ValueType kv_full;

@@ -297,7 +297,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         // The test on positions: gathered keys' window on original positions, else the plain
         // window (positions are indices); query bounds (key ends, a mask) on every block.
         const PositionTest pt{st.pos, a.kpos.ptr != nullptr ? position_window(a) : win, Tile::kKeyRowEndDelta};
-        if (positions_block_needs_mask<kBlockN>(pt.win, st.pos, m0, kBlockM, a.kpos.ends != nullptr || a.mask.ptr != nullptr))
+        if (bounded_block_needs_mask<kBlockN>(pt.win, st.pos, m0, kBlockM, st.end_min))
           mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(s_rc, tScS_rc, m0, n * kBlockN, win,
                                                                                    nullptr, 0, nullptr, 0, &pt);
         pipe_key_rows.consumer_release(read_r);

@@ -109,6 +109,7 @@ struct FwdWsTile {
     int32_t pos[kBlockN];  // position of the key (-1: a padding row past the keys)
     int32_t end[kBlockN];  // queries i < end may see it (INT_MAX: no bound; 0 past the keys)
     float bias[kBlockN];
+    alignas(16) int32_t end_min;  // the smallest of end[] (16-byte aligned: the next stage's rows are read as float2)
   };
   static constexpr int kKeyRowEndDelta = kBlockN;  // end[] behind pos[] (PositionTest::end_delta)
   using KeyRowPipeline = cutlass::PipelineAsync<kStages>;

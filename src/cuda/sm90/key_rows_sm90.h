@@ -70,7 +70,8 @@ __device__ __forceinline__ KeyRowSources key_row_sources(const FwdArgs& a, int b
 // The per-key rows of key block n (keys [n kBlockN, (n + 1) kBlockN)) into `st`, by the 32
 // lanes of one warp: position (gathered keys' own, else the index), query bound (key ends,
 // else INT_MAX; 0 where a query-broadcast mask is false: no query sees the key) and bias (fp32
-// or q's dtype, else 0); past the `count` keys -1, 0 and 0 (a padding row: masked).
+// or q's dtype, else 0); past the `count` keys -1, 0 and 0 (a padding row: masked); and the
+// smallest bound into st.end_min.
 template <typename Element, class Stage, int kBlockN>
 __device__ __forceinline__ void load_key_rows(Stage& st, int n, int count, const KeyRowSources& src) {
   const int lane = threadIdx.x & 31;
@@ -89,6 +90,15 @@ __device__ __forceinline__ void load_key_rows(Stage& st, int n, int count, const
     }
     st.bias[c] = bv;
   }
+  // The block's smallest bound: the consumers skip the per-element test when all their queries
+  // are below it (bounded_block_needs_mask). Read back from shared memory: folded into the loop
+  // above, it held registers beside the loads in flight (the backward's producer warps keep 40).
+  __syncwarp();
+  int end_min = INT_MAX;
+  CUTE_UNROLL
+  for (int c = lane; c < kBlockN; c += 32) end_min = min(end_min, st.end[c]);
+  end_min = __reduce_min_sync(0xffffffffu, end_min);
+  if (lane == 0) st.end_min = end_min;
 }
 
 }  // namespace dmattn::cuda::sm90
