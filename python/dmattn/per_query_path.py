@@ -4,7 +4,8 @@ interval path that runs the per-query selection in O(S) memory.
 The interval path (docs/semantics.md, "Per-query causal top-k"): the queries are cut into
 segments of ``SEGMENT_LEN``; a segment's queries may only keep the keys kept by its first query
 plus the keys inside it, at most keep + SEGMENT_LEN candidates, which interval_ends /
-segment_candidates list per (batch, segment, head) in increasing order. Each segment becomes one
+segment_candidates list per (batch, segment, head) (those before the segment by when they stop
+being kept, then its own keys; docs/design.md). Each segment becomes one
 batch entry of the gathered-keys kernels (K, V and bias rows gathered per segment): causal on
 the candidates' positions gives j <= i, and the candidates' key_ends give i < end_j, so every
 element is exactly the per-query selection. Work ~ Sq * (keep + SEGMENT_LEN), memory ~ Sq / L

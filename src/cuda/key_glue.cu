@@ -14,6 +14,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/check.h"
 #include "cuda/key_glue.h"
@@ -135,7 +136,6 @@ __global__ void gather_bias_kernel(GatherBiasArgs a) {
   }
 }
 
-__device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 template <typename T>
@@ -147,69 +147,37 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
 
-// One warp per output row (b, j, kv head); each lane sums its elements over the row's copies.
-template <typename T>
+// kVec consecutive elements as float: 8-byte loads of four 16-bit values, 16-byte loads of four
+// floats, or single elements.
+template <int kVec>
+__device__ __forceinline__ void load_vec(const float* p, float (&v)[kVec]) {
+  if constexpr (kVec == 4) {
+    const float4 x = *reinterpret_cast<const float4*>(p);
+    v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+  } else {
+    v[0] = *p;
+  }
+}
+template <int kVec, typename T>
+__device__ __forceinline__ void load_vec(const T* p, float (&v)[kVec]) {  // 16-bit T
+  if constexpr (kVec == 4) {
+    using T2 = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
+    const uint2 x = *reinterpret_cast<const uint2*>(p);
+    const T2 lo = *reinterpret_cast<const T2*>(&x.x), hi = *reinterpret_cast<const T2*>(&x.y);
+    v[0] = to_float(lo.x), v[1] = to_float(lo.y), v[2] = to_float(hi.x), v[3] = to_float(hi.y);
+  } else {
+    v[0] = to_float(*p);
+  }
+}
+
+// One warp per output row (b, j, kv head): it reads the row's slots 32 (segment, head) pairs at
+// a time, then the copies two by two, each lane kVec consecutive elements per load (4 where the
+// head dim allows aligned vectors), so that every copy's loads are in flight together. Copies
+// are added in (segment, head) order.
+template <typename T, int kVec>
 __global__ void sum_segment_rows_kernel(SumSegmentRowsArgs a) {
-  const int lane = threadIdx.x & 31;
-  const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5;
-  const int64_t total = a.batch * a.num_keys * a.heads_kv;
-  if (warp >= total) return;
-  const int64_t kvh = warp % a.heads_kv, bj = warp / a.heads_kv, j = bj % a.num_keys, b = bj / a.num_keys;
-  const int64_t group = a.heads / a.heads_kv;
-  constexpr int kPerLane = 8;  // head_dim <= 256
-  float acc[2][kPerLane];
-  for (int o = 0; o < 2; ++o)
-    for (int e = 0; e < kPerLane; ++e) acc[o][e] = 0.f;
-  for (int64_t s = 0; s < a.num_segments; ++s) {
-    for (int64_t g = kvh * group; g < (kvh + 1) * group; ++g) {
-      const int64_t slot_head = a.slot_heads > 1 ? g : 0;
-      const int32_t slot = a.slots[((b * a.num_segments + s) * a.slot_heads + slot_head) * a.num_keys + j];
-      if (slot < 0) continue;
-      const int64_t row = ((b * a.num_segments + s) * a.width + slot) * a.heads + g;
-      for (int o = 0; o < 2; ++o) {
-        const T* src = static_cast<const T*>(a.operand[o].rows) + row * a.head_dim;
-        for (int e = 0; e < kPerLane; ++e) {
-          const int64_t d = lane + 32 * e;
-          if (d < a.head_dim) acc[o][e] += to_float(src[d]);
-        }
-      }
-    }
-  }
-  const int64_t out_row = (bj * a.heads_kv + kvh) * a.head_dim;
-  for (int o = 0; o < 2; ++o) {
-    T* dst = static_cast<T*>(a.operand[o].out) + out_row;
-    for (int e = 0; e < kPerLane; ++e) {
-      const int64_t d = lane + 32 * e;
-      if (d < a.head_dim) dst[d] = from_float<T>(acc[o][e]);
-    }
-  }
-}
-
-// Four consecutive elements as float: 8-byte loads of 16-bit types, 16-byte loads of float.
-__device__ __forceinline__ void load4(const float* p, float (&v)[4]) {
-  const float4 x = *reinterpret_cast<const float4*>(p);
-  v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
-}
-template <typename T2, typename T>
-__device__ __forceinline__ void load4_16(const T* p, float (&v)[4]) {
-  const uint2 x = *reinterpret_cast<const uint2*>(p);
-  const T2 lo = *reinterpret_cast<const T2*>(&x.x), hi = *reinterpret_cast<const T2*>(&x.y);
-  v[0] = to_float(lo.x), v[1] = to_float(lo.y), v[2] = to_float(hi.x), v[3] = to_float(hi.y);
-}
-__device__ __forceinline__ void load4(const __nv_bfloat16* p, float (&v)[4]) { load4_16<__nv_bfloat162>(p, v); }
-__device__ __forceinline__ void load4(const __half* p, float (&v)[4]) { load4_16<__half2>(p, v); }
-template <typename T>
-__device__ __forceinline__ void store4(T* p, const float (&v)[4]) {
-  for (int e = 0; e < 4; ++e) p[e] = from_float<T>(v[e]);
-}
-
-// As sum_segment_rows_kernel for head dims that are a multiple of 4 (aligned rows): the warp
-// reads the row's slots 32 (segment, head) pairs at a time, then the copies two by two, each
-// lane four consecutive elements per load, so that every copy's loads are in flight together.
-template <typename T>
-__global__ void sum_segment_rows_vec4_kernel(SumSegmentRowsArgs a) {
   constexpr unsigned kFull = 0xffffffffu;
-  constexpr int kIters = 2;  // head_dim <= 256 = kIters * 32 lanes * 4
+  constexpr int kIters = 256 / (32 * kVec);  // head_dim <= 256
   const int lane = threadIdx.x & 31;
   const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5;
   const int64_t total = a.batch * a.num_keys * a.heads_kv;
@@ -221,17 +189,17 @@ __global__ void sum_segment_rows_vec4_kernel(SumSegmentRowsArgs a) {
   const int heads_per_copy = a.slot_heads > 1 ? 1 : int(group);
   const int64_t pairs = a.num_segments * per_segment;
   const T* src[2] = {static_cast<const T*>(a.operand[0].rows), static_cast<const T*>(a.operand[1].rows)};
-  float acc[2][kIters][4] = {};
+  float acc[2][kIters][kVec] = {};
   auto add_copy = [&](int64_t row) {  // row: the copy's first (row, head) index
     for (int g = 0; g < heads_per_copy; ++g) {
 #pragma unroll
       for (int it = 0; it < kIters; ++it) {
-        const int64_t d = (it * 32 + lane) * 4;
+        const int64_t d = (it * 32 + lane) * kVec;
         if (d >= a.head_dim) continue;
-        float v0[4], v1[4];
-        load4(src[0] + (row + g) * a.head_dim + d, v0);
-        load4(src[1] + (row + g) * a.head_dim + d, v1);
-        for (int e = 0; e < 4; ++e) acc[0][it][e] += v0[e], acc[1][it][e] += v1[e];
+        float v0[kVec], v1[kVec];
+        load_vec<kVec>(src[0] + (row + g) * a.head_dim + d, v0);
+        load_vec<kVec>(src[1] + (row + g) * a.head_dim + d, v1);
+        for (int e = 0; e < kVec; ++e) acc[0][it][e] += v0[e], acc[1][it][e] += v1[e];
       }
     }
   };
@@ -258,8 +226,9 @@ __global__ void sum_segment_rows_vec4_kernel(SumSegmentRowsArgs a) {
   for (int o = 0; o < 2; ++o) {
     T* dst = static_cast<T*>(a.operand[o].out) + out_row;
     for (int it = 0; it < kIters; ++it) {
-      const int64_t d = (it * 32 + lane) * 4;
-      if (d < a.head_dim) store4(dst + d, acc[o][it]);
+      const int64_t d = (it * 32 + lane) * kVec;
+      if (d < a.head_dim)
+        for (int e = 0; e < kVec; ++e) dst[d + e] = from_float<T>(acc[o][it][e]);
     }
   }
 }
@@ -302,15 +271,13 @@ void sum_segment_rows(const SumSegmentRowsArgs& a, void* stream_ptr) {
   const bool vec4 = a.head_dim % 4 == 0 && aligned(a.operand[0].rows) && aligned(a.operand[1].rows) &&
                     aligned(a.operand[0].out) && aligned(a.operand[1].out);
   if (vec4) {
-    if (a.elem_bytes == 4) sum_segment_rows_vec4_kernel<float><<<unsigned(blocks), 256, 0, stream>>>(a);
-    else if (a.bf16) sum_segment_rows_vec4_kernel<__nv_bfloat16><<<unsigned(blocks), 256, 0, stream>>>(a);
-    else sum_segment_rows_vec4_kernel<__half><<<unsigned(blocks), 256, 0, stream>>>(a);
-  } else if (a.elem_bytes == 4) {
-    sum_segment_rows_kernel<float><<<unsigned(blocks), 256, 0, stream>>>(a);
-  } else if (a.bf16) {
-    sum_segment_rows_kernel<__nv_bfloat16><<<unsigned(blocks), 256, 0, stream>>>(a);
+    if (a.elem_bytes == 4) sum_segment_rows_kernel<float, 4><<<unsigned(blocks), 256, 0, stream>>>(a);
+    else if (a.bf16) sum_segment_rows_kernel<__nv_bfloat16, 4><<<unsigned(blocks), 256, 0, stream>>>(a);
+    else sum_segment_rows_kernel<__half, 4><<<unsigned(blocks), 256, 0, stream>>>(a);
   } else {
-    sum_segment_rows_kernel<__half><<<unsigned(blocks), 256, 0, stream>>>(a);
+    if (a.elem_bytes == 4) sum_segment_rows_kernel<float, 1><<<unsigned(blocks), 256, 0, stream>>>(a);
+    else if (a.bf16) sum_segment_rows_kernel<__nv_bfloat16, 1><<<unsigned(blocks), 256, 0, stream>>>(a);
+    else sum_segment_rows_kernel<__half, 1><<<unsigned(blocks), 256, 0, stream>>>(a);
   }
   check_cuda(cudaGetLastError(), "sum of segment rows launch");
 }
