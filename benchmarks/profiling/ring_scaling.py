@@ -19,9 +19,9 @@ the step).
 Columns:
   share     one rank's share of the work on one GPU, nothing exchanged: its queries against the keys
             they see, as one dmattn call. zigzag: the rank's two chunks of S_local / 2 queries, each
-            against its causal prefix [0, chunk end) of the global sequence, packed as two sequences
-            of one attention_varlen call (bottom-right causal per sequence); every rank's share is
-            the same work, 1/W of causal attention over S.
+            against its causal prefix [0, chunk end) of the global sequence, one dense causal call per
+            chunk (bottom-right aligned); every rank's share is the same work, 1/W of causal
+            attention over S.
   ring      ring_attention(kv_exchange="ring", layout="zigzag").
   eff       share / ring: the fraction of the ideal (each GPU does its share, nothing else) that the
             ring reaches. Likewise for the all-gather exchange.
@@ -229,21 +229,24 @@ def measure(heads: Heads, args, device: str, dtype, world_size: int, rank: int) 
             return torch.autograd.grad(out, leaves, dout)
         return step
 
-    # This rank's share as one call: each chunk of its queries against keys [0, chunk end).
+    # This rank's share on one GPU: each chunk of its queries against keys [0, chunk end), one
+    # dense causal (bottom-right) call per chunk. (One packed attention_varlen call would run the
+    # general kernels, slower than the dense ones, and overstate the ring's efficiency.)
     chunks = lay.rank_chunks(LAYOUT, world_size, rank, local_len)
-    ends = [start + n for start, n in chunks]
-    q_s = randn(local_len, h, d).requires_grad_()
-    k_s, v_s = randn(sum(ends), hkv, d).requires_grad_(), randn(sum(ends), hkv, d).requires_grad_()
-    bias_s = randn(h, sum(ends)).requires_grad_()
-    dout_s = randn(local_len, h, d)
-    cu_q = torch.tensor([0] + [sum(n for _, n in chunks[:i + 1]) for i in range(len(chunks))],
-                        dtype=torch.int32, device=device)
-    cu_k = torch.tensor([0] + [sum(ends[:i + 1]) for i in range(len(ends))], dtype=torch.int32, device=device)
-    max_q = max(n for _, n in chunks)
+    share_inputs = []
+    for start, n in chunks:
+        end = start + n
+        share_inputs.append([randn(1, n, h, d), randn(1, end, hkv, d), randn(1, end, hkv, d), randn(1, h, 1, end),
+                             randn(1, n, h, d)])
+        for t in share_inputs[-1][:4]:
+            t.requires_grad_()
 
     def share_step():
-        out = dmattn.attention_varlen(q_s, k_s, v_s, cu_q, cu_k, max_q, max(ends), None, bias_s, causal=True)
-        return torch.autograd.grad(out, [q_s, k_s, v_s, bias_s], dout_s)
+        grads = []
+        for q_c, k_c, v_c, bias_c, dout_c in share_inputs:
+            out = dmattn.attention(q_c, k_c, v_c, bias=bias_c, causal=True)
+            grads += torch.autograd.grad(out, [q_c, k_c, v_c, bias_c], dout_c)
+        return grads
 
     with torch.no_grad():  # the two exchanges compute the same rows
         ring_out, ag_out = (dd.ring_attention(q, k, v, None, bias, causal=True, layout=LAYOUT,
