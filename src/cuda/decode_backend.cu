@@ -13,6 +13,7 @@
 #include "cuda/check.h"
 #include "cuda/decode_args.h"
 #include "cuda/decode_launch.h"
+#include "cuda/host_operands.h"
 #include "dmattn/error.h"
 
 namespace dmattn::cuda {
@@ -37,25 +38,14 @@ int sm_count(int device_id) {
   return counts[device_id];
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
-void check_rows(const char* name, const void* ptr, const SeqTensor& t) {
-  check(aligned16(ptr) && t.batch_stride % 8 == 0 && t.row_stride % 8 == 0 && t.head_stride % 8 == 0,
-        ErrorKind::kValue, name, ": the CUDA backend needs a 16-byte aligned data pointer and strides ",
-        "that are multiples of 8 elements, got strides (", t.batch_stride, ", ", t.row_stride, ", ",
-        t.head_stride, ")");
-}
-
-DecodeOperand make_operand(const BroadcastOperand& op) {
-  DecodeOperand o;
-  if (!op.present()) return o;
-  o.ptr = static_cast<const char*>(op.ptr);
-  o.sb = op.size_b == 1 ? 0 : op.stride_b;
-  o.sh = op.size_h == 1 ? 0 : op.stride_h;
-  o.sq = op.size_q == 1 ? 0 : op.stride_q;
-  o.sk = op.size_k == 1 ? 0 : op.stride_k;
-  o.head_div = static_cast<int>(op.head_div);
-  return o;
+// The decode kernel's operand: the shared broadcast rule (host_operands.h), its strides only.
+DecodeOperand make_decode_operand(const BroadcastOperand& op) {
+  const OperandArgs o = make_operand(op, 1);
+  DecodeOperand d;
+  d.ptr = o.ptr;
+  d.sb = o.stride_b, d.sh = o.stride_h, d.sq = o.stride_q, d.sk = o.stride_k;
+  d.head_div = o.head_div;
+  return d;
 }
 
 }  // namespace
@@ -97,11 +87,11 @@ void decode_forward(const ForwardParams& p) {
         ErrorKind::kValue, "q/k: the CUDA decode path supports lengths below 2^31 and at most 65535 batches ",
         "and kv heads");
   if (p.batch == 0 || p.seqlen_q == 0 || p.num_heads == 0) return;
-  check_rows("q", p.q, p.q_strides);
-  check_rows("out", p.out, p.out_strides);
+  check_seq_tensor("q", p.q, p.q_strides);
+  check_seq_tensor("out", p.out, p.out_strides);
   if (p.seqlen_k > 0) {
-    check_rows("k", p.k, p.k_strides);
-    check_rows("v", p.v, p.v_strides);
+    check_seq_tensor("k", p.k, p.k_strides);
+    check_seq_tensor("v", p.v, p.v_strides);
   }
   check(p.decode_splits == 1 || p.split_workspace != nullptr, ErrorKind::kValue,
         "workspace: ", p.decode_splits, " key splits need a float32 workspace, got none");
@@ -126,8 +116,8 @@ void decode_forward(const ForwardParams& p) {
   a.q_scale = static_cast<float>(p.softcap > 0 ? p.scale / p.softcap : p.scale);
   a.window_left = p.window_left;
   a.window_right = p.window_right;
-  a.mask = make_operand(p.mask);
-  a.bias = make_operand(p.bias);
+  a.mask = make_decode_operand(p.mask);
+  a.bias = make_decode_operand(p.bias);
   a.bias_fp32 = p.bias.present() && p.bias.dtype == DType::kFloat32;
   a.row_chunks = static_cast<int>(decode_row_chunks(p.seqlen_q, p.group_size()));
   a.num_splits = static_cast<int>(std::max<int64_t>(1, p.decode_splits));
