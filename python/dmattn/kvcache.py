@@ -11,16 +11,11 @@ import torch
 from torch import Tensor
 
 from .decode import _append, kvcache_forward
+from .interface import _parse_options, _require_tensor
 
 __all__ = ["attention_with_kvcache"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _tensor(t, name: str) -> Tensor:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    return t
 
 
 def _rank(t: Tensor, name: str, rank: int, layout: str) -> None:
@@ -37,7 +32,7 @@ def _check_operand(t: Optional[Tensor], name: str, full: Tuple[int, int, int, in
     """mask / bias: rank <= 4, right-aligned, every dim 1 or full (heads also Hkv)."""
     if t is None:
         return
-    _tensor(t, name)
+    _require_tensor(t, name)
     if t.dim() > 4:
         raise ValueError(f"{name}: expected at most 4 dimensions broadcastable to (B, H, Sq, Sk) = {full}, "
                          f"got shape {tuple(t.shape)}")
@@ -47,15 +42,6 @@ def _check_operand(t: Optional[Tensor], name: str, full: Tuple[int, int, int, in
             names = ("batch (B)", "heads (H)", "query (Sq)", "key (Sk: the cache's key axis)")
             raise ValueError(f"{name}: shape {tuple(t.shape)} does not broadcast to (B, H, Sq, Sk) = {full}: its "
                              f"{names[d]} dimension is {got}, expected 1 or {want}")
-
-
-def _window(window: Sequence[int]) -> Tuple[int, int]:
-    if not isinstance(window, (tuple, list)) or len(window) != 2 or not all(
-            isinstance(w, int) and not isinstance(w, bool) for w in window):
-        raise TypeError(f"window: expected a pair of ints (left, right), got {window!r}")
-    if min(window) < -1:
-        raise ValueError(f"window: expected values >= -1 (-1 = unbounded), got {tuple(window)}")
-    return int(window[0]), int(window[1])
 
 
 def attention_with_kvcache(
@@ -85,7 +71,8 @@ def attention_with_kvcache(
     key axis. causal / window are bottom-right aligned with each row's length after the append.
     Keys at positions >= that length are never read into the result. Returns out like q, and
     with return_lse the float32 lse (B, H, Sq). Inference only (no gradient)."""
-    q, k_cache, v_cache = (_tensor(t, n) for t, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
+    for t, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        _require_tensor(t, n)
     _rank(q, "q", 4, "(batch, seqlen_q, num_heads, head_dim)")
     paged = block_table is not None
     cache_layout = "(num_blocks, page_size, num_heads_kv, head_dim)" if paged else \
@@ -106,7 +93,7 @@ def attention_with_kvcache(
     if heads_kv < 1 or heads % heads_kv:
         raise ValueError(f"k_cache: num_heads_kv ({heads_kv}) must be >= 1 and divide num_heads ({heads})")
     if paged:
-        _tensor(block_table, "block_table")
+        _require_tensor(block_table, "block_table")
         _rank(block_table, "block_table", 2, "(batch, max_blocks)")
         if block_table.dtype != torch.int32:
             raise TypeError(f"block_table: expected dtype torch.int32, got {block_table.dtype}")
@@ -123,7 +110,7 @@ def attention_with_kvcache(
 
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
-    _tensor(cache_seqlens, "cache_seqlens")
+    _require_tensor(cache_seqlens, "cache_seqlens")
     if cache_seqlens.dtype != torch.int32:
         raise TypeError(f"cache_seqlens: expected an int or an int32 tensor, got dtype {cache_seqlens.dtype}")
     if tuple(cache_seqlens.shape) != (batch,):
@@ -135,7 +122,7 @@ def attention_with_kvcache(
         raise ValueError("k, v: give both new keys and values, or neither")
     if k is not None:
         for t, n in ((k, "k"), (v, "v")):
-            _tensor(t, n)
+            _require_tensor(t, n)
             _rank(t, n, 4, "(batch, seqlen_new, num_heads_kv, head_dim)")
             if t.dtype != q.dtype:
                 raise TypeError(f"{n}: expected q's dtype {q.dtype}, got {t.dtype}")
@@ -155,11 +142,11 @@ def attention_with_kvcache(
     _check_operand(bias, "bias", full, heads_kv)
     if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"mask: expected dtype torch.bool, got {mask.dtype}")
-    window_left, window_right = _window(window)
+    window_left, window_right, scale, softcap = _parse_options(window, scale, softcap)
 
     if new:
         _append(k_cache, v_cache, k, v, cache_seqlens, block_table)
         cache_seqlens = cache_seqlens + new
     out, lse = kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, mask, bias, bool(causal),
-                               window_left, window_right, scale, float(softcap))
+                               window_left, window_right, scale, softcap)
     return (out, lse) if return_lse else out

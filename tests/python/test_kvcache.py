@@ -264,6 +264,9 @@ def _good():
     (dict(bias=torch.zeros(3, 1, 1, 10)), ValueError, "bias"),
     (dict(window=(-2, 0)), ValueError, "window"),
     (dict(window=5), TypeError, "window"),
+    (dict(scale=0.0), ValueError, "scale"),
+    (dict(scale="1"), TypeError, "scale"),
+    (dict(softcap=-1.0), ValueError, "softcap"),
     (dict(k=torch.randn(2, 1, 2, 16)), ValueError, "k, v"),
     (dict(k=torch.randn(2, 1, 3, 16), v=torch.randn(2, 1, 3, 16)), ValueError, "k, v"),
 ])
