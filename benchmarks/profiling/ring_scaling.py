@@ -50,7 +50,6 @@ import contextlib
 import datetime
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -63,6 +62,7 @@ import torch.multiprocessing as mp
 
 import dmattn
 import dmattn.distributed as dd
+from dmattn.bench import time_ms
 from dmattn.distributed import layout as lay
 from dmattn.distributed.comm import RingExchange
 
@@ -184,31 +184,10 @@ class ExchangeTrace:
 # ---------------------------------------------------------------------------------------------
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def timed(fn, device: str, warmup: int, iters: int) -> float:
-    """Median ms of fn; every timed run starts right after a barrier, so the ranks run together."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(iters):
-        dist.barrier()  # (NCCL: returns once the barrier has completed on the device)
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    """Median ms of fn; every timed run starts right after a barrier, so the ranks run together
+    (NCCL: the barrier returns once it has completed on the device)."""
+    return time_ms(fn, device, warmup, iters, before_each=dist.barrier)
 
 
 def measure(heads: Heads, args, device: str, dtype, world_size: int, rank: int) -> Dict[str, object]:

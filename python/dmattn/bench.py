@@ -192,15 +192,19 @@ def make_inputs(cfg: Config, device: str, seed: int = 0) -> Inputs:
 # Timing and checking
 # ---------------------------------------------------------------------------------------------
 
-def time_ms(fn: Callable[[], object], device: str, warmup: int, iters: int) -> float:
+def time_ms(fn: Callable[[], object], device: str, warmup: int, iters: int,
+            before_each: Optional[Callable[[], object]] = None) -> float:
     """Median time of fn in ms: CUDA events on "cuda", wall clock otherwise (also used by
-    the scripts in benchmarks/profiling/)."""
+    the scripts in benchmarks/profiling/). before_each, if given, runs before every timed run,
+    outside the timing (a barrier of several processes, say)."""
     for _ in range(warmup):
         fn()
     times = []
     if device == "cuda":
         torch.cuda.synchronize()
         for _ in range(iters):
+            if before_each is not None:
+                before_each()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -209,6 +213,8 @@ def time_ms(fn: Callable[[], object], device: str, warmup: int, iters: int) -> f
             times.append(start.elapsed_time(end))
     else:
         for _ in range(iters):
+            if before_each is not None:
+                before_each()
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
