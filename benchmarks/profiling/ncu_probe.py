@@ -4,7 +4,8 @@
         python3 benchmarks/profiling/ncu_probe.py CASE [--s 4096 --b 1]
 
 CASE: plain (no mask / bias), bias (dense (B,H,S,S) bf16 bias with gradient), topk
-(attention_topk, per-key bias with gradient, keep = S / 4, causal). bf16, H=16, D=128. Random
+(attention_topk, per-key bias with gradient, keep = S / 4, causal), perquery (the same with
+per_query=True: Doge's per-query causal top-k). bf16, H=16, D=128. Random
 inputs; one warm-up step (so that ncu's first captured launches are not the first ever), then
 the profiled step.
 """
@@ -18,7 +19,7 @@ import dmattn
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("case", choices=["plain", "bias", "topk"])
+    ap.add_argument("case", choices=["plain", "bias", "topk", "perquery"])
     ap.add_argument("--b", type=int, default=1)
     ap.add_argument("--s", type=int, default=4096)
     ap.add_argument("--causal", action="store_true")
@@ -30,13 +31,13 @@ def main() -> None:
     bias = None
     if args.case == "bias":
         bias = torch.randn(B, H, S, S, device=dev, dtype=dt, generator=g)
-    elif args.case == "topk":
+    elif args.case in ("topk", "perquery"):
         bias = torch.randn(B, H, 1, S, device=dev, dtype=dt, generator=g)
     leaves = [t.requires_grad_(True) for t in (q, k, v) + ((bias,) if bias is not None else ())]
 
     def step():
-        if args.case == "topk":
-            out = dmattn.attention_topk(q, k, v, bias, S // 4, causal=True)
+        if args.case in ("topk", "perquery"):
+            out = dmattn.attention_topk(q, k, v, bias, S // 4, causal=True, per_query=args.case == "perquery")
         else:
             out = dmattn.attention(q, k, v, bias=bias, causal=args.causal)
         torch.autograd.grad(out, leaves, dout)

@@ -6,6 +6,7 @@ per_query=True), forward + backward, selection included) by kernel, with torch.p
 """
 
 import argparse
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -33,10 +34,28 @@ def report(title, prof, steps=3):
         print(f"{e.device_time_total / steps / 1e3:8.3f} ms  {e.count // steps:4d}x  {e.key[:110]}")
 
 
+def host_and_wall(step, steps=10):
+    """(host ms, wall ms) per step: the time to enqueue a step's work without waiting for the GPU,
+    and the time per step with the GPU's work included. Host close to wall: the GPU waits for
+    launches (the gaps between kernels are host time)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    host = 0.0
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        host += time.perf_counter() - t0
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    return host / steps * 1e3, wall / steps * 1e3
+
+
 def profile_steps(step, title):
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    host, wall = host_and_wall(step)
+    print(f"\n{title}: host {host:.2f} ms per step to enqueue, wall {wall:.2f} ms per step")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             step()

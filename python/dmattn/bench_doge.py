@@ -9,8 +9,9 @@ same run:
   (2 layers, hidden 2048, 16 heads of 128, keep_window_size 2048, bf16) with
   attn_implementation "dmattn" (dmattn.integrations.transformers.register()), "sdpa" and
   "eager": median step time and peak memory; and "floor": the dmattn model with its attention
-  replaced by the value rows (no selection, no attention), the time and memory of the rest of
-  the model.
+  replaced by the value rows (no selection, no attention; zero times q, k and the bias added, so
+  that every projection's gradient is still computed), the time and memory of the rest of the
+  model.
 
     python -m dmattn.bench_doge [--suite kernel,hf] [--seq 8192,32768] [--json out.json]
 
@@ -103,9 +104,15 @@ def _doge_config(seq: int):
                       max_position_embeddings=max(seq, 2048), is_moe=False, attention_dropout=0.0)
 
 
-def _values_only(q, k, v, *args, **kwargs):
-    """The "floor" row's attention: the value rows as they are (no selection, no attention)."""
-    return v.expand_as(q)
+def _values_only(q, k, v, bias, *args, **kwargs):
+    """The "floor" row's attention: the value rows as they are (no selection, no attention),
+    plus zero times q, k and the bias, so that the backward still reaches every projection the
+    attention reads (q_proj, k_proj, their norms and rotary embedding, dt_proj and A): the
+    floor is the rest of the step, not a smaller model."""
+    heads, heads_kv = q.shape[2], k.shape[2]
+    k_heads = k.repeat_interleave(heads // heads_kv, dim=2) if heads != heads_kv else k
+    zero = (q + k_heads) * 0 + bias.sum() * 0
+    return v.repeat_interleave(heads // heads_kv, dim=2) + zero if heads != heads_kv else v + zero
 
 
 def _hf_rows(seq: int, implementations: List[str], warmup: int, iters: int) -> List[Dict]:
@@ -122,8 +129,9 @@ def _hf_rows(seq: int, implementations: List[str], warmup: int, iters: int) -> L
         row = dict(suite="hf", config=f"DogeForCausalLM 2 layers, hidden 2048, 16 heads, keep {KEEP}, B=1 S={seq}",
                    provider=impl)
         model = None
-        # floor: the dmattn model with its attention call returning the value rows, i.e. what
-        # the rest of the step costs (projections, norms, MLP, output layer, loss).
+        # floor: the dmattn model with its attention call returning the value rows (and zero
+        # times q, k and the bias), i.e. what the rest of the step costs (projections, norms,
+        # rotary embedding, dt_states, MLP, output layer, loss, and all their gradients).
         saved_attention = doge.attention_topk
         if impl == "floor":
             doge.attention_topk = _values_only

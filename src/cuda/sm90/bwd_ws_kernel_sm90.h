@@ -151,9 +151,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
           if (a.row_log2l != nullptr) st.log2l[r] = a.row_log2l[row_stat + r];
           st.delta[r] = a.delta[row_stat + r];
         }
+        // The key rows depend on the head only (the key block is the CTA's): a stage keeps
+        // them from its previous use, kStages blocks back, while the head is the same.
         if constexpr (Tile::kKeyRows) {
-          load_key_rows<Element, typename Tile::KeyRows, kBlockN>(st.keys, n_block, seq.len_k(),
-                                                                  key_row_sources(f, b, h, seq.k0()));
+          if (t < Tile::kStages || head_of(t - Tile::kStages) != h)
+            load_key_rows<Element, typename Tile::KeyRows, kBlockN>(st.keys, n_block, seq.len_k(),
+                                                                    key_row_sources(f, b, h, seq.k0()));
         }
         pipe_rows.producer_commit(write);
         ++write;
@@ -215,8 +218,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     Tensor mdO = p.tma_do.get_tma_tensor(make_shape(f.seqlen_q, f.head_dim, f.num_heads, f.batch));
     Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tile::SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tile::SmemLayoutQ{});
-    PipelineState write_q = cutlass::make_producer_start_state<Pipeline>();
-    PipelineState write_do = cutlass::make_producer_start_state<Pipeline>();
+    PipelineState write = cutlass::make_producer_start_state<Pipeline>();  // (Q's and dO's: in step)
     for (int t = 0; t < n_iter; ++t) {
       const int h = head_of(t), mb = m_block_of(t);
       Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(mb, 0));
@@ -224,16 +226,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       auto [tQgQ, tQsQ] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto [tdOgdO, tdOsdO] =
           tma_partition(p.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-      pipe_q.producer_acquire(write_q);
-      copy(p.tma_q.with(*pipe_q.producer_get_barrier(write_q)), tQgQ, tQsQ(_, write_q.index()));
-      ++write_q;
-      pipe_do.producer_acquire(write_do);
-      copy(p.tma_do.with(*pipe_do.producer_get_barrier(write_do)), tdOgdO, tdOsdO(_, write_do.index()));
-      ++write_do;
+      pipe_q.producer_acquire(write);
+      copy(p.tma_q.with(*pipe_q.producer_get_barrier(write)), tQgQ, tQsQ(_, write.index()));
+      pipe_do.producer_acquire(write);
+      copy(p.tma_do.with(*pipe_do.producer_get_barrier(write)), tdOgdO, tdOsdO(_, write.index()));
+      ++write;
     }
     // Stay until the consumers have released every stage (no load outlives the CTA's smem).
-    pipe_q.producer_tail(write_q);
-    pipe_do.producer_tail(write_do);
+    pipe_q.producer_tail(write);
+    pipe_do.producer_tail(write);
     return;
   }
 
@@ -287,25 +288,30 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
 
   if (n_iter > 0) {
     kv_full.wait(0);
-    PipelineState read_q, read_do, read_r;
-    const WindowMask win = seq.window();
+    // Q, dO and the rows advance together, one stage per query block: one state for the three
+    // pipelines (three held across the loop took registers the key-row consumers lack).
+    PipelineState read;
+    // Dense batches only (bwd_ws_supports): the window straight from the arguments, which the
+    // loop reads from the constant bank where it needs them (SeqBounds' loads of a packed
+    // batch's bounds cannot be repeated, so their results were held, and spilled, across it).
+    const WindowMask win{f.seqlen_q, f.seqlen_k, f.window_left, f.window_right};
     for (int t = 0; t < n_iter; ++t) {
       const int h = head_of(t);
       const int m0 = m_block_of(t) * kBlockM;
-      const int rows_valid = seq.rows_valid(m0, kBlockM);
+      const int rows_valid = min(kBlockM, f.seqlen_q - m0);
       const int buf = Tile::kDsBuffers == 2 ? t & 1 : 0;
 
       Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      pipe_q.consumer_wait(read_q);
+      pipe_q.consumer_wait(read);
       {
-        Tensor tSrQ = thr_sdp.partition_fragment_A(sQ)(_, _, _, read_q.index());
+        Tensor tSrQ = thr_sdp.partition_fragment_A(sQ)(_, _, _, read.index());
         Tensor tSrK = thr_sdp.partition_fragment_B(sK);
         gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_sdp, tSrQ, tSrK, acc_s);
       }
       auto issue_dp = [&] {
-        pipe_do.consumer_wait(read_do);
-        Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO)(_, _, _, read_do.index());
+        pipe_do.consumer_wait(read);
+        Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO)(_, _, _, read.index());
         Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
         gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_sdp, tdPrdO, tdPrV, acc_dp);
       };
@@ -313,8 +319,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       // per-element tests, whose position and bound reads would otherwise sit beside dP's
       // accumulators in flight (ptxas: 432 B of spills that way).
       if constexpr (!Tile::kKeyRows) issue_dp();
-      pipe_rows.consumer_wait(read_r);
-      const auto& st = ss.rows[read_r.index()];
+      pipe_rows.consumer_wait(read);
+      const auto& st = ss.rows[read.index()];
       float row_m[kRows], row_log2l[kRows], delta[kRows];
       bwd_load_row_stats(tScS_rc, st.m, a.row_log2l != nullptr ? st.log2l : nullptr, st.delta, rows_valid, row_m,
                          row_log2l, delta);
@@ -343,22 +349,22 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       }
       gemm_wait<0>(acc_dp);
       bwd_p_ds(s_rc, dp_rc, row_m, row_log2l, delta);
-      if constexpr (Tile::kKeyRows) {
-        if (colsum) colsum_add_smem<kBlockN, Tile::kWarpsPerCol>(dp_rc, tScS_rc, ss.colsum.data(), ctid);
-      }
-      pipe_rows.consumer_release(read_r);
-      ++read_r;
+      pipe_rows.consumer_release(read);
 
       {  // P, dS -> shared memory (stmatrix). P's buffer is free: this consumer's dV product of
          // t - 1 is complete (its wait). dS[t % 2] was last read by the dQ products of t - 2,
-         // which both consumers finished before the barrier of t - 1.
-        Tensor rP = make_tensor<Element>(acc_s.layout());
-        convert_fragment<Element, false>(acc_s, rP);
-        Tensor rdS = make_tensor<Element>(acc_dp.layout());
-        convert_fragment<Element, true>(acc_dp, rdS);
+         // which both consumers finished before the barrier of t - 1. P goes first: its
+         // registers are free while the column sums of dS run.
         auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
         auto thr_r2s = r2s.get_thread_slice(ctid);
+        Tensor rP = make_tensor<Element>(acc_s.layout());
+        convert_fragment<Element, false>(acc_s, rP);
         copy(r2s, thr_r2s.retile_S(rP), thr_r2s.partition_D(sP));
+        if constexpr (Tile::kKeyRows) {
+          if (colsum) colsum_add_smem<kBlockN, Tile::kWarpsPerCol>(dp_rc, tScS_rc, ss.colsum.data(), ctid);
+        }
+        Tensor rdS = make_tensor<Element>(acc_dp.layout());
+        convert_fragment<Element, true>(acc_dp, rdS);
         copy(r2s, thr_r2s.retile_S(rdS), thr_r2s.partition_D(sdS_at(buf)));
       }
       fence_smem_for_wgmma();
@@ -370,12 +376,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       auto issue_dk = [&] {
         Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt_at(buf));
         Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
-        gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, read_q.index()), acc_dk);
+        gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, read.index()), acc_dk);
       };
       {
         Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);
         Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);
-        gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, read_do.index()), acc_dv);
+        gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, read.index()), acc_dv);
       }
       if (want_dq) {
         // D = 128: this consumer's half of the columns, from all of dS and K; D = 64: every
@@ -409,10 +415,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       }
       gemm_wait<0>(acc_dk);
       warpgroup_fence_operand(acc_dv);
-      pipe_q.consumer_release(read_q);
-      pipe_do.consumer_release(read_do);
-      ++read_q;
-      ++read_do;
+      pipe_q.consumer_release(read);
+      pipe_do.consumer_release(read);
+      ++read;
       if constexpr (Tile::kKeyRows) {
         if (colsum_per_head && t % n_m == n_m - 1) colsum_flush(h);
       }
