@@ -107,11 +107,14 @@ __device__ __forceinline__ void bwd_load_row_stats(C const& coord, const float* 
 // the whole row's mass, every other P_k < 2^-24), dS = P * sum_k P_k (dP_j - dP_k) is below
 // fp32 resolution: it is set to 0 rather than left to the rounding noise of Delta, which comes
 // from the stored low-precision O (a row with a single allowed key must get exactly 0).
+// P is exactly 1 only there (elsewhere at most the float below 1), so dS tests P itself: no
+// per-element flag is held between the two, which the kernels schedule around the dP product.
 template <int kRows, class S, class DP>
 __device__ __forceinline__ void bwd_p_ds(S& s, DP& dp, const float (&m)[kRows], const float (&log2l)[kRows],
                                          const float (&delta)[kRows]) {
   using namespace cute;
   constexpr float kLog2e = 1.4426950408889634f;
+  constexpr float kBelowOne = 0x1.fffffep-1f;
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     CUTE_UNROLL
@@ -119,10 +122,15 @@ __device__ __forceinline__ void bwd_p_ds(S& s, DP& dp, const float (&m)[kRows], 
       // ex2.approx like the forward's softmax (exp2f's range handling was ~1/7 of the Hopper
       // backward's instructions). x >= -2^-25 is where exp2 rounds to 1: P = 1 exactly there.
       const float x = (s(r, c) - m[r]) * kLog2e - log2l[r];
-      const bool one = x >= -0x1p-25f;
-      const float p = one ? 1.f : fast_exp2(x);
-      s(r, c) = p;
-      dp(r, c) = one ? 0.f : p * (dp(r, c) - delta[r]);
+      s(r, c) = x >= -0x1p-25f ? 1.f : fminf(fast_exp2(x), kBelowOne);
+    }
+  }
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(s); ++c) {
+      const float p = s(r, c);
+      dp(r, c) = p == 1.f ? 0.f : p * (dp(r, c) - delta[r]);
     }
   }
 }

@@ -291,13 +291,16 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     // Q, dO and the rows advance together, one stage per query block: one state for the three
     // pipelines (three held across the loop took registers the key-row consumers lack).
     PipelineState read;
-    // Dense batches only (bwd_ws_supports): the window straight from the arguments, which the
-    // loop reads from the constant bank where it needs them (SeqBounds' loads of a packed
-    // batch's bounds cannot be repeated, so their results were held, and spilled, across it).
-    const WindowMask win{f.seqlen_q, f.seqlen_k, f.window_left, f.window_right};
+    // Dense batches only (bwd_ws_supports): the window straight from the arguments (SeqBounds'
+    // loads of a packed batch's bounds cannot be repeated, so their results were held, and
+    // spilled, across the loop). Key rows test positions (the gathered keys' own, else the
+    // index): one window, on the original keys' count with gathered keys.
+    const WindowMask win{f.seqlen_q, Tile::kKeyRows && f.kpos.ptr != nullptr ? f.kpos.seqlen_k_original : f.seqlen_k,
+                         f.window_left, f.window_right};
+    // (h, mb) = (head_of(t), m_block_of(t)), stepped rather than divided out of t.
+    int h = kvh * group, mb = m_lo;
     for (int t = 0; t < n_iter; ++t) {
-      const int h = head_of(t);
-      const int m0 = m_block_of(t) * kBlockM;
+      const int m0 = mb * kBlockM;
       const int rows_valid = min(kBlockM, f.seqlen_q - m0);
       const int buf = Tile::kDsBuffers == 2 ? t & 1 : 0;
 
@@ -336,7 +339,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         CUTE_UNROLL
         for (int i = 0; i < size(acc_s); ++i) acc_s(i) *= f.scale;
         add_key_bias(s_rc, tScS_rc, kr.bias, 1.f);
-        const PositionTest pt{kr.pos, f.kpos.ptr != nullptr ? position_window(f) : win, Tile::kKeyRowEndDelta};
+        const PositionTest pt{kr.pos, win, Tile::kKeyRowEndDelta};
         if (bounded_block_needs_mask<kBlockN>(pt.win, kr.pos, m0, kBlockM, kr.end_min))
           mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(s_rc, tScS_rc, m0, n0, win, nullptr, 0,
                                                                                    nullptr, 0, &pt);
@@ -419,7 +422,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       pipe_do.consumer_release(read);
       ++read;
       if constexpr (Tile::kKeyRows) {
-        if (colsum_per_head && t % n_m == n_m - 1) colsum_flush(h);
+        if (colsum_per_head && mb == m_hi - 1) colsum_flush(h);
+      }
+      if (++mb == m_hi) {
+        mb = m_lo;
+        ++h;
       }
     }
   }
