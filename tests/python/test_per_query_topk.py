@@ -176,6 +176,9 @@ CASES = [
     (2, 33, 33, 4, 1, 16, 1, "1", True, 16, "contiguous"),
     (2, 40, 40, 2, 2, 64, 100, "h", True, 16, "hf"),
     (1, 200, 200, 2, 1, 64, 40, "hkv", True, 64, "contiguous"),
+    # Segments of several 128-query blocks with several key blocks of candidates from before
+    # them: the Hopper forward skips the blocks whose rows all stopped being kept.
+    (1, 1536, 1536, 2, 1, 64, 300, "hkv", False, 512, "contiguous"),
 ]
 
 

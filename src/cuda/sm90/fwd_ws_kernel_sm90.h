@@ -117,6 +117,21 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
   // (gathered keys: warp-cooperative, every warp finds the same range)
   if (Tile::kKeyRows && a.kpos.ptr != nullptr) KeyPositionRow(a, b, h).key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
   else seq.window().key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
+  // Key ends (the per-query path): the rows before the first one that a query of this block may
+  // still keep (end > m0) are masked for all of them; the key blocks they fill are skipped.
+  // Every thread reads its share of the ends (the order of the rows is not assumed); warp
+  // minima meet in shared memory at the barrier below.
+  const bool skip_dead = Tile::kKeyRows && a.kpos.ends != nullptr && n_max > n_min;
+  if (skip_dead) {
+    const int32_t* ends = ends_row(a.kpos, b, h);
+    const int lo = n_min * kBlockN, hi = min(a.seqlen_k, n_max * kBlockN);
+    int first = hi;
+#pragma unroll 4
+    for (int j = lo + int(threadIdx.x); j < hi; j += Tile::kNThreads)
+      if (__ldg(ends + j) > m0) first = min(first, j);
+    first = __reduce_min_sync(0xffffffffu, first);
+    if (threadIdx.x % 32 == 0) ss.first_alive[threadIdx.x / 32] = first;
+  }
 
   // Barriers: initialized by warp 0, visible to all before the roles split.
   const auto kv_params = tma_pipeline_params<Pipeline>(Tile::kKVStageBytes, warp_group == 0, kConsumerThreads);
@@ -132,6 +147,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
+  if (skip_dead) {
+    int first = INT_MAX;
+    for (int w = 0; w < Tile::kNThreads / 32; ++w) first = min(first, ss.first_alive[w]);
+    n_min = min(n_max, max(n_min, first / kBlockN));
+  }
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tile::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tile::SmemLayoutKV{});

@@ -126,6 +126,7 @@ struct FwdWsTile {
     typename Pipeline::SharedStorage pipe_k, pipe_v, pipe_bias;
     typename KeyRowPipeline::SharedStorage pipe_key_rows;
     alignas(8) cutlass::arch::ClusterTransactionBarrier::ValueType q_full;
+    int32_t first_alive[kNThreads / 32];  // per warp: the first row a query of the block may keep
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
 };
