@@ -109,10 +109,10 @@ def _values_only(q, k, v, bias, *args, **kwargs):
     plus zero times q, k and the bias, so that the backward still reaches every projection the
     attention reads (q_proj, k_proj, their norms and rotary embedding, dt_proj and A): the
     floor is the rest of the step, not a smaller model."""
-    heads, heads_kv = q.shape[2], k.shape[2]
-    k_heads = k.repeat_interleave(heads // heads_kv, dim=2) if heads != heads_kv else k
-    zero = (q + k_heads) * 0 + bias.sum() * 0
-    return v.repeat_interleave(heads // heads_kv, dim=2) + zero if heads != heads_kv else v + zero
+    group = q.shape[2] // k.shape[2]  # query heads per kv head
+    if group > 1:
+        k, v = (x.repeat_interleave(group, dim=2) for x in (k, v))
+    return v + (q + k) * 0 + bias.sum() * 0
 
 
 def _hf_rows(seq: int, implementations: List[str], warmup: int, iters: int) -> List[Dict]:
