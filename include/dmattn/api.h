@@ -23,10 +23,15 @@ struct AttentionOptions {
 // key_positions == null: k, v hold every key (seqlen_k_original is ignored).
 // key_ends (optional, only with key_positions): int32 of key_positions' shape, strides and
 // device; row j is allowed only for queries i < key_ends[b, h', j] (ForwardParams::key_ends).
+// key_rows (optional, only with key_positions; CUDA): int32 of key_positions' shape, strides
+// and device: k, v are then the source (B / r, S, Hkv, D) for some r dividing B, and gathered
+// row j of (b, h) is their row key_rows[b, h', j] of batch b / r (ForwardParams::key_rows);
+// the gathered count K is key_positions.shape[2].
 struct GatheredKeys {
   const TensorDesc* key_positions = nullptr;
   int64_t seqlen_k_original = 0;
   const TensorDesc* key_ends = nullptr;
+  const TensorDesc* key_rows = nullptr;
 };
 
 // Validates every argument (rank, shape, dtype, device, strides, head ratio, head dim,

@@ -115,6 +115,14 @@ struct ForwardParams {
   // for the whole block. Per-query top-k runs on it: the queries that keep a key form one
   // interval, whose start is the causal rule and whose end is this bound.
   const int32_t* key_ends = nullptr;
+  // Optional, only with key_positions: indexed keys. int32 with key_positions' shape and
+  // strides: gathered row j of (b, h) is row key_rows[same index] of the source k, v, which are
+  // then (batch / key_rows_batch_div, key_rows_source_len, Hkv, D) (batch b reads source batch
+  // b / key_rows_batch_div); an index < 0 or >= key_rows_source_len reads a zero row. The
+  // kernels read the rows in place instead of a gathered copy; dk, dv stay (B, seqlen_k, Hkv,
+  // D), one row per gathered row. CUDA only.
+  const int32_t* key_rows = nullptr;
+  int64_t key_rows_batch_div = 1, key_rows_source_len = 0;
 
   // ---- Decode (docs/decode.md): the split-KV kernel for short query lengths; decode_splits == 0
   // = off (the general kernels). Only make_decode_forward_params sets these, CUDA only.
@@ -134,6 +142,7 @@ struct ForwardParams {
   bool is_varlen() const { return cu_seqlens_q != nullptr; }
   bool has_key_positions() const { return key_positions != nullptr; }
   bool has_key_ends() const { return key_ends != nullptr; }
+  bool has_key_rows() const { return key_rows != nullptr; }
   int64_t group_size() const { return num_heads_kv > 0 ? num_heads / num_heads_kv : 1; }
   // The key length causal/window are aligned with.
   int64_t window_seqlen_k() const { return has_key_positions() ? seqlen_k_original : seqlen_k; }

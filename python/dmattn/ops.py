@@ -258,9 +258,15 @@ def attention_forward(
     key_positions: Optional[Tensor] = None,
     seqlen_k_original: int = 0,
     key_ends: Optional[Tensor] = None,
+    key_rows: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Returns (out, lse): out like q, lse (B, H, Sq) float32 (float64 for float64 inputs)."""
-    check_devices(q=q, k=k, v=v, mask=mask, bias=bias, key_positions=key_positions, key_ends=key_ends)
+    """Returns (out, lse): out like q, lse (B, H, Sq) float32 (float64 for float64 inputs).
+
+    key_rows (CUDA, with key_positions): indexed keys. k, v are then the source (B / r, S, Hkv,
+    D) for some r dividing B, and gathered row j of (b, h) is their row key_rows[b, h', j] of
+    batch b // r (int32 of key_positions' shape; outside [0, S): a zero row), read in place."""
+    check_devices(q=q, k=k, v=v, mask=mask, bias=bias, key_positions=key_positions, key_ends=key_ends,
+                  key_rows=key_rows)
     _check_rank(q, "q", "(batch, seqlen_q, num_heads, head_dim)")
     if key_positions is None and q.device.type == "cuda":  # short Sq: the split-KV kernel (decode.py)
         from .decode import maybe_decode_forward
@@ -271,13 +277,13 @@ def attention_forward(
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q), device=q.device)
     q, k, v = (_cuda_layout(t) for t in (q, k, v))
     lib().forward(q, k, v, out, lse, mask, bias, causal, window_left, window_right,
-                  _scale_arg(scale), softcap, key_positions, seqlen_k_original, key_ends)
+                  _scale_arg(scale), softcap, key_positions, seqlen_k_original, key_ends, key_rows)
     return out, lse
 
 
 @attention_forward.register_fake
 def _(q, k, v, mask, bias, causal, window_left, window_right, scale, softcap, deterministic,
-      key_positions=None, seqlen_k_original=0, key_ends=None):
+      key_positions=None, seqlen_k_original=0, key_ends=None, key_rows=None):
     _check_rank(q, "q", "(batch, seqlen_q, num_heads, head_dim)")
     out = q.new_empty(q.shape)
     lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q))
@@ -305,6 +311,7 @@ def attention_backward(
     seqlen_k_original: int = 0,
     key_ends: Optional[Tensor] = None,
     forward_stats: bool = False,
+    key_rows: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (dq, dk, dv, dbias); dbias is an empty tensor unless bias_requires_grad.
 
@@ -313,12 +320,15 @@ def attention_backward(
     forward_stats=True: P = exp(S - lse) and Delta = rowsum(dout * out) from the given ``lse``
     and ``out``, which may belong to a softmax over more keys than k holds: the call then returns
     these keys' share of the gradients of that softmax (context parallelism,
-    dmattn.distributed). lse -inf marks an empty row."""
+    dmattn.distributed). lse -inf marks an empty row.
+
+    key_rows (indexed keys, as in dmattn::fwd): dk and dv are then one row per gathered row,
+    (B, K, Hkv, D) with K = key_positions.shape[-1] (not summed onto the source rows)."""
     check_devices(dout=dout, q=q, k=k, v=v, out=out, lse=lse, mask=mask, bias=bias,
-                   key_positions=key_positions, key_ends=key_ends)
+                   key_positions=key_positions, key_ends=key_ends, key_rows=key_rows)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dk = torch.empty(_key_grad_shape(q, k, key_positions, key_rows), dtype=k.dtype, device=k.device)
+    dv = torch.empty(_key_grad_shape(q, v, key_positions, key_rows), dtype=v.dtype, device=v.device)
     dbias = None
     if bias_requires_grad and bias is not None:
         dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device)
@@ -332,7 +342,7 @@ def attention_backward(
     dout, q, k, v, out = (_cuda_layout(t) for t in (dout, q, k, v, out))
     lib().backward(q, k, v, out, lse, mask, bias, dout, dq, dk, dv, dbias, delta, dq_accum,
                    dbias_accum, causal, window_left, window_right, _scale_arg(scale), softcap,
-                   deterministic, key_positions, seqlen_k_original, key_ends, bool(forward_stats))
+                   deterministic, key_positions, seqlen_k_original, key_ends, bool(forward_stats), key_rows)
     if dbias is None:
         dbias = q.new_empty((0,))
     return dq, dk, dv, dbias
@@ -341,16 +351,42 @@ def attention_backward(
 @attention_backward.register_fake
 def _(dout, q, k, v, out, lse, mask, bias, bias_requires_grad, causal, window_left,
       window_right, scale, softcap, deterministic, key_positions=None, seqlen_k_original=0, key_ends=None,
-      forward_stats=False):
+      forward_stats=False, key_rows=None):
     dbias = bias.new_empty(bias.shape) if (bias_requires_grad and bias is not None) else q.new_empty((0,))
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+    return (q.new_empty(q.shape), k.new_empty(_key_grad_shape(q, k, key_positions, key_rows)),
+            v.new_empty(_key_grad_shape(q, v, key_positions, key_rows)), dbias)
+
+
+def _key_grad_shape(q: Tensor, k: Tensor, key_positions: Optional[Tensor], key_rows: Optional[Tensor]):
+    """The shape of dk (dv) from dmattn::bwd: k's, or with indexed keys one row per gathered row."""
+    if key_rows is None or key_positions is None:
+        return k.shape
+    return (q.shape[0], key_positions.shape[-1], k.shape[2], k.shape[3])
+
+
+def sum_indexed_rows(rows: Tensor, key_rows: Tensor, source_shape) -> Tensor:
+    """The gradient of the source k (or v) of indexed keys: rows (B, K, Hkv, D), one per gathered
+    row, summed onto the source rows key_rows names (of batch b // (B / source batch)) in float32
+    (float64 for float64) and rounded once; rows whose index is outside the source add nothing."""
+    batch, width, heads_kv, head_dim = rows.shape
+    src_batch, src_len = source_shape[0], source_shape[1]
+    index = key_rows.expand(batch, heads_kv, width).long()  # (1 or B, 1 or Hkv, K) -> (B, Hkv, K)
+    valid = (index >= 0) & (index < src_len)
+    src_b = torch.arange(batch, device=rows.device) // (batch // src_batch)
+    flat = ((src_b.view(-1, 1, 1) * src_len + index.clamp(0, max(src_len - 1, 0))) * heads_kv
+            + torch.arange(heads_kv, device=rows.device).view(1, -1, 1))
+    acc_dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    grad = rows.transpose(1, 2).to(acc_dtype) * valid.unsqueeze(-1)  # (B, Hkv, K, D)
+    acc = torch.zeros(src_batch * src_len * heads_kv, head_dim, dtype=acc_dtype, device=rows.device)
+    acc.index_add_(0, flat.reshape(-1), grad.reshape(-1, head_dim))
+    return acc.to(rows.dtype).view(source_shape)
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, mask, bias, causal, window_left, window_right, scale, softcap, deterministic,
-     key_positions, seqlen_k_original, key_ends) = inputs
+     key_positions, seqlen_k_original, key_ends, key_rows) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, mask, bias, out, lse, key_positions, key_ends)
+    ctx.save_for_backward(q, k, v, mask, bias, out, lse, key_positions, key_ends, key_rows)
     ctx.options = (causal, window_left, window_right, scale, softcap, deterministic)
     ctx.seqlen_k_original = seqlen_k_original
     ctx.bias_requires_grad = bias is not None and ctx.needs_input_grad[4]
@@ -363,17 +399,20 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, _dlse):
     if dout is None:  # out did not reach the loss
         return (None,) * len(ctx.needs_input_grad)
-    q, k, v, mask, bias, out, lse, key_positions, key_ends = ctx.saved_tensors
+    q, k, v, mask, bias, out, lse, key_positions, key_ends, key_rows = ctx.saved_tensors
     causal, window_left, window_right, scale, softcap, deterministic = ctx.options
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     dq, dk, dv, dbias = _call_op(
         attention_backward,
         dout, q, k, v, out, lse, mask, bias, ctx.bias_requires_grad, causal, window_left,
-        window_right, scale, softcap, deterministic, key_positions, ctx.seqlen_k_original, key_ends)
-    # Mask, options, key positions and ends receive no gradient.
+        window_right, scale, softcap, deterministic, key_positions, ctx.seqlen_k_original, key_ends,
+        False, key_rows)
+    if key_rows is not None:  # one row per gathered row: summed onto the source rows
+        dk, dv = sum_indexed_rows(dk, key_rows, k.shape), sum_indexed_rows(dv, key_rows, v.shape)
+    # Mask, options, key positions, ends and rows receive no gradient.
     return (dq, dk, dv, None, dbias if ctx.bias_requires_grad else None,
-            None, None, None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None, None, None)
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -429,7 +468,7 @@ def _eager_autograd(op, setup, backward_fn, num_differentiable: int, defaults: t
 
 # dmattn::fwd with autograd, for the Python API (same arguments); q, k, v, mask, bias may
 # require grad.
-forward_with_grad = _eager_autograd(attention_forward, _setup_context, _backward, 5, (None, 0, None))
+forward_with_grad = _eager_autograd(attention_forward, _setup_context, _backward, 5, (None, 0, None, None))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ segments of ``SEGMENT_LEN``; a segment's queries may only keep the keys kept by 
 plus the keys inside it, at most keep + SEGMENT_LEN candidates, which interval_ends /
 segment_candidates list per (batch, segment, head) (those before the segment by when they stop
 being kept, then its own keys; docs/design.md). Each segment becomes one
-batch entry of the gathered-keys kernels (K, V and bias rows gathered per segment): causal on
+batch entry of the gathered-keys kernels (K and V rows read in place by the CUDA kernels,
+indexed keys, or gathered per segment; bias rows gathered): causal on
 the candidates' positions gives j <= i, and the candidates' key_ends give i < end_j, so every
 element is exactly the per-query selection. Work ~ Sq * (keep + SEGMENT_LEN), memory ~ Sq / L
 * (keep + L) gathered rows; no (Sq, Sk) tensor and no host synchronization.
@@ -25,8 +26,9 @@ from torch import Tensor
 from .gather import _key_side_view, _to_heads, _combined_heads
 from .interface import _last_dim_contiguous, _parse_options, _parse_window, attention_on
 from .masks import bias_over_keys, cached_index_tensor
-from .ops import (_GLUE_DTYPES, _call_op, forward_with_grad, gather_segment_rows, native_glue_available,
-                  per_query_glue_available, segment_candidates, sum_segment_rows, supports_key_positions)
+from .ops import (_GLUE_DTYPES, _call_op, attention_backward, attention_forward, forward_with_grad,
+                  gather_segment_rows, native_glue_available, per_query_glue_available, segment_candidates,
+                  sum_segment_rows, supports_key_positions)
 from .per_query import interval_ends, per_query_mask
 
 __all__ = ["attention_per_query_topk", "SEGMENT_LEN"]
@@ -39,6 +41,10 @@ SEGMENT_LEN: Optional[int] = int(os.environ["DMATTN_PER_QUERY_SEGMENT"]) if "DMA
     else None
 
 _forced_dense = False
+
+# On CUDA the kernels read the candidates' K and V rows in place (indexed keys) instead of from
+# a gathered copy; DMATTN_INDEXED_KEYS=0 makes the copy (comparisons).
+INDEXED_KEYS = os.environ.get("DMATTN_INDEXED_KEYS", "1") != "0"
 
 
 def _check_key_side(t: Optional[Tensor], name: str, q: Tensor, k: Tensor) -> None:
@@ -143,6 +149,39 @@ class _SegmentRows(torch.autograd.Function):
         return sum_back(dk_rows), sum_back(dv_rows), None, None, None, None
 
 
+class _IndexedSegments(torch.autograd.Function):
+    """The attention of the segments (B * segments, seg_len, H, D) on their candidates, whose K
+    and V rows the CUDA kernels read in place from k, v (B, S, Hkv, D): the candidates' key
+    index is the key_rows operand (row of batch b // segments). The backward's dk, dv come one
+    row per candidate and are summed over the segments by the native sum (slots), as
+    _SegmentRows' are."""
+
+    @staticmethod
+    def forward(ctx, q_seg, k, v, bias_rows, index, slots, positions, key_ends, original, scale, softcap):
+        out, lse = _call_op(attention_forward, q_seg, k, v, None, bias_rows, True, -1, -1, scale, softcap, False,
+                            positions, original, key_ends, index)
+        ctx.save_for_backward(q_seg, k, v, bias_rows, index, slots, positions, key_ends, out, lse)
+        ctx.options = (original, scale, softcap)
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        if dout is None:
+            return (None,) * 11
+        q_seg, k, v, bias_rows, index, slots, positions, key_ends, out, lse = ctx.saved_tensors
+        original, scale, softcap = ctx.options
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        want_dbias = ctx.needs_input_grad[3]
+        dq, dk_rows, dv_rows, dbias = _call_op(
+            attention_backward, dout, q_seg, k, v, out, lse, None, bias_rows, want_dbias, True, -1, -1, scale,
+            softcap, False, positions, original, key_ends, False, index)
+        dk, dv = _call_op(sum_segment_rows, dk_rows, dv_rows, slots, k.shape[2])
+        return (dq, dk, dv, dbias if want_dbias else None) + (None,) * 7
+
+
 def _segments(num_queries: int, keep: int) -> Tuple[int, int]:
     """(segment length, number of segments) for Sq queries."""
     preferred = SEGMENT_LEN if SEGMENT_LEN is not None else min(2048, max(512, -(-keep // 128) * 128))
@@ -189,8 +228,12 @@ def _interval_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, keep: int
     gathered_heads = heads if rows_h == heads != heads_kv else heads_kv
     native = (k.is_cuda and k.dtype in _GLUE_DTYPES and v.dtype == k.dtype and head_dim <= 256
               and native_glue_available())
-    k_rows, v_rows = _SegmentRows.apply(_last_dim_contiguous(k), _last_dim_contiguous(v), index, slots,
-                                        gathered_heads, native)
+    # Indexed keys: the kernels read one row per kv head (the selection's rows shared by a kv
+    # head's queries).
+    indexed = native and INDEXED_KEYS and gathered_heads == heads_kv and not deterministic
+    if not indexed:
+        k_rows, v_rows = _SegmentRows.apply(_last_dim_contiguous(k), _last_dim_contiguous(v), index, slots,
+                                            gathered_heads, native)
 
     # The bias at the candidates, float32 (a key's gradient sums over segments in float32;
     # float64 stays float64): index_select from the flat (1 or B, rows_h, Sk) rows, whose
@@ -205,8 +248,12 @@ def _interval_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, keep: int
     bias_rows = bias_rows.view(batch * num_segments, rows_h, 1, width)
 
     original = padded + offset
-    out, lse = forward_with_grad(q_seg, k_rows, v_rows, None, bias_rows, True, -1, -1, scale, softcap,
-                                 deterministic, positions, original, key_ends)
+    if indexed:
+        out, lse = _IndexedSegments.apply(q_seg, _last_dim_contiguous(k), _last_dim_contiguous(v), bias_rows, index,
+                                          slots, positions, key_ends, original, scale, softcap)
+    else:
+        out, lse = forward_with_grad(q_seg, k_rows, v_rows, None, bias_rows, True, -1, -1, scale, softcap,
+                                     deterministic, positions, original, key_ends)
     out = out.view(batch, padded, heads, head_dim)
     if padded != num_queries:  # (a full-length slice would still cost a copy in the backward)
         out = out[:, :num_queries]

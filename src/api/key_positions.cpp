@@ -28,11 +28,20 @@ void check_row_order(const int32_t* row, int64_t count, int64_t seqlen_k_origina
   }
 }
 
+// The shape of `t` and its strides along every dimension of more than one element.
+bool same_layout_as(const TensorDesc& e, const TensorDesc& t) {
+  bool same = e.shape == t.shape;
+  for (size_t d = 0; same && d < e.shape.size(); ++d) same = e.shape[d] == 1 || e.strides[d] == t.strides[d];
+  return same;
+}
+
 }  // namespace
 
 void set_key_positions(const TensorDesc& q, const GatheredKeys& gathered, ForwardParams& p) {
   check(gathered.key_positions != nullptr || gathered.key_ends == nullptr, ErrorKind::kValue,
         "key_ends: given without key_positions (it bounds the queries of gathered rows)");
+  check(gathered.key_positions != nullptr || gathered.key_rows == nullptr, ErrorKind::kValue,
+        "key_rows: given without key_positions (it says which source row each gathered row reads)");
   if (gathered.key_positions == nullptr) return;
   const TensorDesc& t = *gathered.key_positions;
   check_same_device(q, t, "key_positions");
@@ -59,14 +68,20 @@ void set_key_positions(const TensorDesc& q, const GatheredKeys& gathered, Forwar
     const TensorDesc& e = *gathered.key_ends;
     check_same_device(q, e, "key_ends");
     check_dtype(e, DType::kInt32, "key_ends");
-    bool same_layout = e.shape == t.shape;
-    for (size_t d = 0; same_layout && d < e.shape.size(); ++d) {
-      same_layout = e.shape[d] == 1 || e.strides[d] == t.strides[d];
-    }
-    check(same_layout, ErrorKind::kValue,
+    check(same_layout_as(e, t), ErrorKind::kValue,
           "key_ends: expected the shape and strides of key_positions ", t.shape_str(), ", got ",
           e.shape_str());
     p.key_ends = static_cast<const int32_t*>(e.data);
+  }
+  if (gathered.key_rows != nullptr) {
+    const TensorDesc& r = *gathered.key_rows;
+    check(t.device == DeviceKind::kCUDA, ErrorKind::kNotImplemented,
+          "key_rows: indexed keys are read by the CUDA kernels only; gather k and v on ", device_name(t.device));
+    check_same_device(q, r, "key_rows");
+    check_dtype(r, DType::kInt32, "key_rows");
+    check(same_layout_as(r, t), ErrorKind::kValue, "key_rows: expected the shape and strides of key_positions ",
+          t.shape_str(), ", got ", r.shape_str());
+    p.key_rows = static_cast<const int32_t*>(r.data);
   }
 
   if (t.device != DeviceKind::kCPU) return;

@@ -127,14 +127,35 @@ ForwardParams make_forward_params(const TensorDesc& q, const TensorDesc& k, cons
   check_rank(k, 4, "k", "(batch, seqlen_k, num_heads_kv, head_dim)");
   check_same_device(q, k, "k");
   check_dtype(k, q.dtype, "k");
-  check(k.shape[0] == batch && k.shape[3] == dim, ErrorKind::kValue,
-        "k: expected batch ", batch, " and head_dim ", dim, " like q, got shape ", k.shape_str());
-  const int64_t seqlen_k = k.shape[1], heads_kv = k.shape[2];
+  // Indexed keys: k, v are the source rows, of a batch that divides q's; the gathered count
+  // is key_positions'.
+  const bool indexed = gathered.key_rows != nullptr;
+  if (indexed) {
+    check(gathered.key_positions != nullptr, ErrorKind::kValue,
+          "key_rows: given without key_positions (it says which source row each gathered row reads)");
+    check(k.shape[0] >= 1 && batch % k.shape[0] == 0 && k.shape[3] == dim, ErrorKind::kValue,
+          "k: with key_rows, expected a batch dividing ", batch, " and head_dim ", dim, ", got shape ",
+          k.shape_str());
+  } else {
+    check(k.shape[0] == batch && k.shape[3] == dim, ErrorKind::kValue,
+          "k: expected batch ", batch, " and head_dim ", dim, " like q, got shape ", k.shape_str());
+  }
+  const int64_t heads_kv = k.shape[2];
+  const int64_t seqlen_k = indexed && gathered.key_positions->rank() == 3 ? gathered.key_positions->shape[2]
+                                                                          : k.shape[1];
   check(heads_kv >= 1 && heads % heads_kv == 0, ErrorKind::kValue,
         "k: num_heads_kv (k.shape[2] = ", heads_kv, ") must be >= 1 and divide num_heads ",
         "(q.shape[2] = ", heads, ")");
   check_last_dim_contiguous(k, "k");
-  check_seq_tensor(v, q, seqlen_k, heads_kv, q.dtype, "v", "(batch, seqlen_k, num_heads_kv, head_dim)");
+  if (indexed) {
+    check_rank(v, 4, "v", "like k");
+    check_same_device(q, v, "v");
+    check_dtype(v, q.dtype, "v");
+    check_shape(v, k.shape, "v");
+    check_last_dim_contiguous(v, "v");
+  } else {
+    check_seq_tensor(v, q, seqlen_k, heads_kv, q.dtype, "v", "(batch, seqlen_k, num_heads_kv, head_dim)");
+  }
   check_seq_tensor(out, q, seqlen_q, heads, q.dtype, "out", "like q");
 
   check_same_device(q, lse, "lse");
@@ -169,6 +190,12 @@ ForwardParams make_forward_params(const TensorDesc& q, const TensorDesc& k, cons
     p.bias = make_broadcast_operand(*bias, n, "bias");
   }
   set_key_positions(q, gathered, p);
+  if (indexed) {
+    p.k_strides.batch_stride = k.shape[0] == 1 ? 0 : k.strides[0];
+    p.v_strides.batch_stride = v.shape[0] == 1 ? 0 : v.strides[0];
+    p.key_rows_batch_div = batch / k.shape[0];
+    p.key_rows_source_len = k.shape[1];
+  }
   normalize_options(options, dim, p);
   return p;
 }

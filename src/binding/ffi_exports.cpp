@@ -84,12 +84,14 @@ dmattn::AttentionOptions make_options(bool causal, int64_t window_left, int64_t 
 
 // key_positions absent: k, v hold every key (seqlen_k_original is then ignored). key_ends:
 // optional per-row query bound of the gathered rows.
+// key_rows: optional, indexed keys (k, v are then the source rows).
 struct GatheredKeysArg {
-  OptionalDesc positions, ends;
+  OptionalDesc positions, ends, rows;
   int64_t seqlen_k_original;
-  GatheredKeysArg(const Optional<TensorView>& key_positions, int64_t original, const Optional<TensorView>& key_ends)
-      : positions(key_positions), ends(key_ends), seqlen_k_original(original) {}
-  dmattn::GatheredKeys get() const { return {positions.get(), seqlen_k_original, ends.get()}; }
+  GatheredKeysArg(const Optional<TensorView>& key_positions, int64_t original, const Optional<TensorView>& key_ends,
+                  const Optional<TensorView>& key_rows)
+      : positions(key_positions), ends(key_ends), rows(key_rows), seqlen_k_original(original) {}
+  dmattn::GatheredKeys get() const { return {positions.get(), seqlen_k_original, ends.get(), rows.get()}; }
 };
 
 void* current_stream(const dmattn::ForwardParams& p) {
@@ -110,10 +112,11 @@ void translate_errors(Body&& body) {
 void forward(TensorView q, TensorView k, TensorView v, TensorView out, TensorView lse,
              Optional<TensorView> mask, Optional<TensorView> bias, bool causal,
              int64_t window_left, int64_t window_right, double scale, double softcap,
-             Optional<TensorView> key_positions, int64_t seqlen_k_original, Optional<TensorView> key_ends) {
+             Optional<TensorView> key_positions, int64_t seqlen_k_original, Optional<TensorView> key_ends,
+             Optional<TensorView> key_rows) {
   translate_errors([&] {
     const OptionalDesc mask_d(mask), bias_d(bias);
-    const GatheredKeysArg gathered(key_positions, seqlen_k_original, key_ends);
+    const GatheredKeysArg gathered(key_positions, seqlen_k_original, key_ends, key_rows);
     dmattn::ForwardParams p = dmattn::make_forward_params(
         to_desc(q), to_desc(k), to_desc(v), to_desc(out), to_desc(lse), mask_d.get(),
         bias_d.get(), make_options(causal, window_left, window_right, scale, softcap, false),
@@ -130,11 +133,11 @@ void backward(TensorView q, TensorView k, TensorView v, TensorView out, TensorVi
               Optional<TensorView> dbias_accum, bool causal, int64_t window_left,
               int64_t window_right, double scale, double softcap, bool deterministic,
               Optional<TensorView> key_positions, int64_t seqlen_k_original, Optional<TensorView> key_ends,
-              bool forward_stats) {
+              bool forward_stats, Optional<TensorView> key_rows) {
   translate_errors([&] {
     const OptionalDesc mask_d(mask), bias_d(bias), dbias_d(dbias), delta_d(softmax_delta),
         dq_accum_d(dq_accum), dbias_accum_d(dbias_accum);
-    const GatheredKeysArg gathered(key_positions, seqlen_k_original, key_ends);
+    const GatheredKeysArg gathered(key_positions, seqlen_k_original, key_ends, key_rows);
     dmattn::BackwardParams p = dmattn::make_backward_params(
         to_desc(q), to_desc(k), to_desc(v), to_desc(out), to_desc(lse), mask_d.get(),
         bias_d.get(), to_desc(dout), to_desc(dq), to_desc(dk), to_desc(dv), dbias_d.get(),

@@ -29,6 +29,7 @@ void run_bwd(const BwdArgs& a, bool deterministic, bool exact, cudaStream_t stre
 
 #include "cuda/bwd_dq_kernel.h"
 #include "cuda/bwd_kernel.h"
+#include "cuda/indexed_rows.h"
 #include "cuda/seq_bounds.h"
 #include "cuda/sm90/bwd_kernel_sm90.h"
 #include "cuda/sm90/bwd_ws_launch_sm90.h"
@@ -152,6 +153,19 @@ inline int bwd_cta_group_default(const FwdArgs& f, int n_blocks) {
 
 template <typename Element, int kHeadDim>
 void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t stream) {
+  // Indexed keys: read in place by the warp-specialized kernel alone (its dQ path), gathered into
+  // a copy for the others.
+  if (args.f.kpos.rows != nullptr) {
+    bool in_place = false;
+    if constexpr (kHeadDim == 64 || kHeadDim == 128)
+      in_place = !deterministic && !(exact && args.dq_accum != nullptr) && bwd_sm90_enabled() && sm90::bwd_ws_supports(args);
+    if (!in_place) {
+      BwdArgs gathered = args;
+      const GatheredRowsCopy rows(gathered.f, int(sizeof(Element)), stream);
+      run_bwd<Element, kHeadDim>(gathered, deterministic, exact, stream);
+      return;
+    }
+  }
   using Tile = BwdTile<Element, kHeadDim>;
   using TileSm90 = sm90::BwdTileSm90<Element, 128>;  // (used at head dim 128 only)
   BwdArgs a = args;

@@ -65,6 +65,9 @@ FwdArgs make_fwd_args(const ForwardParams& p) {
     a.kpos.head_div = static_cast<int>(p.key_positions_head_div);
     a.kpos.seqlen_k_original = static_cast<int>(p.seqlen_k_original);
     a.kpos.ends = p.key_ends;
+    a.kpos.rows = p.key_rows;
+    a.kpos.rows_batch_div = static_cast<int>(p.key_rows_batch_div);
+    a.kpos.rows_source_len = static_cast<int>(p.key_rows_source_len);
   }
   return a;
 }
@@ -99,6 +102,8 @@ void check_problem(const ForwardParams& p, int instantiated_hd, const char* pass
   if (p.has_key_positions()) {
     check(p.seqlen_k_original < (int64_t(1) << 31), ErrorKind::kValue,
           "seqlen_k_original: must be below 2^31 for the CUDA backend");
+    check(p.key_rows_source_len < (int64_t(1) << 31), ErrorKind::kValue,
+          "k: with key_rows, the source length (k.shape[1]) must be below 2^31 for the CUDA backend");
     // The key-block-major backward kernel reads one positions row per kv head, shared by the
     // query heads of its group: rows that differ per query head need k/v gathered per query
     // head (num_heads_kv == num_heads), which is what dmattn.gather does.

@@ -19,6 +19,7 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream);
 #include <cstdlib>
 
 #include "cuda/fwd_kernel.h"
+#include "cuda/indexed_rows.h"
 #include "cuda/sm90/enabled.h"
 #include "cuda/sm90/fwd_kernel_sm90.h"
 #include "cuda/sm90/fwd_ws_launch_sm90.h"
@@ -125,6 +126,13 @@ inline bool fwd_sm90_enabled() {
 // (when enabled), everything else to the general one.
 template <typename Element, int kHeadDim>
 void run_fwd(const FwdArgs& a, cudaStream_t stream) {
+  // Indexed keys: read in place by the warp-specialized kernel, gathered into a copy for the others.
+  if (a.kpos.rows != nullptr && !(fwd_sm90_enabled() && sm90::fwd_ws_supports<kHeadDim>(a))) {
+    FwdArgs gathered = a;
+    const GatheredRowsCopy rows(gathered, int(sizeof(Element)), stream);
+    run_fwd<Element, kHeadDim>(gathered, stream);
+    return;
+  }
   // Key ends are tested only by the mask / bias kernels (score_mask.h).
   const bool mask_or_bias = a.mask.ptr != nullptr || a.bias.ptr != nullptr || a.kpos.ends != nullptr;
   // The warp-specialized Hopper kernel (TMA producer, pingpong consumers) for what it covers.

@@ -116,7 +116,7 @@ __global__ void gather_rows_kernel(GatherRowsArgs a) {
     const int64_t g = r % a.heads, t = r / a.heads, j = t % a.width, b = t / a.width;
     const int32_t pos = a.positions[(a.pos_batch > 1 ? b : 0) * a.pos_sb + (a.pos_heads > 1 ? g : 0) * a.pos_sh + j];
     Chunk v{};
-    if (pos >= 0)
+    if (pos >= 0 && pos < a.src_rows)
       v = *reinterpret_cast<const Chunk*>(
           static_cast<const char*>(op.src) +
           ((b / a.src_batch_div) * op.sb + int64_t(pos) * op.sr + (g / a.src_head_div) * op.sh) * a.elem_bytes +

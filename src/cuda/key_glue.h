@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <climits>
 
 namespace dmattn::cuda {
 
@@ -39,6 +40,7 @@ struct GatherRowsArgs {
   // dst batch b reads source batch b / src_batch_div, dst head g source head g / src_head_div
   // (the per-query path: one dst batch per (batch, segment), one dst head per query head).
   int64_t src_batch_div = 1, src_head_div = 1;
+  int64_t src_rows = INT64_MAX;  // a position at or past it also gives a zero row
 };
 
 // out[b, j, kvh, :] = sum over segments s and the gathered heads g of kv head kvh (g / group ==

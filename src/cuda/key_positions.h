@@ -33,6 +33,13 @@ struct KeyPositionsArgs {
   // kBlockN, a compile-time constant), INT_MAX without key ends, so that their test needs no
   // branch and no register.
   const int32_t* ends = nullptr;
+  // Indexed keys (ForwardParams::key_rows; null = off): row j of (b, h) is row rows[b, h', j]
+  // (same strides as ptr) of batch b / rows_batch_div of the source k, v, whose key rows number
+  // rows_source_len; an index outside [0, rows_source_len) reads a zero row. Only the
+  // warp-specialized Hopper kernels read it (in place, by cp.async); for the others the host
+  // gathers the rows into a copy first (indexed_rows.h).
+  const int32_t* rows = nullptr;
+  int rows_batch_div = 1, rows_source_len = 0;
 };
 
 // The window rule on original positions for query i: the allowed positions are [lo, hi) with
@@ -63,6 +70,11 @@ __device__ __forceinline__ const int32_t* positions_row(const KeyPositionsArgs& 
 // key_ends[b, h', :] for query head h, or null without key ends.
 __device__ __forceinline__ const int32_t* ends_row(const KeyPositionsArgs& kp, int b, int h) {
   return kp.ends == nullptr ? nullptr : kp.ends + int64_t(b) * kp.stride_b + int64_t(h / kp.head_div) * kp.stride_h;
+}
+
+// key_rows[b, h', :] for query head h, or null without indexed keys.
+__device__ __forceinline__ const int32_t* rows_row(const KeyPositionsArgs& kp, int b, int h) {
+  return kp.rows == nullptr ? nullptr : kp.rows + int64_t(b) * kp.stride_b + int64_t(h / kp.head_div) * kp.stride_h;
 }
 
 // Per-element test of the score transform (score_mask.h): the positions of the columns it

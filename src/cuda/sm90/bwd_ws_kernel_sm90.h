@@ -30,6 +30,7 @@
 
 #include "cuda/bwd_args.h"
 #include "cuda/bwd_common.h"
+#include "cuda/copy.h"
 #include "cuda/bwd_parts.h"
 #include "cuda/cta_order.h"
 #include "cuda/key_positions.h"
@@ -87,6 +88,24 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   const SeqBounds seq(f, b);
   const bool want_dq = a.dq_accum != nullptr;
   const bool colsum = Tile::kKeyRows && a.dbias != nullptr && a.dbias_mode == kDbColSum;
+  // Indexed keys: the producer warpgroup copies the key block's K and V rows by cp.async, issued
+  // first thing so that they overlap the setup below; each of its threads arrives on kv_full
+  // once the barrier is initialized (128 arrivals, each when the thread's copies have landed).
+  const bool indexed = Tile::kKeyRows && f.kpos.rows != nullptr;
+  if (indexed && warp_group == 0) {
+    static_assert(is_sw128_layout<typename Tile::SmemLayoutKV, kBlockN, Tile::kHeadDim>(),
+                  "the gather's addresses follow the K / V tiles' layout");
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t src_b = b / f.kpos.rows_batch_div;
+    GatherRowIndices<kBlockN, 4> ix;
+    ix.load(rows_row(f.kpos, b, kvh * group) + n0, seq.len_k() - n0, warp, lane);
+    gather_rows_sw128<kBlockN, kHeadDim, 4>(cute::cast_smem_ptr_to_uint(ss.k.data()),
+                                            static_cast<const Element*>(f.k) + src_b * f.k_bs + int64_t(kvh) * f.k_hs,
+                                            f.k_rs, ix, f.kpos.rows_source_len, f.head_dim, warp, lane);
+    gather_rows_sw128<kBlockN, kHeadDim, 4>(cute::cast_smem_ptr_to_uint(ss.v.data()),
+                                            static_cast<const Element*>(f.v) + src_b * f.v_bs + int64_t(kvh) * f.v_hs,
+                                            f.v_rs, ix, f.kpos.rows_source_len, f.head_dim, warp, lane);
+  }
 
   // The query blocks [m_lo, m_hi) that meet this key block (gathered keys: from its positions,
   // which every thread reads after the counting barrier).
@@ -121,8 +140,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   Pipeline pipe_do(ss.pipe_do, pipe_params, Shape<_1, _1, _1>{});
   RowPipeline pipe_rows(ss.pipe_rows, loader_pipeline_params<RowPipeline>(warp_group == 0, kConsumerThreads));
   auto& kv_full = *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&ss.kv_full);
+  // (indexed keys: the producers' copies, issued above, arrive once they land: 128 arrivals)
   if (threadIdx.x == 0) {
-    kv_full.init(1);
+    kv_full.init(indexed ? 128 : 1);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -136,6 +156,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   if (warp_group == 0) {  // ---------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<Tile::kProducerRegs>();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (indexed) {
+      cutlass::arch::cpasync_barrier_arrive_noinc(&ss.kv_full);
+      // (the consumers wait for these copies before anything else; without a query block they
+      // do not, and no copy may outlive the CTA)
+      if (n_iter == 0) asm volatile("cp.async.wait_all;\n" ::);
+    }
     if (n_iter == 0) return;
     if (warp == 1) {  // the row statistics and key rows
       PipelineState write = cutlass::make_producer_start_state<RowPipeline>();
@@ -210,9 +236,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     Tensor gV = local_tile(mV(_, _, kvh, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
     auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-    kv_full.arrive_and_expect_tx(2 * Tile::kKVBytes);
-    copy(p.tma_k.with(ss.kv_full), tKgK, tKsK);
-    copy(p.tma_v.with(ss.kv_full), tVgV, tVsV);
+    if (!indexed) {
+      kv_full.arrive_and_expect_tx(2 * Tile::kKVBytes);
+      copy(p.tma_k.with(ss.kv_full), tKgK, tKsK);
+      copy(p.tma_v.with(ss.kv_full), tVgV, tVsV);
+    }
 
     Tensor mQ = p.tma_q.get_tma_tensor(make_shape(f.seqlen_q, f.head_dim, f.num_heads, f.batch));
     Tensor mdO = p.tma_do.get_tma_tensor(make_shape(f.seqlen_q, f.head_dim, f.num_heads, f.batch));

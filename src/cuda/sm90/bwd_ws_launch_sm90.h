@@ -38,8 +38,10 @@ inline bool bwd_ws_supports(const BwdArgs& a) {
   if ((f.mask.ptr && !f.mask.row_bcast) || (f.bias.ptr && !f.bias.row_bcast) || (f.kpos.ends && !f.kpos.ptr)) return false;
   if (a.dbias != nullptr && a.dbias_mode != kDbColSum && a.dbias_mode != kDbNone) return false;
   const int heads_kv = f.num_heads / f.group;
+  // (indexed keys: k and v are read by cp.async, not TMA)
   return tma_strides_ok(f.q_bs, f.q_hs, f.batch, f.num_heads) && tma_strides_ok(a.do_bs, a.do_hs, f.batch, f.num_heads) &&
-         tma_strides_ok(f.k_bs, f.k_hs, f.batch, heads_kv) && tma_strides_ok(f.v_bs, f.v_hs, f.batch, heads_kv);
+         (f.kpos.rows != nullptr ||
+          (tma_strides_ok(f.k_bs, f.k_hs, f.batch, heads_kv) && tma_strides_ok(f.v_bs, f.v_hs, f.batch, heads_kv)));
 }
 
 template <class Tile>
@@ -58,14 +60,19 @@ void launch_bwd_ws_tile(const BwdArgs& a, dim3 grid, cudaStream_t stream) {
                      ? tma_gmem_view(a.dq_accum, f.seqlen_q, f.head_dim, f.num_heads, f.batch, f.num_heads * hd, hd,
                                      f.seqlen_q * f.num_heads * hd)
                      : tma_gmem_view(a.delta, Tile::kBlockM, Tile::kDqBoxCols, 1, 1, Tile::kDqBoxCols, 0, 0);
+  // Indexed keys: warp 3 gathers K and V by cp.async; descriptors over q stand in for theirs.
+  const bool indexed = Tile::kKeyRows && f.kpos.rows != nullptr;
+  const auto q_view = view(f.q, f.seqlen_q, f.num_heads, f.q_rs, f.q_hs, f.q_bs);
   BwdWsParams<Tile> p{
       a,
       make_tma_copy(SM90_TMA_LOAD{}, view(f.q, f.seqlen_q, f.num_heads, f.q_rs, f.q_hs, f.q_bs),
                     take<0, 2>(typename Tile::SmemLayoutQ{})),
       make_tma_copy(SM90_TMA_LOAD{}, view(a.dout, f.seqlen_q, f.num_heads, a.do_rs, a.do_hs, a.do_bs),
                     take<0, 2>(typename Tile::SmemLayoutQ{})),
-      make_tma_copy(SM90_TMA_LOAD{}, view(f.k, f.seqlen_k, heads_kv, f.k_rs, f.k_hs, f.k_bs), typename Tile::SmemLayoutKV{}),
-      make_tma_copy(SM90_TMA_LOAD{}, view(f.v, f.seqlen_k, heads_kv, f.v_rs, f.v_hs, f.v_bs), typename Tile::SmemLayoutKV{}),
+      make_tma_copy(SM90_TMA_LOAD{}, indexed ? q_view : view(f.k, f.seqlen_k, heads_kv, f.k_rs, f.k_hs, f.k_bs),
+                    typename Tile::SmemLayoutKV{}),
+      make_tma_copy(SM90_TMA_LOAD{}, indexed ? q_view : view(f.v, f.seqlen_k, heads_kv, f.v_rs, f.v_hs, f.v_bs),
+                    typename Tile::SmemLayoutKV{}),
       make_tma_copy(SM90_TMA_REDUCE_ADD{}, dq_view, take<0, 2>(typename Tile::SmemLayoutdQBoxes{})),
   };
   auto kernel = bwd_ws_kernel_sm90<Tile>;

@@ -51,8 +51,10 @@ bool fwd_ws_supports(const FwdArgs& a) {
   }
   const int heads_kv = a.num_heads / a.group;
   const int batch = a.cu_seqlens_q ? 1 : a.batch;  // a packed batch is one sequence to TMA
-  return tma_strides_ok(a.q_bs, a.q_hs, batch, a.num_heads) && tma_strides_ok(a.k_bs, a.k_hs, batch, heads_kv) &&
-         tma_strides_ok(a.v_bs, a.v_hs, batch, heads_kv);
+  // (indexed keys: k and v are read by cp.async, not TMA)
+  return tma_strides_ok(a.q_bs, a.q_hs, batch, a.num_heads) &&
+         (a.kpos.rows != nullptr ||
+          (tma_strides_ok(a.k_bs, a.k_hs, batch, heads_kv) && tma_strides_ok(a.v_bs, a.v_hs, batch, heads_kv)));
 }
 
 template <class Tile>
@@ -68,16 +70,19 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
   const int rows_q = packed ? int(a.q_rows) : a.seqlen_q, rows_k = packed ? int(a.k_rows) : a.seqlen_k;
   const int batch = packed ? 1 : a.batch;
   const auto q = gmem(a.q, rows_q, a.head_dim, a.num_heads, batch, a.q_rs, a.q_hs, a.q_bs);
+  // Indexed keys: the producer's warps gather K and V by cp.async; descriptors over q stand in
+  // for theirs (never used).
+  const bool indexed = Tile::kKeyRows && a.kpos.rows != nullptr;
+  const auto k = indexed ? q : gmem(a.k, rows_k, a.head_dim, heads_kv, batch, a.k_rs, a.k_hs, a.k_bs);
+  const auto v = indexed ? q : gmem(a.v, rows_k, a.head_dim, heads_kv, batch, a.v_rs, a.v_hs, a.v_bs);
   // The bias's head and batch extents: 1 where it broadcasts (stride 0), else its own.
   const int bias_heads = a.bias.stride_h == 0 ? 1 : a.num_heads / a.bias.head_div;
   const int bias_batch = a.bias.stride_b == 0 ? 1 : a.batch;
   FwdWsParams<Tile> p{
       a,
       make_tma_copy(SM90_TMA_LOAD{}, q, typename Tile::SmemLayoutQ{}),
-      make_tma_copy(SM90_TMA_LOAD{}, gmem(a.k, rows_k, a.head_dim, heads_kv, batch, a.k_rs, a.k_hs, a.k_bs),
-                    take<0, 2>(typename Tile::SmemLayoutKV{})),
-      make_tma_copy(SM90_TMA_LOAD{}, gmem(a.v, rows_k, a.head_dim, heads_kv, batch, a.v_rs, a.v_hs, a.v_bs),
-                    take<0, 2>(typename Tile::SmemLayoutKV{})),
+      make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename Tile::SmemLayoutKV{})),
+      make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Tile::SmemLayoutKV{})),
       // (without a bias, a descriptor over q that is never used)
       make_tma_copy(SM90_TMA_LOAD{},
                     Tile::kBias ? gmem(a.bias.ptr, a.seqlen_q, a.seqlen_k, bias_heads, bias_batch, a.bias.stride_q,

@@ -18,6 +18,20 @@ __device__ __forceinline__ typename Pipeline::Params tma_pipeline_params(int tra
   return p;
 }
 
+// A TMA pipeline whose stages `producers` threads fill by cp.async instead: each arrives once its
+// copies land (cpasync_barrier_arrive_noinc); none expects transaction bytes.
+template <class Pipeline>
+__device__ __forceinline__ typename Pipeline::Params cp_async_pipeline_params(bool producer, int consumer_threads,
+                                                                             int producers) {
+  typename Pipeline::Params p;
+  p.transaction_bytes = 0;
+  p.role = producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  p.is_leader = 0;
+  p.num_consumers = consumer_threads;
+  p.num_producers = producers;
+  return p;
+}
+
 // (one loader warp: its 32 lanes arrive)
 template <class Pipeline>
 __device__ __forceinline__ typename Pipeline::Params loader_pipeline_params(bool producer, int consumer_threads) {

@@ -1,0 +1,63 @@
+// Indexed keys (KeyPositionsArgs::rows) for the kernels that read gathered rows only: the rows
+// are gathered into a temporary (B, K, Hkv, D) copy of k and of v (stream-ordered allocation,
+// freed on the stream after the kernels that read it), and the arguments point at the copy.
+// The warp-specialized Hopper kernels read the rows in place and never need it.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/check.h"
+#include "cuda/fwd_args.h"
+#include "cuda/key_glue.h"
+
+namespace dmattn::cuda {
+
+class GatheredRowsCopy {
+ public:
+  // Rewrites a's k, v (pointers and strides) to the copy and switches its indexed keys off.
+  GatheredRowsCopy(FwdArgs& a, int elem_bytes, cudaStream_t stream) : stream_(stream) {
+    const int heads_kv = a.num_heads / a.group;
+    const int64_t row_elems = int64_t(heads_kv) * a.head_dim;
+    const size_t bytes = size_t(a.batch) * a.seqlen_k * row_elems * elem_bytes;  // (head_dim % 8 == 0)
+    GatherRowsArgs g;
+    const void* src[2] = {a.k, a.v};
+    const int64_t sb[2] = {a.k_bs, a.v_bs}, sr[2] = {a.k_rs, a.v_rs}, sh[2] = {a.k_hs, a.v_hs};
+    // (one allocation: nothing to give back if it fails; bytes is a multiple of 16 bytes)
+    check_cuda(cudaMallocAsync(&copy_, 2 * bytes + 16, stream), "cudaMallocAsync(gathered key rows)");
+    char* dst[2] = {static_cast<char*>(copy_), static_cast<char*>(copy_) + bytes};
+    for (int i = 0; i < 2; ++i) g.operand[i] = {src[i], sb[i], sr[i], sh[i], dst[i]};
+    g.positions = a.kpos.rows;
+    g.pos_batch = a.kpos.stride_b == 0 ? 1 : a.batch;
+    g.pos_heads = a.kpos.stride_h == 0 ? 1 : heads_kv;
+    g.pos_sb = a.kpos.stride_b;
+    g.pos_sh = a.kpos.stride_h;
+    g.batch = a.batch, g.width = a.seqlen_k, g.heads = heads_kv;
+    g.row_bytes = int64_t(a.head_dim) * elem_bytes;
+    g.elem_bytes = elem_bytes;
+    g.src_batch_div = a.kpos.rows_batch_div;
+    g.src_rows = a.kpos.rows_source_len;
+    const bool vec16 = g.row_bytes % 16 == 0 && aligned16(a.k) && aligned16(a.v) &&
+                       (a.k_bs * elem_bytes) % 16 == 0 && (a.k_rs * elem_bytes) % 16 == 0 &&
+                       (a.k_hs * elem_bytes) % 16 == 0 && (a.v_bs * elem_bytes) % 16 == 0 &&
+                       (a.v_rs * elem_bytes) % 16 == 0 && (a.v_hs * elem_bytes) % 16 == 0;
+    try {
+      gather_rows(g, vec16, stream);
+    } catch (...) {
+      cudaFreeAsync(copy_, stream);
+      throw;
+    }
+    a.k = dst[0], a.v = dst[1];
+    a.k_rs = a.v_rs = row_elems, a.k_hs = a.v_hs = a.head_dim, a.k_bs = a.v_bs = a.seqlen_k * row_elems;
+    a.kpos.rows = nullptr;
+  }
+  ~GatheredRowsCopy() { cudaFreeAsync(copy_, stream_); }
+  GatheredRowsCopy(const GatheredRowsCopy&) = delete;
+  GatheredRowsCopy& operator=(const GatheredRowsCopy&) = delete;
+
+ private:
+  static bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+  cudaStream_t stream_;
+  void* copy_ = nullptr;
+};
+
+}  // namespace dmattn::cuda
