@@ -164,6 +164,15 @@ void gather_key_rows(const TensorDesc& k, const TensorDesc& v, const TensorDesc&
 //     every segment's candidates (min(keep, S) + seg_len does); offset >= 0.
 void prefix_thresholds(const TensorDesc& ranks, const TensorDesc& order, int64_t keep, const TensorDesc& thresholds,
                        void* stream);
+// interval_ends (CUDA): the whole selection after the sort, three kernels. From sorted (R, S)
+// int64 -- per row the keys in selection order (the argsort of the selection key, keys that
+// `allowed` (bool (R, S) or null) excludes last) -- it writes ranks and order as
+// prefix_thresholds takes them (S for excluded keys, S at their ranks), the thresholds, and
+// ends (R, S): for a selectable key j the first prefix v >= j whose threshold falls below j's
+// rank (S: kept to the end), for an excluded key j itself (never kept). ranks, order,
+// thresholds and ends int32 (R, S) contiguous.
+void interval_ends(const TensorDesc& sorted, const TensorDesc* allowed, int64_t keep, const TensorDesc& ranks,
+                   const TensorDesc& order, const TensorDesc& thresholds, const TensorDesc& ends, void* stream);
 void segment_candidates(const TensorDesc& ends, int64_t offset, int64_t seg_len, const TensorDesc& positions,
                         const TensorDesc& key_ends, const TensorDesc& index, const TensorDesc& slots, void* stream);
 // The per-query path's K / V row copies on CUDA (the CPU composes torch ops), current stream:

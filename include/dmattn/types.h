@@ -11,7 +11,7 @@
 
 namespace dmattn {
 
-enum class DType : int32_t { kFloat32, kFloat16, kBFloat16, kFloat64, kBool, kInt32, kOther };
+enum class DType : int32_t { kFloat32, kFloat16, kBFloat16, kFloat64, kBool, kInt32, kInt64, kOther };
 
 enum class DeviceKind : int32_t { kCPU, kCUDA, kOther };
 

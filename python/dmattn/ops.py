@@ -165,6 +165,16 @@ def _native_per_query_glue() -> bool:
 
 
 @torch.compiler.assume_constant_result
+def native_interval_ends_available() -> bool:
+    """Whether the loaded library has dmattn::interval_ends (CUDA's one-call selection after
+    the sort); constant for torch.compile."""
+    try:
+        return hasattr(lib(), "interval_ends")
+    except Exception:  # noqa: BLE001 (no library: the ops report it where they are used)
+        return False
+
+
+@torch.compiler.assume_constant_result
 def per_query_glue_available() -> bool:
     """Whether the loaded library has the per-query glue (prefix_thresholds, segment_candidates);
     constant for torch.compile (a property of the loaded library)."""
@@ -185,6 +195,21 @@ def prefix_thresholds(ranks: Tensor, order: Tensor, keep: int) -> Tensor:
 @prefix_thresholds.register_fake
 def _(ranks, order, keep):
     return torch.empty_like(ranks)
+
+
+@torch.library.custom_op("dmattn::interval_ends", mutates_args=())
+def interval_ends_of_sorted(sorted_keys: Tensor, allowed: Optional[Tensor], keep: int) -> Tensor:
+    """CUDA: int32 (R, S) interval ends from the keys of each row in selection order (int64
+    (R, S), excluded keys last; ``allowed`` bool (R, S) or None): ranks, thresholds and ends in
+    three kernels of one call (dmattn/api.h, interval_ends; dmattn.per_query.interval_ends)."""
+    scratch = [torch.empty(sorted_keys.shape, dtype=torch.int32, device=sorted_keys.device) for _ in range(4)]
+    lib().interval_ends(sorted_keys, allowed, keep, *scratch)
+    return scratch[3]
+
+
+@interval_ends_of_sorted.register_fake
+def _(sorted_keys, allowed, keep):
+    return sorted_keys.new_empty(sorted_keys.shape, dtype=torch.int32)
 
 
 @torch.library.custom_op("dmattn::segment_candidates", mutates_args=())

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .masks import cached_index_tensor, dynamic_mask, nan_as_inf, selection_key
-from .ops import _call_op, prefix_thresholds
+from .ops import _call_op, interval_ends_of_sorted, native_interval_ends_available, prefix_thresholds
 
 __all__ = ["per_query_mask", "visible_keys", "selection_ranks", "interval_ends"]
 
@@ -75,6 +75,11 @@ def interval_ends(scores: Tensor, allowed: Optional[Tensor], keep: int) -> Tenso
     are never kept), the end of the interval of visible prefixes [j, end_j) that keep it (end_j
     = j: never kept, Sk: kept to the end). O(Sk) memory per row, no host synchronization."""
     shape, num_keys = scores.shape, scores.shape[-1]
+    key = selection_key(scores, allowed) if scores.is_cuda and native_interval_ends_available() else None
+    if key is not None:  # CUDA: the sort, then one native call (three kernels, no torch ops between)
+        rows_allowed = None if allowed is None else allowed.reshape(-1, num_keys).contiguous()
+        order = key.reshape(-1, num_keys).argsort(dim=-1, descending=True)
+        return _call_op(interval_ends_of_sorted, order, rows_allowed, keep).view(shape)
     ranks, order = selection_ranks(scores, allowed)
     ranks, order = ranks.reshape(-1, num_keys), order.reshape(-1, num_keys)
     thresholds = _call_op(prefix_thresholds, ranks, order, keep)  # non-increasing along each row

@@ -1,6 +1,7 @@
 // Validation and dispatch of the per-query causal top-k glue (prefix_thresholds,
 // segment_candidates; dmattn/api.h): CPU or CUDA.
 #include <cstdint>
+#include <utility>
 
 #include "api/tensor_checks.h"
 #include "cpu/per_query_glue.h"
@@ -54,6 +55,45 @@ void prefix_thresholds(const TensorDesc& ranks, const TensorDesc& order, int64_t
   }
   (void)stream;
   cpu::prefix_thresholds(r, o, t, rows, num_keys, keep);
+}
+
+void interval_ends(const TensorDesc& sorted, const TensorDesc* allowed, int64_t keep, const TensorDesc& ranks,
+                   const TensorDesc& order, const TensorDesc& thresholds, const TensorDesc& ends, void* stream) {
+  check(sorted.device == DeviceKind::kCUDA, ErrorKind::kNotImplemented,
+        "sorted: interval_ends runs on CUDA (the CPU composes torch ops), got a tensor on ", device_name(sorted.device));
+  checks::check_dtype(sorted, DType::kInt64, "sorted");
+  checks::check_contiguous(sorted, "sorted");
+  checks::check_rank(sorted, 2, "sorted", "(rows, Sk)");
+  for (const auto& [t, name] : {std::pair<const TensorDesc&, const char*>{ranks, "ranks"}, {order, "order"},
+                                {thresholds, "thresholds"}, {ends, "ends"}}) {
+    check_int_tensor(t, sorted, name);
+    checks::check_shape(t, sorted.shape, name);
+  }
+  if (allowed != nullptr) {
+    checks::check_same_device(sorted, *allowed, "allowed");
+    checks::check_dtype(*allowed, DType::kBool, "allowed");
+    checks::check_contiguous(*allowed, "allowed");
+    checks::check_shape(*allowed, sorted.shape, "allowed");
+  }
+  const int64_t rows = sorted.shape[0], num_keys = sorted.shape[1];
+  check(num_keys < (int64_t(1) << 30), ErrorKind::kValue, "sorted: expected Sk < 2^30, got ", num_keys);
+  check(keep >= 1, ErrorKind::kValue, "keep: expected >= 1, got ", keep);
+#ifdef DMATTN_WITH_CUDA
+  cuda::IntervalEndsArgs a;
+  a.sorted = static_cast<const int64_t*>(sorted.data);
+  a.allowed = allowed == nullptr ? nullptr : static_cast<const bool*>(allowed->data);
+  a.ranks = static_cast<int32_t*>(ranks.data);
+  a.order = static_cast<int32_t*>(order.data);
+  a.thresholds = static_cast<int32_t*>(thresholds.data);
+  a.ends = static_cast<int32_t*>(ends.data);
+  a.rows = rows;
+  a.num_keys = num_keys;
+  a.keep = keep;
+  cuda::interval_ends(a, stream);
+#else
+  (void)stream, (void)rows;
+  fail(ErrorKind::kRuntime, "this build of dmattn has no CUDA backend");
+#endif
 }
 
 void segment_candidates(const TensorDesc& ends, int64_t offset, int64_t seg_len, const TensorDesc& positions,

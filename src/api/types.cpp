@@ -14,6 +14,7 @@ const char* dtype_name(DType dtype) {
     case DType::kFloat64: return "float64";
     case DType::kBool: return "bool";
     case DType::kInt32: return "int32";
+    case DType::kInt64: return "int64";
     default: return "an unsupported dtype";
   }
 }
@@ -22,7 +23,7 @@ size_t dtype_size(DType dtype) {
   switch (dtype) {
     case DType::kFloat32: case DType::kInt32: return 4;
     case DType::kFloat16: case DType::kBFloat16: return 2;
-    case DType::kFloat64: return 8;
+    case DType::kFloat64: case DType::kInt64: return 8;
     case DType::kBool: return 1;
     default: return 0;
   }

@@ -37,6 +37,7 @@ dmattn::DType to_dtype(DLDataType t) {
       break;
     case kDLInt:
       if (t.bits == 32) return dmattn::DType::kInt32;
+      if (t.bits == 64) return dmattn::DType::kInt64;
       break;
     default:
       break;
@@ -239,6 +240,15 @@ void prefix_thresholds(TensorView ranks, TensorView order, int64_t keep, TensorV
   });
 }
 
+void interval_ends(TensorView sorted, Optional<TensorView> allowed, int64_t keep, TensorView ranks, TensorView order,
+                   TensorView thresholds, TensorView ends) {
+  translate_errors([&] {
+    const OptionalDesc allowed_d(allowed);
+    dmattn::interval_ends(to_desc(sorted), allowed_d.get(), keep, to_desc(ranks), to_desc(order), to_desc(thresholds),
+                          to_desc(ends), glue_stream(sorted));
+  });
+}
+
 void segment_candidates(TensorView ends, int64_t offset, int64_t seg_len, TensorView positions, TensorView key_ends,
                         TensorView index, TensorView slots) {
   translate_errors([&] {
@@ -326,6 +336,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(supports_key_positions, supports_key_positions);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(select_topk_positions, select_topk_positions);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gather_key_rows, gather_key_rows);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(prefix_thresholds, prefix_thresholds);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(interval_ends, interval_ends);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(segment_candidates, segment_candidates);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gather_segment_rows, gather_segment_rows);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sum_segment_rows, sum_segment_rows);

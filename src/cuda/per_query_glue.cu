@@ -11,6 +11,7 @@
 //     own keys in index order.
 #include <cub/block/block_scan.cuh>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda/check.h"
@@ -224,7 +225,54 @@ __global__ void __launch_bounds__(kCandThreads) segment_candidates_kernel(Segmen
   }
 }
 
+// interval_ends, before the thresholds: the rank of every key and the key at every rank, S for
+// the keys `allowed` excludes (and at their ranks, which come after every allowed key's).
+__global__ void ranks_of_order_kernel(IntervalEndsArgs a) {
+  const int64_t total = a.rows * a.num_keys;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = e / a.num_keys, p = e % a.num_keys;
+    const int64_t j = a.sorted[e];
+    const bool ok = a.allowed == nullptr || a.allowed[row * a.num_keys + j];
+    a.ranks[row * a.num_keys + j] = ok ? int32_t(p) : int32_t(a.num_keys);
+    a.order[e] = ok ? int32_t(j) : int32_t(a.num_keys);
+  }
+}
+
+// interval_ends, after the thresholds (non-increasing along a row): key j's end is the first
+// prefix whose threshold falls below its rank (a binary search), at least j; j itself for a key
+// that is never selectable.
+__global__ void ends_of_thresholds_kernel(IntervalEndsArgs a) {
+  const int64_t total = a.rows * a.num_keys;
+  const int n = int(a.num_keys);
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t* t = a.thresholds + (e / n) * n;
+    const int j = int(e % n), rank = a.ranks[e];
+    int lo = 0, hi = n;  // the first v with t[v] < rank
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (__ldg(t + mid) < rank) hi = mid;
+      else lo = mid + 1;
+    }
+    a.ends[e] = rank < n ? max(lo, j) : j;
+  }
+}
+
+unsigned elementwise_grid(int64_t total) {
+  return unsigned(std::min<int64_t>((total + 255) / 256, 132 * 16));
+}
+
 }  // namespace
+
+void interval_ends(const IntervalEndsArgs& a, void* stream) {
+  if (a.rows == 0 || a.num_keys == 0) return;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const unsigned grid = elementwise_grid(a.rows * a.num_keys);
+  ranks_of_order_kernel<<<grid, 256, 0, s>>>(a);
+  check_cuda(cudaGetLastError(), "interval_ends: ranks kernel");
+  prefix_thresholds({a.ranks, a.order, a.thresholds, a.rows, a.num_keys, a.keep}, stream);
+  ends_of_thresholds_kernel<<<grid, 256, 0, s>>>(a);
+  check_cuda(cudaGetLastError(), "interval_ends: ends kernel");
+}
 
 void prefix_thresholds(const PrefixThresholdsArgs& a, void* stream) {
   if (a.rows == 0 || a.num_keys == 0) return;

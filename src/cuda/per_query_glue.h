@@ -27,7 +27,20 @@ struct SegmentCandidatesArgs {
   int64_t offset = 0, seg_len = 0;
 };
 
+// sorted int64 (rows, num_keys) in, allowed bool (null: every key) in; ranks, order, thresholds,
+// ends int32 out (dmattn/api.h, interval_ends); all contiguous.
+struct IntervalEndsArgs {
+  const int64_t* sorted = nullptr;
+  const bool* allowed = nullptr;
+  int32_t* ranks = nullptr;
+  int32_t* order = nullptr;
+  int32_t* thresholds = nullptr;
+  int32_t* ends = nullptr;
+  int64_t rows = 0, num_keys = 0, keep = 0;
+};
+
 void prefix_thresholds(const PrefixThresholdsArgs& a, void* stream);
+void interval_ends(const IntervalEndsArgs& a, void* stream);
 void segment_candidates(const SegmentCandidatesArgs& a, void* stream);
 
 }  // namespace dmattn::cuda

@@ -295,3 +295,11 @@ def test_key_ends_and_glue_errors_name_the_argument():
         prefix_thresholds(ranks, ranks, 0)
     with pytest.raises(ValueError, match="offset"):
         segment_candidates(torch.zeros(1, 1, 5, dtype=torch.int32), -1, 2, 3, 4)
+    from dmattn.ops import interval_ends_of_sorted
+    with pytest.raises(NotImplementedError, match="sorted"):  # CUDA only: the CPU composes torch ops
+        interval_ends_of_sorted(torch.zeros(2, 5, dtype=torch.int64), None, 3)
+    if torch.cuda.is_available():
+        with pytest.raises(TypeError, match="sorted"):
+            interval_ends_of_sorted(torch.zeros(2, 5, dtype=torch.int32, device="cuda"), None, 3)
+        with pytest.raises(ValueError, match="keep"):
+            interval_ends_of_sorted(torch.zeros(2, 5, dtype=torch.int64, device="cuda"), None, 0)
