@@ -171,6 +171,11 @@ void prefix_thresholds(const TensorDesc& ranks, const TensorDesc& order, int64_t
 // ends (R, S): for a selectable key j the first prefix v >= j whose threshold falls below j's
 // rank (S: kept to the end), for an excluded key j itself (never kept). ranks, order,
 // thresholds and ends int32 (R, S) contiguous.
+// selection_key (CUDA): the integer key of dmattn.masks.selection_key for (R, S) contiguous
+// scores (float16, bfloat16 or float32) and allowed (bool (R, S) or null), in one kernel: key
+// (R, S) int32 (16-bit scores and S <= 2^16) or int64 = ordered bits * 2^16 (2^32) - index, NaN
+// as +inf, excluded keys at the key dtype's minimum.
+void selection_key(const TensorDesc& scores, const TensorDesc* allowed, const TensorDesc& key, void* stream);
 void interval_ends(const TensorDesc& sorted, const TensorDesc* allowed, int64_t keep, const TensorDesc& ranks,
                    const TensorDesc& order, const TensorDesc& thresholds, const TensorDesc& ends, void* stream);
 void segment_candidates(const TensorDesc& ends, int64_t offset, int64_t seg_len, const TensorDesc& positions,

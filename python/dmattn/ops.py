@@ -169,7 +169,7 @@ def native_interval_ends_available() -> bool:
     """Whether the loaded library has dmattn::interval_ends (CUDA's one-call selection after
     the sort); constant for torch.compile."""
     try:
-        return hasattr(lib(), "interval_ends")
+        return hasattr(lib(), "interval_ends") and hasattr(lib(), "selection_key")
     except Exception:  # noqa: BLE001 (no library: the ops report it where they are used)
         return False
 
@@ -195,6 +195,24 @@ def prefix_thresholds(ranks: Tensor, order: Tensor, keep: int) -> Tensor:
 @prefix_thresholds.register_fake
 def _(ranks, order, keep):
     return torch.empty_like(ranks)
+
+
+def _selection_key_dtype(scores: Tensor) -> torch.dtype:
+    return torch.int32 if scores.element_size() == 2 and scores.shape[-1] <= 1 << 16 else torch.int64
+
+
+@torch.library.custom_op("dmattn::selection_key", mutates_args=())
+def native_selection_key(scores: Tensor, allowed: Optional[Tensor]) -> Tensor:
+    """CUDA: dmattn.masks.selection_key of (R, S) contiguous float16 / bfloat16 / float32 scores
+    in one kernel (int32 keys for 16-bit scores and S <= 2^16, else int64; dmattn/api.h)."""
+    key = torch.empty(scores.shape, dtype=_selection_key_dtype(scores), device=scores.device)
+    lib().selection_key(scores, allowed, key)
+    return key
+
+
+@native_selection_key.register_fake
+def _(scores, allowed):
+    return scores.new_empty(scores.shape, dtype=_selection_key_dtype(scores))
 
 
 @torch.library.custom_op("dmattn::interval_ends", mutates_args=())

@@ -20,7 +20,11 @@ import torch
 from torch import Tensor
 
 from .masks import cached_index_tensor, dynamic_mask, nan_as_inf, selection_key
-from .ops import _call_op, interval_ends_of_sorted, native_interval_ends_available, prefix_thresholds
+from .ops import (_call_op, interval_ends_of_sorted, native_interval_ends_available, native_selection_key,
+                  prefix_thresholds)
+
+# Score dtypes whose selection key the CUDA glue computes (dmattn::selection_key).
+_NATIVE_KEY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 __all__ = ["per_query_mask", "visible_keys", "selection_ranks", "interval_ends"]
 
@@ -75,10 +79,11 @@ def interval_ends(scores: Tensor, allowed: Optional[Tensor], keep: int) -> Tenso
     are never kept), the end of the interval of visible prefixes [j, end_j) that keep it (end_j
     = j: never kept, Sk: kept to the end). O(Sk) memory per row, no host synchronization."""
     shape, num_keys = scores.shape, scores.shape[-1]
-    key = selection_key(scores, allowed) if scores.is_cuda and native_interval_ends_available() else None
-    if key is not None:  # CUDA: the sort, then one native call (three kernels, no torch ops between)
+    if scores.is_cuda and scores.dtype in _NATIVE_KEY_DTYPES and native_interval_ends_available():
+        # CUDA: the key (one kernel), the sort, then one native call (three kernels)
         rows_allowed = None if allowed is None else allowed.reshape(-1, num_keys).contiguous()
-        order = key.reshape(-1, num_keys).argsort(dim=-1, descending=True)
+        key = _call_op(native_selection_key, scores.reshape(-1, num_keys).contiguous(), rows_allowed)
+        order = key.argsort(dim=-1, descending=True)
         return _call_op(interval_ends_of_sorted, order, rows_allowed, keep).view(shape)
     ranks, order = selection_ranks(scores, allowed)
     ranks, order = ranks.reshape(-1, num_keys), order.reshape(-1, num_keys)

@@ -57,6 +57,42 @@ void prefix_thresholds(const TensorDesc& ranks, const TensorDesc& order, int64_t
   cpu::prefix_thresholds(r, o, t, rows, num_keys, keep);
 }
 
+void selection_key(const TensorDesc& scores, const TensorDesc* allowed, const TensorDesc& key, void* stream) {
+  check(scores.device == DeviceKind::kCUDA, ErrorKind::kNotImplemented,
+        "scores: selection_key runs on CUDA (the CPU composes torch ops), got a tensor on ", device_name(scores.device));
+  check(scores.dtype == DType::kFloat16 || scores.dtype == DType::kBFloat16 || scores.dtype == DType::kFloat32,
+        ErrorKind::kType, "scores: expected float16, bfloat16 or float32, got ", dtype_name(scores.dtype));
+  checks::check_contiguous(scores, "scores");
+  checks::check_rank(scores, 2, "scores", "(rows, Sk)");
+  const int64_t num_keys = scores.shape[1];
+  const bool key32 = scores.dtype != DType::kFloat32 && num_keys <= (int64_t(1) << 16);
+  checks::check_same_device(scores, key, "key");
+  checks::check_dtype(key, key32 ? DType::kInt32 : DType::kInt64, "key");
+  checks::check_contiguous(key, "key");
+  checks::check_shape(key, scores.shape, "key");
+  check(num_keys < (int64_t(1) << 31), ErrorKind::kValue, "scores: expected Sk < 2^31, got ", num_keys);
+  if (allowed != nullptr) {
+    checks::check_same_device(scores, *allowed, "allowed");
+    checks::check_dtype(*allowed, DType::kBool, "allowed");
+    checks::check_contiguous(*allowed, "allowed");
+    checks::check_shape(*allowed, scores.shape, "allowed");
+  }
+#ifdef DMATTN_WITH_CUDA
+  cuda::SelectionKeyArgs a;
+  a.scores = scores.data;
+  a.allowed = allowed == nullptr ? nullptr : static_cast<const bool*>(allowed->data);
+  a.key = key.data;
+  a.rows = scores.shape[0];
+  a.num_keys = num_keys;
+  a.fmt = scores.dtype == DType::kFloat32 ? 2 : scores.dtype == DType::kBFloat16 ? 1 : 0;
+  a.key32 = key32;
+  cuda::selection_key(a, stream);
+#else
+  (void)stream;
+  fail(ErrorKind::kRuntime, "this build of dmattn has no CUDA backend");
+#endif
+}
+
 void interval_ends(const TensorDesc& sorted, const TensorDesc* allowed, int64_t keep, const TensorDesc& ranks,
                    const TensorDesc& order, const TensorDesc& thresholds, const TensorDesc& ends, void* stream) {
   check(sorted.device == DeviceKind::kCUDA, ErrorKind::kNotImplemented,

@@ -240,6 +240,13 @@ void prefix_thresholds(TensorView ranks, TensorView order, int64_t keep, TensorV
   });
 }
 
+void selection_key(TensorView scores, Optional<TensorView> allowed, TensorView key) {
+  translate_errors([&] {
+    const OptionalDesc allowed_d(allowed);
+    dmattn::selection_key(to_desc(scores), allowed_d.get(), to_desc(key), glue_stream(scores));
+  });
+}
+
 void interval_ends(TensorView sorted, Optional<TensorView> allowed, int64_t keep, TensorView ranks, TensorView order,
                    TensorView thresholds, TensorView ends) {
   translate_errors([&] {
@@ -337,6 +344,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(select_topk_positions, select_topk_positions);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gather_key_rows, gather_key_rows);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(prefix_thresholds, prefix_thresholds);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(interval_ends, interval_ends);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(selection_key, selection_key);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(segment_candidates, segment_candidates);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gather_segment_rows, gather_segment_rows);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sum_segment_rows, sum_segment_rows);

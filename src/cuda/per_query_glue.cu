@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 #include "cuda/check.h"
 #include "api/segment_order.h"
@@ -257,11 +258,44 @@ __global__ void ends_of_thresholds_kernel(IntervalEndsArgs a) {
   }
 }
 
+// selection_key: a float's bit pattern as a signed integer is sign and magnitude; `ordered`
+// is its two's complement (-magnitude for negative floats: -0.0 and 0.0 both 0), NaN first
+// made +inf; key = ordered * 2^shift - index (shift 16 for int32 keys of 16-bit scores, else
+// 32), the key type's minimum where `allowed` is false.
+template <typename Bits, typename Signed, typename Key>
+__global__ void selection_key_kernel(SelectionKeyArgs a, Bits abs_mask, Bits inf_bits, int shift) {
+  const int64_t total = a.rows * a.num_keys;
+  const Bits* bits = static_cast<const Bits*>(a.scores);
+  Key* key = static_cast<Key*>(a.key);
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
+    Bits b = bits[e];
+    if (Bits(b & abs_mask) > inf_bits) b = inf_bits;  // NaN (either sign) -> +inf
+    const Signed sb = static_cast<Signed>(b);
+    const int64_t ordered = sb < 0 ? int64_t(std::numeric_limits<Signed>::min()) - int64_t(sb) : int64_t(sb);
+    const int64_t index = e % a.num_keys;
+    const bool ok = a.allowed == nullptr || a.allowed[e];
+    key[e] = ok ? Key(ordered * (int64_t(1) << shift) - index) : std::numeric_limits<Key>::min();
+  }
+}
+
 unsigned elementwise_grid(int64_t total) {
   return unsigned(std::min<int64_t>((total + 255) / 256, 132 * 16));
 }
 
 }  // namespace
+
+void selection_key(const SelectionKeyArgs& a, void* stream) {
+  if (a.rows == 0 || a.num_keys == 0) return;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const unsigned grid = elementwise_grid(a.rows * a.num_keys);
+  if (a.fmt == 2)
+    selection_key_kernel<uint32_t, int32_t, int64_t><<<grid, 256, 0, s>>>(a, 0x7FFFFFFFu, 0x7F800000u, 32);
+  else if (a.key32)
+    selection_key_kernel<uint16_t, int16_t, int32_t><<<grid, 256, 0, s>>>(a, 0x7FFF, a.fmt == 1 ? 0x7F80 : 0x7C00, 16);
+  else
+    selection_key_kernel<uint16_t, int16_t, int64_t><<<grid, 256, 0, s>>>(a, 0x7FFF, a.fmt == 1 ? 0x7F80 : 0x7C00, 32);
+  check_cuda(cudaGetLastError(), "selection_key kernel");
+}
 
 void interval_ends(const IntervalEndsArgs& a, void* stream) {
   if (a.rows == 0 || a.num_keys == 0) return;

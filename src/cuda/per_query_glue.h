@@ -39,8 +39,20 @@ struct IntervalEndsArgs {
   int64_t rows = 0, num_keys = 0, keep = 0;
 };
 
+// scores (rows, num_keys) in, fmt 0 float16, 1 bfloat16, 2 float32; allowed bool or null; key
+// int32 (key32) or int64 out (dmattn/api.h, selection_key); all contiguous.
+struct SelectionKeyArgs {
+  const void* scores = nullptr;
+  const bool* allowed = nullptr;
+  void* key = nullptr;
+  int64_t rows = 0, num_keys = 0;
+  int fmt = 0;
+  bool key32 = true;
+};
+
 void prefix_thresholds(const PrefixThresholdsArgs& a, void* stream);
 void interval_ends(const IntervalEndsArgs& a, void* stream);
+void selection_key(const SelectionKeyArgs& a, void* stream);
 void segment_candidates(const SegmentCandidatesArgs& a, void* stream);
 
 }  // namespace dmattn::cuda

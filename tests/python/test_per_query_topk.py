@@ -61,6 +61,30 @@ def test_interval_ends_match_dense_selection(device, num_keys, keep, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_keys", [300, (1 << 16) + 3])
+def test_native_selection_key_equals_torch(dtype, num_keys):
+    """The CUDA glue's key (one kernel) is the torch composition's, bit for bit: NaN of either
+    sign, -0.0 and 0.0, infinities, excluded keys; int32 keys up to 2^16 keys of 16-bit scores."""
+    from dmattn.masks import selection_key
+    from dmattn.ops import native_selection_key
+    gen = torch.Generator().manual_seed(num_keys)
+    scores = (torch.randn(3, num_keys, generator=gen) * 3).round().to(dtype)
+    scores[0, ::7] = float("nan")
+    scores[0, 1::7] = -float("nan")
+    scores[1, ::5] = -0.0
+    scores[1, 1::5] = float("-inf")
+    scores[2, ::9] = torch.finfo(dtype).min
+    allowed = torch.rand(3, num_keys, generator=gen) > 0.2
+    scores, allowed = scores.cuda(), allowed.cuda()
+    for mask in (None, allowed):
+        expected = selection_key(scores, mask)
+        got = native_selection_key(scores, mask)
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("num_keys,keep,seg_len", [(3000, 700, 256), (1000, 37, 100), (513, 512, 64)])
 def test_glue_cuda_equals_cpu(num_keys, keep, seg_len):
     """The CUDA glue (several 256-key chunks per row, segments not aligned to them) against the
@@ -295,7 +319,9 @@ def test_key_ends_and_glue_errors_name_the_argument():
         prefix_thresholds(ranks, ranks, 0)
     with pytest.raises(ValueError, match="offset"):
         segment_candidates(torch.zeros(1, 1, 5, dtype=torch.int32), -1, 2, 3, 4)
-    from dmattn.ops import interval_ends_of_sorted
+    from dmattn.ops import interval_ends_of_sorted, native_selection_key
+    with pytest.raises(NotImplementedError, match="scores"):  # CUDA only
+        native_selection_key(torch.zeros(2, 5), None)
     with pytest.raises(NotImplementedError, match="sorted"):  # CUDA only: the CPU composes torch ops
         interval_ends_of_sorted(torch.zeros(2, 5, dtype=torch.int64), None, 3)
     if torch.cuda.is_available():
