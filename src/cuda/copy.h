@@ -109,14 +109,17 @@ __device__ __forceinline__ void gather_rows_sw128(uint32_t s_tile, const Element
   const int odd = lane & 1;
   // This lane's chunks 2k + odd are inside the columns for k < k_end.
   const int k_end = (cols_valid / 8 - odd + 1) / 2;
-  // Rows 32 g + 16 h + l / 2 of the warp's for lane l, whose index lane 16 h + l / 2 holds (one
-  // row at a time: unrolled over h as well, the rows' addresses outgrew the producer's registers).
-  CUTE_UNROLL
-  for (int g = 0; g < Indices::kGroups; ++g)
+  // Copy i: rows 32 g + 16 h + l / 2 of the warp's for lane l (g = i / 2, h = i % 2), whose index
+  // lane 16 h + l / 2 holds in idx[g]; one row at a time (unrolled, the rows' addresses outgrew
+  // the producer's registers).
 #pragma unroll 1
-  for (int h = 0; h < 2; ++h) {
+  for (int i = 0; i < 2 * Indices::kGroups; ++i) {
+    const int g = i / 2, h = i % 2;
+    int held = index.idx[0];  // (a select chain: a run-time index into idx would be local memory)
+    CUTE_UNROLL
+    for (int gg = 1; gg < Indices::kGroups; ++gg) held = g == gg ? index.idx[gg] : held;
     const int r = warp * Indices::kSlab + g * 32 + h * 16 + lane / 2;
-    const int j = __shfl_sync(0xffffffffu, index.idx[g], 16 * h + lane / 2);
+    const int j = __shfl_sync(0xffffffffu, held, 16 * h + lane / 2);
     const bool ok = j >= 0 && j < src_rows;
     const Element* src = ok ? gmem + int64_t(j) * row_stride + odd * 8 : gmem;
     const int bytes = ok ? 16 : 0;

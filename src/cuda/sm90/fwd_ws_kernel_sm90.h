@@ -97,47 +97,43 @@ constexpr int kTailBarrier = 7;  // all consumers: packed batches' V tail (clear
 constexpr int kGatherThread0 = 64;
 constexpr int kGatherThreads = 64;
 
-// The gather warps' loads (indexed keys): K[n] and V[n] of every key block, in the TMA
-// producer's order (K[n - 1] before V[n]), each stage by cp.async from the rows that the
-// block's indices name, completed on the stage's full barrier (cpasync_barrier_arrive_noinc).
-// A block's indices serve its K and V; those of the next block are loaded while this one's
-// copies are issued (one block ahead: the copies never wait for an index load).
+// The gather warps' loads (indexed keys): warp 2 copies K[n] and warp 3 V[n] of every key block,
+// from the last to the first, each stage by cp.async from the rows that the block's indices name,
+// completed on the stage's full barrier (cpasync_barrier_arrive_noinc: 32 arrivals). The next
+// block's indices are loaded while this one's copies are issued (one block ahead: the copies
+// never wait for an index load). One pipeline a warp keeps the producer within 40 registers.
 template <class Tile, class Pipeline, class Storage>
 __device__ __forceinline__ void gather_kv_blocks(const FwdArgs& a, int b, int h, int count, int n_min, int n_max,
                                                  Pipeline& pipe_k, Pipeline& pipe_v, Storage& ss, int gtid) {
   using namespace cute;
   using Element = typename Tile::Element;
-  using Indices = GatherRowIndices<Tile::kBlockN, kGatherThreads / 32>;
+  using Indices = GatherRowIndices<Tile::kBlockN, 1>;
   constexpr int kBlockN = Tile::kBlockN;
-  const int warp = gtid / 32, lane = gtid % 32;
+  const bool is_v = gtid >= 32;
+  const int lane = gtid % 32;
   const int32_t* rows = rows_row(a.kpos, b, h);
   const int64_t src_b = b / a.kpos.rows_batch_div, kvh = h / a.group;
   static_assert(is_sw128_layout<typename Tile::SmemLayoutKV, kBlockN, Tile::kHeadDim>(),
                 "the gather's addresses follow the K / V tiles' layout");
-  cutlass::PipelineState<Tile::kStages> write_k = cutlass::make_producer_start_state<Pipeline>();
-  cutlass::PipelineState<Tile::kStages> write_v = cutlass::make_producer_start_state<Pipeline>();
-  auto indices_of = [&](int nb, Indices& ix) { ix.load(rows + nb * kBlockN, count - nb * kBlockN, warp, lane); };
-  auto load = [&](Pipeline& pipe, auto& write, const Element* stages, const void* base, int64_t off, int64_t row_stride,
-                  const Indices& ix) {
-    pipe.producer_acquire(write);
-    gather_rows_sw128<kBlockN, Tile::kHeadDim, kGatherThreads / 32>(
-        cute::cast_smem_ptr_to_uint(stages) + write.index() * Tile::kKVStageBytes,
-        static_cast<const Element*>(base) + off, row_stride, ix, a.kpos.rows_source_len, a.head_dim, warp, lane);
-    pipe.producer_commit(write, cutlass::arch::cpasync_barrier_arrive_noinc);
-    ++write;
+  auto copy_blocks = [&](Pipeline& pipe, const Element* stages, const void* base, int64_t off, int64_t row_stride) {
+    const uint32_t s_stages = cute::cast_smem_ptr_to_uint(stages);
+    const Element* src = static_cast<const Element*>(base) + off;
+    cutlass::PipelineState<Tile::kStages> write = cutlass::make_producer_start_state<Pipeline>();
+    Indices ix, ix_next;
+    ix.load(rows + (n_max - 1) * kBlockN, count - (n_max - 1) * kBlockN, 0, lane);
+    for (int n = n_max - 1; n >= n_min; --n) {
+      if (n > n_min) ix_next.load(rows + (n - 1) * kBlockN, count - (n - 1) * kBlockN, 0, lane);
+      pipe.producer_acquire(write);
+      gather_rows_sw128<kBlockN, Tile::kHeadDim, 1>(s_stages + write.index() * Tile::kKVStageBytes, src, row_stride,
+                                                    ix, a.kpos.rows_source_len, a.head_dim, 0, lane);
+      pipe.producer_commit(write, cutlass::arch::cpasync_barrier_arrive_noinc);
+      ++write;
+      ix = ix_next;
+    }
   };
-  const int64_t k_off = src_b * a.k_bs + kvh * a.k_hs, v_off = src_b * a.v_bs + kvh * a.v_hs;
-  Indices ix_v, ix_k;  // V[n]'s (= K[n]'s), and the next K block's
-  int n = n_max - 1;
-  indices_of(n, ix_v);
-  if (n > n_min) indices_of(n - 1, ix_k);
-  load(pipe_k, write_k, ss.k.data(), a.k, k_off, a.k_rs, ix_v);
-  for (; n >= n_min; --n) {
-    if (n > n_min) load(pipe_k, write_k, ss.k.data(), a.k, k_off, a.k_rs, ix_k);
-    load(pipe_v, write_v, ss.v.data(), a.v, v_off, a.v_rs, ix_v);
-    ix_v = ix_k;
-    if (n - 2 >= n_min) indices_of(n - 2, ix_k);
-  }
+  // (one call per pipeline: a pipeline chosen at run time would live in local memory)
+  if (is_v) copy_blocks(pipe_v, ss.v.data(), a.v, src_b * a.v_bs + kvh * a.v_hs, a.v_rs);
+  else copy_blocks(pipe_k, ss.k.data(), a.k, src_b * a.k_bs + kvh * a.k_hs, a.k_rs);
   asm volatile("cp.async.wait_all;\n" ::);  // (no copy outlives its thread)
 }
 
@@ -183,9 +179,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
   }
 
   // Barriers: initialized by warp 0, visible to all before the roles split. Indexed keys: the
-  // K and V stages are filled by the gather warps' cp.async (kGatherThreads arrivals each).
+  // K and V stages are filled by the gather warps' cp.async (one warp a pipeline: 32 arrivals).
   const bool indexed = Tile::kKeyRows && a.kpos.rows != nullptr;
-  const auto kv_params = indexed ? cp_async_pipeline_params<Pipeline>(warp_group == 0, kConsumerThreads, kGatherThreads)
+  const auto kv_params = indexed ? cp_async_pipeline_params<Pipeline>(warp_group == 0, kConsumerThreads, 32)
                                  : tma_pipeline_params<Pipeline>(Tile::kKVStageBytes, warp_group == 0, kConsumerThreads);
   Pipeline pipe_k(ss.pipe_k, kv_params, Shape<_1, _1, _1>{});
   Pipeline pipe_v(ss.pipe_v, kv_params, Shape<_1, _1, _1>{});

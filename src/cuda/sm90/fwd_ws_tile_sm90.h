@@ -141,15 +141,11 @@ template <typename Element, int kHeadDim, FwdWsScores kScores> struct FwdWsConfi
 template <typename Element> struct FwdWsConfig<Element, 64, FwdWsScores::kPlain> {
   using Tile = FwdWsTile<Element, 64, 192, 128, 2, FwdWsScores::kPlain, 32, 160>;
 };
-// Key rows: the producer's gather warps (indexed keys) address two pipelines at 56 registers
-// (40 spilled them).
-constexpr int fwd_ws_producer_regs(FwdWsScores s) { return s == FwdWsScores::kKeyRows ? 56 : 40; }
-constexpr int fwd_ws_consumer_regs(FwdWsScores s) { return s == FwdWsScores::kKeyRows ? 224 : 232; }
 template <typename Element, FwdWsScores kScores> struct FwdWsConfig<Element, 64, kScores> {
-  using Tile = FwdWsTile<Element, 64, 128, 128, 2, kScores, fwd_ws_producer_regs(kScores), fwd_ws_consumer_regs(kScores)>;
+  using Tile = FwdWsTile<Element, 64, 128, 128, 2, kScores, 40, 232>;
 };
 template <typename Element, FwdWsScores kScores> struct FwdWsConfig<Element, 128, kScores> {
-  using Tile = FwdWsTile<Element, 128, 128, 128, 2, kScores, fwd_ws_producer_regs(kScores), fwd_ws_consumer_regs(kScores)>;
+  using Tile = FwdWsTile<Element, 128, 128, 128, 2, kScores, 40, 232>;
 };
 template <typename Element> struct FwdWsConfig<Element, 256, FwdWsScores::kPlain> {
   using Tile = FwdWsTile<Element, 256, 128, 80, 2, FwdWsScores::kPlain, 40, 232>;
