@@ -110,6 +110,13 @@ def nan_as_inf(scores: Tensor) -> Tensor:
     return scores.masked_fill(scores.isnan(), float("inf"))
 
 
+def selection_key_dtype(score_dtype: torch.dtype, num_keys: int) -> torch.dtype:
+    """The dtype of selection_key's key for scores of ``score_dtype`` (one with a key) over
+    ``num_keys`` keys: int32 for 16-bit scores up to 2^16 keys (|ordered| < 2^15 fits beside
+    the index), else int64."""
+    return torch.int32 if _BITS_DTYPE[score_dtype] == torch.int16 and num_keys <= 1 << 16 else torch.int64
+
+
 def selection_key(scores: Tensor, allowed: Optional[Tensor]) -> Optional[Tensor]:
     """An integer key per entry of ``scores`` (..., Sk), distinct within each row and ordered as
     dynamic_mask selects: the larger score first (NaN as +inf), equal scores (-0.0 == 0.0) by
@@ -127,10 +134,8 @@ def selection_key(scores: Tensor, allowed: Optional[Tensor]) -> Optional[Tensor]
     if bits_dtype is None:
         return None
     num_keys = scores.shape[-1]
-    if bits_dtype == torch.int16 and num_keys <= 1 << 16:
-        key_dtype, shift = torch.int32, 1 << 16  # |ordered| < 2^15: fits int32 with the index
-    else:
-        key_dtype, shift = torch.int64, 1 << 32
+    key_dtype = selection_key_dtype(scores.dtype, num_keys)
+    shift = 1 << 16 if key_dtype == torch.int32 else 1 << 32
     bits = nan_as_inf(scores).view(bits_dtype)
     # For negative bits (= MIN + magnitude), MIN - bits = -magnitude; the other branch's value
     # (which may wrap) is not used.

@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ._lib import check_cuda_device, lib
+from .masks import selection_key_dtype
 
 __all__ = ["attention_forward", "attention_backward", "attention_varlen_forward",
            "attention_varlen_backward", "supports_key_positions", "forward_with_grad",
@@ -157,28 +158,26 @@ def gather_key_rows(k: Tensor, v: Tensor, positions: Tensor,
 
 
 @functools.lru_cache(maxsize=None)
-def _native_per_query_glue() -> bool:
+def _lib_has(*names: str) -> bool:
+    """Whether the loaded library exports all of ``names`` (False without a library)."""
     try:
-        return hasattr(lib(), "prefix_thresholds")
+        return all(hasattr(lib(), name) for name in names)
     except Exception:  # noqa: BLE001 (no library: the ops report it where they are used)
         return False
 
 
 @torch.compiler.assume_constant_result
 def native_interval_ends_available() -> bool:
-    """Whether the loaded library has dmattn::interval_ends (CUDA's one-call selection after
-    the sort); constant for torch.compile."""
-    try:
-        return hasattr(lib(), "interval_ends") and hasattr(lib(), "selection_key")
-    except Exception:  # noqa: BLE001 (no library: the ops report it where they are used)
-        return False
+    """Whether the loaded library has dmattn::selection_key and dmattn::interval_ends (CUDA's
+    selection in native calls around the sort); constant for torch.compile."""
+    return _lib_has("interval_ends", "selection_key")
 
 
 @torch.compiler.assume_constant_result
 def per_query_glue_available() -> bool:
     """Whether the loaded library has the per-query glue (prefix_thresholds, segment_candidates);
     constant for torch.compile (a property of the loaded library)."""
-    return _native_per_query_glue()
+    return _lib_has("prefix_thresholds")
 
 
 # Custom ops (with fake implementations), so that torch.compile traces the per-query path
@@ -197,22 +196,18 @@ def _(ranks, order, keep):
     return torch.empty_like(ranks)
 
 
-def _selection_key_dtype(scores: Tensor) -> torch.dtype:
-    return torch.int32 if scores.element_size() == 2 and scores.shape[-1] <= 1 << 16 else torch.int64
-
-
 @torch.library.custom_op("dmattn::selection_key", mutates_args=())
 def native_selection_key(scores: Tensor, allowed: Optional[Tensor]) -> Tensor:
     """CUDA: dmattn.masks.selection_key of (R, S) contiguous float16 / bfloat16 / float32 scores
     in one kernel (int32 keys for 16-bit scores and S <= 2^16, else int64; dmattn/api.h)."""
-    key = torch.empty(scores.shape, dtype=_selection_key_dtype(scores), device=scores.device)
+    key = torch.empty(scores.shape, dtype=selection_key_dtype(scores.dtype, scores.shape[-1]), device=scores.device)
     lib().selection_key(scores, allowed, key)
     return key
 
 
 @native_selection_key.register_fake
 def _(scores, allowed):
-    return scores.new_empty(scores.shape, dtype=_selection_key_dtype(scores))
+    return scores.new_empty(scores.shape, dtype=selection_key_dtype(scores.dtype, scores.shape[-1]))
 
 
 @torch.library.custom_op("dmattn::interval_ends", mutates_args=())

@@ -229,8 +229,8 @@ def _interval_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, keep: int
     native = (k.is_cuda and k.dtype in _GLUE_DTYPES and v.dtype == k.dtype and head_dim <= 256
               and native_glue_available())
     # Indexed keys: the kernels read one row per kv head (the selection's rows shared by a kv
-    # head's queries).
-    indexed = native and INDEXED_KEYS and gathered_heads == heads_kv and not deterministic
+    # head's queries). (Deterministic mode never gets here on CUDA: _interval_path_allowed.)
+    indexed = native and INDEXED_KEYS and gathered_heads == heads_kv
     if not indexed:
         k_rows, v_rows = _SegmentRows.apply(_last_dim_contiguous(k), _last_dim_contiguous(v), index, slots,
                                             gathered_heads, native)

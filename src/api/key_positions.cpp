@@ -40,8 +40,6 @@ bool same_layout_as(const TensorDesc& e, const TensorDesc& t) {
 void set_key_positions(const TensorDesc& q, const GatheredKeys& gathered, ForwardParams& p) {
   check(gathered.key_positions != nullptr || gathered.key_ends == nullptr, ErrorKind::kValue,
         "key_ends: given without key_positions (it bounds the queries of gathered rows)");
-  check(gathered.key_positions != nullptr || gathered.key_rows == nullptr, ErrorKind::kValue,
-        "key_rows: given without key_positions (it says which source row each gathered row reads)");
   if (gathered.key_positions == nullptr) return;
   const TensorDesc& t = *gathered.key_positions;
   check_same_device(q, t, "key_positions");

@@ -22,6 +22,15 @@ void check_int_tensor(const TensorDesc& t, const TensorDesc& ref, const char* na
   checks::check_contiguous(t, name);
 }
 
+// An optional bool (R, S) mask of selectable keys beside `ref` (R, S): same device, contiguous.
+void check_allowed(const TensorDesc* allowed, const TensorDesc& ref) {
+  if (allowed == nullptr) return;
+  checks::check_same_device(ref, *allowed, "allowed");
+  checks::check_dtype(*allowed, DType::kBool, "allowed");
+  checks::check_contiguous(*allowed, "allowed");
+  checks::check_shape(*allowed, ref.shape, "allowed");
+}
+
 bool on_cuda(const TensorDesc& t) {
 #ifdef DMATTN_WITH_CUDA
   return t.device == DeviceKind::kCUDA;
@@ -71,12 +80,7 @@ void selection_key(const TensorDesc& scores, const TensorDesc* allowed, const Te
   checks::check_contiguous(key, "key");
   checks::check_shape(key, scores.shape, "key");
   check(num_keys < (int64_t(1) << 31), ErrorKind::kValue, "scores: expected Sk < 2^31, got ", num_keys);
-  if (allowed != nullptr) {
-    checks::check_same_device(scores, *allowed, "allowed");
-    checks::check_dtype(*allowed, DType::kBool, "allowed");
-    checks::check_contiguous(*allowed, "allowed");
-    checks::check_shape(*allowed, scores.shape, "allowed");
-  }
+  check_allowed(allowed, scores);
 #ifdef DMATTN_WITH_CUDA
   cuda::SelectionKeyArgs a;
   a.scores = scores.data;
@@ -105,12 +109,7 @@ void interval_ends(const TensorDesc& sorted, const TensorDesc* allowed, int64_t 
     check_int_tensor(t, sorted, name);
     checks::check_shape(t, sorted.shape, name);
   }
-  if (allowed != nullptr) {
-    checks::check_same_device(sorted, *allowed, "allowed");
-    checks::check_dtype(*allowed, DType::kBool, "allowed");
-    checks::check_contiguous(*allowed, "allowed");
-    checks::check_shape(*allowed, sorted.shape, "allowed");
-  }
+  check_allowed(allowed, sorted);
   const int64_t rows = sorted.shape[0], num_keys = sorted.shape[1];
   check(num_keys < (int64_t(1) << 30), ErrorKind::kValue, "sorted: expected Sk < 2^30, got ", num_keys);
   check(keep >= 1, ErrorKind::kValue, "keep: expected >= 1, got ", keep);

@@ -48,19 +48,15 @@ __device__ __forceinline__ void load_rows_async(SmemTensor& s, const Element* gm
   }
 }
 
-// Shared-memory byte offset of element (row, col) in wgmma's 128-byte-swizzled K-major layout
-// of 16-bit elements (cute::GMMA::Layout_K_SW128_Atom tiled over kRows rows first, from a
-// 1024-byte aligned base): 64-column halves of kRows 128-byte rows (sw128_linear_offset), the
-// 16-byte chunk k of row r at chunk k ^ (r % 8) (CuTe's Swizzle<3, 4, 3> on byte addresses).
-// The kernels that use it check the linear part and the swizzle against their CuTe layout
-// (static_assert).
+// wgmma's 128-byte-swizzled K-major layout of 16-bit elements (cute::GMMA::Layout_K_SW128_Atom
+// tiled over kRows rows first, from a 1024-byte aligned base): element (row, col) at byte
+// sw128_linear_offset(row, col) ^ ((row % 8) << 4) -- 64-column halves of kRows 128-byte rows,
+// the 16-byte chunk k of row r at chunk k ^ (r % 8) (CuTe's Swizzle<3, 4, 3> on byte
+// addresses). The kernels that write it directly check it against their CuTe layout
+// (is_sw128_layout, in a static_assert).
 template <int kRows>
 __host__ __device__ constexpr int sw128_linear_offset(int row, int col) {
   return (col / 64) * (kRows * 128) + row * 128 + (col % 64) * 2;
-}
-template <int kRows>
-__host__ __device__ constexpr int sw128_offset(int row, int col) {
-  return sw128_linear_offset<kRows>(row, col) ^ ((row % 8) << 4);
 }
 // Whether `Layout` (a K-major tile of 16-bit elements, (rows, cols[, stages])) is the one above.
 template <class Layout, int kRows, int kCols>
@@ -93,7 +89,7 @@ struct GatherRowIndices {
 };
 
 // Gathers a (kRows, kCols) tile of 16-bit elements into the 128-byte-swizzled K-major layout
-// (sw128_offset) at shared address s_tile: tile row r is row `index` of gmem (row stride
+// (above) at shared address s_tile: tile row r is row `index` of gmem (row stride
 // row_stride), the indices as GatherRowIndices loaded them (the caller loads them ahead, so that
 // the copies never wait for them); an index outside [0, src_rows) and columns >= cols_valid give
 // zeros. The two lanes of a pair copy the even and the odd 16-byte chunks of their row, so that

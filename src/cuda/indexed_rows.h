@@ -36,12 +36,10 @@ class GatheredRowsCopy {
     g.elem_bytes = elem_bytes;
     g.src_batch_div = a.kpos.rows_batch_div;
     g.src_rows = a.kpos.rows_source_len;
-    const bool vec16 = g.row_bytes % 16 == 0 && aligned16(a.k) && aligned16(a.v) &&
-                       (a.k_bs * elem_bytes) % 16 == 0 && (a.k_rs * elem_bytes) % 16 == 0 &&
-                       (a.k_hs * elem_bytes) % 16 == 0 && (a.v_bs * elem_bytes) % 16 == 0 &&
-                       (a.v_rs * elem_bytes) % 16 == 0 && (a.v_hs * elem_bytes) % 16 == 0;
     try {
-      gather_rows(g, vec16, stream);
+      // (16-byte chunks: the backend checked k and v for 16-byte aligned pointers and strides of
+      // multiples of 8 elements, check_seq_tensor, and head_dim is a multiple of 8)
+      gather_rows(g, /*vec16=*/true, stream);
     } catch (...) {
       cudaFreeAsync(copy_, stream);
       throw;
@@ -55,7 +53,6 @@ class GatheredRowsCopy {
   GatheredRowsCopy& operator=(const GatheredRowsCopy&) = delete;
 
  private:
-  static bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
   cudaStream_t stream_;
   void* copy_ = nullptr;
 };

@@ -62,19 +62,25 @@ __device__ __forceinline__ WindowMask position_window(const Args& a) {
   return WindowMask{a.seqlen_q, a.kpos.seqlen_k_original, a.window_left, a.window_right};
 }
 
+// The offset of row (b, h') of the operands that share key_positions' strides (positions, key
+// ends, key rows) for query head h.
+__device__ __forceinline__ int64_t kpos_row_offset(const KeyPositionsArgs& kp, int b, int h) {
+  return int64_t(b) * kp.stride_b + int64_t(h / kp.head_div) * kp.stride_h;
+}
+
 // key_positions[b, h', :] for query head h.
 __device__ __forceinline__ const int32_t* positions_row(const KeyPositionsArgs& kp, int b, int h) {
-  return kp.ptr + int64_t(b) * kp.stride_b + int64_t(h / kp.head_div) * kp.stride_h;
+  return kp.ptr + kpos_row_offset(kp, b, h);
 }
 
 // key_ends[b, h', :] for query head h, or null without key ends.
 __device__ __forceinline__ const int32_t* ends_row(const KeyPositionsArgs& kp, int b, int h) {
-  return kp.ends == nullptr ? nullptr : kp.ends + int64_t(b) * kp.stride_b + int64_t(h / kp.head_div) * kp.stride_h;
+  return kp.ends == nullptr ? nullptr : kp.ends + kpos_row_offset(kp, b, h);
 }
 
 // key_rows[b, h', :] for query head h, or null without indexed keys.
 __device__ __forceinline__ const int32_t* rows_row(const KeyPositionsArgs& kp, int b, int h) {
-  return kp.rows == nullptr ? nullptr : kp.rows + int64_t(b) * kp.stride_b + int64_t(h / kp.head_div) * kp.stride_h;
+  return kp.rows == nullptr ? nullptr : kp.rows + kpos_row_offset(kp, b, h);
 }
 
 // Per-element test of the score transform (score_mask.h): the positions of the columns it

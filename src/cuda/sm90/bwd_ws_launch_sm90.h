@@ -60,7 +60,8 @@ void launch_bwd_ws_tile(const BwdArgs& a, dim3 grid, cudaStream_t stream) {
                      ? tma_gmem_view(a.dq_accum, f.seqlen_q, f.head_dim, f.num_heads, f.batch, f.num_heads * hd, hd,
                                      f.seqlen_q * f.num_heads * hd)
                      : tma_gmem_view(a.delta, Tile::kBlockM, Tile::kDqBoxCols, 1, 1, Tile::kDqBoxCols, 0, 0);
-  // Indexed keys: warp 3 gathers K and V by cp.async; descriptors over q stand in for theirs.
+  // Indexed keys: the producer warpgroup copies K and V by cp.async; descriptors over q stand in
+  // for theirs (never used).
   const bool indexed = Tile::kKeyRows && f.kpos.rows != nullptr;
   const auto q_view = view(f.q, f.seqlen_q, f.num_heads, f.q_rs, f.q_hs, f.q_bs);
   BwdWsParams<Tile> p{

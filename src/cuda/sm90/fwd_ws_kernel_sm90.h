@@ -93,9 +93,8 @@ constexpr int kSchedThreads = 256;
 constexpr int kEpilogueBarrier = 4;
 constexpr int kTailBarrier = 7;  // all consumers: packed batches' V tail (clear_v_tail)
 
-// Indexed keys: warps 2 and 3 of the producer warpgroup gather the K and V rows.
+// Indexed keys: warps 2 and 3 of the producer warpgroup copy the K and V rows.
 constexpr int kGatherThread0 = 64;
-constexpr int kGatherThreads = 64;
 
 // The gather warps' loads (indexed keys): warp 2 copies K[n] and warp 3 V[n] of every key block,
 // from the last to the first, each stage by cp.async from the rows that the block's indices name,
