@@ -325,6 +325,10 @@ def test_key_ends_and_glue_errors_name_the_argument():
     with pytest.raises(NotImplementedError, match="sorted"):  # CUDA only: the CPU composes torch ops
         interval_ends_of_sorted(torch.zeros(2, 5, dtype=torch.int64), None, 3)
     if torch.cuda.is_available():
+        with pytest.raises(TypeError, match="scores"):  # float64 has no native key
+            native_selection_key(torch.zeros(2, 5, dtype=torch.float64, device="cuda"), None)
+        with pytest.raises(TypeError, match="allowed"):
+            native_selection_key(torch.zeros(2, 5, device="cuda"), torch.zeros(2, 5, dtype=torch.int32, device="cuda"))
         with pytest.raises(TypeError, match="sorted"):
             interval_ends_of_sorted(torch.zeros(2, 5, dtype=torch.int32, device="cuda"), None, 3)
         with pytest.raises(ValueError, match="keep"):
