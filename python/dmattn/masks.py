@@ -111,10 +111,10 @@ def nan_as_inf(scores: Tensor) -> Tensor:
 
 
 def selection_key_dtype(score_dtype: torch.dtype, num_keys: int) -> torch.dtype:
-    """The dtype of selection_key's key for scores of ``score_dtype`` (one with a key) over
-    ``num_keys`` keys: int32 for 16-bit scores up to 2^16 keys (|ordered| < 2^15 fits beside
-    the index), else int64."""
-    return torch.int32 if _BITS_DTYPE[score_dtype] == torch.int16 and num_keys <= 1 << 16 else torch.int64
+    """The dtype of selection_key's key for scores of ``score_dtype`` over ``num_keys`` keys:
+    int32 for 16-bit scores up to 2^16 keys (|ordered| < 2^15 fits beside the index), else
+    int64 (also for a dtype without a key, which selection_key and the native key refuse)."""
+    return torch.int32 if _BITS_DTYPE.get(score_dtype) == torch.int16 and num_keys <= 1 << 16 else torch.int64
 
 
 def selection_key(scores: Tensor, allowed: Optional[Tensor]) -> Optional[Tensor]:
