@@ -133,12 +133,15 @@ void run_backward(const BackwardParams& params);
 //   select_topk_positions: per row (b, h) of bias (rows_b, rows_h, Sk) -- 16/32-bit floats, any
 //     strides -- the `keep` keys with the largest bias (ties: the lower key index; -0.0 == 0.0;
 //     bit-pattern order, as dmattn.dynamic_mask) in increasing order, into positions, int32
-//     (rows_b, rows_h, keep) contiguous;
+//     (rows_b, rows_h, keep) contiguous; bias may also be the key-side bias itself, (rows_b,
+//     rows_h, 1, Sk); given, values (bias's dtype, (rows_b, rows_h, keep) or (rows_b, rows_h, 1,
+//     keep), contiguous) receives the bias at each selected position;
 //   gather_key_rows: k_rows[b, j, g] = k[b, positions[b', g', j], g] (v likewise; k, v (B, Sk, Hkv,
 //     D), positions (1 or B, 1 or Hkv, K) contiguous, k_rows / v_rows (B, K, Hkv, D) contiguous),
 //     and, given, bias_rows[b', g', j] = bias[b', g', positions[b', g', j]] (bias (rows of the
 //     positions..., Sk), bias_rows contiguous). A negative position gives zeros.
-void select_topk_positions(const TensorDesc& bias, int64_t keep, const TensorDesc& positions, void* stream);
+void select_topk_positions(const TensorDesc& bias, int64_t keep, const TensorDesc& positions, const TensorDesc* values,
+                           void* stream);
 void gather_key_rows(const TensorDesc& k, const TensorDesc& v, const TensorDesc& positions, const TensorDesc& k_rows,
                      const TensorDesc& v_rows, const TensorDesc* bias, const TensorDesc* bias_rows, void* stream);
 

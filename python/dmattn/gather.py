@@ -18,6 +18,7 @@ to key 0 from them.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Iterator, NamedTuple, Optional, Tuple
 
 import torch
@@ -36,6 +37,10 @@ _MAX_KEPT_FRACTION = 0.5
 _MIN_KEYS = 128
 
 _forced: Optional[str] = None
+
+# On CUDA the kernels read a key set's K and V rows in place (indexed keys) instead of from a
+# gathered copy; DMATTN_INDEXED_KEYS=0 makes the copy (comparisons).
+INDEXED_KEYS = os.environ.get("DMATTN_INDEXED_KEYS", "1") != "0"
 
 
 @contextlib.contextmanager
@@ -57,16 +62,24 @@ class KeySet(NamedTuple):
     """Keys kept per (batch, head), shared by all queries, as the gathered rows: ``positions``
     int32 (1 or B, 1 / Hkv / H, K), per row the kept key indices in increasing order, then -1
     (the key_positions operand); ``index`` int64, same shape, the key row each gathered row
-    reads (the position, 0 for padding). ``full``: no padding, i.e. the rows of a (batch, head)
-    read distinct keys (their gradients can be copied back rather than accumulated)."""
+    reads (the position, 0 for padding), or None for ``positions`` itself (a full set, made
+    when needed). ``full``: no padding, i.e. the rows of a (batch, head) read distinct keys
+    (their gradients can be copied back rather than accumulated). ``bias_rows``: given when the
+    set was selected from the call's bias, that bias at the kept keys, (positions' leading
+    dims, 1, K) (the native selection writes it: no gather)."""
     positions: Tensor
-    index: Tensor
+    index: Optional[Tensor]
     full: bool = False
+    bias_rows: Optional[Tensor] = None
 
     @property
     def width(self) -> int:
         """K, the number of gathered rows per (batch, head)."""
         return self.positions.shape[-1]
+
+    def key_index(self) -> Tensor:
+        """``index``, made from the positions when the set left it to be made."""
+        return self.positions.long() if self.index is None else self.index
 
 
 def _key_set_of_mask(kept: Tensor, width: int) -> KeySet:
@@ -74,18 +87,28 @@ def _key_set_of_mask(kept: Tensor, width: int) -> KeySet:
     return KeySet(positions, positions.long().clamp_min(0))
 
 
-def _key_side_view(t: Tensor, batch: int, heads: int, heads_kv: int, num_keys: int) -> Optional[Tensor]:
-    """A mask/bias of rank <= 4 without a query dimension as a (1 or B, 1 / Hkv / H, Sk) view
-    (its key dimension expanded), or None when it has a query dimension or does not follow the
-    broadcast rule (the dense path then reports the error)."""
+def _key_side_dims(t: Tensor, batch: int, heads: int, heads_kv: int,
+                   num_keys: int) -> Optional[Tuple[int, int, int]]:
+    """(b, h, s) of a mask/bias of rank <= 4 right-aligned to (b, h, 1, s), when it has no query
+    dimension and follows the broadcast rule (b 1 or B, h 1 / Hkv / H, s 1 or Sk), else None."""
     if t.dim() > 4:
         return None
     b, h, q, s = (1,) * (4 - t.dim()) + tuple(t.shape)
     if q != 1 or b not in (1, batch) or h not in (1, heads_kv, heads) or s not in (1, num_keys):
         return None
+    return b, h, s
+
+
+def _key_side_view(t: Tensor, batch: int, heads: int, heads_kv: int, num_keys: int) -> Optional[Tensor]:
+    """A mask/bias of rank <= 4 without a query dimension as a (1 or B, 1 / Hkv / H, Sk) view
+    (its key dimension expanded), or None when it has a query dimension or does not follow the
+    broadcast rule (the dense path then reports the error)."""
+    dims = _key_side_dims(t, batch, heads, heads_kv, num_keys)
+    if dims is None:
+        return None
     if t.dim() >= 2:  # squeeze, not t[..., 0, :]: its backward is a view (select's copies)
         t = t.squeeze(-2)
-    return t.expand(b, h, num_keys)  # adds the missing leading dims
+    return t.expand(dims[0], dims[1], num_keys)  # adds the missing leading dims
 
 
 def _gather_allowed(q: Tensor, k: Tensor, deterministic: bool) -> bool:
@@ -144,20 +167,25 @@ def topk_key_set(q: Tensor, k: Tensor, bias: Tensor, keep: int, mask: Optional[T
     heads_kv, num_keys = k.shape[2], k.shape[1]
     if keep >= num_keys and mask is None:
         return None  # every key is kept: the unmasked dense path reads them without copies
-    bias3 = _key_side_view(bias, batch, heads, heads_kv, num_keys)
-    mask3 = None if mask is None else _key_side_view(mask, batch, heads, heads_kv, num_keys)
-    if bias3 is None or (mask is not None and mask3 is None):
+    bias_dims = _key_side_dims(bias, batch, heads, heads_kv, num_keys)
+    if bias_dims is None or (mask is not None and _key_side_dims(mask, batch, heads, heads_kv, num_keys) is None):
         return None
     # dynamic_mask's errors; the broadcast of two (1 or B, 1 / Hkv / H) pairs is one of them.
     shape = selection_shape(bias_over_keys(bias, num_keys), keep, mask)
     rows = ((1,) * (4 - len(shape)) + shape)[:2]
-    scores = bias3.detach().expand(*rows, num_keys)
-    allowed = None if mask3 is None else mask3.expand(*rows, num_keys)
     width = min(keep, num_keys)
-    if mask is None and scores.is_cuda and scores.dtype in _GLUE_DTYPES and native_glue_available():
-        # The same selection as below (the order of selection_key) in one kernel, no torch ops.
-        positions = select_topk_positions(scores, width)
-        return KeySet(positions, positions.long(), full=True)
+    if mask is None and bias.is_cuda and bias.dtype in _GLUE_DTYPES and native_glue_available():
+        # The same selection as below (the order of selection_key) in one kernel, no torch ops;
+        # it also writes the bias at the kept keys (the bias operand of the gathered keys). Its
+        # rows are the bias's own (b, h): a (b, h, 1, Sk) bias is read as it is.
+        source = bias if bias.dim() == 4 and bias_dims[2] == num_keys else \
+            _key_side_view(bias, batch, heads, heads_kv, num_keys)
+        positions = torch.empty((*rows, width), dtype=torch.int32, device=bias.device)
+        bias_rows = torch.empty((*rows, 1, width), dtype=bias.dtype, device=bias.device)
+        select_topk_positions(source, width, positions, bias_rows)
+        return KeySet(positions, None, full=True, bias_rows=bias_rows)
+    scores = _key_side_view(bias, batch, heads, heads_kv, num_keys).detach().expand(*rows, num_keys)
+    allowed = None if mask is None else _key_side_view(mask, batch, heads, heads_kv, num_keys).expand(*rows, num_keys)
     key = selection_key(scores, allowed)
     if key is None:  # float64: the selection as a bool mask, compacted
         kept = _key_side_view(dynamic_mask(bias_over_keys(bias, num_keys), keep, mask), batch, heads,
@@ -284,31 +312,44 @@ def _gather_bias(bias: Tensor, index: Tensor, batch: int, heads: int, heads_kv: 
     return torch.gather(bias3, -1, index).unsqueeze(2)
 
 
+def _distinct_rows_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], key_set: KeySet, mode: str,
+                           options: tuple) -> Tuple[Tensor, Tensor, tuple]:
+    """The forward of _DistinctRowsAttention: (out, lse, what its backward needs). ``mode``:
+    "indexed" (CUDA: the kernels read the kept K / V rows in place, the bias rows come from the
+    selection), "native" (CUDA: one kernel gathers the K, V and bias rows), "torch" (torch
+    gathers)."""
+    batch, num_keys, heads_kv, _ = k.shape
+    positions, width = key_set.positions, key_set.width
+    key_rows = None
+    if mode == "indexed":
+        k_rows, v_rows, bias_rows, key_rows = k, v, key_set.bias_rows, positions
+    elif mode == "native":
+        k_rows, v_rows, bias_rows = gather_key_rows(k, v, positions, None if bias is None else bias[:, :, 0])
+    else:
+        index = key_set.key_index()
+        flat_index = _flat_row_index(index, batch, heads_kv, num_keys, heads_kv)
+        k_rows = _gather_rows(k, flat_index, width, heads_kv, distinct=False)  # (no autograd in here)
+        v_rows = _gather_rows(v, flat_index, width, heads_kv, distinct=False)
+        bias_rows = None if bias is None else bias.gather(-1, index.unsqueeze(-2))
+    out, lse = _call_op(attention_forward, q, k_rows, v_rows, None, bias_rows, *options, positions, num_keys, None,
+                        key_rows)
+    return out, lse, (q, k_rows, v_rows, bias_rows, out, lse, positions, key_rows)
+
+
 class _DistinctRowsAttention(torch.autograd.Function):
     """The gather path when no key row is read twice (a full key set, one gathered head per kv
-    head: attention_topk's per-key selection): the gathers of K, V and bias rows, the attention
-    op on them, and in the backward the copy of dK, dV, dbias back onto the original rows, as
+    head: attention_topk's per-key selection): the attention op on the kept rows (read in place,
+    or gathered), and in the backward the copy of dK, dV, dbias back onto the original rows, as
     ONE autograd node. Same values as the composed path (index_select, the op, index_copy_ /
     scatter back); the gathers are not recorded by autograd and the backward runs one node
-    instead of about ten: host time, which the GPU waits on at these sizes."""
+    instead of about ten: host time, which the GPU waits on at these sizes. Without a gradient
+    to compute, attention_over_key_set calls the forward's body directly (no node)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, positions, index, native, causal, window_left, window_right, scale,
-                softcap, deterministic):
-        batch, num_keys, heads_kv, _ = k.shape
-        width = positions.shape[-1]
-        flat_index = None  # (the backward's copy needs it; the native gathers do not)
-        if native:  # CUDA: one kernel for the K, V and bias rows
-            k_rows, v_rows, bias_rows = gather_key_rows(k, v, positions, None if bias is None else bias[:, :, 0])
-        else:
-            flat_index = _flat_row_index(index, batch, heads_kv, num_keys, heads_kv)
-            k_rows = _gather_rows(k, flat_index, width, heads_kv, distinct=False)  # (no autograd in here)
-            v_rows = _gather_rows(v, flat_index, width, heads_kv, distinct=False)
-            bias_rows = None if bias is None else bias.gather(-1, index.unsqueeze(-2))
-        options = (causal, window_left, window_right, scale, softcap, deterministic)
-        out, lse = _call_op(attention_forward, q, k_rows, v_rows, None, bias_rows, *options, positions, num_keys)
-        ctx.save_for_backward(q, k_rows, v_rows, bias_rows, out, lse, positions, index, flat_index)
-        ctx.options, ctx.num_keys = options, num_keys
+    def forward(ctx, q, k, v, bias, key_set, mode, options):
+        out, lse, saved = _distinct_rows_forward(q, k, v, bias, key_set, mode, options)
+        ctx.save_for_backward(*saved)
+        ctx.options, ctx.num_keys, ctx.key_set = options, k.shape[1], key_set
         ctx.shapes = (k.shape, v.shape, None if bias is None else bias.shape)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
@@ -318,16 +359,17 @@ class _DistinctRowsAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         if dout is None:  # out did not reach the loss
             return (None,) * len(ctx.needs_input_grad)
-        q, k_rows, v_rows, bias_rows, out, lse, positions, index, flat_index = ctx.saved_tensors
+        q, k_rows, v_rows, bias_rows, out, lse, positions, key_rows = ctx.saved_tensors
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         want_dbias = bias_rows is not None and ctx.needs_input_grad[3]
+        # With key_rows (read in place) dk / dv come back one row per kept row, as from a copy.
         dq, dk_rows, dv_rows, dbias_rows = _call_op(
             attention_backward, dout, q, k_rows, v_rows, out, lse, None, bias_rows, want_dbias, *ctx.options,
-            positions, ctx.num_keys)
+            positions, ctx.num_keys, None, False, key_rows)
         k_shape, v_shape, bias_shape = ctx.shapes
-        if flat_index is None:
-            flat_index = _flat_row_index(index, k_shape[0], k_shape[2], k_shape[1], k_shape[2])
+        index = ctx.key_set.key_index()
+        flat_index = _flat_row_index(index, k_shape[0], k_shape[2], k_shape[1], k_shape[2])
 
         def rows_back(rows: Tensor, shape) -> Tensor:  # zeros, then each gathered row's gradient
             full = rows.new_zeros(shape)
@@ -337,7 +379,7 @@ class _DistinctRowsAttention(torch.autograd.Function):
         dk = rows_back(dk_rows, k_shape) if ctx.needs_input_grad[1] else None
         dv = rows_back(dv_rows, v_shape) if ctx.needs_input_grad[2] else None
         dbias = dbias_rows.new_zeros(bias_shape).scatter_(-1, index.unsqueeze(-2), dbias_rows) if want_dbias else None
-        return (dq, dk, dv, dbias) + (None,) * 9
+        return dq, dk, dv, dbias, None, None, None
 
 
 def attention_over_key_set(q: Tensor, k: Tensor, v: Tensor, key_set: KeySet, bias: Optional[Tensor],
@@ -347,19 +389,25 @@ def attention_over_key_set(q: Tensor, k: Tensor, v: Tensor, key_set: KeySet, bia
     as in the dense path), computed on the gathered keys only."""
     batch, _, heads, _ = q.shape
     num_keys, heads_kv = k.shape[1], k.shape[2]
-    positions, index = key_set.positions, key_set.index
+    positions = key_set.positions
     # One kept set per kv head (positions heads 1 or Hkv): gather Hkv heads, the kernel's GQA
     # shares them. One per query head (H != Hkv): gather per query head.
     gathered_heads = heads if positions.shape[1] == heads != heads_kv else heads_kv
     # One autograd node when no row is read twice and the bias (if any) has the key set's rows.
     bias_fits = bias is None or (bias.dim() == 4 and bias.shape[2] == 1 and bias.shape[3] == num_keys
-                                 and tuple(bias.shape[:2]) == tuple(index.shape[:2]))
+                                 and tuple(bias.shape[:2]) == tuple(positions.shape[:2]))
     if key_set.full and gathered_heads == heads_kv and bias_fits and not torch.compiler.is_compiling():
         native = (k.is_cuda and k.dtype in _GLUE_DTYPES and v.dtype == k.dtype and k.stride(-1) == 1
                   and v.stride(-1) == 1 and positions.is_contiguous()
                   and (bias is None or bias.dtype in _GLUE_DTYPES) and native_glue_available())
-        return _DistinctRowsAttention.apply(q, k, v, bias, positions, index, native, causal, window_left,
-                                            window_right, scale, softcap, deterministic)
+        mode = "torch"
+        if native:
+            mode = "indexed" if INDEXED_KEYS and (bias is None or key_set.bias_rows is not None) else "native"
+        options = (causal, window_left, window_right, scale, softcap, deterministic)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias)):
+            return _DistinctRowsAttention.apply(q, k, v, bias, key_set, mode, options)
+        return _distinct_rows_forward(q, k, v, bias, key_set, mode, options)[:2]
+    index = key_set.key_index()
     # Padding rows (-1) read key 0 (index); the kernel never attends to them (zero gradient).
     flat_index = _flat_row_index(index, batch, gathered_heads, num_keys, heads_kv)
     k_rows = _gather_rows(k, flat_index, key_set.width, gathered_heads, key_set.full)

@@ -127,12 +127,16 @@ def native_glue_available() -> bool:
         return False
 
 
-def select_topk_positions(scores: Tensor, keep: int) -> Tensor:
+def select_topk_positions(scores: Tensor, keep: int, positions: Optional[Tensor] = None,
+                          values: Optional[Tensor] = None) -> Tensor:
     """int32 (R_b, R_h, keep): per row of ``scores`` (R_b, R_h, Sk) on CUDA (16/32-bit floats,
     any strides), the ``keep`` keys with the largest score in increasing order (ties: the lower
-    index; -0.0 == 0.0: dynamic_mask's selection). One kernel."""
-    positions = torch.empty((*scores.shape[:2], keep), dtype=torch.int32, device=scores.device)
-    lib().select_topk_positions(scores, keep, positions)
+    index; -0.0 == 0.0: dynamic_mask's selection). One kernel. Written into ``positions`` when
+    given; ``values`` (scores' dtype, (R_b, R_h, keep) or (R_b, R_h, 1, keep)), when given,
+    receives the scores at the selected keys."""
+    if positions is None:
+        positions = torch.empty((*scores.shape[:2], keep), dtype=torch.int32, device=scores.device)
+    lib().select_topk_positions(scores, keep, positions, values)
     return positions
 
 

@@ -23,6 +23,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from . import gather
 from .gather import _key_side_view, _to_heads, _combined_heads
 from .interface import _last_dim_contiguous, _parse_options, _parse_window, attention_on
 from .masks import bias_over_keys, cached_index_tensor
@@ -44,7 +45,7 @@ _forced_dense = False
 
 # On CUDA the kernels read the candidates' K and V rows in place (indexed keys) instead of from
 # a gathered copy; DMATTN_INDEXED_KEYS=0 makes the copy (comparisons).
-INDEXED_KEYS = os.environ.get("DMATTN_INDEXED_KEYS", "1") != "0"
+INDEXED_KEYS = gather.INDEXED_KEYS
 
 
 def _check_key_side(t: Optional[Tensor], name: str, q: Tensor, k: Tensor) -> None:

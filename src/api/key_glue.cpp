@@ -32,23 +32,36 @@ void check_cuda_tensor(const TensorDesc& t, const TensorDesc& ref, const char* n
 
 }  // namespace
 
-void select_topk_positions(const TensorDesc& bias, int64_t keep, const TensorDesc& positions, void* stream) {
+void select_topk_positions(const TensorDesc& bias, int64_t keep, const TensorDesc& positions, const TensorDesc* values,
+                           void* stream) {
   check_cuda_tensor(bias, bias, "bias");
   check_cuda_tensor(positions, bias, "positions");
-  checks::check_rank(bias, 3, "bias", "(rows_b, rows_h, Sk)");
+  // (rows_b, rows_h, Sk), or the key-side bias itself, (rows_b, rows_h, 1, Sk).
+  check(bias.rank() == 3 || (bias.rank() == 4 && bias.shape[2] == 1), ErrorKind::kValue,
+        "bias: expected shape (rows_b, rows_h, Sk) or (rows_b, rows_h, 1, Sk), got ", bias.shape_str());
+  const int key_dim = bias.rank() == 4 ? 3 : 2;
   check_float_16_or_32(bias, "bias");
-  const int64_t num_keys = bias.shape[2];
+  const int64_t num_keys = bias.shape[key_dim];
   check(keep >= 1 && keep <= num_keys && num_keys < (int64_t(1) << 31), ErrorKind::kValue,
         "keep: expected 1 <= keep <= Sk = ", num_keys, " (< 2^31), got ", keep);
   checks::check_dtype(positions, DType::kInt32, "positions");
   checks::check_shape(positions, {bias.shape[0], bias.shape[1], keep}, "positions");
   checks::check_contiguous(positions, "positions");
+  if (values != nullptr) {
+    check_cuda_tensor(*values, bias, "values");
+    checks::check_dtype(*values, bias.dtype, "values");
+    if (values->rank() == 4)
+      checks::check_shape(*values, {bias.shape[0], bias.shape[1], 1, keep}, "values");
+    else
+      checks::check_shape(*values, {bias.shape[0], bias.shape[1], keep}, "values");
+    checks::check_contiguous(*values, "values");
+  }
 #ifdef DMATTN_WITH_CUDA
   cuda::TopkPositionsArgs a;
   a.bias = bias.data;
   a.stride_b = bias.strides[0];
   a.stride_h = bias.strides[1];
-  a.stride_k = bias.strides[2];
+  a.stride_k = bias.strides[key_dim];
   a.rows_b = bias.shape[0];
   a.rows_h = bias.shape[1];
   a.num_keys = num_keys;
@@ -56,6 +69,7 @@ void select_topk_positions(const TensorDesc& bias, int64_t keep, const TensorDes
   a.elem_bytes = int(dtype_size(bias.dtype));
   a.inf_bits = bias.dtype == DType::kFloat16 ? 0x7C00u : bias.dtype == DType::kBFloat16 ? 0x7F80u : 0x7F800000u;
   a.positions = static_cast<int32_t*>(positions.data);
+  a.values = values != nullptr ? values->data : nullptr;
   cuda::topk_positions(a, stream);
 #else
   (void)stream;

@@ -220,8 +220,11 @@ void* glue_stream(const TensorView& t) {
   return device.device_type == kDLCUDA ? TVMFFIEnvGetStream(kDLCUDA, device.device_id) : nullptr;
 }
 
-void select_topk_positions(TensorView bias, int64_t keep, TensorView positions) {
-  translate_errors([&] { dmattn::select_topk_positions(to_desc(bias), keep, to_desc(positions), glue_stream(bias)); });
+void select_topk_positions(TensorView bias, int64_t keep, TensorView positions, Optional<TensorView> values) {
+  translate_errors([&] {
+    const OptionalDesc values_d(values);
+    dmattn::select_topk_positions(to_desc(bias), keep, to_desc(positions), values_d.get(), glue_stream(bias));
+  });
 }
 
 void gather_key_rows(TensorView k, TensorView v, TensorView positions, TensorView k_rows, TensorView v_rows,

@@ -3,7 +3,7 @@
 //   * topk_positions: per row of a key-side bias, the indices of the `keep` largest values in
 //     increasing order -- dynamic_mask's selection (larger bias first, equal values, -0.0 ==
 //     0.0 included, by the lower key index; a NaN ranks as +inf) as the sorted key_positions
-//     operand;
+//     operand -- and optionally the bias at them (the gathered bias operand);
 //   * gather_key_rows: the K, V (and bias) rows at those positions, laid out as the kernels'
 //     gathered operands.
 // One CTA per row selects by a radix select on an order-preserving 32-bit key of the bias's
@@ -94,13 +94,18 @@ __global__ void __launch_bounds__(kSelectThreads) topk_positions_kernel(TopkPosi
   BlockScan(scan_storage).ExclusiveSum(counts, before);
   int64_t above = before >> 32, equal = before & 0xffffffffLL;
   int32_t* out = a.positions + row * a.keep;
+  Bits* out_values = a.values != nullptr ? static_cast<Bits*>(a.values) + row * a.keep : nullptr;
+  auto put = [&](int64_t slot, int64_t i) {
+    out[slot] = int32_t(i);
+    if (out_values != nullptr) out_values[slot] = src[i * a.stride_k];  // the bias's own bits, NaN included
+  };
   for (int64_t i = begin; i < end; ++i) {
     const uint32_t u = key(i);
     if (u > threshold) {
-      out[above + min(equal, int64_t(left))] = int32_t(i);
+      put(above + min(equal, int64_t(left)), i);
       ++above;
     } else if (u == threshold) {
-      if (equal < left) out[above + equal] = int32_t(i);
+      if (equal < left) put(above + equal, i);
       ++equal;
     }
   }

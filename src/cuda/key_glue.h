@@ -10,7 +10,8 @@ namespace dmattn::cuda {
 
 // Rows (b, h) of a key-side bias, bias[b * stride_b + h * stride_h + i * stride_k] for key i <
 // num_keys (16- or 32-bit floats, elem_bytes 2 or 4); positions: int32 (rows_b, rows_h, keep),
-// contiguous; 1 <= keep <= num_keys.
+// contiguous; 1 <= keep <= num_keys. values, when given: the bias at each selected position, same
+// layout as positions in the bias's element type.
 struct TopkPositionsArgs {
   const void* bias = nullptr;
   int64_t stride_b = 0, stride_h = 0, stride_k = 0;
@@ -20,6 +21,7 @@ struct TopkPositionsArgs {
   // float32): a larger magnitude is a NaN, which the selection ranks as +inf.
   uint32_t inf_bits = 0x7F800000u;
   int32_t* positions = nullptr;
+  void* values = nullptr;
 };
 
 // dst[b, j, g, :] = src[b, positions[b', g', j], g, :] for operand 0 (k) and 1 (v): dst

@@ -98,3 +98,45 @@ def test_random_forward_large(seed, nan_poison):
     _check_fwd(c)
 
 
+
+
+@pytest.mark.parametrize("kind", ["full", "per_key", "topk"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_large_bias_offsets_forward(kind, d, nan_poison):
+    """Biased scores far from zero: rows whose maximum lies between -1e5 and 3e4 (where an
+    exponent computed as s * log2e - m * log2e in one FMA would be off by the rounding of
+    m * log2e, src/cuda/softmax.h), against the float64 reference (softmax is shift-invariant,
+    so the offsets change nothing but the rounding). Full biases, per-key biases and the top-k
+    gather path (per-key rows with gathered keys)."""
+    import dmattn
+    g = torch.Generator(device="cpu").manual_seed(d + len(kind))
+    b, h, sq, sk = 2, 4, 300, 700
+    q = torch.randn(b, sq, h, d, generator=g).to("cuda", torch.bfloat16)
+    k = torch.randn(b, sk, h, d, generator=g).to("cuda", torch.bfloat16)
+    v = torch.randn(b, sk, h, d, generator=g).to("cuda", torch.bfloat16)
+    offsets = torch.tensor([0.0, 1000.0, -2500.0, 2900.0, -3000.0, 6000.0, -1e5, 3e4])
+    if kind == "full":  # per query row
+        shape, shift = (b, h, sq, sk), offsets[torch.arange(sq) % 8].view(1, 1, sq, 1)
+    else:  # per (batch, head)
+        shape, shift = (b, h, 1, sk), offsets.view(b, h, 1, 1)
+    bias = (4 * torch.randn(shape, generator=g) + shift).to("cuda", torch.bfloat16)
+    if kind == "topk":
+        out, lse = dmattn.attention_topk(q, k, v, bias, 300, causal=True, return_lse=True)
+        allowed = dmattn.dynamic_mask(bias, 300).expand(b, h, sq, sk).clone()
+    else:
+        out, lse = dmattn.attention(q, k, v, bias=bias, causal=True, return_lse=True)
+        allowed = torch.ones(b, h, sq, sk, dtype=torch.bool, device="cuda")
+    i = torch.arange(sq, device="cuda")[:, None]
+    j = torch.arange(sk, device="cuda")[None, :]
+    allowed &= j <= i + sk - sq
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) / d ** 0.5 + bias.double()
+    s = s.masked_fill(~allowed, float("-inf"))
+    empty = ~allowed.any(-1)
+    ref_lse = torch.logsumexp(s, dim=-1)
+    ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1).nan_to_num(0.0), v.double())
+    assert torch.isfinite(out).all()
+    assert (out.permute(0, 2, 1, 3)[empty] == 0).all()
+    err = (out.double() - ref).abs().max().item()
+    assert err < 2e-2 * max(1.0, ref.abs().max().item()), err
+    lse_err = ((lse.double() - ref_lse).abs() - 2e-6 * ref_lse.abs())[~empty].max().item()
+    assert lse_err < 1e-2, lse_err  # (float32 lse: 2e-6 relative at the offsets' magnitudes)

@@ -41,6 +41,21 @@ def test_select_topk_positions_matches_torch(dtype, kind, num_keys, keep):
     torch.testing.assert_close(got, _reference_positions(scores, keep), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", ["random", "special"])
+def test_select_topk_values_are_the_scores_at_the_positions(dtype, kind):
+    """The optional values output: the scores at the selected keys, bit for bit (NaN, -0.0 and
+    infinities included), from a (rows_b, rows_h, Sk) view or the (rows_b, rows_h, 1, Sk) bias."""
+    bias = _scores(kind, (2, 3, 1, 1000), dtype)
+    for scores, values_shape in ((bias[:, :, 0], (2, 3, 37)), (bias, (2, 3, 1, 37))):
+        values = torch.full(values_shape, 7.0, device="cuda", dtype=dtype)
+        positions = ops.select_topk_positions(scores, 37, values=values)
+        torch.testing.assert_close(positions, _reference_positions(bias[:, :, 0], 37), rtol=0, atol=0)
+        want = torch.gather(bias[:, :, 0], -1, positions.long())
+        bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(values.reshape(want.shape).view(bits), want.view(bits))
+
+
 def test_select_topk_positions_strided_and_broadcast_rows():
     base = _scores("ties", (3, 2, 500), torch.bfloat16)
     for scores in (base.transpose(0, 1), base[:, :1].expand(3, 4, 500), base[..., ::2], base[:1, :1, :1].expand(2, 2, 300)):
@@ -76,6 +91,12 @@ def test_glue_errors_name_the_argument():
         ops.select_topk_positions(scores, 101)
     with pytest.raises(TypeError, match="bias"):
         ops.select_topk_positions(scores.double(), 10)
+    with pytest.raises(ValueError, match="bias"):  # rank 4 needs a query dim of 1
+        ops.select_topk_positions(scores.view(2, 3, 2, 50), 10)
+    with pytest.raises(TypeError, match="values"):
+        ops.select_topk_positions(scores, 10, values=torch.empty(2, 3, 10, device="cuda", dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="values"):
+        ops.select_topk_positions(scores, 10, values=torch.empty(2, 3, 11, device="cuda"))
     k = torch.randn(1, 50, 2, 16, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="v"):
         ops.gather_key_rows(k, k.float(), torch.zeros(1, 2, 5, dtype=torch.int32, device="cuda"), None)
@@ -83,14 +104,18 @@ def test_glue_errors_name_the_argument():
         ops.gather_key_rows(k, k, torch.zeros(1, 3, 5, dtype=torch.int32, device="cuda"), None)
 
 
-def test_attention_topk_takes_the_native_glue(monkeypatch):
-    """attention_topk (no mask, CUDA) selects with the native kernel and gathers natively; its
-    output equals the torch composition's (the glue off) exactly, its gradients up to dQ's
-    atomic summation order."""
+@pytest.mark.parametrize("indexed", [True, False])
+def test_attention_topk_takes_the_native_glue(monkeypatch, indexed):
+    """attention_topk (no mask, CUDA) selects with the native kernel, which also writes the bias
+    at the kept keys; the kernels then read the kept K / V rows in place (indexed keys) or from
+    a native gather (DMATTN_INDEXED_KEYS=0). The output equals the torch composition's (the glue
+    off) exactly, the gradients up to dQ's atomic summation order; no gradient to compute takes
+    no autograd node and gives the same output."""
     calls = []
     for name in ("select_topk_positions", "gather_key_rows"):
         fn = getattr(gather, name)
-        monkeypatch.setattr(gather, name, lambda *a, _fn=fn, _n=name: calls.append(_n) or _fn(*a))
+        monkeypatch.setattr(gather, name, lambda *a, _fn=fn, _n=name, **kw: calls.append(_n) or _fn(*a, **kw))
+    monkeypatch.setattr(gather, "INDEXED_KEYS", indexed)
     g = torch.Generator().manual_seed(3)
     q, k, v, dout = (torch.randn(2, 512, 4, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(4))
     bias = torch.randn(2, 4, 1, 512, generator=g).to("cuda", torch.bfloat16)
@@ -100,7 +125,12 @@ def test_attention_topk_takes_the_native_glue(monkeypatch):
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v, bias)]
         out = dmattn.attention_topk(*leaves[:3], leaves[3], 100, causal=True)
         results.append((out, *torch.autograd.grad(out, leaves, dout)))
-    assert calls == ["select_topk_positions", "gather_key_rows"]
+    assert calls == (["select_topk_positions"] if indexed else ["select_topk_positions", "gather_key_rows"])
     torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)  # same kernel inputs
     for a, b in zip(results[0][1:], results[1][1:]):  # (dq sums with atomics: its order may differ)
         torch.testing.assert_close(a, b)
+    monkeypatch.setattr(gather, "native_glue_available", lambda: True)
+    with torch.no_grad():
+        out = dmattn.attention_topk(q, k, v, bias, 100, causal=True)
+    assert out.grad_fn is None
+    torch.testing.assert_close(out, results[0][0], rtol=0, atol=0)
