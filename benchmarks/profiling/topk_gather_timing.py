@@ -7,8 +7,9 @@ Times (median of CUDA events, dmattn.bench.time_ms) for bf16, D=128, H=16, a per
   * attention_topk end to end (top-k selection, positions, gathers, kernels, scatter-back),
     forward and forward+backward, gather path and (for comparison) the dense masked path;
   * its pieces at B=2, S=8192: the dense path's selection (dynamic_mask), the gather path's
-    key set with its positions (its own selection included), the gathers of K/V/bias, the raw
-    forward and backward ops on gathered rows;
+    key set (its selection kernel, which also writes the bias at the kept keys), the copies of
+    the kept K / V rows, the raw forward and backward ops reading the kept rows in place and
+    from the copies, the scatter-back of dK, dV;
   * the scaling series S = 4096 .. 32768 at B=1 (work should follow keep, not S);
   * --profile: the CUDA kernels of one forward and one forward+backward step (torch.profiler), by total time,
     the step's GPU idle gaps (where the GPU waited for the host, and before which kernel), and
@@ -57,32 +58,36 @@ def step_fns(q, k, v, bias, dout, path=None):
 
 
 def pieces(q, k, v, bias, dout, warmup, iters):
-    """Times of the gather path's parts on these inputs (ms)."""
+    """Times of the gather path's parts on these inputs (ms): the selection, then the kernels
+    reading the kept rows in place (the default) and from gathered copies
+    (DMATTN_INDEXED_KEYS=0)."""
     batch, num_keys = q.shape[0], k.shape[1]
     t = {}
     t["selection (dynamic_mask)"] = time_ms(lambda: dmattn.dynamic_mask(bias, KEEP), "cuda", warmup, iters)
 
-    def key_set_and_positions():  # the selection included: top-k of the key, sorted positions
+    def key_set():  # the selection: sorted positions and the bias at them, one kernel
         return gather.topk_key_set(q, k, bias, KEEP, None, False)
 
-    t["key set + positions (selection included)"] = time_ms(key_set_and_positions, "cuda", warmup, iters)
-    positions, index, _ = key_set_and_positions()
-    flat = gather._flat_row_index(index, batch, H, num_keys, k.shape[2])
+    t["key set: positions + bias rows (one kernel)"] = time_ms(key_set, "cuda", warmup, iters)
+    ks = key_set()
+    positions, bias_rows = ks.positions, ks.bias_rows
+    flat = gather._flat_row_index(ks.key_index(), batch, H, num_keys, k.shape[2])
 
     def gathers():
-        return (gather._gather_rows(k, flat, KEEP, H, True), gather._gather_rows(v, flat, KEEP, H, True),
-                gather._gather_bias(bias, index, batch, H, H, num_keys))
+        return (gather._gather_rows(k, flat, KEEP, H, True), gather._gather_rows(v, flat, KEEP, H, True))
 
-    t["gathers of K, V, bias"] = time_ms(gathers, "cuda", warmup, iters)
-    k_rows, v_rows, bias_rows = (x.detach() for x in gathers())
+    t["copies of the kept K, V rows"] = time_ms(gathers, "cuda", warmup, iters)
+    k_rows, v_rows = (x.detach() for x in gathers())
     opts = (True, -1, -1, None, 0.0, False)
-    fwd = lambda: torch.ops.dmattn.fwd(q.detach(), k_rows, v_rows, None, bias_rows, *opts, positions, num_keys)
-    t["forward kernel (raw op)"] = time_ms(fwd, "cuda", warmup, iters)
-    out, lse = fwd()
-    bwd = lambda: torch.ops.dmattn.bwd(dout, q.detach(), k_rows, v_rows, out, lse, None, bias_rows, True, *opts,
-                                       positions, num_keys)
-    t["backward kernels (raw op)"] = time_ms(bwd, "cuda", warmup, iters)
-    grads = bwd()
+    q0, k0, v0 = q.detach(), k.detach(), v.detach()
+    for rows, (kk, vv, key_rows) in (("in place", (k0, v0, positions)), ("copies", (k_rows, v_rows, None))):
+        fwd = lambda: torch.ops.dmattn.fwd(q0, kk, vv, None, bias_rows, *opts, positions, num_keys, None, key_rows)
+        t[f"forward kernel, rows {rows} (raw op)"] = time_ms(fwd, "cuda", warmup, iters)
+        out, lse = fwd()
+        bwd = lambda: torch.ops.dmattn.bwd(dout, q0, kk, vv, out, lse, None, bias_rows, True, *opts, positions,
+                                           num_keys, None, False, key_rows)
+        t[f"backward kernels, rows {rows} (raw op)"] = time_ms(bwd, "cuda", warmup, iters)
+        grads = bwd()
 
     def scatter_back():
         zeros = torch.zeros(batch * num_keys * H, D, dtype=k.dtype, device=k.device)
