@@ -324,7 +324,8 @@ def _distinct_rows_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tenso
     positions, width = key_set.positions, key_set.width
     key_rows = None
     if mode == "indexed":
-        k_rows, v_rows, bias_rows, key_rows = k, v, key_set.bias_rows, positions
+        k_rows, v_rows, key_rows = k, v, positions
+        bias_rows = None if bias is None else key_set.bias_rows
     elif mode == "native":
         k_rows, v_rows, bias_rows = gather_key_rows(k, v, positions, None if bias is None else bias[:, :, 0])
     else:
