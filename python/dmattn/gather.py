@@ -9,8 +9,9 @@ autograd scatters dk, dv and dbias back onto the original rows and sums GQA grou
 dmattn::fwd runs on the K gathered rows with the positions, against which causal and window
 are tested. Where no row is read twice (attention_topk without a mask), one autograd node does
 the gathers and the scatter-back, and on CUDA the selection kernel writes the bias rows and the
-kernels read the kept K and V rows in place (``key_rows``, indexed keys) instead of copies. Work and memory then scale with K instead of Sk. Results equal the dense masked
-path up to the order of floating-point summation. See docs/semantics.md, "Gather path".
+kernels read the kept K and V rows in place (``key_rows``, indexed keys) instead of copies.
+Work and memory then scale with K instead of Sk. Results equal the dense masked path up to the
+order of floating-point summation. See docs/semantics.md, "Gather path".
 
 Padding rows (position -1) read key 0 but are never attended to: the kernels treat any
 position outside [0, Sk) as masked and give those rows zero gradients, so nothing flows back
