@@ -33,10 +33,14 @@ def _last_dim_contiguous(x: Tensor) -> Tensor:
 
 
 def _parse_window(window) -> Tuple[int, int]:
-    if (not isinstance(window, Sequence) or isinstance(window, str) or len(window) != 2
+    # (a tuple of two plain ints, the usual call, is checked without the abc machinery)
+    if type(window) is tuple and len(window) == 2 and type(window[0]) is int and type(window[1]) is int:
+        left, right = window
+    elif (not isinstance(window, Sequence) or isinstance(window, str) or len(window) != 2
             or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window)):
         raise TypeError(f"window: expected a pair of ints (left, right), -1 = unbounded, got {window!r}")
-    left, right = int(window[0]), int(window[1])
+    else:
+        left, right = int(window[0]), int(window[1])
     if left < -1 or right < -1:
         raise ValueError(f"window: expected values >= -1 (-1 = unbounded), got {(left, right)}")
     return left, right
@@ -51,6 +55,8 @@ def _is_finite(x: float) -> bool:
 def _parse_float(x, name: str, allow_none: bool) -> Optional[float]:
     if x is None and allow_none:
         return None
+    if type(x) is float:  # (the usual call, without the abc machinery)
+        return x
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name}: expected a float, got {type(x).__name__}")
     return float(x)

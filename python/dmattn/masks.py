@@ -20,6 +20,8 @@ _MAX_RANK = 4
 
 
 def check_keep(keep) -> int:
+    if type(keep) is int and keep > 0:  # (the usual call, without the abc machinery)
+        return keep
     if isinstance(keep, bool) or not isinstance(keep, numbers.Integral):
         raise TypeError(f"keep: expected a positive int, got {type(keep).__name__}")
     if keep <= 0:

@@ -35,6 +35,9 @@ __all__ = ["attention_forward", "attention_backward", "attention_varlen_forward"
            "varlen_forward_with_grad", "check_devices"]
 
 
+_ROCM = torch.version.hip is not None  # (torch's "cuda" device is then a ROCm GPU)
+
+
 def _lse_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
@@ -46,7 +49,7 @@ def _cuda_layout(x: Tensor) -> Tensor:
     offset, a slice of a packed qkv with odd strides) into a fresh contiguous tensor here, as
     FlashAttention's wrappers do, instead of failing. Runs inside the op bodies, on real
     tensors only (never while tracing)."""
-    if x.device.type != "cuda":
+    if not x.is_cuda:
         return x
     bad_stride = any(st % 8 for st, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1)
     if x.data_ptr() % 16 == 0 and not bad_stride:
@@ -68,16 +71,17 @@ def check_devices(**tensors: Optional[Tensor]) -> None:
     kernels for): an older one is refused by name here rather than failing a kernel launch."""
     gpu_checked = False
     for name, t in tensors.items():
-        if not isinstance(t, Tensor):
+        if t is None or not isinstance(t, Tensor):
             continue  # absent, or a type error that the caller reports
-        kind = t.device.type
-        if kind not in ("cpu", "cuda") or (kind == "cuda" and torch.version.hip is not None):
-            where = "a ROCm GPU" if kind == "cuda" else f"the {kind} device"
+        # (is_cuda / is_cpu: no device object per tensor, on every call of the API)
+        if t.is_cuda and not _ROCM:
+            if not gpu_checked and not torch.compiler.is_compiling():
+                gpu_checked = True
+                check_cuda_device(t.device)
+        elif not t.is_cpu:
+            where = "a ROCm GPU" if t.is_cuda else f"the {t.device.type} device"
             raise ValueError(f"{name}: dmattn runs on CPU and NVIDIA CUDA tensors; this one is "
                              f"on {where} ({t.device})")
-        if kind == "cuda" and not gpu_checked and not torch.compiler.is_compiling():
-            gpu_checked = True
-            check_cuda_device(t.device)
 
 
 def _scale_arg(scale: Optional[float]) -> float:
@@ -310,7 +314,7 @@ def attention_forward(
     check_devices(q=q, k=k, v=v, mask=mask, bias=bias, key_positions=key_positions, key_ends=key_ends,
                   key_rows=key_rows)
     _check_rank(q, "q", "(batch, seqlen_q, num_heads, head_dim)")
-    if key_positions is None and q.device.type == "cuda":  # short Sq: the split-KV kernel (decode.py)
+    if key_positions is None and q.is_cuda:  # short Sq: the split-KV kernel (decode.py)
         from .decode import maybe_decode_forward
         decoded = maybe_decode_forward(q, k, v, mask, bias, causal, window_left, window_right, scale, softcap)
         if decoded is not None:
