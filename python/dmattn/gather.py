@@ -323,7 +323,7 @@ def _distinct_rows_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tenso
     gathers)."""
     batch, num_keys, heads_kv, _ = k.shape
     positions, width = key_set.positions, key_set.width
-    key_rows = None
+    key_rows = flat_index = None  # (flat_index: the torch gathers', which the backward's copies reuse)
     if mode == "indexed":
         k_rows, v_rows, key_rows = k, v, positions
         bias_rows = None if bias is None else key_set.bias_rows
@@ -337,7 +337,7 @@ def _distinct_rows_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tenso
         bias_rows = None if bias is None else bias.gather(-1, index.unsqueeze(-2))
     out, lse = _call_op(attention_forward, q, k_rows, v_rows, None, bias_rows, *options, positions, num_keys, None,
                         key_rows)
-    return out, lse, (q, k_rows, v_rows, bias_rows, out, lse, positions, key_rows)
+    return out, lse, (q, k_rows, v_rows, bias_rows, out, lse, positions, key_rows, flat_index)
 
 
 class _DistinctRowsAttention(torch.autograd.Function):
@@ -363,7 +363,7 @@ class _DistinctRowsAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         if dout is None:  # out did not reach the loss
             return (None,) * len(ctx.needs_input_grad)
-        q, k_rows, v_rows, bias_rows, out, lse, positions, key_rows = ctx.saved_tensors
+        q, k_rows, v_rows, bias_rows, out, lse, positions, key_rows, flat_index = ctx.saved_tensors
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         want_dbias = bias_rows is not None and ctx.needs_input_grad[3]
@@ -373,7 +373,8 @@ class _DistinctRowsAttention(torch.autograd.Function):
             positions, ctx.num_keys, None, False, key_rows)
         k_shape, v_shape, bias_shape = ctx.shapes
         index = ctx.key_set.key_index()
-        flat_index = _flat_row_index(index, k_shape[0], k_shape[2], k_shape[1], k_shape[2])
+        if flat_index is None:
+            flat_index = _flat_row_index(index, k_shape[0], k_shape[2], k_shape[1], k_shape[2])
 
         def rows_back(rows: Tensor, shape) -> Tensor:  # zeros, then each gathered row's gradient
             full = rows.new_zeros(shape)
