@@ -29,6 +29,7 @@ void run_bwd(const BwdArgs& a, bool deterministic, bool exact, cudaStream_t stre
 
 #include "cuda/bwd_dq_kernel.h"
 #include "cuda/bwd_kernel.h"
+#include "cuda/device_info.h"
 #include "cuda/indexed_rows.h"
 #include "cuda/seq_bounds.h"
 #include "cuda/sm90/bwd_kernel_sm90.h"
@@ -143,9 +144,7 @@ inline bool bwd_sm90_enabled() {
 // was up to 8 % slower.
 inline int bwd_cta_group_default(const FwdArgs& f, int n_blocks) {
   if (f.window_left < 0 && f.window_right < 0) return 1;
-  int sms = 0, dev = 0;
-  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute(SM count)");
+  const int sms = current_multiprocessor_count();
   int g = 1;
   while (g < 8 && g * n_blocks < sms) g *= 2;
   return g;

@@ -6,13 +6,13 @@
 
 #include <algorithm>
 #include <cmath>
-#include <mutex>
 
 #include <cutlass/numeric_types.h>
 
 #include "cuda/check.h"
 #include "cuda/decode_args.h"
 #include "cuda/decode_launch.h"
+#include "cuda/device_info.h"
 #include "cuda/host_operands.h"
 #include "dmattn/error.h"
 
@@ -27,15 +27,8 @@ constexpr int64_t kMinKeysPerSplit = 256;
 constexpr int64_t kMaxSplits = 128;
 
 int sm_count(int device_id) {
-  static std::mutex mu;
-  static int counts[64] = {};
-  std::lock_guard<std::mutex> lock(mu);
-  if (device_id < 0 || device_id >= 64) return 108;
-  if (counts[device_id] == 0) {
-    check_cuda(cudaDeviceGetAttribute(&counts[device_id], cudaDevAttrMultiProcessorCount, device_id),
-               "cudaDeviceGetAttribute(multiprocessor count)");
-  }
-  return counts[device_id];
+  const int n = multiprocessor_count(device_id);
+  return n > 0 ? n : 108;
 }
 
 // The decode kernel's operand: the shared broadcast rule (host_operands.h), its strides only.

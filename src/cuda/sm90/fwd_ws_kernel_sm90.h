@@ -1,9 +1,15 @@
-// The warp-specialized Hopper forward (sm_90a), FlashAttention-3's structure: one CTA per
-// (query block, head, batch) with
-//   - a producer warpgroup (registers given back with setmaxnreg) whose one thread issues every
-//     load by TMA: Q once (its own transaction barrier), then K[n] and V[n] for each key block,
-//     from the last to the first, through two kStages-deep PipelineTmaAsync pipelines (K[n - 1]
-//     is issued before V[n], so that the next S product never waits behind a V load);
+// The warp-specialized Hopper forward (sm_90a), FlashAttention-3's structure: persistent CTAs,
+// one an SM, each taking tiles (query block, head, batch) in rounds (launch_fwd_ws; key ends: one
+// tile a CTA), with
+//   - a producer warpgroup (registers given back with setmaxnreg) whose warp 0 is the scheduler:
+//     all its lanes find a tile's key blocks, lane 0 hands the tile to the other roles through a
+//     two-slot PipelineAsync (the next tile is known while this one runs) and issues every load
+//     by TMA: Q (its own transaction barrier, once the consumers are done with the previous
+//     tile's Q buffer, which stages their output), then K[n] and V[n] for each key block, from
+//     the last to the first, through two kStages-deep PipelineTmaAsync pipelines (K[n - 1] is
+//     issued before V[n], so that the next S product never waits behind a V load). The
+//     pipelines run on across tiles: the next tile's loads overlap this one's last products and
+//     its epilogue;
 //   - kConsumers consumer warpgroups of 64 query rows each (registers raised), which run
 //     S = Q K^T and O += P V on wgmma and the online softmax:
 //       first block:  S = Q K[n]^T; softmax; P
@@ -28,7 +34,11 @@
 // take the key-block range of their positions (KeyPositionRow): blocks of padding rows only,
 // or of positions no query of the block sees, are never loaded.
 // Epilogue: each consumer writes its 64 output rows through its own rows of the Q buffer
-// (fwd_epilogue's saturating conversion) and the lse of its rows.
+// (fwd_epilogue's saturating conversion) and the lse of its rows, then releases the buffer to
+// the next tile's Q.
+// Registers: both roles are at their budgets, so values that live across tiles are kept out of
+// them where they would be held through the key loop (counters in shared memory or recomputed,
+// thread indices made opaque per phase); ptxas reports no spills.
 // Compiled for every target, with a body only for sm_90a.
 #pragma once
 
@@ -51,6 +61,12 @@
 
 namespace dmattn::cuda::sm90 {
 
+// The tiles of a launch: query blocks of a sequence, (head, batch) pairs and those of an L2
+// section (fwd_ws_tile_coords), and their count.
+struct FwdWsTiles {
+  int num_m_blocks, num_hb, section_hb, count;
+};
+
 template <class Tile>
 struct FwdWsParams {
   FwdArgs a;
@@ -59,6 +75,7 @@ struct FwdWsParams {
   typename Tile::TmaBias tma_bias;  // (Tile::kBias only)
   int bias_heads, bias_batch;       // extents of the bias's head / batch dims (1: broadcast)
   int rows_q, rows_k, batch;        // the q / k tensors as TMA sees them (packed: all rows, batch 1)
+  FwdWsTiles schedule;              // the launch's tiles (fwd_ws_tile_coords)
 };
 
 // s = s * scale + bias on the accumulator row/col view, the bias read from a (kBlockM, kBlockN)
@@ -93,47 +110,84 @@ constexpr int kSchedThreads = 256;
 constexpr int kEpilogueBarrier = 4;
 constexpr int kTailBarrier = 7;  // all consumers: packed batches' V tail (clear_v_tail)
 
-// Indexed keys: warps 2 and 3 of the producer warpgroup copy the K and V rows.
-constexpr int kGatherThread0 = 64;
-
-// The gather warps' loads (indexed keys): warp 2 copies K[n] and warp 3 V[n] of every key block,
-// from the last to the first, each stage by cp.async from the rows that the block's indices name,
-// completed on the stage's full barrier (cpasync_barrier_arrive_noinc: 32 arrivals). The next
-// block's indices are loaded while this one's copies are issued (one block ahead: the copies
-// never wait for an index load). One pipeline a warp keeps the producer within 40 registers.
-template <class Tile, class Pipeline, class Storage>
+// The gather warps' loads of one tile (indexed keys): warp 2 copies K[n] and warp 3 V[n] (`pipe`,
+// `stages`, the rows of `base` from `off` on) of every key block, from the last to the first,
+// each stage by cp.async from the rows that the block's indices name, completed on the stage's
+// full barrier (cpasync_barrier_arrive_noinc: 32 arrivals). The next block's indices are loaded
+// while this one's copies are issued (one block ahead: the copies never wait for an index
+// load). One pipeline a warp keeps the producer within 40 registers.
+template <class Tile, class Pipeline, class State>
 __device__ __forceinline__ void gather_kv_blocks(const FwdArgs& a, int b, int h, int count, int n_min, int n_max,
-                                                 Pipeline& pipe_k, Pipeline& pipe_v, Storage& ss, int gtid) {
+                                                 Pipeline& pipe, State write, const typename Tile::Element* stages,
+                                                 const void* base, int64_t off, int64_t row_stride) {
   using namespace cute;
   using Element = typename Tile::Element;
   using Indices = GatherRowIndices<Tile::kBlockN, 1>;
   constexpr int kBlockN = Tile::kBlockN;
-  const bool is_v = gtid >= 32;
-  const int lane = gtid % 32;
+  const int lane = threadIdx.x % 32;
   const int32_t* rows = rows_row(a.kpos, b, h);
-  const int64_t src_b = b / a.kpos.rows_batch_div, kvh = h / a.group;
   static_assert(is_sw128_layout<typename Tile::SmemLayoutKV, kBlockN, Tile::kHeadDim>(),
                 "the gather's addresses follow the K / V tiles' layout");
-  auto copy_blocks = [&](Pipeline& pipe, const Element* stages, const void* base, int64_t off, int64_t row_stride) {
-    const uint32_t s_stages = cute::cast_smem_ptr_to_uint(stages);
-    const Element* src = static_cast<const Element*>(base) + off;
-    cutlass::PipelineState<Tile::kStages> write = cutlass::make_producer_start_state<Pipeline>();
-    Indices ix, ix_next;
-    ix.load(rows + (n_max - 1) * kBlockN, count - (n_max - 1) * kBlockN, 0, lane);
-    for (int n = n_max - 1; n >= n_min; --n) {
-      if (n > n_min) ix_next.load(rows + (n - 1) * kBlockN, count - (n - 1) * kBlockN, 0, lane);
-      pipe.producer_acquire(write);
-      gather_rows_sw128<kBlockN, Tile::kHeadDim, 1>(s_stages + write.index() * Tile::kKVStageBytes, src, row_stride,
-                                                    ix, a.kpos.rows_source_len, a.head_dim, 0, lane);
-      pipe.producer_commit(write, cutlass::arch::cpasync_barrier_arrive_noinc);
-      ++write;
-      ix = ix_next;
-    }
-  };
-  // (one call per pipeline: a pipeline chosen at run time would live in local memory)
-  if (is_v) copy_blocks(pipe_v, ss.v.data(), a.v, src_b * a.v_bs + kvh * a.v_hs, a.v_rs);
-  else copy_blocks(pipe_k, ss.k.data(), a.k, src_b * a.k_bs + kvh * a.k_hs, a.k_rs);
-  asm volatile("cp.async.wait_all;\n" ::);  // (no copy outlives its thread)
+  const uint32_t s_stages = cute::cast_smem_ptr_to_uint(stages);
+  const Element* src = static_cast<const Element*>(base) + off;
+  Indices ix, ix_next;
+  ix.load(rows + (n_max - 1) * kBlockN, count - (n_max - 1) * kBlockN, 0, lane);
+  for (int n = n_max - 1; n >= n_min; --n) {
+    if (n > n_min) ix_next.load(rows + (n - 1) * kBlockN, count - (n - 1) * kBlockN, 0, lane);
+    pipe.producer_acquire(write);
+    gather_rows_sw128<kBlockN, Tile::kHeadDim, 1>(s_stages + write.index() * Tile::kKVStageBytes, src, row_stride, ix,
+                                                  a.kpos.rows_source_len, a.head_dim, 0, lane);
+    pipe.producer_commit(write, cutlass::arch::cpasync_barrier_arrive_noinc);
+    ++write;
+    ix = ix_next;
+  }
+}
+
+// Tile t of a launch. The (head, batch) pairs (heads fastest: the query heads of one KV head
+// together) are cut into sections of section_hb pairs whose K and V fit in L2 together
+// (launch_fwd_ws); within a section the tiles go by query block from the last to the first, then
+// by pair: a causal sweep's costliest tiles first, the cheapest at the section's end.
+__device__ __forceinline__ void fwd_ws_tile_coords(int t, const FwdWsTiles& tiles, int heads, int& m_block, int& h,
+                                                   int& b) {
+  const int per_section = tiles.num_m_blocks * tiles.section_hb;
+  const int section = t / per_section, r = t - section * per_section;
+  const int first_hb = section * tiles.section_hb;
+  const int size = min(tiles.section_hb, tiles.num_hb - first_hb);  // (the last section may be short)
+  const int m_rank = r / size;
+  m_block = tiles.num_m_blocks - 1 - m_rank;
+  const int hb = first_hb + (r - m_rank * size);
+  h = hb % heads;
+  b = hb / heads;
+}
+
+// The key blocks a tile reads: those of its gathered keys' range (warp-cooperative: every lane
+// of the warp calls it, every warp finds the same range), else of its window.
+template <class Tile>
+__device__ __forceinline__ void fwd_ws_key_range(const FwdArgs& a, const SeqBounds& seq, int b, int h, int m0,
+                                                 int& n_min, int& n_max) {
+  if (Tile::kKeyRows && a.kpos.ptr != nullptr)
+    KeyPositionRow(a, b, h).key_block_range(m0, Tile::kBlockM, Tile::kBlockN, n_min, n_max);
+  else
+    seq.window().key_block_range(m0, Tile::kBlockM, Tile::kBlockN, n_min, n_max);
+}
+
+// The state of a pipeline of kStages stages after `count` steps, for its consumers or (producer:
+// the first pass finds every stage empty) its producer.
+template <int kStages>
+__device__ __forceinline__ cutlass::PipelineState<kStages> pipeline_state_at(uint32_t count, bool producer) {
+  return {int(count % kStages), ((count / kStages) & 1) ^ uint32_t(producer), count};
+}
+
+// The next tile from the scheduler's slots, for a role that took `taken` tiles before (every
+// thread of the role calls it).
+template <int kSlots, class Pipeline>
+__device__ __forceinline__ FwdWsTileInfo next_fwd_ws_tile(Pipeline& pipe, uint32_t& taken, const FwdWsTileInfo* slots) {
+  const auto read = pipeline_state_at<kSlots>(taken++, false);
+  pipe.consumer_wait(read);
+  asm volatile("" ::: "memory");  // (the slot is read after the wait)
+  const FwdWsTileInfo tile = slots[read.index()];
+  pipe.consumer_release(read);
+  return tile;
 }
 
 template <class Tile>
@@ -143,6 +197,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
   using Element = typename Tile::Element;
   using Pipeline = typename Tile::Pipeline;
   using PipelineState = typename cutlass::PipelineState<Tile::kStages>;
+  using TilePipeline = typename Tile::TilePipeline;
+  using TileState = typename cutlass::PipelineState<Tile::kTileSlots>;
   using NamedBarrier = cutlass::arch::NamedBarrier;
   constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN, kHeadDim = Tile::kHeadDim;
   constexpr int kConsumers = Tile::kConsumers, kConsumerThreads = Tile::kConsumerThreads;
@@ -151,35 +207,34 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
   extern __shared__ __align__(1024) char smem_raw[];
   auto& ss = *reinterpret_cast<typename Tile::SharedStorage*>(smem_raw);
   const int warp_group = threadIdx.x / 128;
-  const int m_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int m0 = m_block * kBlockM;
-  const SeqBounds seq(a, b);
-  if (m0 >= seq.len_q()) return;  // packed batch: past the end of a shorter sequence (whole CTA)
   const bool packed = a.cu_seqlens_q != nullptr;
-  const int h_kv = h / a.group;
-  int n_min, n_max;
-  // (gathered keys: warp-cooperative, every warp finds the same range)
-  if (Tile::kKeyRows && a.kpos.ptr != nullptr) KeyPositionRow(a, b, h).key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
-  else seq.window().key_block_range(m0, kBlockM, kBlockN, n_min, n_max);
-  // Key ends (the per-query path): the rows before the first one that a query of this block may
-  // still keep (end > m0) are masked for all of them; the key blocks they fill are skipped.
-  // Every thread reads its share of the ends (the order of the rows is not assumed); warp
-  // minima meet in shared memory at the barrier below.
-  const bool skip_dead = Tile::kKeyRows && a.kpos.ends != nullptr && n_max > n_min;
+  const bool indexed = Tile::kKeyRows && a.kpos.rows != nullptr;
+
+  // Key ends (the per-query path; one tile per CTA, launch_fwd_ws): the rows before the first one
+  // that a query of the tile may still keep (end > m0) are masked for all of them; the key
+  // blocks they fill are skipped. Every thread reads its share of the ends (the order of the
+  // rows is not assumed); warp minima meet in shared memory at the barrier below.
+  const bool skip_dead = Tile::kKeyRows && a.kpos.ends != nullptr;
   if (skip_dead) {
-    const int32_t* ends = ends_row(a.kpos, b, h);
-    const int lo = n_min * kBlockN, hi = min(a.seqlen_k, n_max * kBlockN);
-    int first = hi;
+    int m_block, h, b, n_min, n_max;
+    fwd_ws_tile_coords(blockIdx.x, p.schedule, a.num_heads, m_block, h, b);
+    const SeqBounds seq(a, b);
+    const int m0 = m_block * kBlockM;
+    if (m0 < seq.len_q()) {
+      fwd_ws_key_range<Tile>(a, seq, b, h, m0, n_min, n_max);
+      const int32_t* ends = ends_row(a.kpos, b, h);
+      const int lo = n_min * kBlockN, hi = min(a.seqlen_k, n_max * kBlockN);
+      int first = hi;
 #pragma unroll 4
-    for (int j = lo + int(threadIdx.x); j < hi; j += Tile::kNThreads)
-      if (__ldg(ends + j) > m0) first = min(first, j);
-    first = __reduce_min_sync(0xffffffffu, first);
-    if (threadIdx.x % 32 == 0) ss.first_alive[threadIdx.x / 32] = first;
+      for (int j = lo + int(threadIdx.x); j < hi; j += Tile::kNThreads)
+        if (__ldg(ends + j) > m0) first = min(first, j);
+      first = __reduce_min_sync(0xffffffffu, first);
+      if (threadIdx.x % 32 == 0) ss.first_alive[threadIdx.x / 32] = first;
+    }
   }
 
   // Barriers: initialized by warp 0, visible to all before the roles split. Indexed keys: the
   // K and V stages are filled by the gather warps' cp.async (one warp a pipeline: 32 arrivals).
-  const bool indexed = Tile::kKeyRows && a.kpos.rows != nullptr;
   const auto kv_params = indexed ? cp_async_pipeline_params<Pipeline>(warp_group == 0, kConsumerThreads, 32)
                                  : tma_pipeline_params<Pipeline>(Tile::kKVStageBytes, warp_group == 0, kConsumerThreads);
   Pipeline pipe_k(ss.pipe_k, kv_params, Shape<_1, _1, _1>{});
@@ -188,17 +243,20 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
                      Shape<_1, _1, _1>{});
   using KeyRowPipeline = typename Tile::KeyRowPipeline;
   KeyRowPipeline pipe_key_rows(ss.pipe_key_rows, loader_pipeline_params<KeyRowPipeline>(warp_group == 0, kConsumerThreads));
+  // The tiles' readers: the consumers, the key rows' loader and the gather warps.
+  typename TilePipeline::Params tile_params;
+  tile_params.dst_blockid = 0;  // (no cluster: a constant, not a register held by every role)
+  tile_params.producer_arv_count = 1;
+  tile_params.consumer_arv_count = kConsumerThreads + (Tile::kKeyRows ? 32 : 0) + (indexed ? 64 : 0);
+  TilePipeline pipe_tile(ss.pipe_tile, tile_params);
   auto& q_full = *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&ss.q_full);
+  auto& q_empty = *reinterpret_cast<cutlass::arch::ClusterBarrier*>(&ss.q_empty);
   if (threadIdx.x == 0) {
     q_full.init(1);
+    q_empty.init(kConsumerThreads);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
-  if (skip_dead) {
-    int first = INT_MAX;
-    for (int w = 0; w < Tile::kNThreads / 32; ++w) first = min(first, ss.first_alive[w]);
-    n_min = min(n_max, max(n_min, first / kBlockN));
-  }
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tile::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tile::SmemLayoutKV{});
@@ -206,114 +264,193 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
 
   if (warp_group == 0) {  // ---------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<Tile::kProducerRegs>();
-    if (n_max <= n_min) return;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if constexpr (Tile::kKeyRows) {
-      if (threadIdx.x / 32 == 1) {  // the key rows' loader, in the consumers' block order
-        const KeyRowSources src = key_row_sources(a, b, h, seq.k0());
-        const int count = seq.len_k();
-        PipelineState write_r = cutlass::make_producer_start_state<KeyRowPipeline>();
-        for (int n = n_max - 1; n >= n_min; --n) {
-          pipe_key_rows.producer_acquire(write_r);
-          load_key_rows<Element, typename Tile::KeyRowStage, kBlockN>(ss.key_rows[write_r.index()], n, count, src);
-          pipe_key_rows.producer_commit(write_r);
-          ++write_r;
+      if (warp == 1) {  // the key rows' loader, in the consumers' block order
+        uint32_t taken = 0;
+        for (FwdWsTileInfo tile; (tile = next_fwd_ws_tile<Tile::kTileSlots>(pipe_tile, taken, ss.tiles)).m_block >= 0;) {
+          PipelineState write_r = pipeline_state_at<Tile::kStages>(tile.blocks_before, true);
+          const SeqBounds seq(a, tile.b);
+          const KeyRowSources src = key_row_sources(a, tile.b, tile.h, seq.k0());
+          const int count = seq.len_k();
+          for (int n = tile.n_max - 1; n >= tile.n_min; --n) {
+            pipe_key_rows.producer_acquire(write_r);
+            load_key_rows<Element, typename Tile::KeyRowStage, kBlockN>(ss.key_rows[write_r.index()], n, count, src);
+            pipe_key_rows.producer_commit(write_r);
+            ++write_r;
+          }
         }
         return;
       }
-      if (indexed && threadIdx.x >= kGatherThread0) {  // K and V rows, by cp.async
-        gather_kv_blocks<Tile>(a, b, h, seq.len_k(), n_min, n_max, pipe_k, pipe_v, ss, threadIdx.x - kGatherThread0);
+      if (indexed && warp >= 2) {  // K (warp 2) and V (warp 3) rows, by cp.async
+        // (one call per pipeline: a pipeline chosen at run time would live in local memory)
+        auto gather_tiles = [&](Pipeline& pipe, const Element* stages, const void* base, int64_t bs, int64_t hs,
+                                int64_t rs) {
+          uint32_t taken = 0;
+          for (FwdWsTileInfo tile; (tile = next_fwd_ws_tile<Tile::kTileSlots>(pipe_tile, taken, ss.tiles)).m_block >= 0;) {
+            if (tile.n_max <= tile.n_min) continue;
+            const int64_t off = int64_t(tile.b / a.kpos.rows_batch_div) * bs + int64_t(tile.h / a.group) * hs;
+            gather_kv_blocks<Tile>(a, tile.b, tile.h, SeqBounds(a, tile.b).len_k(), tile.n_min, tile.n_max, pipe,
+                                   pipeline_state_at<Tile::kStages>(tile.blocks_before, true), stages, base, off, rs);
+          }
+        };
+        if (warp == 3) gather_tiles(pipe_v, ss.v.data(), a.v, a.v_bs, a.v_hs, a.v_rs);
+        else gather_tiles(pipe_k, ss.k.data(), a.k, a.k_bs, a.k_hs, a.k_rs);
+        asm volatile("cp.async.wait_all;\n" ::);  // (no copy outlives its thread)
         return;
       }
     }
-    if (threadIdx.x != 0) return;
-    // (the descriptors' first use would otherwise fetch them on the critical path)
-    cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
-    if constexpr (Tile::kBias) cute::prefetch_tma_descriptor(p.tma_bias.get_tma_descriptor());
-    // This sequence's rows (packed: from its first row among all of them, in batch 0).
-    const int tb = packed ? 0 : b;
-    Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.rows_q, a.head_dim, a.num_heads, p.batch));
-    Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.rows_k, a.head_dim, a.num_heads / a.group, p.batch));
-    Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.rows_k, a.head_dim, a.num_heads / a.group, p.batch));
-    Tensor gQ = local_tile(domain_offset(make_coord(seq.q0(), 0), mQ(_, _, h, tb)), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                           make_coord(m_block, 0));
-    Tensor gK = local_tile(domain_offset(make_coord(seq.k0(), 0), mK(_, _, h_kv, tb)), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                           make_coord(_, 0));
-    Tensor gV = local_tile(domain_offset(make_coord(seq.k0(), 0), mV(_, _, h_kv, tb)), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                           make_coord(_, 0));
-    auto [tQgQ, tQsQ] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-    // The bias of this query block: (kBlockM, kBlockN, key blocks) of its (head, batch) slice.
-    Tensor mB = p.tma_bias.get_tma_tensor(make_shape(a.seqlen_q, a.seqlen_k, p.bias_heads, p.bias_batch));
-    Tensor gB = local_tile(mB(_, _, p.bias_heads == 1 ? 0 : h / a.bias.head_div, p.bias_batch == 1 ? 0 : b),
-                           Shape<Int<kBlockM>, Int<Tile::kBiasN>>{}, make_coord(m_block, _));
-    Tensor sBias = make_tensor(make_smem_ptr(ss.bias.data()), typename Tile::SmemLayoutBias{});
-    const auto tB = tma_partition(p.tma_bias, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sBias), group_modes<0, 2>(gB));
-    PipelineState write_b = cutlass::make_producer_start_state<Pipeline>();
-    // With K[nb]. The bias streams from HBM (no other CTA reads it) and the two stages give it
-    // one block of lead: the tile kBiasPrefetch blocks further is prefetched into L2 meanwhile.
-    constexpr int kBiasPrefetch = 2;
-    auto load_bias = [&](int nb) {
-      if constexpr (Tile::kBias) {
-        pipe_bias.producer_acquire(write_b);
-        copy(p.tma_bias.with(*pipe_bias.producer_get_barrier(write_b)), get<0>(tB)(_, nb), get<1>(tB)(_, write_b.index()));
-        ++write_b;
-        if (nb - kBiasPrefetch >= n_min) prefetch(p.tma_bias, get<0>(tB)(_, nb - kBiasPrefetch));
+    if (warp != 0) return;
+    // The scheduler warp: finds each tile's key blocks (all lanes), hands the tile to the other
+    // roles and issues its TMA loads (lane 0).
+    if (lane == 0) {  // (the descriptors' first use would otherwise fetch them on the critical path)
+      cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+      if constexpr (Tile::kBias) cute::prefetch_tma_descriptor(p.tma_bias.get_tma_descriptor());
+    }
+    // Counters across tiles, kept by lane 0 in shared memory (the producer's registers are few):
+    // the tiles handed over so far, and their key blocks (as many K, V and bias stages each).
+    volatile uint32_t& tiles = ss.sched_tiles;
+    volatile uint32_t& blocks = ss.sched_blocks;
+    if (lane == 0) {
+      tiles = 0;
+      blocks = 0;
+    }
+
+    // The loads of one tile, the i-th of this CTA: K[n] and V[n] from the last key block to the
+    // first (K[n - 1] before V[n]), the bias tile with each K, Q once the consumers are done with
+    // the previous tile's (its buffer stages their output).
+    auto load_tile = [&](const FwdWsTileInfo& tile, uint32_t i) {
+      Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.rows_q, a.head_dim, a.num_heads, p.batch));
+      Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.rows_k, a.head_dim, a.num_heads / a.group, p.batch));
+      Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.rows_k, a.head_dim, a.num_heads / a.group, p.batch));
+      Tensor mB = p.tma_bias.get_tma_tensor(make_shape(a.seqlen_q, a.seqlen_k, p.bias_heads, p.bias_batch));
+      Tensor sBias = make_tensor(make_smem_ptr(ss.bias.data()), typename Tile::SmemLayoutBias{});
+      const SeqBounds seq(a, tile.b);
+      const int tb = packed ? 0 : tile.b;  // (packed: the sequence's rows from its first, in batch 0)
+      const int h_kv = tile.h / a.group;
+      Tensor gQ = local_tile(domain_offset(make_coord(seq.q0(), 0), mQ(_, _, tile.h, tb)),
+                             Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(tile.m_block, 0));
+      auto [tQgQ, tQsQ] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto load_q = [&]() {
+        if (i > 0) q_empty.wait((i - 1) & 1);
+        q_full.arrive_and_expect_tx(Tile::kQBytes);
+        copy(p.tma_q.with(ss.q_full), tQgQ, tQsQ);
+      };
+      if (indexed || tile.n_max <= tile.n_min) {  // (indexed keys: K and V from the gather warps)
+        load_q();
+        return;
+      }
+      Tensor gK = local_tile(domain_offset(make_coord(seq.k0(), 0), mK(_, _, h_kv, tb)),
+                             Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
+      Tensor gV = local_tile(domain_offset(make_coord(seq.k0(), 0), mV(_, _, h_kv, tb)),
+                             Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
+      auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      // The bias of this query block: (kBlockM, kBlockN, key blocks) of its (head, batch) slice.
+      Tensor gB = local_tile(mB(_, _, p.bias_heads == 1 ? 0 : tile.h / a.bias.head_div, p.bias_batch == 1 ? 0 : tile.b),
+                             Shape<Int<kBlockM>, Int<Tile::kBiasN>>{}, make_coord(tile.m_block, _));
+      const auto tB = tma_partition(p.tma_bias, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sBias), group_modes<0, 2>(gB));
+      // With K[nb]. The bias streams from HBM (no other CTA reads it) and the two stages give it
+      // one block of lead: the tile kBiasPrefetch blocks further is prefetched into L2 meanwhile.
+      constexpr int kBiasPrefetch = 2;
+      // The producer state of block nb's K, V and bias stages: the CTA's earlier tiles filled
+      // blocks_before of each, this one fills them from n_max - 1 down (computed, not held in
+      // registers).
+      auto state_of = [&](int nb) {
+        return pipeline_state_at<Tile::kStages>(tile.blocks_before + uint32_t(tile.n_max - 1 - nb), true);
+      };
+      auto load_k_and_bias = [&](int nb) {
+        const PipelineState write_k = state_of(nb);
+        pipe_k.producer_acquire(write_k);
+        copy(p.tma_k.with(*pipe_k.producer_get_barrier(write_k)), tKgK(_, nb), tKsK(_, write_k.index()));
+        if constexpr (Tile::kBias) {
+          pipe_bias.producer_acquire(write_k);
+          copy(p.tma_bias.with(*pipe_bias.producer_get_barrier(write_k)), get<0>(tB)(_, nb), get<1>(tB)(_, write_k.index()));
+          if (nb - kBiasPrefetch >= tile.n_min) prefetch(p.tma_bias, get<0>(tB)(_, nb - kBiasPrefetch));
+        }
+      };
+      int n = tile.n_max - 1;
+      load_k_and_bias(n);
+      load_q();
+      for (; n >= tile.n_min; --n) {
+        if (n > tile.n_min) load_k_and_bias(n - 1);
+        const PipelineState write_v = state_of(n);
+        pipe_v.producer_acquire(write_v);
+        copy(p.tma_v.with(*pipe_v.producer_get_barrier(write_v)), tVgV(_, n), tVsV(_, write_v.index()));
       }
     };
 
-    if (indexed) {  // (K and V: the gather warps)
-      q_full.arrive_and_expect_tx(Tile::kQBytes);
-      copy(p.tma_q.with(ss.q_full), tQgQ, tQsQ);
-      return;
-    }
-    PipelineState write_k = cutlass::make_producer_start_state<Pipeline>();
-    PipelineState write_v = cutlass::make_producer_start_state<Pipeline>();
-    int n = n_max - 1;
-    pipe_k.producer_acquire(write_k);
-    copy(p.tma_k.with(*pipe_k.producer_get_barrier(write_k)), tKgK(_, n), tKsK(_, write_k.index()));
-    ++write_k;
-    load_bias(n);
-    q_full.arrive_and_expect_tx(Tile::kQBytes);
-    copy(p.tma_q.with(ss.q_full), tQgQ, tQsQ);
-    for (; n >= n_min; --n) {
-      if (n > n_min) {
-        pipe_k.producer_acquire(write_k);
-        copy(p.tma_k.with(*pipe_k.producer_get_barrier(write_k)), tKgK(_, n - 1), tKsK(_, write_k.index()));
-        ++write_k;
-        load_bias(n - 1);
+    // Round r gives each CTA one tile: tile r * gridDim.x + blockIdx.x when r is even, counted
+    // from the other end of the round when odd (a CTA that took a costly tile of a causal sweep
+    // takes a cheap one next). The next round also through shared memory (not held in a
+    // register through the tile's loads).
+    volatile int& next_round = ss.sched_next;
+    for (int r = 0;;) {
+      const int t = r * int(gridDim.x) + ((r & 1) ? int(gridDim.x - 1 - blockIdx.x) : int(blockIdx.x));
+      FwdWsTileInfo tile{-1, 0, 0, 0, 0, 0};  // (past the last tile: the end)
+      bool skip = false;
+      if (t < p.schedule.count) {
+        int m_block, h, b, n_min, n_max;
+        fwd_ws_tile_coords(t, p.schedule, a.num_heads, m_block, h, b);
+        const SeqBounds seq(a, b);
+        skip = m_block * kBlockM >= seq.len_q();  // packed: past the end of a shorter sequence
+        if (!skip) {
+          fwd_ws_key_range<Tile>(a, seq, b, h, m_block * kBlockM, n_min, n_max);
+          if (skip_dead && n_max > n_min) {
+            int first = INT_MAX;
+            for (int w = 0; w < Tile::kNThreads / 32; ++w) first = min(first, ss.first_alive[w]);
+            n_min = min(n_max, max(n_min, first / kBlockN));
+          }
+          tile = FwdWsTileInfo{m_block, h, b, n_min, n_max, 0};
+        }
       }
-      pipe_v.producer_acquire(write_v);
-      copy(p.tma_v.with(*pipe_v.producer_get_barrier(write_v)), tVgV(_, n), tVsV(_, write_v.index()));
-      ++write_v;
+      if (lane == 0) {
+        next_round = r + 1;
+        if (!skip) {
+          tile.blocks_before = blocks;
+          const uint32_t i = tiles;
+          const TileState slot = pipeline_state_at<Tile::kTileSlots>(i, true);
+          pipe_tile.producer_acquire(slot);
+          ss.tiles[slot.index()] = tile;
+          pipe_tile.producer_commit(slot);
+          if (tile.m_block >= 0) {
+            blocks = tile.blocks_before + max(tile.n_max - tile.n_min, 0);
+            tiles = i + 1;
+            load_tile(tile, i);
+          }
+        }
+      }
+      if (!skip && tile.m_block < 0) break;
+      __syncwarp();
+      r = next_round;
+      __syncwarp();
     }
-    // Stay until the consumers have released every stage (no load outlives the CTA's smem).
-    pipe_k.producer_tail(write_k);
-    pipe_v.producer_tail(write_v);
-    if constexpr (Tile::kBias) pipe_bias.producer_tail(write_b);
+    if (lane == 0) {  // stay until the consumers have released every stage (no load outlives the CTA's smem)
+      const PipelineState write = pipeline_state_at<Tile::kStages>(uint32_t(blocks), true);
+      pipe_k.producer_tail(write);
+      pipe_v.producer_tail(write);
+      if constexpr (Tile::kBias) pipe_bias.producer_tail(write);
+    }
     return;
   }
 
   // ---------------------------------------------------------------------------- consumers
   cutlass::arch::warpgroup_reg_alloc<Tile::kConsumerRegs>();
-  const int ctid = threadIdx.x - 128;
-  const int consumer = ctid / 128;
+  const int consumer = (threadIdx.x - 128) / 128;
+  // The consumer thread index, read afresh where a phase of a tile needs it and opaque to the
+  // compiler: derived from one value, every fragment address and coordinate would be hoisted
+  // out of the tile loop and held through every key loop and epilogue (spills).
+  auto opaque_thread_index = []() {
+    int tid = int(threadIdx.x) - 128;
+    asm volatile("" : "+r"(tid));
+    return tid;
+  };
 
   typename Tile::TiledMmaS mma_s;
   typename Tile::TiledMmaO mma_o;
-  auto thr_s = mma_s.get_thread_slice(ctid);
-  auto thr_o = mma_o.get_thread_slice(ctid);
-  Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-  clear(acc_o);
-  Tensor acc_o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
   Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
-  Tensor tScS = thr_s.partition_C(cS);
-  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
-  constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
-  OnlineSoftmax<kRows> softmax;
-  softmax.init();
   constexpr float kLog2e = 1.4426950408889634f;
   const float sl2 = a.scale * kLog2e;  // (raw scores: the scale folded into the exponent)
 
@@ -323,162 +460,202 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
     NamedBarrier::arrive(kSchedThreads, kSchedBarrier + (consumer + 1 == kConsumers ? 0 : consumer + 1));
   };
 
-  if (n_max > n_min) {
-    if (consumer == kConsumers - 1) NamedBarrier::arrive(kSchedThreads, kSchedBarrier + 0);  // the first turn
-    PipelineState read_k, read_v, read_b, read_r;
-    Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
-    Tensor rP = make_tensor<Element>(acc_s.layout());
-    Tensor tOrP = make_tensor(rP.data(), acc_to_a(rP.layout()));
-    // At D = 256 the GEMMs' shared-memory descriptors are rebuilt at each issue from an address
-    // the compiler cannot see through: hoisted out of the loop, every k-step's descriptors of Q,
-    // K and V held registers that O's 128 accumulators need (spills). At the smaller head dims
-    // they stay hoisted, off the tensor-core turn's critical path.
-    auto opaque = [](Element* ptr) {
-      if constexpr (kHeadDim == 256) asm volatile("" : "+l"(ptr));
-      return ptr;
-    };
-    auto issue_s = [&](int stage) {
-      Tensor q = make_tensor(make_smem_ptr(opaque(ss.q.data())), typename Tile::SmemLayoutQ{});
-      Tensor k = make_tensor(make_smem_ptr(opaque(ss.k.data())), typename Tile::SmemLayoutKV{});
-      Tensor tSrQ = thr_s.partition_fragment_A(q);
-      Tensor tSrK = thr_s.partition_fragment_B(k);
-      gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
-    };
-    auto issue_pv = [&](int stage) {
-      Tensor vt = make_tensor(make_smem_ptr(opaque(ss.v.data())), typename Tile::SmemLayoutVt{});
-      Tensor tOrVt = thr_o.partition_fragment_B(vt);
-      gemm_issue</*kZeroInit=*/false, /*kRegA=*/true>(mma_o, tOrP, tOrVt(_, _, _, stage), acc_o);
-    };
-    const WindowMask win = seq.window();
-    // The bias and the window / tail test of block n, then the softmax; alpha: O's rescale
-    // factors.
-    auto scores_to_probs = [&](int n, float (&alpha)[kRows]) {
-      if constexpr (Tile::kBias) {
-        pipe_bias.consumer_wait(read_b);
-        add_bias_sw128<Element, kBlockM>(s_rc, tScS_rc, ss.bias.data() + read_b.index() * (kBlockM * kBlockN), a.scale);
-        pipe_bias.consumer_release(read_b);
-        ++read_b;
-      }
-      if constexpr (Tile::kKeyRows) {
-        pipe_key_rows.consumer_wait(read_r);
-        const auto& st = ss.key_rows[read_r.index()];
-        if (a.softcap != 0.f) {  // s = softcap * tanh(scale * qk / softcap) + bias
-          CUTE_UNROLL
-          for (int i = 0; i < size(s_rc); ++i) s_rc(i) = a.softcap * tanhf(s_rc(i) * a.scale_div_softcap);
-          add_key_bias(s_rc, tScS_rc, st.bias, 1.f);
-        } else {
-          add_key_bias(s_rc, tScS_rc, st.bias, a.scale);
+  // The tiles taken: a counter, not a pipeline state, across tiles (registers: O's accumulators
+  // need them). Where the K, V, bias and key-row pipelines stand comes with each tile.
+  for (uint32_t tiles = 0;; ++tiles) {
+    // The tile stays in its slot until its epilogue: read from there where used (volatile: not
+    // held in registers).
+    const TileState slot = pipeline_state_at<Tile::kTileSlots>(tiles, false);
+    pipe_tile.consumer_wait(slot);
+    const volatile FwdWsTileInfo& tile = ss.tiles[slot.index()];
+    if (tile.m_block < 0) break;
+    const int n_min = tile.n_min, n_max = tile.n_max;
+    const int m0 = tile.m_block * kBlockM;
+    const int tid = opaque_thread_index();
+    auto thr_s = mma_s.get_thread_slice(tid);
+    auto thr_o = mma_o.get_thread_slice(tid);
+    Tensor tScS = thr_s.partition_C(cS);
+    Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+    Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    clear(acc_o);
+    Tensor acc_o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
+    constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
+    OnlineSoftmax<kRows> softmax;
+    softmax.init();
+    // (every tile loads Q, with or without key blocks: its buffer stages the output)
+    q_full.wait(tiles & 1);
+
+    if (n_max > n_min) {
+      // The first turn, once Q is in: the previous tile's turns are all taken by then (its Q
+      // buffer was released after them).
+      if (consumer == kConsumers - 1) NamedBarrier::arrive(kSchedThreads, kSchedBarrier + 0);
+      PipelineState read_k = pipeline_state_at<Tile::kStages>(tile.blocks_before, false), read_v = read_k,
+                    read_b = read_k, read_r = read_k;
+      Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+      Tensor rP = make_tensor<Element>(acc_s.layout());
+      Tensor tOrP = make_tensor(rP.data(), acc_to_a(rP.layout()));
+      // At D = 256 the GEMMs' shared-memory descriptors are rebuilt at each issue from an address
+      // the compiler cannot see through: hoisted out of the loop, every k-step's descriptors of Q,
+      // K and V held registers that O's 128 accumulators need (spills). At the smaller head dims
+      // they stay hoisted, off the tensor-core turn's critical path.
+      auto opaque = [](Element* ptr) {
+        if constexpr (kHeadDim == 256) asm volatile("" : "+l"(ptr));
+        return ptr;
+      };
+      auto issue_s = [&](int stage) {
+        Tensor q = make_tensor(make_smem_ptr(opaque(ss.q.data())), typename Tile::SmemLayoutQ{});
+        Tensor k = make_tensor(make_smem_ptr(opaque(ss.k.data())), typename Tile::SmemLayoutKV{});
+        Tensor tSrQ = thr_s.partition_fragment_A(q);
+        Tensor tSrK = thr_s.partition_fragment_B(k);
+        gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
+      };
+      auto issue_pv = [&](int stage) {
+        Tensor vt = make_tensor(make_smem_ptr(opaque(ss.v.data())), typename Tile::SmemLayoutVt{});
+        Tensor tOrVt = thr_o.partition_fragment_B(vt);
+        gemm_issue</*kZeroInit=*/false, /*kRegA=*/true>(mma_o, tOrP, tOrVt(_, _, _, stage), acc_o);
+      };
+      const WindowMask win = SeqBounds(a, tile.b).window();
+      // The bias and the window / tail test of block n, then the softmax; alpha: O's rescale
+      // factors.
+      auto scores_to_probs = [&](int n, float (&alpha)[kRows]) {
+        if constexpr (Tile::kBias) {
+          pipe_bias.consumer_wait(read_b);
+          add_bias_sw128<Element, kBlockM>(s_rc, tScS_rc, ss.bias.data() + read_b.index() * (kBlockM * kBlockN), a.scale);
+          pipe_bias.consumer_release(read_b);
+          ++read_b;
         }
-        // The test on positions: gathered keys' window on original positions, else the plain
-        // window (positions are indices); query bounds (key ends, a mask) on every block.
-        const PositionTest pt{st.pos, a.kpos.ptr != nullptr ? position_window(a) : win, Tile::kKeyRowEndDelta};
-        if (bounded_block_needs_mask<kBlockN>(pt.win, st.pos, m0, kBlockM, st.end_min))
-          mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(s_rc, tScS_rc, m0, n * kBlockN, win,
-                                                                                   nullptr, 0, nullptr, 0, &pt);
-        pipe_key_rows.consumer_release(read_r);
-        ++read_r;
-      } else if (win.block_needs_mask(m0, kBlockM, kBlockN, n)) {
-        transform_scores_ex<false, true, Element, kBlockN, false>(s_rc, tScS_rc, a, m0, n * kBlockN, win, nullptr, 0,
-                                                                  nullptr, 0);
-      }
-      if constexpr (Tile::kScaledScores) softmax.template update_scaled_deferred<true>(s_rc, kLog2e, alpha);
-      else softmax.template update_scaled_deferred<false>(s_rc, sl2, alpha);
-    };
+        if constexpr (Tile::kKeyRows) {
+          pipe_key_rows.consumer_wait(read_r);
+          const auto& st = ss.key_rows[read_r.index()];
+          if (a.softcap != 0.f) {  // s = softcap * tanh(scale * qk / softcap) + bias
+            CUTE_UNROLL
+            for (int i = 0; i < size(s_rc); ++i) s_rc(i) = a.softcap * tanhf(s_rc(i) * a.scale_div_softcap);
+            add_key_bias(s_rc, tScS_rc, st.bias, 1.f);
+          } else {
+            add_key_bias(s_rc, tScS_rc, st.bias, a.scale);
+          }
+          // The test on positions: gathered keys' window on original positions, else the plain
+          // window (positions are indices); query bounds (key ends, a mask) on every block.
+          const PositionTest pt{st.pos, a.kpos.ptr != nullptr ? position_window(a) : win, Tile::kKeyRowEndDelta};
+          if (bounded_block_needs_mask<kBlockN>(pt.win, st.pos, m0, kBlockM, st.end_min))
+            mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(s_rc, tScS_rc, m0, n * kBlockN, win,
+                                                                                     nullptr, 0, nullptr, 0, &pt);
+          pipe_key_rows.consumer_release(read_r);
+          ++read_r;
+        } else if (win.block_needs_mask(m0, kBlockM, kBlockN, n)) {
+          transform_scores_ex<false, true, Element, kBlockN, false>(s_rc, tScS_rc, a, m0, n * kBlockN, win, nullptr, 0,
+                                                                    nullptr, 0);
+        }
+        if constexpr (Tile::kScaledScores) softmax.template update_scaled_deferred<true>(s_rc, kLog2e, alpha);
+        else softmax.template update_scaled_deferred<false>(s_rc, sl2, alpha);
+      };
 
-    // Packed batches: the rows of a key block past the sequence's end are the next sequence's
-    // keys (zeros only at the end of the tensor). Their scores are -inf (the tail test), so P is
-    // exactly 0 there, but 0 * a NaN or Inf in those V rows would reach this sequence's output:
-    // the consumers zero them in the one block that has them, before any P V of that stage, and
-    // outside the tensor-core turns (every consumer takes part in the barrier).
-    const int len_k = seq.len_k();  // (read once: packed lengths come from memory)
-    auto clear_v_tail = [&](int nv) {
-      const int valid = len_k - nv * kBlockN;
-      if (!packed || valid >= kBlockN) return;
-      pipe_v.consumer_wait(read_v);
-      for (int idx = ctid; idx < (kBlockN - valid) * kHeadDim; idx += kConsumerThreads)
-        sV(valid + idx / kHeadDim, idx % kHeadDim, read_v.index()) = Element(0.f);
-      fence_smem_for_wgmma();
-      NamedBarrier::sync(kConsumerThreads, kTailBarrier);
-    };
+      // Packed batches: the rows of a key block past the sequence's end are the next sequence's
+      // keys (zeros only at the end of the tensor). Their scores are -inf (the tail test), so P is
+      // exactly 0 there, but 0 * a NaN or Inf in those V rows would reach this sequence's output:
+      // the consumers zero them in the one block that has them, before any P V of that stage, and
+      // outside the tensor-core turns (every consumer takes part in the barrier).
+      const int len_k = SeqBounds(a, tile.b).len_k();  // (read once: packed lengths come from memory)
+      auto clear_v_tail = [&](int nv) {
+        const int valid = len_k - nv * kBlockN;
+        if (!packed || valid >= kBlockN) return;
+        pipe_v.consumer_wait(read_v);
+        // (its addresses from the index afresh: derived from tid, they were held through the loop)
+        for (int idx = opaque_thread_index(); idx < (kBlockN - valid) * kHeadDim; idx += kConsumerThreads)
+          sV(valid + idx / kHeadDim, idx % kHeadDim, read_v.index()) = Element(0.f);
+        fence_smem_for_wgmma();
+        NamedBarrier::sync(kConsumerThreads, kTailBarrier);
+      };
 
-    int n = n_max - 1;
-    q_full.wait(0);
-    pipe_k.consumer_wait(read_k);
-    sched_sync();
-    issue_s(read_k.index());
-    sched_pass();
-    gemm_wait<0>(acc_s);
-    pipe_k.consumer_release(read_k);
-    ++read_k;
-    {
-      float alpha[kRows];
-      scores_to_probs(n, alpha);  // (alpha = 0: O is still zero)
-    }
-    convert_fragment<Element, false>(acc_s, rP);
-
-    for (--n; n >= n_min; --n) {
+      int n = n_max - 1;
       pipe_k.consumer_wait(read_k);
-      clear_v_tail(n + 1);
       sched_sync();
       issue_s(read_k.index());
-      pipe_v.consumer_wait(read_v);
-      issue_pv(read_v.index());
       sched_pass();
-      gemm_wait<1>(acc_s);
+      gemm_wait<0>(acc_s);
       pipe_k.consumer_release(read_k);
       ++read_k;
-      float alpha[kRows];
-      scores_to_probs(n, alpha);
+      {
+        float alpha[kRows];
+        scores_to_probs(n, alpha);  // (alpha = 0: O is still zero)
+      }
+      convert_fragment<Element, false>(acc_s, rP);
+
+      for (--n; n >= n_min; --n) {
+        pipe_k.consumer_wait(read_k);
+        clear_v_tail(n + 1);
+        sched_sync();
+        issue_s(read_k.index());
+        pipe_v.consumer_wait(read_v);
+        issue_pv(read_v.index());
+        sched_pass();
+        gemm_wait<1>(acc_s);
+        pipe_k.consumer_release(read_k);
+        ++read_k;
+        float alpha[kRows];
+        scores_to_probs(n, alpha);
+        gemm_wait<0>(acc_o);
+        pipe_v.consumer_release(read_v);
+        ++read_v;
+        softmax.rescale(acc_o_rc, alpha);
+        convert_fragment<Element, false>(acc_s, rP);
+      }
+      clear_v_tail(n_min);
+      pipe_v.consumer_wait(read_v);
+      sched_sync();
+      issue_pv(read_v.index());
+      sched_pass();
       gemm_wait<0>(acc_o);
       pipe_v.consumer_release(read_v);
       ++read_v;
-      softmax.rescale(acc_o_rc, alpha);
-      convert_fragment<Element, false>(acc_s, rP);
+      // The last consumer's final hand-over is to consumer 0: consume it, so that no barrier
+      // is left half arrived.
+      if (consumer == 0) sched_sync();
     }
-    clear_v_tail(n_min);
-    pipe_v.consumer_wait(read_v);
-    sched_sync();
-    issue_pv(read_v.index());
-    sched_pass();
-    gemm_wait<0>(acc_o);
-    pipe_v.consumer_release(read_v);
-    // The last consumer's final hand-over is to consumer 0: consume it, so that no barrier
-    // outlives the CTA half arrived.
-    if (consumer == 0) sched_sync();
-  }
 
-  float lse[kRows];
-  int rows[kRows];
-  softmax.finalize(acc_o_rc, lse, Tile::kScaledScores ? 1.f : a.scale);
-  CUTE_UNROLL
-  for (int r = 0; r < kRows; ++r) rows[r] = get<0>(tScS_rc(r, 0));
-
-  // Epilogue: this consumer's 64 rows through its own rows of sQ (read only by its own S GEMMs,
-  // all complete), then 16-byte coalesced stores.
-  Tensor rO = make_tensor<Element>(acc_o.layout());
-  convert_fragment<Element, /*kSaturate=*/true>(acc_o, rO);
-  Tensor tOsO = thr_o.partition_C(sQ);
-  copy(rO, tOsO);
-  const int rows_valid = seq.rows_valid(m0, kBlockM);
-  float* g_lse = a.lse + seq.stat_offset(h) + m0;
-  if ((ctid & 3) == 0) {
+    // (the epilogue's thread index afresh: the key loop's is not held through it)
+    const int etid = opaque_thread_index();
+    float lse[kRows];
+    int rows[kRows];
+    softmax.finalize(acc_o_rc, lse, Tile::kScaledScores ? 1.f : a.scale);
+    Tensor tEcS = make_tensor(mma_s.get_thread_slice(etid).partition_C(cS).data(), tScS_rc.layout());
     CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r)
-      if (rows[r] < rows_valid) g_lse[rows[r]] = lse[r];
-  }
-  NamedBarrier::sync(128, kEpilogueBarrier + consumer);
-  Element* gO = static_cast<Element*>(a.out) + int64_t(b) * a.o_bs + int64_t(seq.q0() + m0) * a.o_rs + int64_t(h) * a.o_hs;
-  constexpr int kChunksPerRow = kHeadDim / 8;
-  constexpr int kChunks = 64 * kChunksPerRow;
-  static_assert(kChunks % 128 == 0);
-  const int wtid = ctid % 128;
-  CUTE_UNROLL
-  for (int it = 0; it < kChunks / 128; ++it) {
-    const int idx = it * 128 + wtid;
-    const int r = consumer * 64 + idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
-    if (r < rows_valid && c < a.head_dim)
-      *reinterpret_cast<uint4*>(gO + r * a.o_rs + c) = *reinterpret_cast<const uint4*>(&sQ(r, c));
+    for (int r = 0; r < kRows; ++r) rows[r] = get<0>(tEcS(r, 0));
+
+    // Epilogue: this consumer's 64 rows through its own rows of sQ (read only by its own S GEMMs,
+    // all complete), then 16-byte coalesced stores.
+    Tensor rO = make_tensor<Element>(acc_o.layout());
+    convert_fragment<Element, /*kSaturate=*/true>(acc_o, rO);
+    Tensor tOsO = mma_o.get_thread_slice(etid).partition_C(sQ);
+    copy(rO, tOsO);
+    const SeqBounds seq(a, tile.b);
+    const int rows_valid = seq.rows_valid(m0, kBlockM);
+    float* g_lse = a.lse + seq.stat_offset(tile.h) + m0;
+    if ((etid & 3) == 0) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r)
+        if (rows[r] < rows_valid) g_lse[rows[r]] = lse[r];
+    }
+    NamedBarrier::sync(128, kEpilogueBarrier + consumer);
+    Element* gO = static_cast<Element*>(a.out) + int64_t(tile.b) * a.o_bs + int64_t(seq.q0() + m0) * a.o_rs +
+                  int64_t(tile.h) * a.o_hs;
+    constexpr int kChunksPerRow = kHeadDim / 8;
+    constexpr int kChunks = 64 * kChunksPerRow;
+    static_assert(kChunks % 128 == 0);
+    const int wtid = etid % 128;
+    CUTE_UNROLL
+    for (int it = 0; it < kChunks / 128; ++it) {
+      const int idx = it * 128 + wtid;
+      const int r = consumer * 64 + idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
+      if (r < rows_valid && c < a.head_dim)
+        *reinterpret_cast<uint4*>(gO + r * a.o_rs + c) = *reinterpret_cast<const uint4*>(&sQ(r, c));
+    }
+    // The next tile's Q may now land in these rows (by TMA: the async proxy, after these
+    // generic writes).
+    cutlass::arch::fence_view_async_shared();
+    q_empty.arrive();
+    pipe_tile.consumer_release(slot);
   }
 #endif
 }

@@ -2,9 +2,13 @@
 // takes, the TMA descriptors of q, k and v, and the launch.
 #pragma once
 
+#include <algorithm>
+#include <cstdlib>
+
 #include <cuda_runtime.h>
 
 #include "cuda/check.h"
+#include "cuda/device_info.h"
 #include "cuda/fwd_args.h"
 #include "cuda/sm90/enabled.h"
 #include "cuda/sm90/fwd_ws_kernel_sm90.h"
@@ -78,6 +82,14 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
   // The bias's head and batch extents: 1 where it broadcasts (stride 0), else its own.
   const int bias_heads = a.bias.stride_h == 0 ? 1 : a.num_heads / a.bias.head_div;
   const int bias_batch = a.bias.stride_b == 0 ? 1 : a.batch;
+  // L2 sections of (head, batch) pairs: as many as keep their K and V within kL2SectionBytes
+  // (H100: 50 MB of L2, shared with the Q tiles and bias streams).
+  constexpr int64_t kL2SectionBytes = 24 << 20;
+  const int64_t kv_bytes = 2 * int64_t(a.seqlen_k) * a.head_dim * int64_t(sizeof(Element)) / a.group;
+  const int num_m_blocks = (a.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
+  const int num_hb = a.num_heads * a.batch;
+  const int section_hb = int(std::max<int64_t>(1, std::min<int64_t>(num_hb, kL2SectionBytes / std::max<int64_t>(kv_bytes, 1))));
+  const int num_tiles = num_m_blocks * num_hb;
   FwdWsParams<Tile> p{
       a,
       make_tma_copy(SM90_TMA_LOAD{}, q, typename Tile::SmemLayoutQ{}),
@@ -94,13 +106,23 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
       rows_q,
       rows_k,
       batch,
+      FwdWsTiles{num_m_blocks, num_hb, section_hb, num_tiles},
   };
   auto kernel = fwd_ws_kernel_sm90<Tile>;
   constexpr int smem = Tile::kSmemBytes;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
              "cudaFuncSetAttribute(forward smem)");
-  // Query blocks in reverse order (the kernel's m_block): the longest causal rows start first.
-  const dim3 grid((a.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM, a.num_heads, a.batch);
+  // Persistent: one CTA an SM (the launch bounds and shared memory allow no second), each taking
+  // one tile a round (the kernel's scheduler warp, rounds alternating in direction so that causal
+  // sweeps balance): the next tile's loads overlap this one's last products and epilogue. Key
+  // ends take one tile a CTA (the kernel's block-wide search for their first live row).
+  // DMATTN_FWD_PERSISTENT=0 turns it off, for comparisons (read at each launch:
+  // benchmarks/profiling/fwd_schedule_timing.py alternates the two).
+  const char* const mode = std::getenv("DMATTN_FWD_PERSISTENT");
+  const bool persistent = a.kpos.ends == nullptr && !(mode != nullptr && mode[0] == '0');
+  const int sms = current_multiprocessor_count();
+  const int grid = persistent && sms > 0 && sms < num_tiles ? sms : num_tiles;
+  if (grid == 0) return;
   kernel<<<grid, Tile::kNThreads, smem, stream>>>(p);
   check_cuda(cudaGetLastError(), "forward kernel launch");
 }

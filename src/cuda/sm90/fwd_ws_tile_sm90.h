@@ -34,6 +34,15 @@ namespace dmattn::cuda::sm90 {
 
 enum class FwdWsScores { kPlain, kFullBias, kKeyRows };
 
+// One tile of the forward (a query block of one head and batch) as the scheduler warp hands it
+// to the other roles: the key blocks [n_min, n_max) it reads (empty: its rows see no key), and
+// how many key blocks the CTA's earlier tiles read (where the K / V / bias / key-row pipelines
+// stand when it starts). m_block < 0: no tile left.
+struct FwdWsTileInfo {
+  int m_block, h, b, n_min, n_max;
+  uint32_t blocks_before;
+};
+
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, FwdWsScores kScores_,
           int kProducerRegs_, int kConsumerRegs_>
 struct FwdWsTile {
@@ -113,6 +122,10 @@ struct FwdWsTile {
   };
   static constexpr int kKeyRowEndDelta = kBlockN;  // end[] behind pos[] (PositionTest::end_delta)
   using KeyRowPipeline = cutlass::PipelineAsync<kStages>;
+  // The tiles of a persistent CTA, handed from the scheduler warp to the other roles (two slots:
+  // the next tile is known while the current one runs).
+  static constexpr int kTileSlots = 2;
+  using TilePipeline = cutlass::PipelineAsync<kTileSlots>;
   static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kKVStageBytes = kBlockN * kHeadDim * int(sizeof(Element));
   static constexpr int kBiasStageBytes = kBlockM * kBlockN * int(sizeof(Element));
@@ -125,8 +138,13 @@ struct FwdWsTile {
     cute::array_aligned<KeyRowStage, kKeyRows ? kStages : 1, 16> key_rows;
     typename Pipeline::SharedStorage pipe_k, pipe_v, pipe_bias;
     typename KeyRowPipeline::SharedStorage pipe_key_rows;
+    typename TilePipeline::SharedStorage pipe_tile;
+    FwdWsTileInfo tiles[kTileSlots];
     alignas(8) cutlass::arch::ClusterTransactionBarrier::ValueType q_full;
+    alignas(8) cutlass::arch::ClusterBarrier::ValueType q_empty;  // the consumers are done with Q's buffer
     int32_t first_alive[kNThreads / 32];  // per warp: the first row a query of the block may keep
+    uint32_t sched_tiles, sched_blocks;   // the scheduler's counters (fwd_ws_kernel_sm90.h)
+    int32_t sched_next;                   // and its next round
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
 };
@@ -146,6 +164,9 @@ template <typename Element, FwdWsScores kScores> struct FwdWsConfig<Element, 64,
 };
 template <typename Element, FwdWsScores kScores> struct FwdWsConfig<Element, 128, kScores> {
   using Tile = FwdWsTile<Element, 128, 128, 128, 2, kScores, 40, 232>;
+};
+template <typename Element> struct FwdWsConfig<Element, 128, FwdWsScores::kFullBias> {
+  using Tile = FwdWsTile<Element, 128, 128, 128, 2, FwdWsScores::kFullBias, 48, 224>;
 };
 template <typename Element> struct FwdWsConfig<Element, 256, FwdWsScores::kPlain> {
   using Tile = FwdWsTile<Element, 256, 128, 80, 2, FwdWsScores::kPlain, 40, 232>;
