@@ -61,10 +61,12 @@
 
 namespace dmattn::cuda::sm90 {
 
-// The tiles of a launch: query blocks of a sequence, (head, batch) pairs and those of an L2
-// section (fwd_ws_tile_coords), and their count.
+// The work of a launch (fwd_ws_tile_coords): query blocks of a sequence, (head, batch) pairs,
+// whether a unit of work pairs two tiles, and the number of units.
 struct FwdWsTiles {
-  int num_m_blocks, num_hb, section_hb, count;
+  int num_m_blocks, num_hb;
+  bool paired;
+  int units;
 };
 
 template <class Tile>
@@ -143,21 +145,23 @@ __device__ __forceinline__ void gather_kv_blocks(const FwdArgs& a, int b, int h,
   }
 }
 
-// Tile t of a launch. The (head, batch) pairs (heads fastest: the query heads of one KV head
-// together) are cut into sections of section_hb pairs whose K and V fit in L2 together
-// (launch_fwd_ws); within a section the tiles go by query block from the last to the first, then
-// by pair: a causal sweep's costliest tiles first, the cheapest at the section's end.
-__device__ __forceinline__ void fwd_ws_tile_coords(int t, const FwdWsTiles& tiles, int heads, int& m_block, int& h,
-                                                   int& b) {
-  const int per_section = tiles.num_m_blocks * tiles.section_hb;
-  const int section = t / per_section, r = t - section * per_section;
-  const int first_hb = section * tiles.section_hb;
-  const int size = min(tiles.section_hb, tiles.num_hb - first_hb);  // (the last section may be short)
-  const int m_rank = r / size;
-  m_block = tiles.num_m_blocks - 1 - m_rank;
-  const int hb = first_hb + (r - m_rank * size);
+// Tile `half` (0 or 1) of unit u of a launch; false where the unit has no such tile. (Head,
+// batch) pairs go heads fastest (the query heads of one KV head together), then batches; the
+// units of a pair are its query blocks from the last to the first (the longest causal rows
+// first), or, paired, query blocks nm - 1 - i and i together: under a causal sweep every pair
+// of tiles reads about as many key blocks, so that units handed out in fixed rounds balance.
+__device__ __forceinline__ bool fwd_ws_tile_coords(int u, int half, const FwdWsTiles& w, int heads, int& m_block,
+                                                   int& h, int& b) {
+  const int per_hb = w.paired ? (w.num_m_blocks + 1) / 2 : w.num_m_blocks;
+  const int hb = u / per_hb, i = u - hb * per_hb;
+  m_block = w.num_m_blocks - 1 - i;
+  if (half == 1) {
+    if (!w.paired || i == m_block) return false;
+    m_block = i;
+  }
   h = hb % heads;
   b = hb / heads;
+  return true;
 }
 
 // The key blocks a tile reads: those of its gathered keys' range (warp-cooperative: every lane
@@ -217,7 +221,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
   const bool skip_dead = Tile::kKeyRows && a.kpos.ends != nullptr;
   if (skip_dead) {
     int m_block, h, b, n_min, n_max;
-    fwd_ws_tile_coords(blockIdx.x, p.schedule, a.num_heads, m_block, h, b);
+    fwd_ws_tile_coords(blockIdx.x, 0, p.schedule, a.num_heads, m_block, h, b);  // (unpaired: one tile a unit)
     const SeqBounds seq(a, b);
     const int m0 = m_block * kBlockM;
     if (m0 < seq.len_q()) {
@@ -264,7 +268,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
 
   if (warp_group == 0) {  // ---------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<Tile::kProducerRegs>();
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
     if constexpr (Tile::kKeyRows) {
       if (warp == 1) {  // the key rows' loader, in the consumers' block order
         uint32_t taken = 0;
@@ -301,9 +305,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       }
     }
     if (warp != 0) return;
+    // (read afresh at each use: the lane index is not held in a register across tiles)
+    auto first_lane = []() {
+      unsigned l;
+      asm volatile("mov.u32 %0, %%laneid;" : "=r"(l));
+      return l == 0;
+    };
     // The scheduler warp: finds each tile's key blocks (all lanes), hands the tile to the other
     // roles and issues its TMA loads (lane 0).
-    if (lane == 0) {  // (the descriptors' first use would otherwise fetch them on the critical path)
+    if (first_lane()) {  // (the descriptors' first use would otherwise fetch them on the critical path)
       cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
       cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
       cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
@@ -313,7 +323,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
     // the tiles handed over so far, and their key blocks (as many K, V and bias stages each).
     volatile uint32_t& tiles = ss.sched_tiles;
     volatile uint32_t& blocks = ss.sched_blocks;
-    if (lane == 0) {
+    if (first_lane()) {
       tiles = 0;
       blocks = 0;
     }
@@ -382,21 +392,21 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       }
     };
 
-    // Round r gives each CTA one tile: tile r * gridDim.x + blockIdx.x when r is even, counted
-    // from the other end of the round when odd (a CTA that took a costly tile of a causal sweep
-    // takes a cheap one next). The next round also through shared memory (not held in a
-    // register through the tile's loads).
-    volatile int& next_round = ss.sched_next;
-    for (int r = 0;;) {
-      const int t = r * int(gridDim.x) + ((r & 1) ? int(gridDim.x - 1 - blockIdx.x) : int(blockIdx.x));
+    // Units blockIdx.x, blockIdx.x + gridDim.x, ..., their tiles in turn: step q is tile q % 2
+    // of the q / 2-th unit when paired, else its one tile of the q-th. The next step also
+    // through shared memory (not held in a register through the tile's loads).
+    volatile int& next_step = ss.sched_next;
+    for (int q = 0;;) {
+      const int half = p.schedule.paired ? q & 1 : 0;
+      const int u = int(blockIdx.x) + (p.schedule.paired ? q >> 1 : q) * int(gridDim.x);
       FwdWsTileInfo tile{-1, 0, 0, 0, 0, 0};  // (past the last tile: the end)
       bool skip = false;
-      if (t < p.schedule.count) {
+      if (u < p.schedule.units) {
         int m_block, h, b, n_min, n_max;
-        fwd_ws_tile_coords(t, p.schedule, a.num_heads, m_block, h, b);
-        const SeqBounds seq(a, b);
-        skip = m_block * kBlockM >= seq.len_q();  // packed: past the end of a shorter sequence
+        skip = !fwd_ws_tile_coords(u, half, p.schedule, a.num_heads, m_block, h, b) ||
+               m_block * kBlockM >= SeqBounds(a, b).len_q();  // packed: past the end of a shorter sequence
         if (!skip) {
+          const SeqBounds seq(a, b);
           fwd_ws_key_range<Tile>(a, seq, b, h, m_block * kBlockM, n_min, n_max);
           if (skip_dead && n_max > n_min) {
             int first = INT_MAX;
@@ -406,8 +416,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           tile = FwdWsTileInfo{m_block, h, b, n_min, n_max, 0};
         }
       }
-      if (lane == 0) {
-        next_round = r + 1;
+      if (first_lane()) {
+        next_step = q + 1;
         if (!skip) {
           tile.blocks_before = blocks;
           const uint32_t i = tiles;
@@ -424,10 +434,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       }
       if (!skip && tile.m_block < 0) break;
       __syncwarp();
-      r = next_round;
+      q = next_step;
       __syncwarp();
     }
-    if (lane == 0) {  // stay until the consumers have released every stage (no load outlives the CTA's smem)
+    if (first_lane()) {  // stay until the consumers have released every stage (no load outlives the CTA's smem)
       const PipelineState write = pipeline_state_at<Tile::kStages>(uint32_t(blocks), true);
       pipe_k.producer_tail(write);
       pipe_v.producer_tail(write);

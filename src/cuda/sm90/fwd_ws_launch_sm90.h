@@ -2,7 +2,7 @@
 // takes, the TMA descriptors of q, k and v, and the launch.
 #pragma once
 
-#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 
 #include <cuda_runtime.h>
@@ -82,14 +82,28 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
   // The bias's head and batch extents: 1 where it broadcasts (stride 0), else its own.
   const int bias_heads = a.bias.stride_h == 0 ? 1 : a.num_heads / a.bias.head_div;
   const int bias_batch = a.bias.stride_b == 0 ? 1 : a.batch;
-  // L2 sections of (head, batch) pairs: as many as keep their K and V within kL2SectionBytes
-  // (H100: 50 MB of L2, shared with the Q tiles and bias streams).
-  constexpr int64_t kL2SectionBytes = 24 << 20;
-  const int64_t kv_bytes = 2 * int64_t(a.seqlen_k) * a.head_dim * int64_t(sizeof(Element)) / a.group;
   const int num_m_blocks = (a.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
   const int num_hb = a.num_heads * a.batch;
-  const int section_hb = int(std::max<int64_t>(1, std::min<int64_t>(num_hb, kL2SectionBytes / std::max<int64_t>(kv_bytes, 1))));
   const int num_tiles = num_m_blocks * num_hb;
+  // Persistent: one CTA an SM (the launch bounds and shared memory allow no second), each taking
+  // units of work in fixed rounds (the kernel's scheduler warp): the next tile's loads overlap
+  // this one's last products and epilogue. Under a causal / window sweep a unit pairs a costly
+  // tile with a cheap one (fwd_ws_tile_coords), and the rounds must come out nearly whole: else
+  // one tile a CTA, which the hardware's dynamic CTA scheduling balances better (H100, causal
+  // D=64 at 5.3 rounds: docs/design.md). Key ends take one tile a CTA too (the kernel's
+  // block-wide search for their first live row). DMATTN_FWD_PERSISTENT=0 / =1: never / wherever
+  // key ends allow, for comparisons (read at each launch:
+  // benchmarks/profiling/fwd_schedule_timing.py alternates them).
+  const bool sweep = a.window_left >= 0 || a.window_right >= 0;
+  const int sms = current_multiprocessor_count();
+  const int pair_units = num_hb * ((num_m_blocks + 1) / 2);
+  const double rounds = sms > 0 ? double(pair_units) / sms : 0.0;
+  const bool whole_rounds = rounds >= 1.0 && std::ceil(rounds) <= rounds * 1.06;
+  const char* const mode = std::getenv("DMATTN_FWD_PERSISTENT");
+  const bool persistent = a.kpos.ends == nullptr && sms > 0 &&
+                          (mode != nullptr ? mode[0] != '0' : !sweep || whole_rounds);
+  const bool paired = persistent && sweep;
+  const int units = paired ? pair_units : num_tiles;
   FwdWsParams<Tile> p{
       a,
       make_tma_copy(SM90_TMA_LOAD{}, q, typename Tile::SmemLayoutQ{}),
@@ -106,22 +120,13 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
       rows_q,
       rows_k,
       batch,
-      FwdWsTiles{num_m_blocks, num_hb, section_hb, num_tiles},
+      FwdWsTiles{num_m_blocks, num_hb, paired, units},
   };
   auto kernel = fwd_ws_kernel_sm90<Tile>;
   constexpr int smem = Tile::kSmemBytes;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
              "cudaFuncSetAttribute(forward smem)");
-  // Persistent: one CTA an SM (the launch bounds and shared memory allow no second), each taking
-  // one tile a round (the kernel's scheduler warp, rounds alternating in direction so that causal
-  // sweeps balance): the next tile's loads overlap this one's last products and epilogue. Key
-  // ends take one tile a CTA (the kernel's block-wide search for their first live row).
-  // DMATTN_FWD_PERSISTENT=0 turns it off, for comparisons (read at each launch:
-  // benchmarks/profiling/fwd_schedule_timing.py alternates the two).
-  const char* const mode = std::getenv("DMATTN_FWD_PERSISTENT");
-  const bool persistent = a.kpos.ends == nullptr && !(mode != nullptr && mode[0] == '0');
-  const int sms = current_multiprocessor_count();
-  const int grid = persistent && sms > 0 && sms < num_tiles ? sms : num_tiles;
+  const int grid = persistent && sms < units ? sms : units;
   if (grid == 0) return;
   kernel<<<grid, Tile::kNThreads, smem, stream>>>(p);
   check_cuda(cudaGetLastError(), "forward kernel launch");

@@ -144,7 +144,7 @@ struct FwdWsTile {
     alignas(8) cutlass::arch::ClusterBarrier::ValueType q_empty;  // the consumers are done with Q's buffer
     int32_t first_alive[kNThreads / 32];  // per warp: the first row a query of the block may keep
     uint32_t sched_tiles, sched_blocks;   // the scheduler's counters (fwd_ws_kernel_sm90.h)
-    int32_t sched_next;                   // and its next round
+    int32_t sched_next;                   // and its next step
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
 };
