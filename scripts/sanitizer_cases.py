@@ -2,6 +2,8 @@
 scripts/gpu_cycle.sh with the step `sanitize`. Tails, broadcast mask/bias, GQA, causal and
 window, forward and backward; each call is checked for finiteness so a failing launch shows."""
 
+import os
+
 import torch
 
 import dmattn
@@ -71,6 +73,16 @@ for dtype in (torch.bfloat16, torch.float16):
     topk_case(2, 300, 4, 2, 128, dtype, keep=160, causal=True)
     topk_case(1, 520, 2, 2, 64, dtype, keep=200, causal=True, per_query=True)
     topk_case(1, 260, 2, 1, 128, dtype, keep=96, causal=False)
+
+    # The forward's persistent CTAs: more tiles than SMs (each CTA takes several, the pipelines
+    # running on across them), for plain scores, a full bias and per-key rows; then a causal
+    # sweep forced persistent, whose units pair two tiles.
+    case(4, 600, 300, 8, 4, 128, dtype)
+    case(4, 600, 300, 8, 4, 128, dtype, bias_shape=(4, 8, 600, 300))
+    topk_case(4, 600, 8, 4, 128, dtype, keep=300, causal=False)
+    os.environ["DMATTN_FWD_PERSISTENT"] = "1"
+    case(4, 600, 600, 8, 4, 128, dtype, causal=True)
+    del os.environ["DMATTN_FWD_PERSISTENT"]
 
     # The warp-specialized Hopper backward (head dim 128: TMA producer, row-statistics loader and
     # dQ writer warps, the named barriers of the dQ hand-over): plain scores with several query
