@@ -154,7 +154,9 @@ struct FwdWsTile {
 // 40 and the consumers at 232 (24 / 240 spilled the producer's TMA coordinates and
 // descriptors; at D = 256 the consumers fit 232 only with the GEMM descriptors rebuilt per
 // issue, fwd_ws_kernel_sm90.h). Plain scores only at 256: Q, K and V take the whole shared
-// memory. With a bias or key rows at 64, two consumers (three spilled at 160 registers).
+// memory. With a bias or key rows at 64, two consumers (three spilled at 160 registers). The
+// full bias at 128: 48 / 224 (at 40 the producer's TMA issue of K and the bias tile spilled a
+// register).
 template <typename Element, int kHeadDim, FwdWsScores kScores> struct FwdWsConfig;
 template <typename Element> struct FwdWsConfig<Element, 64, FwdWsScores::kPlain> {
   using Tile = FwdWsTile<Element, 64, 192, 128, 2, FwdWsScores::kPlain, 32, 160>;
