@@ -2,6 +2,7 @@
 // takes, the TMA descriptors of q, k and v, and the launch.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 
@@ -93,7 +94,8 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
   // D=64 at 5.3 rounds: docs/design.md). Key ends take one tile a CTA too (the kernel's
   // block-wide search for their first live row). DMATTN_FWD_PERSISTENT=0 / =1: never / wherever
   // key ends allow, for comparisons (read at each launch:
-  // benchmarks/profiling/fwd_schedule_timing.py alternates them).
+  // benchmarks/profiling/fwd_schedule_timing.py alternates them). DMATTN_FWD_PERSISTENT_CTAS=n
+  // caps a persistent grid at n CTAs, so that small problems hand each CTA many tiles (tests).
   const bool sweep = a.window_left >= 0 || a.window_right >= 0;
   const int sms = current_multiprocessor_count();
   const int pair_units = num_hb * ((num_m_blocks + 1) / 2);
@@ -126,7 +128,12 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
   constexpr int smem = Tile::kSmemBytes;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
              "cudaFuncSetAttribute(forward smem)");
-  const int grid = persistent && sms < units ? sms : units;
+  int ctas = sms;
+  if (mode != nullptr) {
+    const char* const cap = std::getenv("DMATTN_FWD_PERSISTENT_CTAS");
+    if (cap != nullptr && std::atoi(cap) > 0) ctas = std::min(ctas, std::atoi(cap));
+  }
+  const int grid = persistent && ctas < units ? ctas : units;
   if (grid == 0) return;
   kernel<<<grid, Tile::kNThreads, smem, stream>>>(p);
   check_cuda(cudaGetLastError(), "forward kernel launch");
