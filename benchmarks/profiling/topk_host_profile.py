@@ -3,10 +3,12 @@ the dispatcher, the native calls), measured while a sleep kernel keeps the GPU b
 call waits on the device.
 
     PYTHONPATH=python python3 benchmarks/profiling/topk_host_profile.py [--batch 2] [--seqlen 8192]
+        [--forward]
 
 Prints the host enqueue time of a forward and of a forward+backward (best of 10), then
-cProfile's functions by total (self) time and by cumulative time for 20 forward+backward steps,
-and the ATen ops of one step by self CPU time (torch.profiler).
+cProfile's functions by total (self) time and by cumulative time for 20 forward+backward steps
+(--forward: 200 forwards without gradients), and the ATen ops of one step by self CPU time
+(torch.profiler).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--rows", type=int, default=35)
+    ap.add_argument("--forward", action="store_true", help="profile the forward without gradients")
     args = ap.parse_args()
     q, k, v, bias, dout = make(args.batch, args.seqlen)
 
@@ -41,12 +44,13 @@ def main() -> None:
         fwd_bwd()
     print(f"host enqueue (GPU kept busy): fwd {host_enqueue_ms(fwd):.3f} ms, fwd+bwd {host_enqueue_ms(fwd_bwd):.3f} ms")
 
+    step, steps = (fwd, 200) if args.forward else (fwd_bwd, 20)
     torch.cuda.synchronize()
     torch.cuda._sleep(1_000_000_000)
     prof = cProfile.Profile()
     prof.enable()
-    for _ in range(20):
-        fwd_bwd()
+    for _ in range(steps):
+        step()
     prof.disable()
     torch.cuda.synchronize()
     st = pstats.Stats(prof)
@@ -56,7 +60,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
     torch.cuda._sleep(200_000_000)
     with profile(activities=[ProfilerActivity.CPU]) as p:
-        fwd_bwd()
+        step()
     torch.cuda.synchronize()
     print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=50))
 
