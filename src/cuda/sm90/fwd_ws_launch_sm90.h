@@ -94,8 +94,9 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
   // D=64 at 5.3 rounds: docs/design.md). Key ends take one tile a CTA too (the kernel's
   // block-wide search for their first live row). DMATTN_FWD_PERSISTENT=0 / =1: never / wherever
   // key ends allow, for comparisons (read at each launch:
-  // benchmarks/profiling/fwd_schedule_timing.py alternates them). DMATTN_FWD_PERSISTENT_CTAS=n
-  // caps a persistent grid at n CTAs, so that small problems hand each CTA many tiles (tests).
+  // benchmarks/profiling/fwd_schedule_timing.py alternates them). With DMATTN_FWD_PERSISTENT set,
+  // DMATTN_FWD_PERSISTENT_CTAS=n caps a persistent grid at n CTAs, so that small problems hand
+  // each CTA many tiles (tests; not read otherwise, off the launch's usual path).
   const bool sweep = a.window_left >= 0 || a.window_right >= 0;
   const int sms = current_multiprocessor_count();
   const int pair_units = num_hb * ((num_m_blocks + 1) / 2);
@@ -130,8 +131,9 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
              "cudaFuncSetAttribute(forward smem)");
   int ctas = sms;
   if (mode != nullptr) {
-    const char* const cap = std::getenv("DMATTN_FWD_PERSISTENT_CTAS");
-    if (cap != nullptr && std::atoi(cap) > 0) ctas = std::min(ctas, std::atoi(cap));
+    const char* const cap_env = std::getenv("DMATTN_FWD_PERSISTENT_CTAS");
+    const int cap = cap_env != nullptr ? std::atoi(cap_env) : 0;
+    if (cap > 0) ctas = std::min(ctas, cap);
   }
   const int grid = persistent && ctas < units ? ctas : units;
   if (grid == 0) return;
