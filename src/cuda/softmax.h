@@ -3,6 +3,8 @@
 // guarded: a row whose max is still -inf uses 0, so -inf never meets -inf.
 //   kSafeSub: p = exp2((s - m) * log2e), exact for scores near -FLT_MAX (a finfo.min bias on
 //   an allowed key); otherwise p = exp2(s * log2e - m * log2e) in one FMA.
+//   update_scaled_deferred<kSafeSub, kFmaWhenSmall>: the safe subtraction only when a row of
+//   the warp has a max beyond kFmaMaxAbs, else the one FMA (bias scores: see there).
 //   exp2 is ex2.approx.ftz (fast_exp2): probabilities below 2^-126 flush to 0.
 #pragma once
 
@@ -44,29 +46,80 @@ struct OnlineSoftmax {
   // update_scaled() without touching o: the factors o must be multiplied by are returned in
   // alpha (rescale()), so that o can still be in use (an asynchronous P V product in flight)
   // while the probabilities of the next block are computed.
-  template <bool kSafeSub, class S>
+  // kFmaWhenSmall (with kSafeSub): the safe subtraction only where it matters. Scores with a
+  // bias are final and may sit near -FLT_MAX, but a row whose max is at most kFmaMaxAbs in
+  // magnitude takes the one-FMA exponent: m * sl2 is then finite, a score near -FLT_MAX gives
+  // exp2(-inf) = 0 as it should, and the FMA's error in the exponent stays below
+  // ulp(kFmaMaxAbs * log2 e) = 2^-11 (a relative 1.4e-4 on p, under bf16's and fp16's own
+  // rounding of P). One vote per warp picks the loop, so the branch never diverges (per-row
+  // branches measured slower than no FMA at all); the FMA saves an FMUL a score, one of the
+  // seven or eight instructions a biased score costs.
+  static constexpr float kFmaMaxAbs = 4096.f;
+
+  template <bool kSafeSub, bool kFmaWhenSmall = false, class S>
   __device__ __forceinline__ void update_scaled_deferred(S& s, float sl2, float (&alpha)[kRows]) {
     using namespace cute;
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      float m = row_max[r];
+    if constexpr (kSafeSub && kFmaWhenSmall) {
+      float m_use[kRows];
+      bool small = true;
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
-      m = quad_max(m);
-      const float m_use = m == -INFINITY ? 0.f : m;
-      alpha[r] = fast_exp2((row_max[r] - m_use) * sl2);  // -inf old max -> 0
-      row_sum[r] *= alpha[r];
-      row_max[r] = m;
-      float sum = 0.f;
-      const float m_scaled = m_use * sl2;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) {
-        const float p = kSafeSub ? fast_exp2((s(r, c) - m_use) * sl2) : fast_exp2(fmaf(s(r, c), sl2, -m_scaled));
-        s(r, c) = p;
-        sum += p;
+      for (int r = 0; r < kRows; ++r) {
+        m_use[r] = update_max(s, r, sl2, alpha[r]);
+        small = small && fabsf(m_use[r]) <= kFmaMaxAbs;
       }
-      row_sum[r] += sum;
+      if (__all_sync(0xffffffffu, small)) {
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) exponentiate<false>(s, r, m_use[r], sl2);
+      } else {
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) exponentiate<true>(s, r, m_use[r], sl2);
+      }
+    } else {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) exponentiate<kSafeSub>(s, r, update_max(s, r, sl2, alpha[r]), sl2);
     }
+  }
+
+  // The new running max of row r (the value the exponents subtract: 0 while it is -inf) and
+  // the factor alpha that the row's sum (here) and output (rescale()) take.
+  template <class S>
+  __device__ __forceinline__ float update_max(const S& s, int r, float sl2, float& alpha) {
+    using namespace cute;
+    float m = row_max[r];
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
+    m = quad_max(m);
+    const float m_use = m == -INFINITY ? 0.f : m;
+    alpha = fast_exp2((row_max[r] - m_use) * sl2);  // -inf old max -> 0
+    row_sum[r] *= alpha;
+    row_max[r] = m;
+    return m_use;
+  }
+
+  // Row r of s becomes its probabilities exp(s - m), added to the row's sum.
+  template <bool kSafeSub, class S>
+  __device__ __forceinline__ void exponentiate(S& s, int r, float m_use, float sl2) {
+    using namespace cute;
+    const float m_scaled = m_use * sl2;
+    float sum = 0.f;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(s); ++c) {
+      const float p = kSafeSub ? fast_exp2((s(r, c) - m_use) * sl2) : fast_exp2(fmaf(s(r, c), sl2, -m_scaled));
+      s(r, c) = p;
+      sum += p;
+    }
+    row_sum[r] += sum;
+  }
+
+  // rescale(), skipped when no row of the warp changed its max (every alpha exactly 1:
+  // exp2(0)), as in most blocks past the first few: an FMUL an output element saved, for a vote
+  // and a branch.
+  template <class O>
+  __device__ __forceinline__ void rescale_if_needed(O& o, const float (&alpha)[kRows]) {
+    bool unchanged = true;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) unchanged = unchanged && alpha[r] == 1.f;
+    if (!__all_sync(0xffffffffu, unchanged)) rescale(o, alpha);
   }
 
   template <class O>

@@ -1,6 +1,8 @@
 // Small device helpers: cp.async, warp reductions, conversions, fragment layouts.
 #pragma once
 
+#include <cstring>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -46,7 +48,13 @@ template <> struct ElemInfo<cutlass::half_t> {
   __device__ static Native2 pack(float a, float b) { return __floats2half2_rn(a, b); }
   __device__ static float to_float(const void* p) { return __half2float(*static_cast<const __half*>(p)); }
   __device__ static void to_float2(const void* p, float& a, float& b) {
-    const float2 f = __half22float2(*static_cast<const __half2*>(p)); a = f.x; b = f.y;
+    word_to_float2(*static_cast<const uint32_t*>(p), a, b);
+  }
+  // Two elements packed in a 32-bit word (the lower-addressed one in the low half).
+  __device__ static void word_to_float2(uint32_t w, float& a, float& b) {
+    __half2 h;
+    memcpy(&h, &w, sizeof(w));
+    const float2 f = __half22float2(h); a = f.x; b = f.y;
   }
 };
 template <> struct ElemInfo<cutlass::bfloat16_t> {
@@ -57,7 +65,13 @@ template <> struct ElemInfo<cutlass::bfloat16_t> {
     return __bfloat162float(*static_cast<const __nv_bfloat16*>(p));
   }
   __device__ static void to_float2(const void* p, float& a, float& b) {
-    const float2 f = __bfloat1622float2(*static_cast<const __nv_bfloat162*>(p)); a = f.x; b = f.y;
+    word_to_float2(*static_cast<const uint32_t*>(p), a, b);
+  }
+  // bf16 is fp32's upper half: one shift or mask an element (__bfloat1622float2 takes a byte
+  // permute and a shift for the upper one).
+  __device__ static void word_to_float2(uint32_t w, float& a, float& b) {
+    a = __uint_as_float(w << 16);
+    b = __uint_as_float(w & 0xffff0000u);
   }
 };
 

@@ -105,14 +105,17 @@ def test_random_forward_large(seed, nan_poison):
 
 
 
-@pytest.mark.parametrize("kind", ["full", "per_key", "topk"])
+@pytest.mark.parametrize("kind", ["full", "full_by_warp", "per_key", "topk"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_large_bias_offsets_forward(kind, d, nan_poison):
     """Biased scores far from zero: rows whose maximum lies between -1e5 and 3e4 (where an
     exponent computed as s * log2e - m * log2e in one FMA would be off by the rounding of
     m * log2e, src/cuda/softmax.h), against the float64 reference (softmax is shift-invariant,
     so the offsets change nothing but the rounding). Full biases, per-key biases and the top-k
-    gather path (per-key rows with gathered keys)."""
+    gather path (per-key rows with gathered keys). "full" varies the offset from row to row, so
+    that every 16-row group (a warp's rows in the Hopper kernel) holds some beyond 4096 and takes
+    the safe subtraction; "full_by_warp" gives each 16-row group one offset, so that groups up to
+    2900 take the one-FMA exponent."""
     import dmattn
     g = torch.Generator(device="cpu").manual_seed(d + len(kind))
     b, h, sq, sk = 2, 4, 300, 700
@@ -122,6 +125,8 @@ def test_large_bias_offsets_forward(kind, d, nan_poison):
     offsets = torch.tensor([0.0, 1000.0, -2500.0, 2900.0, -3000.0, 6000.0, -1e5, 3e4])
     if kind == "full":  # per query row
         shape, shift = (b, h, sq, sk), offsets[torch.arange(sq) % 8].view(1, 1, sq, 1)
+    elif kind == "full_by_warp":  # per group of 16 query rows
+        shape, shift = (b, h, sq, sk), offsets[torch.arange(sq) // 16 % 8].view(1, 1, sq, 1)
     else:  # per (batch, head)
         shape, shift = (b, h, 1, sk), offsets.view(b, h, 1, 1)
     bias = (4 * torch.randn(shape, generator=g) + shift).to("cuda", torch.bfloat16)

@@ -23,7 +23,9 @@
 // Scores as the sm90 plain kernel's: scale folded into the softmax's exponent, the window /
 // causal / tail test only on the key blocks that need it (mask.h). With a bias (Tile::kBias),
 // its tile of block n is loaded with K[n] and s = scale * qk + bias before the test, the softmax
-// then on final scores (scale 1, the safe subtraction: a finfo.min bias stays finite). Rows past
+// then on final scores (scale 1; the safe subtraction, under which a finfo.min bias stays
+// finite, only in warps with a row max beyond OnlineSoftmax::kFmaMaxAbs; O's rescale skipped
+// when no row's max moved). The tile reaches the accumulators by ldmatrix. Rows past
 // the sequence and head-dim columns past head_dim arrive as zeros (TMA's out-of-bounds fill).
 // With per-key rows (Tile::kKeyRows: gathered keys, key ends, a query-broadcast bias or mask,
 // softcap), warp 1
@@ -83,21 +85,34 @@ struct FwdWsParams {
 // s = s * scale + bias on the accumulator row/col view, the bias read from a (kBlockM, kBlockN)
 // tile in the 128-byte swizzled K-major layout (64-key halves of 128-byte rows, 16-byte chunk c
 // of row r at c ^ (r % 8)). A -inf bias gives a -inf score through the fma (a finite qk).
-template <typename Element, int kBlockM, class S, class C>
+// The 64 x N accumulator gives each thread, per 8-key group j, the pair of keys 8j + 2 (lane % 4)
+// + {0, 1} of rows lane / 4 and lane / 4 + 8 of its warp's 16 (s(r, 2j + {0, 1})): ldmatrix's
+// fragment of an 8 x 8 matrix. So one ldmatrix.x4 reads the bias of 16 keys (four 8 x 8
+// matrices: rows +0 / +8, keys +0 / +8), each lane naming one 16-byte row chunk (lanes 8i..8i+7:
+// matrix i), where 32-bit loads took four instructions and their addresses.
+template <typename Element, int kBlockM, int kBlockN, class S, class C>
 __device__ __forceinline__ void add_bias_sw128(S& s, C const& coord, const Element* s_bias, float scale) {
   using namespace cute;
-  const char* base = reinterpret_cast<const char*>(s_bias);
-  const int col0 = get<1>(coord(0, 0));
+  static_assert(decltype(size<0>(s))::value == 2 && decltype(size<1>(s))::value == kBlockN / 4 && kBlockN % 64 == 0,
+                "the 64 x kBlockN accumulator of one warpgroup");
+  const int lane = threadIdx.x % 32;
+  const int warp_rows = get<0>(coord(0, 0)) & ~15;              // the warp's 16 rows
+  const int row = warp_rows + (lane & 7) + ((lane >> 3) & 1) * 8;  // the row chunk this lane names
+  // Chunk 2k + (lane >> 4) of a 64-key half (k = 0..3: 16 keys each), swizzled: (2k) ^ xs.
+  const int xs = (lane >> 4) ^ (row & 7);
+  const uint32_t base = cute::cast_smem_ptr_to_uint(s_bias) + row * 128;
   CUTE_UNROLL
-  for (int r = 0; r < size<0>(s); ++r) {
-    const int row = get<0>(coord(r, 0));
-    const char* p = base + row * 128 + col0 * 2;
-    const int xs = (row & 7) << 4;
+  for (int jj = 0; jj < kBlockN / 16; ++jj) {
+    const uint32_t addr = base + (jj >> 2) * (kBlockM * 128) + ((((jj & 3) << 1) ^ xs) << 4);
+    uint32_t w[4];
+    asm volatile("ldmatrix.sync.aligned.x4.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                 : "r"(addr));
     CUTE_UNROLL
-    for (int c = 0; c < size<1>(s); c += 2) {
-      const int cc = get<1>(coord(r, c)) - col0;  // 8 j, compile-time after folding
+    for (int i = 0; i < 4; ++i) {  // matrix i: row lane / 4 + 8 (i & 1), keys 16 jj + 8 (i >> 1) + 2 (lane % 4)
+      const int r = i & 1, c = 4 * jj + 2 * (i >> 1);
       float b0, b1;
-      ElemInfo<Element>::to_float2(p + (cc >> 6) * (kBlockM * 128) + ((((cc & 63) >> 3) << 4) ^ xs), b0, b1);
+      ElemInfo<Element>::word_to_float2(w[i], b0, b1);
       s(r, c) = fmaf(s(r, c), scale, b0);
       s(r, c + 1) = fmaf(s(r, c + 1), scale, b1);
     }
@@ -531,7 +546,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       auto scores_to_probs = [&](int n, float (&alpha)[kRows]) {
         if constexpr (Tile::kBias) {
           pipe_bias.consumer_wait(read_b);
-          add_bias_sw128<Element, kBlockM>(s_rc, tScS_rc, ss.bias.data() + read_b.index() * (kBlockM * kBlockN), a.scale);
+          add_bias_sw128<Element, kBlockM, kBlockN>(s_rc, tScS_rc, ss.bias.data() + read_b.index() * (kBlockM * kBlockN), a.scale);
           pipe_bias.consumer_release(read_b);
           ++read_b;
         }
@@ -557,7 +572,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           transform_scores_ex<false, true, Element, kBlockN, false>(s_rc, tScS_rc, a, m0, n * kBlockN, win, nullptr, 0,
                                                                     nullptr, 0);
         }
-        if constexpr (Tile::kScaledScores) softmax.template update_scaled_deferred<true>(s_rc, kLog2e, alpha);
+        if constexpr (Tile::kScaledScores) softmax.template update_scaled_deferred<true, true>(s_rc, kLog2e, alpha);
         else softmax.template update_scaled_deferred<false>(s_rc, sl2, alpha);
       };
 
@@ -608,7 +623,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         gemm_wait<0>(acc_o);
         pipe_v.consumer_release(read_v);
         ++read_v;
-        softmax.rescale(acc_o_rc, alpha);
+        // (the skip pays with a bias or key rows; on plain scores its vote sits on the shortest
+        // path between the P V product and the next turn, 2-3 % slower there)
+        if constexpr (Tile::kScaledScores) softmax.rescale_if_needed(acc_o_rc, alpha);
+        else softmax.rescale(acc_o_rc, alpha);
         convert_fragment<Element, false>(acc_s, rP);
       }
       clear_v_tail(n_min);
