@@ -8,9 +8,10 @@ import torch
 from torch import Tensor
 
 from . import gather, per_query_path
-from .interface import attention_on
-from .ops import check_devices
+from ._lib import lib
+from .interface import _parse_options, attention_on
 from .masks import bias_over_keys, check_keep, dynamic_mask
+from .ops import _cuda_layout, _plain_eager, _scale_arg, check_devices, native_glue_available
 
 __all__ = ["attention_topk"]
 
@@ -59,6 +60,10 @@ def attention_topk(
             q, k, v, bias, keep, mask, window=window, scale=scale, softcap=softcap,
             deterministic=bool(deterministic), return_lse=return_lse)
     # per_query without causal: every query sees every key, one key set per (batch, head).
+    if mask is None and not deterministic:
+        fast = _inference_forward(q, k, v, bias, keep, causal, window, scale, softcap)
+        if fast is not None:
+            return fast if return_lse else fast[0]
     options = dict(causal=causal, window=window, scale=scale, softcap=softcap,
                    deterministic=deterministic, return_lse=return_lse)
     if isinstance(q, torch.Tensor):
@@ -72,3 +77,58 @@ def attention_topk(
     else:
         selected = dynamic_mask(bias_over_keys(bias, num_keys), keep, mask)
     return attention_on(q, k, v, selected, bias, None, **options)
+
+
+_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+
+
+def _inference_forward(q, k, v, bias, keep: int, causal, window, scale, softcap) -> Optional[Tuple[Tensor, Tensor]]:
+    """(out, lse) of the shared-set gather path in its usual inference form, or None where the
+    call is not that form (the general path then runs, and reports any error).
+
+    The form: no gradient to record, eager mode on plain tensors, CUDA, 16-bit q / k / v with
+    unit stride along D, a (1 or B, 1 or Hkv, 1, Sk) bias of a 16/32-bit float dtype, no mask,
+    keep < Sk. The calls are those the general path ends in (gather.topk_key_set's selection
+    kernel, which also writes the bias rows, then the forward kernel reading the kept K / V
+    rows in place: gather._distinct_rows_forward's "indexed" mode), with the same arguments,
+    so the results are the same bits; what is left out are the general path's layers of checks
+    and dispatch, host time that an idle GPU waits on at these sizes (about half of the call's
+    0.1 ms of host time)."""
+    if gather._forced is not None or not gather.INDEXED_KEYS:
+        return None
+    if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and type(bias) is Tensor):
+        return None
+    if not (q.is_cuda and k.is_cuda and v.is_cuda and bias.is_cuda):
+        return None
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or bias.dim() != 4:
+        return None
+    batch, seqlen_q, heads, head_dim = q.shape
+    num_keys, heads_kv = k.shape[1], k.shape[2]
+    bias_batch, bias_heads, bias_rows, bias_keys = bias.shape
+    if (k.shape[0] != batch or k.shape[3] != head_dim or v.shape != k.shape or q.numel() == 0
+            or heads_kv == 0 or heads % heads_kv or keep >= num_keys):
+        return None
+    if bias_rows != 1 or bias_keys != num_keys or bias_batch not in (1, batch) or bias_heads not in (1, heads_kv):
+        return None
+    if not (q.dtype in _SIXTEEN_BIT and k.dtype == q.dtype and v.dtype == q.dtype
+            and bias.dtype in (q.dtype, torch.float32)):
+        return None
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return None
+    device = q.get_device()
+    if k.get_device() != device or v.get_device() != device or bias.get_device() != device:
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or bias.requires_grad):
+        return None
+    if not _plain_eager((q, k, v, bias)) or not native_glue_available():
+        return None
+    left, right, scale, softcap = _parse_options(window, scale, softcap)
+    positions = torch.empty((bias_batch, bias_heads, keep), dtype=torch.int32, device=q.device)
+    kept_bias = torch.empty((bias_batch, bias_heads, 1, keep), dtype=bias.dtype, device=q.device)
+    lib().select_topk_positions(bias, keep, positions, kept_bias)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+    q, k, v = _cuda_layout(q), _cuda_layout(k), _cuda_layout(v)
+    lib().forward(q, k, v, out, lse, None, kept_bias, bool(causal), left, right, _scale_arg(scale), softcap,
+                  positions, num_keys, None, positions)
+    return out, lse

@@ -1,0 +1,96 @@
+"""attention_topk's inference form (topk._inference_forward): with no gradient to record, a
+shared key set on CUDA runs the selection and the forward kernel directly, without the general
+path's layers. Its results must be the general path's bit for bit (the same kernels and
+arguments), and every other form must still reach the general path."""
+
+import pytest
+import torch
+
+import dmattn
+from dmattn import gather, topk
+
+CUDA = torch.cuda.is_available()
+
+
+def _inputs(gen, *, batch=2, sq=333, sk=1000, heads=4, heads_kv=2, d=128, dtype=torch.bfloat16,
+            bias_rows=(2, 2), bias_dtype=None):
+    q = torch.randn(batch, sq, heads, d, generator=gen).to("cuda", dtype)
+    k = torch.randn(batch, sk, heads_kv, d, generator=gen).to("cuda", dtype)
+    v = torch.randn(batch, sk, heads_kv, d, generator=gen).to("cuda", dtype)
+    bias = torch.randn(*bias_rows, 1, sk, generator=gen).to("cuda", bias_dtype or dtype)
+    return q, k, v, bias
+
+
+def _general(q, k, v, bias, keep, **kw):
+    """The same call through the general path: a bias that requires grad takes the autograd
+    node (gather._DistinctRowsAttention), whose forward runs the same kernels."""
+    bias = bias.detach().requires_grad_()
+    with torch.enable_grad():
+        out, lse = dmattn.attention_topk(q, k, v, bias, keep, return_lse=True, **kw)
+    return out.detach(), lse
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("form", ["plain", "gqa_bias_per_kv_head", "batch_broadcast_bias", "fp32_bias", "fp16",
+                                  "options", "d64"])
+def test_inference_form_equals_the_general_path(form, nan_poison, monkeypatch):
+    gen = torch.Generator().manual_seed(len(form))
+    kw = dict(causal=True)
+    args = {}
+    if form == "gqa_bias_per_kv_head":
+        args = dict(heads=8, heads_kv=2, bias_rows=(2, 2))
+    elif form == "batch_broadcast_bias":
+        args = dict(bias_rows=(1, 1))
+    elif form == "fp32_bias":
+        args = dict(bias_dtype=torch.float32)
+    elif form == "fp16":
+        args = dict(dtype=torch.float16)
+    elif form == "options":
+        kw = dict(causal=False, window=(300, 40), scale=0.05, softcap=20.0)
+    elif form == "d64":
+        args = dict(d=64, sq=700)
+    q, k, v, bias = _inputs(gen, **args)
+    keep = 257
+    ref_out, ref_lse = _general(q, k, v, bias, keep, **kw)
+
+    # The inference form must be the one taken: the general path's selection is made to fail.
+    def not_expected(*a, **k):
+        raise AssertionError("the general path ran")
+
+    monkeypatch.setattr(gather, "topk_key_set", not_expected)
+    with torch.no_grad():
+        out, lse = dmattn.attention_topk(q, k, v, bias, keep, return_lse=True, **kw)
+    only_out = dmattn.attention_topk(q, k, v, bias, keep, **kw)  # (grad mode on, nothing requires grad)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert torch.equal(only_out, ref_out)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_other_forms_take_the_general_path():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, bias = _inputs(gen)
+    keep = 100
+    assert topk._inference_forward(q, k, v, bias, keep, True, (-1, -1), None, 0.0) is not None
+    cases = {
+        "grad": (q, k, v, bias.clone().requires_grad_(), keep),
+        "all keys kept": (q, k, v, bias, k.shape[1]),
+        "bias per query head (H != Hkv)": (q, k, v, torch.randn(2, 4, 1, 1000, device="cuda", dtype=q.dtype), keep),
+        "bias per query": (q, k, v, torch.randn(2, 2, 5, 1000, device="cuda", dtype=q.dtype), keep),
+        "float64 bias": (q, k, v, bias.double(), keep),
+        "strided head dim": (q[..., ::2], k[..., ::2], v[..., ::2], bias, keep),
+        "cpu": (q.cpu(), k.cpu(), v.cpu(), bias.cpu(), keep),
+    }
+    for name, (qq, kk, vv, bb, kp) in cases.items():
+        assert topk._inference_forward(qq, kk, vv, bb, kp, True, (-1, -1), None, 0.0) is None, name
+    with gather.force_path("dense"):
+        assert topk._inference_forward(q, k, v, bias, keep, True, (-1, -1), None, 0.0) is None
+
+
+def test_inference_form_is_cuda_only():
+    """(CPU tensors never take it; the CPU backend's general path is tested elsewhere.)"""
+    q = torch.randn(1, 8, 2, 16)
+    bias = torch.randn(1, 2, 1, 8)
+    assert topk._inference_forward(q, q, q, bias, 3, False, (-1, -1), None, 0.0) is None
