@@ -11,7 +11,8 @@ from . import gather, per_query_path
 from ._lib import lib
 from .interface import _parse_options, attention_on
 from .masks import bias_over_keys, check_keep, dynamic_mask
-from .ops import _cuda_layout, _plain_eager, _scale_arg, check_devices, native_glue_available
+from .ops import (_cuda_layout, _native_supports_key_positions, _plain_eager, _scale_arg, check_devices,
+                  native_glue_available)
 
 __all__ = ["attention_topk"]
 
@@ -120,7 +121,8 @@ def _inference_forward(q, k, v, bias, keep: int, causal, window, scale, softcap)
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or bias.requires_grad):
         return None
-    if not _plain_eager((q, k, v, bias)) or not native_glue_available():
+    if (not _plain_eager((q, k, v, bias)) or not native_glue_available()
+            or not _native_supports_key_positions("cuda")):
         return None
     left, right, scale, softcap = _parse_options(window, scale, softcap)
     positions = torch.empty((bias_batch, bias_heads, keep), dtype=torch.int32, device=q.device)
