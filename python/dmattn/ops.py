@@ -319,9 +319,18 @@ def attention_forward(
         decoded = maybe_decode_forward(q, k, v, mask, bias, causal, window_left, window_right, scale, softcap)
         if decoded is not None:
             return decoded
+    return native_forward(q, k, v, mask, bias, causal, window_left, window_right, scale, softcap, key_positions,
+                          seqlen_k_original, key_ends, key_rows)
+
+
+def native_forward(q, k, v, mask, bias, causal, window_left, window_right, scale, softcap, key_positions,
+                   seqlen_k_original, key_ends, key_rows) -> Tuple[Tensor, Tensor]:
+    """dmattn::fwd's body past its checks and the decode kernel's choice: the outputs allocated
+    and the native forward called. Also for callers that made those checks themselves
+    (topk._inference_forward)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q), device=q.device)
-    q, k, v = (_cuda_layout(t) for t in (q, k, v))
+    q, k, v = _cuda_layout(q), _cuda_layout(k), _cuda_layout(v)
     lib().forward(q, k, v, out, lse, mask, bias, causal, window_left, window_right,
                   _scale_arg(scale), softcap, key_positions, seqlen_k_original, key_ends, key_rows)
     return out, lse

@@ -8,11 +8,10 @@ import torch
 from torch import Tensor
 
 from . import gather, per_query_path
-from ._lib import lib
 from .interface import _parse_options, attention_on
 from .masks import bias_over_keys, check_keep, dynamic_mask
-from .ops import (_cuda_layout, _native_supports_key_positions, _plain_eager, _scale_arg, check_devices,
-                  native_glue_available)
+from .ops import (_native_supports_key_positions, _plain_eager, check_devices, native_forward, native_glue_available,
+                  select_topk_positions)
 
 __all__ = ["attention_topk"]
 
@@ -103,7 +102,7 @@ def _inference_forward(q, k, v, bias, keep: int, causal, window, scale, softcap)
         return None
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or bias.dim() != 4:
         return None
-    batch, seqlen_q, heads, head_dim = q.shape
+    batch, _, heads, head_dim = q.shape
     num_keys, heads_kv = k.shape[1], k.shape[2]
     bias_batch, bias_heads, bias_rows, bias_keys = bias.shape
     if (k.shape[0] != batch or k.shape[3] != head_dim or v.shape != k.shape or q.numel() == 0
@@ -127,10 +126,6 @@ def _inference_forward(q, k, v, bias, keep: int, causal, window, scale, softcap)
     left, right, scale, softcap = _parse_options(window, scale, softcap)
     positions = torch.empty((bias_batch, bias_heads, keep), dtype=torch.int32, device=q.device)
     kept_bias = torch.empty((bias_batch, bias_heads, 1, keep), dtype=bias.dtype, device=q.device)
-    lib().select_topk_positions(bias, keep, positions, kept_bias)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
-    q, k, v = _cuda_layout(q), _cuda_layout(k), _cuda_layout(v)
-    lib().forward(q, k, v, out, lse, None, kept_bias, bool(causal), left, right, _scale_arg(scale), softcap,
-                  positions, num_keys, None, positions)
-    return out, lse
+    select_topk_positions(bias, keep, positions, kept_bias)
+    return native_forward(q, k, v, None, kept_bias, bool(causal), left, right, scale, softcap, positions, num_keys,
+                          None, positions)
