@@ -8,14 +8,10 @@
 
 namespace dmattn::cuda {
 
-// Threads of one decode CTA: a memory-bound kernel wants many resident warps, not large tiles.
-inline constexpr int kDecodeThreads = 128;
-// Query rows per CTA: the four query heads of a kv head in the usual GQA ratio; larger groups
-// and several queries take several row chunks (more rows per CTA spilled registers).
-inline constexpr int kDecodeRows = 4;
-// Steps of the per-thread cp.async ring (decode_kernel.h): kDecodeStages - 1 steps of K / V
-// rows in flight per thread.
-inline constexpr int kDecodeStages = 4;
+// Query rows per CTA: the M of the tensor-core tile (mma.sync m16n8k16). Rows are
+// (query i, head g of the group) = i * group + g: the 4 query heads of the usual GQA ratio with
+// up to 4 queries (speculative decoding) fill one tile; more rows take several row chunks.
+inline constexpr int kDecodeRows = 16;
 
 // A mask or bias element (b, h, i, j) at ptr[b * sb + (h / head_div) * sh + i * sq + j * sk]
 // (stride 0 = broadcast); the decode kernel reads single elements, so every layout is legal.

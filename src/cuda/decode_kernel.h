@@ -2,16 +2,19 @@
 // batch) computes the rows of every query head of its kv head (GQA packing) against its share
 // of the keys; with several splits a second kernel merges the partial rows by their lse.
 //
-// Decode reads each key once and does a few multiply-adds per key and query row, so it is
-// bound by memory bandwidth: the kernel runs on CUDA cores, kLanes threads share one key row
-// (8 elements, one 16-byte load each), and every thread keeps several keys' K and V loads in
-// flight before it uses them. Scores are reduced across the key's lanes with shuffles; the
-// online softmax runs per group of kT keys.
+// Decode reads each key once for a few query rows, so it is bound by memory bandwidth as long
+// as the instructions per key stay few: the products run on tensor cores (mma.sync m16n8k16,
+// the 16 packed rows as M), each warp streams its own tiles of 16 keys through a private
+// cp.async ring (no CTA barrier in the loop) and keeps its own online softmax; the CTA's warps
+// merge their partial rows at the end.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include <cute/arch/copy_sm75.hpp>
+#include <cute/arch/mma_sm80.hpp>
 
 #include "cuda/decode_args.h"
 #include "cuda/utils.h"
@@ -19,17 +22,6 @@
 namespace dmattn::cuda {
 
 namespace decode_detail {
-
-// Keys per lane group and loop step: two keys' K and V loads in flight per thread; more
-// raise the registers (query rows, accumulators, scores) past four resident CTAs per SM.
-inline constexpr int kKeysPerStep = 2;
-
-template <typename Element>
-__device__ __forceinline__ void unpack8(const uint4& raw, float (&f)[8]) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int e = 0; e < 4; ++e) ElemInfo<Element>::to_float2(&w[e], f[2 * e], f[2 * e + 1]);
-}
 
 // Where key j of batch b starts (paged or contiguous), in elements from the K / V base.
 struct KeyRow {
@@ -68,25 +60,68 @@ __device__ __forceinline__ float transform_score(const DecodeArgs& a, float s, i
 
 }  // namespace decode_detail
 
-// Grid (row_chunks * num_splits, heads_kv, batch), kDecodeThreads threads. kMaxD: head dims up
-// to it (kMaxD / 8 lanes per key, lanes past head_dim idle); kRows: query rows per CTA;
-// kOperands: a mask or bias is read (compiled out otherwise). Two CTAs per SM: the cp.async ring
-// keeps enough bytes in flight with them, and the register budget stays free of spills.
-template <typename Element, int kMaxD, int kRows, bool kOperands>
-__global__ void __launch_bounds__(kDecodeThreads, 2) decode_kernel(const DecodeArgs a) {
+namespace decode_detail {
+
+template <typename Element> struct DecodeMma;
+template <> struct DecodeMma<cutlass::bfloat16_t> { using Op = cute::SM80_16x8x16_F32BF16BF16F32_TN; };
+template <> struct DecodeMma<cutlass::half_t> { using Op = cute::SM80_16x8x16_F32F16F16F32_TN; };
+
+// Geometry per head-dim bucket kD (64 / 128 / 256). A warp step is 16 keys: two n-tiles of the
+// score product, one k-step of the value product. Up to kD = 128, four warps with three
+// stages each (two steps of K / V in flight while the third is computed) and q in registers;
+// at kD = 256 the accumulators are twice as large, so two warps with two stages, and q's A
+// fragments are read from shared memory per k-step (in registers they spilled). At most 96 KB
+// of ring a CTA (+ 8 KB of q at 256): two CTAs fit an H100 SM, one any sm_8x.
+template <int kD>
+struct DecodeTile {
+  static constexpr bool kQInSmem = kD > 128;
+  static constexpr int kWarps = kD > 128 ? 2 : 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kKeys = 16;
+  static constexpr int kStages = kD > 128 ? 2 : 3;
+  static constexpr int kChunks = kD / 8;                  // 16-byte chunks of a K / V row
+  static constexpr int kChunksPerLane = kKeys * kChunks / 32;
+  static constexpr int kStageElems = 2 * kKeys * kD;      // K rows, then V rows
+  static constexpr int kRingBytes = kWarps * kStages * kStageElems * 2;
+  static constexpr int kMergeBytes = kWarps * kDecodeRows * kD * 4;
+  static constexpr int kQBytes = kQInSmem ? kDecodeRows * kD * 2 : 0;  // after the ring
+  static constexpr int kSmemBytes = (kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes) + kQBytes;
+  static_assert(kChunks >= 8, "the swizzle spreads 8 rows over 8 chunks");
+};
+
+// Element offset of chunk c of row r in a K / V tile: the chunk index XOR the row's low three
+// bits, so that the 8 rows an ldmatrix reads at one logical chunk hit 8 different bank groups.
+template <int kD>
+__device__ __forceinline__ int tile_offset(int r, int c) {
+  return r * kD + ((c ^ (r & 7)) << 3);
+}
+
+template <typename Element>
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  const auto h = ElemInfo<Element>::pack(a, b);
+  uint32_t w;
+  memcpy(&w, &h, sizeof(w));
+  return w;
+}
+
+}  // namespace decode_detail
+
+// Grid (row_chunks * num_splits, heads_kv, batch), DecodeTile<kD>::kThreads threads, its
+// kSmemBytes of dynamic shared memory. kD: head dims up to it (chunks past head_dim are zero);
+// kOperands: a mask or bias is read (compiled out otherwise).
+template <typename Element, int kD, bool kOperands>
+__global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) decode_kernel(const DecodeArgs a) {
   using namespace decode_detail;
-  constexpr int kLanes = kMaxD / 8;
-  constexpr int kSlots = kDecodeThreads / kLanes;  // keys in flight per CTA step and key
-  constexpr int kT = kKeysPerStep;
-  static_assert(kLanes <= 32 && 32 % kLanes == 0);
+  using Tile = DecodeTile<kD>;
+  using Mma = typename DecodeMma<Element>::Op;
+  constexpr int kWarps = Tile::kWarps, kKeys = Tile::kKeys, kStages = Tile::kStages, kChunks = Tile::kChunks;
+  constexpr int kNd = kD / 8;  // n-tiles of the value product (8 head-dim columns each)
 
   const int chunk = blockIdx.x % a.row_chunks, split = blockIdx.x / a.row_chunks;
   const int kvh = blockIdx.y, b = blockIdx.z;
-  const int slot = threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
-  const int d0 = lane * 8;
-  const bool d_ok = d0 < a.head_dim;
-  const int r0 = chunk * kRows;
-  const int nrows = min(kRows, a.seqlen_q * a.group - r0);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r0 = chunk * kDecodeRows;
+  const int nrows = min(kDecodeRows, a.seqlen_q * a.group - r0);
 
   // This batch's keys, and the part of them the chunk's queries may see (window / causal).
   int len = a.seqused_k != nullptr ? a.seqused_k[b] : a.seqlen_k;
@@ -101,55 +136,107 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_kernel(const DecodeA
   const int kb = static_cast<int>(lo + split * per_split);
   const int ke = static_cast<int>(min(hi, lo + (split + 1) * per_split));
 
-  int row_i[kRows], row_h[kRows];
-  float q[kRows][8];
+  // The thread's two accumulator rows (mma's row lane / 4 and lane / 4 + 8); rows past the
+  // chunk's end repeat its last row (in-bounds operand reads, results never stored).
+  int row_i[2], row_h[2];
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int row = r0 + min(r, nrows - 1);
-    row_i[r] = row / a.group;
-    row_h[r] = kvh * a.group + row % a.group;
-    uint4 raw = make_uint4(0, 0, 0, 0);
-    if (r < nrows && d_ok) {
-      raw = *reinterpret_cast<const uint4*>(static_cast<const Element*>(a.q) + b * a.q_st.batch_stride +
-                                            row_i[r] * a.q_st.row_stride + row_h[r] * a.q_st.head_stride + d0);
+  for (int hf = 0; hf < 2; ++hf) {
+    const int row = r0 + min(lane / 4 + 8 * hf, nrows - 1);
+    row_i[hf] = row / a.group;
+    row_h[hf] = kvh * a.group + row % a.group;
+  }
+
+  // q as the A operand of every k-step: register [ks][0] = (row lane/4, columns
+  // 16 ks + 2 (lane % 4) + {0, 1}), [1] the same for row + 8, [2] / [3] those 8 columns further.
+  // Rows past the chunk's end and columns past head_dim are 0. Up to kD = 128 read once from
+  // global memory into registers; at 256 staged in shared memory and read per k-step.
+  extern __shared__ __align__(16) char decode_smem[];
+  Element* sq = reinterpret_cast<Element*>(decode_smem + (Tile::kSmemBytes - Tile::kQBytes));
+  const auto q_word = [&](int r, int d) -> uint32_t {  // q elements d, d + 1 of chunk row r
+    if (r >= nrows || d >= a.head_dim) return 0u;
+    const int row = r0 + r, i = row / a.group, h = kvh * a.group + row % a.group;
+    return *reinterpret_cast<const uint32_t*>(static_cast<const Element*>(a.q) + b * a.q_st.batch_stride +
+                                              i * a.q_st.row_stride + h * a.q_st.head_stride + d);
+  };
+  constexpr int kQRegSteps = Tile::kQInSmem ? 1 : kD / 16;
+  uint32_t qa[kQRegSteps][4];
+  if constexpr (Tile::kQInSmem) {
+    for (int idx = threadIdx.x; idx < kDecodeRows * kD / 2; idx += Tile::kThreads) {
+      const int r = idx / (kD / 2), d = idx % (kD / 2) * 2;
+      *reinterpret_cast<uint32_t*>(sq + tile_offset<kD>(r, d / 8) + d % 8) = q_word(r, d);
     }
-    unpack8<Element>(raw, q[r]);
+    __syncthreads();
+  } else {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) q[r][e] *= a.q_scale;
+    for (int ks = 0; ks < kQRegSteps; ++ks) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) qa[ks][e] = q_word(lane / 4 + 8 * (e & 1), ks * 16 + (lane % 4) * 2 + 8 * (e >> 1));
+    }
   }
+  // The A fragment of k-step ks (from shared memory: matrix lane / 8 holds rows
+  // 8 (lane / 8 % 2) + lane % 8 at chunk 2 ks + lane / 16).
+  const auto q_fragment = [&](int ks, uint32_t (&f)[4]) {
+    if constexpr (Tile::kQInSmem) {
+      const int r = (lane / 8 % 2) * 8 + lane % 8, c = ks * 2 + lane / 16;
+      cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(sq + tile_offset<kD>(r, c)), f[0], f[1],
+                                    f[2], f[3]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f[e] = qa[ks][e];
+    }
+  };
 
-  float m[kRows], l[kRows], acc[kRows][8];
+  float o[kNd][4];
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    m[r] = -INFINITY;
-    l[r] = 0.f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[r][e] = 0.f;
-  }
+  for (int dn = 0; dn < kNd; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
-  // K / V rows stream through a per-thread cp.async ring of kStages steps: each thread reads back
-  // only the 16-byte chunks it copied itself (no CTA barrier), and the loads in flight do not
-  // hold registers. Keys past the split's end are never read (zero-filled): their rows may lie
-  // behind the batch's length.
-  constexpr int kStages = kDecodeStages;
-  constexpr int kStepKeys = kSlots * kT;
-  constexpr int kRingBytes = kStages * kT * 2 * kDecodeThreads * 16;
-  constexpr int kMergeBytes = kSlots * kRows * kMaxD * 4;
-  __shared__ __align__(16) char smem[kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes];
-  uint4* ring = reinterpret_cast<uint4*>(smem);  // [stage][t][k or v][thread]
-  const Element* kbase = static_cast<const Element*>(a.k) + d0;
-  const Element* vbase = static_cast<const Element*>(a.v) + d0;
-  const int nsteps = ke > kb ? (ke - kb + kStepKeys - 1) / kStepKeys : 0;
-  const auto issue = [&](int step) {
-    if (step < nsteps) {
-      uint4* dst = ring + (step % kStages) * kT * 2 * kDecodeThreads + threadIdx.x;
-#pragma unroll
-      for (int t = 0; t < kT; ++t) {
-        const int j = kb + step * kStepKeys + t * kSlots + slot;
-        const bool ok = j < ke && d_ok;
-        const KeyRow at = ok ? key_row(a, b, kvh, j) : KeyRow{0, 0};
-        cp_async_16(dst + (2 * t) * kDecodeThreads, kbase + at.k, ok ? 16 : 0);
-        cp_async_16(dst + (2 * t + 1) * kDecodeThreads, vbase + at.v, ok ? 16 : 0);
+  // Warp w takes tiles w, w + kWarps, ... of the split's keys (the warps stream neighbouring
+  // tiles side by side). Keys past the split's end are zero-filled, never read: their rows may
+  // lie behind the batch's length.
+  Element* ring = reinterpret_cast<Element*>(decode_smem) + warp * kStages * Tile::kStageElems;
+  const int tiles = ke > kb ? (ke - kb + kKeys - 1) / kKeys : 0;
+  const int nit = tiles > warp ? (tiles - warp + kWarps - 1) / kWarps : 0;
+  const Element* kbase = static_cast<const Element*>(a.k);
+  const Element* vbase = static_cast<const Element*>(a.v);
+  const auto issue = [&](int it) {
+    if (it < nit) {
+      const int jt = kb + (it * kWarps + warp) * kKeys;
+      // Paged: the tile's keys lie on the page of jt and, past its end, on the next one (a page
+      // holds at least a tile), so one or two table reads a step; smaller pages read per key.
+      int64_t page0 = b, page1 = b;
+      int row0 = jt;
+      const bool paged = a.block_table != nullptr, small_pages = paged && a.page_size < kKeys;
+      if (paged && !small_pages) {
+        const int p = jt / a.page_size;
+        row0 = jt - p * a.page_size;
+        page0 = a.block_table[b * a.bt_stride + p];
+        const int last = min(ke, jt + kKeys) - 1;
+        page1 = last - jt + row0 >= a.page_size ? a.block_table[b * a.bt_stride + p + 1] : page0;
+      }
+      Element* sk = ring + (it % kStages) * Tile::kStageElems;
+      Element* sv = sk + kKeys * kD;
+#pragma unroll 4
+      for (int u = 0; u < Tile::kChunksPerLane; ++u) {
+        const int idx = u * 32 + lane, r = idx / kChunks, c = idx % kChunks;
+        const int j = jt + r;
+        const bool ok = j < ke && c * 8 < a.head_dim;
+        int64_t kofs = 0, vofs = 0;
+        if (ok) {
+          int64_t page = page0;
+          int64_t row = row0 + r;
+          if (small_pages) {
+            const KeyRow at = key_row(a, b, kvh, j);
+            kofs = at.k, vofs = at.v;
+          } else {
+            if (paged && row >= a.page_size) page = page1, row -= a.page_size;
+            kofs = page * a.k_st.batch_stride + row * a.k_st.row_stride + kvh * a.k_st.head_stride;
+            vofs = page * a.v_st.batch_stride + row * a.v_st.row_stride + kvh * a.v_st.head_stride;
+          }
+        }
+        const int so = tile_offset<kD>(r, c);
+        cp_async_16(sk + so, kbase + kofs + c * 8, ok ? 16 : 0);
+        cp_async_16(sv + so, vbase + vofs + c * 8, ok ? 16 : 0);
       }
     }
     cp_async_commit();
@@ -157,100 +244,125 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_kernel(const DecodeA
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) issue(st);
 
-  for (int step = 0; step < nsteps; ++step) {
-    cp_async_wait<kStages - 2>();  // this step's group has landed
-    const int j0 = kb + step * kStepKeys + slot;
-    uint4 kr[kT], vr[kT];
-    const uint4* src = ring + (step % kStages) * kT * 2 * kDecodeThreads + threadIdx.x;
+  for (int it = 0; it < nit; ++it) {
+    cp_async_wait<kStages - 2>();  // this step's group (the thread's own copies) has landed
+    __syncwarp();                  // ... and the other lanes' too; the slot refilled next is free
+    issue(it + kStages - 1);
+    const Element* sk = ring + (it % kStages) * Tile::kStageElems;
+    const Element* sv = sk + kKeys * kD;
+    const int jt = kb + (it * kWarps + warp) * kKeys;
+
+    // Scores: s[nt] = q (16 rows) x K^T (8 keys of n-tile nt); K rows as the B operand by
+    // ldmatrix (matrix lane / 8: chunk 4 kk + lane / 8 of key 8 nt + lane % 8).
+    float s[2][4];
 #pragma unroll
-    for (int t = 0; t < kT; ++t) {
-      kr[t] = src[(2 * t) * kDecodeThreads];
-      vr[t] = src[(2 * t + 1) * kDecodeThreads];
-    }
-    // The ring slot refilled next is the one read a step ago; the copies must not move above
-    // those reads.
-    asm volatile("" ::: "memory");
-    issue(step + kStages - 1);
-    float s[kRows][kT];
+    for (int nt = 0; nt < 2; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
 #pragma unroll
-    for (int t = 0; t < kT; ++t) {
-      float kf[8];
-      unpack8<Element>(kr[t], kf);
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        float dot = 0.f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) dot = fmaf(q[r][e], kf[e], dot);
-        s[r][t] = dot;
+      for (int kk = 0; kk < kD / 32; ++kk) {
+        uint32_t kf[4];
+        const int r = nt * 8 + lane % 8, c = kk * 4 + lane / 8;
+        cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(sk + tile_offset<kD>(r, c)), kf[0],
+                                      kf[1], kf[2], kf[3]);
+        uint32_t q0[4], q1[4];
+        q_fragment(2 * kk, q0);
+        q_fragment(2 * kk + 1, q1);
+        Mma::fma(s[nt][0], s[nt][1], s[nt][2], s[nt][3], q0[0], q0[1], q0[2], q0[3], kf[0], kf[1], s[nt][0],
+                 s[nt][1], s[nt][2], s[nt][3]);
+        Mma::fma(s[nt][0], s[nt][1], s[nt][2], s[nt][3], q1[0], q1[1], q1[2], q1[3], kf[2], kf[3], s[nt][0],
+                 s[nt][1], s[nt][2], s[nt][3]);
       }
     }
+
+    // Online softmax in base 2, per accumulator row (hf: row lane / 4 + 8 hf). A row whose
+    // maximum is -inf so far subtracts 0 instead: its masked keys give p = 0, NaN scores NaN.
+    float alpha[2];
 #pragma unroll
-    for (int o = kLanes / 2; o > 0; o /= 2) {
+    for (int hf = 0; hf < 2; ++hf) {
+      float mx = m[hf];
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
+      for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-        for (int t = 0; t < kT; ++t) s[r][t] += __shfl_xor_sync(0xffffffffu, s[r][t], o);
+        for (int e = 0; e < 2; ++e) {
+          const int j = jt + nt * 8 + (lane % 4) * 2 + e;
+          float& x = s[nt][2 * hf + e];
+          x = transform_score<Element, kOperands>(a, x * a.q_scale, b, row_h[hf], row_i[hf], j, off, j < ke);
+          mx = fmaxf(mx, x);
+        }
       }
-    }
-    // Online softmax over the step's keys, per row (log2 units). A row whose maximum is -inf so
-    // far subtracts 0 instead: its p are then 0 for masked keys and NaN for NaN scores.
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      float mx = m[r];
-#pragma unroll
-      for (int t = 0; t < kT; ++t) {
-        const int j = j0 + t * kSlots;
-        s[r][t] = transform_score<Element, kOperands>(a, s[r][t], b, row_h[r], row_i[r], j, off, j < ke);
-        mx = fmaxf(mx, s[r][t]);
-      }
+      mx = quad_max(mx);
       const float mu = mx == -INFINITY ? 0.f : mx;
-      const float alpha = fast_exp2(m[r] - mu);
-      m[r] = mx;
-      l[r] *= alpha;
+      alpha[hf] = fast_exp2(m[hf] - mu);
+      m[hf] = mx;
+      float sum = 0.f;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[r][e] *= alpha;
+      for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-      for (int t = 0; t < kT; ++t) {
-        s[r][t] = fast_exp2(s[r][t] - mu);
-        l[r] += s[r][t];
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[nt][2 * hf + e];
+          x = fast_exp2(x - mu);
+          sum += x;
+        }
+      }
+      l[hf] = l[hf] * alpha[hf] + sum;
+    }
+    // Once the row maxima settle, alpha is exactly 1 for the rest of the keys: skip the scaling
+    // of the accumulators then (a NaN alpha is != 1 and still reaches them).
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int dn = 0; dn < kNd; ++dn) {
+        o[dn][0] *= alpha[0], o[dn][1] *= alpha[0];
+        o[dn][2] *= alpha[1], o[dn][3] *= alpha[1];
       }
     }
+
+    // Values: o += P (16 rows x 16 keys, the score accumulators repacked as the A operand) x V;
+    // V rows as the B operand by transposing ldmatrix (matrix lane / 8: keys 8 (lane / 8 % 2)
+    // + lane % 8 at chunk 2 dd + lane / 16).
+    const uint32_t pa[4] = {pack2<Element>(s[0][0], s[0][1]), pack2<Element>(s[0][2], s[0][3]),
+                            pack2<Element>(s[1][0], s[1][1]), pack2<Element>(s[1][2], s[1][3])};
 #pragma unroll
-    for (int t = 0; t < kT; ++t) {
-      float vf[8];
-      unpack8<Element>(vr[t], vf);
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[r][e] = fmaf(s[r][t], vf[e], acc[r][e]);
-      }
+    for (int dd = 0; dd < kD / 16; ++dd) {
+      uint32_t vf[4];
+      const int r = (lane / 8 % 2) * 8 + lane % 8, c = dd * 2 + lane / 16;
+      cute::SM75_U16x8_LDSM_T::copy(*reinterpret_cast<const cute::uint128_t*>(sv + tile_offset<kD>(r, c)), vf[0],
+                                    vf[1], vf[2], vf[3]);
+      Mma::fma(o[2 * dd][0], o[2 * dd][1], o[2 * dd][2], o[2 * dd][3], pa[0], pa[1], pa[2], pa[3], vf[0], vf[1],
+               o[2 * dd][0], o[2 * dd][1], o[2 * dd][2], o[2 * dd][3]);
+      Mma::fma(o[2 * dd + 1][0], o[2 * dd + 1][1], o[2 * dd + 1][2], o[2 * dd + 1][3], pa[0], pa[1], pa[2], pa[3],
+               vf[2], vf[3], o[2 * dd + 1][0], o[2 * dd + 1][1], o[2 * dd + 1][2], o[2 * dd + 1][3]);
     }
   }
 
-  // Merge the kSlots partial rows of the CTA (each slot saw every kSlots-th key), in the ring's
-  // memory once every copy has landed.
+  // Merge the warps' partial rows through shared memory (the ring's, once every copy landed).
   cp_async_wait<0>();
   __syncthreads();
-  __shared__ float sm_m[kSlots][kRows], sm_l[kSlots][kRows], sm_w[kSlots][kRows];
-  __shared__ float sm_row_l[kRows], sm_row_m[kRows];
-  auto& sm_acc = *reinterpret_cast<float(*)[kSlots][kRows][kMaxD]>(smem);
+  __shared__ float sm_m[kWarps][kDecodeRows], sm_l[kWarps][kDecodeRows], sm_w[kWarps][kDecodeRows];
+  __shared__ float sm_row_l[kDecodeRows], sm_row_m[kDecodeRows];
+  auto& sm_o = *reinterpret_cast<float(*)[kWarps][kDecodeRows][kD]>(decode_smem);
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    if (lane == 0) sm_m[slot][r] = m[r], sm_l[slot][r] = l[r];
+  for (int hf = 0; hf < 2; ++hf) {
+    const int r = lane / 4 + 8 * hf;
+    const float row_l = quad_sum(l[hf]);
+    if (lane % 4 == 0) sm_m[warp][r] = m[hf], sm_l[warp][r] = row_l;
 #pragma unroll
-    for (int e = 0; e < 8; ++e) sm_acc[slot][r][d0 + e] = acc[r][e];
+    for (int dn = 0; dn < kNd; ++dn) {
+      *reinterpret_cast<float2*>(&sm_o[warp][r][dn * 8 + (lane % 4) * 2]) = make_float2(o[dn][2 * hf], o[dn][2 * hf + 1]);
+    }
   }
   __syncthreads();
-  if (threadIdx.x < kRows) {
+  if (threadIdx.x < kDecodeRows) {
     const int r = threadIdx.x;
     float mx = -INFINITY;
-    for (int sl = 0; sl < kSlots; ++sl) mx = fmaxf(mx, sm_m[sl][r]);
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sm_m[w][r]);
     const float mu = mx == -INFINITY ? 0.f : mx;
     float sum = 0.f;
-    for (int sl = 0; sl < kSlots; ++sl) {
-      const float w = fast_exp2(sm_m[sl][r] - mu);
-      sm_w[sl][r] = w;
-      sum += sm_l[sl][r] * w;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float wt = fast_exp2(sm_m[w][r] - mu);
+      sm_w[w][r] = wt;
+      sum += sm_l[w][r] * wt;
     }
     sm_row_m[r] = mu;
     sm_row_l[r] = sum;
@@ -258,25 +370,26 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_kernel(const DecodeA
   __syncthreads();
 
   const bool direct = a.num_splits == 1;
-  for (int idx = threadIdx.x; idx < kRows * kMaxD; idx += kDecodeThreads) {
-    const int r = idx / kMaxD, d = idx % kMaxD;
+  for (int idx = threadIdx.x; idx < kDecodeRows * kD; idx += Tile::kThreads) {
+    const int r = idx / kD, d = idx % kD;
     if (r >= nrows || d >= a.head_dim) continue;
     const float sum = sm_row_l[r];
-    float o = 0.f;
-    for (int sl = 0; sl < kSlots; ++sl) o = fmaf(sm_acc[sl][r][d], sm_w[sl][r], o);
+    float out = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) out = fmaf(sm_o[w][r][d], sm_w[w][r], out);
     // An empty row (no allowed key in this split) is 0 with lse -inf; a NaN sum stays NaN.
     const bool empty = sum == 0.f;
-    o = empty ? 0.f : o / sum;
+    out = empty ? 0.f : out / sum;
     const int row = r0 + r, qi = row / a.group, h = kvh * a.group + row % a.group;
     const float lse = empty ? -INFINITY : (sm_row_m[r] + __log2f(sum)) * 0.6931471805599453f;
     if (direct) {
-      Element* out = static_cast<Element*>(a.out) + b * a.o_st.batch_stride + qi * a.o_st.row_stride +
+      Element* dst = static_cast<Element*>(a.out) + b * a.o_st.batch_stride + qi * a.o_st.row_stride +
                      h * a.o_st.head_stride;
-      out[d] = Element(saturate_keep_nan<Element>(o));
+      dst[d] = Element(saturate_keep_nan<Element>(out));
       if (d == 0) a.lse[b * a.lse_bs + h * a.lse_hs + qi] = lse;
     } else {
       const int64_t prow = ((int64_t(split) * a.batch + b) * a.num_heads + h) * a.seqlen_q + qi;
-      a.part_out[prow * a.head_dim + d] = o;
+      a.part_out[prow * a.head_dim + d] = out;
       if (d == 0) a.part_lse[prow] = lse;
     }
   }

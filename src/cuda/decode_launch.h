@@ -22,15 +22,24 @@ void run_decode(const DecodeArgs& a, cudaStream_t stream);
 
 namespace dmattn::cuda {
 
-template <typename Element, int kMaxD>
-void launch_decode(const DecodeArgs& a, cudaStream_t stream) {
+template <typename Element, int kD, bool kOperands>
+void launch_decode_kernel(const DecodeArgs& a, cudaStream_t stream) {
+  using Tile = decode_detail::DecodeTile<kD>;
+  const auto kernel = decode_kernel<Element, kD, kOperands>;
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes),
+             "cudaFuncSetAttribute(decode smem)");
   const dim3 grid(a.row_chunks * a.num_splits, a.heads_kv, a.batch);
-  if (a.mask.ptr != nullptr || a.bias.ptr != nullptr) {
-    decode_kernel<Element, kMaxD, kDecodeRows, true><<<grid, kDecodeThreads, 0, stream>>>(a);
-  } else {
-    decode_kernel<Element, kMaxD, kDecodeRows, false><<<grid, kDecodeThreads, 0, stream>>>(a);
-  }
+  kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(a);
   check_cuda(cudaGetLastError(), "decode kernel launch");
+}
+
+template <typename Element, int kD>
+void launch_decode(const DecodeArgs& a, cudaStream_t stream) {
+  if (a.mask.ptr != nullptr || a.bias.ptr != nullptr) {
+    launch_decode_kernel<Element, kD, true>(a, stream);
+  } else {
+    launch_decode_kernel<Element, kD, false>(a, stream);
+  }
 }
 
 template <typename Element>

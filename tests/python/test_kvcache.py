@@ -161,6 +161,19 @@ def test_gpu_long_cache_splits(dtype, head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("seqlen_q,page_size", [(4, None), (4, 8), (3, 64), (16, None)])
+def test_gpu_full_row_tiles(seqlen_q, page_size):
+    """Speculative-decoding lengths: a full 16-row tile (Sq=4, 4 heads a kv head), a partial one,
+    several row chunks (Sq=16), pages smaller than a key tile; long ragged caches (every warp,
+    several tiles and key splits), causal, a per-key bias."""
+    case = _make_case("cuda", torch.bfloat16, batch=3, seqlen_q=seqlen_q, heads=8, heads_kv=2, head_dim=128,
+                      capacity=2048, lens=[2000, 700, 5], new=seqlen_q, page_size=page_size,
+                      bias_shape=(3, 8, 1, 2048))
+    out, lse = _run(case)
+    _check(case, out, lse)
+
+
+@pytest.mark.gpu
 def test_gpu_rows_above_kernel_limit():
     """More query rows than the decode kernel takes: the composed path, same contract."""
     sq = KVCACHE_MAX_ROWS // 4 + 2
