@@ -12,6 +12,7 @@ from torch import Tensor
 
 from .decode import _append, kvcache_forward
 from .interface import _parse_options, _require_tensor
+from .ops import _call_op
 
 __all__ = ["attention_with_kvcache"]
 
@@ -147,6 +148,14 @@ def attention_with_kvcache(
     if new:
         _append(k_cache, v_cache, k, v, cache_seqlens, block_table)
         cache_seqlens = cache_seqlens + new
-    out, lse = kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, mask, bias, bool(causal),
-                               window_left, window_right, scale, softcap)
+    args = (q, k_cache, v_cache, cache_seqlens, block_table, mask, bias, bool(causal), window_left, window_right,
+            scale, softcap)
+    # The op's body directly where no gradient is recorded (the usual decoding step, under
+    # no_grad or on tensors without one): the dispatcher's Python layers cost about as much host
+    # time as a decode kernel at batch 8 takes on the GPU. Otherwise the op, whose autograd
+    # names the missing gradient.
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, bias))):
+        out, lse = _call_op(kvcache_forward, *args)
+    else:
+        out, lse = kvcache_forward(*args)
     return (out, lse) if return_lse else out

@@ -38,23 +38,100 @@ __device__ __forceinline__ KeyRow key_row(const DecodeArgs& a, int b, int kvh, i
           page * a.v_st.batch_stride + row * a.v_st.row_stride + kvh * a.v_st.head_stride};
 }
 
-// The allowed test and transform of one score (docs/semantics.md): softcap, bias, mask,
-// window; a disallowed key gives -inf (replaced, never offset). Returned in log2 units.
-template <typename Element, bool kOperands>
-__device__ __forceinline__ float transform_score(const DecodeArgs& a, float s, int b, int h, int i, int j,
-                                                 int64_t off, bool in_range) {
+// A step's mask and bias entries of the thread's 8 scores (rows lane / 4 + 8 hf, keys
+// jt + 8 nt + 2 (lane % 4) + e at index 4 hf + 2 nt + e), loaded one step ahead and kept raw
+// (no conversion or test that would wait for the load) until the step uses them, so that their
+// latency hides behind a step of work. Keys past the split's end are not read; the bias is read
+// whatever the mask says (no dependent load) and ignored where the key is masked.
+struct StepOperands {
+  uint32_t bias[8];  // raw bits: a float32, or a 16-bit element in the low half
+  uint8_t mask[8];   // 1 where there is no mask
+};
+
+// Where the thread's two rows start in the mask and the bias (element offsets; key j adds j sk).
+struct OperandRows {
+  int64_t mask[2], bias[2];
+};
+
+__device__ __forceinline__ OperandRows operand_rows(const DecodeArgs& a, int b, const int (&row_h)[2],
+                                                    const int (&row_i)[2]) {
+  OperandRows r;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const DecodeOperand &m = a.mask, &bo = a.bias;
+    r.mask[hf] = b * m.sb + (row_h[hf] / m.head_div) * m.sh + row_i[hf] * m.sq;
+    r.bias[hf] = b * bo.sb + (row_h[hf] / bo.head_div) * bo.sh + row_i[hf] * bo.sq;
+  }
+  return r;
+}
+
+// Keys come in adjacent pairs (2 (lane % 4) + {0, 1}, tiles start at even keys); a pair is one
+// load where the operand runs along the keys with stride 1 and the pair's address is aligned.
+__device__ __forceinline__ bool aligned(const void* p, unsigned bytes) {
+  return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
+}
+
+__device__ __forceinline__ void load_step_operands(const DecodeArgs& a, const OperandRows& rows, int jt, int ke,
+                                                   int lane, StepOperands& op) {
+#pragma unroll
+  for (int pr = 0; pr < 4; ++pr) {
+    const int hf = pr / 2, j = jt + (pr % 2) * 8 + (lane % 4) * 2, x = 2 * pr;
+    const bool in0 = j < ke, in1 = j + 1 < ke;
+    op.mask[x] = op.mask[x + 1] = 1;
+    if (a.mask.ptr != nullptr) {
+      const int64_t e = rows.mask[hf] + j * a.mask.sk;
+      if (in1 && a.mask.sk == 1 && aligned(a.mask.ptr + e, 2)) {
+        const uint16_t w = *reinterpret_cast<const uint16_t*>(a.mask.ptr + e);
+        op.mask[x] = static_cast<uint8_t>(w), op.mask[x + 1] = static_cast<uint8_t>(w >> 8);
+      } else {
+        if (in0) op.mask[x] = a.mask.ptr[e];
+        if (in1) op.mask[x + 1] = a.mask.ptr[e + a.mask.sk];
+      }
+    }
+    op.bias[x] = op.bias[x + 1] = 0;
+    if (a.bias.ptr != nullptr) {
+      const int64_t e = rows.bias[hf] + j * a.bias.sk;
+      if (a.bias_fp32) {
+        const uint32_t* p = reinterpret_cast<const uint32_t*>(a.bias.ptr);
+        if (in1 && a.bias.sk == 1 && aligned(p + e, 8)) {
+          const uint2 w = *reinterpret_cast<const uint2*>(p + e);
+          op.bias[x] = w.x, op.bias[x + 1] = w.y;
+        } else {
+          if (in0) op.bias[x] = p[e];
+          if (in1) op.bias[x + 1] = p[e + a.bias.sk];
+        }
+      } else {
+        const uint16_t* p = reinterpret_cast<const uint16_t*>(a.bias.ptr);
+        if (in1 && a.bias.sk == 1 && aligned(p + e, 4)) {
+          const uint32_t w = *reinterpret_cast<const uint32_t*>(p + e);
+          op.bias[x] = w & 0xffffu, op.bias[x + 1] = w >> 16;
+        } else {
+          if (in0) op.bias[x] = p[e];
+          if (in1) op.bias[x + 1] = p[e + a.bias.sk];
+        }
+      }
+    }
+  }
+}
+
+template <typename Element>
+__device__ __forceinline__ float operand_bias(const DecodeArgs& a, uint32_t raw) {
+  if (a.bias_fp32) return __uint_as_float(raw);
+  const uint16_t bits = static_cast<uint16_t>(raw);
+  return ElemInfo<Element>::to_float(&bits);
+}
+
+// The transform of one score (docs/semantics.md): scale, softcap, bias, then the allowed test
+// (split, mask, window); a disallowed key gives -inf (replaced, never offset). In log2 units.
+template <bool kOperands>
+__device__ __forceinline__ float transform_score(const DecodeArgs& a, float s, int i, int j, int64_t off,
+                                                 bool allowed, float bias) {
+  s *= a.q_scale;
   if (a.softcap > 0.f) s = a.softcap * tanhf(s);
-  bool ok = in_range;
+  bool ok = allowed;
   if (a.window_left >= 0) ok = ok && j >= i + off - a.window_left;
   if (a.window_right >= 0) ok = ok && j <= i + off + a.window_right;
-  const DecodeOperand& m = a.mask;
-  if (kOperands && ok && m.ptr != nullptr) ok = m.ptr[b * m.sb + (h / m.head_div) * m.sh + i * m.sq + j * m.sk] != 0;
-  const DecodeOperand& bo = a.bias;
-  if (kOperands && ok && bo.ptr != nullptr) {
-    const int64_t e = b * bo.sb + (h / bo.head_div) * bo.sh + i * bo.sq + j * bo.sk;
-    s += a.bias_fp32 ? reinterpret_cast<const float*>(bo.ptr)[e]
-                     : ElemInfo<Element>::to_float(reinterpret_cast<const Element*>(bo.ptr) + e);
-  }
+  if (kOperands) s += bias;
   return ok ? s * 1.4426950408889634f : -INFINITY;
 }
 
@@ -75,6 +152,9 @@ template <> struct DecodeMma<cutlass::half_t> { using Op = cute::SM80_16x8x16_F3
 template <int kD>
 struct DecodeTile {
   static constexpr bool kQInSmem = kD > 128;
+  // Mask / bias entries loaded a step ahead (two register sets); at 256 they are loaded at the
+  // start of their own step (one set: the registers are spent).
+  static constexpr bool kPrefetchOperands = kD <= 128;
   static constexpr int kWarps = kD > 128 ? 2 : 4;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kKeys = 16;
@@ -131,9 +211,13 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
   int64_t lo = 0, hi = len;
   if (a.window_left >= 0) lo = max(lo, i_first + off - a.window_left);
   if (a.window_right >= 0) hi = min(hi, i_last + off + a.window_right + 1);
+  // Splits start on whole tiles of keys (lo rounded down: the keys before the window's start
+  // are in the cache and fail the window test), so that every tile starts at a multiple of 16
+  // and the operand pairs below are aligned.
+  lo &= ~int64_t(kKeys - 1);
   const int64_t n = hi > lo ? hi - lo : 0;
-  const int64_t per_split = (n + a.num_splits - 1) / a.num_splits;
-  const int kb = static_cast<int>(lo + split * per_split);
+  const int64_t per_split = ((n + a.num_splits - 1) / a.num_splits + kKeys - 1) & ~int64_t(kKeys - 1);
+  const int kb = static_cast<int>(min(hi, lo + split * per_split));
   const int ke = static_cast<int>(min(hi, lo + (split + 1) * per_split));
 
   // The thread's two accumulator rows (mma's row lane / 4 and lane / 4 + 8); rows past the
@@ -244,13 +328,21 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) issue(st);
 
-  for (int it = 0; it < nit; ++it) {
+  const auto tile_start = [&](int it) { return kb + (it * kWarps + warp) * kKeys; };
+  const OperandRows op_rows = operand_rows(a, b, row_h, row_i);
+  // One step: tile it, with its operands in cur; loads step it + 1's into next.
+  const auto step = [&](int it, StepOperands& cur, StepOperands& next) {
+    if constexpr (kOperands && Tile::kPrefetchOperands) {
+      if (it + 1 < nit) load_step_operands(a, op_rows, tile_start(it + 1), ke, lane, next);
+    } else if constexpr (kOperands) {
+      load_step_operands(a, op_rows, tile_start(it), ke, lane, cur);
+    }
     cp_async_wait<kStages - 2>();  // this step's group (the thread's own copies) has landed
     __syncwarp();                  // ... and the other lanes' too; the slot refilled next is free
     issue(it + kStages - 1);
     const Element* sk = ring + (it % kStages) * Tile::kStageElems;
     const Element* sv = sk + kKeys * kD;
-    const int jt = kb + (it * kWarps + warp) * kKeys;
+    const int jt = tile_start(it);
 
     // Scores: s[nt] = q (16 rows) x K^T (8 keys of n-tile nt); K rows as the B operand by
     // ldmatrix (matrix lane / 8: chunk 4 kk + lane / 8 of key 8 nt + lane % 8).
@@ -284,9 +376,11 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int j = jt + nt * 8 + (lane % 4) * 2 + e;
+          const int j = jt + nt * 8 + (lane % 4) * 2 + e, x_idx = 4 * hf + 2 * nt + e;
+          const bool allowed = j < ke && (!kOperands || cur.mask[x_idx] != 0);
+          const float bias = kOperands ? operand_bias<Element>(a, cur.bias[x_idx]) : 0.f;
           float& x = s[nt][2 * hf + e];
-          x = transform_score<Element, kOperands>(a, x * a.q_scale, b, row_h[hf], row_i[hf], j, off, j < ke);
+          x = transform_score<kOperands>(a, x, row_i[hf], j, off, allowed, bias);
           mx = fmaxf(mx, x);
         }
       }
@@ -332,6 +426,18 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
       Mma::fma(o[2 * dd + 1][0], o[2 * dd + 1][1], o[2 * dd + 1][2], o[2 * dd + 1][3], pa[0], pa[1], pa[2], pa[3],
                vf[2], vf[3], o[2 * dd + 1][0], o[2 * dd + 1][1], o[2 * dd + 1][2], o[2 * dd + 1][3]);
     }
+  };
+  // With the operands a step ahead, two steps an iteration, the operand registers swapping roles
+  // (a copy would wait for the loads in flight).
+  StepOperands op_a, op_b;
+  if constexpr (Tile::kPrefetchOperands) {
+    if (kOperands && nit > 0) load_step_operands(a, op_rows, tile_start(0), ke, lane, op_a);
+    for (int it = 0; it < nit; it += 2) {
+      step(it, op_a, op_b);
+      if (it + 1 < nit) step(it + 1, op_b, op_a);
+    }
+  } else {
+    for (int it = 0; it < nit; ++it) step(it, op_a, op_b);
   }
 
   // Merge the warps' partial rows through shared memory (the ring's, once every copy landed).
@@ -423,7 +529,8 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeArgs a)
   for (int d = lane; d < a.head_dim; d += 32) {
     float o = 0.f;
     if (!empty) {
-      for (int s = 0; s < a.num_splits; ++s) {
+#pragma unroll 8
+      for (int s = 0; s < a.num_splits; ++s) {  // unrolled: several splits' loads in flight
         const float w = __expf(a.part_lse[s * split_rows + row] - lse);
         o = fmaf(w, a.part_out[(s * split_rows + row) * a.head_dim + d], o);
       }

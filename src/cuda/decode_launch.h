@@ -17,6 +17,8 @@ void run_decode(const DecodeArgs& a, cudaStream_t stream);
 }  // namespace dmattn::cuda
 
 #ifdef DMATTN_DECODE_LAUNCH_IMPL
+#include <atomic>
+
 #include "cuda/check.h"
 #include "cuda/decode_kernel.h"
 
@@ -26,8 +28,15 @@ template <typename Element, int kD, bool kOperands>
 void launch_decode_kernel(const DecodeArgs& a, cudaStream_t stream) {
   using Tile = decode_detail::DecodeTile<kD>;
   const auto kernel = decode_kernel<Element, kD, kOperands>;
-  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes),
-             "cudaFuncSetAttribute(decode smem)");
+  // Once per device (a decoding step is short: the driver call would be part of its host time).
+  static std::atomic<bool> smem_set[64] = {};
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  if (device < 0 || device >= 64 || !smem_set[device].load(std::memory_order_relaxed)) {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes),
+               "cudaFuncSetAttribute(decode smem)");
+    if (device >= 0 && device < 64) smem_set[device].store(true, std::memory_order_relaxed);
+  }
   const dim3 grid(a.row_chunks * a.num_splits, a.heads_kv, a.batch);
   kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(a);
   check_cuda(cudaGetLastError(), "decode kernel launch");

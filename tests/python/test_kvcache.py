@@ -174,6 +174,22 @@ def test_gpu_full_row_tiles(seqlen_q, page_size):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32])
+def test_gpu_unaligned_operands(bias_dtype):
+    """A bias and a mask that start at an odd element (views into larger tensors), with a window
+    that starts inside a key tile: the kernel's paired operand loads fall back to single ones."""
+    case = _make_case("cuda", torch.bfloat16, batch=2, seqlen_q=2, heads=8, heads_kv=2, head_dim=64,
+                      capacity=600, lens=[590, 301], new=2)
+    g = torch.Generator().manual_seed(3)
+    bias = torch.randn(2, 8, 1, 601, generator=g).to(bias_dtype)
+    bias[..., 1 + 592:] = NAN  # behind every row's length
+    case["bias"] = bias.cuda()[..., 1:]
+    case["mask"] = (torch.rand(2, 1, 1, 601, generator=g) > 0.3).cuda()[..., 1:]
+    out, lse = _run(case, window=(37, -1))
+    _check(case, out, lse, window=(37, -1))
+
+
+@pytest.mark.gpu
 def test_gpu_rows_above_kernel_limit():
     """More query rows than the decode kernel takes: the composed path, same contract."""
     sq = KVCACHE_MAX_ROWS // 4 + 2
