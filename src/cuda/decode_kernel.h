@@ -65,51 +65,19 @@ __device__ __forceinline__ OperandRows operand_rows(const DecodeArgs& a, int b, 
   return r;
 }
 
-// Keys come in adjacent pairs (2 (lane % 4) + {0, 1}, tiles start at even keys); a pair is one
-// load where the operand runs along the keys with stride 1 and the pair's address is aligned.
-__device__ __forceinline__ bool aligned(const void* p, unsigned bytes) {
-  return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
-}
-
 __device__ __forceinline__ void load_step_operands(const DecodeArgs& a, const OperandRows& rows, int jt, int ke,
                                                    int lane, StepOperands& op) {
 #pragma unroll
-  for (int pr = 0; pr < 4; ++pr) {
-    const int hf = pr / 2, j = jt + (pr % 2) * 8 + (lane % 4) * 2, x = 2 * pr;
-    const bool in0 = j < ke, in1 = j + 1 < ke;
-    op.mask[x] = op.mask[x + 1] = 1;
-    if (a.mask.ptr != nullptr) {
-      const int64_t e = rows.mask[hf] + j * a.mask.sk;
-      if (in1 && a.mask.sk == 1 && aligned(a.mask.ptr + e, 2)) {
-        const uint16_t w = *reinterpret_cast<const uint16_t*>(a.mask.ptr + e);
-        op.mask[x] = static_cast<uint8_t>(w), op.mask[x + 1] = static_cast<uint8_t>(w >> 8);
-      } else {
-        if (in0) op.mask[x] = a.mask.ptr[e];
-        if (in1) op.mask[x + 1] = a.mask.ptr[e + a.mask.sk];
-      }
-    }
-    op.bias[x] = op.bias[x + 1] = 0;
-    if (a.bias.ptr != nullptr) {
+  for (int x = 0; x < 8; ++x) {
+    const int hf = x / 4, j = jt + (x / 2 % 2) * 8 + (lane % 4) * 2 + x % 2;
+    const bool in = j < ke;
+    op.mask[x] = 1;
+    if (in && a.mask.ptr != nullptr) op.mask[x] = a.mask.ptr[rows.mask[hf] + j * a.mask.sk];
+    op.bias[x] = 0;
+    if (in && a.bias.ptr != nullptr) {
       const int64_t e = rows.bias[hf] + j * a.bias.sk;
-      if (a.bias_fp32) {
-        const uint32_t* p = reinterpret_cast<const uint32_t*>(a.bias.ptr);
-        if (in1 && a.bias.sk == 1 && aligned(p + e, 8)) {
-          const uint2 w = *reinterpret_cast<const uint2*>(p + e);
-          op.bias[x] = w.x, op.bias[x + 1] = w.y;
-        } else {
-          if (in0) op.bias[x] = p[e];
-          if (in1) op.bias[x + 1] = p[e + a.bias.sk];
-        }
-      } else {
-        const uint16_t* p = reinterpret_cast<const uint16_t*>(a.bias.ptr);
-        if (in1 && a.bias.sk == 1 && aligned(p + e, 4)) {
-          const uint32_t w = *reinterpret_cast<const uint32_t*>(p + e);
-          op.bias[x] = w & 0xffffu, op.bias[x + 1] = w >> 16;
-        } else {
-          if (in0) op.bias[x] = p[e];
-          if (in1) op.bias[x + 1] = p[e + a.bias.sk];
-        }
-      }
+      op.bias[x] = a.bias_fp32 ? reinterpret_cast<const uint32_t*>(a.bias.ptr)[e]
+                               : uint32_t(reinterpret_cast<const uint16_t*>(a.bias.ptr)[e]);
     }
   }
 }
@@ -212,8 +180,7 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
   if (a.window_left >= 0) lo = max(lo, i_first + off - a.window_left);
   if (a.window_right >= 0) hi = min(hi, i_last + off + a.window_right + 1);
   // Splits start on whole tiles of keys (lo rounded down: the keys before the window's start
-  // are in the cache and fail the window test), so that every tile starts at a multiple of 16
-  // and the operand pairs below are aligned.
+  // are in the cache and fail the window test), so that tiles never straddle a split.
   lo &= ~int64_t(kKeys - 1);
   const int64_t n = hi > lo ? hi - lo : 0;
   const int64_t per_split = ((n + a.num_splits - 1) / a.num_splits + kKeys - 1) & ~int64_t(kKeys - 1);

@@ -177,7 +177,7 @@ def test_gpu_full_row_tiles(seqlen_q, page_size):
 @pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32])
 def test_gpu_unaligned_operands(bias_dtype):
     """A bias and a mask that start at an odd element (views into larger tensors), with a window
-    that starts inside a key tile: the kernel's paired operand loads fall back to single ones."""
+    that starts inside one of the kernel's 16-key tiles."""
     case = _make_case("cuda", torch.bfloat16, batch=2, seqlen_q=2, heads=8, heads_kv=2, head_dim=64,
                       capacity=600, lens=[590, 301], new=2)
     g = torch.Generator().manual_seed(3)
