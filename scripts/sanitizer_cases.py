@@ -39,7 +39,32 @@ def topk_case(b, s, h, hkv, d, dtype, keep, **kw):
         assert torch.isfinite(t).all(), "non-finite value"
 
 
+def kvcache_case(b, sq, h, hkv, d, dtype, capacity, page_size=None, bias=False, mask=False):
+    """dmattn.attention_with_kvcache (the split-KV decode kernel and its combine kernel): ragged
+    lengths, a partial last key tile, several warps and splits, optional pages / per-key bias /
+    mask."""
+    g = torch.Generator().manual_seed(capacity + sq)
+    dev = "cuda"
+    q = torch.randn(b, sq, h, d, generator=g).to(dev, dtype)
+    k = torch.randn(b, capacity, hkv, d, generator=g).to(dev, dtype)
+    v = torch.randn(b, capacity, hkv, d, generator=g).to(dev, dtype)
+    lens = torch.tensor([capacity - 3 - 5 * i for i in range(b)], dtype=torch.int32, device=dev)
+    table = None
+    if page_size:
+        table = torch.randperm(b * capacity // page_size, generator=g).view(b, -1).to(dev, torch.int32)
+        k = k.view(-1, page_size, hkv, d)[table.view(-1).long()].contiguous()
+        v = v.view(-1, page_size, hkv, d)[table.view(-1).long()].contiguous()
+    bias_t = torch.randn(b, h, 1, capacity, generator=g).to(dev, dtype) if bias else None
+    mask_t = (torch.rand(b, 1, 1, capacity, generator=g) > 0.3).to(dev) if mask else None
+    out = dmattn.attention_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table, bias=bias_t, mask=mask_t)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all(), "non-finite value"
+
+
 for dtype in (torch.bfloat16, torch.float16):
+    kvcache_case(2, 1, 8, 2, 128, dtype, 3000, bias=True)
+    kvcache_case(1, 4, 8, 2, 64, dtype, 2048, page_size=64, mask=True)
+    kvcache_case(2, 3, 4, 4, 256, dtype, 1100, page_size=8, bias=True)
     case(1, 17, 33, 2, 1, 64, dtype, mask_shape=(1, 2, 17, 33), bias_shape=(1, 2, 17, 33))
     case(2, 130, 77, 4, 2, 128, dtype, bias_shape=(2, 1, 1, 77), causal=True)
     case(1, 64, 200, 2, 2, 72, dtype, mask_shape=(1, 1, 64, 200), window=(32, 8))
