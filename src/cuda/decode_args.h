@@ -13,6 +13,12 @@ namespace dmattn::cuda {
 // up to 4 queries (speculative decoding) fill one tile; more rows take several row chunks.
 inline constexpr int kDecodeRows = 16;
 
+// How the decode kernel reads mask / bias entries: not at all; by loads into registers a step
+// ahead (any layout); or copied with each step's K / V tiles into its cp.async ring (16-bit bias
+// and bool mask running along the keys with stride 1, every row 16-byte aligned:
+// DecodeArgs::operands_in_ring).
+enum class DecodeOperands { kNone, kRegisters, kRing };
+
 // A mask or bias element (b, h, i, j) at ptr[b * sb + (h / head_div) * sh + i * sq + j * sk]
 // (stride 0 = broadcast); the decode kernel reads single elements, so every layout is legal.
 struct DecodeOperand {
@@ -39,6 +45,7 @@ struct DecodeArgs {
   int64_t window_left = -1, window_right = -1;  // -1 = unbounded, causal folded in
   DecodeOperand mask, bias;
   bool bias_fp32 = false;
+  bool operands_in_ring = false;  // DecodeOperands::kRing applies (decode_backend.cu)
   // Query rows (query i, head g of the group: row i * group + g) per CTA, and the CTAs that
   // share one (batch, kv head): row_chunks * num_splits, the chunk index varying fastest so
   // that the chunks reading the same keys run side by side (their second read hits L2).

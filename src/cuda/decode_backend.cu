@@ -41,6 +41,20 @@ DecodeOperand make_decode_operand(const BroadcastOperand& op) {
   return d;
 }
 
+// Whether the mask and bias (those present) can travel in the kernel's cp.async ring
+// (DecodeOperands::kRing): 16-byte chunks of a row's keys, so stride 1 along the keys, every row
+// start 16-byte aligned, and a 16-bit bias (the ring holds 16 x 16 entries of each a stage).
+bool operands_fit_ring(const DecodeArgs& a) {
+  if (a.mask.ptr == nullptr && a.bias.ptr == nullptr) return false;
+  const auto rows_aligned = [](const DecodeOperand& op, int64_t elems_per_16_bytes) {
+    return reinterpret_cast<uintptr_t>(op.ptr) % 16 == 0 && op.sk == 1 && op.sb % elems_per_16_bytes == 0 &&
+           op.sh % elems_per_16_bytes == 0 && op.sq % elems_per_16_bytes == 0;
+  };
+  if (a.mask.ptr != nullptr && !rows_aligned(a.mask, 16)) return false;
+  if (a.bias.ptr != nullptr && (a.bias_fp32 || !rows_aligned(a.bias, 8))) return false;
+  return true;
+}
+
 }  // namespace
 
 int64_t decode_row_chunks(int64_t seqlen_q, int64_t group) {
@@ -112,6 +126,7 @@ void decode_forward(const ForwardParams& p) {
   a.mask = make_decode_operand(p.mask);
   a.bias = make_decode_operand(p.bias);
   a.bias_fp32 = p.bias.present() && p.bias.dtype == DType::kFloat32;
+  a.operands_in_ring = operands_fit_ring(a);
   a.row_chunks = static_cast<int>(decode_row_chunks(p.seqlen_q, p.group_size()));
   a.num_splits = static_cast<int>(std::max<int64_t>(1, p.decode_splits));
   if (a.num_splits > 1) {

@@ -130,10 +130,16 @@ struct DecodeTile {
   static constexpr int kChunks = kD / 8;                  // 16-byte chunks of a K / V row
   static constexpr int kChunksPerLane = kKeys * kChunks / 32;
   static constexpr int kStageElems = 2 * kKeys * kD;      // K rows, then V rows
-  static constexpr int kRingBytes = kWarps * kStages * kStageElems * 2;
+  // With DecodeOperands::kRing a stage also holds the step's 16-bit bias entries and mask bytes
+  // of the 16 rows (16 x 16 each), after V.
+  static constexpr int kOperandBytes = kDecodeRows * kKeys * 2 + kDecodeRows * kKeys;
+  static constexpr int stage_bytes(bool ring) { return kStageElems * 2 + (ring ? kOperandBytes : 0); }
   static constexpr int kMergeBytes = kWarps * kDecodeRows * kD * 4;
   static constexpr int kQBytes = kQInSmem ? kDecodeRows * kD * 2 : 0;  // after the ring
-  static constexpr int kSmemBytes = (kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes) + kQBytes;
+  static constexpr int q_offset(bool ring) {
+    return kWarps * kStages * stage_bytes(ring) > kMergeBytes ? kWarps * kStages * stage_bytes(ring) : kMergeBytes;
+  }
+  static constexpr int smem_bytes(bool ring) { return q_offset(ring) + kQBytes; }
   static_assert(kChunks >= 8, "the swizzle spreads 8 rows over 8 chunks");
 };
 
@@ -155,12 +161,14 @@ __device__ __forceinline__ uint32_t pack2(float a, float b) {
 }  // namespace decode_detail
 
 // Grid (row_chunks * num_splits, heads_kv, batch), DecodeTile<kD>::kThreads threads, its
-// kSmemBytes of dynamic shared memory. kD: head dims up to it (chunks past head_dim are zero);
-// kOperands: a mask or bias is read (compiled out otherwise).
-template <typename Element, int kD, bool kOperands>
+// smem_bytes(kOps == kRing) of dynamic shared memory. kD: head dims up to it (chunks past
+// head_dim are zero); kOps: how mask / bias entries are read (decode_args.h).
+template <typename Element, int kD, DecodeOperands kOps>
 __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) decode_kernel(const DecodeArgs a) {
   using namespace decode_detail;
   using Tile = DecodeTile<kD>;
+  constexpr bool kOperands = kOps != DecodeOperands::kNone, kRing = kOps == DecodeOperands::kRing;
+  constexpr int kStageBytes = Tile::stage_bytes(kRing);
   using Mma = typename DecodeMma<Element>::Op;
   constexpr int kWarps = Tile::kWarps, kKeys = Tile::kKeys, kStages = Tile::kStages, kChunks = Tile::kChunks;
   constexpr int kNd = kD / 8;  // n-tiles of the value product (8 head-dim columns each)
@@ -202,7 +210,7 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
   // Rows past the chunk's end and columns past head_dim are 0. Up to kD = 128 read once from
   // global memory into registers; at 256 staged in shared memory and read per k-step.
   extern __shared__ __align__(16) char decode_smem[];
-  Element* sq = reinterpret_cast<Element*>(decode_smem + (Tile::kSmemBytes - Tile::kQBytes));
+  Element* sq = reinterpret_cast<Element*>(decode_smem + Tile::q_offset(kRing));
   const auto q_word = [&](int r, int d) -> uint32_t {  // q elements d, d + 1 of chunk row r
     if (r >= nrows || d >= a.head_dim) return 0u;
     const int row = r0 + r, i = row / a.group, h = kvh * a.group + row % a.group;
@@ -245,7 +253,20 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
   // Warp w takes tiles w, w + kWarps, ... of the split's keys (the warps stream neighbouring
   // tiles side by side). Keys past the split's end are zero-filled, never read: their rows may
   // lie behind the batch's length.
-  Element* ring = reinterpret_cast<Element*>(decode_smem) + warp * kStages * Tile::kStageElems;
+  char* ring = decode_smem + warp * kStages * kStageBytes;
+  const auto stage_k = [&](int it) { return reinterpret_cast<Element*>(ring + (it % kStages) * kStageBytes); };
+  // kRing: the source rows of the lane's operand chunks (bias: row lane / 2, keys 8 (lane % 2)
+  // onwards; mask: row lane, lanes < 16), rows past the chunk's end repeating its last.
+  int64_t ring_bias_row = 0, ring_mask_row = 0;
+  if constexpr (kRing) {
+    const auto source_row = [&](const DecodeOperand& op, int r) -> int64_t {
+      if (op.ptr == nullptr) return 0;
+      const int row = r0 + min(r, nrows - 1), i = row / a.group, h = kvh * a.group + row % a.group;
+      return b * op.sb + (h / op.head_div) * op.sh + i * op.sq;
+    };
+    ring_bias_row = source_row(a.bias, lane / 2);
+    ring_mask_row = source_row(a.mask, lane % 16);
+  }
   const int tiles = ke > kb ? (ke - kb + kKeys - 1) / kKeys : 0;
   const int nit = tiles > warp ? (tiles - warp + kWarps - 1) / kWarps : 0;
   const Element* kbase = static_cast<const Element*>(a.k);
@@ -265,7 +286,7 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
         const int last = min(ke, jt + kKeys) - 1;
         page1 = last - jt + row0 >= a.page_size ? a.block_table[b * a.bt_stride + p + 1] : page0;
       }
-      Element* sk = ring + (it % kStages) * Tile::kStageElems;
+      Element* sk = stage_k(it);
       Element* sv = sk + kKeys * kD;
 #pragma unroll 4
       for (int u = 0; u < Tile::kChunksPerLane; ++u) {
@@ -289,6 +310,18 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
         cp_async_16(sk + so, kbase + kofs + c * 8, ok ? 16 : 0);
         cp_async_16(sv + so, vbase + vofs + c * 8, ok ? 16 : 0);
       }
+      if constexpr (kRing) {  // 16-byte chunks; keys past the split's end zero-filled, not read
+        char* sop = reinterpret_cast<char*>(sv + kKeys * kD);
+        if (a.bias.ptr != nullptr) {
+          const int key0 = jt + (lane % 2) * 8, n_in = max(0, min(8, ke - key0));
+          cp_async_16(sop + (lane / 2) * kKeys * 2 + (lane % 2) * 16,
+                      reinterpret_cast<const uint16_t*>(a.bias.ptr) + ring_bias_row + key0, n_in * 2);
+        }
+        if (a.mask.ptr != nullptr && lane < kDecodeRows) {
+          cp_async_16(sop + kDecodeRows * kKeys * 2 + lane * kKeys, a.mask.ptr + ring_mask_row + jt,
+                      max(0, min(kKeys, ke - jt)));
+        }
+      }
     }
     cp_async_commit();
   };
@@ -299,17 +332,30 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
   const OperandRows op_rows = operand_rows(a, b, row_h, row_i);
   // One step: tile it, with its operands in cur; loads step it + 1's into next.
   const auto step = [&](int it, StepOperands& cur, StepOperands& next) {
-    if constexpr (kOperands && Tile::kPrefetchOperands) {
+    if constexpr (kOps == DecodeOperands::kRegisters && Tile::kPrefetchOperands) {
       if (it + 1 < nit) load_step_operands(a, op_rows, tile_start(it + 1), ke, lane, next);
-    } else if constexpr (kOperands) {
+    } else if constexpr (kOps == DecodeOperands::kRegisters) {
       load_step_operands(a, op_rows, tile_start(it), ke, lane, cur);
     }
     cp_async_wait<kStages - 2>();  // this step's group (the thread's own copies) has landed
     __syncwarp();                  // ... and the other lanes' too; the slot refilled next is free
     issue(it + kStages - 1);
-    const Element* sk = ring + (it % kStages) * Tile::kStageElems;
+    const Element* sk = stage_k(it);
     const Element* sv = sk + kKeys * kD;
     const int jt = tile_start(it);
+    if constexpr (kRing) {  // the step's operand entries from the ring (16-bit bias, bool mask)
+      const char* sop = reinterpret_cast<const char*>(sv + kKeys * kD);
+#pragma unroll
+      for (int pr = 0; pr < 4; ++pr) {
+        const int r = lane / 4 + 8 * (pr / 2), key = (pr % 2) * 8 + (lane % 4) * 2, x = 2 * pr;
+        const uint32_t w = *reinterpret_cast<const uint32_t*>(sop + (r * kKeys + key) * 2);
+        const uint16_t mw = *reinterpret_cast<const uint16_t*>(sop + kDecodeRows * kKeys * 2 + r * kKeys + key);
+        cur.bias[x] = a.bias.ptr != nullptr ? (w & 0xffffu) : 0u;
+        cur.bias[x + 1] = a.bias.ptr != nullptr ? (w >> 16) : 0u;
+        cur.mask[x] = a.mask.ptr != nullptr ? static_cast<uint8_t>(mw) : uint8_t(1);
+        cur.mask[x + 1] = a.mask.ptr != nullptr ? static_cast<uint8_t>(mw >> 8) : uint8_t(1);
+      }
+    }
 
     // Scores: s[nt] = q (16 rows) x K^T (8 keys of n-tile nt); K rows as the B operand by
     // ldmatrix (matrix lane / 8: chunk 4 kk + lane / 8 of key 8 nt + lane % 8).
@@ -397,8 +443,8 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
   // With the operands a step ahead, two steps an iteration, the operand registers swapping roles
   // (a copy would wait for the loads in flight).
   StepOperands op_a, op_b;
-  if constexpr (Tile::kPrefetchOperands) {
-    if (kOperands && nit > 0) load_step_operands(a, op_rows, tile_start(0), ke, lane, op_a);
+  if constexpr (kOps == DecodeOperands::kRegisters && Tile::kPrefetchOperands) {
+    if (nit > 0) load_step_operands(a, op_rows, tile_start(0), ke, lane, op_a);
     for (int it = 0; it < nit; it += 2) {
       step(it, op_a, op_b);
       if (it + 1 < nit) step(it + 1, op_b, op_a);

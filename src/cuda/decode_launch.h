@@ -21,33 +21,38 @@ void run_decode(const DecodeArgs& a, cudaStream_t stream);
 
 #include "cuda/check.h"
 #include "cuda/decode_kernel.h"
+#include "cuda/device_info.h"
 
 namespace dmattn::cuda {
 
-template <typename Element, int kD, bool kOperands>
-void launch_decode_kernel(const DecodeArgs& a, cudaStream_t stream) {
+template <typename Element, int kD, DecodeOperands kOps>
+void launch_decode_kernel(const DecodeArgs& a, int device, cudaStream_t stream) {
   using Tile = decode_detail::DecodeTile<kD>;
-  const auto kernel = decode_kernel<Element, kD, kOperands>;
+  constexpr int kSmem = Tile::smem_bytes(kOps == DecodeOperands::kRing);
+  const auto kernel = decode_kernel<Element, kD, kOps>;
   // Once per device (a decoding step is short: the driver call would be part of its host time).
   static std::atomic<bool> smem_set[64] = {};
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
   if (device < 0 || device >= 64 || !smem_set[device].load(std::memory_order_relaxed)) {
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes),
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
                "cudaFuncSetAttribute(decode smem)");
     if (device >= 0 && device < 64) smem_set[device].store(true, std::memory_order_relaxed);
   }
   const dim3 grid(a.row_chunks * a.num_splits, a.heads_kv, a.batch);
-  kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(a);
+  kernel<<<grid, Tile::kThreads, kSmem, stream>>>(a);
   check_cuda(cudaGetLastError(), "decode kernel launch");
 }
 
 template <typename Element, int kD>
 void launch_decode(const DecodeArgs& a, cudaStream_t stream) {
-  if (a.mask.ptr != nullptr || a.bias.ptr != nullptr) {
-    launch_decode_kernel<Element, kD, true>(a, stream);
-  } else {
-    launch_decode_kernel<Element, kD, false>(a, stream);
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  if (a.mask.ptr == nullptr && a.bias.ptr == nullptr) {
+    launch_decode_kernel<Element, kD, DecodeOperands::kNone>(a, device, stream);
+  } else if (a.operands_in_ring &&
+             decode_detail::DecodeTile<kD>::smem_bytes(true) <= max_shared_memory_optin(device)) {
+    launch_decode_kernel<Element, kD, DecodeOperands::kRing>(a, device, stream);
+  } else {  // any layout, or a GPU whose blocks cannot hold the larger ring (sm_86 / sm_89)
+    launch_decode_kernel<Element, kD, DecodeOperands::kRegisters>(a, device, stream);
   }
 }
 
