@@ -41,8 +41,8 @@ def topk_case(b, s, h, hkv, d, dtype, keep, **kw):
 
 def kvcache_case(b, sq, h, hkv, d, dtype, capacity, page_size=None, bias=False, mask=False):
     """dmattn.attention_with_kvcache (the split-KV decode kernel and its combine kernel): ragged
-    lengths, a partial last key tile, several warps and splits, optional pages / per-key bias /
-    mask."""
+    lengths, a partial last key tile, several warps and splits, optional pages (capacity a
+    multiple of page_size) / per-key bias / mask."""
     g = torch.Generator().manual_seed(capacity + sq)
     dev = "cuda"
     q = torch.randn(b, sq, h, d, generator=g).to(dev, dtype)
@@ -64,7 +64,8 @@ def kvcache_case(b, sq, h, hkv, d, dtype, capacity, page_size=None, bias=False, 
 for dtype in (torch.bfloat16, torch.float16):
     kvcache_case(2, 1, 8, 2, 128, dtype, 3000, bias=True)
     kvcache_case(1, 4, 8, 2, 64, dtype, 2048, page_size=64, mask=True)
-    kvcache_case(2, 3, 4, 4, 256, dtype, 1100, page_size=8, bias=True)
+    kvcache_case(2, 3, 4, 4, 256, dtype, 1104, page_size=8, bias=True)
+    kvcache_case(1, 2, 8, 2, 128, dtype, 1004, bias=True)  # rows of 1004: the register path
     case(1, 17, 33, 2, 1, 64, dtype, mask_shape=(1, 2, 17, 33), bias_shape=(1, 2, 17, 33))
     case(2, 130, 77, 4, 2, 128, dtype, bias_shape=(2, 1, 1, 77), causal=True)
     case(1, 64, 200, 2, 2, 72, dtype, mask_shape=(1, 1, 64, 200), window=(32, 8))
