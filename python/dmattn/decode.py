@@ -2,9 +2,9 @@
 CUDA kernel, and ``attention_with_kvcache`` (FlashAttention's KV-cache call).
 
 ``dmattn::fwd`` takes the decode kernel, with DMATTN_DECODE=1, for ``Sq * (H / Hkv) <=
-AUTO_MAX_ROWS`` with fewer (batch, head) pairs than SMs (``maybe_decode_forward``); ``dmattn::fwd_kvcache`` is the cache call's custom op. Neither reads
-a tensor value on the host: the split count comes from the shapes and the GPU only, and the
-split-KV workspace is allocated here with torch (caching allocator, CUDA graphs).
+AUTO_MAX_ROWS`` (``maybe_decode_forward``); ``dmattn::fwd_kvcache`` is the cache call's custom
+op. Neither reads a tensor value on the host: the split count comes from the shapes and the GPU
+only, and the split-KV workspace is allocated here with torch (caching allocator, CUDA graphs).
 """
 
 from __future__ import annotations
@@ -22,21 +22,15 @@ __all__ = ["attention_with_kvcache", "kvcache_forward", "maybe_decode_forward", 
            "KVCACHE_MAX_ROWS"]
 
 # With DMATTN_DECODE=1, dmattn.attention takes the decode kernel on CUDA for up to this many
-# query rows (queries x query heads per kv head: one row chunk) and fewer (batch, head) pairs
-# than the GPU has SMs, where the general kernels leave SMs idle. Off by default: its results
-# differ from the general kernels' in the last bits, so a packed batch (attention_varlen) would
-# no longer equal its sequences run one by one bit for bit (the varlen contract); and elsewhere
-# the general kernels were as fast or faster on an H100 (docs/decode.md).
-AUTO_MAX_ROWS = 4
+# query rows (queries x query heads per kv head: one 16-row tile), where it is 2.5x faster than
+# the general kernels (docs/decode.md). Off by default: its results differ from the general
+# kernels' in the last bits, so a packed batch (attention_varlen) would no longer equal its
+# sequences run one by one bit for bit (the varlen contract).
+AUTO_MAX_ROWS = 16
 # attention_with_kvcache takes the kernel up to this many rows (it reads per-batch lengths and
 # pages in place); above it the cache is gathered and masked with torch ops, which cost less
-# there than four and more row chunks reading every key.
+# there than several row chunks each reading every key.
 KVCACHE_MAX_ROWS = 16
-
-
-@functools.lru_cache(maxsize=64)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @functools.lru_cache(maxsize=4096)
@@ -76,9 +70,6 @@ def maybe_decode_forward(q, k, v, mask, bias, causal, window_left, window_right,
                          softcap) -> Optional[Tuple[Tensor, Tensor]]:
     """(out, lse) from the decode kernel when dmattn::fwd should take it (CUDA, short Sq), else None."""
     if os.environ.get("DMATTN_DECODE", "0") != "1" or k.dim() != 4 or q.dim() != 4:
-        return None
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    if q.shape[0] * q.shape[2] >= _sm_count(index):
         return None
     splits = _decode_splits(q, k.shape[2], k.shape[1], AUTO_MAX_ROWS)
     if splits == 0:
