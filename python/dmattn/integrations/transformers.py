@@ -226,8 +226,8 @@ def attention_forward(
     # cannot trace without a graph break: compiled, the key mask runs on the dense path instead
     # (same real rows; padded query rows then hold whatever their causal keys give).
     # A decode step (one query per row) stays dense with the key mask: the one query of every row
-    # is real, dmattn.attention runs it on the split-KV decode kernel (docs/decode.md), and no
-    # lengths are read on the host.
+    # is real and no lengths are read on the host (with DMATTN_DECODE=1, dmattn.attention runs it
+    # on the split-KV decode kernel, docs/decode.md).
     packs = padding_2d and not selects and not torch.compiler.is_compiling() and num_queries > 1
     if packs and (bias is None or key_side_bias(bias, q.shape[0], num_keys) is not None):
         # Only the real tokens are computed (FlashAttention's unpad / pad).
