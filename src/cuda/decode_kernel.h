@@ -103,10 +103,6 @@ __device__ __forceinline__ float transform_score(const DecodeArgs& a, float s, i
   return ok ? s * 1.4426950408889634f : -INFINITY;
 }
 
-}  // namespace decode_detail
-
-namespace decode_detail {
-
 template <typename Element> struct DecodeMma;
 template <> struct DecodeMma<cutlass::bfloat16_t> { using Op = cute::SM80_16x8x16_F32BF16BF16F32_TN; };
 template <> struct DecodeMma<cutlass::half_t> { using Op = cute::SM80_16x8x16_F32F16F16F32_TN; };
@@ -115,8 +111,9 @@ template <> struct DecodeMma<cutlass::half_t> { using Op = cute::SM80_16x8x16_F3
 // score product, one k-step of the value product. Up to kD = 128, four warps with three
 // stages each (two steps of K / V in flight while the third is computed) and q in registers;
 // at kD = 256 the accumulators are twice as large, so two warps with two stages, and q's A
-// fragments are read from shared memory per k-step (in registers they spilled). At most 96 KB
-// of ring a CTA (+ 8 KB of q at 256): two CTAs fit an H100 SM, one any sm_8x.
+// fragments are read from shared memory per k-step (in registers they spilled). K / V rings of
+// 48 / 96 / 64 KB a CTA (+ 8 KB of q at 256, + 9 / 9 / 3 KB with the operand ring): two CTAs fit
+// an H100 SM; an sm_86 / sm_89 block (99 KB) holds every variant but the operand ring at 128.
 template <int kD>
 struct DecodeTile {
   static constexpr bool kQInSmem = kD > 128;
