@@ -7,9 +7,10 @@ Sq=4 and 16; B=1 with a 128k cache. dmattn runs attention_with_kvcache (the spli
 kernel; the cache is read in place) and dmattn.attention (which takes the decode kernel by itself
 for short Sq). --general times dmattn.attention with DMATTN_DECODE=0 instead (the kernels of
 the long-sequence path), in a process of its own. TB/s counts
-the K and V bytes read once (the floor of any decode kernel). No causal mask (SDPA's is
+the K and V bytes read once (the floor of any decode kernel). --graph adds, under each row, the
+same call replayed from a CUDA graph: the kernels' time without the host's. No causal mask (SDPA's is
 top-left aligned), so every call reads every key.
-    PYTHONPATH=python python3 benchmarks/profiling/decode_timing.py [--general] [--iters 50] [--json FILE]
+    PYTHONPATH=python python3 benchmarks/profiling/decode_timing.py [--general] [--graph] [--iters 50] [--json FILE]
 """
 
 import argparse
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import dmattn
-from dmattn.bench import time_ms as bench_time_ms
+from dmattn.bench import cuda_graph_of, time_ms as bench_time_ms
 
 
 def time_ms(fn, iters=50):
@@ -39,20 +40,25 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", default="")
     ap.add_argument("--general", action="store_true", help="only dmattn.attention with DMATTN_DECODE=0")
+    ap.add_argument("--graph", action="store_true",
+                    help="also time each call replayed from a CUDA graph (no host time: the kernels alone)")
     args = ap.parse_args()
     dev, dt, D = "cuda", torch.bfloat16, 128
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
 
-    def add(case, name, fn, kv_bytes):
+    def add(case, name, fn, kv_bytes, graph=None):
         try:
-            ms = time_ms(fn, iters=args.iters)
+            ms = time_ms(cuda_graph_of(fn) if graph else fn, iters=args.iters)
         except Exception as e:  # noqa: BLE001
             print(f"{case} {name}: {type(e).__name__}: {str(e)[:200]}")
             ms = float("nan")
         tbs = kv_bytes / (ms * 1e-3) / 1e12
-        rows.append(dict(case=case, impl=name, ms=ms, kv_tb_s=tbs))
-        print(f"{case:<34} {name:<26} {ms:8.3f} ms {tbs:6.2f} TB/s", flush=True)
+        label = f"{name}, CUDA graph" if graph else name
+        rows.append(dict(case=case, impl=label, ms=ms, kv_tb_s=tbs))
+        print(f"{case:<34} {label:<38} {ms:8.3f} ms {tbs:6.2f} TB/s", flush=True)
+        if args.graph and graph is None:
+            add(case, name, fn, kv_bytes, graph=True)
 
     if args.general:
         os.environ["DMATTN_DECODE"] = "0"

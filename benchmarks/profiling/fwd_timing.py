@@ -12,26 +12,11 @@ import argparse
 import torch
 
 import dmattn
-from dmattn.bench import time_ms as bench_time_ms
+from dmattn.bench import cuda_graph_of, time_ms as bench_time_ms
 
 
 def time_ms(fn, warmup=3, iters=20):
     return bench_time_ms(fn, "cuda", warmup, iters)
-
-
-def cuda_graph_of(fn):
-    """The replay of fn captured in a CUDA graph (after a warm-up on a side stream, as torch's
-    documentation does it)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def main():

@@ -192,6 +192,22 @@ def make_inputs(cfg: Config, device: str, seed: int = 0) -> Inputs:
 # Timing and checking
 # ---------------------------------------------------------------------------------------------
 
+def cuda_graph_of(fn: Callable[[], object]) -> Callable[[], None]:
+    """The replay of fn captured in a CUDA graph (after a warm-up on a side stream, as torch's
+    documentation does it): timing it gives the kernels' time without the host's (the
+    scripts in benchmarks/profiling/)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def time_ms(fn: Callable[[], object], device: str, warmup: int, iters: int,
             before_each: Optional[Callable[[], object]] = None) -> float:
     """Median time of fn in ms: CUDA events on "cuda", wall clock otherwise (also used by
