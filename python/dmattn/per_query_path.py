@@ -78,10 +78,9 @@ def _interval_path_allowed(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, mask: 
     return not (deterministic and q.device.type == "cuda")
 
 
-def attention_per_query_topk(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, keep: int,
-                             mask: Optional[Tensor], *, window: Tuple[int, int], scale: Optional[float],
-                             softcap: float, deterministic: bool,
-                             return_lse: bool) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+def check_per_query_arguments(q, k: Tensor, bias: Tensor, mask: Optional[Tensor], window) -> None:
+    """The argument rules of the per-query causal top-k (docs/semantics.md): q rank 4, key-side
+    bias / mask, a bool mask, a floating bias, no window."""
     if not isinstance(q, Tensor):
         raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
     if q.dim() != 4:
@@ -95,6 +94,13 @@ def attention_per_query_topk(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, keep
         raise TypeError(f"mask: expected dtype torch.bool (True = may attend), got {mask.dtype}")
     if not bias.dtype.is_floating_point:
         raise TypeError(f"bias: expected a floating-point tensor, got dtype {bias.dtype}")
+
+
+def attention_per_query_topk(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, keep: int,
+                             mask: Optional[Tensor], *, window: Tuple[int, int], scale: Optional[float],
+                             softcap: float, deterministic: bool,
+                             return_lse: bool) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    check_per_query_arguments(q, k, bias, mask, window)
     options = dict(causal=True, window=(-1, -1), scale=scale, softcap=softcap,
                    deterministic=deterministic, return_lse=return_lse)
     if _interval_path_allowed(q, k, v, bias, mask, deterministic):

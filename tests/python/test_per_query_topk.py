@@ -200,6 +200,9 @@ CASES = [
     (2, 33, 33, 4, 1, 16, 1, "1", True, 16, "contiguous"),
     (2, 40, 40, 2, 2, 64, 100, "h", True, 16, "hf"),
     (1, 200, 200, 2, 1, 64, 40, "hkv", True, 64, "contiguous"),
+    # One query (a decoding step): the shared key set of the gather path.
+    (2, 1, 70, 4, 2, 16, 9, "hkv", True, 16, "contiguous"),
+    (2, 1, 40, 4, 4, 32, 100, "h", True, 16, "hf"),
     # Segments of several 128-query blocks with several key blocks of candidates from before
     # them: the Hopper forward skips the blocks whose rows all stopped being kept.
     (1, 1536, 1536, 2, 1, 64, 300, "hkv", False, 512, "contiguous"),
@@ -272,6 +275,8 @@ def test_per_query_errors():
     bias = torch.randn(1, 2, 1, 8)
     with pytest.raises(ValueError, match="window"):
         dmattn.attention_topk(q, k, v, bias, 2, causal=True, per_query=True, window=(4, 0))
+    with pytest.raises(ValueError, match="window"):  # one query too (it runs on the shared key set)
+        dmattn.attention_topk(q[:, :1], k, v, bias, 2, causal=True, per_query=True, window=(4, 0))
     with pytest.raises(ValueError, match="bias"):
         dmattn.attention_topk(q, k, v, torch.randn(1, 2, 8, 8), 2, causal=True, per_query=True)
     with pytest.raises(ValueError, match="mask"):
