@@ -56,13 +56,14 @@ def attention_topk(
     check_devices(q=q, k=k, v=v, bias=bias, mask=mask)  # before the selection touches them
     keep = check_keep(keep)
     if per_query and causal:
-        per_query_path.check_per_query_arguments(q, k, bias, mask, window)
-        if q.shape[1] != 1:
-            return per_query_path.attention_per_query_topk(
+        if not (isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] == 1):
+            return per_query_path.attention_per_query_topk(  # checks its arguments
                 q, k, v, bias, keep, mask, window=window, scale=scale, softcap=softcap,
                 deterministic=bool(deterministic), return_lse=return_lse)
         # One query (a decoding step): at the causal end it sees every key, so its own key set is
-        # the shared one below (the gather path: only the kept keys are read).
+        # the shared one below (the gather path: only the kept keys are read), under the
+        # per-query argument rules.
+        per_query_path.check_per_query_arguments(q, k, bias, mask, window)
     # per_query without causal: every query sees every key, one key set per (batch, head).
     if mask is None and not deterministic:
         fast = _inference_forward(q, k, v, bias, keep, causal, window, scale, softcap)
