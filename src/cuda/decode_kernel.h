@@ -23,10 +23,17 @@ namespace dmattn::cuda {
 
 namespace decode_detail {
 
-// Where key j of batch b starts (paged or contiguous), in elements from the K / V base.
+// Where row `row` of page `page` (the batch, when contiguous) starts for kv head kvh, in
+// elements from the K / V base.
 struct KeyRow {
   int64_t k, v;
 };
+__device__ __forceinline__ KeyRow key_row_at(const DecodeArgs& a, int64_t page, int64_t row, int kvh) {
+  return {page * a.k_st.batch_stride + row * a.k_st.row_stride + kvh * a.k_st.head_stride,
+          page * a.v_st.batch_stride + row * a.v_st.row_stride + kvh * a.v_st.head_stride};
+}
+
+// Where key j of batch b starts (paged or contiguous).
 __device__ __forceinline__ KeyRow key_row(const DecodeArgs& a, int b, int kvh, int j) {
   int64_t page = b, row = j;
   if (a.block_table != nullptr) {
@@ -34,8 +41,7 @@ __device__ __forceinline__ KeyRow key_row(const DecodeArgs& a, int b, int kvh, i
     page = a.block_table[b * a.bt_stride + p];
     row = j - p * a.page_size;
   }
-  return {page * a.k_st.batch_stride + row * a.k_st.row_stride + kvh * a.k_st.head_stride,
-          page * a.v_st.batch_stride + row * a.v_st.row_stride + kvh * a.v_st.head_stride};
+  return key_row_at(a, page, row, kvh);
 }
 
 // A step's mask and bias entries of the thread's 8 scores (rows lane / 4 + 8 hf, keys
@@ -299,8 +305,8 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
             kofs = at.k, vofs = at.v;
           } else {
             if (paged && row >= a.page_size) page = page1, row -= a.page_size;
-            kofs = page * a.k_st.batch_stride + row * a.k_st.row_stride + kvh * a.k_st.head_stride;
-            vofs = page * a.v_st.batch_stride + row * a.v_st.row_stride + kvh * a.v_st.head_stride;
+            const KeyRow at = key_row_at(a, page, row, kvh);
+            kofs = at.k, vofs = at.v;
           }
         }
         const int so = tile_offset<kD>(r, c);
