@@ -3,13 +3,15 @@
 
 bf16, D=128; median of CUDA-event timings after warm-up. Rows: B=8 H=32 Hkv=8 with a full 32k
 cache, Sq=1 (plain and with a per-key bias (B, H, 1, Sk)), paged caches (page 64 and 256),
-Sq=4 and 16; B=1 with a 128k cache. dmattn runs attention_with_kvcache (the split-KV decode
-kernel; the cache is read in place) and dmattn.attention (which takes the decode kernel by itself
-for short Sq). --general times dmattn.attention with DMATTN_DECODE=0 instead (the kernels of
-the long-sequence path), in a process of its own. TB/s counts
-the K and V bytes read once (the floor of any decode kernel). --graph adds, under each row, the
-same call replayed from a CUDA graph: the kernels' time without the host's. No causal mask (SDPA's is
-top-left aligned), so every call reads every key.
+Sq=4 and 16; B=1 with a 128k cache; a Doge decoding step (top 2048 of a 32k cache by a
+per-key bias, selection included). dmattn runs attention_with_kvcache (the split-KV decode
+kernel; the cache is read in place) and dmattn.attention (the decode kernel with
+DMATTN_DECODE=1 in the environment, else the general kernels). --general times
+dmattn.attention with DMATTN_DECODE=0 (the kernels of the long-sequence path), in a process of
+its own. TB/s counts the K and V bytes read once (the floor of any decode kernel; for the Doge
+step, the kept keys' bytes). --graph adds, under each row, the same call replayed from a CUDA
+graph: the kernels' time without the host's. No causal mask (SDPA's is top-left aligned), so
+every call reads every key.
     PYTHONPATH=python python3 benchmarks/profiling/decode_timing.py [--general] [--graph] [--iters 50] [--json FILE]
 """
 
@@ -98,6 +100,27 @@ def main():
         print(f"{case:<34} max |dmattn - float64| = {err:.2e}", flush=True)
         del q, k, v, b
 
+    def doge(case, B, H, Hkv, Sk, keep):
+        """A Doge decoding step: one query, the top-``keep`` keys of the cache by a per-key
+        bias (B, Hkv, 1, Sk) (dt_states), selection included. SDPA gets the same selection as
+        a float mask (torch.topk and a scatter, as transformers' Doge builds it)."""
+        q = torch.randn(B, 1, H, D, device=dev, dtype=dt, generator=g)
+        k = torch.randn(B, Sk, Hkv, D, device=dev, dtype=dt, generator=g)
+        v = torch.randn(B, Sk, Hkv, D, device=dev, dtype=dt, generator=g)
+        dts = torch.randn(B, Hkv, 1, Sk, device=dev, dtype=dt, generator=g)
+        kept_bytes = 2 * k.numel() * k.element_size() * keep // Sk
+        add(case, "dmattn attention_topk", lambda: dmattn.attention_topk(
+            q, k, v, dts, keep, causal=True, per_query=True), kept_bytes)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+        def sdpa():
+            index = dts.topk(keep, dim=-1).indices
+            mask = torch.full_like(dts, float("-inf")).scatter(-1, index, dts.gather(-1, index))
+            return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask.repeat_interleave(H // Hkv, 1),
+                                                  enable_gqa=True)
+        add(case, "SDPA (top-k float mask)", sdpa, kept_bytes)
+        del q, k, v, dts
+
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, D={D}")
     print(f"copy ceiling: {copy_ceiling(1 << 30):.2f} TB/s")
     workload("B=8 H=32 Hkv=8 Sk=32k Sq=1", 8, 32, 8, 32768, 1, pages=(64, 256))
@@ -105,6 +128,8 @@ def main():
     workload("B=1 H=32 Hkv=8 Sk=128k Sq=1", 1, 32, 8, 131072, 1)
     workload("B=8 H=32 Hkv=8 Sk=32k Sq=4", 8, 32, 8, 32768, 4)
     workload("B=8 H=32 Hkv=8 Sk=32k Sq=16", 8, 32, 8, 32768, 16)
+    if not args.general:
+        doge("Doge B=8 H=32 Hkv=8 Sk=32k top-2048", 8, 32, 8, 32768, 2048)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)

@@ -10,6 +10,7 @@ only, and the split-KV workspace is allocated here with torch (caching allocator
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import Optional, Tuple
 
@@ -17,8 +18,10 @@ import torch
 from torch import Tensor
 
 from ._lib import lib
+from .masks import cached_index_tensor
+from .ops import _call_op
 
-__all__ = ["attention_with_kvcache", "kvcache_forward", "maybe_decode_forward", "AUTO_MAX_ROWS",
+__all__ = ["kvcache_forward", "maybe_decode_forward", "decode_step", "gathered_decode", "AUTO_MAX_ROWS",
            "KVCACHE_MAX_ROWS"]
 
 # With DMATTN_DECODE=1, dmattn.attention takes the decode kernel on CUDA for up to this many
@@ -27,10 +30,11 @@ __all__ = ["attention_with_kvcache", "kvcache_forward", "maybe_decode_forward", 
 # kernels' in the last bits, so a packed batch (attention_varlen) would no longer equal its
 # sequences run one by one bit for bit (the varlen contract).
 AUTO_MAX_ROWS = 16
-# attention_with_kvcache takes the kernel up to this many rows (it reads per-batch lengths and
-# pages in place); above it the cache is gathered and masked with torch ops, which cost less
-# there than several row chunks each reading every key.
-KVCACHE_MAX_ROWS = 16
+# attention_with_kvcache takes the kernel up to this many rows, in row chunks of 16 that read the
+# same keys side by side (it reads per-batch lengths and pages in place): at 4 chunks 2.5x
+# faster than gathering the cache with torch ops (the path above it), though 2.5x slower than
+# one chunk (docs/decode.md).
+KVCACHE_MAX_ROWS = 64
 
 
 @functools.lru_cache(maxsize=4096)
@@ -76,6 +80,94 @@ def maybe_decode_forward(q, k, v, mask, bias, causal, window_left, window_right,
         return None
     return _run_decode(q, k, v, mask, bias, causal, window_left, window_right, scale, softcap, None, None,
                        splits)
+
+
+def _full_lengths(batch: int, seqlen_k: int, device: torch.device) -> Tensor:
+    """int32 (batch,) filled with seqlen_k: every key of every row is read (cached)."""
+    return cached_index_tensor(("decode lengths", batch, seqlen_k, device),
+                               lambda: torch.full((batch,), seqlen_k, dtype=torch.int32, device=device))
+
+
+def _inference_call(*tensors: Optional[Tensor]) -> bool:
+    """No gradient to record for these tensors (the decode kernel has no backward)."""
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+
+
+def decode_step(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], causal: bool,
+                scale: Optional[float], softcap: float) -> Optional[Tensor]:
+    """dmattn.attention(q, k, v, mask, bias, causal=causal, scale=scale, softcap=softcap) on the
+    decode kernel, for an inference call of at most AUTO_MAX_ROWS query rows on CUDA (a
+    decoding step of a model: the transformers integration); None where that does not apply
+    (the caller then runs dmattn.attention). Same semantics (causal bottom-right aligned: the
+    cache call with every key of the row); results equal to floating-point summation order."""
+    if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and q.is_cuda):
+        return None
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        return None
+    if k.dtype != q.dtype or v.dtype != q.dtype or not _inference_call(q, k, v, bias):
+        return None
+    batch, seqlen_k = k.shape[0], k.shape[1]
+    if seqlen_k == 0 or _decode_splits(q, k.shape[2], seqlen_k, AUTO_MAX_ROWS) == 0:
+        return None
+    out, _ = _call_op(kvcache_forward, q, k, v, _full_lengths(batch, seqlen_k, q.device), None, mask, bias,
+                      bool(causal), -1, -1, scale, float(softcap))
+    return out
+
+
+def _row_units(t: Tensor) -> int:
+    """The largest unit (elements) dividing the strides of t's (B, Sk, Hkv) dims (those of size
+    > 1), or 0."""
+    unit = 0
+    for size, stride in zip(t.shape[:3], t.stride()[:3]):
+        if size > 1:
+            unit = math.gcd(unit, stride)
+    return unit
+
+
+def gathered_decode(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, kept_bias: Tensor,
+                    scale: Optional[float], softcap: float) -> Optional[Tuple[Tensor, Tensor]]:
+    """(out, lse) of one query per row (q (B, 1, H, D)) against the kept keys of each (batch,
+    kv head): ``positions`` int32 (1 or B, 1 or Hkv, K) into k, v (B, Sk, Hkv, D), with
+    ``kept_bias`` (1 or B, 1 or Hkv, 1, K) their bias; every kept key is visible (the query
+    is the last position). On the decode kernel, the H / Hkv query heads of a kv head packed
+    into one tile, so that each kept K / V row is read once per kv head; None where it does not
+    apply (the caller runs the general kernels).
+
+    The kernel's paged-cache mode does the gathering: (batch, kv head) pairs become the batch
+    of a cache with one kv head and pages of one key, whose block table holds the kept rows'
+    places in k and v."""
+    batch, _, heads, head_dim = q.shape
+    heads_kv, keep = k.shape[2], positions.shape[-1]
+    group = heads // heads_kv
+    unit = _row_units(k)
+    # Pages of one row, `unit` elements apart: 16-byte aligned rows that do not overlap.
+    if q.shape[1] != 1 or k.stride() != v.stride() or k.stride(-1) != 1 or unit % 8 or unit < head_dim:
+        return None
+    if k.data_ptr() % 16 or v.data_ptr() % 16:
+        return None
+    last = sum((size - 1) * stride for size, stride in zip(k.shape[:3], k.stride()[:3]))
+    rows = last // unit + 1  # the pages' count: up to k's last row, no further (as_strided's bound)
+    if rows >= 2 ** 31 or keep == 0:
+        return None
+    pairs = batch * heads_kv
+    splits = _splits(q.get_device(), pairs, 1, group, 1, head_dim, keep, KVCACHE_MAX_ROWS)
+    if splits == 0:
+        return None
+    device = q.device
+
+    def pair_offsets() -> Tensor:  # (B, Hkv, 1): where (b, kv head)'s rows start, in units
+        base = torch.arange(batch, device=device).view(-1, 1, 1) * (k.stride(0) // unit)
+        head = torch.arange(heads_kv, device=device).view(1, -1, 1) * (k.stride(2) // unit)
+        return (base + head).int()
+
+    offsets = cached_index_tensor(("gathered decode offsets", batch, heads_kv, k.stride(), unit, device),
+                                  pair_offsets)
+    table = torch.add(offsets, positions, alpha=k.stride(1) // unit).view(pairs, keep)
+    pages = [t.as_strided((rows, 1, 1, head_dim), (unit, unit, unit, 1), t.storage_offset()) for t in (k, v)]
+    bias = kept_bias.expand(batch, heads_kv, 1, keep).reshape(pairs, 1, 1, keep)
+    out, lse = _run_decode(q.reshape(pairs, 1, group, head_dim), pages[0], pages[1], None, bias, False, -1, -1,
+                           scale, softcap, _full_lengths(pairs, keep, device), table, splits)
+    return out.view(batch, 1, heads, head_dim), lse.view(batch, heads, 1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from . import gather, per_query_path
+from .decode import gathered_decode
 from .interface import _parse_options, attention_on
 from .masks import bias_over_keys, check_keep, dynamic_mask
 from .ops import (_native_supports_key_positions, _plain_eager, check_devices, native_forward, native_glue_available,
@@ -98,7 +99,9 @@ def _inference_forward(q, k, v, bias, keep: int, causal, window, scale, softcap)
     rows in place: gather._distinct_rows_forward's "indexed" mode), with the same arguments,
     so the results are the same bits; what is left out are the general path's layers of checks
     and dispatch, host time that an idle GPU waits on at these sizes (about half of the call's
-    0.1 ms of host time)."""
+    0.1 ms of host time). One query (a decoding step) without a left window runs on the decode
+    kernel instead (decode.gathered_decode: each kept K / V row read once per kv head, not once
+    per query head); results equal to floating-point summation order."""
     if gather._forced is not None or not gather.INDEXED_KEYS:
         return None
     if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and type(bias) is Tensor):
@@ -132,5 +135,9 @@ def _inference_forward(q, k, v, bias, keep: int, causal, window, scale, softcap)
     positions = torch.empty((bias_batch, bias_heads, keep), dtype=torch.int32, device=q.device)
     kept_bias = torch.empty((bias_batch, bias_heads, 1, keep), dtype=bias.dtype, device=q.device)
     select_topk_positions(bias, keep, positions, kept_bias)
+    if q.shape[1] == 1 and left < 0:  # one query at the causal end (a decoding step): sees every kept key
+        decoded = gathered_decode(q, k, v, positions, kept_bias, scale, softcap)
+        if decoded is not None:
+            return decoded
     return native_forward(q, k, v, None, kept_bias, bool(causal), left, right, scale, softcap, positions, num_keys,
                           None, positions)

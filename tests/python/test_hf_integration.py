@@ -435,3 +435,43 @@ def test_padded_attention_refuses_a_bias_with_a_query_dimension(device):
     bias = torch.zeros(B, H, SQ, SK, dtype=_dtype(device), device=device)
     with pytest.raises(ValueError, match=r"bias: expected a bias without a query dimension"):
         padded_attention(q, k, v, real, bias, causal=True)
+
+
+@needs_transformers
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["llama", "doge"])
+@pytest.mark.parametrize("left_pad", [False, True])
+def test_gpu_generate_matches_eager(name, left_pad, monkeypatch):
+    """Greedy generate() on CUDA (bf16) gives eager's tokens; decoding steps run on the decode
+    kernel (Llama: the attention function's decode_step; Doge without padding: the kept keys,
+    decode.gathered_decode; Doge with padding selects among the real keys on the general path). The output layer is scaled up so that greedy choices are not near
+    ties; where eager's top two logits are closer than the two paths' rounding can separate,
+    the sequences may part, and the rest of that row is not compared."""
+    from dmattn import decode
+
+    hf_dmattn.register()
+    model = _tiny_model(name, "cuda")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)
+    ids = torch.stack([torch.randperm(64, generator=torch.Generator().manual_seed(s))[:12] for s in range(2)]).cuda()
+    pad = torch.ones(2, 12, dtype=torch.long, device="cuda")
+    if left_pad:
+        pad[1, :3] = 0
+    runs = []
+    run_decode = decode._run_decode
+    monkeypatch.setattr(decode, "_run_decode", lambda *a: runs.append(1) or run_decode(*a))
+    result = {}
+    for impl in ("eager", "dmattn"):
+        model.set_attn_implementation(impl)
+        result[impl] = model.generate(input_ids=ids, attention_mask=pad, max_new_tokens=8, do_sample=False,
+                                      pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    if not (name == "doge" and left_pad):  # (Doge with a padding mask: the general kernels)
+        assert runs, "no decoding step ran on the decode kernel"
+    eager, ours = result["eager"].sequences[:, 12:], result["dmattn"].sequences[:, 12:]
+    for b in range(2):
+        for t in range(eager.shape[1]):
+            if eager[b, t] == ours[b, t]:
+                continue
+            top2 = result["eager"].scores[t][b].float().topk(2).values
+            assert top2[0] - top2[1] < 0.1, f"row {b} step {t}: {ours[b].tolist()} != eager {eager[b].tolist()}"
+            break

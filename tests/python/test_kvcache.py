@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dmattn
-from dmattn.decode import KVCACHE_MAX_ROWS
+from dmattn.decode import AUTO_MAX_ROWS, KVCACHE_MAX_ROWS
 from reference import check_against_reference
 
 NAN = float("nan")
@@ -305,3 +305,38 @@ def test_errors_name_the_argument(change, exc, name):
     k, v = args.pop("k", None), args.pop("v", None)
     with pytest.raises(exc, match=rf"^{name}:"):
         dmattn.attention_with_kvcache(q, kc, vc, k, v, **args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlen_q,heads_kv", [(1, 8), (1, 2), (4, 8), (2, 4)])
+def test_gpu_decode_step_equals_attention(seqlen_q, heads_kv):
+    """decode.decode_step (the transformers integration's decoding step) on transformers'
+    cache layout (B, Hkv, Sk, D) with its masks: a key padding mask, an additive float mask
+    with -inf, none; causal bottom-right as dmattn.attention."""
+    from dmattn.decode import decode_step
+
+    g = torch.Generator().manual_seed(seqlen_q * 10 + heads_kv)
+    q = torch.randn(2, seqlen_q, 8, 128, generator=g).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(2, heads_kv, 2500, 128, generator=g).to("cuda", torch.bfloat16).transpose(1, 2)
+            for _ in range(2))
+    keys = torch.rand(2, 1, 1, 2500, generator=g).to("cuda") > 0.3
+    additive = torch.randn(2, 1, seqlen_q, 2500, generator=g).to("cuda").masked_fill(~keys, float("-inf"))
+    for mask, bias, causal in ((None, None, True), (keys, None, True), (None, additive, False), (keys, None, False)):
+        with torch.no_grad():
+            out = decode_step(q, k, v, mask, bias, causal, None, 0.0)
+        assert out is not None
+        _, lse = dmattn.attention(q, k, v, mask=mask, bias=bias, causal=causal, return_lse=True)
+        check_against_reference(q, k, v, mask, bias, out, lse, causal=causal)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_step_declines():
+    """Gradients to record, too many query rows, or CPU tensors: None (dmattn.attention runs)."""
+    from dmattn.decode import decode_step
+
+    q = torch.randn(1, 1, 8, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 300, 2, 64, device="cuda", dtype=torch.bfloat16)
+    assert decode_step(q, k, k, None, None, True, None, 0.0) is not None
+    assert decode_step(q.clone().requires_grad_(), k, k, None, None, True, None, 0.0) is None
+    assert decode_step(q.expand(1, AUTO_MAX_ROWS, 8, 64), k, k, None, None, True, None, 0.0) is None
+    assert decode_step(q.cpu(), k.cpu(), k.cpu(), None, None, True, None, 0.0) is None

@@ -1,13 +1,15 @@
 """attention_topk's inference form (topk._inference_forward): with no gradient to record, a
 shared key set on CUDA runs the selection and the forward kernel directly, without the general
 path's layers. Its results must be the general path's bit for bit (the same kernels and
-arguments), and every other form must still reach the general path."""
+arguments), except for one query (a decoding step), which runs on the decode kernel and is
+checked against the float64 reference; every other form must still reach the general path."""
 
 import pytest
 import torch
 
 import dmattn
 from dmattn import gather, topk
+from reference import check_against_reference
 
 CUDA = torch.cuda.is_available()
 
@@ -94,3 +96,57 @@ def test_inference_form_is_cuda_only():
     q = torch.randn(1, 8, 2, 16)
     bias = torch.randn(1, 2, 1, 8)
     assert topk._inference_forward(q, q, q, bias, 3, False, (-1, -1), None, 0.0) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("form", ["plain", "per_query", "hf_cache_layout", "gqa_bias_per_kv_head",
+                                  "batch_broadcast_bias", "fp32_bias", "fp16", "options", "d64", "d256"])
+def test_one_query_runs_on_the_decode_kernel(form, nan_poison, monkeypatch):
+    """One query (a decoding step) in the inference form: the kept keys on the decode kernel
+    (decode.gathered_decode, the query heads of a kv head in one tile), against the float64
+    reference of attention with the selection as a mask."""
+    from dmattn import decode
+
+    gen = torch.Generator().manual_seed(len(form))
+    kw = dict(causal=True)
+    args = dict(sq=1, sk=3001)
+    if form == "per_query":
+        kw["per_query"] = True
+    elif form == "gqa_bias_per_kv_head":
+        args.update(heads=8, heads_kv=2, bias_rows=(2, 2))
+    elif form == "batch_broadcast_bias":
+        args.update(bias_rows=(1, 1))
+    elif form == "fp32_bias":
+        args.update(bias_dtype=torch.float32)
+    elif form == "fp16":
+        args.update(dtype=torch.float16)
+    elif form == "options":
+        kw = dict(causal=False, window=(-1, 40), scale=0.05, softcap=20.0)
+    elif form in ("d64", "d256"):
+        args.update(d=int(form[1:]))
+    q, k, v, bias = _inputs(gen, **args)
+    if form == "hf_cache_layout":  # transformers' caches: (B, Hkv, Sk, D), seen as (B, Sk, Hkv, D)
+        k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+    keep = 700
+    calls = []
+    run_decode = decode._run_decode
+    monkeypatch.setattr(decode, "_run_decode", lambda *a: calls.append(1) or run_decode(*a))
+    with torch.no_grad():
+        out, lse = dmattn.attention_topk(q, k, v, bias, keep, return_lse=True, **kw)
+    assert calls, "the decode kernel did not run"
+    kw.pop("per_query", None)
+    check_against_reference(q, k, v, dmattn.dynamic_mask(bias, keep), bias, out, lse, context=form, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_one_query_with_a_left_window_takes_the_general_kernels(monkeypatch):
+    """A left window makes the kept keys' positions matter: not the decode kernel's case."""
+    from dmattn import decode
+
+    q, k, v, bias = _inputs(torch.Generator().manual_seed(3), sq=1, sk=2000)
+    monkeypatch.setattr(decode, "_run_decode", lambda *a: pytest.fail("the decode kernel ran"))
+    with torch.no_grad():
+        out, lse = dmattn.attention_topk(q, k, v, bias, 300, causal=True, window=(900, 0), return_lse=True)
+    check_against_reference(q, k, v, dmattn.dynamic_mask(bias, 300), bias, out, lse, causal=True, window=(900, 0))

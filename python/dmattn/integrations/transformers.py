@@ -36,6 +36,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..decode import decode_step
 from ..interface import attention
 from ..masks import bias_over_keys, dynamic_mask
 from .padding import key_side_bias, padded_attention
@@ -226,14 +227,17 @@ def attention_forward(
     # cannot trace without a graph break: compiled, the key mask runs on the dense path instead
     # (same real rows; padded query rows then hold whatever their causal keys give).
     # A decode step (one query per row) stays dense with the key mask: the one query of every row
-    # is real and no lengths are read on the host (with DMATTN_DECODE=1, dmattn.attention runs it
-    # on the split-KV decode kernel, docs/decode.md).
+    # is real and no lengths are read on the host.
     packs = padding_2d and not selects and not torch.compiler.is_compiling() and num_queries > 1
     if packs and (bias is None or key_side_bias(bias, q.shape[0], num_keys) is not None):
         # Only the real tokens are computed (FlashAttention's unpad / pad).
         out = padded_attention(q, k, v, mask[:, 0, 0, :], bias, causal=causal, scale=scaling, softcap=softcap)
     else:
-        out = attention(q, k, v, mask, bias, causal=causal, scale=scaling, softcap=softcap)
+        # A decoding step without gradients (a few query rows per kv head against the cache)
+        # runs on the split-KV decode kernel (docs/decode.md), anything else on dmattn.attention.
+        out = decode_step(q, k, v, mask, bias, causal, scaling, softcap)
+        if out is None:
+            out = attention(q, k, v, mask, bias, causal=causal, scale=scaling, softcap=softcap)
     if dtypes is not None:
         out = out.to(dtypes[1])
     return out, None

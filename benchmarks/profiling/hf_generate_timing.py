@@ -1,0 +1,106 @@
+"""Greedy generate() throughput of transformers models with attn_implementation "dmattn" beside
+"sdpa" (and "eager" with --eager), in one process.
+
+Models (random weights, bf16, DynamicCache): a Llama-style model (4 layers, hidden 2048, 16 query
+heads, 4 kv heads, head_dim 128) and a Doge model of the same size (keep_window_size 2048: its
+decoding steps attend to the top 2048 keys of the cache by dt_states). Every row gets exactly
+--new tokens after a --prompt-token prompt (no padding). Reported per batch size:
+  tokens/s   batch * new / the whole generate() call (prefill included);
+  decode/s   batch * (new - 1) / (time of generate(new) - time of generate(1)): the decoding
+             steps alone, where the attention reads the cache.
+Median of --runs timed calls after one warm-up call. Also checks that dmattn's greedy tokens
+equal sdpa's for the first row (reported, not asserted: bf16 near-ties can part them).
+    PYTHONPATH=python python3 benchmarks/profiling/hf_generate_timing.py [--batch 1,8] [--prompt 8192]
+        [--new 64] [--models llama,doge] [--eager] [--json FILE]
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from dmattn.integrations.transformers import register
+
+
+def build(name: str, prompt: int, new: int):
+    import transformers
+
+    common = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
+                  num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=prompt + new + 8)
+    torch.manual_seed(0)
+    if name == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    else:
+        model = transformers.DogeForCausalLM(transformers.DogeConfig(keep_window_size=2048, is_moe=False, **common))
+        with torch.no_grad():  # A is zero at initialization: every dt_state 1, all keys tied
+            for layer in model.model.layers:
+                layer.self_attn.A.normal_()
+    return model.to(device="cuda", dtype=torch.bfloat16).eval()
+
+
+def generate_s(model, ids, new: int, runs: int):
+    def call():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, out
+
+    call()  # warm-up
+    timed = [call() for _ in range(runs)]
+    return statistics.median(t for t, _ in timed), timed[0][1]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--prompt", type=int, default=8192)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--models", default="llama,doge")
+    ap.add_argument("--eager", action="store_true", help="also time attn_implementation='eager'")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    register()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, prompt {args.prompt}, new {args.new}")
+    rows = []
+    impls = ["sdpa", "dmattn"] + (["eager"] if args.eager else [])
+    for name in args.models.split(","):
+        model = build(name, args.prompt, args.new)
+        for batch in (int(b) for b in args.batch.split(",")):
+            ids = torch.randint(1, 32000, (batch, args.prompt), device="cuda",
+                                generator=torch.Generator(device="cuda").manual_seed(batch))
+            tokens = {}
+            for impl in impls:
+                model.set_attn_implementation(impl)
+                try:
+                    with torch.no_grad():
+                        full, out = generate_s(model, ids, args.new, args.runs)
+                        first, _ = generate_s(model, ids, 1, args.runs)
+                except torch.cuda.OutOfMemoryError:
+                    print(f"{name:<6} B={batch:<2} {impl:<7} out of memory", flush=True)
+                    torch.cuda.empty_cache()
+                    continue
+                tokens[impl] = out[0, args.prompt:]
+                row = dict(model=name, batch=batch, impl=impl, tokens_s=batch * args.new / full,
+                           decode_tokens_s=batch * (args.new - 1) / (full - first), generate_s=full)
+                rows.append(row)
+                print(f"{name:<6} B={batch:<2} {impl:<7} {row['tokens_s']:9.1f} tokens/s  "
+                      f"{row['decode_tokens_s']:9.1f} decode tokens/s  ({full:.3f} s)", flush=True)
+                torch.cuda.empty_cache()
+            if "sdpa" in tokens and "dmattn" in tokens:
+                same = int((tokens["sdpa"] == tokens["dmattn"]).cumprod(0).sum())
+                print(f"{name:<6} B={batch:<2} greedy tokens equal to sdpa's: first {same} of {args.new}", flush=True)
+        del model
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), prompt=args.prompt, new=args.new, rows=rows), f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
