@@ -8,6 +8,7 @@ shape. See docs/semantics.md, "Dynamic masks (top-k)".
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Callable, Optional, Tuple
 
@@ -85,6 +86,13 @@ def selection_shape(bias: Tensor, keep: int, mask: Optional[Tensor]) -> Tuple[in
 _BITS_DTYPE = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_available() -> bool:
+    # torch.cuda.is_available() costs microseconds a call (it counts the devices again); asked
+    # on the host path of every cached index tensor.
+    return torch.cuda.is_available()
+
+
 _index_tensors: dict = {}
 _INDEX_TENSORS_MAX = 64
 
@@ -94,7 +102,7 @@ def cached_index_tensor(key: tuple, make: Callable[[], Tensor]) -> Tensor:
     the gather path's row offsets), kept for the next call with the same key: one kernel launch
     less each time (host time). Read-only by contract. Not cached under torch.compile or while a
     CUDA graph is captured (the tensor would belong to the graph's memory pool)."""
-    if torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    if torch.compiler.is_compiling() or (_cuda_available() and torch.cuda.is_current_stream_capturing()):
         return make()
     t = _index_tensors.get(key)
     if t is None:

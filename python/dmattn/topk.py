@@ -132,8 +132,8 @@ def _inference_forward(q, k, v, bias, keep: int, causal, window, scale, softcap)
             or not _native_supports_key_positions("cuda")):
         return None
     left, right, scale, softcap = _parse_options(window, scale, softcap)
-    positions = torch.empty((bias_batch, bias_heads, keep), dtype=torch.int32, device=q.device)
-    kept_bias = torch.empty((bias_batch, bias_heads, 1, keep), dtype=bias.dtype, device=q.device)
+    positions = bias.new_empty((bias_batch, bias_heads, keep), dtype=torch.int32)
+    kept_bias = bias.new_empty((bias_batch, bias_heads, 1, keep))
     select_topk_positions(bias, keep, positions, kept_bias)
     if q.shape[1] == 1 and left < 0:  # one query at the causal end (a decoding step): sees every kept key
         decoded = gathered_decode(q, k, v, positions, kept_bias, scale, softcap)
