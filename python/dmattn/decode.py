@@ -30,11 +30,11 @@ __all__ = ["kvcache_forward", "maybe_decode_forward", "decode_step", "gathered_d
 # kernels' in the last bits, so a packed batch (attention_varlen) would no longer equal its
 # sequences run one by one bit for bit (the varlen contract).
 AUTO_MAX_ROWS = 16
-# attention_with_kvcache takes the kernel up to this many rows, in row chunks of 16 that read the
-# same keys side by side (it reads per-batch lengths and pages in place): at 4 chunks 2.5x
-# faster than gathering the cache with torch ops (the path above it), though 2.5x slower than
-# one chunk (docs/decode.md).
-KVCACHE_MAX_ROWS = 64
+# attention_with_kvcache takes the decode kernels up to this many rows (they read per-batch
+# lengths and pages in place): one 16-row tile, or 64-row chunks that each read every key once
+# (two chunks here, side by side, the second read from L2). Above it the cache is gathered and
+# masked with torch ops, which copies the whole cache (docs/decode.md).
+KVCACHE_MAX_ROWS = 128
 
 
 @functools.lru_cache(maxsize=4096)

@@ -31,7 +31,7 @@ int64_t decode_splits(DeviceKind device, int32_t device_id, int64_t batch, int64
   const int64_t group = num_heads / num_heads_kv;
   if (seqlen_q * group > max_rows) return 0;
 #ifdef DMATTN_WITH_CUDA
-  const int64_t ctas = batch * num_heads_kv * cuda::decode_row_chunks(seqlen_q, group);
+  const int64_t ctas = batch * num_heads_kv * cuda::decode_row_chunks(seqlen_q, group, head_dim);
   return cuda::decode_num_splits(ctas, seqlen_k, device_id);
 #else
   (void)batch, (void)seqlen_k, (void)device_id;

@@ -10,8 +10,13 @@ namespace dmattn::cuda {
 
 // Query rows per CTA: the M of the tensor-core tile (mma.sync m16n8k16). Rows are
 // (query i, head g of the group) = i * group + g: the 4 query heads of the usual GQA ratio with
-// up to 4 queries (speculative decoding) fill one tile; more rows take several row chunks.
+// up to 4 queries (speculative decoding) fill one tile; more rows take chunks of 64 rows.
 inline constexpr int kDecodeRows = 16;
+// More rows than one tile run in chunks of this many (decode_rows_kernel.h: four tiles a CTA,
+// one K / V ring) ...
+inline constexpr int kDecodeChunkRows = 64;
+// ... for head dims up to this; larger ones take chunks of kDecodeRows rows.
+inline constexpr int kDecodeRowsMaxHeadDim = 128;
 
 // How the decode kernel reads mask / bias entries: not at all; by loads into registers a step
 // ahead (any layout); or copied with each step's K / V tiles into its cp.async ring (16-bit bias
@@ -46,9 +51,10 @@ struct DecodeArgs {
   DecodeOperand mask, bias;
   bool bias_fp32 = false;
   bool operands_in_ring = false;  // DecodeOperands::kRing applies (decode_backend.cu)
-  // Query rows (query i, head g of the group: row i * group + g) per CTA, and the CTAs that
-  // share one (batch, kv head): row_chunks * num_splits, the chunk index varying fastest so
-  // that the chunks reading the same keys run side by side (their second read hits L2).
+  // Query-row chunks (of kDecodeRows rows, or kDecodeChunkRows above one tile; row i * group + g
+  // = query i, head g of the group), and the CTAs that share one (batch, kv head):
+  // row_chunks * num_splits, the chunk index varying fastest so that the chunks reading the
+  // same keys run side by side (their second read hits L2).
   int row_chunks = 1, num_splits = 1;
   float* part_out = nullptr;  // (num_splits, B, H, Sq, D) float32, with num_splits > 1
   float* part_lse = nullptr;  // (num_splits, B, H, Sq) float32, natural log

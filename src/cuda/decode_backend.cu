@@ -57,8 +57,12 @@ bool operands_fit_ring(const DecodeArgs& a) {
 
 }  // namespace
 
-int64_t decode_row_chunks(int64_t seqlen_q, int64_t group) {
-  return (seqlen_q * group + kDecodeRows - 1) / kDecodeRows;
+int64_t decode_row_chunks(int64_t seqlen_q, int64_t group, int64_t head_dim) {
+  const int64_t rows = seqlen_q * group;
+  const int64_t chunk = rows > kDecodeRows && decode_max_head_dim(static_cast<int>(head_dim)) <= kDecodeRowsMaxHeadDim
+                            ? kDecodeChunkRows
+                            : kDecodeRows;
+  return (rows + chunk - 1) / chunk;
 }
 
 // FlashAttention's num_splits heuristic, with this kernel's occupancy: a wave is
@@ -130,7 +134,7 @@ void decode_forward(const ForwardParams& p) {
   a.bias = make_decode_operand(p.bias);
   a.bias_fp32 = p.bias.present() && p.bias.dtype == DType::kFloat32;
   a.operands_in_ring = operands_fit_ring(a);
-  a.row_chunks = static_cast<int>(decode_row_chunks(p.seqlen_q, p.group_size()));
+  a.row_chunks = static_cast<int>(decode_row_chunks(p.seqlen_q, p.group_size(), p.head_dim));
   a.num_splits = static_cast<int>(std::max<int64_t>(1, p.decode_splits));
   if (a.num_splits > 1) {
     a.part_out = p.split_workspace;

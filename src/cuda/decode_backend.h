@@ -12,8 +12,10 @@ namespace dmattn::cuda {
 // kv heads x query-row chunks) over seqlen_k keys on GPU `device_id`.
 int64_t decode_num_splits(int64_t ctas, int64_t seqlen_k, int device_id);
 
-// Query-row chunks of the decode kernel for seqlen_q queries of `group` heads each.
-int64_t decode_row_chunks(int64_t seqlen_q, int64_t group);
+// Query-row chunks of the decode kernels for seqlen_q queries of `group` heads each: one tile of
+// kDecodeRows rows, or above it chunks of kDecodeChunkRows (kDecodeRows at head dims above
+// kDecodeRowsMaxHeadDim).
+int64_t decode_row_chunks(int64_t seqlen_q, int64_t group, int64_t head_dim);
 
 void decode_forward(const ForwardParams& p);
 

@@ -44,6 +44,30 @@ __device__ __forceinline__ KeyRow key_row(const DecodeArgs& a, int b, int kvh, i
   return key_row_at(a, page, row, kvh);
 }
 
+// The keys [begin, end) that split `split` of a row chunk (rows r0 .. r0 + nrows - 1 of batch b)
+// reads: the batch's keys the chunk's queries may see (window / causal), cut into num_splits
+// parts that start on whole tiles of tile_keys keys. off: the key index aligned with query 0.
+struct SplitKeys {
+  int64_t off;
+  int begin, end;
+};
+__device__ __forceinline__ SplitKeys split_keys(const DecodeArgs& a, int b, int r0, int nrows, int split,
+                                                int tile_keys) {
+  int len = a.seqused_k != nullptr ? a.seqused_k[b] : a.seqlen_k;
+  len = max(0, min(len, a.seqlen_k));
+  const int64_t off = int64_t(len) - a.seqlen_q;
+  const int i_first = r0 / a.group, i_last = (r0 + nrows - 1) / a.group;
+  int64_t lo = 0, hi = len;
+  if (a.window_left >= 0) lo = max(lo, i_first + off - a.window_left);
+  if (a.window_right >= 0) hi = min(hi, i_last + off + a.window_right + 1);
+  // Splits start on whole tiles of keys (lo rounded down: the keys before the window's start
+  // are in the cache and fail the window test), so that tiles never straddle a split.
+  lo &= ~int64_t(tile_keys - 1);
+  const int64_t n = hi > lo ? hi - lo : 0;
+  const int64_t per_split = ((n + a.num_splits - 1) / a.num_splits + tile_keys - 1) & ~int64_t(tile_keys - 1);
+  return {off, static_cast<int>(min(hi, lo + split * per_split)), static_cast<int>(min(hi, lo + (split + 1) * per_split))};
+}
+
 // A step's mask and bias entries of the thread's 8 scores (rows lane / 4 + 8 hf, keys
 // jt + 8 nt + 2 (lane % 4) + e at index 4 hf + 2 nt + e), loaded one step ahead and kept raw
 // (no conversion or test that would wait for the load) until the step uses them, so that their
@@ -161,6 +185,133 @@ __device__ __forceinline__ uint32_t pack2(float a, float b) {
   return w;
 }
 
+// The thread's two accumulator rows (mma's rows lane / 4 and lane / 4 + 8) of the 16-row tile
+// starting at packed row r0 (row = query i * group + head g): their query and query head. Rows
+// past the tile's nrows repeat its last row (in-bounds operand reads, results never stored).
+__device__ __forceinline__ void accumulator_rows(const DecodeArgs& a, int kvh, int r0, int nrows, int lane,
+                                                 int (&row_i)[2], int (&row_h)[2]) {
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int row = r0 + min(lane / 4 + 8 * hf, nrows - 1);
+    row_i[hf] = row / a.group;
+    row_h[hf] = kvh * a.group + row % a.group;
+  }
+}
+
+// q elements d, d + 1 of row r of the 16-row tile starting at packed row r0 (0 past its nrows
+// rows and past head_dim).
+template <typename Element>
+__device__ __forceinline__ uint32_t q_pair(const DecodeArgs& a, int b, int kvh, int r0, int nrows, int r, int d) {
+  if (r >= nrows || d >= a.head_dim) return 0u;
+  const int row = r0 + r, i = row / a.group, h = kvh * a.group + row % a.group;
+  return *reinterpret_cast<const uint32_t*>(static_cast<const Element*>(a.q) + b * a.q_st.batch_stride +
+                                            i * a.q_st.row_stride + h * a.q_st.head_stride + d);
+}
+
+// q's A fragment of k-step ks from a 16-row tile in shared memory (tile_offset layout): matrix
+// lane / 8 holds rows 8 (lane / 8 % 2) + lane % 8 at chunk 2 ks + lane / 16.
+template <int kD, typename Element>
+__device__ __forceinline__ void q_smem_fragment(const Element* sq, int ks, int lane, uint32_t (&f)[4]) {
+  const int r = (lane / 8 % 2) * 8 + lane % 8, c = ks * 2 + lane / 16;
+  cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(sq + tile_offset<kD>(r, c)), f[0], f[1], f[2],
+                                f[3]);
+}
+
+// One 16-key tile against a warp's 16 rows: the scores q K^T (K rows at sk; q's A fragment of
+// k-step ks from q_fragment(ks, f)), their transform (mask / bias entries in op), the online
+// softmax update of the row maxima m, sums l and accumulators o, then o += P V (V rows at sv).
+// Keys jt .. jt + 15; those at or past ke are disallowed.
+template <typename Element, int kD, bool kOperands, typename QFragment>
+__device__ __forceinline__ void attend_tile(const DecodeArgs& a, const Element* sk, const Element* sv, int jt, int ke,
+                                            int64_t off, const int (&row_i)[2], const StepOperands& op,
+                                            const QFragment& q_fragment, float (&m)[2], float (&l)[2],
+                                            float (&o)[kD / 8][4], int lane) {
+  using Mma = typename DecodeMma<Element>::Op;
+  constexpr int kNd = kD / 8;
+  // Scores: s[nt] = q (16 rows) x K^T (8 keys of n-tile nt); K rows as the B operand by
+  // ldmatrix (matrix lane / 8: chunk 4 kk + lane / 8 of key 8 nt + lane % 8).
+  float s[2][4];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kD / 32; ++kk) {
+      uint32_t kf[4];
+      const int r = nt * 8 + lane % 8, c = kk * 4 + lane / 8;
+      cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(sk + tile_offset<kD>(r, c)), kf[0],
+                                    kf[1], kf[2], kf[3]);
+      uint32_t q0[4], q1[4];
+      q_fragment(2 * kk, q0);
+      q_fragment(2 * kk + 1, q1);
+      Mma::fma(s[nt][0], s[nt][1], s[nt][2], s[nt][3], q0[0], q0[1], q0[2], q0[3], kf[0], kf[1], s[nt][0],
+               s[nt][1], s[nt][2], s[nt][3]);
+      Mma::fma(s[nt][0], s[nt][1], s[nt][2], s[nt][3], q1[0], q1[1], q1[2], q1[3], kf[2], kf[3], s[nt][0],
+               s[nt][1], s[nt][2], s[nt][3]);
+    }
+  }
+
+  // Online softmax in base 2, per accumulator row (hf: row lane / 4 + 8 hf). A row whose
+  // maximum is -inf so far subtracts 0 instead: its masked keys give p = 0, NaN scores NaN.
+  float alpha[2];
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    float mx = m[hf];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int j = jt + nt * 8 + (lane % 4) * 2 + e, x_idx = 4 * hf + 2 * nt + e;
+        const bool allowed = j < ke && (!kOperands || op.mask[x_idx] != 0);
+        const float bias = kOperands ? operand_bias<Element>(a, op.bias[x_idx]) : 0.f;
+        float& x = s[nt][2 * hf + e];
+        x = transform_score<kOperands>(a, x, row_i[hf], j, off, allowed, bias);
+        mx = fmaxf(mx, x);
+      }
+    }
+    mx = quad_max(mx);
+    const float mu = mx == -INFINITY ? 0.f : mx;
+    alpha[hf] = fast_exp2(m[hf] - mu);
+    m[hf] = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[nt][2 * hf + e];
+        x = fast_exp2(x - mu);
+        sum += x;
+      }
+    }
+    l[hf] = l[hf] * alpha[hf] + sum;
+  }
+  // Once the row maxima settle, alpha is exactly 1 for the rest of the keys: skip the scaling
+  // of the accumulators then (a NaN alpha is != 1 and still reaches them).
+  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+    for (int dn = 0; dn < kNd; ++dn) {
+      o[dn][0] *= alpha[0], o[dn][1] *= alpha[0];
+      o[dn][2] *= alpha[1], o[dn][3] *= alpha[1];
+    }
+  }
+
+  // Values: o += P (16 rows x 16 keys, the score accumulators repacked as the A operand) x V;
+  // V rows as the B operand by transposing ldmatrix (matrix lane / 8: keys 8 (lane / 8 % 2)
+  // + lane % 8 at chunk 2 dd + lane / 16).
+  const uint32_t pa[4] = {pack2<Element>(s[0][0], s[0][1]), pack2<Element>(s[0][2], s[0][3]),
+                          pack2<Element>(s[1][0], s[1][1]), pack2<Element>(s[1][2], s[1][3])};
+#pragma unroll
+  for (int dd = 0; dd < kD / 16; ++dd) {
+    uint32_t vf[4];
+    const int r = (lane / 8 % 2) * 8 + lane % 8, c = dd * 2 + lane / 16;
+    cute::SM75_U16x8_LDSM_T::copy(*reinterpret_cast<const cute::uint128_t*>(sv + tile_offset<kD>(r, c)), vf[0],
+                                  vf[1], vf[2], vf[3]);
+    Mma::fma(o[2 * dd][0], o[2 * dd][1], o[2 * dd][2], o[2 * dd][3], pa[0], pa[1], pa[2], pa[3], vf[0], vf[1],
+             o[2 * dd][0], o[2 * dd][1], o[2 * dd][2], o[2 * dd][3]);
+    Mma::fma(o[2 * dd + 1][0], o[2 * dd + 1][1], o[2 * dd + 1][2], o[2 * dd + 1][3], pa[0], pa[1], pa[2], pa[3],
+             vf[2], vf[3], o[2 * dd + 1][0], o[2 * dd + 1][1], o[2 * dd + 1][2], o[2 * dd + 1][3]);
+  }
+}
+
 }  // namespace decode_detail
 
 // Grid (row_chunks * num_splits, heads_kv, batch), DecodeTile<kD>::kThreads threads, its
@@ -182,31 +333,12 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
   const int r0 = chunk * kDecodeRows;
   const int nrows = min(kDecodeRows, a.seqlen_q * a.group - r0);
 
-  // This batch's keys, and the part of them the chunk's queries may see (window / causal).
-  int len = a.seqused_k != nullptr ? a.seqused_k[b] : a.seqlen_k;
-  len = max(0, min(len, a.seqlen_k));
-  const int64_t off = int64_t(len) - a.seqlen_q;
-  const int i_first = r0 / a.group, i_last = (r0 + nrows - 1) / a.group;
-  int64_t lo = 0, hi = len;
-  if (a.window_left >= 0) lo = max(lo, i_first + off - a.window_left);
-  if (a.window_right >= 0) hi = min(hi, i_last + off + a.window_right + 1);
-  // Splits start on whole tiles of keys (lo rounded down: the keys before the window's start
-  // are in the cache and fail the window test), so that tiles never straddle a split.
-  lo &= ~int64_t(kKeys - 1);
-  const int64_t n = hi > lo ? hi - lo : 0;
-  const int64_t per_split = ((n + a.num_splits - 1) / a.num_splits + kKeys - 1) & ~int64_t(kKeys - 1);
-  const int kb = static_cast<int>(min(hi, lo + split * per_split));
-  const int ke = static_cast<int>(min(hi, lo + (split + 1) * per_split));
+  const SplitKeys keys = split_keys(a, b, r0, nrows, split, kKeys);
+  const int64_t off = keys.off;
+  const int kb = keys.begin, ke = keys.end;
 
-  // The thread's two accumulator rows (mma's row lane / 4 and lane / 4 + 8); rows past the
-  // chunk's end repeat its last row (in-bounds operand reads, results never stored).
   int row_i[2], row_h[2];
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int row = r0 + min(lane / 4 + 8 * hf, nrows - 1);
-    row_i[hf] = row / a.group;
-    row_h[hf] = kvh * a.group + row % a.group;
-  }
+  accumulator_rows(a, kvh, r0, nrows, lane, row_i, row_h);
 
   // q as the A operand of every k-step: register [ks][0] = (row lane/4, columns
   // 16 ks + 2 (lane % 4) + {0, 1}), [1] the same for row + 8, [2] / [3] those 8 columns further.
@@ -214,12 +346,7 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
   // global memory into registers; at 256 staged in shared memory and read per k-step.
   extern __shared__ __align__(16) char decode_smem[];
   Element* sq = reinterpret_cast<Element*>(decode_smem + Tile::q_offset(kRing));
-  const auto q_word = [&](int r, int d) -> uint32_t {  // q elements d, d + 1 of chunk row r
-    if (r >= nrows || d >= a.head_dim) return 0u;
-    const int row = r0 + r, i = row / a.group, h = kvh * a.group + row % a.group;
-    return *reinterpret_cast<const uint32_t*>(static_cast<const Element*>(a.q) + b * a.q_st.batch_stride +
-                                              i * a.q_st.row_stride + h * a.q_st.head_stride + d);
-  };
+  const auto q_word = [&](int r, int d) { return q_pair<Element>(a, b, kvh, r0, nrows, r, d); };
   constexpr int kQRegSteps = Tile::kQInSmem ? 1 : kD / 16;
   uint32_t qa[kQRegSteps][4];
   if constexpr (Tile::kQInSmem) {
@@ -235,13 +362,10 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
       for (int e = 0; e < 4; ++e) qa[ks][e] = q_word(lane / 4 + 8 * (e & 1), ks * 16 + (lane % 4) * 2 + 8 * (e >> 1));
     }
   }
-  // The A fragment of k-step ks (from shared memory: matrix lane / 8 holds rows
-  // 8 (lane / 8 % 2) + lane % 8 at chunk 2 ks + lane / 16).
+  // The A fragment of k-step ks.
   const auto q_fragment = [&](int ks, uint32_t (&f)[4]) {
     if constexpr (Tile::kQInSmem) {
-      const int r = (lane / 8 % 2) * 8 + lane % 8, c = ks * 2 + lane / 16;
-      cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(sq + tile_offset<kD>(r, c)), f[0], f[1],
-                                    f[2], f[3]);
+      q_smem_fragment<kD>(sq, ks, lane, f);
     } else {
 #pragma unroll
       for (int e = 0; e < 4; ++e) f[e] = qa[ks][e];
@@ -359,89 +483,7 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
         cur.mask[x + 1] = a.mask.ptr != nullptr ? static_cast<uint8_t>(mw >> 8) : uint8_t(1);
       }
     }
-
-    // Scores: s[nt] = q (16 rows) x K^T (8 keys of n-tile nt); K rows as the B operand by
-    // ldmatrix (matrix lane / 8: chunk 4 kk + lane / 8 of key 8 nt + lane % 8).
-    float s[2][4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < kD / 32; ++kk) {
-        uint32_t kf[4];
-        const int r = nt * 8 + lane % 8, c = kk * 4 + lane / 8;
-        cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(sk + tile_offset<kD>(r, c)), kf[0],
-                                      kf[1], kf[2], kf[3]);
-        uint32_t q0[4], q1[4];
-        q_fragment(2 * kk, q0);
-        q_fragment(2 * kk + 1, q1);
-        Mma::fma(s[nt][0], s[nt][1], s[nt][2], s[nt][3], q0[0], q0[1], q0[2], q0[3], kf[0], kf[1], s[nt][0],
-                 s[nt][1], s[nt][2], s[nt][3]);
-        Mma::fma(s[nt][0], s[nt][1], s[nt][2], s[nt][3], q1[0], q1[1], q1[2], q1[3], kf[2], kf[3], s[nt][0],
-                 s[nt][1], s[nt][2], s[nt][3]);
-      }
-    }
-
-    // Online softmax in base 2, per accumulator row (hf: row lane / 4 + 8 hf). A row whose
-    // maximum is -inf so far subtracts 0 instead: its masked keys give p = 0, NaN scores NaN.
-    float alpha[2];
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      float mx = m[hf];
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int j = jt + nt * 8 + (lane % 4) * 2 + e, x_idx = 4 * hf + 2 * nt + e;
-          const bool allowed = j < ke && (!kOperands || cur.mask[x_idx] != 0);
-          const float bias = kOperands ? operand_bias<Element>(a, cur.bias[x_idx]) : 0.f;
-          float& x = s[nt][2 * hf + e];
-          x = transform_score<kOperands>(a, x, row_i[hf], j, off, allowed, bias);
-          mx = fmaxf(mx, x);
-        }
-      }
-      mx = quad_max(mx);
-      const float mu = mx == -INFINITY ? 0.f : mx;
-      alpha[hf] = fast_exp2(m[hf] - mu);
-      m[hf] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = s[nt][2 * hf + e];
-          x = fast_exp2(x - mu);
-          sum += x;
-        }
-      }
-      l[hf] = l[hf] * alpha[hf] + sum;
-    }
-    // Once the row maxima settle, alpha is exactly 1 for the rest of the keys: skip the scaling
-    // of the accumulators then (a NaN alpha is != 1 and still reaches them).
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-      for (int dn = 0; dn < kNd; ++dn) {
-        o[dn][0] *= alpha[0], o[dn][1] *= alpha[0];
-        o[dn][2] *= alpha[1], o[dn][3] *= alpha[1];
-      }
-    }
-
-    // Values: o += P (16 rows x 16 keys, the score accumulators repacked as the A operand) x V;
-    // V rows as the B operand by transposing ldmatrix (matrix lane / 8: keys 8 (lane / 8 % 2)
-    // + lane % 8 at chunk 2 dd + lane / 16).
-    const uint32_t pa[4] = {pack2<Element>(s[0][0], s[0][1]), pack2<Element>(s[0][2], s[0][3]),
-                            pack2<Element>(s[1][0], s[1][1]), pack2<Element>(s[1][2], s[1][3])};
-#pragma unroll
-    for (int dd = 0; dd < kD / 16; ++dd) {
-      uint32_t vf[4];
-      const int r = (lane / 8 % 2) * 8 + lane % 8, c = dd * 2 + lane / 16;
-      cute::SM75_U16x8_LDSM_T::copy(*reinterpret_cast<const cute::uint128_t*>(sv + tile_offset<kD>(r, c)), vf[0],
-                                    vf[1], vf[2], vf[3]);
-      Mma::fma(o[2 * dd][0], o[2 * dd][1], o[2 * dd][2], o[2 * dd][3], pa[0], pa[1], pa[2], pa[3], vf[0], vf[1],
-               o[2 * dd][0], o[2 * dd][1], o[2 * dd][2], o[2 * dd][3]);
-      Mma::fma(o[2 * dd + 1][0], o[2 * dd + 1][1], o[2 * dd + 1][2], o[2 * dd + 1][3], pa[0], pa[1], pa[2], pa[3],
-               vf[2], vf[3], o[2 * dd + 1][0], o[2 * dd + 1][1], o[2 * dd + 1][2], o[2 * dd + 1][3]);
-    }
+    attend_tile<Element, kD, kOperands>(a, sk, sv, jt, ke, off, row_i, cur, q_fragment, m, l, o, lane);
   };
   // With the operands a step ahead, two steps an iteration, the operand registers swapping roles
   // (a copy would wait for the loads in flight).

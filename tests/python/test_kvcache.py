@@ -161,16 +161,29 @@ def test_gpu_long_cache_splits(dtype, head_dim):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seqlen_q,page_size", [(4, None), (4, 8), (3, 64), (16, None)])
+@pytest.mark.parametrize("seqlen_q,page_size", [(4, None), (4, 8), (3, 64), (16, None), (16, 8), (5, None),
+                                               (20, 256)])
 def test_gpu_full_row_tiles(seqlen_q, page_size):
     """Speculative-decoding lengths: a full 16-row tile (Sq=4, 4 heads a kv head), a partial one,
-    several row chunks (Sq=16), pages smaller than a key tile; long ragged caches (every warp,
-    several tiles and key splits), causal, a per-key bias."""
+    a full 64-row chunk (Sq=16), one with warps past its rows (Sq=5: 20 rows), two chunks
+    (Sq=20), pages smaller than a key tile; long ragged caches (every warp, several tiles and
+    key splits), causal, a per-key bias."""
     case = _make_case("cuda", torch.bfloat16, batch=3, seqlen_q=seqlen_q, heads=8, heads_kv=2, head_dim=128,
                       capacity=2048, lens=[2000, 700, 5], new=seqlen_q, page_size=page_size,
                       bias_shape=(3, 8, 1, 2048))
     out, lse = _run(case)
     _check(case, out, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 96, 256])
+def test_gpu_row_chunks_head_dims(head_dim):
+    """More rows than one tile at every head-dim bucket (64-row chunks up to 128, 16-row chunks
+    at 256), with a key mask, a window and a softcap."""
+    case = _make_case("cuda", torch.bfloat16, batch=2, seqlen_q=8, heads=8, heads_kv=2, head_dim=head_dim,
+                      capacity=1100, lens=[1090, 333], new=8, mask_shape=(2, 1, 1, 1100))
+    out, lse = _run(case, window=(300, -1), softcap=15.0)
+    _check(case, out, lse, window=(300, -1), softcap=15.0)
 
 
 @pytest.mark.gpu
