@@ -68,15 +68,18 @@ __device__ __forceinline__ SplitKeys split_keys(const DecodeArgs& a, int b, int 
   return {off, static_cast<int>(min(hi, lo + split * per_split)), static_cast<int>(min(hi, lo + (split + 1) * per_split))};
 }
 
-// A step's mask and bias entries of the thread's 8 scores (rows lane / 4 + 8 hf, keys
-// jt + 8 nt + 2 (lane % 4) + e at index 4 hf + 2 nt + e), loaded one step ahead and kept raw
-// (no conversion or test that would wait for the load) until the step uses them, so that their
-// latency hides behind a step of work. Keys past the split's end are not read; the bias is read
-// whatever the mask says (no dependent load) and ignored where the key is masked.
-struct StepOperands {
-  uint32_t bias[8];  // raw bits: a float32, or a 16-bit element in the low half
-  uint8_t mask[8];   // 1 where there is no mask
+// A step's mask and bias entries of the thread's kKeys / 2 scores (rows lane / 4 + 8 hf, keys
+// jt + 8 nt + 2 (lane % 4) + e at index kKeys / 4 hf + 2 nt + e), loaded one step ahead and kept
+// raw (no conversion or test that would wait for the load) until the step uses them, so that
+// their latency hides behind a step of work. Keys past the split's end are not read; the bias is
+// read whatever the mask says (no dependent load) and ignored where the key is masked.
+template <int kKeys = 16>
+struct StepOperandsOf {
+  static constexpr int kEntries = kKeys / 2;
+  uint32_t bias[kEntries];  // raw bits: a float32, or a 16-bit element in the low half
+  uint8_t mask[kEntries];   // 1 where there is no mask
 };
+using StepOperands = StepOperandsOf<16>;
 
 // Where the thread's two rows start in the mask and the bias (element offsets; key j adds j sk).
 struct OperandRows {
@@ -95,11 +98,13 @@ __device__ __forceinline__ OperandRows operand_rows(const DecodeArgs& a, int b, 
   return r;
 }
 
+template <int kKeys>
 __device__ __forceinline__ void load_step_operands(const DecodeArgs& a, const OperandRows& rows, int jt, int ke,
-                                                   int lane, StepOperands& op) {
+                                                   int lane, StepOperandsOf<kKeys>& op) {
+  constexpr int kHalf = kKeys / 4;  // entries of one row
 #pragma unroll
-  for (int x = 0; x < 8; ++x) {
-    const int hf = x / 4, j = jt + (x / 2 % 2) * 8 + (lane % 4) * 2 + x % 2;
+  for (int x = 0; x < 2 * kHalf; ++x) {
+    const int hf = x / kHalf, j = jt + (x % kHalf / 2) * 8 + (lane % 4) * 2 + x % 2;
     const bool in = j < ke;
     op.mask[x] = 1;
     if (in && a.mask.ptr != nullptr) op.mask[x] = a.mask.ptr[rows.mask[hf] + j * a.mask.sk];
@@ -217,22 +222,24 @@ __device__ __forceinline__ void q_smem_fragment(const Element* sq, int ks, int l
                                 f[3]);
 }
 
-// One 16-key tile against a warp's 16 rows: the scores q K^T (K rows at sk; q's A fragment of
-// k-step ks from q_fragment(ks, f)), their transform (mask / bias entries in op), the online
-// softmax update of the row maxima m, sums l and accumulators o, then o += P V (V rows at sv).
-// Keys jt .. jt + 15; those at or past ke are disallowed.
-template <typename Element, int kD, bool kOperands, typename QFragment>
+// One tile of kKeys keys (16, 32 or 64) against a warp's 16 rows: the scores q K^T (K rows at
+// sk; q's A fragment of k-step ks from q_fragment(ks, f)), their transform (mask / bias entries
+// in op), the online softmax update of the row maxima m, sums l and accumulators o, then
+// o += P V (V rows at sv). Keys jt .. jt + kKeys - 1; those at or past ke are disallowed. Wider
+// tiles give the tensor cores more independent products and rescale the accumulators less often.
+template <typename Element, int kD, bool kOperands, int kKeys = 16, typename QFragment>
 __device__ __forceinline__ void attend_tile(const DecodeArgs& a, const Element* sk, const Element* sv, int jt, int ke,
-                                            int64_t off, const int (&row_i)[2], const StepOperands& op,
+                                            int64_t off, const int (&row_i)[2], const StepOperandsOf<kKeys>& op,
                                             const QFragment& q_fragment, float (&m)[2], float (&l)[2],
                                             float (&o)[kD / 8][4], int lane) {
   using Mma = typename DecodeMma<Element>::Op;
   constexpr int kNd = kD / 8;
+  constexpr int kNt = kKeys / 8;  // n-tiles of the score product
   // Scores: s[nt] = q (16 rows) x K^T (8 keys of n-tile nt); K rows as the B operand by
   // ldmatrix (matrix lane / 8: chunk 4 kk + lane / 8 of key 8 nt + lane % 8).
-  float s[2][4];
+  float s[kNt][4];
 #pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
+  for (int nt = 0; nt < kNt; ++nt) {
     s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < kD / 32; ++kk) {
@@ -257,10 +264,10 @@ __device__ __forceinline__ void attend_tile(const DecodeArgs& a, const Element* 
   for (int hf = 0; hf < 2; ++hf) {
     float mx = m[hf];
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
+    for (int nt = 0; nt < kNt; ++nt) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int j = jt + nt * 8 + (lane % 4) * 2 + e, x_idx = 4 * hf + 2 * nt + e;
+        const int j = jt + nt * 8 + (lane % 4) * 2 + e, x_idx = 2 * kNt * hf + 2 * nt + e;
         const bool allowed = j < ke && (!kOperands || op.mask[x_idx] != 0);
         const float bias = kOperands ? operand_bias<Element>(a, op.bias[x_idx]) : 0.f;
         float& x = s[nt][2 * hf + e];
@@ -274,7 +281,7 @@ __device__ __forceinline__ void attend_tile(const DecodeArgs& a, const Element* 
     m[hf] = mx;
     float sum = 0.f;
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
+    for (int nt = 0; nt < kNt; ++nt) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& x = s[nt][2 * hf + e];
@@ -294,21 +301,25 @@ __device__ __forceinline__ void attend_tile(const DecodeArgs& a, const Element* 
     }
   }
 
-  // Values: o += P (16 rows x 16 keys, the score accumulators repacked as the A operand) x V;
-  // V rows as the B operand by transposing ldmatrix (matrix lane / 8: keys 8 (lane / 8 % 2)
-  // + lane % 8 at chunk 2 dd + lane / 16).
-  const uint32_t pa[4] = {pack2<Element>(s[0][0], s[0][1]), pack2<Element>(s[0][2], s[0][3]),
-                          pack2<Element>(s[1][0], s[1][1]), pack2<Element>(s[1][2], s[1][3])};
+  // Values: o += P (16 rows x 16 keys of k-step kt, the score accumulators repacked as the A
+  // operand) x V; V rows as the B operand by transposing ldmatrix (matrix lane / 8: keys
+  // 16 kt + 8 (lane / 8 % 2) + lane % 8 at chunk 2 dd + lane / 16).
 #pragma unroll
-  for (int dd = 0; dd < kD / 16; ++dd) {
-    uint32_t vf[4];
-    const int r = (lane / 8 % 2) * 8 + lane % 8, c = dd * 2 + lane / 16;
-    cute::SM75_U16x8_LDSM_T::copy(*reinterpret_cast<const cute::uint128_t*>(sv + tile_offset<kD>(r, c)), vf[0],
-                                  vf[1], vf[2], vf[3]);
-    Mma::fma(o[2 * dd][0], o[2 * dd][1], o[2 * dd][2], o[2 * dd][3], pa[0], pa[1], pa[2], pa[3], vf[0], vf[1],
-             o[2 * dd][0], o[2 * dd][1], o[2 * dd][2], o[2 * dd][3]);
-    Mma::fma(o[2 * dd + 1][0], o[2 * dd + 1][1], o[2 * dd + 1][2], o[2 * dd + 1][3], pa[0], pa[1], pa[2], pa[3],
-             vf[2], vf[3], o[2 * dd + 1][0], o[2 * dd + 1][1], o[2 * dd + 1][2], o[2 * dd + 1][3]);
+  for (int kt = 0; kt < kKeys / 16; ++kt) {
+    const uint32_t pa[4] = {pack2<Element>(s[2 * kt][0], s[2 * kt][1]), pack2<Element>(s[2 * kt][2], s[2 * kt][3]),
+                            pack2<Element>(s[2 * kt + 1][0], s[2 * kt + 1][1]),
+                            pack2<Element>(s[2 * kt + 1][2], s[2 * kt + 1][3])};
+#pragma unroll
+    for (int dd = 0; dd < kD / 16; ++dd) {
+      uint32_t vf[4];
+      const int r = kt * 16 + (lane / 8 % 2) * 8 + lane % 8, c = dd * 2 + lane / 16;
+      cute::SM75_U16x8_LDSM_T::copy(*reinterpret_cast<const cute::uint128_t*>(sv + tile_offset<kD>(r, c)), vf[0],
+                                    vf[1], vf[2], vf[3]);
+      Mma::fma(o[2 * dd][0], o[2 * dd][1], o[2 * dd][2], o[2 * dd][3], pa[0], pa[1], pa[2], pa[3], vf[0], vf[1],
+               o[2 * dd][0], o[2 * dd][1], o[2 * dd][2], o[2 * dd][3]);
+      Mma::fma(o[2 * dd + 1][0], o[2 * dd + 1][1], o[2 * dd + 1][2], o[2 * dd + 1][3], pa[0], pa[1], pa[2], pa[3],
+               vf[2], vf[3], o[2 * dd + 1][0], o[2 * dd + 1][1], o[2 * dd + 1][2], o[2 * dd + 1][3]);
+    }
   }
 }
 

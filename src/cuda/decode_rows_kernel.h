@@ -3,7 +3,9 @@
 // split, kv head, batch): each warp owns one 16-row tile, and every warp reads every key of the
 // split from one CTA-wide cp.async ring, so that a K / V row crosses from memory to the SM once
 // for the 64 rows (decode_kernel.h, one tile per CTA, would read it once per 16-row chunk).
-// The per-tile work (scores, softmax, values) is decode_kernel.h's attend_tile.
+// The per-tile work (scores, softmax, values) is decode_kernel.h's attend_tile, on tiles of 64
+// keys (32 with a mask or bias): four times the keys of decode_kernel.h's steps, so the
+// tensor-core products of a tile are independent and the softmax bookkeeping is paid once.
 #pragma once
 
 #include "cuda/decode_kernel.h"
@@ -110,8 +112,11 @@ __global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) issue(st);
 
+  // The stage's keys in tiles of kTileKeys (the whole stage; 32 keys with operands, whose 16 + 16
+  // entries a thread holds in registers).
+  constexpr int kTileKeys = kOperands ? 32 : kStageKeys;
   const OperandRows op_rows = operand_rows(a, b, row_h, row_i);
-  StepOperands op;
+  StepOperandsOf<kTileKeys> op;
   for (int it = 0; it < stages; ++it) {
     cp_async_wait<kStages - 2>();  // the thread's copies of stage it have landed
     __syncthreads();               // ... and everyone's; every warp is done with the slot refilled next
@@ -120,12 +125,12 @@ __global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2
     const Element* sk = stage_k(it);
     const Element* sv = sk + kStageKeys * kD;
 #pragma unroll 1
-    for (int sub = 0; sub < kStageKeys / 16; ++sub) {
-      const int jt = kb + it * kStageKeys + sub * 16;
+    for (int sub = 0; sub < kStageKeys / kTileKeys; ++sub) {
+      const int jt = kb + it * kStageKeys + sub * kTileKeys;
       if (jt >= ke) break;
       if constexpr (kOperands) load_step_operands(a, op_rows, jt, ke, lane, op);
-      attend_tile<Element, kD, kOperands>(a, sk + sub * 16 * kD, sv + sub * 16 * kD, jt, ke, keys.off, row_i, op,
-                                          q_fragment, m, l, o, lane);
+      attend_tile<Element, kD, kOperands, kTileKeys>(a, sk + sub * kTileKeys * kD, sv + sub * kTileKeys * kD, jt, ke,
+                                                     keys.off, row_i, op, q_fragment, m, l, o, lane);
     }
   }
   cp_async_wait<0>();
