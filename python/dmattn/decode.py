@@ -24,12 +24,13 @@ from .ops import _call_op, _cuda_layout, _scale_arg, attention_forward, check_de
 __all__ = ["kvcache_forward", "maybe_decode_forward", "decode_step", "gathered_decode", "AUTO_MAX_ROWS",
            "KVCACHE_MAX_ROWS"]
 
-# With DMATTN_DECODE=1, dmattn.attention takes the decode kernel on CUDA for up to this many
-# query rows (queries x query heads per kv head: one 16-row tile), where it is 2.5x faster than
-# the general kernels (docs/decode.md). Off by default: its results differ from the general
-# kernels' in the last bits, so a packed batch (attention_varlen) would no longer equal its
-# sequences run one by one bit for bit (the varlen contract).
-AUTO_MAX_ROWS = 16
+# With DMATTN_DECODE=1, dmattn.attention takes the decode kernels on CUDA for up to this many
+# query rows (queries x query heads per kv head: one 16-row tile, or one 64-row chunk), where
+# they are 1.4x to 2.5x faster than the general kernels (docs/decode.md); the transformers
+# integration's decoding steps too. Off by default in dmattn.attention: its results differ from
+# the general kernels' in the last bits, so a packed batch (attention_varlen) would no longer
+# equal its sequences run one by one bit for bit (the varlen contract).
+AUTO_MAX_ROWS = 64
 # attention_with_kvcache takes the decode kernels up to this many rows (they read per-batch
 # lengths and pages in place): one 16-row tile, or 64-row chunks that each read every key once
 # (two chunks here, side by side, the second read from L2). Above it the cache is gathered and

@@ -231,7 +231,7 @@ def test_gpu_cuda_graph_capture():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seqlen_q,heads_kv", [(1, 8), (1, 2), (4, 8), (2, 4)])
+@pytest.mark.parametrize("seqlen_q,heads_kv", [(1, 8), (1, 2), (4, 8), (2, 4), (16, 2)])
 def test_gpu_attention_takes_decode_kernel(monkeypatch, seqlen_q, heads_kv):
     """dmattn.attention with a short Sq on CUDA and DMATTN_DECODE=1 (the decode kernel) against
     the reference and the general kernels (the default)."""
