@@ -66,7 +66,7 @@ for dtype in (torch.bfloat16, torch.float16):
     kvcache_case(1, 4, 8, 2, 64, dtype, 2048, page_size=64, mask=True)
     kvcache_case(2, 3, 4, 4, 256, dtype, 1104, page_size=8, bias=True)
     kvcache_case(1, 2, 8, 2, 128, dtype, 1004, bias=True)  # rows of 1004: the register path
-    kvcache_case(2, 20, 8, 2, 128, dtype, 1500, page_size=8, bias=True)  # 80 rows: 64-row chunks
+    kvcache_case(2, 20, 8, 2, 128, dtype, 1504, page_size=8, bias=True)  # 80 rows: 64-row chunks
     kvcache_case(1, 5, 8, 2, 64, dtype, 700, mask=True)  # 20 rows: two warps without rows
     case(1, 17, 33, 2, 1, 64, dtype, mask_shape=(1, 2, 17, 33), bias_shape=(1, 2, 17, 33))
     case(2, 130, 77, 4, 2, 128, dtype, bias_shape=(2, 1, 1, 77), causal=True)
