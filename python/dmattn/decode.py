@@ -26,7 +26,7 @@ __all__ = ["kvcache_forward", "maybe_decode_forward", "decode_step", "gathered_d
 
 # With DMATTN_DECODE=1, dmattn.attention takes the decode kernels on CUDA for up to this many
 # query rows (queries x query heads per kv head: one 16-row tile, or one 64-row chunk), where
-# they are 1.4x to 2.5x faster than the general kernels (docs/decode.md); the transformers
+# they are 1.4x to 6x faster than the general kernels (docs/decode.md); the transformers
 # integration's decoding steps too. Off by default in dmattn.attention: its results differ from
 # the general kernels' in the last bits, so a packed batch (attention_varlen) would no longer
 # equal its sequences run one by one bit for bit (the varlen contract).
@@ -100,7 +100,9 @@ def decode_step(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: O
     decoding step of a model: the transformers integration); None where that does not apply
     (the caller then runs dmattn.attention). Same semantics (causal bottom-right aligned: the
     cache call with every key of the row); results equal to floating-point summation order."""
-    if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and q.is_cuda):
+    # (Under torch.compile the split count, a native call, would break the graph: dmattn.attention.)
+    if torch.compiler.is_compiling() or not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
+                                             and q.is_cuda):
         return None
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
         return None
@@ -109,8 +111,9 @@ def decode_step(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: O
     batch, seqlen_k = k.shape[0], k.shape[1]
     if seqlen_k == 0 or _decode_splits(q, k.shape[2], seqlen_k, AUTO_MAX_ROWS) == 0:
         return None
-    out, _ = _call_op(kvcache_forward, q, k, v, _full_lengths(batch, seqlen_k, q.device), None, mask, bias,
-                      bool(causal), -1, -1, scale, float(softcap))
+    # (A cache of a layout the kernels cannot copy in 16-byte chunks is copied, as dmattn.attention does.)
+    out, _ = _call_op(kvcache_forward, q, _cuda_layout(k), _cuda_layout(v), _full_lengths(batch, seqlen_k, q.device),
+                      None, mask, bias, bool(causal), -1, -1, scale, float(softcap))
     return out
 
 

@@ -353,3 +353,22 @@ def test_gpu_decode_step_declines():
     assert decode_step(q.clone().requires_grad_(), k, k, None, None, True, None, 0.0) is None
     assert decode_step(q.expand(1, AUTO_MAX_ROWS, 8, 64), k, k, None, None, True, None, 0.0) is None
     assert decode_step(q.cpu(), k.cpu(), k.cpu(), None, None, True, None, 0.0) is None
+
+
+@pytest.mark.gpu
+def test_gpu_decode_step_compiles_without_graph_breaks():
+    """Under torch.compile(fullgraph=True) a decoding step falls back to dmattn.attention (the
+    split count is a native call) instead of breaking the graph."""
+    from dmattn.decode import decode_step
+
+    def step(q, k, v):
+        out = decode_step(q, k, v, None, None, True, None, 0.0)
+        return dmattn.attention(q, k, v, causal=True) if out is None else out
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 1, 8, 64, generator=g).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(2, 700, 2, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    with torch.no_grad():
+        compiled = torch.compile(step, backend="eager", fullgraph=True)(q, k, v)
+        eager = step(q, k, v)
+    torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
