@@ -27,6 +27,10 @@ What the attention function accepts (HF layout (B, H, S, D), GQA through the k/v
 * kwargs: is_causal, softcap, attention_bias (an additive, learnable bias broadcastable to
   (B, H, Sq, Sk)) and keep_window_size (keep only that many keys per row, selected from
   attention_bias by dmattn.dynamic_mask, as flash-dmattn's integration does).
+
+A decoding step (no gradient to record, at most decode.AUTO_MAX_ROWS query rows per kv head, on
+CUDA, not under torch.compile) runs on the split-KV decode kernels (decode.decode_step,
+docs/decode.md): the same attention, the cache read in place.
 """
 
 from __future__ import annotations
