@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ._lib import lib
 from .masks import cached_index_tensor
-from .ops import _call_op, _cuda_layout, _scale_arg, attention_forward, check_devices
+from .ops import _call_op, _cuda_layout, _scale_arg, attention_forward, check_devices, records_no_gradient
 
 __all__ = ["kvcache_forward", "maybe_decode_forward", "decode_step", "gathered_decode", "AUTO_MAX_ROWS",
            "KVCACHE_MAX_ROWS"]
@@ -88,11 +88,6 @@ def _full_lengths(batch: int, seqlen_k: int, device: torch.device) -> Tensor:
                                lambda: torch.full((batch,), seqlen_k, dtype=torch.int32, device=device))
 
 
-def _inference_call(*tensors: Optional[Tensor]) -> bool:
-    """No gradient to record for these tensors (the decode kernel has no backward)."""
-    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
-
-
 def decode_step(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], causal: bool,
                 scale: Optional[float], softcap: float) -> Optional[Tensor]:
     """dmattn.attention(q, k, v, mask, bias, causal=causal, scale=scale, softcap=softcap) on the
@@ -106,7 +101,7 @@ def decode_step(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: O
         return None
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
         return None
-    if k.dtype != q.dtype or v.dtype != q.dtype or not _inference_call(q, k, v, bias):
+    if k.dtype != q.dtype or v.dtype != q.dtype or not records_no_gradient(q, k, v, bias):
         return None
     batch, seqlen_k = k.shape[0], k.shape[1]
     if seqlen_k == 0 or _decode_splits(q, k.shape[2], seqlen_k, AUTO_MAX_ROWS) == 0:

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .masks import bias_over_keys, cached_index_tensor, dynamic_mask, selection_key, selection_shape
 from .ops import (_GLUE_DTYPES, _call_op, attention_backward, attention_forward, forward_with_grad, gather_key_rows,
-                  native_glue_available, select_topk_positions, supports_key_positions)
+                  native_glue_available, records_no_gradient, select_topk_positions, supports_key_positions)
 
 __all__ = ["KeySet", "mask_key_set", "topk_key_set", "attention_over_key_set", "force_path"]
 
@@ -409,7 +409,7 @@ def attention_over_key_set(q: Tensor, k: Tensor, v: Tensor, key_set: KeySet, bia
         if native:
             mode = "indexed" if INDEXED_KEYS and (bias is None or key_set.bias_rows is not None) else "native"
         options = (causal, window_left, window_right, scale, softcap, deterministic)
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias)):
+        if not records_no_gradient(q, k, v, bias):
             return _DistinctRowsAttention.apply(q, k, v, bias, key_set, mode, options)
         return _distinct_rows_forward(q, k, v, bias, key_set, mode, options)[:2]
     index = key_set.key_index()

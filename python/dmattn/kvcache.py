@@ -12,7 +12,7 @@ from torch import Tensor
 
 from .decode import _append, kvcache_forward
 from .interface import _parse_options, _require_tensor
-from .ops import _call_op
+from .ops import _call_op, records_no_gradient
 
 __all__ = ["attention_with_kvcache"]
 
@@ -154,7 +154,7 @@ def attention_with_kvcache(
     # no_grad or on tensors without one): the dispatcher's Python layers cost about as much host
     # time as a decode kernel at batch 8 takes on the GPU. Otherwise the op, whose autograd
     # names the missing gradient.
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, bias))):
+    if records_no_gradient(q, k_cache, v_cache, bias):
         out, lse = _call_op(kvcache_forward, *args)
     else:
         out, lse = kvcache_forward(*args)

@@ -473,6 +473,12 @@ def _backward(ctx, dout, _dlse):
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+def records_no_gradient(*tensors: Optional[Tensor]) -> bool:
+    """No gradient to record for these tensors (None entries ignored): grad mode is off, or none
+    of them requires one. The inference-only paths' condition."""
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+
+
 def _plain_eager(args: tuple) -> bool:
     """Whether a call with these arguments may run a custom op's Python body directly instead of
     going through the dispatcher: eager mode, plain tensors (no fake / functional / subclass

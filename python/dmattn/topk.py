@@ -12,7 +12,7 @@ from .decode import gathered_decode
 from .interface import _parse_options, attention_on
 from .masks import bias_over_keys, check_keep, dynamic_mask
 from .ops import (_native_supports_key_positions, _plain_eager, check_devices, native_forward, native_glue_available,
-                  select_topk_positions)
+                  records_no_gradient, select_topk_positions)
 
 __all__ = ["attention_topk"]
 
@@ -126,7 +126,7 @@ def _inference_forward(q, k, v, bias, keep: int, causal, window, scale, softcap)
     device = q.get_device()
     if k.get_device() != device or v.get_device() != device or bias.get_device() != device:
         return None
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or bias.requires_grad):
+    if not records_no_gradient(q, k, v, bias):
         return None
     if (not _plain_eager((q, k, v, bias)) or not native_glue_available()
             or not _native_supports_key_positions("cuda")):
