@@ -83,7 +83,8 @@ def maybe_decode_forward(q, k, v, mask, bias, causal, window_left, window_right,
 
 
 def _full_lengths(batch: int, seqlen_k: int, device: torch.device) -> Tensor:
-    """int32 (batch,) filled with seqlen_k: every key of every row is read (cached)."""
+    """int32 (batch,) filled with seqlen_k: every key of every row is read (cached: the kept-key
+    count of gathered_decode repeats from step to step)."""
     return cached_index_tensor(("decode lengths", batch, seqlen_k, device),
                                lambda: torch.full((batch,), seqlen_k, dtype=torch.int32, device=device))
 
@@ -106,9 +107,12 @@ def decode_step(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: O
     batch, seqlen_k = k.shape[0], k.shape[1]
     if seqlen_k == 0 or _decode_splits(q, k.shape[2], seqlen_k, AUTO_MAX_ROWS) == 0:
         return None
+    # Every key of every row. Not a cached tensor: a decoding model's key count grows by one each
+    # step, so the cache would miss every time and evict the entries that do repeat.
+    lengths = torch.full((batch,), seqlen_k, dtype=torch.int32, device=q.device)
     # (A cache of a layout the kernels cannot copy in 16-byte chunks is copied, as dmattn.attention does.)
-    out, _ = _call_op(kvcache_forward, q, _cuda_layout(k), _cuda_layout(v), _full_lengths(batch, seqlen_k, q.device),
-                      None, mask, bias, bool(causal), -1, -1, scale, float(softcap))
+    out, _ = _call_op(kvcache_forward, q, _cuda_layout(k), _cuda_layout(v), lengths, None, mask, bias, bool(causal),
+                      -1, -1, scale, float(softcap))
     return out
 
 
