@@ -213,6 +213,21 @@ __device__ __forceinline__ uint32_t q_pair(const DecodeArgs& a, int b, int kvh, 
                                             i * a.q_st.row_stride + h * a.q_st.head_stride + d);
 }
 
+// q's A fragments of every k-step of the 16-row tile starting at packed row r0, into registers:
+// [ks][0] = (row lane / 4, columns 16 ks + 2 (lane % 4) + {0, 1}), [1] the same for row + 8,
+// [2] / [3] those 8 columns further (0 past the tile's nrows rows and past head_dim).
+template <typename Element, int kSteps>
+__device__ __forceinline__ void load_q_fragments(const DecodeArgs& a, int b, int kvh, int r0, int nrows, int lane,
+                                                 uint32_t (&qa)[kSteps][4]) {
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      qa[ks][e] = q_pair<Element>(a, b, kvh, r0, nrows, lane / 4 + 8 * (e & 1), ks * 16 + (lane % 4) * 2 + 8 * (e >> 1));
+    }
+  }
+}
+
 // q's A fragment of k-step ks from a 16-row tile in shared memory (tile_offset layout): matrix
 // lane / 8 holds rows 8 (lane / 8 % 2) + lane % 8 at chunk 2 ks + lane / 16.
 template <int kD, typename Element>
@@ -351,27 +366,21 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
   int row_i[2], row_h[2];
   accumulator_rows(a, kvh, r0, nrows, lane, row_i, row_h);
 
-  // q as the A operand of every k-step: register [ks][0] = (row lane/4, columns
-  // 16 ks + 2 (lane % 4) + {0, 1}), [1] the same for row + 8, [2] / [3] those 8 columns further.
-  // Rows past the chunk's end and columns past head_dim are 0. Up to kD = 128 read once from
-  // global memory into registers; at 256 staged in shared memory and read per k-step.
+  // q as the A operand of every k-step (rows past the chunk's end and columns past head_dim 0):
+  // up to kD = 128 read once from global memory into registers (load_q_fragments); at 256 staged
+  // in shared memory and read per k-step.
   extern __shared__ __align__(16) char decode_smem[];
   Element* sq = reinterpret_cast<Element*>(decode_smem + Tile::q_offset(kRing));
-  const auto q_word = [&](int r, int d) { return q_pair<Element>(a, b, kvh, r0, nrows, r, d); };
   constexpr int kQRegSteps = Tile::kQInSmem ? 1 : kD / 16;
   uint32_t qa[kQRegSteps][4];
   if constexpr (Tile::kQInSmem) {
     for (int idx = threadIdx.x; idx < kDecodeRows * kD / 2; idx += Tile::kThreads) {
       const int r = idx / (kD / 2), d = idx % (kD / 2) * 2;
-      *reinterpret_cast<uint32_t*>(sq + tile_offset<kD>(r, d / 8) + d % 8) = q_word(r, d);
+      *reinterpret_cast<uint32_t*>(sq + tile_offset<kD>(r, d / 8) + d % 8) = q_pair<Element>(a, b, kvh, r0, nrows, r, d);
     }
     __syncthreads();
   } else {
-#pragma unroll
-    for (int ks = 0; ks < kQRegSteps; ++ks) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) qa[ks][e] = q_word(lane / 4 + 8 * (e & 1), ks * 16 + (lane % 4) * 2 + 8 * (e >> 1));
-    }
+    load_q_fragments<Element>(a, b, kvh, r0, nrows, lane, qa);
   }
   // The A fragment of k-step ks.
   const auto q_fragment = [&](int ks, uint32_t (&f)[4]) {

@@ -65,13 +65,7 @@ __global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2
   // q's A fragments of the warp's tile in registers (decode_kernel.h's layout; 0 past its rows).
   extern __shared__ __align__(16) char decode_smem[];
   uint32_t qa[kD / 16][4];
-#pragma unroll
-  for (int ks = 0; ks < kD / 16; ++ks) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      qa[ks][e] = q_pair<Element>(a, b, kvh, r0, nrows, lane / 4 + 8 * (e & 1), ks * 16 + (lane % 4) * 2 + 8 * (e >> 1));
-    }
-  }
+  load_q_fragments<Element>(a, b, kvh, r0, nrows, lane, qa);
   const auto q_fragment = [&](int ks, uint32_t (&f)[4]) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) f[e] = qa[ks][e];
