@@ -35,7 +35,7 @@ struct DecodeRowsTile {
 
 // Grid (row_chunks * num_splits, heads_kv, batch) with 64-row chunks,
 // DecodeRowsTile<kD>::kThreads threads and kSmemBytes of dynamic shared memory. kOperands: mask
-// / bias entries read from global memory at each 16-key step (any layout).
+// / bias entries read from global memory at each 32-key tile (any layout).
 template <typename Element, int kD, bool kOperands>
 __global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2)
     decode_rows_kernel(const DecodeArgs a) {
