@@ -21,8 +21,8 @@ from ._lib import lib
 from .masks import cached_index_tensor
 from .ops import _call_op, _cuda_layout, _scale_arg, attention_forward, check_devices, records_no_gradient
 
-__all__ = ["kvcache_forward", "maybe_decode_forward", "decode_step", "gathered_decode", "AUTO_MAX_ROWS",
-           "KVCACHE_MAX_ROWS"]
+__all__ = ["kvcache_forward", "maybe_decode_forward", "decode_step", "decode_rows_fit", "gathered_decode",
+           "AUTO_MAX_ROWS", "KVCACHE_MAX_ROWS"]
 
 # With DMATTN_DECODE=1, dmattn.attention takes the decode kernels on CUDA for up to this many
 # query rows (queries x query heads per kv head: one 16-row tile, or one 64-row chunk), where
@@ -89,30 +89,42 @@ def _full_lengths(batch: int, seqlen_k: int, device: torch.device) -> Tensor:
                                lambda: torch.full((batch,), seqlen_k, dtype=torch.int32, device=device))
 
 
+def decode_rows_fit(q: Tensor, heads_kv: int, max_rows: int) -> bool:
+    """Whether q (B, Sq, H, D) on CUDA has the shapes the decode kernels take for up to max_rows
+    query rows per kv head (the native decode_splits' shape rules, from shapes alone: traceable
+    under torch.compile, where the op body then picks the split count)."""
+    if q.device.type != "cuda" or q.dim() != 4 or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    _, seqlen_q, heads, head_dim = q.shape
+    if heads_kv < 1 or heads % heads_kv or head_dim % 8 or not 8 <= head_dim <= 256:
+        return False
+    return 1 <= seqlen_q * (heads // heads_kv) <= max_rows
+
+
 def decode_step(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor], causal: bool,
                 scale: Optional[float], softcap: float) -> Optional[Tensor]:
     """dmattn.attention(q, k, v, mask, bias, causal=causal, scale=scale, softcap=softcap) on the
     decode kernel, for an inference call of at most AUTO_MAX_ROWS query rows on CUDA (a
-    decoding step of a model: the transformers integration); None where that does not apply
-    (the caller then runs dmattn.attention). Same semantics (causal bottom-right aligned: the
-    cache call with every key of the row); results equal to floating-point summation order."""
-    # (Under torch.compile the split count, a native call, would break the graph: dmattn.attention.)
-    if torch.compiler.is_compiling() or not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
-                                             and q.is_cuda):
+    decoding step of a model: the transformers integration, eager or under torch.compile); None
+    where that does not apply (the caller then runs dmattn.attention). Same semantics (causal
+    bottom-right aligned: the cache call with every key of the row); results equal to
+    floating-point summation order."""
+    compiling = torch.compiler.is_compiling()
+    if not compiling and not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor):
         return None
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
         return None
     if k.dtype != q.dtype or v.dtype != q.dtype or not records_no_gradient(q, k, v, bias):
         return None
     batch, seqlen_k = k.shape[0], k.shape[1]
-    if seqlen_k == 0 or _decode_splits(q, k.shape[2], seqlen_k, AUTO_MAX_ROWS) == 0:
+    if seqlen_k == 0 or not decode_rows_fit(q, k.shape[2], AUTO_MAX_ROWS):
         return None
     # Every key of every row. Not a cached tensor: a decoding model's key count grows by one each
     # step, so the cache would miss every time and evict the entries that do repeat.
     lengths = torch.full((batch,), seqlen_k, dtype=torch.int32, device=q.device)
-    # (A cache of a layout the kernels cannot copy in 16-byte chunks is copied, as dmattn.attention does.)
-    out, _ = _call_op(kvcache_forward, q, _cuda_layout(k), _cuda_layout(v), lengths, None, mask, bias, bool(causal),
-                      -1, -1, scale, float(softcap))
+    args = (q, k, v, lengths, None, mask, bias, bool(causal), -1, -1, scale, float(softcap))
+    # Eager: the op's body directly (the dispatcher's layers cost host time); traced: the op.
+    out, _ = kvcache_forward(*args) if compiling else _call_op(kvcache_forward, *args)
     return out
 
 
@@ -229,6 +241,8 @@ def kvcache_forward(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens: Tensor
     seqlen_k = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
     splits = _decode_splits(q, k_cache.shape[2], seqlen_k, KVCACHE_MAX_ROWS)
     if splits > 0:
+        if block_table is None:  # (a cache whose rows the kernel cannot copy in 16-byte chunks is copied)
+            k_cache, v_cache = _cuda_layout(k_cache), _cuda_layout(v_cache)
         return _run_decode(q, k_cache, v_cache, mask, bias, causal, window_left, window_right, scale, softcap,
                            seqlens, block_table, splits)
     return _composed_forward(q, k_cache, v_cache, seqlens, block_table, mask, bias, causal, window_left,
