@@ -17,6 +17,8 @@ inline constexpr int kDecodeRows = 16;
 inline constexpr int kDecodeChunkRows = 64;
 // ... for head dims up to this; larger ones take chunks of kDecodeRows rows.
 inline constexpr int kDecodeRowsMaxHeadDim = 128;
+// Key splits at most (the combine kernel keeps one weight per split in shared memory).
+inline constexpr int kDecodeMaxSplits = 128;
 
 // How the decode kernel reads mask / bias entries: not at all; by loads into registers a step
 // ahead (any layout); or copied with each step's K / V tiles into its cp.async ring (16-bit bias

@@ -24,7 +24,6 @@ constexpr int64_t kCtasPerSm = 2;
 // A split reads at least this many keys: below it the partial rows' write and the combine
 // kernel cost more than the parallelism gains.
 constexpr int64_t kMinKeysPerSplit = 256;
-constexpr int64_t kMaxSplits = 128;
 
 int sm_count(int device_id) {
   const int n = multiprocessor_count(device_id);
@@ -74,7 +73,7 @@ int64_t decode_row_chunks(int64_t seqlen_q, int64_t group, int64_t head_dim) {
 int64_t decode_num_splits(int64_t ctas, int64_t seqlen_k, int device_id) {
   if (ctas <= 0) return 1;
   const double wave = double(sm_count(device_id)) * kCtasPerSm;
-  const int64_t max_splits = std::min(kMaxSplits, std::max<int64_t>(1, seqlen_k / kMinKeysPerSplit));
+  const int64_t max_splits = std::min<int64_t>(kDecodeMaxSplits, std::max<int64_t>(1, seqlen_k / kMinKeysPerSplit));
   if (double(ctas) >= 0.8 * wave || max_splits == 1) return 1;
   const auto efficiency = [&](int64_t s) {
     const double waves = double(ctas) * double(s) / wave;
@@ -107,6 +106,8 @@ void decode_forward(const ForwardParams& p) {
     check_seq_tensor("k", p.k, p.k_strides);
     check_seq_tensor("v", p.v, p.v_strides);
   }
+  check(p.decode_splits <= kDecodeMaxSplits, ErrorKind::kValue, "num_splits: expected at most ", kDecodeMaxSplits,
+        ", got ", p.decode_splits);
   check(p.decode_splits == 1 || p.split_workspace != nullptr, ErrorKind::kValue,
         "workspace: ", p.decode_splits, " key splits need a float32 workspace, got none");
 

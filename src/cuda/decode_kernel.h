@@ -126,16 +126,31 @@ __device__ __forceinline__ float operand_bias(const DecodeArgs& a, uint32_t raw)
 
 // The transform of one score (docs/semantics.md): scale, softcap, bias, then the allowed test
 // (split, mask, window); a disallowed key gives -inf (replaced, never offset). In log2 units.
-template <bool kOperands>
+// kChecks = false: a tile inside the split and inside every row's window (tile_inside), without
+// softcap: the same arithmetic without the per-key tests (allowed is then the mask's alone).
+template <bool kOperands, bool kChecks = true>
 __device__ __forceinline__ float transform_score(const DecodeArgs& a, float s, int i, int j, int64_t off,
                                                  bool allowed, float bias) {
   s *= a.q_scale;
-  if (a.softcap > 0.f) s = a.softcap * tanhf(s);
   bool ok = allowed;
-  if (a.window_left >= 0) ok = ok && j >= i + off - a.window_left;
-  if (a.window_right >= 0) ok = ok && j <= i + off + a.window_right;
+  if constexpr (kChecks) {
+    if (a.softcap > 0.f) s = a.softcap * tanhf(s);
+    if (a.window_left >= 0) ok = ok && j >= i + off - a.window_left;
+    if (a.window_right >= 0) ok = ok && j <= i + off + a.window_right;
+  }
   if (kOperands) s += bias;
   return ok ? s * 1.4426950408889634f : -INFINITY;
+}
+
+// Whether keys [jt, jt + keys) all lie before the split's end ke and inside the window (causal
+// included) of every query i_first .. i_last, with no softcap: such a tile's scores take
+// transform_score<..., false> (warp-uniform: the same for all the warp's rows).
+__device__ __forceinline__ bool tile_inside(const DecodeArgs& a, int64_t off, int i_first, int i_last, int jt,
+                                            int keys, int ke) {
+  if (jt + keys > ke || a.softcap > 0.f) return false;
+  if (a.window_left >= 0 && jt < i_last + off - a.window_left) return false;
+  if (a.window_right >= 0 && jt + keys - 1 > i_first + off + a.window_right) return false;
+  return true;
 }
 
 template <typename Element> struct DecodeMma;
@@ -237,44 +252,15 @@ __device__ __forceinline__ void q_smem_fragment(const Element* sq, int ks, int l
                                 f[3]);
 }
 
-// One tile of kKeys keys (16, 32 or 64) against a warp's 16 rows: the scores q K^T (K rows at
-// sk; q's A fragment of k-step ks from q_fragment(ks, f)), their transform (mask / bias entries
-// in op), the online softmax update of the row maxima m, sums l and accumulators o, then
-// o += P V (V rows at sv). Keys jt .. jt + kKeys - 1; those at or past ke are disallowed. Wider
-// tiles give the tensor cores more independent products and rescale the accumulators less often.
-template <typename Element, int kD, bool kOperands, int kKeys = 16, typename QFragment>
-__device__ __forceinline__ void attend_tile(const DecodeArgs& a, const Element* sk, const Element* sv, int jt, int ke,
-                                            int64_t off, const int (&row_i)[2], const StepOperandsOf<kKeys>& op,
-                                            const QFragment& q_fragment, float (&m)[2], float (&l)[2],
-                                            float (&o)[kD / 8][4], int lane) {
-  using Mma = typename DecodeMma<Element>::Op;
-  constexpr int kNd = kD / 8;
-  constexpr int kNt = kKeys / 8;  // n-tiles of the score product
-  // Scores: s[nt] = q (16 rows) x K^T (8 keys of n-tile nt); K rows as the B operand by
-  // ldmatrix (matrix lane / 8: chunk 4 kk + lane / 8 of key 8 nt + lane % 8).
-  float s[kNt][4];
-#pragma unroll
-  for (int nt = 0; nt < kNt; ++nt) {
-    s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < kD / 32; ++kk) {
-      uint32_t kf[4];
-      const int r = nt * 8 + lane % 8, c = kk * 4 + lane / 8;
-      cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(sk + tile_offset<kD>(r, c)), kf[0],
-                                    kf[1], kf[2], kf[3]);
-      uint32_t q0[4], q1[4];
-      q_fragment(2 * kk, q0);
-      q_fragment(2 * kk + 1, q1);
-      Mma::fma(s[nt][0], s[nt][1], s[nt][2], s[nt][3], q0[0], q0[1], q0[2], q0[3], kf[0], kf[1], s[nt][0],
-               s[nt][1], s[nt][2], s[nt][3]);
-      Mma::fma(s[nt][0], s[nt][1], s[nt][2], s[nt][3], q1[0], q1[1], q1[2], q1[3], kf[2], kf[3], s[nt][0],
-               s[nt][1], s[nt][2], s[nt][3]);
-    }
-  }
-
-  // Online softmax in base 2, per accumulator row (hf: row lane / 4 + 8 hf). A row whose
-  // maximum is -inf so far subtracts 0 instead: its masked keys give p = 0, NaN scores NaN.
-  float alpha[2];
+// Online softmax in base 2 of a tile's scores s (kKeys / 8 n-tiles), per accumulator row (hf:
+// row lane / 4 + 8 hf): transform (mask / bias entries in op), new row maxima m, the factors
+// alpha that rescale the old sums / accumulators, s replaced by the probabilities, sums l. A row
+// whose maximum is -inf so far subtracts 0 instead: its masked keys give p = 0, NaN scores NaN.
+template <typename Element, bool kOperands, int kKeys, bool kChecks>
+__device__ __forceinline__ void online_softmax(const DecodeArgs& a, float (&s)[kKeys / 8][4], int jt, int ke,
+                                               int64_t off, const int (&row_i)[2], const StepOperandsOf<kKeys>& op,
+                                               float (&m)[2], float (&l)[2], float (&alpha)[2], int lane) {
+  constexpr int kNt = kKeys / 8;
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     float mx = m[hf];
@@ -283,10 +269,10 @@ __device__ __forceinline__ void attend_tile(const DecodeArgs& a, const Element* 
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int j = jt + nt * 8 + (lane % 4) * 2 + e, x_idx = 2 * kNt * hf + 2 * nt + e;
-        const bool allowed = j < ke && (!kOperands || op.mask[x_idx] != 0);
+        const bool allowed = (!kChecks || j < ke) && (!kOperands || op.mask[x_idx] != 0);
         const float bias = kOperands ? operand_bias<Element>(a, op.bias[x_idx]) : 0.f;
         float& x = s[nt][2 * hf + e];
-        x = transform_score<kOperands>(a, x, row_i[hf], j, off, allowed, bias);
+        x = transform_score<kOperands, kChecks>(a, x, row_i[hf], j, off, allowed, bias);
         mx = fmaxf(mx, x);
       }
     }
@@ -305,6 +291,54 @@ __device__ __forceinline__ void attend_tile(const DecodeArgs& a, const Element* 
       }
     }
     l[hf] = l[hf] * alpha[hf] + sum;
+  }
+}
+
+// The scores of one tile of kKeys keys (16, 32 or 64) against a warp's 16 rows: s = q K^T (K
+// rows at sk; q's A fragment of k-step ks from q_fragment(ks, f)), raw (before the transform).
+template <typename Element, int kD, int kKeys, typename QFragment>
+__device__ __forceinline__ void tile_scores(const Element* sk, const QFragment& q_fragment,
+                                            float (&s)[kKeys / 8][4], int lane) {
+  using Mma = typename DecodeMma<Element>::Op;
+  constexpr int kNt = kKeys / 8;  // n-tiles of the score product
+  // s[nt] = q (16 rows) x K^T (8 keys of n-tile nt); K rows as the B operand by ldmatrix
+  // (matrix lane / 8: chunk 4 kk + lane / 8 of key 8 nt + lane % 8).
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt) {
+    s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kD / 32; ++kk) {
+      uint32_t kf[4];
+      const int r = nt * 8 + lane % 8, c = kk * 4 + lane / 8;
+      cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(sk + tile_offset<kD>(r, c)), kf[0],
+                                    kf[1], kf[2], kf[3]);
+      uint32_t q0[4], q1[4];
+      q_fragment(2 * kk, q0);
+      q_fragment(2 * kk + 1, q1);
+      Mma::fma(s[nt][0], s[nt][1], s[nt][2], s[nt][3], q0[0], q0[1], q0[2], q0[3], kf[0], kf[1], s[nt][0],
+               s[nt][1], s[nt][2], s[nt][3]);
+      Mma::fma(s[nt][0], s[nt][1], s[nt][2], s[nt][3], q1[0], q1[1], q1[2], q1[3], kf[2], kf[3], s[nt][0],
+               s[nt][1], s[nt][2], s[nt][3]);
+    }
+  }
+}
+
+// The rest of a tile once its scores s are in: their transform (mask / bias entries in op), the
+// online softmax update of the row maxima m, sums l and accumulators o, then o += P V (V rows at
+// sv). Keys jt .. jt + kKeys - 1; those at or past ke are disallowed. inside: tile_inside's
+// answer for the tile (its scores skip the per-key tests).
+template <typename Element, int kD, bool kOperands, int kKeys>
+__device__ __forceinline__ void tile_update(const DecodeArgs& a, float (&s)[kKeys / 8][4], const Element* sv, int jt,
+                                            int ke, int64_t off, const int (&row_i)[2],
+                                            const StepOperandsOf<kKeys>& op, float (&m)[2], float (&l)[2],
+                                            float (&o)[kD / 8][4], int lane, bool inside) {
+  using Mma = typename DecodeMma<Element>::Op;
+  constexpr int kNd = kD / 8;
+  float alpha[2];
+  if (inside) {
+    online_softmax<Element, kOperands, kKeys, false>(a, s, jt, ke, off, row_i, op, m, l, alpha, lane);
+  } else {
+    online_softmax<Element, kOperands, kKeys, true>(a, s, jt, ke, off, row_i, op, m, l, alpha, lane);
   }
   // Once the row maxima settle, alpha is exactly 1 for the rest of the keys: skip the scaling
   // of the accumulators then (a NaN alpha is != 1 and still reaches them).
@@ -338,6 +372,18 @@ __device__ __forceinline__ void attend_tile(const DecodeArgs& a, const Element* 
   }
 }
 
+// One tile of kKeys keys against a warp's 16 rows: tile_scores, then tile_update. Wider tiles
+// give the tensor cores more independent products and rescale the accumulators less often.
+template <typename Element, int kD, bool kOperands, int kKeys = 16, typename QFragment>
+__device__ __forceinline__ void attend_tile(const DecodeArgs& a, const Element* sk, const Element* sv, int jt, int ke,
+                                            int64_t off, const int (&row_i)[2], const StepOperandsOf<kKeys>& op,
+                                            const QFragment& q_fragment, float (&m)[2], float (&l)[2],
+                                            float (&o)[kD / 8][4], int lane, bool inside) {
+  float s[kKeys / 8][4];
+  tile_scores<Element, kD, kKeys>(sk, q_fragment, s, lane);
+  tile_update<Element, kD, kOperands, kKeys>(a, s, sv, jt, ke, off, row_i, op, m, l, o, lane, inside);
+}
+
 }  // namespace decode_detail
 
 // Grid (row_chunks * num_splits, heads_kv, batch), DecodeTile<kD>::kThreads threads, its
@@ -365,6 +411,7 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
 
   int row_i[2], row_h[2];
   accumulator_rows(a, kvh, r0, nrows, lane, row_i, row_h);
+  const int i_first = r0 / a.group, i_last = (r0 + nrows - 1) / a.group;  // the chunk's queries
 
   // q as the A operand of every k-step (rows past the chunk's end and columns past head_dim 0):
   // up to kD = 128 read once from global memory into registers (load_q_fragments); at 256 staged
@@ -503,7 +550,8 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
         cur.mask[x + 1] = a.mask.ptr != nullptr ? static_cast<uint8_t>(mw >> 8) : uint8_t(1);
       }
     }
-    attend_tile<Element, kD, kOperands>(a, sk, sv, jt, ke, off, row_i, cur, q_fragment, m, l, o, lane);
+    attend_tile<Element, kD, kOperands>(a, sk, sv, jt, ke, off, row_i, cur, q_fragment, m, l, o, lane,
+                                        tile_inside(a, off, i_first, i_last, jt, kKeys, ke));
   };
   // With the operands a step ahead, two steps an iteration, the operand registers swapping roles
   // (a copy would wait for the loads in flight).
@@ -580,42 +628,76 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
 }
 
 // Merges the splits' partial rows: lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse)
-// out_s. One warp per (b, h, i) row; grid ceil(B * H * Sq / 4), 128 threads.
+// out_s. One CTA of kDecodeCombineThreads per (b, h, i) row, grid B * H * Sq: warp 0 turns the
+// splits' lse into weights (shared memory), then the threads split the row's float4 columns and
+// its splits between them (every load of a thread independent: one memory round trip for the
+// whole row instead of one per split), and sum their partial columns through shared memory.
+inline constexpr int kDecodeCombineThreads = 128;
 template <typename Element>
-__global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeArgs a) {
+__global__ void __launch_bounds__(kDecodeCombineThreads) decode_combine_kernel(const DecodeArgs a) {
+  constexpr int kThreads = kDecodeCombineThreads;
+  __shared__ float weight[kDecodeMaxSplits];
+  __shared__ float row_lse;
+  __shared__ __align__(16) float partial[kThreads * 4];
   const int64_t rows = int64_t(a.batch) * a.num_heads * a.seqlen_q;
-  const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= rows) return;
-  const int64_t split_rows = rows;
-  float mx = -INFINITY;
-  for (int s = lane; s < a.num_splits; s += 32) mx = fmaxf(mx, a.part_lse[s * split_rows + row]);
+  const int64_t row = blockIdx.x;
+  const int splits = a.num_splits;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    float lse_s[kDecodeMaxSplits / 32];
+    float mx = -INFINITY;
 #pragma unroll
-  for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  const float mu = mx == -INFINITY ? 0.f : mx;
-  float sum = 0.f;
-  for (int s = lane; s < a.num_splits; s += 32) sum += __expf(a.part_lse[s * split_rows + row] - mu);
+    for (int u = 0; u < kDecodeMaxSplits / 32; ++u) {
+      const int s = u * 32 + lane;
+      lse_s[u] = s < splits ? a.part_lse[s * rows + row] : -INFINITY;
+      mx = fmaxf(mx, lse_s[u]);
+    }
 #pragma unroll
-  for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  const bool empty = sum == 0.f;
-  const float lse = empty ? -INFINITY : mu + __logf(sum);
+    for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    const float mu = mx == -INFINITY ? 0.f : mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int u = 0; u < kDecodeMaxSplits / 32; ++u) sum += __expf(lse_s[u] - mu);
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    // An empty row (no allowed key in any split) is 0 with lse -inf; a NaN stays NaN.
+    const bool empty = sum == 0.f;
+    const float lse = empty ? -INFINITY : mu + __logf(sum);
+#pragma unroll
+    for (int u = 0; u < kDecodeMaxSplits / 32; ++u) {
+      const int s = u * 32 + lane;
+      if (s < splits) weight[s] = empty ? 0.f : __expf(lse_s[u] - lse);
+    }
+    if (lane == 0) row_lse = lse;
+  }
+  __syncthreads();
+
+  // Column c (4 elements) of the splits g, g + groups, ...: columns padded to a power of two.
+  const int cols = a.head_dim / 4;
+  const int cols_pow2 = cols <= 16 ? 16 : cols <= 32 ? 32 : 64;
+  const int groups = kThreads / cols_pow2, c = threadIdx.x % cols_pow2, g = threadIdx.x / cols_pow2;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (c < cols) {
+#pragma unroll 4
+    for (int s = g; s < splits; s += groups) {
+      const float w = weight[s];
+      const float4 x = reinterpret_cast<const float4*>(a.part_out + (s * rows + row) * a.head_dim)[c];
+      acc.x = fmaf(w, x.x, acc.x), acc.y = fmaf(w, x.y, acc.y), acc.z = fmaf(w, x.z, acc.z), acc.w = fmaf(w, x.w, acc.w);
+    }
+  }
+  reinterpret_cast<float4*>(partial)[threadIdx.x] = acc;
+  __syncthreads();
   const int i = static_cast<int>(row % a.seqlen_q);
   const int h = static_cast<int>((row / a.seqlen_q) % a.num_heads);
   const int b = static_cast<int>(row / (int64_t(a.seqlen_q) * a.num_heads));
   Element* out =
       static_cast<Element*>(a.out) + b * a.o_st.batch_stride + i * a.o_st.row_stride + h * a.o_st.head_stride;
-  for (int d = lane; d < a.head_dim; d += 32) {
+  for (int d = threadIdx.x; d < a.head_dim; d += kThreads) {
     float o = 0.f;
-    if (!empty) {
-#pragma unroll 8
-      for (int s = 0; s < a.num_splits; ++s) {  // unrolled: several splits' loads in flight
-        const float w = __expf(a.part_lse[s * split_rows + row] - lse);
-        o = fmaf(w, a.part_out[(s * split_rows + row) * a.head_dim + d], o);
-      }
-    }
+    for (int gg = 0; gg < groups; ++gg) o += partial[(gg * cols_pow2 + d / 4) * 4 + d % 4];
     out[d] = Element(saturate_keep_nan<Element>(o));
   }
-  if (lane == 0) a.lse[b * a.lse_bs + h * a.lse_hs + i] = lse;
+  if (threadIdx.x == 0) a.lse[b * a.lse_bs + h * a.lse_hs + i] = row_lse;
 }
 
 }  // namespace dmattn::cuda

@@ -61,6 +61,7 @@ __global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2
 
   int row_i[2], row_h[2];
   accumulator_rows(a, kvh, computes ? r0 : c0, computes ? nrows : 1, lane, row_i, row_h);
+  const int i_first = r0 / a.group, i_last = (r0 + max(nrows, 1) - 1) / a.group;  // the warp's queries
 
   // q's A fragments of the warp's tile in registers (decode_kernel.h's layout; 0 past its rows).
   extern __shared__ __align__(16) char decode_smem[];
@@ -103,28 +104,54 @@ __global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2
     }
     cp_async_commit();
   };
-#pragma unroll
-  for (int st = 0; st < kStages - 1; ++st) issue(st);
-
-  // The stage's keys in tiles of kTileKeys (the whole stage; 32 keys with operands, whose 16 + 16
-  // entries a thread holds in registers).
-  constexpr int kTileKeys = kOperands ? 32 : kStageKeys;
+  // Tiles of 32 keys, two a stage, software-pipelined: the scores of tile t + 1 are computed
+  // before tile t's softmax and values, so that the tensor cores work while the softmax waits on
+  // its dependencies (with two warps a scheduler, the other warp alone cannot cover it). A stage
+  // is waited for when its first tile's scores start; its slot is then refilled with the next
+  // stage, the slot of two stages back (every warp has passed its last use: the values of that
+  // stage's second tile, before this barrier).
+  constexpr int kTileKeys = 32;
+  const int tiles = ke > kb ? (ke - kb + kTileKeys - 1) / kTileKeys : 0;
   const OperandRows op_rows = operand_rows(a, b, row_h, row_i);
-  StepOperandsOf<kTileKeys> op;
-  for (int it = 0; it < stages; ++it) {
-    cp_async_wait<kStages - 2>();  // the thread's copies of stage it have landed
-    __syncthreads();               // ... and everyone's; every warp is done with the slot refilled next
-    issue(it + kStages - 1);
-    if (!computes) continue;
-    const Element* sk = stage_k(it);
-    const Element* sv = sk + kStageKeys * kD;
-#pragma unroll 1
-    for (int sub = 0; sub < kStageKeys / kTileKeys; ++sub) {
-      const int jt = kb + it * kStageKeys + sub * kTileKeys;
-      if (jt >= ke) break;
-      if constexpr (kOperands) load_step_operands(a, op_rows, jt, ke, lane, op);
-      attend_tile<Element, kD, kOperands, kTileKeys>(a, sk + sub * kTileKeys * kD, sv + sub * kTileKeys * kD, jt, ke,
-                                                     keys.off, row_i, op, q_fragment, m, l, o, lane);
+  StepOperandsOf<kTileKeys> op_a, op_b;
+  float s_a[kTileKeys / 8][4], s_b[kTileKeys / 8][4];
+  const auto tile_keys = [&](int t) {
+    return reinterpret_cast<const Element*>(stage_k(t / 2)) + (t % 2) * kTileKeys * kD;
+  };
+  const auto tile_start = [&](int t) { return kb + t * kTileKeys; };
+  // The scores (and the mask / bias entries) of tile t: t even begins a stage.
+  const auto begin_tile = [&](int t, float (&s)[kTileKeys / 8][4], StepOperandsOf<kTileKeys>& op) {
+    if (t % 2 == 0) {
+      cp_async_wait<0>();  // the stage's copies (the only ones in flight) have landed ...
+      __syncthreads();     // ... everyone's; every warp is done with the slot refilled next
+      issue(t / 2 + 1);
+    }
+    if (!computes) return;
+    if constexpr (kOperands) load_step_operands(a, op_rows, tile_start(t), ke, lane, op);
+    tile_scores<Element, kD, kTileKeys>(tile_keys(t), q_fragment, s, lane);
+  };
+  const auto end_tile = [&](int t, float (&s)[kTileKeys / 8][4], const StepOperandsOf<kTileKeys>& op) {
+    if (!computes) return;
+    const int jt = tile_start(t);
+    const bool inside = tile_inside(a, keys.off, i_first, i_last, jt, kTileKeys, ke);
+    tile_update<Element, kD, kOperands, kTileKeys>(a, s, tile_keys(t) + kStageKeys * kD, jt, ke, keys.off, row_i,
+                                                   op, m, l, o, lane, inside);
+  };
+  issue(0);
+  if constexpr (kOperands) {  // one tile at a time: a second set of scores and entries spilled
+    for (int t = 0; t < tiles; ++t) {
+      begin_tile(t, s_a, op_a);
+      end_tile(t, s_a, op_a);
+    }
+  } else {
+    if (tiles > 0) begin_tile(0, s_a, op_a);
+    for (int t = 0; t < tiles; t += 2) {  // tile t's scores are in s_a
+      if (t + 1 < tiles) begin_tile(t + 1, s_b, op_b);
+      end_tile(t, s_a, op_a);
+      if (t + 1 < tiles) {
+        if (t + 2 < tiles) begin_tile(t + 2, s_a, op_a);
+        end_tile(t + 1, s_b, op_b);
+      }
     }
   }
   cp_async_wait<0>();

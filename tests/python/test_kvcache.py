@@ -161,6 +161,21 @@ def test_gpu_long_cache_splits(dtype, head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("seqlen_q", [1, 8])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("window", [(-1, -1), (15000, -1)])
+def test_gpu_many_splits(seqlen_q, head_dim, window):
+    """One (batch, kv head) against a long cache: over 100 key splits (every lane of the combine
+    kernel's lse loads, its columns split over several thread groups); one query and a 64-row
+    chunk, causal with and without a left window (tiles wholly inside the window skip the
+    per-key tests; those across its edge or the diagonal keep them)."""
+    case = _make_case("cuda", torch.bfloat16, batch=1, seqlen_q=seqlen_q, heads=8, heads_kv=1, head_dim=head_dim,
+                      capacity=40000, lens=[39990 - seqlen_q], new=seqlen_q)
+    out, lse = _run(case, window=window)
+    _check(case, out, lse, window=window)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("seqlen_q,page_size", [(4, None), (4, 8), (3, 64), (16, None), (16, 8), (5, None),
                                                (20, 256)])
 def test_gpu_full_row_tiles(seqlen_q, page_size):
@@ -356,19 +371,26 @@ def test_gpu_decode_step_declines():
 
 
 @pytest.mark.gpu
-def test_gpu_decode_step_compiles_without_graph_breaks():
-    """Under torch.compile(fullgraph=True) a decoding step falls back to dmattn.attention (the
-    split count is a native call) instead of breaking the graph."""
-    from dmattn.decode import decode_step
+def test_gpu_decode_step_compiles_onto_the_decode_kernel(monkeypatch):
+    """Under torch.compile(fullgraph=True) a decoding step (transformers' StaticCache layout
+    (B, Hkv, Sk, D) with a key mask over the unused slots) traces without a graph break and
+    runs on the decode kernel (the op's body picks the split count), equal to the reference."""
+    from dmattn import decode
 
-    def step(q, k, v):
-        out = decode_step(q, k, v, None, None, True, None, 0.0)
-        return dmattn.attention(q, k, v, causal=True) if out is None else out
+    runs = []
+    run_decode = decode._run_decode
+    monkeypatch.setattr(decode, "_run_decode", lambda *a: runs.append(1) or run_decode(*a))
+
+    def step(q, k, v, mask):
+        out = decode.decode_step(q, k, v, mask, None, True, None, 0.0)
+        return dmattn.attention(q, k, v, mask, causal=True) if out is None else out
 
     g = torch.Generator().manual_seed(5)
     q = torch.randn(2, 1, 8, 64, generator=g).to("cuda", torch.bfloat16)
-    k, v = (torch.randn(2, 700, 2, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(2, 2, 700, 64, generator=g).to("cuda", torch.bfloat16).transpose(1, 2) for _ in range(2))
+    mask = (torch.arange(700, device="cuda") < torch.tensor([[650], [123]], device="cuda")).view(2, 1, 1, 700)
     with torch.no_grad():
-        compiled = torch.compile(step, backend="eager", fullgraph=True)(q, k, v)
-        eager = step(q, k, v)
-    torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
+        compiled = torch.compile(step, backend="inductor", fullgraph=True)(q, k, v, mask)
+    assert runs, "the compiled step did not run the decode kernel"
+    _, lse = dmattn.attention(q, k, v, mask=mask, causal=True, return_lse=True)
+    check_against_reference(q, k, v, mask, None, compiled, lse, causal=True)
