@@ -85,25 +85,44 @@ __global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2
   const int stages = ke > kb ? (ke - kb + kStageKeys - 1) / kStageKeys : 0;
   const Element* kbase = static_cast<const Element*>(a.k);
   const Element* vbase = static_cast<const Element*>(a.v);
+  // A thread copies one 16-byte chunk column c_t of rows r_t, r_t + kPassRows, ... of a stage:
+  // kPassRows is a multiple of 8, so the rows' swizzle is the same and the destination moves
+  // by whole rows; in a contiguous cache the source moves by one row stride per pass.
+  constexpr int kPassRows = Tile::kThreads / kChunks, kPasses = kStageKeys / kPassRows;
+  static_assert(kPassRows % 8 == 0 && kStageKeys % kPassRows == 0, "whole swizzle periods per pass");
+  const int c_t = threadIdx.x % kChunks, r_t = threadIdx.x / kChunks;
+  const bool c_in = c_t * 8 < a.head_dim;
+  const int so_t = tile_offset<kD>(r_t, c_t);
   const auto issue = [&](int it) {
     if (it < stages) {
       const int jt = kb + it * kStageKeys;
-      Element* sk = stage_k(it);
-      Element* sv = sk + kStageKeys * kD;
+      Element* dk = stage_k(it) + so_t;
+      Element* dv = dk + kStageKeys * kD;
+      if (a.block_table == nullptr) {
+        KeyRow at = key_row_at(a, b, jt + r_t, kvh);
+        const int64_t step_k = int64_t(kPassRows) * a.k_st.row_stride, step_v = int64_t(kPassRows) * a.v_st.row_stride;
+#pragma unroll
+        for (int u = 0; u < kPasses; ++u) {
+          const bool ok = c_in && jt + r_t + u * kPassRows < ke;
+          cp_async_16(dk + u * kPassRows * kD, kbase + (ok ? at.k + c_t * 8 : 0), ok ? 16 : 0);
+          cp_async_16(dv + u * kPassRows * kD, vbase + (ok ? at.v + c_t * 8 : 0), ok ? 16 : 0);
+          at.k += step_k, at.v += step_v;
+        }
+      } else {
 #pragma unroll 2
-      for (int u = 0; u < kStageKeys * kChunks / Tile::kThreads; ++u) {
-        const int idx = u * Tile::kThreads + threadIdx.x, r = idx / kChunks, c = idx % kChunks;
-        const int j = jt + r;
-        const bool ok = j < ke && c * 8 < a.head_dim;
-        KeyRow at{0, 0};
-        if (ok) at = key_row(a, b, kvh, j);
-        const int so = tile_offset<kD>(r, c);
-        cp_async_16(sk + so, kbase + at.k + c * 8, ok ? 16 : 0);
-        cp_async_16(sv + so, vbase + at.v + c * 8, ok ? 16 : 0);
+        for (int u = 0; u < kPasses; ++u) {
+          const int j = jt + r_t + u * kPassRows;
+          const bool ok = c_in && j < ke;
+          KeyRow at{0, 0};
+          if (ok) at = key_row(a, b, kvh, j);
+          cp_async_16(dk + u * kPassRows * kD, kbase + at.k + c_t * 8, ok ? 16 : 0);
+          cp_async_16(dv + u * kPassRows * kD, vbase + at.v + c_t * 8, ok ? 16 : 0);
+        }
       }
     }
     cp_async_commit();
   };
+
   // Tiles of 32 keys, two a stage, software-pipelined: the scores of tile t + 1 are computed
   // before tile t's softmax and values, so that the tensor cores work while the softmax waits on
   // its dependencies (with two warps a scheduler, the other warp alone cannot cover it). A stage
