@@ -88,7 +88,8 @@ def install(name: str) -> None:
 
 def _warn_fallback(attention_mask) -> None:
     global _warned
-    if _warned:
+    # (Not while torch.compile traces: a warning would break the graph, a fullgraph trace fails.)
+    if _warned or torch.compiler.is_compiling():
         return
     _warned = True
     shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
