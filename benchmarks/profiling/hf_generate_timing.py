@@ -1,7 +1,9 @@
 """Greedy generate() throughput of transformers models with attn_implementation "dmattn" beside
 "sdpa" (and "eager" with --eager), in one process.
 
-Models (random weights, bf16, DynamicCache): a Llama-style model (4 layers, hidden 2048, 16 query
+Models (random weights, bf16, DynamicCache, or with --cache static a StaticCache, whose
+decoding steps transformers compiles, torch.compile with CUDA graphs; the warm-up call
+compiles): a Llama-style model (4 layers, hidden 2048, 16 query
 heads, 4 kv heads, head_dim 128) and a Doge model of the same size (keep_window_size 2048: its
 decoding steps attend to the top 2048 keys of the cache by dt_states). Every row gets exactly
 --new tokens after a --prompt-token prompt (no padding). Reported per batch size:
@@ -11,7 +13,7 @@ decoding steps attend to the top 2048 keys of the cache by dt_states). Every row
 Median of --runs timed calls after one warm-up call. Also checks that dmattn's greedy tokens
 equal sdpa's for the first row (reported, not asserted: bf16 near-ties can part them).
     PYTHONPATH=python python3 benchmarks/profiling/hf_generate_timing.py [--batch 1,8] [--prompt 8192]
-        [--new 64] [--models llama,doge] [--eager] [--json FILE]
+        [--new 64] [--models llama,doge] [--cache dynamic|static] [--eager] [--json FILE]
 """
 
 import argparse
@@ -40,12 +42,14 @@ def build(name: str, prompt: int, new: int):
     return model.to(device="cuda", dtype=torch.bfloat16).eval()
 
 
-def generate_s(model, ids, new: int, runs: int):
+def generate_s(model, ids, new: int, runs: int, cache: str):
+    options = dict(cache_implementation="static") if cache == "static" else {}
+
     def call():
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                             min_new_tokens=new, do_sample=False, pad_token_id=0)
+                             min_new_tokens=new, do_sample=False, pad_token_id=0, **options)
         torch.cuda.synchronize()
         return time.perf_counter() - t0, out
 
@@ -61,11 +65,13 @@ def main():
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--models", default="llama,doge")
+    ap.add_argument("--cache", default="dynamic", choices=["dynamic", "static"])
     ap.add_argument("--eager", action="store_true", help="also time attn_implementation='eager'")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     register()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, prompt {args.prompt}, new {args.new}")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, prompt {args.prompt}, new {args.new}, "
+          f"{args.cache} cache")
     rows = []
     impls = ["sdpa", "dmattn"] + (["eager"] if args.eager else [])
     for name in args.models.split(","):
@@ -78,14 +84,14 @@ def main():
                 model.set_attn_implementation(impl)
                 try:
                     with torch.no_grad():
-                        full, out = generate_s(model, ids, args.new, args.runs)
-                        first, _ = generate_s(model, ids, 1, args.runs)
+                        full, out = generate_s(model, ids, args.new, args.runs, args.cache)
+                        first, _ = generate_s(model, ids, 1, args.runs, args.cache)
                 except torch.cuda.OutOfMemoryError:
                     print(f"{name:<6} B={batch:<2} {impl:<7} out of memory", flush=True)
                     torch.cuda.empty_cache()
                     continue
                 tokens[impl] = out[0, args.prompt:]
-                row = dict(model=name, batch=batch, impl=impl, tokens_s=batch * args.new / full,
+                row = dict(model=name, batch=batch, impl=impl, cache=args.cache, tokens_s=batch * args.new / full,
                            decode_tokens_s=batch * (args.new - 1) / (full - first), generate_s=full)
                 rows.append(row)
                 print(f"{name:<6} B={batch:<2} {impl:<7} {row['tokens_s']:9.1f} tokens/s  "

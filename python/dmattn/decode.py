@@ -82,13 +82,6 @@ def maybe_decode_forward(q, k, v, mask, bias, causal, window_left, window_right,
                        splits)
 
 
-def _full_lengths(batch: int, seqlen_k: int, device: torch.device) -> Tensor:
-    """int32 (batch,) filled with seqlen_k: every key of every row is read (cached: the kept-key
-    count of gathered_decode repeats from step to step)."""
-    return cached_index_tensor(("decode lengths", batch, seqlen_k, device),
-                               lambda: torch.full((batch,), seqlen_k, dtype=torch.int32, device=device))
-
-
 def decode_rows_fit(q: Tensor, heads_kv: int, max_rows: int) -> bool:
     """Whether q (B, Sq, H, D) on CUDA has the shapes the decode kernels take for up to max_rows
     query rows per kv head (the native decode_splits' shape rules, from shapes alone: traceable
@@ -116,13 +109,10 @@ def decode_step(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: O
         return None
     if k.dtype != q.dtype or v.dtype != q.dtype or not records_no_gradient(q, k, v, bias):
         return None
-    batch, seqlen_k = k.shape[0], k.shape[1]
-    if seqlen_k == 0 or not decode_rows_fit(q, k.shape[2], AUTO_MAX_ROWS):
+    if k.shape[1] == 0 or not decode_rows_fit(q, k.shape[2], AUTO_MAX_ROWS):
         return None
-    # Every key of every row. Not a cached tensor: a decoding model's key count grows by one each
-    # step, so the cache would miss every time and evict the entries that do repeat.
-    lengths = torch.full((batch,), seqlen_k, dtype=torch.int32, device=q.device)
-    args = (q, k, v, lengths, None, mask, bias, bool(causal), -1, -1, scale, float(softcap))
+    # Every key of every row: no per-row lengths (seqlens None).
+    args = (q, k, v, None, None, mask, bias, bool(causal), -1, -1, scale, float(softcap))
     # Eager: the op's body directly (the dispatcher's layers cost host time); traced: the op.
     out, _ = kvcache_forward(*args) if compiling else _call_op(kvcache_forward, *args)
     return out
@@ -182,7 +172,7 @@ def gathered_decode(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, kept_bia
         kept_bias = kept_bias.expand(batch, heads_kv, 1, keep)
     bias = kept_bias.reshape(pairs, 1, 1, keep)
     out, lse = _run_decode(q.reshape(pairs, 1, group, head_dim), pages[0], pages[1], None, bias, False, -1, -1,
-                           scale, softcap, _full_lengths(pairs, keep, device), table, splits)
+                           scale, softcap, None, table, splits)
     return out.view(batch, 1, heads, head_dim), lse.view(batch, heads, 1)
 
 
@@ -211,6 +201,9 @@ def _composed_forward(q, k_cache, v_cache, seqlens, block_table, mask, bias, cau
     per-row lengths, causal and window folded into one (B, 1, Sq, Sk) mask. Torch ops only (no
     host synchronization); the CPU backend and the CUDA rows beyond KVCACHE_MAX_ROWS."""
     seqlen_q = q.shape[1]
+    if seqlens is None:
+        seqlen_k = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+        seqlens = torch.full((q.shape[0],), seqlen_k, dtype=torch.int32, device=q.device)
     k, v, valid = _gathered_cache(q, k_cache, v_cache, seqlens, block_table)
     positions = torch.arange(k.shape[1], device=q.device).view(1, 1, -1)
     diag = (torch.arange(seqlen_q, device=q.device).view(1, -1, 1)
@@ -230,12 +223,13 @@ def _composed_forward(q, k_cache, v_cache, seqlens, block_table, mask, bias, cau
 
 
 @torch.library.custom_op("dmattn::fwd_kvcache", mutates_args=())
-def kvcache_forward(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens: Tensor, block_table: Optional[Tensor],
+def kvcache_forward(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens: Optional[Tensor], block_table: Optional[Tensor],
                     mask: Optional[Tensor], bias: Optional[Tensor], causal: bool, window_left: int,
                     window_right: int, scale: Optional[float], softcap: float) -> Tuple[Tensor, Tensor]:
     """(out, lse) of q against the first seqlens[b] keys of each row of the cache (contiguous
-    (B, Sk, Hkv, D), or pages (num_blocks, page_size, Hkv, D) with block_table); causal and window
-    aligned with seqlens[b]. Reads the cache only (the append happens before)."""
+    (B, Sk, Hkv, D), or pages (num_blocks, page_size, Hkv, D) with block_table; seqlens None:
+    all Sk keys of every row); causal and window aligned with seqlens[b]. Reads the cache only
+    (the append happens before)."""
     check_devices(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=seqlens, block_table=block_table,
                   mask=mask, bias=bias)
     seqlen_k = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)

@@ -487,10 +487,10 @@ def _assert_same_tokens_but_near_ties(eager_run, our_run, prompt):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["llama", "doge"])
 def test_gpu_generate_static_cache(name, monkeypatch):
-    """Greedy generate() with a StaticCache: transformers compiles Llama's decoding steps
-    (torch.compile, fullgraph, CUDA graphs; Doge declares it cannot be compiled and runs
-    eagerly). Either way the steps run on the decode kernel (the cache's unused slots masked)
-    and give eager's tokens."""
+    """Greedy generate() with a StaticCache, whose decoding steps transformers compiles
+    (torch.compile, here fullgraph, CUDA graphs): the compiled steps run on the decode kernel
+    (the cache's unused slots masked; Doge's static-cache mask takes HF's own forward, its float
+    mask the bias) and give eager's tokens."""
     from dmattn import decode
 
     hf_dmattn.register()

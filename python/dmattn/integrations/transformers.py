@@ -29,8 +29,8 @@ What the attention function accepts (HF layout (B, H, S, D), GQA through the k/v
   attention_bias by dmattn.dynamic_mask, as flash-dmattn's integration does).
 
 A decoding step (no gradient to record, at most decode.AUTO_MAX_ROWS query rows per kv head, on
-CUDA, not under torch.compile) runs on the split-KV decode kernels (decode.decode_step,
-docs/decode.md): the same attention, the cache read in place.
+CUDA; eager, or compiled as transformers compiles a StaticCache's steps) runs on the split-KV
+decode kernels (decode.decode_step, docs/decode.md): the same attention, the cache read in place.
 """
 
 from __future__ import annotations
