@@ -3,9 +3,9 @@
 // split, kv head, batch): each warp owns one 16-row tile, and every warp reads every key of the
 // split from one CTA-wide cp.async ring, so that a K / V row crosses from memory to the SM once
 // for the 64 rows (decode_kernel.h, one tile per CTA, would read it once per 16-row chunk).
-// The per-tile work (scores, softmax, values) is decode_kernel.h's attend_tile, on tiles of 64
-// keys (32 with a mask or bias): four times the keys of decode_kernel.h's steps, so the
-// tensor-core products of a tile are independent and the softmax bookkeeping is paid once.
+// The per-tile work is decode_kernel.h's, split in two (tile_scores: q K^T; tile_update: the
+// softmax and P V) on tiles of 32 keys, twice the keys of decode_kernel.h's steps, so that a
+// warp can start the next tile's products before this tile's softmax (software pipelining).
 #pragma once
 
 #include "cuda/decode_kernel.h"
@@ -28,7 +28,6 @@ struct DecodeRowsTile {
   static constexpr int kChunks = kD / 8;  // 16-byte chunks of a K / V row
   static constexpr int kStageBytes = 2 * kStageKeys * kD * 2;
   static constexpr int kSmemBytes = kStages * kStageBytes;
-  static_assert(kStageKeys * kChunks % kThreads == 0, "whole chunks per thread");
 };
 
 }  // namespace decode_detail
@@ -89,7 +88,8 @@ __global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2
   // kPassRows is a multiple of 8, so the rows' swizzle is the same and the destination moves
   // by whole rows; in a contiguous cache the source moves by one row stride per pass.
   constexpr int kPassRows = Tile::kThreads / kChunks, kPasses = kStageKeys / kPassRows;
-  static_assert(kPassRows % 8 == 0 && kStageKeys % kPassRows == 0, "whole swizzle periods per pass");
+  static_assert(Tile::kThreads % kChunks == 0 && kPassRows % 8 == 0 && kStageKeys % kPassRows == 0,
+                "whole rows a pass, whole swizzle periods a pass, whole passes a stage");
   const int c_t = threadIdx.x % kChunks, r_t = threadIdx.x / kChunks;
   const bool c_in = c_t * 8 < a.head_dim;
   const int so_t = tile_offset<kD>(r_t, c_t);
