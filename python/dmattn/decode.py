@@ -223,9 +223,10 @@ def _composed_forward(q, k_cache, v_cache, seqlens, block_table, mask, bias, cau
 
 
 @torch.library.custom_op("dmattn::fwd_kvcache", mutates_args=())
-def kvcache_forward(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens: Optional[Tensor], block_table: Optional[Tensor],
-                    mask: Optional[Tensor], bias: Optional[Tensor], causal: bool, window_left: int,
-                    window_right: int, scale: Optional[float], softcap: float) -> Tuple[Tensor, Tensor]:
+def kvcache_forward(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens: Optional[Tensor],
+                    block_table: Optional[Tensor], mask: Optional[Tensor], bias: Optional[Tensor], causal: bool,
+                    window_left: int, window_right: int, scale: Optional[float],
+                    softcap: float) -> Tuple[Tensor, Tensor]:
     """(out, lse) of q against the first seqlens[b] keys of each row of the cache (contiguous
     (B, Sk, Hkv, D), or pages (num_blocks, page_size, Hkv, D) with block_table; seqlens None:
     all Sk keys of every row); causal and window aligned with seqlens[b]. Reads the cache only

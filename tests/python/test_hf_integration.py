@@ -444,9 +444,10 @@ def test_padded_attention_refuses_a_bias_with_a_query_dimension(device):
 def test_gpu_generate_matches_eager(name, left_pad, monkeypatch):
     """Greedy generate() on CUDA (bf16) gives eager's tokens; decoding steps run on the decode
     kernel (Llama: the attention function's decode_step; Doge without padding: the kept keys,
-    decode.gathered_decode; Doge with padding selects among the real keys on the general path). The output layer is scaled up so that greedy choices are not near
-    ties; where eager's top two logits are closer than the two paths' rounding can separate,
-    the sequences may part, and the rest of that row is not compared."""
+    decode.gathered_decode; Doge with padding selects among the real keys on the general path).
+    The output layer is scaled up so that greedy choices are not near ties; where eager's top two
+    logits are closer than the two paths' rounding can separate, the sequences may part, and the
+    rest of that row is not compared."""
     from dmattn import decode
 
     hf_dmattn.register()
