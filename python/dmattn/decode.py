@@ -201,9 +201,6 @@ def _composed_forward(q, k_cache, v_cache, seqlens, block_table, mask, bias, cau
     per-row lengths, causal and window folded into one (B, 1, Sq, Sk) mask. Torch ops only (no
     host synchronization); the CPU backend and the CUDA rows beyond KVCACHE_MAX_ROWS."""
     seqlen_q = q.shape[1]
-    if seqlens is None:
-        seqlen_k = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
-        seqlens = torch.full((q.shape[0],), seqlen_k, dtype=torch.int32, device=q.device)
     k, v, valid = _gathered_cache(q, k_cache, v_cache, seqlens, block_table)
     positions = torch.arange(k.shape[1], device=q.device).view(1, 1, -1)
     diag = (torch.arange(seqlen_q, device=q.device).view(1, -1, 1)
@@ -240,6 +237,8 @@ def kvcache_forward(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens: Option
             k_cache, v_cache = _cuda_layout(k_cache), _cuda_layout(v_cache)
         return _run_decode(q, k_cache, v_cache, mask, bias, causal, window_left, window_right, scale, softcap,
                            seqlens, block_table, splits)
+    if seqlens is None:
+        seqlens = torch.full((q.shape[0],), seqlen_k, dtype=torch.int32, device=q.device)
     return _composed_forward(q, k_cache, v_cache, seqlens, block_table, mask, bias, causal, window_left,
                              window_right, scale, softcap)
 

@@ -139,6 +139,23 @@ def test_options(device, opts):
     _check(case, out, lse, **{"causal": True, **opts})
 
 
+def test_op_without_lengths_reads_every_key(device):
+    """The cache op with seqlens None (decode_step's and gathered_decode's calls): every key of
+    every row, as with lengths equal to the cache's capacity (paged and contiguous)."""
+    from dmattn.decode import kvcache_forward
+
+    for page_size in (None, 16):
+        case = _make_case(device, _dtype(device), batch=2, seqlen_q=2, heads=4, heads_kv=2, head_dim=32,
+                          capacity=48, lens=[48, 48], new=0, page_size=page_size, bias_shape=(2, 4, 1, 48))
+        args = (case["q"], case["k_cache"], case["v_cache"])
+        rest = (case["block_table"], None, case["bias"], True, -1, -1, None, 0.0)
+        with torch.no_grad():
+            out, lse = kvcache_forward(*args, None, *rest)
+            ref_out, ref_lse = kvcache_forward(*args, case["cache_seqlens"], *rest)
+        torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+        torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+
+
 def test_int_seqlens_and_no_lse(device):
     case = _make_case(device, _dtype(device), batch=2, seqlen_q=1, heads=4, heads_kv=1, head_dim=32, capacity=20,
                       lens=[7, 7], new=1)
