@@ -58,9 +58,7 @@ bool operands_fit_ring(const DecodeArgs& a) {
 
 int64_t decode_row_chunks(int64_t seqlen_q, int64_t group, int64_t head_dim) {
   const int64_t rows = seqlen_q * group;
-  const int64_t chunk = rows > kDecodeRows && decode_max_head_dim(static_cast<int>(head_dim)) <= kDecodeRowsMaxHeadDim
-                            ? kDecodeChunkRows
-                            : kDecodeRows;
+  const int64_t chunk = decode_rows_chunked(rows, static_cast<int>(head_dim)) ? kDecodeChunkRows : kDecodeRows;
   return (rows + chunk - 1) / chunk;
 }
 

@@ -252,6 +252,16 @@ __device__ __forceinline__ void q_smem_fragment(const Element* sq, int ks, int l
                                 f[3]);
 }
 
+// A warp's running state of its 16 rows before the first key: accumulators o 0, row maxima m
+// -inf, sums l 0.
+template <int kNd>
+__device__ __forceinline__ void start_rows(float (&o)[kNd][4], float (&m)[2], float (&l)[2]) {
+#pragma unroll
+  for (int dn = 0; dn < kNd; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
+  m[0] = m[1] = -INFINITY;
+  l[0] = l[1] = 0.f;
+}
+
 // Online softmax in base 2 of a tile's scores s (kKeys / 8 n-tiles), per accumulator row (hf:
 // row lane / 4 + 8 hf): transform (mask / bias entries in op), new row maxima m, the factors
 // alpha that rescale the old sums / accumulators, s replaced by the probabilities, sums l. A row
@@ -439,10 +449,8 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
     }
   };
 
-  float o[kNd][4];
-#pragma unroll
-  for (int dn = 0; dn < kNd; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float o[kNd][4], m[2], l[2];
+  start_rows(o, m, l);
 
   // Warp w takes tiles w, w + kWarps, ... of the split's keys (the warps stream neighbouring
   // tiles side by side). Keys past the split's end are zero-filled, never read: their rows may

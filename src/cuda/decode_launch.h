@@ -11,6 +11,13 @@ namespace dmattn::cuda {
 // The head-dim bucket run_decode picks: 64 / 128 / 256.
 inline constexpr int decode_max_head_dim(int d) { return d <= 64 ? 64 : d <= 128 ? 128 : 256; }
 
+// Whether `rows` packed query rows at head dim d run on the 64-row kernel (decode_rows_kernel.h,
+// chunks of kDecodeChunkRows) rather than the one-tile kernel (chunks of kDecodeRows): the grid's
+// row chunks (decode_row_chunks) and the launch follow this one answer.
+inline constexpr bool decode_rows_chunked(int64_t rows, int d) {
+  return rows > kDecodeRows && decode_max_head_dim(d) <= kDecodeRowsMaxHeadDim;
+}
+
 template <typename Element>
 void run_decode(const DecodeArgs& a, cudaStream_t stream);
 
@@ -63,8 +70,8 @@ void launch_decode(const DecodeArgs& a, cudaStream_t stream) {
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
   const bool operands = a.mask.ptr != nullptr || a.bias.ptr != nullptr;
-  if constexpr (kD <= kDecodeRowsMaxHeadDim) {
-    if (a.seqlen_q * a.group > kDecodeRows) {  // several 16-row tiles: 64-row chunks, one ring
+  if constexpr (kD <= kDecodeRowsMaxHeadDim) {  // (the 64-row kernel exists up to that bucket)
+    if (decode_rows_chunked(int64_t(a.seqlen_q) * a.group, a.head_dim)) {  // 64-row chunks, one ring
       if (operands) launch_decode_rows_kernel<Element, kD, true>(a, device, stream);
       else launch_decode_rows_kernel<Element, kD, false>(a, device, stream);
       return;

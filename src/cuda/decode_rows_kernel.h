@@ -71,10 +71,8 @@ __global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2
     for (int e = 0; e < 4; ++e) f[e] = qa[ks][e];
   };
 
-  float o[kNd][4];
-#pragma unroll
-  for (int dn = 0; dn < kNd; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float o[kNd][4], m[2], l[2];
+  start_rows(o, m, l);
 
   // The CTA's threads copy stage it (keys kb + it * kStageKeys onwards) together; keys past the
   // split's end are zero-filled, never read (their rows may lie behind the batch's length).
