@@ -3,7 +3,8 @@ time goes before the GPU starts.
 
 B=8 H=32 Hkv=8, a 32k cache, one query, bf16, D=128. For each layer of the call
 (`attention_with_kvcache`; its op's body, `decode.kvcache_forward`; the native call alone with
-the outputs and workspace allocated beforehand, with the key splits and with one split) and for
+the outputs and workspace allocated beforehand, with the key splits and with one split; the
+native call that allocates them, as `attention_with_kvcache` calls it) and for
 SDPA (enable_gqa), medians of single calls after a synchronization (as a timed eager call starts,
 the CPU idle until then): the host time until the call returns, the CUDA-event time of the call,
 the same call replayed from a CUDA graph, and their difference; then the host time per call of
@@ -65,6 +66,8 @@ def main():
                                                                  None, 0.0),
         f"native call, {splits} splits": lambda: lib().forward_decode(
             q, k, v, out, lse, None, None, False, -1, -1, nan, 0.0, lengths, None, workspace, splits),
+        "native call, allocating": lambda: lib().decode_attention(
+            q, k, v, None, None, None, False, -1, -1, nan, 0.0, lengths, None, splits, True),
         "native call, 1 split": lambda: lib().forward_decode(
             q, k, v, out, lse, None, None, False, -1, -1, nan, 0.0, lengths, None, None, 1),
     }

@@ -100,11 +100,15 @@ BackwardParams make_varlen_backward_params(
 // blocks) and the key axis Sk = max_blocks * page_size (what mask / bias broadcast against).
 // seqused_k: int32 (B,) contiguous, or null (every batch holds Sk keys). workspace: float32,
 // contiguous, at least num_splits * B * H * Sq * (D + 1) elements when num_splits > 1.
+// k_name / v_name: how errors name k and v (the cache call's "k_cache" / "v_cache"; a paged
+// cache is always named so).
 struct DecodeInputs {
   const TensorDesc* seqused_k = nullptr;
   const TensorDesc* block_table = nullptr;
   const TensorDesc* workspace = nullptr;
   int64_t num_splits = 1;
+  const char* k_name = "k";
+  const char* v_name = "v";
 };
 
 // The number of key splits the decode path uses for this problem on `device` (a property of

@@ -106,7 +106,11 @@ def check_cuda_device(device) -> None:
     torch.device of type "cuda"); cached per device, so cheap after the first call."""
     import torch
 
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    check_cuda_index(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def check_cuda_index(index: int) -> None:
+    """check_cuda_device for the GPU of that index."""
     problem = _device_problem(index)
     if problem:
         raise RuntimeError(problem)

@@ -19,10 +19,10 @@ from torch import Tensor
 
 from ._lib import lib
 from .masks import cached_index_tensor
-from .ops import _call_op, _cuda_layout, _scale_arg, attention_forward, check_devices, records_no_gradient
+from .ops import _cuda_layout, _plain_eager, _scale_arg, attention_forward, check_devices, records_no_gradient
 
-__all__ = ["kvcache_forward", "maybe_decode_forward", "decode_step", "decode_rows_fit", "gathered_decode",
-           "AUTO_MAX_ROWS", "KVCACHE_MAX_ROWS"]
+__all__ = ["kvcache_forward", "kvcache_attention", "cache_attention", "maybe_decode_forward", "decode_step", "decode_rows_fit", "gathered_decode",
+           "native_allocates", "AUTO_MAX_ROWS", "KVCACHE_MAX_ROWS"]
 
 # With DMATTN_DECODE=1, dmattn.attention takes the decode kernels on CUDA for up to this many
 # query rows (queries x query heads per kv head: one 16-row tile, or one 64-row chunk), where
@@ -54,17 +54,35 @@ def _decode_splits(q: Tensor, heads_kv: int, seqlen_k: int, max_rows: int) -> in
     return _splits(index, batch, seqlen_q, heads, heads_kv, head_dim, seqlen_k, max_rows)
 
 
+@functools.lru_cache(maxsize=None)
+def native_allocates() -> bool:
+    """Whether the native decode call can allocate its outputs through torch (tvm-ffi's
+    environment allocator, which torch exports to it from 2.10 on); otherwise _run_decode
+    allocates them here."""
+    return bool(lib().has_env_allocator(torch.empty(0)))
+
+
 def _run_decode(q, k, v, mask, bias, causal, window_left, window_right, scale, softcap, seqlens,
-                block_table, splits) -> Tuple[Tensor, Tensor]:
+                block_table, splits, want_lse: bool = True,
+                cache_call: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+    """(out, lse) of the decode kernel with ``splits`` key splits; lse None unless want_lse.
+    cache_call: the native validation names k and v "k_cache" and "v_cache" (only where
+    native_allocates(), the one caller that sets it checks that)."""
     batch, seqlen_q, heads, head_dim = q.shape
-    # (empty_like / new_empty: a few microseconds less host time each than torch.empty with a
+    q = _cuda_layout(q)
+    # (new_empty / empty_like: a few microseconds less host time each than torch.empty with a
     # shape, dtype and device to parse.)
+    lse = q.new_empty((batch, heads, seqlen_q), dtype=torch.float32) if want_lse else None
+    if native_allocates():  # out and the workspace allocated by the native call
+        out = lib().decode_attention(q, k, v, lse, mask, bias, causal, window_left, window_right, _scale_arg(scale),
+                                     softcap, seqlens, block_table, splits, cache_call)
+        return out, lse
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+    if lse is None:
+        lse = q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
     workspace = None
     if splits > 1:
         workspace = q.new_empty((splits * batch * heads * seqlen_q * (head_dim + 1),), dtype=torch.float32)
-    q = _cuda_layout(q)
     lib().forward_decode(q, k, v, out, lse, mask, bias, causal, window_left, window_right, _scale_arg(scale),
                          softcap, seqlens, block_table, workspace, splits)
     return out, lse
@@ -113,8 +131,8 @@ def decode_step(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: O
         return None
     # Every key of every row: no per-row lengths (seqlens None).
     args = (q, k, v, None, None, mask, bias, bool(causal), -1, -1, scale, float(softcap))
-    # Eager: the op's body directly (the dispatcher's layers cost host time); traced: the op.
-    out, _ = kvcache_forward(*args) if compiling else _call_op(kvcache_forward, *args)
+    # Traced: the op; eager: its body directly, without the lse.
+    out, _ = kvcache_forward(*args) if compiling else cache_attention(args, want_lse=False)
     return out
 
 
@@ -219,6 +237,25 @@ def _composed_forward(q, k_cache, v_cache, seqlens, block_table, mask, bias, cau
     return attention_forward(q, k, v, allowed, bias, False, -1, -1, scale, softcap, False)
 
 
+def kvcache_attention(q, k_cache, v_cache, seqlens, block_table, mask, bias, causal, window_left, window_right,
+                      scale, softcap, want_lse: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
+    """The body of the op kvcache_forward (same arguments); lse None where not want_lse and the
+    decode kernel runs."""
+    check_devices(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=seqlens, block_table=block_table,
+                  mask=mask, bias=bias)
+    seqlen_k = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    splits = _decode_splits(q, k_cache.shape[2], seqlen_k, KVCACHE_MAX_ROWS)
+    if splits > 0:
+        if block_table is None:  # (a cache whose rows the kernel cannot copy in 16-byte chunks is copied)
+            k_cache, v_cache = _cuda_layout(k_cache), _cuda_layout(v_cache)
+        return _run_decode(q, k_cache, v_cache, mask, bias, causal, window_left, window_right, scale, softcap,
+                           seqlens, block_table, splits, want_lse)
+    if seqlens is None:
+        seqlens = torch.full((q.shape[0],), seqlen_k, dtype=torch.int32, device=q.device)
+    return _composed_forward(q, k_cache, v_cache, seqlens, block_table, mask, bias, causal, window_left,
+                             window_right, scale, softcap)
+
+
 @torch.library.custom_op("dmattn::fwd_kvcache", mutates_args=())
 def kvcache_forward(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens: Optional[Tensor],
                     block_table: Optional[Tensor], mask: Optional[Tensor], bias: Optional[Tensor], causal: bool,
@@ -228,19 +265,14 @@ def kvcache_forward(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens: Option
     (B, Sk, Hkv, D), or pages (num_blocks, page_size, Hkv, D) with block_table; seqlens None:
     all Sk keys of every row); causal and window aligned with seqlens[b]. Reads the cache only
     (the append happens before)."""
-    check_devices(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=seqlens, block_table=block_table,
-                  mask=mask, bias=bias)
-    seqlen_k = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
-    splits = _decode_splits(q, k_cache.shape[2], seqlen_k, KVCACHE_MAX_ROWS)
-    if splits > 0:
-        if block_table is None:  # (a cache whose rows the kernel cannot copy in 16-byte chunks is copied)
-            k_cache, v_cache = _cuda_layout(k_cache), _cuda_layout(v_cache)
-        return _run_decode(q, k_cache, v_cache, mask, bias, causal, window_left, window_right, scale, softcap,
-                           seqlens, block_table, splits)
-    if seqlens is None:
-        seqlens = torch.full((q.shape[0],), seqlen_k, dtype=torch.int32, device=q.device)
-    return _composed_forward(q, k_cache, v_cache, seqlens, block_table, mask, bias, causal, window_left,
+    return kvcache_attention(q, k_cache, v_cache, seqlens, block_table, mask, bias, causal, window_left,
                              window_right, scale, softcap)
+
+
+def cache_attention(args: tuple, want_lse: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    """kvcache_forward(*args) without gradient to record: its body directly where _plain_eager
+    allows (the dispatcher's Python layers cost host time; lse None unless want_lse), else the op."""
+    return kvcache_attention(*args, want_lse=want_lse) if _plain_eager(args) else kvcache_forward(*args)
 
 
 @kvcache_forward.register_fake

@@ -10,13 +10,16 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from .decode import _append, kvcache_forward
+from ._lib import check_cuda_index
+from .decode import KVCACHE_MAX_ROWS, _append, _run_decode, _splits, cache_attention, kvcache_forward, \
+    native_allocates
 from .interface import _parse_options, _require_tensor
-from .ops import _call_op, records_no_gradient
+from .ops import _cuda_layout, _plain_eager, records_no_gradient
 
 __all__ = ["attention_with_kvcache"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # the decode kernel's
 
 
 def _rank(t: Tensor, name: str, rank: int, layout: str) -> None:
@@ -43,6 +46,42 @@ def _check_operand(t: Optional[Tensor], name: str, full: Tuple[int, int, int, in
             names = ("batch (B)", "heads (H)", "query (Sq)", "key (Sk: the cache's key axis)")
             raise ValueError(f"{name}: shape {tuple(t.shape)} does not broadcast to (B, H, Sq, Sk) = {full}: its "
                              f"{names[d]} dimension is {got}, expected 1 or {want}")
+
+
+def _direct_decode(q, k_cache, v_cache, cache_seqlens, block_table, mask, bias, causal, window, scale, softcap,
+                   return_lse):
+    """The usual decoding step straight onto the decode kernel: CUDA tensors, no keys to append,
+    no gradient to record, eager mode, shapes the kernel takes. The native call then validates
+    every tensor, naming it as attention_with_kvcache does (its checks in Python cost a step
+    host time that the GPU waits for when the step starts from idle). None where the call
+    takes the checked route."""
+    if not (type(q) is Tensor and type(k_cache) is Tensor and type(v_cache) is Tensor
+            and type(cache_seqlens) is Tensor and q.is_cuda and k_cache.is_cuda and v_cache.is_cuda
+            and cache_seqlens.is_cuda and q.dim() == 4 and k_cache.dim() == 4):
+        return None
+    for t in (block_table, mask, bias):
+        if t is not None and not (type(t) is Tensor and t.is_cuda):
+            return None
+    if block_table is None:
+        seqlen_k = k_cache.shape[1]
+    elif block_table.dim() == 2:
+        seqlen_k = k_cache.shape[1] * block_table.shape[1]
+    else:
+        return None
+    if q.dtype not in _KERNEL_DTYPES or not native_allocates():
+        return None
+    device = q.get_device()
+    batch, seqlen_q, heads, head_dim = q.shape
+    splits = _splits(device, batch, seqlen_q, heads, k_cache.shape[2], head_dim, seqlen_k, KVCACHE_MAX_ROWS)
+    if not splits or not records_no_gradient(q, k_cache, v_cache, bias) or not _plain_eager(()):
+        return None
+    window_left, window_right, scale, softcap = _parse_options(window, scale, softcap)
+    check_cuda_index(device)
+    if block_table is None:  # (a cache whose rows the kernel cannot copy in 16-byte chunks is copied)
+        k_cache, v_cache = _cuda_layout(k_cache), _cuda_layout(v_cache)
+    out, lse = _run_decode(q, k_cache, v_cache, mask, bias, bool(causal), window_left, window_right, scale,
+                           softcap, cache_seqlens, block_table, splits, want_lse=return_lse, cache_call=True)
+    return (out, lse) if return_lse else out
 
 
 def attention_with_kvcache(
@@ -72,6 +111,11 @@ def attention_with_kvcache(
     key axis. causal / window are bottom-right aligned with each row's length after the append.
     Keys at positions >= that length are never read into the result. Returns out like q, and
     with return_lse the float32 lse (B, H, Sq). Inference only (no gradient)."""
+    if k is None and v is None:
+        direct = _direct_decode(q, k_cache, v_cache, cache_seqlens, block_table, mask, bias, causal, window, scale,
+                                softcap, return_lse)
+        if direct is not None:
+            return direct
     for t, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
         _require_tensor(t, n)
     _rank(q, "q", 4, "(batch, seqlen_q, num_heads, head_dim)")
@@ -150,12 +194,11 @@ def attention_with_kvcache(
         cache_seqlens = cache_seqlens + new
     args = (q, k_cache, v_cache, cache_seqlens, block_table, mask, bias, bool(causal), window_left, window_right,
             scale, softcap)
-    # The op's body directly where no gradient is recorded (the usual decoding step, under
-    # no_grad or on tensors without one): the dispatcher's Python layers cost about as much host
-    # time as a decode kernel at batch 8 takes on the GPU. Otherwise the op, whose autograd
+    # Without a gradient to record (under no_grad, or tensors without one), the op's body
+    # directly where plain eager mode allows (cache_attention). Otherwise the op, whose autograd
     # names the missing gradient.
     if records_no_gradient(q, k_cache, v_cache, bias):
-        out, lse = _call_op(kvcache_forward, *args)
+        out, lse = cache_attention(args, want_lse=return_lse)
     else:
         out, lse = kvcache_forward(*args)
     return (out, lse) if return_lse else out

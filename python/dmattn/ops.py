@@ -25,7 +25,9 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch._C import _are_functorch_transforms_active, _len_torch_dispatch_stack
+from torch.autograd import profiler as _autograd_profiler
+from torch.compiler import is_compiling as _is_compiling
 
 from ._lib import check_cuda_device, lib
 from .masks import selection_key_dtype
@@ -51,9 +53,14 @@ def _cuda_layout(x: Tensor) -> Tensor:
     tensors only (never while tracing)."""
     if not x.is_cuda:
         return x
-    bad_stride = any(st % 8 for st, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1)
-    if x.data_ptr() % 16 == 0 and not bad_stride:
-        return x
+    if x.data_ptr() % 16 == 0:
+        # (contiguous with a head dim of 8k: every stride a multiple of 8, the usual case and the
+        # cheaper test; decoding steps run this per layer. torch calls every empty tensor
+        # contiguous, whatever its strides: those take the full test.)
+        if x.is_contiguous() and x.shape[-1] % 8 == 0 and x.numel() > 0:
+            return x
+        if not any(st % 8 for st, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1):
+            return x
     return x.clone(memory_format=torch.contiguous_format)
 
 
@@ -328,8 +335,9 @@ def native_forward(q, k, v, mask, bias, causal, window_left, window_right, scale
     """dmattn::fwd's body past its checks and the decode kernel's choice: the outputs allocated
     and the native forward called. Also for callers that made those checks themselves
     (topk._inference_forward)."""
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q), device=q.device)
+    # (new_empty: less host time than torch.empty with a shape, dtype and device to parse)
+    out = q.new_empty(q.shape)
+    lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q))
     q, k, v = _cuda_layout(q), _cuda_layout(k), _cuda_layout(v)
     lib().forward(q, k, v, out, lse, mask, bias, causal, window_left, window_right,
                   _scale_arg(scale), softcap, key_positions, seqlen_k_original, key_ends, key_rows)
@@ -486,8 +494,10 @@ def _plain_eager(args: tuple) -> bool:
     name). The dispatcher's autograd and backend layers are Python code for a
     torch.library.custom_op (argument re-binding, the outputs' aliasing check): about 0.1 ms of
     host time per call, which the gather path's step pays twice on the GPU's critical path."""
-    if (torch.compiler.is_compiling() or torch.autograd.profiler._is_profiler_enabled
-            or _get_current_dispatch_mode() is not None or torch._C._are_functorch_transforms_active()):
+    # (the names bound at import: a decoding step runs this per layer, and each attribute
+    # lookup of a torch submodule is host time)
+    if (_is_compiling() or _autograd_profiler._is_profiler_enabled or _len_torch_dispatch_stack() > 0
+            or _are_functorch_transforms_active()):
         return False
     return all(type(t) is Tensor for t in args if isinstance(t, Tensor))
 

@@ -22,6 +22,32 @@ TensorDesc paged_view(const TensorDesc& cache, int64_t batch, int64_t max_blocks
   return view;
 }
 
+// The key / value tensors' own rules under the caller's names, before the dense validation
+// (which names them k and v): rank, one shape, q's device and dtype, q's head_dim, kv heads
+// dividing q's heads, and (a contiguous cache) q's batch.
+void check_key_pair(const TensorDesc& q, const TensorDesc& k, const TensorDesc& v, const char* k_name,
+                    const char* v_name, bool paged) {
+  const char* layout =
+      paged ? "(num_blocks, page_size, num_heads_kv, head_dim)" : "(batch, seqlen_k, num_heads_kv, head_dim)";
+  check_rank(k, 4, k_name, layout);
+  check(k.shape == v.shape, ErrorKind::kValue, v_name, ": expected the shape of ", k_name, " ", k.shape_str(),
+        ", got ", v.shape_str());
+  check_same_device(q, k, k_name);
+  check_same_device(q, v, v_name);
+  check_dtype(k, q.dtype, k_name);
+  check_dtype(v, q.dtype, v_name);
+  check(k.shape[3] == q.shape[3], ErrorKind::kValue, k_name, ": expected head_dim ", q.shape[3],
+        " like q, got shape ", k.shape_str());
+  check(k.shape[2] >= 1 && q.shape[2] % k.shape[2] == 0, ErrorKind::kValue, k_name, ": num_heads_kv (",
+        k.shape[2], ") must be >= 1 and divide num_heads (", q.shape[2], ")");
+  if (paged) {
+    check(k.shape[1] >= 1, ErrorKind::kValue, k_name, ": expected a page size >= 1, got shape ", k.shape_str());
+  } else {
+    check(k.shape[0] == q.shape[0], ErrorKind::kValue, k_name, ": expected batch ", q.shape[0],
+          " like q, got shape ", k.shape_str());
+  }
+}
+
 }  // namespace
 
 int64_t decode_splits(DeviceKind device, int32_t device_id, int64_t batch, int64_t seqlen_q, int64_t num_heads,
@@ -58,11 +84,7 @@ ForwardParams make_decode_forward_params(const TensorDesc& q, const TensorDesc& 
     check(bt.shape[1] <= 1 || bt.strides[1] == 1, ErrorKind::kValue,
           "block_table: expected a unit stride along the blocks, got strides (", bt.strides[0], ", ", bt.strides[1],
           ")");
-    check_rank(k, 4, "k_cache", "(num_blocks, page_size, num_heads_kv, head_dim)");
-    check_rank(v, 4, "v_cache", "(num_blocks, page_size, num_heads_kv, head_dim)");
-    check(k.shape == v.shape, ErrorKind::kValue, "v_cache: expected the shape of k_cache ", k.shape_str(), ", got ",
-          v.shape_str());
-    check(k.shape[1] >= 1, ErrorKind::kValue, "k_cache: expected a page size >= 1, got shape ", k.shape_str());
+    check_key_pair(q, k, v, "k_cache", "v_cache", true);
     const int64_t max_blocks = bt.shape[1];
     p = make_forward_params(q, paged_view(k, batch, max_blocks), paged_view(v, batch, max_blocks), out, lse, mask,
                             bias, options);
@@ -72,6 +94,7 @@ ForwardParams make_decode_forward_params(const TensorDesc& q, const TensorDesc& 
     p.block_table_stride = bt.strides[0];
     p.page_size = k.shape[1];
   } else {
+    check_key_pair(q, k, v, inputs.k_name, inputs.v_name, false);
     p = make_forward_params(q, k, v, out, lse, mask, bias, options);
   }
   if (inputs.seqused_k != nullptr) {

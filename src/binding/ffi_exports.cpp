@@ -304,6 +304,71 @@ void forward_decode(TensorView q, TensorView k, TensorView v, TensorView out, Te
   });
 }
 
+// forward_decode with its outputs allocated here, through tvm-ffi's environment allocator (a
+// call with torch tensors sets it to torch's: the caching allocator, a CUDA graph's pool while
+// capturing): out like q (contiguous), the splits' workspace (float32), and the lse where the
+// caller passes none. Returns out. Allocating here spares a decoding step the Python calls around
+// each allocation (host time that the GPU waits for when the step starts from idle).
+// cache_call: errors name k and v "k_cache" and "v_cache" (dmattn.attention_with_kvcache).
+tvm::ffi::Tensor decode_attention(TensorView q, TensorView k, TensorView v, Optional<TensorView> lse,
+                                  Optional<TensorView> mask, Optional<TensorView> bias, bool causal,
+                                  int64_t window_left, int64_t window_right, double scale, double softcap,
+                                  Optional<TensorView> cache_seqlens, Optional<TensorView> block_table,
+                                  int64_t num_splits, bool cache_call) {
+  tvm::ffi::Tensor out;
+  translate_errors([&] {
+    const dmattn::TensorDesc q_d = to_desc(q);
+    dmattn::check(q_d.shape.size() == 4, dmattn::ErrorKind::kValue,
+                  "q: expected a 4-D tensor (batch, seqlen_q, num_heads, head_dim), got shape ", q_d.shape_str());
+    dmattn::check(TVMFFIEnvGetDLPackManagedTensorAllocator() != nullptr, dmattn::ErrorKind::kRuntime,
+                  "decode_attention: no tensor allocator in this call's environment (pass framework tensors, "
+                  "or use forward_decode with the outputs allocated)");
+    const int64_t batch = q_d.shape[0], seqlen_q = q_d.shape[1], heads = q_d.shape[2], head_dim = q_d.shape[3];
+    const auto empty = [&](std::initializer_list<int64_t> shape, DLDataType dtype) {
+      return tvm::ffi::Tensor::FromEnvAlloc(TVMFFIEnvTensorAlloc, shape, dtype, q.device());
+    };
+    const DLDataType f32{kDLFloat, 32, 1};
+    out = empty({batch, seqlen_q, heads, head_dim}, q.dtype());
+    // An lse the caller does not want goes to the workspace's tail when there is one (one
+    // allocation fewer), else to a tensor of its own.
+    const int64_t rows = batch * heads * seqlen_q, partials = num_splits * rows * (head_dim + 1);
+    const bool lse_in_workspace = !lse.has_value() && num_splits > 1;
+    tvm::ffi::Tensor own_lse, workspace;
+    if (!lse.has_value() && !lse_in_workspace) own_lse = empty({batch, heads, seqlen_q}, f32);
+    if (num_splits > 1) workspace = empty({partials + (lse_in_workspace ? rows : 0)}, f32);
+    const dmattn::TensorDesc workspace_d = num_splits > 1 ? to_desc(workspace) : dmattn::TensorDesc{};
+    dmattn::TensorDesc lse_d;
+    if (lse.has_value()) {
+      lse_d = to_desc(lse.value());
+    } else if (lse_in_workspace) {
+      lse_d = workspace_d;
+      lse_d.data = static_cast<float*>(workspace_d.data) + partials;
+      lse_d.shape = {batch, heads, seqlen_q};
+      lse_d.strides = {heads * seqlen_q, seqlen_q, 1};
+    } else {
+      lse_d = to_desc(own_lse);
+    }
+    const OptionalDesc mask_d(mask), bias_d(bias), seqlens_d(cache_seqlens), table_d(block_table);
+    dmattn::DecodeInputs inputs;
+    inputs.seqused_k = seqlens_d.get();
+    inputs.block_table = table_d.get();
+    inputs.workspace = num_splits > 1 ? &workspace_d : nullptr;
+    inputs.num_splits = num_splits;
+    if (cache_call) inputs.k_name = "k_cache", inputs.v_name = "v_cache";
+    dmattn::ForwardParams p = dmattn::make_decode_forward_params(
+        q_d, to_desc(k), to_desc(v), to_desc(out), lse_d, mask_d.get(), bias_d.get(), make_options(causal, window_left, window_right, scale, softcap, false), inputs);
+    p.stream = current_stream(p);
+    dmattn::run_forward(p);
+  });
+  return out;
+}
+
+// Whether decode_attention can allocate in a call with these arguments' framework (torch
+// exports its allocator to tvm-ffi from 2.10 on; older versions may not).
+bool has_env_allocator(TensorView /*a tensor of the framework*/) {
+  return TVMFFIEnvGetDLPackManagedTensorAllocator() != nullptr;
+}
+
 int64_t decode_splits(const std::string& device, int64_t device_id, int64_t batch, int64_t seqlen_q,
                       int64_t num_heads, int64_t num_heads_kv, int64_t head_dim, int64_t seqlen_k,
                       int64_t max_rows) {
@@ -341,6 +406,8 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(check_cu_seqlens, check_cu_seqlens);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(cuda_available, cuda_available);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward_decode, forward_decode);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_splits, decode_splits);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_attention, decode_attention);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(has_env_allocator, has_env_allocator);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(build_info, build_info);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(supports_key_positions, supports_key_positions);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(select_topk_positions, select_topk_positions);

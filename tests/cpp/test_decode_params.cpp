@@ -70,6 +70,46 @@ TEST(DecodeParams, KeySideInputsAreNamed) {
                ErrorKind::kValue, "num_splits: expected >= 1");
 }
 
+// The error of make_decode_forward_params for a contiguous cache k, v (B, Sk, Hkv, D) under
+// the given names (q (2, 1, 8, 64) float16, no lengths, one split).
+Error contiguous_error(TestTensor k, TestTensor v, const char* k_name, const char* v_name) {
+  DecodeCase c;
+  DecodeInputs inputs;
+  inputs.k_name = k_name, inputs.v_name = v_name;
+  try {
+    make_decode_forward_params(c.q.desc(), k.desc(), v.desc(), c.out.desc(), c.lse.desc(), nullptr, nullptr,
+                               AttentionOptions{}, inputs);
+  } catch (const Error& e) {
+    return e;
+  }
+  return Error(ErrorKind::kRuntime, "no error");
+}
+
+TEST(DecodeParams, ContiguousKeysTakeTheCallersNames) {
+  const auto cache = [](DType dtype, std::vector<int64_t> shape) { return TestTensor{dtype, std::move(shape)}; };
+  TestTensor good = cache(DType::kFloat16, {2, 48, 2, 64});
+  expect_error(contiguous_error(good, cache(DType::kFloat16, {2, 40, 2, 64}), "k", "v"), ErrorKind::kValue,
+               "v: expected the shape of k (2, 48, 2, 64)");
+  expect_error(contiguous_error(good, cache(DType::kFloat16, {2, 40, 2, 64}), "k_cache", "v_cache"),
+               ErrorKind::kValue, "v_cache: expected the shape of k_cache (2, 48, 2, 64)");
+  expect_error(contiguous_error(good, cache(DType::kBFloat16, {2, 48, 2, 64}), "k_cache", "v_cache"),
+               ErrorKind::kType, "v_cache: expected dtype float16, got bfloat16");
+  TestTensor bf16 = cache(DType::kBFloat16, {2, 48, 2, 64});
+  expect_error(contiguous_error(bf16, bf16, "k_cache", "v_cache"), ErrorKind::kType, "k_cache: expected dtype");
+  TestTensor batch3 = cache(DType::kFloat16, {3, 48, 2, 64});
+  expect_error(contiguous_error(batch3, batch3, "k_cache", "v_cache"), ErrorKind::kValue,
+               "k_cache: expected batch 2 like q");
+  TestTensor heads3 = cache(DType::kFloat16, {2, 48, 3, 64});
+  expect_error(contiguous_error(heads3, heads3, "k_cache", "v_cache"), ErrorKind::kValue,
+               "k_cache: num_heads_kv (3) must be >= 1 and divide num_heads (8)");
+  TestTensor dim32 = cache(DType::kFloat16, {2, 48, 2, 32});
+  expect_error(contiguous_error(dim32, dim32, "k_cache", "v_cache"), ErrorKind::kValue,
+               "k_cache: expected head_dim 64 like q");
+  // Valid keys pass the names' checks and reach the device rule.
+  expect_error(contiguous_error(good, good, "k_cache", "v_cache"), ErrorKind::kNotImplemented,
+               "q: the decode kernel runs on CUDA tensors");
+}
+
 TEST(DecodeParams, CpuTensorsAreRefusedAfterValidation) {
   expect_error(decode_error([](auto&, auto&, auto&, auto&, auto&) {}), ErrorKind::kNotImplemented,
                "q: the decode kernel runs on CUDA tensors");

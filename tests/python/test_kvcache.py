@@ -321,7 +321,7 @@ def _good():
     return dict(q=q, k_cache=kc, v_cache=kc.clone(), cache_seqlens=torch.tensor([1, 2], dtype=torch.int32))
 
 
-@pytest.mark.parametrize("change,exc,name", [
+_BAD_ARGUMENTS = [
     (dict(q=torch.randn(2, 4, 16)), ValueError, "q"),
     (dict(k_cache=torch.randn(2, 10, 3, 16)), ValueError, "v_cache"),
     (dict(k_cache=torch.randn(2, 10, 3, 16), v_cache=torch.randn(2, 10, 3, 16)), ValueError, "k_cache"),
@@ -329,7 +329,6 @@ def _good():
     (dict(v_cache=torch.randn(2, 10, 2, 16, dtype=torch.float64)), TypeError, "v_cache"),
     (dict(cache_seqlens=torch.tensor([1, 2])), TypeError, "cache_seqlens"),
     (dict(cache_seqlens=torch.tensor([1, 2, 3], dtype=torch.int32)), ValueError, "cache_seqlens"),
-    (dict(cache_seqlens=torch.tensor([1, 11], dtype=torch.int32)), ValueError, "cache_seqlens"),
     (dict(cache_seqlens=[1, 2]), TypeError, "cache_seqlens"),
     (dict(block_table=torch.zeros(2, 1, dtype=torch.int64)), TypeError, "block_table"),
     (dict(block_table=torch.zeros(3, 1, dtype=torch.int32)), ValueError, "block_table"),
@@ -343,13 +342,74 @@ def _good():
     (dict(softcap=-1.0), ValueError, "softcap"),
     (dict(k=torch.randn(2, 1, 2, 16)), ValueError, "k, v"),
     (dict(k=torch.randn(2, 1, 3, 16), v=torch.randn(2, 1, 3, 16)), ValueError, "k, v"),
-])
-def test_errors_name_the_argument(change, exc, name):
-    args = {**_good(), **change}
+]
+
+
+def _call_with(args, change):
+    args = {**args, **change}
     q, kc, vc = args.pop("q"), args.pop("k_cache"), args.pop("v_cache")
     k, v = args.pop("k", None), args.pop("v", None)
+    return dmattn.attention_with_kvcache(q, kc, vc, k, v, **args)
+
+
+# Lengths beyond the cache: checked on the CPU only (reading them on CUDA would synchronize).
+_BAD_LENGTHS = (dict(cache_seqlens=torch.tensor([1, 11], dtype=torch.int32)), ValueError, "cache_seqlens")
+
+
+@pytest.mark.parametrize("change,exc,name", _BAD_ARGUMENTS + [_BAD_LENGTHS])
+def test_errors_name_the_argument(change, exc, name):
     with pytest.raises(exc, match=rf"^{name}:"):
-        dmattn.attention_with_kvcache(q, kc, vc, k, v, **args)
+        _call_with(_good(), change)
+
+
+def _on_gpu(x):
+    """x on CUDA, float32 tensors as bfloat16 (the kernels' dtypes; other dtypes kept)."""
+    if isinstance(x, torch.Tensor):
+        return x.to("cuda", torch.bfloat16 if x.dtype == torch.float32 else x.dtype)
+    return x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("change,exc,name", _BAD_ARGUMENTS)
+def test_gpu_errors_name_the_argument(change, exc, name):
+    """On CUDA the usual call goes straight to the decode kernel, validated natively: the same
+    errors, naming the same argument."""
+    good = {n: _on_gpu(t) for n, t in _good().items()}
+    with pytest.raises(exc, match=rf"^{name}:"):
+        _call_with(good, {n: _on_gpu(t) for n, t in change.items()})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_gpu_direct_route_equals_checked_route(monkeypatch, page_size):
+    """The usual call (no append, no gradient) takes the direct route onto the decode kernel
+    (outputs allocated by the native call); the checked route, and the outputs allocated in
+    Python (a torch without tvm-ffi's environment allocator), give the same bits."""
+    import dmattn.decode
+    import dmattn.kvcache
+
+    case = _make_case("cuda", torch.bfloat16, batch=3, seqlen_q=2, heads=8, heads_kv=2, head_dim=128,
+                      capacity=4096, lens=[1, 700, 4000], new=0, page_size=page_size,
+                      mask_shape=(3, 1, 1, 4096), bias_shape=(3, 8, 1, 4096))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the checked route ran")
+
+    with monkeypatch.context() as m:
+        m.setattr(dmattn.kvcache, "cache_attention", refuse)
+        out, lse = _run(case, softcap=20.0)
+        out_only = dmattn.attention_with_kvcache(case["q"], case["k_cache"], case["v_cache"],
+                                                 cache_seqlens=case["cache_seqlens"], block_table=case["block_table"],
+                                                 mask=case["mask"], bias=case["bias"], softcap=20.0)
+    _check(case, out, lse, softcap=20.0)
+    torch.testing.assert_close(out_only, out, rtol=0, atol=0)
+    monkeypatch.setattr(dmattn.kvcache, "_direct_decode", lambda *args: None)
+    checked_out, checked_lse = _run(case, softcap=20.0)
+    monkeypatch.setattr(dmattn.decode, "native_allocates", lambda: False)
+    python_out, python_lse = _run(case, softcap=20.0)
+    for o, l in ((checked_out, checked_lse), (python_out, python_lse)):
+        torch.testing.assert_close(o, out, rtol=0, atol=0)
+        torch.testing.assert_close(l, lse, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
