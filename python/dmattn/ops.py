@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import weakref
 from typing import Optional, Tuple
 
@@ -321,7 +322,9 @@ def attention_forward(
     check_devices(q=q, k=k, v=v, mask=mask, bias=bias, key_positions=key_positions, key_ends=key_ends,
                   key_rows=key_rows)
     _check_rank(q, "q", "(batch, seqlen_q, num_heads, head_dim)")
-    if key_positions is None and q.is_cuda:  # short Sq: the split-KV kernel (decode.py)
+    # Short Sq, with DMATTN_DECODE=1: the split-KV kernel (decode.py; imported here, which costs
+    # host time, only when asked for).
+    if key_positions is None and q.is_cuda and os.environ.get("DMATTN_DECODE", "0") == "1":
         from .decode import maybe_decode_forward
         decoded = maybe_decode_forward(q, k, v, mask, bias, causal, window_left, window_right, scale, softcap)
         if decoded is not None:
@@ -499,7 +502,10 @@ def _plain_eager(args: tuple) -> bool:
     if (_is_compiling() or _autograd_profiler._is_profiler_enabled or _len_torch_dispatch_stack() > 0
             or _are_functorch_transforms_active()):
         return False
-    return all(type(t) is Tensor for t in args if isinstance(t, Tensor))
+    for t in args:  # (a loop: a generator's frames are host time on every call)
+        if isinstance(t, Tensor) and type(t) is not Tensor:
+            return False
+    return True
 
 
 def _call_op(op, *args):
@@ -527,9 +533,16 @@ def _eager_autograd(op, setup, backward_fn, num_differentiable: int, defaults: t
 
         backward = staticmethod(backward_fn)
 
+    def records_gradient(inputs) -> bool:
+        if not torch.is_grad_enabled() or _is_compiling():
+            return False
+        for t in inputs[:num_differentiable]:  # (a loop: no generator frames on every call)
+            if isinstance(t, Tensor) and t.requires_grad:
+                return True
+        return False
+
     def call(*inputs):
-        if (torch.is_grad_enabled() and not torch.compiler.is_compiling()
-                and any(isinstance(t, Tensor) and t.requires_grad for t in inputs[:num_differentiable])):
+        if records_gradient(inputs):
             missing = num_args - len(inputs)
             return Function.apply(*inputs, *(defaults[len(defaults) - missing:] if missing else ()))
         return _call_op(op, *inputs)

@@ -237,7 +237,7 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
     smem = smem_main = a.f.smem_kpos_off + 2 * Tile::kBlockN * 4;
   }
   auto launch_with = [&](auto kernel, dim3 grid, int threads, int bytes, const char* what) {
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), what);
+    allow_dynamic_shared_memory(kernel, bytes, what);
     kernel<<<grid, threads, bytes, stream>>>(a);
     check_cuda(cudaGetLastError(), what);
   };

@@ -24,8 +24,6 @@ void run_decode(const DecodeArgs& a, cudaStream_t stream);
 }  // namespace dmattn::cuda
 
 #ifdef DMATTN_DECODE_LAUNCH_IMPL
-#include <atomic>
-
 #include "cuda/check.h"
 #include "cuda/decode_kernel.h"
 #include "cuda/decode_rows_kernel.h"
@@ -33,57 +31,45 @@ void run_decode(const DecodeArgs& a, cudaStream_t stream);
 
 namespace dmattn::cuda {
 
-// Launches kernel on the decode grid (row_chunks * num_splits, heads_kv, batch), raising its
-// dynamic shared memory limit once per device (flags: the kernel's own; a decoding step is
-// short, the driver call would be part of its host time).
+// Launches kernel on the decode grid (row_chunks * num_splits, heads_kv, batch).
 template <typename Kernel>
-void launch_on_decode_grid(Kernel kernel, int threads, int smem, std::atomic<bool> (&smem_set)[64],
-                           const DecodeArgs& a, int device, cudaStream_t stream) {
-  if (device < 0 || device >= 64 || !smem_set[device].load(std::memory_order_relaxed)) {
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-               "cudaFuncSetAttribute(decode smem)");
-    if (device >= 0 && device < 64) smem_set[device].store(true, std::memory_order_relaxed);
-  }
+void launch_on_decode_grid(Kernel kernel, int threads, int smem, const DecodeArgs& a, cudaStream_t stream) {
+  allow_dynamic_shared_memory(kernel, smem, "cudaFuncSetAttribute(decode smem)");
   const dim3 grid(a.row_chunks * a.num_splits, a.heads_kv, a.batch);
   kernel<<<grid, threads, smem, stream>>>(a);
   check_cuda(cudaGetLastError(), "decode kernel launch");
 }
 
 template <typename Element, int kD, DecodeOperands kOps>
-void launch_decode_kernel(const DecodeArgs& a, int device, cudaStream_t stream) {
+void launch_decode_kernel(const DecodeArgs& a, cudaStream_t stream) {
   using Tile = decode_detail::DecodeTile<kD>;
-  static std::atomic<bool> smem_set[64] = {};
   launch_on_decode_grid(decode_kernel<Element, kD, kOps>, Tile::kThreads,
-                        Tile::smem_bytes(kOps == DecodeOperands::kRing), smem_set, a, device, stream);
+                        Tile::smem_bytes(kOps == DecodeOperands::kRing), a, stream);
 }
 
 template <typename Element, int kD, bool kOperands>
-void launch_decode_rows_kernel(const DecodeArgs& a, int device, cudaStream_t stream) {
+void launch_decode_rows_kernel(const DecodeArgs& a, cudaStream_t stream) {
   using Tile = decode_detail::DecodeRowsTile<kD>;
-  static std::atomic<bool> smem_set[64] = {};
-  launch_on_decode_grid(decode_rows_kernel<Element, kD, kOperands>, Tile::kThreads, Tile::kSmemBytes, smem_set, a,
-                        device, stream);
+  launch_on_decode_grid(decode_rows_kernel<Element, kD, kOperands>, Tile::kThreads, Tile::kSmemBytes, a, stream);
 }
 
 template <typename Element, int kD>
 void launch_decode(const DecodeArgs& a, cudaStream_t stream) {
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
   const bool operands = a.mask.ptr != nullptr || a.bias.ptr != nullptr;
   if constexpr (kD <= kDecodeRowsMaxHeadDim) {  // (the 64-row kernel exists up to that bucket)
     if (decode_rows_chunked(int64_t(a.seqlen_q) * a.group, a.head_dim)) {  // 64-row chunks, one ring
-      if (operands) launch_decode_rows_kernel<Element, kD, true>(a, device, stream);
-      else launch_decode_rows_kernel<Element, kD, false>(a, device, stream);
+      if (operands) launch_decode_rows_kernel<Element, kD, true>(a, stream);
+      else launch_decode_rows_kernel<Element, kD, false>(a, stream);
       return;
     }
   }
   if (!operands) {
-    launch_decode_kernel<Element, kD, DecodeOperands::kNone>(a, device, stream);
+    launch_decode_kernel<Element, kD, DecodeOperands::kNone>(a, stream);
   } else if (a.operands_in_ring &&
-             decode_detail::DecodeTile<kD>::smem_bytes(true) <= max_shared_memory_optin(device)) {
-    launch_decode_kernel<Element, kD, DecodeOperands::kRing>(a, device, stream);
+             decode_detail::DecodeTile<kD>::smem_bytes(true) <= max_shared_memory_optin(current_device())) {
+    launch_decode_kernel<Element, kD, DecodeOperands::kRing>(a, stream);
   } else {  // any layout, or a GPU whose blocks cannot hold the larger ring (sm_86 / sm_89)
-    launch_decode_kernel<Element, kD, DecodeOperands::kRegisters>(a, device, stream);
+    launch_decode_kernel<Element, kD, DecodeOperands::kRegisters>(a, stream);
   }
 }
 

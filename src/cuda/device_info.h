@@ -3,6 +3,9 @@
 #pragma once
 
 #include <atomic>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include <cuda_runtime.h>
 
@@ -37,10 +40,43 @@ inline int max_shared_memory_optin(int device) {
       device, "cudaDeviceGetAttribute(max shared memory per block, opt-in)");
 }
 
-inline int current_multiprocessor_count() {
+// The shared memory of one multiprocessor of `device` (0 as above).
+inline int shared_memory_per_multiprocessor(int device) {
+  return device_info_detail::cached_attribute<cudaDevAttrMaxSharedMemoryPerMultiprocessor>(
+      device, "cudaDeviceGetAttribute(max shared memory per multiprocessor)");
+}
+
+// The compute capability's major number of `device` (0 as above).
+inline int compute_capability_major(int device) {
+  return device_info_detail::cached_attribute<cudaDevAttrComputeCapabilityMajor>(
+      device, "cudaDeviceGetAttribute(compute capability)");
+}
+
+inline int current_device() {
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  return multiprocessor_count(device);
+  return device;
 }
+
+// Lets `kernel` launch with `bytes` of dynamic shared memory on the current device: the driver
+// call once per (kernel, device) and larger size, not per launch (its host time is a
+// noticeable part of a short call's, which the GPU waits for when the call starts from idle).
+template <typename Kernel>
+void allow_dynamic_shared_memory(Kernel kernel, int bytes, const char* what) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, int> allowed;  // (kernel, device) -> bytes
+  const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), current_device());
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto it = allowed.find(key);
+    if (it != allowed.end() && it->second >= bytes) return;
+  }
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), what);
+  std::lock_guard<std::mutex> lock(mutex);
+  int& entry = allowed[key];
+  if (entry < bytes) entry = bytes;
+}
+
+inline int current_multiprocessor_count() { return multiprocessor_count(current_device()); }
 
 }  // namespace dmattn::cuda

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda/check.h"
+#include "cuda/device_info.h"
 #include "cuda/fwd_args.h"
 
 namespace dmattn::cuda {
@@ -44,12 +45,8 @@ template <class Tile, bool kInit, bool kBiasDb = true, int kPosTiles = 1, int kM
           bool kBiasDbAlways = kInit, class Kernel>
 void launch_fwd_kernel(const FwdArgs& args, cudaStream_t stream, Kernel kernel) {
   FwdArgs a = args;
-  int dev = 0, max_smem = 0, smem_per_sm = 0;
-  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
-             "cudaDeviceGetAttribute(smem per block)");
-  check_cuda(cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev),
-             "cudaDeviceGetAttribute(smem per SM)");
+  const int dev = current_device();
+  const int max_smem = max_shared_memory_optin(dev), smem_per_sm = shared_memory_per_multiprocessor(dev);
 
   // Shared memory: Q, K, V, then kMaskTiles mask tiles (look-ahead for block skipping), then one
   // or two bias tiles, then the positions tiles. A query-broadcast operand needs one row per tile.
@@ -89,8 +86,7 @@ void launch_fwd_kernel(const FwdArgs& args, cudaStream_t stream, Kernel kernel) 
 
   // Query blocks run in reverse order (fwd_kernel): blockIdx.x = 0 is the last query block.
   const dim3 grid((a.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM, a.num_heads, a.batch);
-  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-             "cudaFuncSetAttribute(forward smem)");
+  allow_dynamic_shared_memory(kernel, smem, "cudaFuncSetAttribute(forward smem)");
   kernel<<<grid, Tile::kNThreads, smem, stream>>>(a);
   check_cuda(cudaGetLastError(), "forward kernel launch");
 }

@@ -7,6 +7,7 @@
 #include "cuda/bwd_args.h"
 #include "cuda/check.h"
 #include "cuda/cta_order.h"
+#include "cuda/device_info.h"
 #include "cuda/sm90/bwd_ws_kernel_sm90.h"
 #include "cuda/sm90/enabled.h"
 #include "cuda/sm90/tma_views.h"
@@ -78,8 +79,7 @@ void launch_bwd_ws_tile(const BwdArgs& a, dim3 grid, cudaStream_t stream) {
   };
   auto kernel = bwd_ws_kernel_sm90<Tile>;
   constexpr int smem = Tile::kSmemBytes;
-  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-             "cudaFuncSetAttribute(backward smem)");
+  allow_dynamic_shared_memory(kernel, smem, "cudaFuncSetAttribute(backward smem)");
   kernel<<<grid, Tile::kNThreads, smem, stream>>>(p);
   check_cuda(cudaGetLastError(), "backward kernel launch (sm90, warp-specialized)");
 }

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda/check.h"
+#include "cuda/device_info.h"
 
 #ifndef DMATTN_HAS_SM90A
 #define DMATTN_HAS_SM90A 0
@@ -24,10 +25,7 @@ inline bool env_switched_off(const char* name) {
 
 inline bool device_runs_sm90_kernels() {
   if (!DMATTN_HAS_SM90A) return false;
-  int dev = 0, major = 0;
-  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute(cc)");
-  return major == 9;
+  return compute_capability_major(current_device()) == 9;
 }
 
 }  // namespace dmattn::cuda::sm90

@@ -127,8 +127,7 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
   };
   auto kernel = fwd_ws_kernel_sm90<Tile>;
   constexpr int smem = Tile::kSmemBytes;
-  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-             "cudaFuncSetAttribute(forward smem)");
+  allow_dynamic_shared_memory(kernel, smem, "cudaFuncSetAttribute(forward smem)");
   int ctas = sms;
   if (mode != nullptr) {
     const char* const cap_env = std::getenv("DMATTN_FWD_PERSISTENT_CTAS");
