@@ -178,6 +178,31 @@ def test_gpu_long_cache_splits(dtype, head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("batch,seqlen_q,head_dim,page_size,operands", [
+    (8, 1, 128, None, None), (8, 1, 128, 64, "bias"), (4, 1, 64, None, "mask"), (16, 4, 128, 16, "both"),
+    (8, 2, 256, None, "bias"), (4, 3, 128, None, "softcap"), (8, 1, 128, None, "window")])
+def test_gpu_few_splits(batch, seqlen_q, head_dim, page_size, operands):
+    """2 to 8 key splits of up to 16 rows (the decoding batches of serving: B=4 to 16 with 8 kv
+    heads): ragged lengths (a row whose keys end inside the first split, so that later splits
+    are empty), pages, a mask and bias, softcap, a left window; out and lse against float64."""
+    from dmattn.decode import KVCACHE_MAX_ROWS, _decode_splits
+
+    heads_kv = 8
+    lens = [4096 - 3 * seqlen_q - 7 * b for b in range(batch)]
+    lens[1] = 300
+    bias_shape = (batch, 4 * heads_kv, 1, 4096) if operands in ("bias", "both") else None
+    mask_shape = (batch, 1, 1, 4096) if operands in ("mask", "both") else None
+    case = _make_case("cuda", torch.bfloat16, batch=batch, seqlen_q=seqlen_q, heads=4 * heads_kv, heads_kv=heads_kv,
+                      head_dim=head_dim, capacity=4096, lens=lens, new=seqlen_q, page_size=page_size,
+                      bias_shape=bias_shape, mask_shape=mask_shape)
+    splits = _decode_splits(case["q"], heads_kv, 4096, KVCACHE_MAX_ROWS)
+    assert 2 <= splits <= 8, splits
+    kw = dict(softcap=20.0) if operands == "softcap" else dict(window=(900, -1)) if operands == "window" else {}
+    out, lse = _run(case, **kw)
+    _check(case, out, lse, **kw)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("seqlen_q", [1, 8])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("window", [(-1, -1), (15000, -1)])
