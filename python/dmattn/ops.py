@@ -487,7 +487,12 @@ attention_forward.register_autograd(_backward, setup_context=_setup_context)
 def records_no_gradient(*tensors: Optional[Tensor]) -> bool:
     """No gradient to record for these tensors (None entries ignored): grad mode is off, or none
     of them requires one. The inference-only paths' condition."""
-    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+    if not torch.is_grad_enabled():
+        return True
+    for t in tensors:  # (a loop: no generator frames on the inference paths' every call)
+        if t is not None and t.requires_grad:
+            return False
+    return True
 
 
 def _plain_eager(args: tuple) -> bool:
