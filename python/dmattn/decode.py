@@ -21,8 +21,8 @@ from ._lib import lib
 from .masks import cached_index_tensor
 from .ops import _cuda_layout, _plain_eager, _scale_arg, attention_forward, check_devices, records_no_gradient
 
-__all__ = ["kvcache_forward", "kvcache_attention", "cache_attention", "maybe_decode_forward", "decode_step", "decode_rows_fit", "gathered_decode",
-           "native_allocates", "AUTO_MAX_ROWS", "KVCACHE_MAX_ROWS"]
+__all__ = ["kvcache_forward", "kvcache_attention", "cache_attention", "maybe_decode_forward", "decode_step",
+           "decode_rows_fit", "gathered_decode", "native_allocates", "AUTO_MAX_ROWS", "KVCACHE_MAX_ROWS"]
 
 # With DMATTN_DECODE=1, dmattn.attention takes the decode kernels on CUDA for up to this many
 # query rows (queries x query heads per kv head: one 16-row tile, or one 64-row chunk), where

@@ -55,6 +55,8 @@ def _direct_decode(q, k_cache, v_cache, cache_seqlens, block_table, mask, bias, 
     every tensor, naming it as the checked route below does (whose Python checks are host time
     that the GPU waits for when a step starts from idle), and allocates the outputs. None where
     the call takes the checked route."""
+    if torch.compiler.is_compiling():  # (traced: the op, whose body runs at run time)
+        return None
     if not (type(q) is Tensor and type(k_cache) is Tensor and type(v_cache) is Tensor
             and type(cache_seqlens) is Tensor and q.is_cuda and k_cache.is_cuda and v_cache.is_cuda
             and cache_seqlens.is_cuda and q.dim() == 4 and k_cache.dim() == 4):

@@ -325,6 +325,30 @@ def test_compile_fullgraph():
     torch.testing.assert_close(case["k_cache"], eager_case["k_cache"], equal_nan=True)
 
 
+@pytest.mark.gpu
+def test_gpu_compile_fullgraph():
+    """On CUDA too, torch.compile traces the call without graph breaks (the direct route is
+    eager only; traced, the op runs the decode kernel at run time), append included."""
+    case = _make_case("cuda", torch.bfloat16, batch=2, seqlen_q=1, heads=8, heads_kv=2, head_dim=128,
+                      capacity=2048, lens=[100, 1500], new=1, page_size=64)
+    eager_case = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in case.items()}
+    out_eager, _ = _run(eager_case)
+
+    def step(q, kc, vc, k, v, lens, bt):
+        return dmattn.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, block_table=bt)
+
+    def direct(q, kc, vc, lens, bt):  # nothing to append: the eager call's direct route
+        return dmattn.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=bt)
+
+    out = torch.compile(step, fullgraph=True)(case["q"], case["k_cache"], case["v_cache"], case["k"], case["v"],
+                                              case["cache_seqlens"], case["block_table"])
+    torch.testing.assert_close(out, out_eager, rtol=0, atol=0)
+    lens = case["cache_seqlens"] + 1
+    out_direct = torch.compile(direct, fullgraph=True)(case["q"], case["k_cache"], case["v_cache"], lens,
+                                                       case["block_table"])
+    torch.testing.assert_close(out_direct, out_eager, rtol=0, atol=0)
+
+
 def test_no_gradient_is_named():
     q = torch.randn(2, 1, 4, 16, requires_grad=True)
     kc = torch.randn(2, 10, 2, 16)
