@@ -358,7 +358,8 @@ tvm::ffi::Tensor decode_attention(TensorView q, TensorView k, TensorView v, Opti
     inputs.num_splits = num_splits;
     if (cache_call) inputs.k_name = "k_cache", inputs.v_name = "v_cache";
     dmattn::ForwardParams p = dmattn::make_decode_forward_params(
-        q_d, to_desc(k), to_desc(v), to_desc(out), lse_d, mask_d.get(), bias_d.get(), make_options(causal, window_left, window_right, scale, softcap, false), inputs);
+        q_d, to_desc(k), to_desc(v), to_desc(out), lse_d, mask_d.get(), bias_d.get(),
+        make_options(causal, window_left, window_right, scale, softcap, false), inputs);
     p.stream = current_stream(p);
     dmattn::run_forward(p);
   });
