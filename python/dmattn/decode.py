@@ -22,7 +22,8 @@ from .masks import cached_index_tensor
 from .ops import _cuda_layout, _plain_eager, _scale_arg, attention_forward, check_devices, records_no_gradient
 
 __all__ = ["kvcache_forward", "kvcache_attention", "cache_attention", "maybe_decode_forward", "decode_step",
-           "decode_rows_fit", "gathered_decode", "native_allocates", "AUTO_MAX_ROWS", "KVCACHE_MAX_ROWS"]
+           "decode_rows_fit", "gathered_decode", "native_allocates", "AUTO_MAX_ROWS", "KVCACHE_MAX_ROWS",
+           "KERNEL_DTYPES"]
 
 # With DMATTN_DECODE=1, dmattn.attention takes the decode kernels on CUDA for up to this many
 # query rows (queries x query heads per kv head: one 16-row tile, or one 64-row chunk), where
@@ -31,6 +32,8 @@ __all__ = ["kvcache_forward", "kvcache_attention", "cache_attention", "maybe_dec
 # the general kernels' in the last bits, so a packed batch (attention_varlen) would no longer
 # equal its sequences run one by one bit for bit (the varlen contract).
 AUTO_MAX_ROWS = 64
+# The decode kernels' dtypes.
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 # attention_with_kvcache takes the decode kernels up to this many rows (they read per-batch
 # lengths and pages in place): one 16-row tile, or 64-row chunks that each read every key once
 # (two chunks here, side by side, the second read from L2). Above it the cache is gathered and
@@ -47,7 +50,7 @@ def _splits(device_index: int, batch: int, seqlen_q: int, heads: int, heads_kv: 
 
 def _decode_splits(q: Tensor, heads_kv: int, seqlen_k: int, max_rows: int) -> int:
     """Key splits of the decode kernel for q (B, Sq, H, D) on CUDA, 0 where it does not apply."""
-    if q.device.type != "cuda" or q.dim() != 4 or q.dtype not in (torch.float16, torch.bfloat16):
+    if q.device.type != "cuda" or q.dim() != 4 or q.dtype not in KERNEL_DTYPES:
         return 0
     batch, seqlen_q, heads, head_dim = q.shape
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
@@ -104,7 +107,7 @@ def decode_rows_fit(q: Tensor, heads_kv: int, max_rows: int) -> bool:
     """Whether q (B, Sq, H, D) on CUDA has the shapes the decode kernels take for up to max_rows
     query rows per kv head (the native decode_splits' shape rules, from shapes alone: traceable
     under torch.compile, where the op body then picks the split count)."""
-    if q.device.type != "cuda" or q.dim() != 4 or q.dtype not in (torch.float16, torch.bfloat16):
+    if q.device.type != "cuda" or q.dim() != 4 or q.dtype not in KERNEL_DTYPES:
         return False
     _, seqlen_q, heads, head_dim = q.shape
     if heads_kv < 1 or heads % heads_kv or head_dim % 8 or not 8 <= head_dim <= 256:

@@ -11,15 +11,14 @@ import torch
 from torch import Tensor
 
 from ._lib import check_cuda_index
-from .decode import KVCACHE_MAX_ROWS, _append, _run_decode, _splits, cache_attention, kvcache_forward, \
-    native_allocates
+from .decode import (KERNEL_DTYPES, KVCACHE_MAX_ROWS, _append, _run_decode, _splits, cache_attention,
+                     kvcache_forward, native_allocates)
 from .interface import _parse_options, _require_tensor
 from .ops import _cuda_layout, _plain_eager, records_no_gradient
 
 __all__ = ["attention_with_kvcache"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # the decode kernel's
 
 
 def _rank(t: Tensor, name: str, rank: int, layout: str) -> None:
@@ -70,7 +69,7 @@ def _direct_decode(q, k_cache, v_cache, cache_seqlens, block_table, mask, bias, 
         seqlen_k = k_cache.shape[1] * block_table.shape[1]
     else:
         return None
-    if q.dtype not in _KERNEL_DTYPES or not native_allocates():
+    if q.dtype not in KERNEL_DTYPES or not native_allocates():
         return None
     device = q.get_device()
     batch, seqlen_q, heads, head_dim = q.shape

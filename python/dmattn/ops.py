@@ -484,13 +484,13 @@ def _backward(ctx, dout, _dlse):
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def records_no_gradient(*tensors: Optional[Tensor]) -> bool:
-    """No gradient to record for these tensors (None entries ignored): grad mode is off, or none
-    of them requires one. The inference-only paths' condition."""
+def records_no_gradient(*tensors) -> bool:
+    """No gradient to record for these tensors (None and other non-tensor entries ignored): grad
+    mode is off, or none of them requires one. The inference-only paths' condition."""
     if not torch.is_grad_enabled():
         return True
     for t in tensors:  # (a loop: no generator frames on the inference paths' every call)
-        if t is not None and t.requires_grad:
+        if isinstance(t, Tensor) and t.requires_grad:
             return False
     return True
 
@@ -538,16 +538,8 @@ def _eager_autograd(op, setup, backward_fn, num_differentiable: int, defaults: t
 
         backward = staticmethod(backward_fn)
 
-    def records_gradient(inputs) -> bool:
-        if not torch.is_grad_enabled() or _is_compiling():
-            return False
-        for t in inputs[:num_differentiable]:  # (a loop: no generator frames on every call)
-            if isinstance(t, Tensor) and t.requires_grad:
-                return True
-        return False
-
     def call(*inputs):
-        if records_gradient(inputs):
+        if not records_no_gradient(*inputs[:num_differentiable]) and not _is_compiling():
             missing = num_args - len(inputs)
             return Function.apply(*inputs, *(defaults[len(defaults) - missing:] if missing else ()))
         return _call_op(op, *inputs)
