@@ -84,7 +84,10 @@ for dtype in (torch.bfloat16, torch.float16):
     # double-buffered bias tiles by cp.async (aligned rows; 200 queries: a partial second query
     # block; backward: dbias from the dS tile), and a query-broadcast row, causal (backward: the
     # column-sum variant, GQA group 2).
+    # (the full-bias backward otherwise runs on the warp-specialized kernel, below)
+    os.environ["DMATTN_BWD_SM90_WS"] = "0"
     case(1, 200, 320, 4, 2, 128, dtype, bias_shape=(1, 4, 200, 320))
+    del os.environ["DMATTN_BWD_SM90_WS"]
     case(1, 130, 256, 2, 1, 128, dtype, bias_shape=(1, 2, 1, 256), causal=True)
     # The warp-specialized Hopper forward (TMA producer, pipelines, named barriers): plain and
     # full-bias variants, several key blocks and a partial one, every head-dim tile (three
@@ -123,4 +126,9 @@ for dtype in (torch.bfloat16, torch.float16):
     case(1, 96, 700, 2, 2, 128, dtype, window=(32, 0))
     case(1, 200, 333, 4, 2, 128, dtype, mask_shape=(1, 1, 1, 333), bias_shape=(1, 4, 1, 333), causal=True)
     topk_case(1, 520, 2, 2, 128, dtype, keep=200, causal=True, per_query=True)
+    # Its full-bias variant: the bias tiles' single buffer (TMA, the consumers' release), dbias's
+    # tiles stored from the dS buffers by the dQ writer, the zeroing warp (causal, GQA, Sq < Sk;
+    # a window leaving key blocks unreached).
+    case(2, 300, 520, 4, 2, 128, dtype, bias_shape=(2, 4, 300, 520), causal=True)
+    case(1, 96, 704, 2, 2, 128, dtype, bias_shape=(1, 2, 96, 704), window=(32, 0))
 print("sanitizer cases done")

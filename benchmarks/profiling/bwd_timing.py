@@ -1,7 +1,8 @@
 """Forward + backward timings of dmattn (CUDA) against SDPA cuDNN and SDPA flash (FA2) in one
 process, on the rows of the Hopper backward: dense and causal, a per-key bias (B, H, 1, S) with
 its gradient, attention_topk's shared key set and Doge's per-query selection (selection
-included), GQA, head dim 64.
+included), GQA, a full bias (B, H, S, S) with its gradient (and GQA 32 / 8 with one, with the
+step's memory), head dim 64.
 
 bf16, B=2, H=16, S=8192, D=128; every gradient (q, k, v and the bias's); median of CUDA-event
 timings after warm-up; random (never zero) inputs. TFLOP/s with FlashAttention's convention
@@ -90,6 +91,30 @@ def main():
     kg, vg = leaf(1, S, 8, D), leaf(1, S, 8, D)
     add("dmattn GQA 32/8 causal (B=1)", lambda: dmattn.attention(qg, kg, vg, causal=True), [qg, kg, vg],
         torch.randn(1, S, 32, D, device=dev, dtype=dt, generator=g), dense_flop(True, h=32, b=1))
+
+    # A full learnable bias (B, H, S, S) with its gradient, and GQA 32 / 8 with a bias per query
+    # head (1, 32, S, S), B=1: with the memory the call takes beyond its inputs (peak during the
+    # step, less what was allocated before it), beside dbias's own size.
+    full_bias = leaf(B, H, S, S)
+    for causal in (False, True):
+        add(f"dmattn bias (B,H,S,S) + dbias{' causal' if causal else ''}",
+            lambda: dmattn.attention(q, k, v, bias=full_bias, causal=causal), [q, k, v, full_bias], dout,
+            dense_flop(causal))
+    del full_bias
+    gqa_bias = leaf(1, 32, S, S)
+    dout_g = torch.randn(1, S, 32, D, device=dev, dtype=dt, generator=g)
+    add("dmattn GQA 32/8 bias (1,32,S,S) + dbias (B=1)",
+        lambda: dmattn.attention(qg, kg, vg, bias=gqa_bias), [qg, kg, vg, gqa_bias], dout_g, dense_flop(False, h=32, b=1))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    torch.autograd.grad(dmattn.attention(qg, kg, vg, bias=gqa_bias), [qg, kg, vg, gqa_bias], dout_g)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    dbias_bytes = gqa_bias.numel() * gqa_bias.element_size()
+    print(f"GQA bias step: peak {peak / 2**30:.2f} GiB beyond the inputs, dbias {dbias_bytes / 2**30:.2f} GiB, "
+          f"the rest {(peak - dbias_bytes) / 2**30:.2f} GiB", flush=True)
+    del gqa_bias
 
     # Head dim 64, causal (H=16).
     q64, k64, v64 = leaf(B, S, H, 64), leaf(B, S, H, 64), leaf(B, S, H, 64)

@@ -250,6 +250,33 @@ __device__ __forceinline__ void bwd_dbias_zero_unreached(const BwdArgs& a, const
   }
 }
 
+// kDbDirect, by one warp of a dense batch whose dbias rows take 16-byte stores (db_vec, a 16-bit
+// bias): the dbias rows of query blocks outside [m_lo, m_hi) are zero, for every query head of
+// the kv head's group. Rows [0, lo_end) then [hi_begin, len_q) as one list (hi_begin >= lo_end),
+// two rows a pass, a lane per 16-byte chunk of the 128 columns (the warp-specialized Hopper
+// backward's zeroing warp, which has 40 registers: one loop, the row found per pass).
+template <typename Element, int kBlockM>
+__device__ __forceinline__ void bwd_dbias_zero_unreached_warp(const BwdArgs& a, int b, int kvh, int m_lo, int m_hi,
+                                                              int n0, int cols, int lane) {
+  static_assert(sizeof(Element) == 2, "16-byte chunks of 8 elements, 16 per 128 keys");
+  const int len_q = a.f.seqlen_q;
+  const int lo_end = min(m_lo * kBlockM, len_q), hi_begin = max(lo_end, min(m_hi * kBlockM, len_q));
+  const int rows = lo_end + (len_q - hi_begin);
+  const int c = (lane % 16) * 8;
+  if (c >= cols) return;
+  for (int h = kvh * a.f.group; h < (kvh + 1) * a.f.group; ++h) {
+    Element* col = static_cast<Element*>(a.dbias) + int64_t(b) * a.db_sb + int64_t(h) * a.db_sh + n0 + c;
+    for (int i = lane / 16; i < rows; i += 2) {
+      Element* p = col + int64_t(i < lo_end ? i : hi_begin + (i - lo_end)) * a.db_sq;
+      if (c + 8 <= cols) {
+        *reinterpret_cast<uint4*>(p) = make_uint4(0, 0, 0, 0);
+      } else {
+        for (int k = 0; k < cols - c; ++k) p[k] = Element(0.f);
+      }
+    }
+  }
+}
+
 // dK / dV of one key block: staged (already converted) in shared memory (sdK, sdV: any layout
 // whose rows hold 8-element contiguous chunks), written with 16-byte stores, rows [0, cols).
 template <typename Element, int kBlockN, int kHeadDim, int kThreads, class SK, class SV>

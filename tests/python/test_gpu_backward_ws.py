@@ -1,7 +1,8 @@
 """The warp-specialized Hopper backward (src/cuda/sm90/bwd_ws_kernel_sm90.h) on the problems it
 takes (head dims 64 and 128, dense batches: plain scores, per-key rows with a query-broadcast bias and its
-column-sum gradient, a query-broadcast mask, gathered keys with key ends), against the float64
-reference and against the general Hopper kernel (DMATTN_BWD_SM90_WS=0) on the top-k paths.
+column-sum gradient, a query-broadcast mask, gathered keys with key ends; at 128 a full bias with its
+gradient stored from the dS tiles), against the float64 reference and against the general Hopper
+kernel (DMATTN_BWD_SM90_WS=0) on the top-k paths and the full bias.
 Both backward paths (DMATTN_BWD_EXACT=0 / 1; the exact path's main pass runs it without dQ). On
 GPUs other than compute capability 9.0 the same tests run the sm80-class kernels.
 """
@@ -43,6 +44,18 @@ CASES = {
     "key_mask": Case(BF16, 2, 129, 300, 4, 4, 128, mask_shape=(2, 1, 1, 300), mask_density=0.5),
     "key_mask_bias_no_grad": Case(BF16, 1, 257, 257, 4, 4, 128, causal=True, mask_shape=(1, 4, 1, 257),
                                   mask_density=0.3, bias_shape=(1, 4, 1, 257)),
+    # full bias (B, H, Sq, Sk) (keys a multiple of 8: TMA tiles) with its gradient: query and key
+    # tails; causal bottom-right with Sq != Sk under GQA, B=1 (the query blocks no query reaches
+    # get zeros in dbias); -inf and finfo.min entries; a window that leaves whole key blocks
+    # unreached; a bias per kv head without a gradient (its tiles indexed by h / group)
+    "full_bias": Case(BF16, 2, 333, 336, 4, 4, 128, bias_shape=(2, 4, 333, 336), bias_grad=True),
+    "full_bias_gqa_causal_fp16": Case(torch.float16, 1, 300, 520, 4, 2, 128, causal=True,
+                                      bias_shape=(1, 4, 300, 520), bias_grad=True),
+    "full_bias_inf": Case(BF16, 1, 257, 264, 8, 2, 128, causal=True, bias_shape=(1, 8, 257, 264), bias_dtype=BF16,
+                          bias_grad=True, bias_neg_inf=0.1, bias_finfo_min=0.1),
+    "full_bias_window_empty_key_blocks": Case(BF16, 1, 96, 1024, 2, 2, 128, window=(32, 0),
+                                              bias_shape=(1, 2, 96, 1024), bias_grad=True),
+    "full_bias_per_kv_head_no_grad": Case(BF16, 2, 200, 304, 4, 2, 128, causal=True, bias_shape=(2, 2, 200, 304)),
     # head dim 64 (dQ split along the keys, both shares added by the TMA reduce)
     "d64_plain": Case(BF16, 2, 333, 333, 4, 4, 64),
     "d64_gqa_causal_fp16": Case(torch.float16, 1, 300, 517, 6, 2, 64, causal=True),
@@ -91,6 +104,37 @@ def test_topk_paths_match_general_kernel(per_query, causal, d, monkeypatch):
     ws = _topk_grads(per_query, causal, 3, d)
     monkeypatch.setenv("DMATTN_BWD_SM90_WS", "0")
     general = _topk_grads(per_query, causal, 3, d)
+    for name, a, r in zip(["out", "dq", "dk", "dv", "dbias"], ws, general):
+        assert torch.isfinite(a).all(), name
+        rel = ((a.float() - r.float()).norm() / r.float().norm().clamp_min(1e-30)).item()
+        assert rel < 1e-2, f"{name}: relative difference {rel:.3e}"
+
+
+def _full_bias_grads(b, s, h, hkv, causal, seed=5):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(b, s, h, 128, device=DEV, dtype=BF16, generator=g).requires_grad_()
+    k = torch.randn(b, s, hkv, 128, device=DEV, dtype=BF16, generator=g).requires_grad_()
+    v = torch.randn(b, s, hkv, 128, device=DEV, dtype=BF16, generator=g).requires_grad_()
+    bias = torch.randn(b, h, s, s, device=DEV, dtype=BF16, generator=g).requires_grad_()
+    dout = torch.randn(b, s, h, 128, device=DEV, dtype=BF16, generator=g)
+    out = dmattn.attention(q, k, v, bias=bias, causal=causal)
+    return (out,) + torch.autograd.grad(out, [q, k, v, bias], dout)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_full_bias_matches_general_kernel(causal, monkeypatch):
+    """A full bias with its gradient, several key blocks and query blocks per CTA, GQA: the same
+    gradients as the general kernels (the same transform; dbias is dS, the same bits where both
+    round dS alike), and the warp-specialized kernel is the one that ran (Hopper)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ws = _full_bias_grads(2, 1000, 4, 2, causal)
+        torch.cuda.synchronize()
+    if torch.cuda.get_device_capability() == (9, 0):
+        names = [e.key for e in prof.key_averages()]
+        assert any("bwd_ws_kernel_sm90" in n for n in names), names
+    monkeypatch.setenv("DMATTN_BWD_SM90_WS", "0")
+    general = _full_bias_grads(2, 1000, 4, 2, causal)
     for name, a, r in zip(["out", "dq", "dk", "dv", "dbias"], ws, general):
         assert torch.isfinite(a).all(), name
         rel = ((a.float() - r.float()).norm() / r.float().norm().clamp_min(1e-30)).item()

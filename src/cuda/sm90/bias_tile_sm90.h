@@ -1,12 +1,16 @@
-// The bias tile of the Hopper plain forward kernel (fwd_kernel_sm90.h, bias fast path): a
-// 16-bit bias, no mask, no softcap. Unpadded rows of kBlockN elements, so that two tiles (the
-// current key block's and the next one's, loaded with K) fit beside double-buffered K and V
-// (160 + 2 x 32 KB at D = 128). Without padding, the accumulator-layout reads would hit one bank
-// group 8 times (a warp reads one 16-byte chunk from each of 8 rows 256 bytes apart), so the
-// 16-byte chunks are XOR-swizzled by the row: chunk c of row r lives at chunk c ^ (r % 8).
-// A query-broadcast bias keeps one row (r = 0: no swizzle). Out-of-range elements are 0 (the
-// key tail is masked by the window test, rows past Sq are never stored).
+// Bias tiles in shared memory and their addition to the scores.
+// The cp.async tile of the general Hopper kernels (fwd_kernel_sm90.h / bwd_kernel_sm90.h, bias
+// fast path: a 16-bit bias, no mask, no softcap): unpadded rows of kBlockN elements, so that two
+// tiles (the current key block's and the next one's, loaded with K) fit beside double-buffered K
+// and V (160 + 2 x 32 KB at D = 128). Without padding, the accumulator-layout reads would hit one
+// bank group 8 times (a warp reads one 16-byte chunk from each of 8 rows 256 bytes apart), so the
+// 16-byte chunks are XOR-swizzled by the row: chunk c of row r lives at chunk c ^ (r % 8). A
+// query-broadcast bias keeps one row (r = 0: no swizzle). Out-of-range elements are 0 (the key
+// tail is masked by the window test, rows past Sq are never stored).
+// The TMA tile of the warp-specialized kernels (add_bias_sw128): wgmma's 128-byte swizzle.
 #pragma once
+
+#include <cute/tensor.hpp>
 
 #include "cuda/operand_tile.h"
 #include "cuda/utils.h"
@@ -83,6 +87,47 @@ __device__ __forceinline__ void add_bias_swizzled(S& s, C const& coord, const ch
       const int cc = get<1>(coord(r, c)) - col0;  // 8 j, compile-time after folding
       float b0, b1;
       ElemInfo<Element>::to_float2(p + (((cc >> 3) << 4) ^ xs), b0, b1);
+      s(r, c) = fmaf(s(r, c), scale, b0);
+      s(r, c + 1) = fmaf(s(r, c + 1), scale, b1);
+    }
+  }
+}
+
+// s = s * scale + bias on one warpgroup's 64 x N accumulator (row/col view; coord: (row, col) in
+// the tile), the bias read from a (kTileRows, 64 j) tile in the 128-byte swizzled K-major layout
+// of wgmma's operands (tile_to_shape of the SW128 atom: 64-key halves of kTileRows 128-byte
+// rows, 16-byte chunk c of row r at c ^ (r % 8)), which TMA writes directly. The accumulator's
+// keys start at a multiple of 64 (the forward's whole key block, or one backward consumer's
+// half). A -inf bias gives a -inf score through the fma (a finite qk).
+// The accumulator gives each thread, per 8-key group j, the pair of keys 8j + 2 (lane % 4) +
+// {0, 1} of rows lane / 4 and lane / 4 + 8 of its warp's 16 (s(r, 2j + {0, 1})): ldmatrix's
+// fragment of an 8 x 8 matrix. So one ldmatrix.x4 reads the bias of 16 keys (four 8 x 8
+// matrices: rows +0 / +8, keys +0 / +8), each lane naming one 16-byte row chunk (lanes 8i..8i+7:
+// matrix i), where 32-bit loads took four instructions and their addresses.
+template <typename Element, int kTileRows, class S, class C>
+__device__ __forceinline__ void add_bias_sw128(S& s, C const& coord, const Element* s_bias, float scale) {
+  using namespace cute;
+  constexpr int kKeys = decltype(size<1>(s))::value * 4;  // the accumulator's N
+  static_assert(decltype(size<0>(s))::value == 2 && kKeys % 64 == 0, "a 64 x 64 j accumulator of one warpgroup");
+  const int lane = threadIdx.x % 32;
+  const int warp_rows = get<0>(coord(0, 0)) & ~15;              // the warp's 16 rows
+  const int half0 = get<1>(coord(0, 0)) >> 6;                   // the 64-key half of its first key
+  const int row = warp_rows + (lane & 7) + ((lane >> 3) & 1) * 8;  // the row chunk this lane names
+  // Chunk 2k + (lane >> 4) of a 64-key half (k = 0..3: 16 keys each), swizzled: (2k) ^ xs.
+  const int xs = (lane >> 4) ^ (row & 7);
+  const uint32_t base = cute::cast_smem_ptr_to_uint(s_bias) + half0 * (kTileRows * 128) + row * 128;
+  CUTE_UNROLL
+  for (int jj = 0; jj < kKeys / 16; ++jj) {
+    const uint32_t addr = base + (jj >> 2) * (kTileRows * 128) + ((((jj & 3) << 1) ^ xs) << 4);
+    uint32_t w[4];
+    asm volatile("ldmatrix.sync.aligned.x4.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                 : "r"(addr));
+    CUTE_UNROLL
+    for (int i = 0; i < 4; ++i) {  // matrix i: row lane / 4 + 8 (i & 1), keys 16 jj + 8 (i >> 1) + 2 (lane % 4)
+      const int r = i & 1, c = 4 * jj + 2 * (i >> 1);
+      float b0, b1;
+      ElemInfo<Element>::word_to_float2(w[i], b0, b1);
       s(r, c) = fmaf(s(r, c), scale, b0);
       s(r, c + 1) = fmaf(s(r, c + 1), scale, b1);
     }

@@ -14,19 +14,30 @@
 
 namespace dmattn::cuda::sm90 {
 
-// The score policy of a problem the kernel takes: per-key rows for gathered keys / key ends, a
-// query-broadcast bias or mask; plain scores without any of them.
+// The score policy of a problem the kernel takes: the bias tiles for a full bias, per-key rows
+// for gathered keys / key ends, a query-broadcast bias or mask; plain scores without any of them.
 inline BwdWsScores bwd_ws_scores(const FwdArgs& f) {
+  if (f.bias.ptr != nullptr && !f.bias.row_bcast) return BwdWsScores::kFullBias;
   return f.kpos.ptr != nullptr || f.bias.ptr != nullptr || f.mask.ptr != nullptr ? BwdWsScores::kKeyRows
                                                                                  : BwdWsScores::kPlain;
 }
 
+// A full bias's gradient the kernel stores by TMA from its dS tiles: one element per dS element
+// (kDbDirect), contiguous keys, 16-byte multiples as strides and base (db_vec), and non-zero
+// strides on the dims of more than one index.
+inline bool bwd_ws_dbias_tiles_ok(const BwdArgs& a) {
+  return a.dbias_mode == kDbDirect && a.db_vec && a.db_sq != 0 && tma_strides_ok(a.db_sb, a.db_sh, a.f.batch, a.f.num_heads);
+}
+
 // The problems the warp-specialized backward takes: dense batches at head dims 64 and 128 with plain
 // scores, or with per-key rows (gathered keys and key ends, a query-broadcast bias with its
-// column-sum gradient or without one, a query-broadcast mask); the lse or the exact path's
-// statistics (dQ then by the query-major kernel). The others (full masks and biases, softcap,
-// packed batches, a dbias reduced by folding batch / heads into a CTA) and deterministic mode
-// (run_bwd) run the general kernels. DMATTN_BWD_SM90_WS=0 switches it off.
+// column-sum gradient or without one, a query-broadcast mask), and at head dim 128 with a full
+// 16-bit bias alone whose tiles TMA loads (tma_bias_tiles_ok), with its gradient where every dS
+// element has its own (bwd_ws_dbias_tiles_ok) or without one; the lse or the exact path's
+// statistics (dQ then by the query-major kernel). The others (full masks, fp32 full biases, a
+// full bias's gradient reduced over batch / heads, softcap, packed batches, a dbias reduced by
+// folding batch / heads into a CTA) and deterministic mode (run_bwd) run the general kernels.
+// DMATTN_BWD_SM90_WS=0 switches it off.
 inline bool bwd_ws_supports(const BwdArgs& a) {
   // (read on every call, so that one process can compare both kernels: the tests do)
   const FwdArgs& f = a.f;
@@ -36,8 +47,13 @@ inline bool bwd_ws_supports(const BwdArgs& a) {
   // (no query or no key: nothing for TMA to describe -- an empty tensor may even have a null
   // pointer; the general kernels write the zeros)
   if (f.seqlen_q <= 0 || f.seqlen_k <= 0 || f.batch <= 0) return false;
-  if ((f.mask.ptr && !f.mask.row_bcast) || (f.bias.ptr && !f.bias.row_bcast) || (f.kpos.ends && !f.kpos.ptr)) return false;
-  if (a.dbias != nullptr && a.dbias_mode != kDbColSum && a.dbias_mode != kDbNone) return false;
+  if ((f.mask.ptr && !f.mask.row_bcast) || (f.kpos.ends && !f.kpos.ptr)) return false;
+  if (bwd_ws_scores(f) == BwdWsScores::kFullBias) {
+    if (f.head_dim != 128 || !tma_bias_tiles_ok(f.bias) || f.mask.ptr || f.kpos.ptr) return false;
+    if (a.dbias != nullptr && !bwd_ws_dbias_tiles_ok(a)) return false;
+  } else if (a.dbias != nullptr && a.dbias_mode != kDbColSum && a.dbias_mode != kDbNone) {
+    return false;
+  }
   const int heads_kv = f.num_heads / f.group;
   // (indexed keys: k and v are read by cp.async, not TMA)
   return tma_strides_ok(f.q_bs, f.q_hs, f.batch, f.num_heads) && tma_strides_ok(a.do_bs, a.do_hs, f.batch, f.num_heads) &&
@@ -65,6 +81,13 @@ void launch_bwd_ws_tile(const BwdArgs& a, dim3 grid, cudaStream_t stream) {
   // for theirs (never used).
   const bool indexed = Tile::kKeyRows && f.kpos.rows != nullptr;
   const auto q_view = view(f.q, f.seqlen_q, f.num_heads, f.q_rs, f.q_hs, f.q_bs);
+  // The bias (its head / batch extents 1 where it broadcasts) and dbias: with a full bias only;
+  // otherwise descriptors over q that are never used.
+  const int bias_heads = f.bias.stride_h == 0 ? 1 : f.num_heads / f.bias.head_div;
+  const int bias_batch = f.bias.stride_b == 0 ? 1 : f.batch;
+  const bool dbias_tiles = Tile::kFullBias && a.dbias != nullptr && a.dbias_mode == kDbDirect;
+  auto q_out = tma_gmem_view(const_cast<Element*>(static_cast<const Element*>(f.q)), f.seqlen_q, f.head_dim,
+                             f.num_heads, f.batch, f.q_rs, f.q_hs, f.q_bs);
   BwdWsParams<Tile> p{
       a,
       make_tma_copy(SM90_TMA_LOAD{}, view(f.q, f.seqlen_q, f.num_heads, f.q_rs, f.q_hs, f.q_bs),
@@ -76,6 +99,19 @@ void launch_bwd_ws_tile(const BwdArgs& a, dim3 grid, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_LOAD{}, indexed ? q_view : view(f.v, f.seqlen_k, heads_kv, f.v_rs, f.v_hs, f.v_bs),
                     typename Tile::SmemLayoutKV{}),
       make_tma_copy(SM90_TMA_REDUCE_ADD{}, dq_view, take<0, 2>(typename Tile::SmemLayoutdQBoxes{})),
+      make_tma_copy(SM90_TMA_LOAD{},
+                    Tile::kFullBias ? tma_gmem_view(reinterpret_cast<const Element*>(f.bias.ptr), f.seqlen_q,
+                                                    f.seqlen_k, bias_heads, bias_batch, f.bias.stride_q,
+                                                    f.bias.stride_h, f.bias.stride_b)
+                                    : q_view,
+                    typename Tile::SmemLayoutP{}),
+      make_tma_copy(SM90_TMA_STORE{},
+                    dbias_tiles ? tma_gmem_view(static_cast<Element*>(a.dbias), f.seqlen_q, f.seqlen_k, f.num_heads,
+                                                f.batch, a.db_sq, a.db_sh, a.db_sb)
+                                : q_out,
+                    typename Tile::SmemLayoutP{}),
+      bias_heads,
+      bias_batch,
   };
   auto kernel = bwd_ws_kernel_sm90<Tile>;
   constexpr int smem = Tile::kSmemBytes;
@@ -87,10 +123,18 @@ void launch_bwd_ws_tile(const BwdArgs& a, dim3 grid, cudaStream_t stream) {
 // grid: the general Hopper kernel's (cta_order.h), one CTA per (key block of 128, kv head, batch).
 template <typename Element, int kHeadDim>
 void launch_bwd_ws(const BwdArgs& a, dim3 grid, cudaStream_t stream) {
-  if (bwd_ws_scores(a.f) == BwdWsScores::kKeyRows)
-    launch_bwd_ws_tile<BwdWsTile<Element, kHeadDim, BwdWsScores::kKeyRows>>(a, grid, stream);
-  else
-    launch_bwd_ws_tile<BwdWsTile<Element, kHeadDim, BwdWsScores::kPlain>>(a, grid, stream);
+  switch (bwd_ws_scores(a.f)) {
+    case BwdWsScores::kFullBias:
+      if constexpr (kHeadDim == 128)  // (bwd_ws_supports: head dim 128 only)
+        launch_bwd_ws_tile<BwdWsTile<Element, kHeadDim, BwdWsScores::kFullBias>>(a, grid, stream);
+      break;
+    case BwdWsScores::kKeyRows:
+      launch_bwd_ws_tile<BwdWsTile<Element, kHeadDim, BwdWsScores::kKeyRows>>(a, grid, stream);
+      break;
+    case BwdWsScores::kPlain:
+      launch_bwd_ws_tile<BwdWsTile<Element, kHeadDim, BwdWsScores::kPlain>>(a, grid, stream);
+      break;
+  }
 }
 
 }  // namespace dmattn::cuda::sm90

@@ -23,6 +23,10 @@
 //             index), query bounds (key ends, a query-broadcast mask) and a query-broadcast bias,
 //             whose gradient is the column sums of dS (dbias_colsum_sm90.h). Loaded per query
 //             block (the bias and the mask change with the query head under GQA).
+//   kFullBias: a 16-bit bias with one row per query (D = 128), its (64, 128) tile of each query
+//             block loaded by TMA into one buffer (128-byte swizzle, as the forward's); its
+//             gradient, where every dS element has its own dbias element (kDbDirect), is the dS
+//             tile itself, stored from shared memory by TMA.
 #pragma once
 
 #include <cstdint>
@@ -41,13 +45,14 @@
 
 namespace dmattn::cuda::sm90 {
 
-enum class BwdWsScores { kPlain, kKeyRows };
+enum class BwdWsScores { kPlain, kKeyRows, kFullBias };
 
 template <typename Element_, int kHeadDim_, BwdWsScores kScores_>
 struct BwdWsTile {
   using Element = Element_;
   static constexpr BwdWsScores kScores = kScores_;
   static constexpr bool kKeyRows = kScores == BwdWsScores::kKeyRows;
+  static constexpr bool kFullBias = kScores == BwdWsScores::kFullBias;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = 128;
@@ -56,6 +61,7 @@ struct BwdWsTile {
   static constexpr int kConsumerThreads = kConsumers * 128;
   static constexpr int kNThreads = kConsumerThreads + 128;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128");
+  static_assert(!kFullBias || kHeadDim == 128, "the full bias at head dim 128");
   static constexpr bool kDqSplitKeys = kHeadDim == 64;
   static constexpr int kDsBuffers = kDqSplitKeys ? 1 : 2;  // dS read across consumers: two
   // setmaxnreg: 65536 / 384 = 168 at launch; the producer keeps 40 and the consumers take 232
@@ -94,6 +100,9 @@ struct BwdWsTile {
   using SmemLayoutPt = decltype(cute::composition(
       SmemLayoutP{}, cute::make_layout(cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>{}, cute::GenRowMajor{})));
   static constexpr int kPElems = kBlockM * kBlockN;
+  // The bias tile (kFullBias; one buffer: the shared memory holds no second) in P's layout.
+  static constexpr int kBiasElems = kFullBias ? kPElems : 8;
+  static constexpr int kBiasBytes = kPElems * int(sizeof(Element));
 
   // dQ's fp32 tile: 128-byte-swizzled (64, 32) boxes, the TMA reduce-add's unit; consumer w
   // writes the 64 columns [64 w, 64 w + 64) of a (64, 128) tile, boxes 2 w and 2 w + 1, which
@@ -115,9 +124,14 @@ struct BwdWsTile {
   using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{}));
   using TmadQ = decltype(cute::make_tma_copy(cute::SM90_TMA_REDUCE_ADD{}, GmemTensorF32{},
                                              cute::take<0, 2>(SmemLayoutdQBoxes{})));
+  // The bias tile's load and dbias's store (of a dS buffer).
+  using GmemTensorOut = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<Element*>(nullptr)), GmemLayout{}));
+  using TmaBias = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutP{}));
+  using TmadBias = decltype(cute::make_tma_copy(cute::SM90_TMA_STORE{}, GmemTensorOut{}, SmemLayoutP{}));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using RowPipeline = cutlass::PipelineAsync<kStages>;
+  using BiasPipeline = cutlass::PipelineTmaAsync<1>;
   // What the loader warp writes per query block: the rows' statistics and, with key rows, the
   // key block's per-key operands (field names as load_key_rows expects them).
   struct KeyRows {
@@ -144,12 +158,14 @@ struct BwdWsTile {
     alignas(1024) cute::array_aligned<Element, kPElems, 1024> p;
     alignas(1024) cute::array_aligned<Element, kDsBuffers * kPElems, 1024> ds;
     alignas(1024) cute::array_aligned<float, cute::cosize_v<SmemLayoutdQ>, 1024> dq;
+    alignas(1024) cute::array_aligned<Element, kBiasElems, 1024> bias;
     RowStage rows[kStages];
     cute::array_aligned<float, kKeyRows ? kWarpsPerCol * kBlockN : 4, 16> colsum;
     cute::array_aligned<int32_t, kKeyRows ? kBlockN : 4, 16> pos;  // the CTA's positions (query range)
     int32_t end_max[kNThreads / 32];  // key_block_end_max's per-warp maxima
     typename Pipeline::SharedStorage pipe_q, pipe_do;
     typename RowPipeline::SharedStorage pipe_rows;
+    typename BiasPipeline::SharedStorage pipe_bias;
     alignas(8) cutlass::arch::ClusterTransactionBarrier::ValueType kv_full;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));

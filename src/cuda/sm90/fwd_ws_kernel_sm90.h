@@ -55,6 +55,7 @@
 #include "cuda/score_mask.h"
 #include "cuda/seq_bounds.h"
 #include "cuda/softmax.h"
+#include "cuda/sm90/bias_tile_sm90.h"
 #include "cuda/sm90/fwd_ws_tile_sm90.h"
 #include "cuda/sm90/gmma.h"
 #include "cuda/sm90/key_rows_sm90.h"
@@ -81,43 +82,6 @@ struct FwdWsParams {
   int rows_q, rows_k, batch;        // the q / k tensors as TMA sees them (packed: all rows, batch 1)
   FwdWsTiles schedule;              // the launch's tiles (fwd_ws_tile_coords)
 };
-
-// s = s * scale + bias on the accumulator row/col view, the bias read from a (kBlockM, kBlockN)
-// tile in the 128-byte swizzled K-major layout (64-key halves of 128-byte rows, 16-byte chunk c
-// of row r at c ^ (r % 8)). A -inf bias gives a -inf score through the fma (a finite qk).
-// The 64 x N accumulator gives each thread, per 8-key group j, the pair of keys 8j + 2 (lane % 4)
-// + {0, 1} of rows lane / 4 and lane / 4 + 8 of its warp's 16 (s(r, 2j + {0, 1})): ldmatrix's
-// fragment of an 8 x 8 matrix. So one ldmatrix.x4 reads the bias of 16 keys (four 8 x 8
-// matrices: rows +0 / +8, keys +0 / +8), each lane naming one 16-byte row chunk (lanes 8i..8i+7:
-// matrix i), where 32-bit loads took four instructions and their addresses.
-template <typename Element, int kBlockM, int kBlockN, class S, class C>
-__device__ __forceinline__ void add_bias_sw128(S& s, C const& coord, const Element* s_bias, float scale) {
-  using namespace cute;
-  static_assert(decltype(size<0>(s))::value == 2 && decltype(size<1>(s))::value == kBlockN / 4 && kBlockN % 64 == 0,
-                "the 64 x kBlockN accumulator of one warpgroup");
-  const int lane = threadIdx.x % 32;
-  const int warp_rows = get<0>(coord(0, 0)) & ~15;              // the warp's 16 rows
-  const int row = warp_rows + (lane & 7) + ((lane >> 3) & 1) * 8;  // the row chunk this lane names
-  // Chunk 2k + (lane >> 4) of a 64-key half (k = 0..3: 16 keys each), swizzled: (2k) ^ xs.
-  const int xs = (lane >> 4) ^ (row & 7);
-  const uint32_t base = cute::cast_smem_ptr_to_uint(s_bias) + row * 128;
-  CUTE_UNROLL
-  for (int jj = 0; jj < kBlockN / 16; ++jj) {
-    const uint32_t addr = base + (jj >> 2) * (kBlockM * 128) + ((((jj & 3) << 1) ^ xs) << 4);
-    uint32_t w[4];
-    asm volatile("ldmatrix.sync.aligned.x4.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
-                 : "r"(addr));
-    CUTE_UNROLL
-    for (int i = 0; i < 4; ++i) {  // matrix i: row lane / 4 + 8 (i & 1), keys 16 jj + 8 (i >> 1) + 2 (lane % 4)
-      const int r = i & 1, c = 4 * jj + 2 * (i >> 1);
-      float b0, b1;
-      ElemInfo<Element>::word_to_float2(w[i], b0, b1);
-      s(r, c) = fmaf(s(r, c), scale, b0);
-      s(r, c + 1) = fmaf(s(r, c + 1), scale, b1);
-    }
-  }
-}
 
 // Named barriers of the consumers (ids after CUTLASS's reserved ones): kSchedBarrier + w is
 // consumer w's turn on the tensor cores; kEpilogueBarrier + w orders its output staging.
@@ -546,7 +510,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       auto scores_to_probs = [&](int n, float (&alpha)[kRows]) {
         if constexpr (Tile::kBias) {
           pipe_bias.consumer_wait(read_b);
-          add_bias_sw128<Element, kBlockM, kBlockN>(s_rc, tScS_rc, ss.bias.data() + read_b.index() * (kBlockM * kBlockN), a.scale);
+          add_bias_sw128<Element, kBlockM>(s_rc, tScS_rc, ss.bias.data() + read_b.index() * (kBlockM * kBlockN), a.scale);
           pipe_bias.consumer_release(read_b);
           ++read_b;
         }

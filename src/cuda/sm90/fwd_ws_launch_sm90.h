@@ -17,13 +17,6 @@
 
 namespace dmattn::cuda::sm90 {
 
-// A bias the kernel's TMA tiles take: q's dtype, one row per query, contiguous keys, 16-byte
-// multiples as strides.
-inline bool fwd_ws_bias_ok(const OperandArgs& b) {
-  return b.esize == 2 && !b.row_bcast && b.stride_k == 1 && b.stride_q % 8 == 0 && b.stride_h % 8 == 0 &&
-         b.stride_b % 8 == 0 && reinterpret_cast<uintptr_t>(b.ptr) % 16 == 0;
-}
-
 // The score policy a problem needs: the bias tiles for a full 16-bit bias alone, per-key rows
 // for everything else the kernel takes (gathered keys and key ends, query-broadcast biases and
 // masks, softcap), plain scores without any of them.
@@ -36,7 +29,7 @@ inline FwdWsScores fwd_ws_scores(const FwdArgs& a) {
 
 // The problems the warp-specialized kernel takes: dense or packed batches with plain scores;
 // up to head dim 128, also with softcap, a query-broadcast bias (any dtype) or mask, and gathered
-// keys with key ends; dense batches with a full 16-bit bias (fwd_ws_bias_ok) alone. The others
+// keys with key ends; dense batches with a full 16-bit bias (tma_bias_tiles_ok) alone. The others
 // (full masks, fp32 full biases, a full bias with anything else) run the sm90 kernel of
 // fwd_kernel_sm90.h.
 template <int kHeadDim>
@@ -49,7 +42,7 @@ bool fwd_ws_supports(const FwdArgs& a) {
       if (kHeadDim > 128) return false;
       break;
     case FwdWsScores::kFullBias:
-      if (kHeadDim > 128 || !fwd_ws_bias_ok(a.bias) || a.mask.ptr || a.softcap != 0.f || a.kpos.ptr) return false;
+      if (kHeadDim > 128 || !tma_bias_tiles_ok(a.bias) || a.mask.ptr || a.softcap != 0.f || a.kpos.ptr) return false;
       break;
     case FwdWsScores::kPlain:
       break;

@@ -1,10 +1,13 @@
 // Global-memory views that the Hopper kernels hand to make_tma_copy: a sequence tensor (q, k,
-// v, dO, the bias, dQ's fp32 accumulator) as (rows, cols, heads, batch) with contiguous cols.
+// v, dO, the bias and its gradient, dQ's fp32 accumulator) as (rows, cols, heads, batch) with
+// contiguous cols.
 #pragma once
 
 #include <cstdint>
 
 #include <cute/tensor.hpp>
+
+#include "cuda/fwd_args.h"
 
 namespace dmattn::cuda::sm90 {
 
@@ -25,6 +28,13 @@ auto tma_gmem_view(T* ptr, int rows, int cols, int heads, int batch, int64_t rs,
   const int64_t hs_ok = tma_stride(hs, heads, rs * rows == 0 ? 8 : rs * rows);
   const int64_t bs_ok = tma_stride(bs, batch, hs_ok * heads == 0 ? 8 : hs_ok * heads);
   return make_tensor(make_gmem_ptr(ptr), make_layout(make_shape(rows, cols, heads, batch), make_stride(rs, _1{}, hs_ok, bs_ok)));
+}
+
+// A bias whose (rows, keys) tiles TMA loads: q's dtype (16-bit), one row per query, contiguous
+// keys, 16-byte multiples as strides and base.
+inline bool tma_bias_tiles_ok(const OperandArgs& b) {
+  return b.esize == 2 && !b.row_bcast && b.stride_k == 1 && b.stride_q % 8 == 0 && b.stride_h % 8 == 0 &&
+         b.stride_b % 8 == 0 && reinterpret_cast<uintptr_t>(b.ptr) % 16 == 0;
 }
 
 }  // namespace dmattn::cuda::sm90
