@@ -16,10 +16,8 @@
 //         TMA store from its shared-memory buffer: dbias = dS where every dS element has its
 //         own dbias element);
 //       warp 3, with a full bias's gradient: zeros into dbias's rows of this key block that no
-//         query reaches (causal / window), while the loop runs. (Under a causal mask the key
-//         blocks that zero the most compute the least. Sharing the zeros evenly between the
-//         CTAs of key blocks n and N - 1 - n measured slower: 6.53 against 6.08 ms fwd+bwd,
-//         B=2 H=16 S=8192, H100: it moved writes onto the heaviest CTAs.)
+//         query reaches (causal / window), while the loop runs (under a causal mask the key
+//         blocks that zero the most compute the least; docs/design.md);
 //   - two consumer warpgroups (registers raised), per query block t:
 //       issue S = Q K^T, dP = dO V^T; the score transform (scale, key bias or bias tile, window /
 //       positions tests) and P = exp(s - lse) while dP runs; dS = P (dP - Delta); column sums of dS for a
