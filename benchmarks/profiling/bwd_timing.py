@@ -104,7 +104,8 @@ def main():
     gqa_bias = leaf(1, 32, S, S)
     dout_g = torch.randn(1, S, 32, D, device=dev, dtype=dt, generator=g)
     add("dmattn GQA 32/8 bias (1,32,S,S) + dbias (B=1)",
-        lambda: dmattn.attention(qg, kg, vg, bias=gqa_bias), [qg, kg, vg, gqa_bias], dout_g, dense_flop(False, h=32, b=1))
+        lambda: dmattn.attention(qg, kg, vg, bias=gqa_bias), [qg, kg, vg, gqa_bias], dout_g,
+        dense_flop(False, h=32, b=1))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()

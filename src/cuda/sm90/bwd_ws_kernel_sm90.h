@@ -20,8 +20,8 @@
 //         blocks that zero the most compute the least; docs/design.md);
 //   - two consumer warpgroups (registers raised), per query block t:
 //       issue S = Q K^T, dP = dO V^T; the score transform (scale, key bias or bias tile, window /
-//       positions tests) and P = exp(s - lse) while dP runs; dS = P (dP - Delta); column sums of dS for a
-//       key bias; P, dS -> shared memory; one barrier of both consumers (dS complete);
+//       positions tests) and P = exp(s - lse) while dP runs; dS = P (dP - Delta); column sums of
+//       dS for a key bias; P, dS -> shared memory; one barrier of both consumers (dS complete);
 //       issue dV += P^T dO, dK += dS^T Q, dQ = dS K; wait; release Q[t], dO[t];
 //       dQ -> shared memory (fp32) for the writer.
 //     dK and dV stay in registers across the loop and are stored at the end (scale applied).
@@ -236,7 +236,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
             if constexpr (Tile::kFullBias) {
               // dS[t] is complete: consumer 0 passed the barrier of both consumers' P / dS.
               if (w == 0 && dbias_tiles) {
-                Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data() + (t & 1) * Tile::kPElems), typename Tile::SmemLayoutP{});
+                Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data() + (t & 1) * Tile::kPElems),
+                                         typename Tile::SmemLayoutP{});
                 Tensor gdB = local_tile(mdB(_, _, head_of(t), b), Shape<Int<kBlockM>, Int<kBlockN>>{},
                                         make_coord(m_block_of(t), n_block));
                 auto [tBgB, tBsB] = tma_partition(p.tma_dbias, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdS),

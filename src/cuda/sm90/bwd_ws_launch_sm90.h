@@ -26,7 +26,8 @@ inline BwdWsScores bwd_ws_scores(const FwdArgs& f) {
 // (kDbDirect), contiguous keys, 16-byte multiples as strides and base (db_vec), and non-zero
 // strides on the dims of more than one index.
 inline bool bwd_ws_dbias_tiles_ok(const BwdArgs& a) {
-  return a.dbias_mode == kDbDirect && a.db_vec && a.db_sq != 0 && tma_strides_ok(a.db_sb, a.db_sh, a.f.batch, a.f.num_heads);
+  return a.dbias_mode == kDbDirect && a.db_vec && a.db_sq != 0 &&
+         tma_strides_ok(a.db_sb, a.db_sh, a.f.batch, a.f.num_heads);
 }
 
 // The problems the warp-specialized backward takes: dense batches at head dims 64 and 128 with plain

@@ -510,7 +510,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       auto scores_to_probs = [&](int n, float (&alpha)[kRows]) {
         if constexpr (Tile::kBias) {
           pipe_bias.consumer_wait(read_b);
-          add_bias_sw128<Element, kBlockM>(s_rc, tScS_rc, ss.bias.data() + read_b.index() * (kBlockM * kBlockN), a.scale);
+          add_bias_sw128<Element, kBlockM>(s_rc, tScS_rc, ss.bias.data() + read_b.index() * (kBlockM * kBlockN),
+                                           a.scale);
           pipe_bias.consumer_release(read_b);
           ++read_b;
         }
