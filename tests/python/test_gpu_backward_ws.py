@@ -45,9 +45,9 @@ CASES = {
     "key_mask_bias_no_grad": Case(BF16, 1, 257, 257, 4, 4, 128, causal=True, mask_shape=(1, 4, 1, 257),
                                   mask_density=0.3, bias_shape=(1, 4, 1, 257)),
     # full bias (B, H, Sq, Sk) (keys a multiple of 8: TMA tiles) with its gradient: query and key
-    # tails; causal bottom-right with Sq != Sk under GQA, B=1 (the query blocks no query reaches
-    # get zeros in dbias); -inf and finfo.min entries; a window that leaves whole key blocks
-    # unreached; a bias per kv head without a gradient (its tiles indexed by h / group)
+    # tails; causal bottom-right with Sq != Sk under GQA, B=1 (dbias's rows of the query blocks
+    # that do not reach a key block are zeros); -inf and finfo.min entries; a window that leaves
+    # whole key blocks unreached; a bias per kv head without a gradient (tiles indexed by h / group)
     "full_bias": Case(BF16, 2, 333, 336, 4, 4, 128, bias_shape=(2, 4, 333, 336), bias_grad=True),
     "full_bias_gqa_causal_fp16": Case(torch.float16, 1, 300, 520, 4, 2, 128, causal=True,
                                       bias_shape=(1, 4, 300, 520), bias_grad=True),
