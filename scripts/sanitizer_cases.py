@@ -128,7 +128,8 @@ for dtype in (torch.bfloat16, torch.float16):
     topk_case(1, 520, 2, 2, 128, dtype, keep=200, causal=True, per_query=True)
     # Its full-bias variant: the bias tiles' single buffer (TMA, the consumers' release), dbias's
     # tiles stored from the dS buffers by the dQ writer, the zeroing warp (causal, GQA, Sq < Sk;
-    # a window leaving key blocks unreached).
+    # a window leaving key blocks unreached; head dim 64).
     case(2, 300, 520, 4, 2, 128, dtype, bias_shape=(2, 4, 300, 520), causal=True)
     case(1, 96, 704, 2, 2, 128, dtype, bias_shape=(1, 2, 96, 704), window=(32, 0))
+    case(2, 300, 520, 4, 2, 64, dtype, bias_shape=(2, 4, 300, 520), causal=True)
 print("sanitizer cases done")

@@ -1,6 +1,6 @@
 """The warp-specialized Hopper backward (src/cuda/sm90/bwd_ws_kernel_sm90.h) on the problems it
 takes (head dims 64 and 128, dense batches: plain scores, per-key rows with a query-broadcast bias and its
-column-sum gradient, a query-broadcast mask, gathered keys with key ends; at 128 a full bias with its
+column-sum gradient, a query-broadcast mask, gathered keys with key ends; a full bias with its
 gradient stored from the dS tiles), against the float64 reference and against the general Hopper
 kernel (DMATTN_BWD_SM90_WS=0) on the top-k paths and the full bias.
 Both backward paths (DMATTN_BWD_EXACT=0 / 1; the exact path's main pass runs it without dQ). On
@@ -56,6 +56,11 @@ CASES = {
     "full_bias_window_empty_key_blocks": Case(BF16, 1, 96, 1024, 2, 2, 128, window=(32, 0),
                                               bias_shape=(1, 2, 96, 1024), bias_grad=True),
     "full_bias_per_kv_head_no_grad": Case(BF16, 2, 200, 304, 4, 2, 128, causal=True, bias_shape=(2, 2, 200, 304)),
+    # the same at head dim 64 (both consumers' dS halves in two buffers there too)
+    "d64_full_bias_gqa_causal_fp16": Case(torch.float16, 1, 300, 520, 4, 2, 64, causal=True,
+                                          bias_shape=(1, 4, 300, 520), bias_grad=True),
+    "d64_full_bias": Case(BF16, 2, 333, 336, 4, 4, 64, bias_shape=(2, 4, 333, 336), bias_grad=True,
+                          bias_neg_inf=0.05, bias_dtype=BF16),
     # head dim 64 (dQ split along the keys, both shares added by the TMA reduce)
     "d64_plain": Case(BF16, 2, 333, 333, 4, 4, 64),
     "d64_gqa_causal_fp16": Case(torch.float16, 1, 300, 517, 6, 2, 64, causal=True),
@@ -110,31 +115,31 @@ def test_topk_paths_match_general_kernel(per_query, causal, d, monkeypatch):
         assert rel < 1e-2, f"{name}: relative difference {rel:.3e}"
 
 
-def _full_bias_grads(b, s, h, hkv, causal, seed=5):
+def _full_bias_grads(b, s, h, hkv, causal, d, seed=5):
     g = torch.Generator(device=DEV).manual_seed(seed)
-    q = torch.randn(b, s, h, 128, device=DEV, dtype=BF16, generator=g).requires_grad_()
-    k = torch.randn(b, s, hkv, 128, device=DEV, dtype=BF16, generator=g).requires_grad_()
-    v = torch.randn(b, s, hkv, 128, device=DEV, dtype=BF16, generator=g).requires_grad_()
+    q = torch.randn(b, s, h, d, device=DEV, dtype=BF16, generator=g).requires_grad_()
+    k = torch.randn(b, s, hkv, d, device=DEV, dtype=BF16, generator=g).requires_grad_()
+    v = torch.randn(b, s, hkv, d, device=DEV, dtype=BF16, generator=g).requires_grad_()
     bias = torch.randn(b, h, s, s, device=DEV, dtype=BF16, generator=g).requires_grad_()
-    dout = torch.randn(b, s, h, 128, device=DEV, dtype=BF16, generator=g)
+    dout = torch.randn(b, s, h, d, device=DEV, dtype=BF16, generator=g)
     out = dmattn.attention(q, k, v, bias=bias, causal=causal)
     return (out,) + torch.autograd.grad(out, [q, k, v, bias], dout)
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_full_bias_matches_general_kernel(causal, monkeypatch):
+@pytest.mark.parametrize("causal,d", [(False, 128), (True, 128), (True, 64)], ids=["full", "causal", "causal_d64"])
+def test_full_bias_matches_general_kernel(causal, d, monkeypatch):
     """A full bias with its gradient, several key blocks and query blocks per CTA, GQA: the same
     gradients as the general kernels (the same transform; dbias is dS, the same bits where both
     round dS alike), and the warp-specialized kernel is the one that ran (Hopper)."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        ws = _full_bias_grads(2, 1000, 4, 2, causal)
+        ws = _full_bias_grads(2, 1000, 4, 2, causal, d)
         torch.cuda.synchronize()
     if torch.cuda.get_device_capability() == (9, 0):
         names = [e.key for e in prof.key_averages()]
         assert any("bwd_ws_kernel_sm90" in n for n in names), names
     monkeypatch.setenv("DMATTN_BWD_SM90_WS", "0")
-    general = _full_bias_grads(2, 1000, 4, 2, causal)
+    general = _full_bias_grads(2, 1000, 4, 2, causal, d)
     for name, a, r in zip(["out", "dq", "dk", "dv", "dbias"], ws, general):
         assert torch.isfinite(a).all(), name
         rel = ((a.float() - r.float()).norm() / r.float().norm().clamp_min(1e-30)).item()

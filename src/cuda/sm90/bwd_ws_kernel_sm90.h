@@ -28,8 +28,9 @@
 // The score transform, P / dS and the column sums are the general Hopper kernel's
 // (bwd_common.h, dbias_colsum_sm90.h): the same numerics, exactly.
 // Buffers: P has one buffer (read only by its own consumer's dV product, complete at that
-// consumer's wait), dS two (the other consumer's dQ product of block t may still read it while
-// block t + 1 is written; the barrier of block t + 1 orders block t + 2's writes after it). The
+// consumer's wait), dS two at D = 128 or with a full bias (Tile::kDsShared: the other consumer's
+// dQ product of block t, or the writer's dbias store, may still read it while block t + 1 is
+// written; the barrier of block t + 1 orders block t + 2's writes after it), else one. The
 // dbias store of dS[t] is issued in the writer's turn for consumer 0's dQ[t] and waited for
 // (read) before the writer hands consumer 0's dQ buffer back: each consumer writes dS[t + 2]
 // only after its dQ-empty wait of block t + 1, which follows that hand-back.
@@ -470,7 +471,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         copy(r2s, thr_r2s.retile_S(rdS), thr_r2s.partition_D(sdS_at(buf)));
       }
       fence_smem_for_wgmma();
-      if constexpr (Tile::kDqSplitKeys) NamedBarrier::sync(128, Bar::kPdSOwn + consumer);
+      if constexpr (!Tile::kDsShared) NamedBarrier::sync(128, Bar::kPdSOwn + consumer);
       else NamedBarrier::sync(kConsumerThreads, Bar::kPdS);
 
       // dV += P^T dO, then dQ = dS K, then dK += dS^T Q: dQ is staged for its writer while dK

@@ -32,9 +32,9 @@ inline bool bwd_ws_dbias_tiles_ok(const BwdArgs& a) {
 
 // The problems the warp-specialized backward takes: dense batches at head dims 64 and 128 with plain
 // scores, or with per-key rows (gathered keys and key ends, a query-broadcast bias with its
-// column-sum gradient or without one, a query-broadcast mask), and at head dim 128 with a full
-// 16-bit bias alone whose tiles TMA loads (tma_bias_tiles_ok), with its gradient where every dS
-// element has its own (bwd_ws_dbias_tiles_ok) or without one; the lse or the exact path's
+// column-sum gradient or without one, a query-broadcast mask), or with a full 16-bit bias alone
+// whose tiles TMA loads (tma_bias_tiles_ok), with its gradient where every dS element has its
+// own (bwd_ws_dbias_tiles_ok) or without one; the lse or the exact path's
 // statistics (dQ then by the query-major kernel). The others (full masks, fp32 full biases, a
 // full bias's gradient reduced over batch / heads, softcap, packed batches, a dbias reduced by
 // folding batch / heads into a CTA) and deterministic mode (run_bwd) run the general kernels.
@@ -50,7 +50,7 @@ inline bool bwd_ws_supports(const BwdArgs& a) {
   if (f.seqlen_q <= 0 || f.seqlen_k <= 0 || f.batch <= 0) return false;
   if ((f.mask.ptr && !f.mask.row_bcast) || (f.kpos.ends && !f.kpos.ptr)) return false;
   if (bwd_ws_scores(f) == BwdWsScores::kFullBias) {
-    if (f.head_dim != 128 || !tma_bias_tiles_ok(f.bias) || f.mask.ptr || f.kpos.ptr) return false;
+    if (!tma_bias_tiles_ok(f.bias) || f.mask.ptr || f.kpos.ptr) return false;
     if (a.dbias != nullptr && !bwd_ws_dbias_tiles_ok(a)) return false;
   } else if (a.dbias != nullptr && a.dbias_mode != kDbColSum && a.dbias_mode != kDbNone) {
     return false;
@@ -126,8 +126,7 @@ template <typename Element, int kHeadDim>
 void launch_bwd_ws(const BwdArgs& a, dim3 grid, cudaStream_t stream) {
   switch (bwd_ws_scores(a.f)) {
     case BwdWsScores::kFullBias:
-      if constexpr (kHeadDim == 128)  // (bwd_ws_supports: head dim 128 only)
-        launch_bwd_ws_tile<BwdWsTile<Element, kHeadDim, BwdWsScores::kFullBias>>(a, grid, stream);
+      launch_bwd_ws_tile<BwdWsTile<Element, kHeadDim, BwdWsScores::kFullBias>>(a, grid, stream);
       break;
     case BwdWsScores::kKeyRows:
       launch_bwd_ws_tile<BwdWsTile<Element, kHeadDim, BwdWsScores::kKeyRows>>(a, grid, stream);

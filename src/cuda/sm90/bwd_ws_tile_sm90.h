@@ -23,7 +23,7 @@
 //             index), query bounds (key ends, a query-broadcast mask) and a query-broadcast bias,
 //             whose gradient is the column sums of dS (dbias_colsum_sm90.h). Loaded per query
 //             block (the bias and the mask change with the query head under GQA).
-//   kFullBias: a 16-bit bias with one row per query (D = 128), its (64, 128) tile of each query
+//   kFullBias: a 16-bit bias with one row per query, its (64, 128) tile of each query
 //             block loaded by TMA into one buffer (128-byte swizzle, as the forward's); its
 //             gradient, where every dS element has its own dbias element (kDbDirect), is the dS
 //             tile itself, stored from shared memory by TMA.
@@ -61,9 +61,12 @@ struct BwdWsTile {
   static constexpr int kConsumerThreads = kConsumers * 128;
   static constexpr int kNThreads = kConsumerThreads + 128;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128");
-  static_assert(!kFullBias || kHeadDim == 128, "the full bias at head dim 128");
   static constexpr bool kDqSplitKeys = kHeadDim == 64;
-  static constexpr int kDsBuffers = kDqSplitKeys ? 1 : 2;  // dS read across consumers: two
+  // dS read across consumers (D = 128), or stored as dbias's tile by the writer (a full bias):
+  // two buffers, and one barrier of both consumers once both halves are written; else (D = 64)
+  // each consumer reads its own half only: one buffer, a barrier of its own.
+  static constexpr bool kDsShared = !kDqSplitKeys || kFullBias;
+  static constexpr int kDsBuffers = kDsShared ? 2 : 1;
   // setmaxnreg: 65536 / 384 = 168 at launch; the producer keeps 40 and the consumers take 232
   // (dK and dV hold 128 accumulator registers, S and dP 64, dQ 32). With 24 / 240 the producer's
   // TMA coordinates spilled (ptxas -v: 96 B in the plain kernel, none at 40 / 232). At D = 64
