@@ -34,11 +34,11 @@ inline bool bwd_ws_dbias_tiles_ok(const BwdArgs& a) {
 // scores, or with per-key rows (gathered keys and key ends, a query-broadcast bias with its
 // column-sum gradient or without one, a query-broadcast mask), or with a full 16-bit bias alone
 // whose tiles TMA loads (tma_bias_tiles_ok), with its gradient where every dS element has its
-// own (bwd_ws_dbias_tiles_ok) or without one; the lse or the exact path's
-// statistics (dQ then by the query-major kernel). The others (full masks, fp32 full biases, a
-// full bias's gradient reduced over batch / heads, softcap, packed batches, a dbias reduced by
-// folding batch / heads into a CTA) and deterministic mode (run_bwd) run the general kernels.
-// DMATTN_BWD_SM90_WS=0 switches it off.
+// own (bwd_ws_dbias_tiles_ok) or without one; the lse or the exact path's statistics (dQ then by
+// the query-major kernel). The others (full masks, fp32 full biases, a full bias's gradient
+// reduced over batch / heads, softcap, packed batches, a dbias reduced by folding batch / heads
+// into a CTA) and deterministic mode (run_bwd) run the general kernels. DMATTN_BWD_SM90_WS=0
+// switches it off.
 inline bool bwd_ws_supports(const BwdArgs& a) {
   // (read on every call, so that one process can compare both kernels: the tests do)
   const FwdArgs& f = a.f;

@@ -23,10 +23,10 @@
 //             index), query bounds (key ends, a query-broadcast mask) and a query-broadcast bias,
 //             whose gradient is the column sums of dS (dbias_colsum_sm90.h). Loaded per query
 //             block (the bias and the mask change with the query head under GQA).
-//   kFullBias: a 16-bit bias with one row per query, its (64, 128) tile of each query
-//             block loaded by TMA into one buffer (128-byte swizzle, as the forward's); its
-//             gradient, where every dS element has its own dbias element (kDbDirect), is the dS
-//             tile itself, stored from shared memory by TMA.
+//   kFullBias: a 16-bit bias with one row per query, its (64, 128) tile of each query block
+//             loaded by TMA into one buffer (128-byte swizzle, as the forward's); its gradient,
+//             where every dS element has its own dbias element (kDbDirect), is the dS tile
+//             itself, stored from shared memory by TMA.
 #pragma once
 
 #include <cstdint>
