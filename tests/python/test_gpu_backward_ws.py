@@ -87,6 +87,15 @@ def test_deterministic_bitwise(name):
             assert torch.equal(first[n], again[n]), n
 
 
+def _assert_close_to_general(ws, general):
+    """(out, dq, dk, dv, dbias) of the warp-specialized kernel against the general kernels': finite,
+    and within 1e-2 in relative norm (their summation orders differ)."""
+    for name, a, r in zip(["out", "dq", "dk", "dv", "dbias"], ws, general):
+        assert torch.isfinite(a).all(), name
+        rel = ((a.float() - r.float()).norm() / r.float().norm().clamp_min(1e-30)).item()
+        assert rel < 1e-2, f"{name}: relative difference {rel:.3e}"
+
+
 def _topk_grads(per_query, causal, seed, d=128):
     g = torch.Generator(device=DEV).manual_seed(seed)
     b, s, h, hkv, keep = 2, 700, 4, 2, 200
@@ -108,11 +117,7 @@ def test_topk_paths_match_general_kernel(per_query, causal, d, monkeypatch):
     as the general kernels (DMATTN_BWD_SM90_WS=0), within their different summation orders."""
     ws = _topk_grads(per_query, causal, 3, d)
     monkeypatch.setenv("DMATTN_BWD_SM90_WS", "0")
-    general = _topk_grads(per_query, causal, 3, d)
-    for name, a, r in zip(["out", "dq", "dk", "dv", "dbias"], ws, general):
-        assert torch.isfinite(a).all(), name
-        rel = ((a.float() - r.float()).norm() / r.float().norm().clamp_min(1e-30)).item()
-        assert rel < 1e-2, f"{name}: relative difference {rel:.3e}"
+    _assert_close_to_general(ws, _topk_grads(per_query, causal, 3, d))
 
 
 def _full_bias_grads(b, s, h, hkv, causal, d, seed=5):
@@ -139,8 +144,4 @@ def test_full_bias_matches_general_kernel(causal, d, monkeypatch):
         names = [e.key for e in prof.key_averages()]
         assert any("bwd_ws_kernel_sm90" in n for n in names), names
     monkeypatch.setenv("DMATTN_BWD_SM90_WS", "0")
-    general = _full_bias_grads(2, 1000, 4, 2, causal, d)
-    for name, a, r in zip(["out", "dq", "dk", "dv", "dbias"], ws, general):
-        assert torch.isfinite(a).all(), name
-        rel = ((a.float() - r.float()).norm() / r.float().norm().clamp_min(1e-30)).item()
-        assert rel < 1e-2, f"{name}: relative difference {rel:.3e}"
+    _assert_close_to_general(ws, _full_bias_grads(2, 1000, 4, 2, causal, d))
