@@ -132,4 +132,9 @@ for dtype in (torch.bfloat16, torch.float16):
     case(2, 300, 520, 4, 2, 128, dtype, bias_shape=(2, 4, 300, 520), causal=True)
     case(1, 96, 704, 2, 2, 128, dtype, bias_shape=(1, 2, 96, 704), window=(32, 0))
     case(2, 300, 520, 4, 2, 64, dtype, bias_shape=(2, 4, 300, 520), causal=True)
+    # Deterministic mode on it: the dQ writer's ordered adds (flags in a stream-ordered buffer;
+    # head dim 64: both consumers' adds into the same rows), plain and with a full bias.
+    case(2, 300, 520, 4, 2, 128, dtype, causal=True, deterministic=True)
+    case(1, 333, 400, 4, 2, 64, dtype, deterministic=True)
+    case(1, 200, 320, 4, 2, 128, dtype, bias_shape=(1, 4, 200, 320), deterministic=True)
 print("sanitizer cases done")

@@ -37,6 +37,10 @@ struct BwdArgs {
   float* stats_m = nullptr;      // bwd_stats outputs (exact path)
   float* stats_log2l = nullptr;
   float* dq_accum = nullptr;  // (B, Sq, H, D) contiguous; null: the main kernel skips dQ
+  // Deterministic mode on the warp-specialized Hopper kernel: per (batch, head, query block of
+  // its kBlockM rows), 1 + the last key block that added its dQ into dq_accum (0: none yet);
+  // each key block adds after its predecessor (sm90/bwd_ws_kernel_sm90.h). Null: unordered adds.
+  int* dq_order = nullptr;
   int num_heads_kv = 1;
 
   // dbias (same dtype as the bias: Element or fp32), strides 0 along broadcast dims.

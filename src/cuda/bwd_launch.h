@@ -1,11 +1,14 @@
 // Launcher of the backward pass for one (element type, instantiated head dim); explicitly
 // instantiated once per pair in src/cuda/inst/bwd_<dtype>_hd<D>.cu. Sequence on the stream:
-//   1. zero the fp32 accumulators (dq_accum unless deterministic, dbias_accum when used);
+//   1. zero the fp32 accumulators (dq_accum unless dQ comes from the query-major kernel,
+//      dbias_accum when used);
 //   2. bwd_preprocess: Delta = rowsum(dO * O) for every row (0 for empty rows), or (exact path)
 //      bwd_stats: m, log2 l and Delta = sum_j P_ij dP_ij recomputed for every row;
 //   3. a key-broadcast dbias is exactly zero (see kDbNone): filled here;
-//   4. bwd_kernel (dK, dV, dQ atomics, dbias);
-//   5. dQ: bwd_convert_dq (dq_accum -> dq), or bwd_dq_kernel when deterministic;
+//   4. bwd_kernel (dK, dV, dQ atomics, dbias), or the warp-specialized Hopper kernel (dQ by TMA
+//      reduce-adds, in key block order in deterministic mode);
+//   5. dQ: bwd_convert_dq (dq_accum -> dq), or bwd_dq_kernel (deterministic mode on the general
+//      kernels, exact path);
 //   6. dbias_accum -> dbias when the reduction went through it.
 #pragma once
 
@@ -169,12 +172,21 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
   using TileSm90 = sm90::BwdTileSm90<Element, 128>;  // (used at head dim 128 only)
   BwdArgs a = args;
   const FwdArgs& f = a.f;
-  const bool deterministic_asked = deterministic;  // (the exact path below sets it too)
   // Sq / Sk: the longest sequence of a packed batch (grid sizes); q_rows: the query rows of the
   // whole batch (B * Sq dense, total_q packed), which size dq_accum, Delta and the statistics.
   const int64_t B = f.batch, Sq = f.seqlen_q, Sk = f.seqlen_k, H = f.num_heads, D = f.head_dim;
   const int64_t q_rows = f.q_rows;
   exact = exact && a.dq_accum != nullptr;
+  // The warp-specialized Hopper kernel (sm90/bwd_ws_launch_sm90.h) where it takes the problem; in
+  // deterministic mode where it can order its dQ adds (bwd_ws_orders_dq_adds), else the general
+  // kernels with dQ from the query-major kernel.
+  bool ws = false;
+  if constexpr (kHeadDim == 64 || kHeadDim == 128)
+    ws = bwd_sm90_enabled() && sm90::bwd_ws_supports(a) &&
+         (!deterministic || (!exact && a.dq_accum != nullptr && sm90::bwd_ws_orders_dq_adds(a)));
+  const bool ordered_dq = ws && deterministic;
+  if (ordered_dq) deterministic = false;  // dQ through dq_accum, the adds in key block order
+  else if (deterministic) a.dq_accum = nullptr;
   a.row_m = f.lse;
   a.row_log2l = nullptr;
   if (exact) {
@@ -257,16 +269,17 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
     const dim3 grid(unsigned(n_blocks), a.fold_heads ? 1u : unsigned(a.num_heads_kv), a.fold_batch ? 1u : unsigned(B));
     // The Hopper kernel's CTA order (cta_order.h): (kv head, batch) pairs G at a time, key blocks
     // slowest inside a group. DMATTN_BWD_CTA_GROUP=G overrides the default (read on every call, so
-    // that one process can time several orders).
-    // The warp-specialized Hopper kernel (sm90/bwd_ws_launch_sm90.h) where it takes the problem.
-    bool ws = false;
-    // Deterministic mode stays on the general kernels, which also take packed batches: a packed
-    // batch then equals its sequences run one by one, bit for bit.
-    if constexpr (kHeadDim == 64 || kHeadDim == 128)
-      ws = !deterministic_asked && bwd_sm90_enabled() && sm90::bwd_ws_supports(a);
-    int cta_group = sm90 || ws ? bwd_cta_group_default(f, int(n_blocks)) : 1;
-    if (const char* env = std::getenv("DMATTN_BWD_CTA_GROUP")) cta_group = std::atoi(env);
+    // that one process can time several orders). Ordered dQ adds (deterministic mode): a CTA
+    // waits for the previous key block of its pair. Where a key block's first query block grows
+    // with it (causal, a right window bound), each wait costs that many query blocks of work: every
+    // pair goes in one group (the CTAs resident at once are a few key blocks of each
+    // pair: short chains of waits); otherwise the waits are short and 4 pairs at a time keep
+    // more of their Q / dO in L2 (docs/design.md).
     const int pairs = int(grid.y * grid.z);
+    int cta_group = ordered_dq ? (f.window_right >= 0 ? pairs : 4)
+                    : sm90 || ws ? bwd_cta_group_default(f, int(n_blocks))
+                                 : 1;
+    if (const char* env = std::getenv("DMATTN_BWD_CTA_GROUP")) cta_group = std::atoi(env);
     const dim3 grid90 = bwd_cta_grid(bwd_cta_group_size(cta_group, pairs), int(n_blocks), pairs);
     auto launch_main = [&](auto mask_bias, auto softcap_on) {
       constexpr bool kMB = decltype(mask_bias)::value, kSC = decltype(softcap_on)::value;
@@ -293,7 +306,7 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
     using T = std::true_type;
     using F = std::false_type;
     if (ws) {
-      if constexpr (kHeadDim == 64 || kHeadDim == 128) sm90::launch_bwd_ws<Element, kHeadDim>(a, grid90, stream);
+      if constexpr (kHeadDim == 64 || kHeadDim == 128) sm90::launch_bwd_ws<Element, kHeadDim>(a, grid90, ordered_dq, stream);
     } else if (mask_or_bias) {
       if (softcap) launch_main(T{}, T{});
       else launch_main(T{}, F{});

@@ -234,7 +234,8 @@ void backward(const BackwardParams& p) {
   a.dv = p.dv;
   a.dv_bs = p.dv_strides.batch_stride, a.dv_rs = p.dv_strides.row_stride, a.dv_hs = p.dv_strides.head_stride;
   a.delta = static_cast<float*>(p.softmax_delta);
-  a.dq_accum = p.deterministic ? nullptr : static_cast<float*>(p.dq_accum);
+  // (deterministic: used by the warp-specialized kernel's ordered adds only; run_bwd drops it for the others)
+  a.dq_accum = static_cast<float*>(p.dq_accum);
   a.num_heads_kv = static_cast<int>(f.num_heads_kv);
   if (p.dbias != nullptr) set_dbias_mode(p, a);
 
@@ -247,7 +248,8 @@ void backward(const BackwardParams& p) {
   bool exact = double(f.batch) * double(f.num_heads) * double(f.seqlen_q) * double(f.seqlen_k) <= kExactMaxScores;
   if (const char* env = std::getenv("DMATTN_BWD_EXACT")) exact = env[0] == '1';
   exact = exact && !p.forward_stats;  // the given lse and out are the statistics
-  exact = exact && p.dq_accum != nullptr;
+  // (deterministic mode: the lse path at every size)
+  exact = exact && p.dq_accum != nullptr && !p.deterministic;
   if (const char* env = std::getenv("DMATTN_BWD_EXP")) a.exp_flags = std::atoi(env);
 
   auto stream = static_cast<cudaStream_t>(f.stream);

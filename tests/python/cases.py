@@ -218,9 +218,9 @@ def run_dmattn(c: Case, x: Inputs, backward: bool = True, deterministic: bool = 
     return out.detach(), lse.detach(), grads
 
 
-def check_case(c: Case, device: str, backward: bool = True) -> None:
+def check_case(c: Case, device: str, backward: bool = True, deterministic: bool = False) -> None:
     x = make_inputs(c, device)
-    out, lse, grads = run_dmattn(c, x, backward)
+    out, lse, grads = run_dmattn(c, x, backward, deterministic)
     if grads is not None:
         for n in ("q", "k", "v"):
             if grads[n] is None:  # autograd gives None only when nothing flows (empty out)

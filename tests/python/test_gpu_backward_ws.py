@@ -1,8 +1,9 @@
 """The warp-specialized Hopper backward (src/cuda/sm90/bwd_ws_kernel_sm90.h) on the problems it
 takes (head dims 64 and 128, dense batches: plain scores, per-key rows with a query-broadcast bias and its
 column-sum gradient, a query-broadcast mask, gathered keys with key ends; a full bias with its
-gradient stored from the dS tiles), against the float64 reference and against the general Hopper
-kernel (DMATTN_BWD_SM90_WS=0) on the top-k paths and the full bias.
+gradient stored from the dS tiles; deterministic mode, its dQ adds ordered), against the float64
+reference and against the general Hopper kernel (DMATTN_BWD_SM90_WS=0) on the top-k paths and
+the full bias.
 Both backward paths (DMATTN_BWD_EXACT=0 / 1; the exact path's main pass runs it without dQ). On
 GPUs other than compute capability 9.0 the same tests run the sm80-class kernels.
 """
@@ -74,9 +75,19 @@ def test_against_reference(name, bwd_path, nan_poison):
     check_case(CASES[name], DEV)
 
 
-@pytest.mark.parametrize("name", ["plain_gqa_causal", "key_bias_per_kv_head"])
+# Deterministic mode: the same kernel, its dQ adds in key block order (ordered_adds_sm90.h).
+DETERMINISTIC_CASES = ["plain", "plain_gqa_causal", "window_empty_key_blocks", "key_bias_gqa_per_head",
+                       "key_bias_per_kv_head", "key_bias_shared", "full_bias_gqa_causal_fp16", "d64_plain",
+                       "d64_gqa_causal_fp16", "d64_full_bias"]
+
+
+@pytest.mark.parametrize("name", DETERMINISTIC_CASES)
+def test_deterministic_against_reference(name, nan_poison):
+    check_case(CASES[name], DEV, deterministic=True)
+
+
+@pytest.mark.parametrize("name", ["plain_gqa_causal", "key_bias_per_kv_head", "d64_gqa_causal_fp16"])
 def test_deterministic_bitwise(name):
-    """Deterministic mode (the general kernels, as for packed batches): bitwise equal over runs."""
     from cases import make_inputs, run_dmattn
     c = CASES[name]
     x = make_inputs(c, DEV)
@@ -85,6 +96,46 @@ def test_deterministic_bitwise(name):
         again = run_dmattn(c, x, deterministic=True)[2]
         for n in first:
             assert torch.equal(first[n], again[n]), n
+
+
+def _long_grads(causal, d, window, bias, deterministic):
+    """Every gradient of a problem whose query blocks meet up to 16 key blocks (16 CTAs add into
+    each dQ row), 8 (kv head, batch) pairs."""
+    g = torch.Generator(device=DEV).manual_seed(7)
+    b, s, h, hkv = 2, 2048, 8, 4
+    q = torch.randn(b, s, h, d, device=DEV, dtype=BF16, generator=g).requires_grad_()
+    k = torch.randn(b, s, hkv, d, device=DEV, dtype=BF16, generator=g).requires_grad_()
+    v = torch.randn(b, s, hkv, d, device=DEV, dtype=BF16, generator=g).requires_grad_()
+    leaves = [q, k, v]
+    kw = {}
+    if bias:
+        kw["bias"] = torch.randn(b, h, s, s, device=DEV, dtype=BF16, generator=g).requires_grad_()
+        leaves.append(kw["bias"])
+    dout = torch.randn(b, s, h, d, device=DEV, dtype=BF16, generator=g)
+    out = dmattn.attention(q, k, v, causal=causal, window=window, deterministic=deterministic, **kw)
+    return (out,) + torch.autograd.grad(out, leaves, dout)
+
+
+@pytest.mark.parametrize("causal,d,window,bias", [(False, 128, (-1, -1), False), (True, 128, (-1, -1), False),
+                                                  (True, 64, (-1, -1), False), (False, 128, (700, 300), False),
+                                                  (True, 128, (-1, -1), True)],
+                         ids=["dense", "causal", "causal_d64", "window", "causal_full_bias"])
+def test_deterministic_ordered_dq(causal, d, window, bias):
+    """Deterministic mode with many key blocks per query block: the warp-specialized kernel runs
+    (Hopper), with no query-major dQ kernel, and its gradients are bitwise equal over runs and
+    match the default mode's within the summation orders."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        first = _long_grads(causal, d, window, bias, True)
+        torch.cuda.synchronize()
+    if torch.cuda.get_device_capability() == (9, 0):
+        names = [e.key for e in prof.key_averages()]
+        assert any("bwd_ws_kernel_sm90" in n for n in names), names
+        assert not any("bwd_dq_kernel" in n for n in names), names
+    for _ in range(4):
+        for a, r in zip(first, _long_grads(causal, d, window, bias, True)):
+            assert torch.equal(a, r)
+    _assert_close_to_general(first, _long_grads(causal, d, window, bias, False))
 
 
 def _assert_close_to_general(ws, general):

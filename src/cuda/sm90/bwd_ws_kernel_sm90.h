@@ -12,9 +12,11 @@
 //       warp 2: dQ's writer: once a consumer has staged its half of dQ[t] in shared memory, one
 //         TMA reduce-add per (64, 32) box into dq_accum, then the buffer is handed back (named
 //         barriers dQFull / dQEmpty, FlashAttention-3's scheme): the consumers never wait on
-//         the global reduction; with a full bias's gradient, first dS[t] as dbias's tile (one
-//         TMA store from its shared-memory buffer: dbias = dS where every dS element has its
-//         own dbias element);
+//         the global reduction (deterministic mode: the adds into one query block's rows in
+//         key block order, each after its predecessor's, ordered_adds_sm90.h; the consumers
+//         wait only when the writer falls behind); with a full bias's gradient, first dS[t] as
+//         dbias's tile (one TMA store from its shared-memory buffer: dbias = dS where every dS
+//         element has its own dbias element);
 //       warp 3, with a full bias's gradient: zeros into dbias's rows of this key block that no
 //         query reaches (causal / window), while the loop runs (under a causal mask the key
 //         blocks that zero the most compute the least; docs/design.md);
@@ -52,6 +54,7 @@
 #include "cuda/sm90/dbias_colsum_sm90.h"
 #include "cuda/sm90/gmma.h"
 #include "cuda/sm90/key_rows_sm90.h"
+#include "cuda/sm90/ordered_adds_sm90.h"
 #include "cuda/sm90/pipeline_params_sm90.h"
 
 namespace dmattn::cuda::sm90 {
@@ -221,13 +224,28 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       Tensor mdQ = p.tma_dq.get_tma_tensor(make_shape(f.seqlen_q, f.head_dim, f.num_heads, f.batch));
       Tensor sdQ = make_tensor(make_smem_ptr(ss.dq.data()), typename Tile::SmemLayoutdQBoxes{});
       Tensor mdB = p.tma_dbias.get_tma_tensor(make_shape(f.seqlen_q, f.seqlen_k, f.num_heads, f.batch));
+      // Deterministic mode (a.dq_order): block t's dQ is added after the previous key block's
+      // adds into the same rows, if that block meets them. Both ends of bwd_query_block_range
+      // grow with the key block, so the key blocks that meet a query block are consecutive: the
+      // previous one is the only one to wait for, the first one waits for none, and the
+      // previous one meets every query block of this one below its own end prev_hi.
+      int prev_hi = 0;
+      if (a.dq_order != nullptr && n_block > 0) {
+        int prev_lo;
+        bwd_query_block_range(seq.window(), n0 - kBlockN, kBlockN, kBlockM, prev_lo, prev_hi);
+      }
       // Both buffers start free; each later hand-back but the last matches a consumer's wait
       // (no barrier is left half arrived when the CTA ends).
       CUTE_UNROLL
       for (int w = 0; w < Tile::kConsumers; ++w) NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqEmpty + w);
       for (int t = 0; t < n_iter; ++t) {
+        const int mb = m_block_of(t);
+        // (deterministic mode: this query block's flag, ordered_adds_sm90.h)
+        int* const order = a.dq_order != nullptr ? a.dq_order + (int64_t(b) * f.num_heads + head_of(t)) *
+                                                                    ((f.seqlen_q + kBlockM - 1) / kBlockM) + mb
+                                                 : nullptr;
         Tensor gdQ = local_tile(mdQ(_, _, head_of(t), b), Shape<Int<kBlockM>, Int<Tile::kDqBoxCols>>{},
-                                make_coord(m_block_of(t), _));
+                                make_coord(mb, _));
         auto [tdQgdQ, tdQsdQ] = tma_partition(p.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
                                               group_modes<0, 2>(gdQ));
         CUTE_UNROLL
@@ -240,7 +258,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
                 Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data() + (t & 1) * Tile::kPElems),
                                          typename Tile::SmemLayoutP{});
                 Tensor gdB = local_tile(mdB(_, _, head_of(t), b), Shape<Int<kBlockM>, Int<kBlockN>>{},
-                                        make_coord(m_block_of(t), n_block));
+                                        make_coord(mb, n_block));
                 auto [tBgB, tBsB] = tma_partition(p.tma_dbias, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdS),
                                                   group_modes<0, 2>(gdB));
                 copy(p.tma_dbias, tBsB, tBgB);
@@ -248,6 +266,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
             }
             constexpr int kBoxesPerConsumer = Tile::kDqBoxes / Tile::kConsumers;
             if (want_dq) {
+              // Ordered adds: after the previous key block's; where both consumers add into the
+              // same elements (kDqSplitKeys), the second one's after the first one's.
+              if (order != nullptr && w == 0 && mb < prev_hi) wait_for_flag(order, n_block);
+              if (order != nullptr && Tile::kDqSplitKeys && w > 0) bulk_ops_complete();
               CUTE_UNROLL
               for (int j = 0; j < kBoxesPerConsumer; ++j) {
                 const int box = w * kBoxesPerConsumer + j;
@@ -259,6 +281,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
           }
           __syncwarp();
           if (t + 1 < n_iter) NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqEmpty + w);
+        }
+        // Ordered adds: this block's performed in global memory, then the next key block may
+        // add (the consumers have their buffers back meanwhile).
+        if (order != nullptr && lane == 0) {
+          bulk_ops_complete();
+          publish_flag(order, n_block + 1);
         }
       }
       if (lane == 0) tma_store_wait<0>();

@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <optional>
+
 #include "cuda/bwd_args.h"
 #include "cuda/check.h"
 #include "cuda/cta_order.h"
@@ -11,6 +13,7 @@
 #include "cuda/sm90/bwd_ws_kernel_sm90.h"
 #include "cuda/sm90/enabled.h"
 #include "cuda/sm90/tma_views.h"
+#include "cuda/stream_buffer.h"
 
 namespace dmattn::cuda::sm90 {
 
@@ -37,8 +40,8 @@ inline bool bwd_ws_dbias_tiles_ok(const BwdArgs& a) {
 // own (bwd_ws_dbias_tiles_ok) or without one; the lse or the exact path's statistics (dQ then by
 // the query-major kernel). The others (full masks, fp32 full biases, a full bias's gradient
 // reduced over batch / heads, softcap, packed batches, a dbias reduced by folding batch / heads
-// into a CTA) and deterministic mode (run_bwd) run the general kernels. DMATTN_BWD_SM90_WS=0
-// switches it off.
+// into a CTA) run the general kernels; in deterministic mode also the problems whose dQ adds it
+// cannot order (bwd_ws_orders_dq_adds). DMATTN_BWD_SM90_WS=0 switches it off.
 inline bool bwd_ws_supports(const BwdArgs& a) {
   // (read on every call, so that one process can compare both kernels: the tests do)
   const FwdArgs& f = a.f;
@@ -62,6 +65,11 @@ inline bool bwd_ws_supports(const BwdArgs& a) {
           (tma_strides_ok(f.k_bs, f.k_hs, f.batch, heads_kv) && tma_strides_ok(f.v_bs, f.v_hs, f.batch, heads_kv)));
 }
 
+// Deterministic mode: the kernel adds each query block's dQ in key block order, which needs the
+// key blocks that meet a query block to be consecutive: true of the query block range of a
+// window (bwd_query_block_range), not of gathered keys' positions.
+inline bool bwd_ws_orders_dq_adds(const BwdArgs& a) { return a.f.kpos.ptr == nullptr; }
+
 template <class Tile>
 void launch_bwd_ws_tile(const BwdArgs& a, dim3 grid, cudaStream_t stream) {
   using namespace cute;
@@ -72,8 +80,8 @@ void launch_bwd_ws_tile(const BwdArgs& a, dim3 grid, cudaStream_t stream) {
     return tma_gmem_view(static_cast<const Element*>(ptr), rows, f.head_dim, heads, f.batch, rs, hs, bs);
   };
   const int64_t hd = f.head_dim;
-  // dq_accum: (B, Sq, H, D) fp32, contiguous. Without it (deterministic), a descriptor that is
-  // never used, over any aligned float buffer.
+  // dq_accum: (B, Sq, H, D) fp32, contiguous. Without it (the exact path: dQ from the
+  // query-major kernel), a descriptor that is never used, over any aligned float buffer.
   auto dq_view = a.dq_accum != nullptr
                      ? tma_gmem_view(a.dq_accum, f.seqlen_q, f.head_dim, f.num_heads, f.batch, f.num_heads * hd, hd,
                                      f.seqlen_q * f.num_heads * hd)
@@ -122,8 +130,19 @@ void launch_bwd_ws_tile(const BwdArgs& a, dim3 grid, cudaStream_t stream) {
 }
 
 // grid: the general Hopper kernel's (cta_order.h), one CTA per (key block of 128, kv head, batch).
+// ordered_dq (deterministic mode): dQ's adds in key block order, through a zeroed flag per
+// (batch, head, query block) that lives for this launch.
 template <typename Element, int kHeadDim>
-void launch_bwd_ws(const BwdArgs& a, dim3 grid, cudaStream_t stream) {
+void launch_bwd_ws(const BwdArgs& args, dim3 grid, bool ordered_dq, cudaStream_t stream) {
+  BwdArgs a = args;
+  std::optional<ZeroedStreamBuffer> order;
+  if (ordered_dq) {
+    constexpr int kBlockM = BwdWsTile<Element, kHeadDim, BwdWsScores::kPlain>::kBlockM;  // (every policy's)
+    const FwdArgs& f = a.f;
+    const int64_t flags = int64_t(f.batch) * f.num_heads * ((f.seqlen_q + kBlockM - 1) / kBlockM);
+    order.emplace(size_t(flags) * sizeof(int), stream, "cudaMallocAsync / cudaMemsetAsync(dQ order flags)");
+    a.dq_order = static_cast<int*>(order->get());
+  }
   switch (bwd_ws_scores(a.f)) {
     case BwdWsScores::kFullBias:
       launch_bwd_ws_tile<BwdWsTile<Element, kHeadDim, BwdWsScores::kFullBias>>(a, grid, stream);
