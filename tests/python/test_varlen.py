@@ -20,7 +20,6 @@ calls then share. CUDA needs float16/bfloat16 and head dims that are multiples o
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import random
@@ -243,28 +242,7 @@ def key_side_as_dense(t: Optional[torch.Tensor], rows: slice) -> Optional[torch.
     return None if t is None else t[:, rows].unsqueeze(0).unsqueeze(2)
 
 
-@contextlib.contextmanager
-def _general_backward_kernels():
-    """The backward of a packed batch runs the general CUDA kernels (the warp-specialized Hopper
-    backward takes dense batches only): the per-sequence runs use them too (DMATTN_BWD_SM90_WS=0,
-    read on every call), so that deterministic gradients compare bit for bit."""
-    before = os.environ.get("DMATTN_BWD_SM90_WS")
-    os.environ["DMATTN_BWD_SM90_WS"] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["DMATTN_BWD_SM90_WS"]
-        else:
-            os.environ["DMATTN_BWD_SM90_WS"] = before
-
-
 def run_dense_per_sequence(c: VarlenCase, x: VarlenInputs) -> Result:
-    with _general_backward_kernels():
-        return _run_dense_per_sequence(c, x)
-
-
-def _run_dense_per_sequence(c: VarlenCase, x: VarlenInputs) -> Result:
     q, k, v, bias = _leaves(c, x)
     outs, lses = [], []
     for b in range(len(c.lens_q)):
