@@ -54,7 +54,7 @@ inline bool bwd_ws_supports(const BwdArgs& a) {
   if (f.seqlen_q <= 0 || f.seqlen_k <= 0 || f.batch <= 0) return false;
   if ((f.mask.ptr && !f.mask.row_bcast) || (f.kpos.ends && !f.kpos.ptr)) return false;
   const bool packed = f.cu_seqlens_q != nullptr;
-  if (packed && f.kpos.ptr != nullptr) return false;
+  if (packed && (f.kpos.ptr != nullptr || f.q_rows <= 0 || f.k_rows <= 0)) return false;
   if (bwd_ws_scores(f) == BwdWsScores::kFullBias) {
     if (packed) return false;  // (a packed batch's biases are key-side)
     if (!tma_bias_tiles_ok(f.bias) || f.mask.ptr || f.kpos.ptr) return false;
