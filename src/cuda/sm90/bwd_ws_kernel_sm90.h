@@ -226,13 +226,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       for (int t = 0; t < n_iter; ++t) {
         const int h = head_of(t);
         const int m0 = m_block_of(t) * kBlockM;
-        const int rows_valid = seq.rows_valid(m0, kBlockM);
-        const int64_t row_stat = seq.stat_offset(h) + m0;
+        // (packed: the sequence's first rows and lengths, read once per block)
+        const int q0 = seq.q0(), len_q = seq.len_q(), k0 = seq.k0(), len_k = seq.len_k();
+        const int rows_valid = min(kBlockM, len_q - m0);
+        const int64_t row_stat = int64_t(b) * f.lse_bs + int64_t(h) * f.lse_hs + q0 + m0;  // (seq.stat_offset)
         pipe_rows.producer_acquire(write);
         auto& st = ss.rows[write.index()];
         if (packed && lane == 0) {
-          st.seq_len[0] = seq.len_q();
-          st.seq_len[1] = seq.len_k();
+          st.seq_len[0] = len_q;
+          st.seq_len[1] = len_k;
         }
         for (int r = lane; r < rows_valid; r += 32) {
           st.m[r] = a.row_m[row_stat + r];
@@ -243,8 +245,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         // them from its previous use, kStages blocks back, while the head is the same.
         if constexpr (Tile::kKeyRows) {
           if (t < Tile::kStages || head_of(t - Tile::kStages) != h)
-            load_key_rows<Element, typename Tile::KeyRows, kBlockN>(st.keys, n_block, seq.len_k(),
-                                                                    key_row_sources(f, b, h, seq.k0()));
+            load_key_rows<Element, typename Tile::KeyRows, kBlockN>(st.keys, n_block, len_k,
+                                                                    key_row_sources(f, b, h, k0));
         }
         pipe_rows.producer_commit(write);
         ++write;
@@ -276,11 +278,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         int* const order = a.dq_order != nullptr ? a.dq_order + (int64_t(b) * f.num_heads + head_of(t)) *
                                                                     ((f.seqlen_q + kBlockM - 1) / kBlockM) + mb
                                                  : nullptr;
-        Tensor gdQ = local_tile(domain_offset(make_coord(packed ? seq.q0() : 0, 0), mdQ(_, _, head_of(t), tb)),
+        // Packed batches: the sequence's rows from its first (q0); a block past its end adds its
+        // rows one by one (a box would add into the next sequence's rows, if only zeros).
+        const int q0 = packed ? seq.q0() : 0;
+        const int rows_valid = packed ? min(kBlockM, seq.len_q() - mb * kBlockM) : kBlockM;
+        Tensor gdQ = local_tile(domain_offset(make_coord(q0, 0), mdQ(_, _, head_of(t), tb)),
                                 Shape<Int<kBlockM>, Int<Tile::kDqBoxCols>>{}, make_coord(mb, _));
-        // Packed batches: a block past its sequence's end adds its rows one by one (a box
-        // would add into the next sequence's rows, if only zeros).
-        const int rows_valid = packed ? seq.rows_valid(mb * kBlockM, kBlockM) : kBlockM;
         const bool add_rows = rows_valid < kBlockM;
         auto [tdQgdQ, tdQsdQ] = tma_partition(p.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
                                               group_modes<0, 2>(gdQ));
@@ -321,7 +324,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
           // (each lane adds the same elements in both turns: in program order, also where both
           // consumers add into the same rows)
           if (want_dq && add_rows) {
-            bwd_ws_add_dq_rows<Tile>(a.dq_accum + ((seq.batch_row() + mb * kBlockM) * f.num_heads + head_of(t)) *
+            bwd_ws_add_dq_rows<Tile>(a.dq_accum + ((int64_t(q0) + mb * kBlockM) * f.num_heads + head_of(t)) *
                                                       int64_t(kHeadDim),
                                      int64_t(f.num_heads) * kHeadDim, ss.dq.data(), w, rows_valid, lane);
             __syncwarp();
