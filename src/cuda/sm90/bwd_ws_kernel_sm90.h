@@ -83,8 +83,8 @@ struct BwdWsBarrier {
   static constexpr int kDqThreads = 128 + 32;
 };
 
-// Packed batches: rows [0, rows) of consumer w's staged dQ tile added into dq_accum element by
-// element (dq_rows: the block's row 0 at its head and column 0; row_stride: H * D), for a query
+// Packed batches: rows [0, rows) of consumer w's staged dQ tile added into dq_accum row by row,
+// two columns per lane (dq_rows: the block's row 0 at its head and column 0; row_stride: H * D), for a query
 // block that reaches past its sequence's end. A TMA box adds whole rows: zeros, but into the next
 // sequence's rows. Consumer w staged columns [64 w, 64 w + 64) of the tile, dQ's columns
 // [64 w, 64 w + 64) at D = 128 or [0, 64) at D = 64 (kDqSplitKeys).
@@ -93,11 +93,9 @@ __device__ __forceinline__ void bwd_ws_add_dq_rows(float* dq_rows, int64_t row_s
                                                    int rows, int lane) {
   using namespace cute;
   Tensor sdQ = make_tensor(make_smem_ptr(s_dq), typename Tile::SmemLayoutdQ{});
-  const int col0 = Tile::kDqSplitKeys ? 0 : 64 * w;
-  for (int i = lane; i < rows * 64; i += 32) {
-    const int r = i / 64, c = i % 64;
-    atomicAdd(dq_rows + r * row_stride + col0 + c, sdQ(r, 64 * w + c));
-  }
+  float* dst = dq_rows + (Tile::kDqSplitKeys ? 0 : 64 * w) + 2 * lane;  // (each lane: two columns)
+  for (int r = 0; r < rows; ++r, dst += row_stride)  // (one 8-byte reduction: dst is 8-byte aligned)
+    atomicAdd(reinterpret_cast<float2*>(dst), make_float2(sdQ(r, 64 * w + 2 * lane), sdQ(r, 64 * w + 2 * lane + 1)));
 }
 
 // kPacked: a packed batch (cu_seqlens): the sequences' lengths read from memory. A template
@@ -384,9 +382,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       return local_tile(mB(_, _, p.bias_heads == 1 ? 0 : head_of(t) / f.bias.head_div, p.bias_batch == 1 ? 0 : b),
                         Shape<Int<kBlockM>, Int<kBlockN>>{}, make_coord(m_block_of(t), n_block));
     };
+    // (packed: read once; reloaded in each block it cost 84 B more spills in the producer warps)
+    const int q0 = packed ? seq.q0() : 0;
     for (int t = 0; t < n_iter; ++t) {
       const int h = head_of(t), mb = m_block_of(t);
-      const int q0 = packed ? seq.q0() : 0;
       Tensor gQ = local_tile(domain_offset(make_coord(q0, 0), mQ(_, _, h, tb)), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                              make_coord(mb, 0));
       Tensor gdO = local_tile(domain_offset(make_coord(q0, 0), mdO(_, _, h, tb)), Shape<Int<kBlockM>, Int<kHeadDim>>{},
