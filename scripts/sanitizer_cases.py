@@ -39,6 +39,24 @@ def topk_case(b, s, h, hkv, d, dtype, keep, **kw):
         assert torch.isfinite(t).all(), "non-finite value"
 
 
+def varlen_case(lens, h, hkv, d, dtype, key_bias=False, **kw):
+    """dmattn.attention_varlen forward + backward on ragged sequences (a key-side bias with its
+    gradient when key_bias)."""
+    g = torch.Generator().manual_seed(sum(lens))
+    dev = "cuda"
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    total = sum(lens)
+    q = torch.randn(total, h, d, generator=g).to(dev, dtype).requires_grad_()
+    k = torch.randn(total, hkv, d, generator=g).to(dev, dtype).requires_grad_()
+    v = torch.randn(total, hkv, d, generator=g).to(dev, dtype).requires_grad_()
+    bias = torch.randn(h, total, generator=g).to(dev, dtype).requires_grad_() if key_bias else None
+    out = dmattn.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), bias=bias, **kw)
+    out.backward(torch.randn_like(out))
+    torch.cuda.synchronize()
+    for t in (out, q.grad, k.grad, v.grad) + ((bias.grad,) if bias is not None else ()):
+        assert torch.isfinite(t).all(), "non-finite value"
+
+
 def kvcache_case(b, sq, h, hkv, d, dtype, capacity, page_size=None, bias=False, mask=False):
     """dmattn.attention_with_kvcache (the split-KV decode kernel and its combine kernel): ragged
     lengths, a partial last key tile, several warps and splits, optional pages (capacity a
@@ -137,4 +155,12 @@ for dtype in (torch.bfloat16, torch.float16):
     case(2, 300, 520, 4, 2, 128, dtype, causal=True, deterministic=True)
     case(1, 333, 400, 4, 2, 64, dtype, deterministic=True)
     case(1, 200, 320, 4, 2, 128, dtype, bias_shape=(1, 4, 200, 320), deterministic=True)
+    # Packed batches on it: each sequence's tiles from its first row, the rows past its end
+    # cleared in shared memory, its last query block's dQ added row by row (the FA2-style path,
+    # so that the main pass adds dQ), plain and with a key-side bias, deterministic too.
+    os.environ["DMATTN_BWD_EXACT"] = "0"
+    varlen_case([300, 70, 200, 1], 4, 2, 128, dtype, causal=True)
+    varlen_case([130, 257, 64], 4, 2, 64, dtype, key_bias=True)
+    varlen_case([300, 70, 200], 4, 2, 128, dtype, key_bias=True, deterministic=True)
+    del os.environ["DMATTN_BWD_EXACT"]
 print("sanitizer cases done")

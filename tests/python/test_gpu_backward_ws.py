@@ -1,9 +1,10 @@
 """The warp-specialized Hopper backward (src/cuda/sm90/bwd_ws_kernel_sm90.h) on the problems it
 takes (head dims 64 and 128, dense batches: plain scores, per-key rows with a query-broadcast bias and its
 column-sum gradient, a query-broadcast mask, gathered keys with key ends; a full bias with its
-gradient stored from the dS tiles; deterministic mode, its dQ adds ordered), against the float64
-reference and against the general Hopper kernel (DMATTN_BWD_SM90_WS=0) on the top-k paths and
-the full bias.
+gradient stored from the dS tiles; deterministic mode, its dQ adds ordered; packed batches with a
+key-side bias), against the float64 reference and against the general Hopper kernel
+(DMATTN_BWD_SM90_WS=0) on the top-k paths, the full bias and packed batches (whose reference
+tests are test_varlen.py's).
 Both backward paths (DMATTN_BWD_EXACT=0 / 1; the exact path's main pass runs it without dQ). On
 GPUs other than compute capability 9.0 the same tests run the sm80-class kernels.
 """
@@ -196,3 +197,45 @@ def test_full_bias_matches_general_kernel(causal, d, monkeypatch):
         assert any("bwd_ws_kernel_sm90" in n for n in names), names
     monkeypatch.setenv("DMATTN_BWD_SM90_WS", "0")
     _assert_close_to_general(ws, _full_bias_grads(2, 1000, 4, 2, causal, d))
+
+
+def _packed_grads(causal, d, deterministic=False, seed=9):
+    """A packed batch with ragged lengths (tails in both dims, a sequence shorter than a block),
+    a key-side bias (H, total_k) with its gradient, GQA."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    lens, h, hkv = [700, 130, 1000, 64, 3], 4, 2
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    total = sum(lens)
+    q = torch.randn(total, h, d, device=DEV, dtype=BF16, generator=g).requires_grad_()
+    k = torch.randn(total, hkv, d, device=DEV, dtype=BF16, generator=g).requires_grad_()
+    v = torch.randn(total, hkv, d, device=DEV, dtype=BF16, generator=g).requires_grad_()
+    bias = torch.randn(h, total, device=DEV, dtype=BF16, generator=g).requires_grad_()
+    dout = torch.randn(total, h, d, device=DEV, dtype=BF16, generator=g)
+    out = dmattn.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), bias=bias, causal=causal,
+                                  deterministic=deterministic)
+    return (out,) + torch.autograd.grad(out, [q, k, v, bias], dout)
+
+
+@pytest.mark.parametrize("causal,d", [(False, 128), (True, 128), (True, 64)], ids=["full", "causal", "causal_d64"])
+@pytest.mark.parametrize("exact", ["0", "1"], ids=["fa2_bwd", "exact_bwd"])
+def test_packed_matches_general_kernel(causal, d, exact, monkeypatch):
+    """Packed batches (each sequence's rows from its first; the rows of its tiles past its end
+    cleared, its last query block's dQ added row by row): the same gradients as the general
+    kernels, and the warp-specialized kernel is the one that ran (Hopper)."""
+    from torch.profiler import ProfilerActivity, profile
+    monkeypatch.setenv("DMATTN_BWD_EXACT", exact)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ws = _packed_grads(causal, d)
+        torch.cuda.synchronize()
+    if torch.cuda.get_device_capability() == (9, 0):
+        names = [e.key for e in prof.key_averages()]
+        assert any("bwd_ws_kernel_sm90" in n for n in names), names
+    monkeypatch.setenv("DMATTN_BWD_SM90_WS", "0")
+    _assert_close_to_general(ws, _packed_grads(causal, d))
+
+
+def test_packed_deterministic_bitwise():
+    first = _packed_grads(True, 128, deterministic=True)
+    for _ in range(3):
+        for a, r in zip(first, _packed_grads(True, 128, deterministic=True)):
+            assert torch.equal(a, r)

@@ -25,7 +25,6 @@ import os
 import random
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
-from unittest import mock
 
 import pytest
 import torch
@@ -244,14 +243,6 @@ def key_side_as_dense(t: Optional[torch.Tensor], rows: slice) -> Optional[torch.
 
 
 def run_dense_per_sequence(c: VarlenCase, x: VarlenInputs) -> Result:
-    """The backward of a packed batch runs the general CUDA kernels (the warp-specialized Hopper
-    backward takes dense batches only): the per-sequence runs use them too (DMATTN_BWD_SM90_WS=0,
-    read on every call), so that deterministic gradients compare bit for bit."""
-    with mock.patch.dict(os.environ, {"DMATTN_BWD_SM90_WS": "0"}):
-        return _run_dense_per_sequence(c, x)
-
-
-def _run_dense_per_sequence(c: VarlenCase, x: VarlenInputs) -> Result:
     q, k, v, bias = _leaves(c, x)
     outs, lses = [], []
     for b in range(len(c.lens_q)):

@@ -68,6 +68,9 @@ struct BwdWsParams {
   typename Tile::TmaBias tma_bias;    // (Tile::kFullBias only)
   typename Tile::TmadBias tma_dbias;  // (Tile::kFullBias with dbias kDbDirect only)
   int bias_heads, bias_batch;         // the bias's head / batch extents (1: broadcast)
+  // The TMA views' row and batch extents: a dense batch's (seqlen, batch), or a packed batch's
+  // (total rows, 1), whose sequences the kernel offsets by their first rows.
+  int rows_q, rows_k, tma_batch;
 };
 
 // Named barriers (ids after CUTLASS's reserved ones).
@@ -75,12 +78,30 @@ struct BwdWsBarrier {
   static constexpr int kPdS = 0;        // both consumers: P and dS of block t written
   static constexpr int kDqFull = 1;     // + w: consumer w's dQ staged (consumer w + the writer warp)
   static constexpr int kDqEmpty = 3;    // + w: consumer w's dQ buffer free again
-  static constexpr int kColSum = 5;     // both consumers: column-sum flushes
+  static constexpr int kColSum = 5;     // both consumers: column-sum flushes, packed tails cleared
   static constexpr int kPdSOwn = 6;     // + w: consumer w's P and dS written (dQ split along the keys)
   static constexpr int kDqThreads = 128 + 32;
 };
 
+// Packed batches: rows [0, rows) of consumer w's staged dQ tile added into dq_accum row by row,
+// two columns per lane (dq_rows: the block's row 0 at its head and column 0; row_stride: H * D), for a query
+// block that reaches past its sequence's end. A TMA box adds whole rows: zeros, but into the next
+// sequence's rows. Consumer w staged columns [64 w, 64 w + 64) of the tile, dQ's columns
+// [64 w, 64 w + 64) at D = 128 or [0, 64) at D = 64 (kDqSplitKeys).
 template <class Tile>
+__device__ __forceinline__ void bwd_ws_add_dq_rows(float* dq_rows, int64_t row_stride, const float* s_dq, int w,
+                                                   int rows, int lane) {
+  using namespace cute;
+  Tensor sdQ = make_tensor(make_smem_ptr(s_dq), typename Tile::SmemLayoutdQ{});
+  float* dst = dq_rows + (Tile::kDqSplitKeys ? 0 : 64 * w) + 2 * lane;  // (each lane: two columns)
+  for (int r = 0; r < rows; ++r, dst += row_stride)  // (one 8-byte reduction: dst is 8-byte aligned)
+    atomicAdd(reinterpret_cast<float2*>(dst), make_float2(sdQ(r, 64 * w + 2 * lane), sdQ(r, 64 * w + 2 * lane + 1)));
+}
+
+// kPacked: a packed batch (cu_seqlens): the sequences' lengths read from memory. A template
+// parameter: read at run time, the lengths were values of the query loop in every variant (276 B
+// of spills in the key-row consumers against 144 B).
+template <class Tile, bool kPacked>
 __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const __grid_constant__ BwdWsParams<Tile> p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
@@ -104,6 +125,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   const int kvh = cta.y, b = cta.z;
   const int group = f.group;
   const SeqBounds seq(f, b);
+  // A packed batch (one sequence of all rows to TMA, tma_batch 1): sequence b's rows from its
+  // first; its tiles reach past its end into the next sequence's rows, which the kernel keeps
+  // out of every sum (docs/design.md).
+  constexpr bool packed = kPacked;
+  const int tb = packed ? 0 : b;
   const bool want_dq = a.dq_accum != nullptr;
   const bool colsum = Tile::kKeyRows && a.dbias != nullptr && a.dbias_mode == kDbColSum;
   // A full bias's gradient: dS's tiles stored by the dQ writer (which then runs without dQ too).
@@ -198,10 +224,16 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       for (int t = 0; t < n_iter; ++t) {
         const int h = head_of(t);
         const int m0 = m_block_of(t) * kBlockM;
-        const int rows_valid = seq.rows_valid(m0, kBlockM);
-        const int64_t row_stat = seq.stat_offset(h) + m0;
+        // (packed: the sequence's first rows and lengths, read once per block)
+        const int q0 = seq.q0(), len_q = seq.len_q(), k0 = seq.k0(), len_k = seq.len_k();
+        const int rows_valid = min(kBlockM, len_q - m0);
+        const int64_t row_stat = int64_t(b) * f.lse_bs + int64_t(h) * f.lse_hs + q0 + m0;  // (seq.stat_offset)
         pipe_rows.producer_acquire(write);
         auto& st = ss.rows[write.index()];
+        if (packed && lane == 0) {
+          st.seq_len[0] = len_q;
+          st.seq_len[1] = len_k;
+        }
         for (int r = lane; r < rows_valid; r += 32) {
           st.m[r] = a.row_m[row_stat + r];
           if (a.row_log2l != nullptr) st.log2l[r] = a.row_log2l[row_stat + r];
@@ -211,8 +243,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         // them from its previous use, kStages blocks back, while the head is the same.
         if constexpr (Tile::kKeyRows) {
           if (t < Tile::kStages || head_of(t - Tile::kStages) != h)
-            load_key_rows<Element, typename Tile::KeyRows, kBlockN>(st.keys, n_block, seq.len_k(),
-                                                                    key_row_sources(f, b, h, seq.k0()));
+            load_key_rows<Element, typename Tile::KeyRows, kBlockN>(st.keys, n_block, len_k,
+                                                                    key_row_sources(f, b, h, k0));
         }
         pipe_rows.producer_commit(write);
         ++write;
@@ -221,7 +253,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     }
     if (warp == 2) {  // dQ's writer (and dbias's)
       if (!writer) return;
-      Tensor mdQ = p.tma_dq.get_tma_tensor(make_shape(f.seqlen_q, f.head_dim, f.num_heads, f.batch));
+      Tensor mdQ = p.tma_dq.get_tma_tensor(make_shape(p.rows_q, f.head_dim, f.num_heads, p.tma_batch));
       Tensor sdQ = make_tensor(make_smem_ptr(ss.dq.data()), typename Tile::SmemLayoutdQBoxes{});
       Tensor mdB = p.tma_dbias.get_tma_tensor(make_shape(f.seqlen_q, f.seqlen_k, f.num_heads, f.batch));
       // Deterministic mode (a.dq_order): block t's dQ is added after the previous key block's
@@ -244,8 +276,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         int* const order = a.dq_order != nullptr ? a.dq_order + (int64_t(b) * f.num_heads + head_of(t)) *
                                                                     ((f.seqlen_q + kBlockM - 1) / kBlockM) + mb
                                                  : nullptr;
-        Tensor gdQ = local_tile(mdQ(_, _, head_of(t), b), Shape<Int<kBlockM>, Int<Tile::kDqBoxCols>>{},
-                                make_coord(mb, _));
+        // Packed batches: the sequence's rows from its first (q0); a block past its end adds its
+        // rows one by one (a box would add into the next sequence's rows, if only zeros).
+        const int q0 = packed ? seq.q0() : 0;
+        const int rows_valid = packed ? min(kBlockM, seq.len_q() - mb * kBlockM) : kBlockM;
+        Tensor gdQ = local_tile(domain_offset(make_coord(q0, 0), mdQ(_, _, head_of(t), tb)),
+                                Shape<Int<kBlockM>, Int<Tile::kDqBoxCols>>{}, make_coord(mb, _));
+        const bool add_rows = rows_valid < kBlockM;
         auto [tdQgdQ, tdQsdQ] = tma_partition(p.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
                                               group_modes<0, 2>(gdQ));
         CUTE_UNROLL
@@ -270,23 +307,39 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
               // same elements (kDqSplitKeys), the second one's after the first one's.
               if (order != nullptr && w == 0 && mb < prev_hi) wait_for_flag(order, n_block);
               if (order != nullptr && Tile::kDqSplitKeys && w > 0) bulk_ops_complete();
-              CUTE_UNROLL
-              for (int j = 0; j < kBoxesPerConsumer; ++j) {
-                const int box = w * kBoxesPerConsumer + j;
-                copy(p.tma_dq, tdQsdQ(_, box), tdQgdQ(_, box % Tile::kDqHeadBoxes));
+              if (!add_rows) {
+                CUTE_UNROLL
+                for (int j = 0; j < kBoxesPerConsumer; ++j) {
+                  const int box = w * kBoxesPerConsumer + j;
+                  copy(p.tma_dq, tdQsdQ(_, box), tdQgdQ(_, box % Tile::kDqHeadBoxes));
+                }
               }
             }
             tma_store_arrive();
             tma_store_wait<0>();  // the boxes have been read: the buffer may be written again
           }
           __syncwarp();
+          // (each lane adds the same elements in both turns: in program order, also where both
+          // consumers add into the same rows)
+          if (want_dq && add_rows) {
+            bwd_ws_add_dq_rows<Tile>(a.dq_accum + ((int64_t(q0) + mb * kBlockM) * f.num_heads + head_of(t)) *
+                                                      int64_t(kHeadDim),
+                                     int64_t(f.num_heads) * kHeadDim, ss.dq.data(), w, rows_valid, lane);
+            __syncwarp();
+          }
           if (t + 1 < n_iter) NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqEmpty + w);
         }
         // Ordered adds: this block's performed in global memory, then the next key block may
         // add (the consumers have their buffers back meanwhile).
-        if (order != nullptr && lane == 0) {
-          bulk_ops_complete();
-          publish_flag(order, n_block + 1);
+        if (order != nullptr) {
+          if (add_rows) {
+            __threadfence();
+            __syncwarp();
+          }
+          if (lane == 0) {
+            bulk_ops_complete();
+            publish_flag(order, n_block + 1);
+          }
         }
       }
       if (lane == 0) tma_store_wait<0>();
@@ -299,12 +352,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
     if constexpr (Tile::kFullBias) cute::prefetch_tma_descriptor(p.tma_bias.get_tma_descriptor());
     const int heads_kv = f.num_heads / group;
-    Tensor mK = p.tma_k.get_tma_tensor(make_shape(f.seqlen_k, f.head_dim, heads_kv, f.batch));
-    Tensor mV = p.tma_v.get_tma_tensor(make_shape(f.seqlen_k, f.head_dim, heads_kv, f.batch));
+    Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.rows_k, f.head_dim, heads_kv, p.tma_batch));
+    Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.rows_k, f.head_dim, heads_kv, p.tma_batch));
     Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tile::SmemLayoutKV{});
     Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tile::SmemLayoutKV{});
-    Tensor gK = local_tile(mK(_, _, kvh, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
-    Tensor gV = local_tile(mV(_, _, kvh, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+    const int k0 = packed ? seq.k0() : 0;
+    Tensor gK = local_tile(domain_offset(make_coord(k0, 0), mK(_, _, kvh, tb)),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+    Tensor gV = local_tile(domain_offset(make_coord(k0, 0), mV(_, _, kvh, tb)),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
     auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
     if (!indexed) {
@@ -313,8 +369,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       copy(p.tma_v.with(ss.kv_full), tVgV, tVsV);
     }
 
-    Tensor mQ = p.tma_q.get_tma_tensor(make_shape(f.seqlen_q, f.head_dim, f.num_heads, f.batch));
-    Tensor mdO = p.tma_do.get_tma_tensor(make_shape(f.seqlen_q, f.head_dim, f.num_heads, f.batch));
+    Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.rows_q, f.head_dim, f.num_heads, p.tma_batch));
+    Tensor mdO = p.tma_do.get_tma_tensor(make_shape(p.rows_q, f.head_dim, f.num_heads, p.tma_batch));
     Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tile::SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tile::SmemLayoutQ{});
     PipelineState write = cutlass::make_producer_start_state<Pipeline>();  // (Q's and dO's: in step)
@@ -326,10 +382,14 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       return local_tile(mB(_, _, p.bias_heads == 1 ? 0 : head_of(t) / f.bias.head_div, p.bias_batch == 1 ? 0 : b),
                         Shape<Int<kBlockM>, Int<kBlockN>>{}, make_coord(m_block_of(t), n_block));
     };
+    // (packed: read once; reloaded in each block it cost 84 B more spills in the producer warps)
+    const int q0 = packed ? seq.q0() : 0;
     for (int t = 0; t < n_iter; ++t) {
       const int h = head_of(t), mb = m_block_of(t);
-      Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(mb, 0));
-      Tensor gdO = local_tile(mdO(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(mb, 0));
+      Tensor gQ = local_tile(domain_offset(make_coord(q0, 0), mQ(_, _, h, tb)), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                             make_coord(mb, 0));
+      Tensor gdO = local_tile(domain_offset(make_coord(q0, 0), mdO(_, _, h, tb)), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                              make_coord(mb, 0));
       auto [tQgQ, tQsQ] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto [tdOgdO, tdOsdO] =
           tma_partition(p.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
@@ -406,27 +466,46 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
                                                                               cols_valid, ctid, consumers_sync);
   };
 
+  // Packed batches: the rows of a tile past its sequence's end are the next sequence's (zeros
+  // only at the end of the tensor). Their scores, P and dS are exactly 0 (the tail test, the
+  // row statistics), but 0 times a NaN or Inf there would reach this sequence's gradients: the
+  // consumers zero those rows of K and V once, and of Q and dO in the block that has them, before
+  // any product reads them (both consumers, then their barrier; the column sums' barrier id, at
+  // points both consumers pass in the same order).
+  auto clear_tail_rows = [&](auto&& tile, int from, int rows) {
+    for (int i = ctid; i < (rows - from) * kHeadDim; i += kConsumerThreads)
+      tile(from + i / kHeadDim, i % kHeadDim) = Element(0.f);
+  };
   if (n_iter > 0) {
     kv_full.wait(0);
+    if (packed && cols_valid < kBlockN) {
+      clear_tail_rows(sK, cols_valid, kBlockN);
+      clear_tail_rows(sV, cols_valid, kBlockN);
+      fence_smem_for_wgmma();
+      consumers_sync();
+    }
     // Q, dO and the rows advance together, one stage per query block: one state for the three
     // pipelines (three held across the loop took registers the key-row consumers lack).
     PipelineState read;
-    // Dense batches only (bwd_ws_supports): the window straight from the arguments (SeqBounds'
-    // loads of a packed batch's bounds cannot be repeated, so their results were held, and
-    // spilled, across the loop). Key rows test positions (the gathered keys' own, else the
-    // index): one window, on the original keys' count with gathered keys.
-    const WindowMask win{f.seqlen_q, Tile::kKeyRows && f.kpos.ptr != nullptr ? f.kpos.seqlen_k_original : f.seqlen_k,
-                         f.window_left, f.window_right};
     // (h, mb) = (head_of(t), m_block_of(t)), stepped rather than divided out of t.
     int h = kvh * group, mb = m_lo;
     for (int t = 0; t < n_iter; ++t) {
       const int m0 = mb * kBlockM;
-      const int rows_valid = min(kBlockM, f.seqlen_q - m0);
       const int buf = Tile::kDsBuffers == 2 ? t & 1 : 0;
 
       Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       pipe_q.consumer_wait(read);
+      if (packed) {
+        const int rows_in_seq = seq.rows_valid(m0, kBlockM);
+        if (rows_in_seq < kBlockM) {
+          pipe_do.consumer_wait(read);
+          clear_tail_rows(sQ(_, _, read.index()), rows_in_seq, kBlockM);
+          clear_tail_rows(sdO(_, _, read.index()), rows_in_seq, kBlockM);
+          fence_smem_for_wgmma();
+          consumers_sync();
+        }
+      }
       {
         Tensor tSrQ = thr_sdp.partition_fragment_A(sQ)(_, _, _, read.index());
         Tensor tSrK = thr_sdp.partition_fragment_B(sK);
@@ -444,6 +523,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       if constexpr (!Tile::kKeyRows) issue_dp();
       pipe_rows.consumer_wait(read);
       const auto& st = ss.rows[read.index()];
+      // The window from the kernel arguments (dense) or from the block's stage (packed: the
+      // sequence's lengths, which the loader warp copies there; held across the loop, or read
+      // from memory in each block, they spilled). Key rows test positions (the gathered keys'
+      // own, else the index): one window, on the original keys' count with gathered keys.
+      const WindowMask win =
+          packed ? WindowMask{st.seq_len[0], st.seq_len[1], f.window_left, f.window_right}
+                 : WindowMask{f.seqlen_q, Tile::kKeyRows && f.kpos.ptr != nullptr ? f.kpos.seqlen_k_original : f.seqlen_k,
+                              f.window_left, f.window_right};
+      const int rows_valid = min(kBlockM, int(win.seqlen_q) - m0);
       float row_m[kRows], row_log2l[kRows], delta[kRows];
       bwd_load_row_stats(tScS_rc, st.m, a.row_log2l != nullptr ? st.log2l : nullptr, st.delta, rows_valid, row_m,
                          row_log2l, delta);

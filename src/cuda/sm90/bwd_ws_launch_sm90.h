@@ -33,36 +33,41 @@ inline bool bwd_ws_dbias_tiles_ok(const BwdArgs& a) {
          tma_strides_ok(a.db_sb, a.db_sh, a.f.batch, a.f.num_heads);
 }
 
-// The problems the warp-specialized backward takes: dense batches at head dims 64 and 128 with plain
-// scores, or with per-key rows (gathered keys and key ends, a query-broadcast bias with its
-// column-sum gradient or without one, a query-broadcast mask), or with a full 16-bit bias alone
-// whose tiles TMA loads (tma_bias_tiles_ok), with its gradient where every dS element has its
-// own (bwd_ws_dbias_tiles_ok) or without one; the lse or the exact path's statistics (dQ then by
-// the query-major kernel). The others (full masks, fp32 full biases, a full bias's gradient
-// reduced over batch / heads, softcap, packed batches, a dbias reduced by folding batch / heads
-// into a CTA) run the general kernels; in deterministic mode also the problems whose dQ adds it
-// cannot order (bwd_ws_orders_dq_adds). DMATTN_BWD_SM90_WS=0 switches it off.
+// The problems the warp-specialized backward takes: dense or packed batches at head dims 64 and
+// 128 with plain scores, or with per-key rows (a query-broadcast or key-side bias with its
+// column-sum gradient or without one, a query-broadcast or key-side mask; dense batches also
+// gathered keys and key ends), dense batches with a full 16-bit bias alone whose tiles TMA loads
+// (tma_bias_tiles_ok), with its gradient where every dS element has its own
+// (bwd_ws_dbias_tiles_ok) or without one; the lse or the exact path's statistics (dQ then by the
+// query-major kernel). The others (full masks, fp32 full biases, a full bias's gradient reduced
+// over batch / heads, softcap, a dbias reduced by folding batch / heads into a CTA) run the
+// general kernels; in deterministic mode also the problems whose dQ adds it cannot order
+// (bwd_ws_orders_dq_adds). DMATTN_BWD_SM90_WS=0 switches it off.
 inline bool bwd_ws_supports(const BwdArgs& a) {
   // (read on every call, so that one process can compare both kernels: the tests do)
   const FwdArgs& f = a.f;
   if (env_switched_off("DMATTN_BWD_SM90_WS") || (f.head_dim != 64 && f.head_dim != 128) || f.softcap != 0.f)
     return false;
-  if (f.cu_seqlens_q != nullptr || f.cu_seqlens_k != nullptr || a.fold_batch || a.fold_heads) return false;
+  if (a.fold_batch || a.fold_heads) return false;
   // (no query or no key: nothing for TMA to describe -- an empty tensor may even have a null
   // pointer; the general kernels write the zeros)
   if (f.seqlen_q <= 0 || f.seqlen_k <= 0 || f.batch <= 0) return false;
   if ((f.mask.ptr && !f.mask.row_bcast) || (f.kpos.ends && !f.kpos.ptr)) return false;
+  const bool packed = f.cu_seqlens_q != nullptr;
+  if (packed && (f.kpos.ptr != nullptr || f.q_rows <= 0 || f.k_rows <= 0)) return false;
   if (bwd_ws_scores(f) == BwdWsScores::kFullBias) {
+    if (packed) return false;  // (a packed batch's biases are key-side)
     if (!tma_bias_tiles_ok(f.bias) || f.mask.ptr || f.kpos.ptr) return false;
     if (a.dbias != nullptr && !bwd_ws_dbias_tiles_ok(a)) return false;
   } else if (a.dbias != nullptr && a.dbias_mode != kDbColSum && a.dbias_mode != kDbNone) {
     return false;
   }
   const int heads_kv = f.num_heads / f.group;
+  const int batch = packed ? 1 : f.batch;  // a packed batch is one sequence to TMA
   // (indexed keys: k and v are read by cp.async, not TMA)
-  return tma_strides_ok(f.q_bs, f.q_hs, f.batch, f.num_heads) && tma_strides_ok(a.do_bs, a.do_hs, f.batch, f.num_heads) &&
+  return tma_strides_ok(f.q_bs, f.q_hs, batch, f.num_heads) && tma_strides_ok(a.do_bs, a.do_hs, batch, f.num_heads) &&
          (f.kpos.rows != nullptr ||
-          (tma_strides_ok(f.k_bs, f.k_hs, f.batch, heads_kv) && tma_strides_ok(f.v_bs, f.v_hs, f.batch, heads_kv)));
+          (tma_strides_ok(f.k_bs, f.k_hs, batch, heads_kv) && tma_strides_ok(f.v_bs, f.v_hs, batch, heads_kv)));
 }
 
 // Deterministic mode: the kernel adds each query block's dQ in key block order, which needs the
@@ -70,42 +75,46 @@ inline bool bwd_ws_supports(const BwdArgs& a) {
 // window (bwd_query_block_range), not of gathered keys' positions.
 inline bool bwd_ws_orders_dq_adds(const BwdArgs& a) { return a.f.kpos.ptr == nullptr; }
 
-template <class Tile>
+template <class Tile, bool kPacked>
 void launch_bwd_ws_tile(const BwdArgs& a, dim3 grid, cudaStream_t stream) {
   using namespace cute;
   using Element = typename Tile::Element;
   const FwdArgs& f = a.f;
   const int heads_kv = f.num_heads / f.group;
+  // A packed batch is one sequence of all rows (batch 1); the kernel offsets each sequence's rows.
+  const bool packed = f.cu_seqlens_q != nullptr;
+  const int rows_q = packed ? int(f.q_rows) : f.seqlen_q, rows_k = packed ? int(f.k_rows) : f.seqlen_k;
+  const int batch = packed ? 1 : f.batch;
   auto view = [&](const void* ptr, int rows, int heads, int64_t rs, int64_t hs, int64_t bs) {
-    return tma_gmem_view(static_cast<const Element*>(ptr), rows, f.head_dim, heads, f.batch, rs, hs, bs);
+    return tma_gmem_view(static_cast<const Element*>(ptr), rows, f.head_dim, heads, batch, rs, hs, bs);
   };
   const int64_t hd = f.head_dim;
-  // dq_accum: (B, Sq, H, D) fp32, contiguous. Without it (the exact path: dQ from the
-  // query-major kernel), a descriptor that is never used, over any aligned float buffer.
+  // dq_accum: (B, Sq, H, D) fp32, contiguous (packed: (total_q, H, D)). Without it (the exact
+  // path: dQ from the query-major kernel), a descriptor that is never used, over any aligned
+  // float buffer.
   auto dq_view = a.dq_accum != nullptr
-                     ? tma_gmem_view(a.dq_accum, f.seqlen_q, f.head_dim, f.num_heads, f.batch, f.num_heads * hd, hd,
-                                     f.seqlen_q * f.num_heads * hd)
+                     ? tma_gmem_view(a.dq_accum, rows_q, f.head_dim, f.num_heads, batch, f.num_heads * hd, hd,
+                                     rows_q * f.num_heads * hd)
                      : tma_gmem_view(a.delta, Tile::kBlockM, Tile::kDqBoxCols, 1, 1, Tile::kDqBoxCols, 0, 0);
   // Indexed keys: the producer warpgroup copies K and V by cp.async; descriptors over q stand in
   // for theirs (never used).
   const bool indexed = Tile::kKeyRows && f.kpos.rows != nullptr;
-  const auto q_view = view(f.q, f.seqlen_q, f.num_heads, f.q_rs, f.q_hs, f.q_bs);
+  const auto q_view = view(f.q, rows_q, f.num_heads, f.q_rs, f.q_hs, f.q_bs);
   // The bias (its head / batch extents 1 where it broadcasts) and dbias: with a full bias only;
   // otherwise descriptors over q that are never used.
   const int bias_heads = f.bias.stride_h == 0 ? 1 : f.num_heads / f.bias.head_div;
   const int bias_batch = f.bias.stride_b == 0 ? 1 : f.batch;
   const bool dbias_tiles = Tile::kFullBias && a.dbias != nullptr && a.dbias_mode == kDbDirect;
-  auto q_out = tma_gmem_view(const_cast<Element*>(static_cast<const Element*>(f.q)), f.seqlen_q, f.head_dim,
-                             f.num_heads, f.batch, f.q_rs, f.q_hs, f.q_bs);
+  auto q_out = tma_gmem_view(const_cast<Element*>(static_cast<const Element*>(f.q)), rows_q, f.head_dim,
+                             f.num_heads, batch, f.q_rs, f.q_hs, f.q_bs);
   BwdWsParams<Tile> p{
       a,
-      make_tma_copy(SM90_TMA_LOAD{}, view(f.q, f.seqlen_q, f.num_heads, f.q_rs, f.q_hs, f.q_bs),
+      make_tma_copy(SM90_TMA_LOAD{}, q_view, take<0, 2>(typename Tile::SmemLayoutQ{})),
+      make_tma_copy(SM90_TMA_LOAD{}, view(a.dout, rows_q, f.num_heads, a.do_rs, a.do_hs, a.do_bs),
                     take<0, 2>(typename Tile::SmemLayoutQ{})),
-      make_tma_copy(SM90_TMA_LOAD{}, view(a.dout, f.seqlen_q, f.num_heads, a.do_rs, a.do_hs, a.do_bs),
-                    take<0, 2>(typename Tile::SmemLayoutQ{})),
-      make_tma_copy(SM90_TMA_LOAD{}, indexed ? q_view : view(f.k, f.seqlen_k, heads_kv, f.k_rs, f.k_hs, f.k_bs),
+      make_tma_copy(SM90_TMA_LOAD{}, indexed ? q_view : view(f.k, rows_k, heads_kv, f.k_rs, f.k_hs, f.k_bs),
                     typename Tile::SmemLayoutKV{}),
-      make_tma_copy(SM90_TMA_LOAD{}, indexed ? q_view : view(f.v, f.seqlen_k, heads_kv, f.v_rs, f.v_hs, f.v_bs),
+      make_tma_copy(SM90_TMA_LOAD{}, indexed ? q_view : view(f.v, rows_k, heads_kv, f.v_rs, f.v_hs, f.v_bs),
                     typename Tile::SmemLayoutKV{}),
       make_tma_copy(SM90_TMA_REDUCE_ADD{}, dq_view, take<0, 2>(typename Tile::SmemLayoutdQBoxes{})),
       make_tma_copy(SM90_TMA_LOAD{},
@@ -121,8 +130,11 @@ void launch_bwd_ws_tile(const BwdArgs& a, dim3 grid, cudaStream_t stream) {
                     typename Tile::SmemLayoutP{}),
       bias_heads,
       bias_batch,
+      rows_q,
+      rows_k,
+      batch,
   };
-  auto kernel = bwd_ws_kernel_sm90<Tile>;
+  auto kernel = bwd_ws_kernel_sm90<Tile, kPacked>;
   constexpr int smem = Tile::kSmemBytes;
   allow_dynamic_shared_memory(kernel, smem, "cudaFuncSetAttribute(backward smem)");
   kernel<<<grid, Tile::kNThreads, smem, stream>>>(p);
@@ -143,15 +155,19 @@ void launch_bwd_ws(const BwdArgs& args, dim3 grid, bool ordered_dq, cudaStream_t
     order.emplace(size_t(flags) * sizeof(int), stream, "cudaMallocAsync / cudaMemsetAsync(dQ order flags)");
     a.dq_order = static_cast<int*>(order->get());
   }
+  // (packed batches: plain scores or key rows; bwd_ws_supports)
+  const bool packed = a.f.cu_seqlens_q != nullptr;
+  using KeyRows = BwdWsTile<Element, kHeadDim, BwdWsScores::kKeyRows>;
+  using Plain = BwdWsTile<Element, kHeadDim, BwdWsScores::kPlain>;
   switch (bwd_ws_scores(a.f)) {
     case BwdWsScores::kFullBias:
-      launch_bwd_ws_tile<BwdWsTile<Element, kHeadDim, BwdWsScores::kFullBias>>(a, grid, stream);
+      launch_bwd_ws_tile<BwdWsTile<Element, kHeadDim, BwdWsScores::kFullBias>, false>(a, grid, stream);
       break;
     case BwdWsScores::kKeyRows:
-      launch_bwd_ws_tile<BwdWsTile<Element, kHeadDim, BwdWsScores::kKeyRows>>(a, grid, stream);
+      packed ? launch_bwd_ws_tile<KeyRows, true>(a, grid, stream) : launch_bwd_ws_tile<KeyRows, false>(a, grid, stream);
       break;
     case BwdWsScores::kPlain:
-      launch_bwd_ws_tile<BwdWsTile<Element, kHeadDim, BwdWsScores::kPlain>>(a, grid, stream);
+      packed ? launch_bwd_ws_tile<Plain, true>(a, grid, stream) : launch_bwd_ws_tile<Plain, false>(a, grid, stream);
       break;
   }
 }

@@ -149,6 +149,7 @@ struct BwdWsTile {
     float m[kBlockM];      // lse (or the exact path's m); rows past the sequence unwritten
     float log2l[kBlockM];  // exact path only
     float delta[kBlockM];
+    int32_t seq_len[2];  // packed batches: the sequence's query and key counts
     std::conditional_t<kKeyRows, KeyRows, NoKeyRows> keys;
   };
   static constexpr int kWarpsPerCol = 4;  // column-sum rows: the 4 warps of a consumer split its 64 queries
