@@ -156,7 +156,7 @@ for dtype in (torch.bfloat16, torch.float16):
     case(1, 333, 400, 4, 2, 64, dtype, deterministic=True)
     case(1, 200, 320, 4, 2, 128, dtype, bias_shape=(1, 4, 200, 320), deterministic=True)
     # Packed batches on it: each sequence's tiles from its first row, the rows past its end
-    # cleared in shared memory, its last query block's dQ added row by row (the FA2-style path,
+    # cleared in shared memory, its last query block's dQ rows past its end zeroed (the FA2-style path,
     # so that the main pass adds dQ), plain and with a key-side bias, deterministic too.
     os.environ["DMATTN_BWD_EXACT"] = "0"
     varlen_case([300, 70, 200, 1], 4, 2, 128, dtype, causal=True)

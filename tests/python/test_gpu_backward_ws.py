@@ -220,7 +220,7 @@ def _packed_grads(causal, d, deterministic=False, seed=9):
 @pytest.mark.parametrize("exact", ["0", "1"], ids=["fa2_bwd", "exact_bwd"])
 def test_packed_matches_general_kernel(causal, d, exact, monkeypatch):
     """Packed batches (each sequence's rows from its first; the rows of its tiles past its end
-    cleared, its last query block's dQ added row by row): the same gradients as the general
+    cleared, the dQ rows of its last query block past its end zeroed): the same gradients as the general
     kernels, and the warp-specialized kernel is the one that ran (Hopper)."""
     from torch.profiler import ProfilerActivity, profile
     monkeypatch.setenv("DMATTN_BWD_EXACT", exact)

@@ -83,21 +83,6 @@ struct BwdWsBarrier {
   static constexpr int kDqThreads = 128 + 32;
 };
 
-// Packed batches: rows [0, rows) of consumer w's staged dQ tile added into dq_accum row by row,
-// two columns per lane (dq_rows: the block's row 0 at its head and column 0; row_stride: H * D), for a query
-// block that reaches past its sequence's end. A TMA box adds whole rows: zeros, but into the next
-// sequence's rows. Consumer w staged columns [64 w, 64 w + 64) of the tile, dQ's columns
-// [64 w, 64 w + 64) at D = 128 or [0, 64) at D = 64 (kDqSplitKeys).
-template <class Tile>
-__device__ __forceinline__ void bwd_ws_add_dq_rows(float* dq_rows, int64_t row_stride, const float* s_dq, int w,
-                                                   int rows, int lane) {
-  using namespace cute;
-  Tensor sdQ = make_tensor(make_smem_ptr(s_dq), typename Tile::SmemLayoutdQ{});
-  float* dst = dq_rows + (Tile::kDqSplitKeys ? 0 : 64 * w) + 2 * lane;  // (each lane: two columns)
-  for (int r = 0; r < rows; ++r, dst += row_stride)  // (one 8-byte reduction: dst is 8-byte aligned)
-    atomicAdd(reinterpret_cast<float2*>(dst), make_float2(sdQ(r, 64 * w + 2 * lane), sdQ(r, 64 * w + 2 * lane + 1)));
-}
-
 // kPacked: a packed batch (cu_seqlens): the sequences' lengths read from memory. A template
 // parameter: read at run time, the lengths were values of the query loop in every variant (276 B
 // of spills in the key-row consumers against 144 B).
@@ -276,13 +261,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         int* const order = a.dq_order != nullptr ? a.dq_order + (int64_t(b) * f.num_heads + head_of(t)) *
                                                                     ((f.seqlen_q + kBlockM - 1) / kBlockM) + mb
                                                  : nullptr;
-        // Packed batches: the sequence's rows from its first (q0); a block past its end adds its
-        // rows one by one (a box would add into the next sequence's rows, if only zeros).
+        // Packed batches: the sequence's rows from its first (q0). A block past the sequence's end
+        // adds into the next sequence's rows too: zeros (the consumers zero those rows of dQ).
         const int q0 = packed ? seq.q0() : 0;
-        const int rows_valid = packed ? min(kBlockM, seq.len_q() - mb * kBlockM) : kBlockM;
         Tensor gdQ = local_tile(domain_offset(make_coord(q0, 0), mdQ(_, _, head_of(t), tb)),
                                 Shape<Int<kBlockM>, Int<Tile::kDqBoxCols>>{}, make_coord(mb, _));
-        const bool add_rows = rows_valid < kBlockM;
         auto [tdQgdQ, tdQsdQ] = tma_partition(p.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
                                               group_modes<0, 2>(gdQ));
         CUTE_UNROLL
@@ -307,39 +290,23 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
               // same elements (kDqSplitKeys), the second one's after the first one's.
               if (order != nullptr && w == 0 && mb < prev_hi) wait_for_flag(order, n_block);
               if (order != nullptr && Tile::kDqSplitKeys && w > 0) bulk_ops_complete();
-              if (!add_rows) {
-                CUTE_UNROLL
-                for (int j = 0; j < kBoxesPerConsumer; ++j) {
-                  const int box = w * kBoxesPerConsumer + j;
-                  copy(p.tma_dq, tdQsdQ(_, box), tdQgdQ(_, box % Tile::kDqHeadBoxes));
-                }
+              CUTE_UNROLL
+              for (int j = 0; j < kBoxesPerConsumer; ++j) {
+                const int box = w * kBoxesPerConsumer + j;
+                copy(p.tma_dq, tdQsdQ(_, box), tdQgdQ(_, box % Tile::kDqHeadBoxes));
               }
             }
             tma_store_arrive();
             tma_store_wait<0>();  // the boxes have been read: the buffer may be written again
           }
           __syncwarp();
-          // (each lane adds the same elements in both turns: in program order, also where both
-          // consumers add into the same rows)
-          if (want_dq && add_rows) {
-            bwd_ws_add_dq_rows<Tile>(a.dq_accum + ((int64_t(q0) + mb * kBlockM) * f.num_heads + head_of(t)) *
-                                                      int64_t(kHeadDim),
-                                     int64_t(f.num_heads) * kHeadDim, ss.dq.data(), w, rows_valid, lane);
-            __syncwarp();
-          }
           if (t + 1 < n_iter) NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqEmpty + w);
         }
         // Ordered adds: this block's performed in global memory, then the next key block may
         // add (the consumers have their buffers back meanwhile).
-        if (order != nullptr) {
-          if (add_rows) {
-            __threadfence();
-            __syncwarp();
-          }
-          if (lane == 0) {
-            bulk_ops_complete();
-            publish_flag(order, n_block + 1);
-          }
+        if (order != nullptr && lane == 0) {
+          bulk_ops_complete();
+          publish_flag(order, n_block + 1);
         }
       }
       if (lane == 0) tma_store_wait<0>();
@@ -606,7 +573,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         // D = 128: this consumer's half of the columns, from all of dS and K; D = 64: every
         // column, from this consumer's keys (its columns of dS, its rows of K).
         constexpr int kDqN = Tile::kDqSplitKeys ? kHeadDim : kHeadDim / 2;
-        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kDqN * (Tile::kDqSplitKeys ? 1 : 2)>>{});
+        using DqShape = Shape<Int<kBlockM>, Int<kDqN * (Tile::kDqSplitKeys ? 1 : 2)>>;
+        Tensor acc_dq = partition_fragment_C(mma_dq, DqShape{});
         if constexpr (Tile::kDqSplitKeys) {
           Tensor sdS_own = local_tile(sdS_at(buf), Shape<Int<kBlockM>, Int<kBlockN / 2>>{}, make_coord(0, consumer));
           Tensor sKt_own = local_tile(sKt, Shape<Int<kHeadDim>, Int<kBlockN / 2>>{}, make_coord(0, consumer));
@@ -621,6 +589,18 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         issue_dk();
         gemm_wait<1>(acc_dq);  // dV and dQ done
         warpgroup_fence_operand(acc_dv);
+        // Packed batches: the writer adds a block past the sequence's end by whole boxes, into the
+        // next sequence's rows too. Those rows of dS are 0, but 0 times an Inf in this sequence's
+        // K is NaN: they are zeroed. (Adding an exact 0 changes no sum, in any order: dq_accum
+        // starts at +0 and a sum of floats is -0 only when both terms are.)
+        if constexpr (packed) {
+          if (rows_valid < kBlockM) {
+            Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(DqShape{}));
+            CUTE_UNROLL
+            for (int i = 0; i < size(acc_dq); ++i)
+              if (get<0>(tdQcdQ(i)) >= rows_valid) acc_dq(i) = 0.f;
+          }
+        }
         // dQ -> this consumer's boxes once the writer has read the previous ones.
         NamedBarrier::sync(Bar::kDqThreads, Bar::kDqEmpty + consumer);
         if constexpr (Tile::kDqSplitKeys)
