@@ -122,8 +122,7 @@ __device__ __forceinline__ void bwd_p_ds(S& s, DP& dp, const float (&m)[kRows], 
       // ex2.approx like the forward's softmax (exp2f's range handling was ~1/7 of the Hopper
       // backward's instructions). x >= -2^-25 is where exp2 rounds to 1: P = 1 exactly there.
       const float x = (s(r, c) - m[r]) * kLog2e - log2l[r];
-      const float e = fast_exp2(x);  // (a NaN stays NaN: fminf would drop it)
-      s(r, c) = x >= -0x1p-25f ? 1.f : e > kBelowOne ? kBelowOne : e;
+      s(r, c) = x >= -0x1p-25f ? 1.f : min_keep_nan(fast_exp2(x), kBelowOne);
     }
   }
   CUTE_UNROLL

@@ -101,8 +101,7 @@ __global__ void bwd_convert_dq(const __grid_constant__ BwdArgs a) {
     auto* o2 = reinterpret_cast<typename ElemInfo<Element>::Native2*>(&out);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      o2[e] = ElemInfo<Element>::pack(saturate_keep_nan<Element>(v[2 * e] * f.scale),
-                                      saturate_keep_nan<Element>(v[2 * e + 1] * f.scale));
+      o2[e] = pack_saturated<Element>(v[2 * e] * f.scale, v[2 * e + 1] * f.scale);
     }
     Element* dst = static_cast<Element*>(a.dq) + b * a.dq_bs + i * a.dq_rs + int64_t(h) * a.dq_hs + c;
     *reinterpret_cast<uint4*>(dst) = out;

@@ -295,7 +295,7 @@ __device__ __forceinline__ void bwd_store_dkdv(SK const& sdK, SV const& sdV, Ele
 }
 
 // An fp32 accumulator of a (rows, head_dim) tile times `scale`, saturated to Element
-// (saturate_keep_nan), written to global rows [0, rows) (row stride `rs`) as the pairs of
+// (pack_saturated), written to global rows [0, rows) (row stride `rs`) as the pairs of
 // adjacent columns each thread holds.
 template <typename Element, class Acc, class C>
 __device__ __forceinline__ void bwd_store_acc_pairs(Acc const& acc, C const& coord, Element* g, int64_t rs, int rows,
@@ -307,7 +307,7 @@ __device__ __forceinline__ void bwd_store_acc_pairs(Acc const& acc, C const& coo
     const int r = get<0>(coord(i)), c = get<1>(coord(i));
     if (r < rows && c < head_dim) {
       *reinterpret_cast<typename Info::Native2*>(g + int64_t(r) * rs + c) =
-          Info::pack(saturate_keep_nan<Element>(acc(i) * scale), saturate_keep_nan<Element>(acc(i + 1) * scale));
+          pack_saturated<Element>(acc(i) * scale, acc(i + 1) * scale);
     }
   }
 }

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstring>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -28,6 +29,27 @@ __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+// min / max that keep a NaN (min / max.NaN, sm_80+, one instruction each; fminf / fmaxf return
+// the other operand).
+__device__ __forceinline__ float min_keep_nan(float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y));
+  return r;
+#else
+  return x != x || y != y ? x + y : fminf(x, y);
+#endif
+}
+__device__ __forceinline__ float max_keep_nan(float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y));
+  return r;
+#else
+  return x != x || y != y ? x + y : fmaxf(x, y);
+#endif
 }
 
 // ---- quad (4 threads sharing an accumulator row) reductions --------------------------------
@@ -85,18 +107,32 @@ template <> struct ElemInfo<cutlass::bfloat16_t> {
 template <typename Element>
 __device__ __forceinline__ float saturate_keep_nan(float x) {
   constexpr float kMax = ElemInfo<Element>::kMax;
+  return min_keep_nan(max_keep_nan(x, -kMax), kMax);
+}
+
+// Two fp32 values to an Element pair (a in the low half), rounded to nearest and saturated as
+// saturate_keep_nan does: on sm_80+ one conversion, cvt.rn.satfinite (a result beyond the
+// finite range, Inf included, becomes the largest finite value of its sign; NaN stays NaN),
+// where the clamp before a plain conversion took two more instructions per element (the
+// backward's dS tiles convert every score).
+template <typename Element>
+__device__ __forceinline__ typename ElemInfo<Element>::Native2 pack_saturated(float a, float b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  float y;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(x), "f"(-kMax));
-  asm("min.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(y), "f"(kMax));
-  return y;
+  uint32_t w;
+  if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>)
+    asm("cvt.rn.satfinite.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(b), "f"(a));
+  else
+    asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(b), "f"(a));
+  typename ElemInfo<Element>::Native2 r;
+  memcpy(&r, &w, sizeof(w));
+  return r;
 #else
-  return x != x ? x : fminf(fmaxf(x, -kMax), kMax);
+  return ElemInfo<Element>::pack(saturate_keep_nan<Element>(a), saturate_keep_nan<Element>(b));
 #endif
 }
 
-// Converts an fp32 fragment to Element pairwise; kSaturate clamps to the finite range first
-// (saturate_keep_nan), so no finite fp32 value becomes Inf and a NaN stays NaN.
+// Converts an fp32 fragment to Element pairwise; kSaturate saturates (pack_saturated), so no
+// finite fp32 value becomes Inf and a NaN stays NaN.
 template <typename Element, bool kSaturate, class TensorF, class TensorE>
 __device__ __forceinline__ void convert_fragment(TensorF const& src, TensorE& dst) {
   static_assert(decltype(cute::size(src))::value % 2 == 0);
@@ -104,12 +140,8 @@ __device__ __forceinline__ void convert_fragment(TensorF const& src, TensorE& ds
   auto* out = reinterpret_cast<typename Info::Native2*>(dst.data());
   CUTE_UNROLL
   for (int i = 0; i < cute::size(src) / 2; ++i) {
-    float a = src(2 * i), b = src(2 * i + 1);
-    if constexpr (kSaturate) {
-      a = saturate_keep_nan<Element>(a);
-      b = saturate_keep_nan<Element>(b);
-    }
-    out[i] = Info::pack(a, b);
+    if constexpr (kSaturate) out[i] = pack_saturated<Element>(src(2 * i), src(2 * i + 1));
+    else out[i] = Info::pack(src(2 * i), src(2 * i + 1));
   }
 }
 
