@@ -1,5 +1,5 @@
 """The warp-specialized Hopper backward (src/cuda/sm90/bwd_ws_kernel_sm90.h) on the problems it
-takes (head dims 64 and 128, dense batches: plain scores, per-key rows with a query-broadcast bias and its
+takes (head dims 64 and 128: plain scores, per-key rows with a query-broadcast bias and its
 column-sum gradient, a query-broadcast mask, gathered keys with key ends; a full bias with its
 gradient stored from the dS tiles; deterministic mode, its dQ adds ordered; packed batches with a
 key-side bias), against the float64 reference and against the general Hopper kernel
@@ -235,6 +235,9 @@ def test_packed_matches_general_kernel(causal, d, exact, monkeypatch):
 
 
 def test_packed_deterministic_bitwise():
+    """Deterministic mode on a packed batch (ordered dQ adds; the tail blocks' zero rows added
+    into the next sequence's rows in any order): the output and every gradient equal bit for bit
+    over four runs."""
     first = _packed_grads(True, 128, deterministic=True)
     for _ in range(3):
         for a, r in zip(first, _packed_grads(True, 128, deterministic=True)):
