@@ -1,6 +1,6 @@
 """Fwd+bwd times of the backward's headline rows, with SDPA cuDNN in the same process, for
 comparing two builds of the library: run it once per build (each on its own PYTHONPATH), the
-builds alternated, two rounds or more, on one GPU in one session.
+builds alternated, two rounds or more, on one GPU, one process after another.
 
     PYTHONPATH=/path/to/build_a/python python benchmarks/profiling/build_ab_timing.py a1
     PYTHONPATH=/path/to/build_b/python python benchmarks/profiling/build_ab_timing.py b1
