@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         const int mb = m_block_of(t);
         // (deterministic mode: this query block's flag, ordered_adds_sm90.h)
         int* const order = a.dq_order != nullptr ? a.dq_order + (int64_t(b) * f.num_heads + head_of(t)) *
-                                                                    ((f.seqlen_q + kBlockM - 1) / kBlockM) + mb
+                                                                    dq_order_blocks(f.seqlen_q, kBlockM) + mb
                                                  : nullptr;
         // Packed batches: the sequence's rows from its first (q0). A block past the sequence's end
         // adds into the next sequence's rows too: zeros (the consumers zero those rows of dQ).

@@ -151,7 +151,7 @@ void launch_bwd_ws(const BwdArgs& args, dim3 grid, bool ordered_dq, cudaStream_t
   if (ordered_dq) {
     constexpr int kBlockM = BwdWsTile<Element, kHeadDim, BwdWsScores::kPlain>::kBlockM;  // (every policy's)
     const FwdArgs& f = a.f;
-    const int64_t flags = int64_t(f.batch) * f.num_heads * ((f.seqlen_q + kBlockM - 1) / kBlockM);
+    const int64_t flags = int64_t(f.batch) * f.num_heads * dq_order_blocks(f.seqlen_q, kBlockM);
     order.emplace(size_t(flags) * sizeof(int), stream, "cudaMallocAsync / cudaMemsetAsync(dQ order flags)");
     a.dq_order = static_cast<int*>(order->get());
   }

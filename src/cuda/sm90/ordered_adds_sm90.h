@@ -8,6 +8,13 @@
 
 namespace dmattn::cuda::sm90 {
 
+// The flags of deterministic dQ adds: one per (batch, head, query block of block_m), those of
+// (b, h) from (b * heads + h) * dq_order_blocks(seqlen_q, block_m). Shared by the allocation
+// (host) and the writer warp's index (device).
+__host__ __device__ constexpr int dq_order_blocks(int seqlen_q, int block_m) {
+  return (seqlen_q + block_m - 1) / block_m;
+}
+
 // Spin until *flag == value (acquire at GPU scope), then order this thread's later bulk (async
 // proxy) accesses of global memory after what the flag published.
 __device__ __forceinline__ void wait_for_flag(const int* flag, int value) {
