@@ -100,13 +100,27 @@ void launch_bwd_ws_tile(const BwdArgs& a, dim3 grid, cudaStream_t stream) {
   // for theirs (never used).
   const bool indexed = Tile::kKeyRows && f.kpos.rows != nullptr;
   const auto q_view = view(f.q, rows_q, f.num_heads, f.q_rs, f.q_hs, f.q_bs);
-  // The bias (its head / batch extents 1 where it broadcasts) and dbias: with a full bias only;
-  // otherwise descriptors over q that are never used.
+  // The bias (its head / batch extents 1 where it broadcasts) and dbias: with a full bias only.
+  // Other policies pass empty descriptors, never read (no encoding on the host); a full bias
+  // without a direct gradient, a dbias descriptor over q that is never used.
   const int bias_heads = f.bias.stride_h == 0 ? 1 : f.num_heads / f.bias.head_div;
   const int bias_batch = f.bias.stride_b == 0 ? 1 : f.batch;
   const bool dbias_tiles = Tile::kFullBias && a.dbias != nullptr && a.dbias_mode == kDbDirect;
-  auto q_out = tma_gmem_view(const_cast<Element*>(static_cast<const Element*>(f.q)), rows_q, f.head_dim,
-                             f.num_heads, batch, f.q_rs, f.q_hs, f.q_bs);
+  typename Tile::TmaBias tma_bias{};
+  typename Tile::TmadBias tma_dbias{};
+  if constexpr (Tile::kFullBias) {
+    tma_bias = make_tma_copy(SM90_TMA_LOAD{},
+                             tma_gmem_view(reinterpret_cast<const Element*>(f.bias.ptr), f.seqlen_q, f.seqlen_k,
+                                           bias_heads, bias_batch, f.bias.stride_q, f.bias.stride_h, f.bias.stride_b),
+                             typename Tile::SmemLayoutP{});
+    auto q_out = tma_gmem_view(const_cast<Element*>(static_cast<const Element*>(f.q)), rows_q, f.head_dim,
+                               f.num_heads, batch, f.q_rs, f.q_hs, f.q_bs);
+    tma_dbias = make_tma_copy(SM90_TMA_STORE{},
+                              dbias_tiles ? tma_gmem_view(static_cast<Element*>(a.dbias), f.seqlen_q, f.seqlen_k,
+                                                          f.num_heads, f.batch, a.db_sq, a.db_sh, a.db_sb)
+                                          : q_out,
+                              typename Tile::SmemLayoutP{});
+  }
   BwdWsParams<Tile> p{
       a,
       make_tma_copy(SM90_TMA_LOAD{}, q_view, take<0, 2>(typename Tile::SmemLayoutQ{})),
@@ -117,17 +131,8 @@ void launch_bwd_ws_tile(const BwdArgs& a, dim3 grid, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_LOAD{}, indexed ? q_view : view(f.v, rows_k, heads_kv, f.v_rs, f.v_hs, f.v_bs),
                     typename Tile::SmemLayoutKV{}),
       make_tma_copy(SM90_TMA_REDUCE_ADD{}, dq_view, take<0, 2>(typename Tile::SmemLayoutdQBoxes{})),
-      make_tma_copy(SM90_TMA_LOAD{},
-                    Tile::kFullBias ? tma_gmem_view(reinterpret_cast<const Element*>(f.bias.ptr), f.seqlen_q,
-                                                    f.seqlen_k, bias_heads, bias_batch, f.bias.stride_q,
-                                                    f.bias.stride_h, f.bias.stride_b)
-                                    : q_view,
-                    typename Tile::SmemLayoutP{}),
-      make_tma_copy(SM90_TMA_STORE{},
-                    dbias_tiles ? tma_gmem_view(static_cast<Element*>(a.dbias), f.seqlen_q, f.seqlen_k, f.num_heads,
-                                                f.batch, a.db_sq, a.db_sh, a.db_sb)
-                                : q_out,
-                    typename Tile::SmemLayoutP{}),
+      tma_bias,
+      tma_dbias,
       bias_heads,
       bias_batch,
       rows_q,

@@ -100,17 +100,19 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
                           (mode != nullptr ? mode[0] != '0' : !sweep || whole_rounds);
   const bool paired = persistent && sweep;
   const int units = paired ? pair_units : num_tiles;
+  // The bias tiles' descriptor; without a bias an empty one, never read (no encoding on the host).
+  typename Tile::TmaBias tma_bias{};
+  if constexpr (Tile::kBias)
+    tma_bias = make_tma_copy(SM90_TMA_LOAD{},
+                             gmem(a.bias.ptr, a.seqlen_q, a.seqlen_k, bias_heads, bias_batch, a.bias.stride_q,
+                                  a.bias.stride_h, a.bias.stride_b),
+                             take<0, 2>(typename Tile::SmemLayoutBias{}));
   FwdWsParams<Tile> p{
       a,
       make_tma_copy(SM90_TMA_LOAD{}, q, typename Tile::SmemLayoutQ{}),
       make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename Tile::SmemLayoutKV{})),
       make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Tile::SmemLayoutKV{})),
-      // (without a bias, a descriptor over q that is never used)
-      make_tma_copy(SM90_TMA_LOAD{},
-                    Tile::kBias ? gmem(a.bias.ptr, a.seqlen_q, a.seqlen_k, bias_heads, bias_batch, a.bias.stride_q,
-                                       a.bias.stride_h, a.bias.stride_b)
-                                : q,
-                    take<0, 2>(typename Tile::SmemLayoutBias{})),
+      tma_bias,
       bias_heads,
       bias_batch,
       rows_q,
