@@ -4,10 +4,12 @@ process.
 bf16, B=2, H=16, S=8192, D=128 unless told otherwise (--head-dims adds dense rows at other head
 dims: H=16 up to 128, H=8 above); median of CUDA-event timings after warm-up; random (never
 zero) inputs. TFLOP/s with FlashAttention's convention (4*B*H*S*S*D, halved when causal).
-    python benchmarks/profiling/fwd_timing.py [--flex] [--iters 20] [--head-dims 64,256]
+The packed batch and the dense batch of the same shape are timed in alternation (--rounds).
+    python benchmarks/profiling/fwd_timing.py [--flex] [--iters 20] [--rounds 5] [--head-dims 64,256]
 """
 
 import argparse
+import statistics
 
 import torch
 
@@ -23,6 +25,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--flex", action="store_true", help="also time FlexAttention (compiles)")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5, help="alternations of the packed / dense pair")
     ap.add_argument("-S", type=int, default=8192)
     ap.add_argument("--head-dims", default="", help="comma-separated extra head dims for the dense rows")
     args = ap.parse_args()
@@ -49,9 +52,10 @@ def main():
 
     rows = []
 
-    def add(name, fn, causal, h=H, d=D, b=B, s=S, flop=None):
+    def add(name, fn, causal, h=H, d=D, b=B, s=S, flop=None, timed=False):
+        """timed: fn returns its own time in ms (rows timed elsewhere, in alternation)."""
         try:
-            ms = time_ms(fn, iters=args.iters)
+            ms = fn() if timed else time_ms(fn, iters=args.iters)
             rows.append((name, ms, (flop if flop is not None else flops(causal, h, d, b, s)) / ms / 1e9))
         except Exception as e:  # noqa: BLE001
             rows.append((name, float("nan"), float("nan")))
@@ -77,11 +81,22 @@ def main():
     qp, kp, vp = (torch.randn(nseq * sl, H, D, device=dev, dtype=dt, generator=g) for _ in range(3))
     cu = torch.arange(0, nseq * sl + 1, sl, device=dev, dtype=torch.int32)
     qb, kb, vb = (t.view(nseq, sl, H, D) for t in (qp, kp, vp))
+    # The two differ by a few percent at most, less than the drift of clocks over a few rows: they
+    # are timed in alternation (args.rounds rounds of each, the median of the rounds' medians),
+    # as eager calls and as CUDA graph replays (the kernels alone).
     for causal in (False, True):
         kind = f"{nseq} x {sl}{' causal' if causal else ''}"
-        add(f"dmattn dense batch {kind}", lambda: dmattn.attention(qb, kb, vb, causal=causal), causal, b=nseq, s=sl)
-        add(f"dmattn packed {kind}", lambda: dmattn.attention_varlen(qp, kp, vp, cu, cu, sl, sl, causal=causal),
-            causal, b=nseq, s=sl)
+        pair = {f"dmattn dense batch {kind}": lambda: dmattn.attention(qb, kb, vb, causal=causal),
+                f"dmattn packed {kind}": lambda: dmattn.attention_varlen(qp, kp, vp, cu, cu, sl, sl, causal=causal)}
+        for graph in (False, True):
+            fns = {name + (", CUDA graph" if graph else ""): cuda_graph_of(fn) if graph else fn
+                   for name, fn in pair.items()}
+            rounds = {name: [] for name in fns}
+            for _ in range(args.rounds):
+                for name, fn in fns.items():
+                    rounds[name].append(time_ms(fn, iters=args.iters))
+            for name in fns:
+                add(name, lambda ms=statistics.median(rounds[name]): ms, causal, b=nseq, s=sl, timed=True)
     del qp, kp, vp, qb, kb, vb
 
     for d in (int(x) for x in args.head_dims.split(",") if x):
