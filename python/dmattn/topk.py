@@ -8,11 +8,12 @@ import torch
 from torch import Tensor
 
 from . import gather, per_query_path
-from .decode import gathered_decode
+from ._lib import lib
+from .decode import gathered_decode, native_allocates
 from .interface import _parse_options, attention_on
 from .masks import bias_over_keys, check_keep, dynamic_mask
-from .ops import (_native_supports_key_positions, _plain_eager, check_devices, native_forward, native_glue_available,
-                  records_no_gradient, select_topk_positions)
+from .ops import (_cuda_layout, _native_supports_key_positions, _plain_eager, _scale_arg, check_devices, native_forward,
+                  native_glue_available, records_no_gradient, select_topk_positions)
 
 __all__ = ["attention_topk"]
 
@@ -67,7 +68,7 @@ def attention_topk(
         per_query_path.check_per_query_arguments(q, k, bias, mask, window)
     # per_query without causal: every query sees every key, one key set per (batch, head).
     if mask is None and not deterministic:
-        fast = _inference_forward(q, k, v, bias, keep, causal, window, scale, softcap)
+        fast = _inference_forward(q, k, v, bias, keep, causal, window, scale, softcap, return_lse)
         if fast is not None:
             return fast if return_lse else fast[0]
     options = dict(causal=causal, window=window, scale=scale, softcap=softcap,
@@ -88,9 +89,11 @@ def attention_topk(
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 
-def _inference_forward(q, k, v, bias, keep: int, causal, window, scale, softcap) -> Optional[Tuple[Tensor, Tensor]]:
+def _inference_forward(q, k, v, bias, keep: int, causal, window, scale, softcap,
+                       want_lse: bool = True) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
     """(out, lse) of the shared-set gather path in its usual inference form, or None where the
-    call is not that form (the general path then runs, and reports any error).
+    call is not that form (the general path then runs, and reports any error). lse may be None
+    when not want_lse.
 
     The form: no gradient to record, eager mode on plain tensors, CUDA, 16-bit q / k / v with
     unit stride along D, a (1 or B, 1 or Hkv, 1, Sk) bias of a 16/32-bit float dtype, no mask,
@@ -98,10 +101,12 @@ def _inference_forward(q, k, v, bias, keep: int, causal, window, scale, softcap)
     kernel, which also writes the bias rows, then the forward kernel reading the kept K / V
     rows in place: gather._distinct_rows_forward's "indexed" mode), with the same arguments,
     so the results are the same bits; what is left out are the general path's layers of checks
-    and dispatch, host time that an idle GPU waits on at these sizes (about half of the call's
-    0.1 ms of host time). One query (a decoding step) without a left window runs on the decode
-    kernel instead (decode.gathered_decode: each kept K / V row read once per kv head, not once
-    per query head); results equal to floating-point summation order."""
+    and dispatch, host time that an idle GPU waits on at these sizes. Where torch lends its
+    allocator to the native side (decode.native_allocates) and q / k / v need no copy for the
+    kernels, both calls and every allocation are one native call (``topk_attention``). One
+    query (a decoding step) without a left window runs on the decode kernel instead
+    (decode.gathered_decode: each kept K / V row read once per kv head, not once per query
+    head); results equal to floating-point summation order."""
     if gather._forced is not None or not gather.INDEXED_KEYS:
         return None
     if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and type(bias) is Tensor):
@@ -132,10 +137,15 @@ def _inference_forward(q, k, v, bias, keep: int, causal, window, scale, softcap)
             or not _native_supports_key_positions("cuda")):
         return None
     left, right, scale, softcap = _parse_options(window, scale, softcap)
+    decoding = q.shape[1] == 1 and left < 0  # one query at the causal end: sees every kept key
+    if not decoding and native_allocates() and all(_cuda_layout(x) is x for x in (q, k, v)):
+        lse = q.new_empty((batch, heads, q.shape[1]), dtype=torch.float32) if want_lse else None
+        out = lib().topk_attention(q, k, v, bias, keep, lse, bool(causal), left, right, _scale_arg(scale), softcap)
+        return out, lse
     positions = bias.new_empty((bias_batch, bias_heads, keep), dtype=torch.int32)
     kept_bias = bias.new_empty((bias_batch, bias_heads, 1, keep))
     select_topk_positions(bias, keep, positions, kept_bias)
-    if q.shape[1] == 1 and left < 0:  # one query at the causal end (a decoding step): sees every kept key
+    if decoding:
         decoded = gathered_decode(q, k, v, positions, kept_bias, scale, softcap)
         if decoded is not None:
             return decoded

@@ -366,6 +366,50 @@ tvm::ffi::Tensor decode_attention(TensorView q, TensorView k, TensorView v, Opti
   return out;
 }
 
+// attention_topk's inference form over one key set per (batch, kv head) (python/dmattn/topk.py):
+// the top `keep` keys of each row of a key-side bias (rows_b, rows_h, 1, Sk) selected
+// (select_topk_positions, which also writes their bias), then the forward over them reading the
+// kept K / V rows in place (key positions and key rows both the selection), as the Python route
+// composes it from select_topk_positions and forward, with the same arguments, so the same bits.
+// Everything but the caller's lse (optional, (B, H, Sq) float32) is allocated here through
+// tvm-ffi's environment allocator, as decode_attention does: one call and no Python
+// allocations, host time that an idle GPU waits for. Returns out (B, Sq, H, D), contiguous.
+tvm::ffi::Tensor topk_attention(TensorView q, TensorView k, TensorView v, TensorView bias, int64_t keep,
+                                Optional<TensorView> lse, bool causal, int64_t window_left, int64_t window_right,
+                                double scale, double softcap) {
+  tvm::ffi::Tensor out;
+  translate_errors([&] {
+    const dmattn::TensorDesc q_d = to_desc(q), k_d = to_desc(k), bias_d = to_desc(bias);
+    dmattn::check(q_d.shape.size() == 4, dmattn::ErrorKind::kValue,
+                  "q: expected a 4-D tensor (batch, seqlen_q, num_heads, head_dim), got shape ", q_d.shape_str());
+    dmattn::check(k_d.shape.size() == 4, dmattn::ErrorKind::kValue,
+                  "k: expected a 4-D tensor (batch, seqlen_k, num_heads_kv, head_dim), got shape ", k_d.shape_str());
+    dmattn::check(bias_d.shape.size() == 4 && bias_d.shape[2] == 1, dmattn::ErrorKind::kValue,
+                  "bias: expected a key-side bias (rows_b, rows_h, 1, Sk), got shape ", bias_d.shape_str());
+    dmattn::check(TVMFFIEnvGetDLPackManagedTensorAllocator() != nullptr, dmattn::ErrorKind::kRuntime,
+                  "topk_attention: no tensor allocator in this call's environment (pass framework tensors)");
+    const auto empty = [&](std::initializer_list<int64_t> shape, DLDataType dtype) {
+      return tvm::ffi::Tensor::FromEnvAlloc(TVMFFIEnvTensorAlloc, shape, dtype, q.device());
+    };
+    const int64_t rows_b = bias_d.shape[0], rows_h = bias_d.shape[1];
+    const tvm::ffi::Tensor positions = empty({rows_b, rows_h, keep}, DLDataType{kDLInt, 32, 1});
+    const tvm::ffi::Tensor kept_bias = empty({rows_b, rows_h, 1, keep}, bias.dtype());
+    const dmattn::TensorDesc positions_d = to_desc(positions), kept_bias_d = to_desc(kept_bias);
+    dmattn::select_topk_positions(bias_d, keep, positions_d, &kept_bias_d, glue_stream(bias));
+    const int64_t batch = q_d.shape[0], seqlen_q = q_d.shape[1], heads = q_d.shape[2];
+    out = empty({batch, seqlen_q, heads, q_d.shape[3]}, q.dtype());
+    tvm::ffi::Tensor own_lse;
+    if (!lse.has_value()) own_lse = empty({batch, heads, seqlen_q}, DLDataType{kDLFloat, 32, 1});
+    const dmattn::GatheredKeys gathered{&positions_d, k_d.shape[1], nullptr, &positions_d};
+    dmattn::ForwardParams p = dmattn::make_forward_params(
+        q_d, k_d, to_desc(v), to_desc(out), to_desc(lse.has_value() ? lse.value() : TensorView(own_lse)), nullptr,
+        &kept_bias_d, make_options(causal, window_left, window_right, scale, softcap, false), gathered);
+    p.stream = current_stream(p);
+    dmattn::run_forward(p);
+  });
+  return out;
+}
+
 // Whether decode_attention can allocate in a call with these arguments' framework (torch
 // exports its allocator to tvm-ffi from 2.10 on; older versions may not).
 bool has_env_allocator(TensorView /*a tensor of the framework*/) {
@@ -410,6 +454,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(cuda_available, cuda_available);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward_decode, forward_decode);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_splits, decode_splits);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_attention, decode_attention);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(topk_attention, topk_attention);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(has_env_allocator, has_env_allocator);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(build_info, build_info);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(supports_key_positions, supports_key_positions);

@@ -35,8 +35,12 @@ def _general(q, k, v, bias, keep, **kw):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("form", ["plain", "gqa_bias_per_kv_head", "batch_broadcast_bias", "fp32_bias", "fp16",
-                                  "options", "d64"])
-def test_inference_form_equals_the_general_path(form, nan_poison, monkeypatch):
+                                  "options", "d64", "unaligned_q"])
+@pytest.mark.parametrize("route", ["one_native_call", "two_native_calls"])
+def test_inference_form_equals_the_general_path(form, route, nan_poison, monkeypatch):
+    """Both of its routes: one native call that allocates through torch (topk_attention), and
+    the selection and forward called in turn from Python (a torch that lends no allocator to
+    the native side, or a q / k / v the kernels need copied: unaligned_q)."""
     gen = torch.Generator().manual_seed(len(form))
     kw = dict(causal=True)
     args = {}
@@ -53,14 +57,24 @@ def test_inference_form_equals_the_general_path(form, nan_poison, monkeypatch):
     elif form == "d64":
         args = dict(d=64, sq=700)
     q, k, v, bias = _inputs(gen, **args)
+    if form == "unaligned_q":  # 8 bytes past a 16-byte boundary: the kernels take a copy
+        q = torch.cat([torch.zeros_like(q[..., :4]), q], dim=-1)[..., 4:]
+        assert q.data_ptr() % 16 == 8
     keep = 257
     ref_out, ref_lse = _general(q, k, v, bias, keep, **kw)
 
-    # The inference form must be the one taken: the general path's selection is made to fail.
+    # The inference form must be the one taken: the general path's selection is made to fail;
+    # so must the route expected.
     def not_expected(*a, **k):
         raise AssertionError("the general path ran")
 
     monkeypatch.setattr(gather, "topk_key_set", not_expected)
+    if route == "two_native_calls":
+        monkeypatch.setattr(topk, "native_allocates", lambda: False)
+    elif form != "unaligned_q":
+        if not topk.native_allocates():
+            pytest.skip("this torch lends no allocator to the native side")
+        monkeypatch.setattr(topk, "select_topk_positions", not_expected)
     with torch.no_grad():
         out, lse = dmattn.attention_topk(q, k, v, bias, keep, return_lse=True, **kw)
     only_out = dmattn.attention_topk(q, k, v, bias, keep, **kw)  # (grad mode on, nothing requires grad)
