@@ -591,12 +591,13 @@ def _check_cu_seqlens_values(q: Tensor, k: Tensor, cu_seqlens_q: Tensor, cu_seql
     checked here, on a host copy (one synchronization), by the same native routine, once per
     pair of cu_seqlens tensors (until either is modified in place); skipped while a CUDA graph
     is being captured, where a copy to the host is not allowed."""
-    if cu_seqlens_q.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if not cu_seqlens_q.is_cuda:
         return
     _check_rank(q, "q", "(total_q, num_heads, head_dim)", rank=3)
     _check_rank(k, "k", "(total_k, num_heads_kv, head_dim)", rank=3)
     sizes = (max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0])
-    if _cu_seqlens_already_checked(cu_seqlens_q, cu_seqlens_k, *sizes):
+    # (the table first: the usual call, already checked, then costs no capture query)
+    if _cu_seqlens_already_checked(cu_seqlens_q, cu_seqlens_k, *sizes) or torch.cuda.is_current_stream_capturing():
         return
     lib().check_cu_seqlens(cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), *sizes)
     _remember_cu_seqlens_checked(cu_seqlens_q, cu_seqlens_k, *sizes)
@@ -629,9 +630,10 @@ def attention_varlen_forward(
     check_devices(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, mask=mask,
                    bias=bias)
     _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(_varlen_lse_shape(q), dtype=_lse_dtype(q), device=q.device)
-    q, k, v = (_cuda_layout(t) for t in (q, k, v))
+    # (new_empty: less host time than torch.empty with a shape, dtype and device to parse)
+    out = q.new_empty(q.shape)
+    lse = q.new_empty(_varlen_lse_shape(q), dtype=_lse_dtype(q))
+    q, k, v = _cuda_layout(q), _cuda_layout(k), _cuda_layout(v)
     lib().forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
                          lse, mask, bias, causal, window_left, window_right, _scale_arg(scale),
                          softcap)
