@@ -3,8 +3,9 @@
 // Functions take DLPack tensors (torch, numpy, JAX, CuPy...) in destination-passing style:
 // the caller allocates every output and scratch buffer, so the Python layer stays in charge
 // of memory (caching allocator, CUDA graphs) and the C++ core never allocates device memory.
-// The one exception, decode_attention (a decoding step, where host time counts), allocates
-// through the caller's framework (tvm-ffi's environment allocator), never by itself.
+// The exceptions, decode_attention (a decoding step) and topk_attention (attention_topk's
+// inference form), calls where host time counts, allocate through the caller's framework
+// (tvm-ffi's environment allocator), never by themselves.
 // dmattn::Error is re-raised with its kind (ValueError / TypeError / RuntimeError) and its
 // message intact.
 #include <dlpack/dlpack.h>
