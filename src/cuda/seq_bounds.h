@@ -57,8 +57,10 @@ struct SeqBounds {
   }
   // Offset of (head h, row 0) of this sequence in an lse-shaped buffer (lse, Delta, the
   // backward's row statistics).
-  __device__ __forceinline__ int64_t stat_offset(int h) const {
-    return int64_t(b) * a.lse_bs + int64_t(h) * a.lse_hs + q0();
+  __device__ __forceinline__ int64_t stat_offset(int h) const { return stat_offset(h, q0()); }
+  // The same from the sequence's first row q0 already read (a loop that reads it once).
+  __device__ __forceinline__ int64_t stat_offset(int h, int q0) const {
+    return int64_t(b) * a.lse_bs + int64_t(h) * a.lse_hs + q0;
   }
   // Row 0 of this sequence among the query rows of the whole batch (the dq accumulator's rows:
   // B * seqlen_q dense, total_q packed).

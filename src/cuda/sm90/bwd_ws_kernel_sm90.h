@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         // (packed: the sequence's first rows and lengths, read once per block)
         const int q0 = seq.q0(), len_q = seq.len_q(), k0 = seq.k0(), len_k = seq.len_k();
         const int rows_valid = min(kBlockM, len_q - m0);
-        const int64_t row_stat = int64_t(b) * f.lse_bs + int64_t(h) * f.lse_hs + q0 + m0;  // (seq.stat_offset)
+        const int64_t row_stat = seq.stat_offset(h, q0) + m0;
         pipe_rows.producer_acquire(write);
         auto& st = ss.rows[write.index()];
         if (packed && lane == 0) {
