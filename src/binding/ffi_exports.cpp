@@ -307,6 +307,18 @@ void forward_decode(TensorView q, TensorView k, TensorView v, TensorView out, Te
   });
 }
 
+// The calls that allocate (decode_attention, topk_attention) do it through tvm-ffi's environment
+// allocator, which a call with framework tensors sets to the framework's (torch: the caching
+// allocator, a CUDA graph's pool while capturing); without one they fail naming themselves.
+void require_env_allocator(const char* function, const char* advice) {
+  dmattn::check(TVMFFIEnvGetDLPackManagedTensorAllocator() != nullptr, dmattn::ErrorKind::kRuntime, function,
+                ": no tensor allocator in this call's environment", advice);
+}
+
+tvm::ffi::Tensor env_empty(std::initializer_list<int64_t> shape, DLDataType dtype, DLDevice device) {
+  return tvm::ffi::Tensor::FromEnvAlloc(TVMFFIEnvTensorAlloc, shape, dtype, device);
+}
+
 // forward_decode with its outputs allocated here, through tvm-ffi's environment allocator (a
 // call with torch tensors sets it to torch's: the caching allocator, a CUDA graph's pool while
 // capturing): out like q (contiguous), the splits' workspace (float32), and the lse where the
@@ -323,12 +335,11 @@ tvm::ffi::Tensor decode_attention(TensorView q, TensorView k, TensorView v, Opti
     const dmattn::TensorDesc q_d = to_desc(q);
     dmattn::check(q_d.shape.size() == 4, dmattn::ErrorKind::kValue,
                   "q: expected a 4-D tensor (batch, seqlen_q, num_heads, head_dim), got shape ", q_d.shape_str());
-    dmattn::check(TVMFFIEnvGetDLPackManagedTensorAllocator() != nullptr, dmattn::ErrorKind::kRuntime,
-                  "decode_attention: no tensor allocator in this call's environment (pass framework tensors, "
-                  "or use forward_decode with the outputs allocated)");
+    require_env_allocator("decode_attention", " (pass framework tensors, or use forward_decode with the outputs "
+                          "allocated)");
     const int64_t batch = q_d.shape[0], seqlen_q = q_d.shape[1], heads = q_d.shape[2], head_dim = q_d.shape[3];
     const auto empty = [&](std::initializer_list<int64_t> shape, DLDataType dtype) {
-      return tvm::ffi::Tensor::FromEnvAlloc(TVMFFIEnvTensorAlloc, shape, dtype, q.device());
+      return env_empty(shape, dtype, q.device());
     };
     const DLDataType f32{kDLFloat, 32, 1};
     out = empty({batch, seqlen_q, heads, head_dim}, q.dtype());
@@ -387,10 +398,9 @@ tvm::ffi::Tensor topk_attention(TensorView q, TensorView k, TensorView v, Tensor
                   "k: expected a 4-D tensor (batch, seqlen_k, num_heads_kv, head_dim), got shape ", k_d.shape_str());
     dmattn::check(bias_d.shape.size() == 4 && bias_d.shape[2] == 1, dmattn::ErrorKind::kValue,
                   "bias: expected a key-side bias (rows_b, rows_h, 1, Sk), got shape ", bias_d.shape_str());
-    dmattn::check(TVMFFIEnvGetDLPackManagedTensorAllocator() != nullptr, dmattn::ErrorKind::kRuntime,
-                  "topk_attention: no tensor allocator in this call's environment (pass framework tensors)");
+    require_env_allocator("topk_attention", " (pass framework tensors)");
     const auto empty = [&](std::initializer_list<int64_t> shape, DLDataType dtype) {
-      return tvm::ffi::Tensor::FromEnvAlloc(TVMFFIEnvTensorAlloc, shape, dtype, q.device());
+      return env_empty(shape, dtype, q.device());
     };
     const int64_t rows_b = bias_d.shape[0], rows_h = bias_d.shape[1];
     const tvm::ffi::Tensor positions = empty({rows_b, rows_h, keep}, DLDataType{kDLInt, 32, 1});
