@@ -52,15 +52,17 @@ def main():
 
     rows = []
 
-    def add(name, fn, causal, h=H, d=D, b=B, s=S, flop=None, timed=False):
-        """timed: fn returns its own time in ms (rows timed elsewhere, in alternation)."""
+    def record(name, ms, causal, h=H, d=D, b=B, s=S, flop=None):
+        rows.append((name, ms, (flop if flop is not None else flops(causal, h, d, b, s)) / ms / 1e9))
+        print(f"{name:<58} {ms:8.3f} ms {rows[-1][2]:7.1f} TFLOP/s", flush=True)
+
+    def add(name, fn, causal, h=H, d=D, b=B, s=S, flop=None):
         try:
-            ms = fn() if timed else time_ms(fn, iters=args.iters)
-            rows.append((name, ms, (flop if flop is not None else flops(causal, h, d, b, s)) / ms / 1e9))
+            ms = time_ms(fn, iters=args.iters)
         except Exception as e:  # noqa: BLE001
-            rows.append((name, float("nan"), float("nan")))
             print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
-        print(f"{rows[-1][0]:<58} {rows[-1][1]:8.3f} ms {rows[-1][2]:7.1f} TFLOP/s", flush=True)
+            ms = float("nan")
+        record(name, ms, causal, h, d, b, s, flop)
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
     F = torch.nn.functional
@@ -96,7 +98,7 @@ def main():
                 for name, fn in fns.items():
                     rounds[name].append(time_ms(fn, iters=args.iters))
             for name in fns:
-                add(name, lambda ms=statistics.median(rounds[name]): ms, causal, b=nseq, s=sl, timed=True)
+                record(name, statistics.median(rounds[name]), causal, b=nseq, s=sl)
     del qp, kp, vp, qb, kb, vb
 
     for d in (int(x) for x in args.head_dims.split(",") if x):
