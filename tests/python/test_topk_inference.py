@@ -164,3 +164,20 @@ def test_one_query_with_a_left_window_takes_the_general_kernels(monkeypatch):
     with torch.no_grad():
         out, lse = dmattn.attention_topk(q, k, v, bias, 300, causal=True, window=(900, 0), return_lse=True)
     check_against_reference(q, k, v, dmattn.dynamic_mask(bias, 300), bias, out, lse, causal=True, window=(900, 0))
+
+
+def test_native_call_names_bad_arguments():
+    """topk_attention (the one-call route) names the argument at fault, as the rest of the
+    native validation does; CPU tensors are refused by the selection (CUDA only)."""
+    from dmattn._lib import lib
+    q = torch.randn(1, 8, 2, 16, dtype=torch.bfloat16)
+    bias = torch.randn(1, 2, 1, 8, dtype=torch.bfloat16)
+    nan = float("nan")
+    with pytest.raises(ValueError, match="^q: expected a 4-D tensor"):
+        lib().topk_attention(q[0], q, q, bias, 3, None, False, -1, -1, nan, 0.0)
+    with pytest.raises(ValueError, match="^k: expected a 4-D tensor"):
+        lib().topk_attention(q, q[0], q, bias, 3, None, False, -1, -1, nan, 0.0)
+    with pytest.raises(ValueError, match=r"^bias: expected a key-side bias \(rows_b, rows_h, 1, Sk\)"):
+        lib().topk_attention(q, q, q, bias[:, :, 0], 3, None, False, -1, -1, nan, 0.0)
+    with pytest.raises((ValueError, RuntimeError), match="^bias: "):
+        lib().topk_attention(q, q, q, bias, 3, None, False, -1, -1, nan, 0.0)
