@@ -79,7 +79,25 @@ def kvcache_case(b, sq, h, hkv, d, dtype, capacity, page_size=None, bias=False, 
     assert torch.isfinite(out).all(), "non-finite value"
 
 
+def topk_decode_case(b, h, hkv, d, dtype, sk, keep, bias_rows):
+    """attention_topk's decoding step (one query, no gradient): the kept rows read in place by
+    the decode kernel (its indexed keys), a bias (bias_rows..., 1, Sk) over the kv heads."""
+    g = torch.Generator().manual_seed(sk + keep)
+    dev = "cuda"
+    q = torch.randn(b, 1, h, d, generator=g).to(dev, dtype)
+    k = torch.randn(b, sk, hkv, d, generator=g).to(dev, dtype)
+    v = torch.randn(b, sk, hkv, d, generator=g).to(dev, dtype)
+    bias = torch.randn(*bias_rows, 1, sk, generator=g).to(dev, dtype)
+    with torch.no_grad():
+        out = dmattn.attention_topk(q, k, v, bias, keep, causal=True, per_query=True)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all(), "non-finite value"
+
+
 for dtype in (torch.bfloat16, torch.float16):
+    topk_decode_case(2, 8, 2, 128, dtype, 3001, 700, (2, 2))
+    topk_decode_case(2, 8, 1, 64, dtype, 1500, 333, (1, 1))
+    topk_decode_case(1, 4, 2, 256, dtype, 40000, 2048, (1, 2))  # many key splits
     kvcache_case(2, 1, 8, 2, 128, dtype, 3000, bias=True)
     kvcache_case(1, 4, 8, 2, 64, dtype, 2048, page_size=64, mask=True)
     kvcache_case(2, 3, 4, 4, 256, dtype, 1104, page_size=8, bias=True)

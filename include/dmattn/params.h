@@ -131,6 +131,8 @@ struct ForwardParams {
   // the keys behind it are never loaded. block_table: int32, paged keys: key j of batch b is
   // row j % page_size of page block_table[b * block_table_stride + j / page_size], a page
   // being k + page * k_strides.batch_stride (v likewise); seqlen_k = max_blocks * page_size.
+  // key_rows (indexed keys, key_positions the same rows; DecodeInputs::gathered): key j of
+  // (b, kv head) is row key_rows[..., j] of batch b, read in place.
   // split_workspace: float32, decode_splits * B * H * Sq * (D + 1) elements when
   // decode_splits > 1 (the partial outputs and their lse, combined by a second kernel).
   int64_t decode_splits = 0;

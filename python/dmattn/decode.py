@@ -10,7 +10,6 @@ only, and the split-KV workspace is allocated here with torch (caching allocator
 from __future__ import annotations
 
 import functools
-import math
 import os
 from typing import Optional, Tuple
 
@@ -18,12 +17,11 @@ import torch
 from torch import Tensor
 
 from ._lib import lib
-from .masks import cached_index_tensor
 from .ops import _cuda_layout, _plain_eager, _scale_arg, attention_forward, check_devices, records_no_gradient
 
 __all__ = ["kvcache_forward", "kvcache_attention", "cache_attention", "maybe_decode_forward", "decode_step",
-           "decode_rows_fit", "gathered_decode", "native_allocates", "AUTO_MAX_ROWS", "KVCACHE_MAX_ROWS",
-           "KERNEL_DTYPES"]
+           "decode_rows_fit", "gathered_decode", "gathered_decode_splits", "native_allocates", "AUTO_MAX_ROWS",
+           "KVCACHE_MAX_ROWS", "KERNEL_DTYPES"]
 
 # With DMATTN_DECODE=1, dmattn.attention takes the decode kernels on CUDA for up to this many
 # query rows (queries x query heads per kv head: one 16-row tile, or one 64-row chunk), where
@@ -66,11 +64,12 @@ def native_allocates() -> bool:
 
 
 def _run_decode(q, k, v, mask, bias, causal, window_left, window_right, scale, softcap, seqlens,
-                block_table, splits, want_lse: bool = True,
-                cache_call: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+                block_table, splits, want_lse: bool = True, cache_call: bool = False,
+                key_positions: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """(out, lse) of the decode kernel with ``splits`` key splits; lse None unless want_lse.
     cache_call: the native validation names k and v "k_cache" and "v_cache" (only where
-    native_allocates(), the one caller that sets it checks that)."""
+    native_allocates(), the one caller that sets it checks that). key_positions: indexed keys
+    (gathered_decode)."""
     batch, seqlen_q, heads, head_dim = q.shape
     q = _cuda_layout(q)
     # (new_empty / empty_like: a few microseconds less host time each than torch.empty with a
@@ -78,7 +77,7 @@ def _run_decode(q, k, v, mask, bias, causal, window_left, window_right, scale, s
     lse = q.new_empty((batch, heads, seqlen_q), dtype=torch.float32) if want_lse else None
     if native_allocates():  # out and the workspace allocated by the native call
         out = lib().decode_attention(q, k, v, lse, mask, bias, causal, window_left, window_right, _scale_arg(scale),
-                                     softcap, seqlens, block_table, splits, cache_call)
+                                     softcap, seqlens, block_table, splits, cache_call, key_positions)
         return out, lse
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if lse is None:
@@ -87,7 +86,7 @@ def _run_decode(q, k, v, mask, bias, causal, window_left, window_right, scale, s
     if splits > 1:
         workspace = q.new_empty((splits * batch * heads * seqlen_q * (head_dim + 1),), dtype=torch.float32)
     lib().forward_decode(q, k, v, out, lse, mask, bias, causal, window_left, window_right, _scale_arg(scale),
-                         softcap, seqlens, block_table, workspace, splits)
+                         softcap, seqlens, block_table, workspace, splits, key_positions)
     return out, lse
 
 
@@ -139,62 +138,28 @@ def decode_step(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: O
     return out
 
 
-def _row_units(t: Tensor) -> int:
-    """The largest unit (elements) dividing the strides of t's (B, Sk, Hkv) dims (those of size
-    > 1), or 0."""
-    unit = 0
-    for size, stride in zip(t.shape[:3], t.stride()[:3]):
-        if size > 1:
-            unit = math.gcd(unit, stride)
-    return unit
-
-
-def gathered_decode(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, kept_bias: Tensor,
-                    scale: Optional[float], softcap: float) -> Optional[Tuple[Tensor, Tensor]]:
+def gathered_decode(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, kept_bias: Tensor, scale: Optional[float],
+                    softcap: float, want_lse: bool = True) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
     """(out, lse) of one query per row (q (B, 1, H, D)) against the kept keys of each (batch,
-    kv head): ``positions`` int32 (1 or B, 1 or Hkv, K) into k, v (B, Sk, Hkv, D), with
-    ``kept_bias`` (1 or B, 1 or Hkv, 1, K) their bias; every kept key is visible (the query
-    is the last position). On the decode kernel, the H / Hkv query heads of a kv head packed
-    into one tile, so that each kept K / V row is read once per kv head; None where it does not
-    apply (the caller runs the general kernels).
-
-    The kernel's paged-cache mode does the gathering: (batch, kv head) pairs become the batch
-    of a cache with one kv head and pages of one key, whose block table holds the kept rows'
-    places in k and v."""
-    batch, _, heads, head_dim = q.shape
-    heads_kv, keep = k.shape[2], positions.shape[-1]
-    group = heads // heads_kv
-    unit = _row_units(k)
-    # Pages of one row, `unit` elements apart: 16-byte aligned rows that do not overlap.
-    if q.shape[1] != 1 or k.stride() != v.stride() or k.stride(-1) != 1 or unit % 8 or unit < head_dim:
-        return None
-    if k.data_ptr() % 16 or v.data_ptr() % 16:
-        return None
-    last = sum((size - 1) * stride for size, stride in zip(k.shape[:3], k.stride()[:3]))
-    rows = last // unit + 1  # the pages' count: up to k's last row, no further (as_strided's bound)
-    if rows >= 2 ** 31 or keep == 0:
-        return None
-    pairs = batch * heads_kv
-    splits = _splits(q.get_device(), pairs, 1, group, 1, head_dim, keep, KVCACHE_MAX_ROWS)
+    kv head): ``positions`` int32 (1 or B, 1 or Hkv, K), contiguous, into k, v (B, Sk, Hkv, D),
+    with ``kept_bias`` (1 or B, 1 or Hkv, 1, K) their bias; every kept key is visible (the query
+    is the last position). On the decode kernel reading the kept rows in place (its indexed
+    keys), the H / Hkv query heads of a kv head packed into one tile, so that each kept K / V
+    row is read once per kv head; None where it does not apply (the caller runs the general
+    kernels). lse None unless want_lse."""
+    splits = gathered_decode_splits(q, k, positions.shape[-1])
     if splits == 0:
         return None
-    device = q.device
+    return _run_decode(q, _cuda_layout(k), _cuda_layout(v), None, kept_bias, False, -1, -1, scale, softcap, None,
+                       None, splits, want_lse, key_positions=positions)
 
-    def pair_offsets() -> Tensor:  # (B, Hkv, 1): where (b, kv head)'s rows start, in units
-        base = torch.arange(batch, device=device).view(-1, 1, 1) * (k.stride(0) // unit)
-        head = torch.arange(heads_kv, device=device).view(1, -1, 1) * (k.stride(2) // unit)
-        return (base + head).int()
 
-    offsets = cached_index_tensor(("gathered decode offsets", batch, heads_kv, k.stride(), unit, device),
-                                  pair_offsets)
-    table = torch.add(offsets, positions, alpha=k.stride(1) // unit).view(pairs, keep)
-    pages = [t.as_strided((rows, 1, 1, head_dim), (unit, unit, unit, 1), t.storage_offset()) for t in (k, v)]
-    if kept_bias.shape[:2] != (batch, heads_kv):  # a selection shared by batches or kv heads
-        kept_bias = kept_bias.expand(batch, heads_kv, 1, keep)
-    bias = kept_bias.reshape(pairs, 1, 1, keep)
-    out, lse = _run_decode(q.reshape(pairs, 1, group, head_dim), pages[0], pages[1], None, bias, False, -1, -1,
-                           scale, softcap, None, table, splits)
-    return out.view(batch, 1, heads, head_dim), lse.view(batch, heads, 1)
+def gathered_decode_splits(q: Tensor, k: Tensor, keep: int) -> int:
+    """The decode kernel's key splits for one query per row (q (B, 1, H, D)) against `keep`
+    kept keys of each (batch, kv head) of k (B, Sk, Hkv, D); 0 where it does not apply."""
+    if q.dim() != 4 or q.shape[1] != 1 or keep == 0:
+        return 0
+    return _decode_splits(q, k.shape[2], keep, KVCACHE_MAX_ROWS)
 
 
 # ---------------------------------------------------------------------------------------------

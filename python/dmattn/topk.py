@@ -9,7 +9,7 @@ from torch import Tensor
 
 from . import gather, per_query_path
 from ._lib import lib
-from .decode import gathered_decode, native_allocates
+from .decode import gathered_decode, gathered_decode_splits, native_allocates
 from .interface import _parse_options, attention_on
 from .masks import bias_over_keys, check_keep, dynamic_mask
 from .ops import (_cuda_layout, _native_supports_key_positions, _plain_eager, _scale_arg, check_devices, native_forward,
@@ -104,9 +104,9 @@ def _inference_forward(q, k, v, bias, keep: int, causal, window, scale, softcap,
     and dispatch, host time that an idle GPU waits on at these sizes. Where torch lends its
     allocator to the native side (decode.native_allocates) and q / k / v need no copy for the
     kernels, both calls and every allocation are one native call (``topk_attention``). One
-    query (a decoding step) without a left window runs on the decode kernel instead
-    (decode.gathered_decode: each kept K / V row read once per kv head, not once per query
-    head); results equal to floating-point summation order."""
+    query (a decoding step) without a left window runs on the decode kernel instead, reading
+    the kept K / V rows in place once per kv head, not once per query head (in one native call
+    too, or decode.gathered_decode); results equal to floating-point summation order."""
     if gather._forced is not None or not gather.INDEXED_KEYS:
         return None
     if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and type(bias) is Tensor):
@@ -137,17 +137,18 @@ def _inference_forward(q, k, v, bias, keep: int, causal, window, scale, softcap,
             or not _native_supports_key_positions("cuda")):
         return None
     left, right, scale, softcap = _parse_options(window, scale, softcap)
-    decoding = q.shape[1] == 1 and left < 0  # one query at the causal end: sees every kept key
-    if not decoding and native_allocates() and all(_cuda_layout(x) is x for x in (q, k, v)):
+    # One query without a left window (a decoding step; at the causal end it sees every kept
+    # key): the decode kernel, where it takes these shapes.
+    splits = gathered_decode_splits(q, k, keep) if left < 0 else 0
+    if native_allocates() and all(_cuda_layout(x) is x for x in (q, k, v)):
         lse = q.new_empty((batch, heads, q.shape[1]), dtype=torch.float32) if want_lse else None
-        out = lib().topk_attention(q, k, v, bias, keep, lse, bool(causal), left, right, _scale_arg(scale), softcap)
+        out = lib().topk_attention(q, k, v, bias, keep, lse, bool(causal), left, right, _scale_arg(scale), softcap,
+                                   splits)
         return out, lse
     positions = bias.new_empty((bias_batch, bias_heads, keep), dtype=torch.int32)
     kept_bias = bias.new_empty((bias_batch, bias_heads, 1, keep))
     select_topk_positions(bias, keep, positions, kept_bias)
-    if decoding:
-        decoded = gathered_decode(q, k, v, positions, kept_bias, scale, softcap)
-        if decoded is not None:
-            return decoded
+    if splits:
+        return gathered_decode(q, k, v, positions, kept_bias, scale, softcap, want_lse)
     return native_forward(q, k, v, None, kept_bias, bool(causal), left, right, scale, softcap, positions, num_keys,
                           None, positions)

@@ -1,5 +1,5 @@
-// Validation of the decode path's key-side inputs (per-batch lengths, paged keys, split-KV
-// workspace) on top of make_forward_params, and the decode_splits query.
+// Validation of the decode path's key-side inputs (per-batch lengths, paged or gathered keys,
+// split-KV workspace) on top of make_forward_params, and the decode_splits query.
 #include <vector>
 
 #include "api/tensor_checks.h"
@@ -48,6 +48,27 @@ void check_key_pair(const TensorDesc& q, const TensorDesc& k, const TensorDesc& 
   }
 }
 
+// The decode kernel's indexed keys (DecodeInputs::gathered): rows read in place (key_rows the
+// positions themselves; before make_forward_params, which reads key_positions without key_rows as
+// gathered copies), then, on its params, one key set per kv head and only calls whose rules the
+// positions cannot change (the kernel tests the gathered index).
+void check_gathered_inputs(const GatheredKeys& gathered) {
+  check(gathered.key_rows != nullptr && gathered.key_rows->data == gathered.key_positions->data, ErrorKind::kValue,
+        "key_rows: the decode kernel reads gathered keys in place: expected key_rows to be key_positions");
+  check(gathered.key_ends == nullptr, ErrorKind::kNotImplemented,
+        "key_ends: per-query key bounds are not read by the decode kernel");
+}
+
+void check_gathered_params(const TensorDesc& positions, const ForwardParams& p) {
+  check(positions.shape[1] == 1 || positions.shape[1] == p.num_heads_kv, ErrorKind::kValue,
+        "key_positions: the decode kernel takes one key set per kv head: expected shape (1 or ", p.batch,
+        ", 1 or ", p.num_heads_kv, ", K), got ", positions.shape_str());
+  check(p.window_left < 0 && (p.window_right < 0 || p.seqlen_q == 1), ErrorKind::kNotImplemented,
+        "window: with gathered keys the decode kernel takes no left window, and causal or a right window ",
+        "only for one query (which sees every earlier key); got window (", p.window_left, ", ", p.window_right,
+        ") with seqlen_q ", p.seqlen_q);
+}
+
 }  // namespace
 
 int64_t decode_splits(DeviceKind device, int32_t device_id, int64_t batch, int64_t seqlen_q, int64_t num_heads,
@@ -74,6 +95,8 @@ ForwardParams make_decode_forward_params(const TensorDesc& q, const TensorDesc& 
   check(inputs.num_splits >= 1, ErrorKind::kValue, "num_splits: expected >= 1, got ", inputs.num_splits);
 
   ForwardParams p;
+  check(inputs.block_table == nullptr || inputs.gathered.key_positions == nullptr, ErrorKind::kValue,
+        "key_positions: the decode kernel reads gathered keys from a contiguous k, v, not with block_table");
   if (inputs.block_table != nullptr) {
     const TensorDesc& bt = *inputs.block_table;
     check_rank(bt, 2, "block_table", "(batch, max_blocks)");
@@ -95,7 +118,10 @@ ForwardParams make_decode_forward_params(const TensorDesc& q, const TensorDesc& 
     p.page_size = k.shape[1];
   } else {
     check_key_pair(q, k, v, inputs.k_name, inputs.v_name, false);
-    p = make_forward_params(q, k, v, out, lse, mask, bias, options);
+    const bool gathered = inputs.gathered.key_positions != nullptr;
+    if (gathered) check_gathered_inputs(inputs.gathered);
+    p = make_forward_params(q, k, v, out, lse, mask, bias, options, inputs.gathered);
+    if (gathered) check_gathered_params(*inputs.gathered.key_positions, p);
   }
   if (inputs.seqused_k != nullptr) {
     const TensorDesc& s = *inputs.seqused_k;

@@ -286,21 +286,34 @@ void sum_segment_rows(TensorView dk_rows, TensorView dv_rows, TensorView slots, 
 
 // The decode path (docs/decode.md): forward_decode runs the split-KV kernel with num_splits
 // splits (decode_splits' answer for these shapes); cache_seqlens / block_table / workspace are
-// optional (dmattn/api.h, DecodeInputs).
+// optional (dmattn/api.h, DecodeInputs), and so is key_positions: indexed keys (k, v the source
+// rows, key j of (b, kv head) their row key_positions[b', h', j]; DecodeInputs::gathered).
+dmattn::GatheredKeys decode_gathered(const OptionalDesc& key_positions, const dmattn::TensorDesc& k) {
+  dmattn::GatheredKeys gathered;
+  if (key_positions.present) {
+    gathered.key_positions = gathered.key_rows = key_positions.get();
+    gathered.seqlen_k_original = k.shape.size() == 4 ? k.shape[1] : 0;
+  }
+  return gathered;
+}
+
 void forward_decode(TensorView q, TensorView k, TensorView v, TensorView out, TensorView lse,
                     Optional<TensorView> mask, Optional<TensorView> bias, bool causal, int64_t window_left,
                     int64_t window_right, double scale, double softcap, Optional<TensorView> cache_seqlens,
-                    Optional<TensorView> block_table, Optional<TensorView> workspace, int64_t num_splits) {
+                    Optional<TensorView> block_table, Optional<TensorView> workspace, int64_t num_splits,
+                    Optional<TensorView> key_positions) {
   translate_errors([&] {
     const OptionalDesc mask_d(mask), bias_d(bias), seqlens_d(cache_seqlens), table_d(block_table),
-        workspace_d(workspace);
+        workspace_d(workspace), positions_d(key_positions);
+    const dmattn::TensorDesc k_d = to_desc(k);
     dmattn::DecodeInputs inputs;
     inputs.seqused_k = seqlens_d.get();
     inputs.block_table = table_d.get();
     inputs.workspace = workspace_d.get();
+    inputs.gathered = decode_gathered(positions_d, k_d);
     inputs.num_splits = num_splits;
     dmattn::ForwardParams p = dmattn::make_decode_forward_params(
-        to_desc(q), to_desc(k), to_desc(v), to_desc(out), to_desc(lse), mask_d.get(), bias_d.get(),
+        to_desc(q), k_d, to_desc(v), to_desc(out), to_desc(lse), mask_d.get(), bias_d.get(),
         make_options(causal, window_left, window_right, scale, softcap, false), inputs);
     p.stream = current_stream(p);
     dmattn::run_forward(p);
@@ -319,6 +332,47 @@ tvm::ffi::Tensor env_empty(std::initializer_list<int64_t> shape, DLDataType dtyp
   return tvm::ffi::Tensor::FromEnvAlloc(TVMFFIEnvTensorAlloc, shape, dtype, device);
 }
 
+// The decode kernel with out (like q, contiguous), the splits' workspace and, where lse is null,
+// the lse allocated here (env_empty). inputs: the key side but the workspace. Returns out.
+tvm::ffi::Tensor run_decode_allocating(const dmattn::TensorDesc& q, const dmattn::TensorDesc& k,
+                                       const dmattn::TensorDesc& v, const dmattn::TensorDesc* lse,
+                                       const dmattn::TensorDesc* mask, const dmattn::TensorDesc* bias,
+                                       const dmattn::AttentionOptions& options, dmattn::DecodeInputs inputs,
+                                       DLDataType dtype, DLDevice device) {
+  const auto empty = [&](std::initializer_list<int64_t> shape, DLDataType type) {
+    return env_empty(shape, type, device);
+  };
+  const DLDataType f32{kDLFloat, 32, 1};
+  const int64_t batch = q.shape[0], seqlen_q = q.shape[1], heads = q.shape[2], head_dim = q.shape[3];
+  const int64_t num_splits = inputs.num_splits;
+  tvm::ffi::Tensor out = empty({batch, seqlen_q, heads, head_dim}, dtype);
+  // An lse the caller does not want goes to the workspace's tail when there is one (one
+  // allocation fewer), else to a tensor of its own.
+  const int64_t rows = batch * heads * seqlen_q, partials = num_splits * rows * (head_dim + 1);
+  const bool lse_in_workspace = lse == nullptr && num_splits > 1;
+  tvm::ffi::Tensor own_lse, workspace;
+  if (lse == nullptr && !lse_in_workspace) own_lse = empty({batch, heads, seqlen_q}, f32);
+  if (num_splits > 1) workspace = empty({partials + (lse_in_workspace ? rows : 0)}, f32);
+  const dmattn::TensorDesc workspace_d = num_splits > 1 ? to_desc(workspace) : dmattn::TensorDesc{};
+  dmattn::TensorDesc lse_d;
+  if (lse != nullptr) {
+    lse_d = *lse;
+  } else if (lse_in_workspace) {
+    lse_d = workspace_d;
+    lse_d.data = static_cast<float*>(workspace_d.data) + partials;
+    lse_d.shape = {batch, heads, seqlen_q};
+    lse_d.strides = {heads * seqlen_q, seqlen_q, 1};
+  } else {
+    lse_d = to_desc(own_lse);
+  }
+  inputs.workspace = num_splits > 1 ? &workspace_d : nullptr;
+  dmattn::ForwardParams p =
+      dmattn::make_decode_forward_params(q, k, v, to_desc(out), lse_d, mask, bias, options, inputs);
+  p.stream = current_stream(p);
+  dmattn::run_forward(p);
+  return out;
+}
+
 // forward_decode with its outputs allocated here, through tvm-ffi's environment allocator (a
 // call with torch tensors sets it to torch's: the caching allocator, a CUDA graph's pool while
 // capturing): out like q (contiguous), the splits' workspace (float32), and the lse where the
@@ -329,51 +383,25 @@ tvm::ffi::Tensor decode_attention(TensorView q, TensorView k, TensorView v, Opti
                                   Optional<TensorView> mask, Optional<TensorView> bias, bool causal,
                                   int64_t window_left, int64_t window_right, double scale, double softcap,
                                   Optional<TensorView> cache_seqlens, Optional<TensorView> block_table,
-                                  int64_t num_splits, bool cache_call) {
+                                  int64_t num_splits, bool cache_call, Optional<TensorView> key_positions) {
   tvm::ffi::Tensor out;
   translate_errors([&] {
-    const dmattn::TensorDesc q_d = to_desc(q);
+    const dmattn::TensorDesc q_d = to_desc(q), k_d = to_desc(k);
     dmattn::check(q_d.shape.size() == 4, dmattn::ErrorKind::kValue,
                   "q: expected a 4-D tensor (batch, seqlen_q, num_heads, head_dim), got shape ", q_d.shape_str());
     require_env_allocator("decode_attention", " (pass framework tensors, or use forward_decode with the outputs "
                           "allocated)");
-    const int64_t batch = q_d.shape[0], seqlen_q = q_d.shape[1], heads = q_d.shape[2], head_dim = q_d.shape[3];
-    const auto empty = [&](std::initializer_list<int64_t> shape, DLDataType dtype) {
-      return env_empty(shape, dtype, q.device());
-    };
-    const DLDataType f32{kDLFloat, 32, 1};
-    out = empty({batch, seqlen_q, heads, head_dim}, q.dtype());
-    // An lse the caller does not want goes to the workspace's tail when there is one (one
-    // allocation fewer), else to a tensor of its own.
-    const int64_t rows = batch * heads * seqlen_q, partials = num_splits * rows * (head_dim + 1);
-    const bool lse_in_workspace = !lse.has_value() && num_splits > 1;
-    tvm::ffi::Tensor own_lse, workspace;
-    if (!lse.has_value() && !lse_in_workspace) own_lse = empty({batch, heads, seqlen_q}, f32);
-    if (num_splits > 1) workspace = empty({partials + (lse_in_workspace ? rows : 0)}, f32);
-    const dmattn::TensorDesc workspace_d = num_splits > 1 ? to_desc(workspace) : dmattn::TensorDesc{};
-    dmattn::TensorDesc lse_d;
-    if (lse.has_value()) {
-      lse_d = to_desc(lse.value());
-    } else if (lse_in_workspace) {
-      lse_d = workspace_d;
-      lse_d.data = static_cast<float*>(workspace_d.data) + partials;
-      lse_d.shape = {batch, heads, seqlen_q};
-      lse_d.strides = {heads * seqlen_q, seqlen_q, 1};
-    } else {
-      lse_d = to_desc(own_lse);
-    }
-    const OptionalDesc mask_d(mask), bias_d(bias), seqlens_d(cache_seqlens), table_d(block_table);
+    const OptionalDesc lse_d(lse), mask_d(mask), bias_d(bias), seqlens_d(cache_seqlens), table_d(block_table),
+        positions_d(key_positions);
     dmattn::DecodeInputs inputs;
     inputs.seqused_k = seqlens_d.get();
     inputs.block_table = table_d.get();
-    inputs.workspace = num_splits > 1 ? &workspace_d : nullptr;
+    inputs.gathered = decode_gathered(positions_d, k_d);
     inputs.num_splits = num_splits;
     if (cache_call) inputs.k_name = "k_cache", inputs.v_name = "v_cache";
-    dmattn::ForwardParams p = dmattn::make_decode_forward_params(
-        q_d, to_desc(k), to_desc(v), to_desc(out), lse_d, mask_d.get(), bias_d.get(),
-        make_options(causal, window_left, window_right, scale, softcap, false), inputs);
-    p.stream = current_stream(p);
-    dmattn::run_forward(p);
+    out = run_decode_allocating(q_d, k_d, to_desc(v), lse_d.get(), mask_d.get(), bias_d.get(),
+                                make_options(causal, window_left, window_right, scale, softcap, false), inputs,
+                                q.dtype(), q.device());
   });
   return out;
 }
@@ -382,13 +410,15 @@ tvm::ffi::Tensor decode_attention(TensorView q, TensorView k, TensorView v, Opti
 // the top `keep` keys of each row of a key-side bias (rows_b, rows_h, 1, Sk) selected
 // (select_topk_positions, which also writes their bias), then the forward over them reading the
 // kept K / V rows in place (key positions and key rows both the selection), as the Python route
-// composes it from select_topk_positions and forward, with the same arguments, so the same bits.
-// Everything but the caller's lse (optional, (B, H, Sq) float32) is allocated here through
-// tvm-ffi's environment allocator, as decode_attention does: one call and no Python
+// composes it from select_topk_positions and forward (or forward_decode), with the same
+// arguments, so the same bits. decode_splits > 0 (a decoding step: one query, no left window):
+// the decode kernel with that many key splits instead of the general forward, each kept row read
+// once per kv head. Everything but the caller's lse (optional, (B, H, Sq) float32) is allocated
+// here through tvm-ffi's environment allocator, as decode_attention does: one call and no Python
 // allocations, host time that an idle GPU waits for. Returns out (B, Sq, H, D), contiguous.
 tvm::ffi::Tensor topk_attention(TensorView q, TensorView k, TensorView v, TensorView bias, int64_t keep,
                                 Optional<TensorView> lse, bool causal, int64_t window_left, int64_t window_right,
-                                double scale, double softcap) {
+                                double scale, double softcap, int64_t decode_splits) {
   tvm::ffi::Tensor out;
   translate_errors([&] {
     const dmattn::TensorDesc q_d = to_desc(q), k_d = to_desc(k), bias_d = to_desc(bias);
@@ -407,14 +437,24 @@ tvm::ffi::Tensor topk_attention(TensorView q, TensorView k, TensorView v, Tensor
     const tvm::ffi::Tensor kept_bias = empty({rows_b, rows_h, 1, keep}, bias.dtype());
     const dmattn::TensorDesc positions_d = to_desc(positions), kept_bias_d = to_desc(kept_bias);
     dmattn::select_topk_positions(bias_d, keep, positions_d, &kept_bias_d, glue_stream(bias));
+    const dmattn::GatheredKeys gathered{&positions_d, k_d.shape[1], nullptr, &positions_d};
+    const auto options = make_options(causal, window_left, window_right, scale, softcap, false);
+    const OptionalDesc lse_d(lse);
+    if (decode_splits > 0) {
+      dmattn::DecodeInputs inputs;
+      inputs.gathered = gathered;
+      inputs.num_splits = decode_splits;
+      out = run_decode_allocating(q_d, k_d, to_desc(v), lse_d.get(), nullptr, &kept_bias_d, options, inputs,
+                                  q.dtype(), q.device());
+      return;
+    }
     const int64_t batch = q_d.shape[0], seqlen_q = q_d.shape[1], heads = q_d.shape[2];
     out = empty({batch, seqlen_q, heads, q_d.shape[3]}, q.dtype());
     tvm::ffi::Tensor own_lse;
     if (!lse.has_value()) own_lse = empty({batch, heads, seqlen_q}, DLDataType{kDLFloat, 32, 1});
-    const dmattn::GatheredKeys gathered{&positions_d, k_d.shape[1], nullptr, &positions_d};
     dmattn::ForwardParams p = dmattn::make_forward_params(
-        q_d, k_d, to_desc(v), to_desc(out), to_desc(lse.has_value() ? lse.value() : TensorView(own_lse)), nullptr,
-        &kept_bias_d, make_options(causal, window_left, window_right, scale, softcap, false), gathered);
+        q_d, k_d, to_desc(v), to_desc(out), lse_d.present ? lse_d.desc : to_desc(own_lse), nullptr,
+        &kept_bias_d, options, gathered);
     p.stream = current_stream(p);
     dmattn::run_forward(p);
   });

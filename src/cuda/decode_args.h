@@ -47,6 +47,11 @@ struct DecodeArgs {
   const int32_t* block_table = nullptr;  // null: contiguous keys
   int64_t bt_stride = 0;
   int page_size = 1;
+  // Indexed keys, or null: key j of (b, kv head) is row key_rows[b * kr_sb + kvh * kr_sh + j] of
+  // batch b; a row outside [0, kr_rows) is read as zeros.
+  const int32_t* key_rows = nullptr;
+  int64_t kr_sb = 0, kr_sh = 0;
+  int kr_rows = 0;
   float q_scale = 1.f;  // folded into q: scale, or scale / softcap with a softcap
   float softcap = 0.f;  // 0 = off
   int64_t window_left = -1, window_right = -1;  // -1 = unbounded, causal folded in

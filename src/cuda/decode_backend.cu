@@ -93,7 +93,8 @@ void decode_forward(const ForwardParams& p) {
   check(!p.mask.present() || p.mask.dtype == DType::kBool, ErrorKind::kType, "mask: expected dtype bool");
   check(!p.bias.present() || p.bias.dtype == DType::kFloat32 || p.bias.dtype == p.dtype, ErrorKind::kType,
         "bias: expected q's dtype or float32");
-  check(p.seqlen_k < (int64_t(1) << 31) && p.seqlen_q < (int64_t(1) << 31) && p.batch <= 65535 &&
+  check(p.seqlen_k < (int64_t(1) << 31) && p.seqlen_q < (int64_t(1) << 31) &&
+            p.key_rows_source_len < (int64_t(1) << 31) && p.batch <= 65535 &&
             p.num_heads_kv <= 65535,
         ErrorKind::kValue, "q/k: the CUDA decode path supports lengths below 2^31 and at most 65535 batches ",
         "and kv heads");
@@ -125,6 +126,12 @@ void decode_forward(const ForwardParams& p) {
   a.block_table = p.block_table;
   a.bt_stride = p.block_table_stride;
   a.page_size = p.block_table != nullptr ? static_cast<int>(p.page_size) : 1;
+  if (p.has_key_rows()) {  // (make_decode_forward_params: key_rows are the positions, one set per kv head)
+    a.key_rows = p.key_rows;
+    a.kr_sb = p.key_positions_stride_b;
+    a.kr_sh = p.key_positions_stride_h;
+    a.kr_rows = static_cast<int>(p.key_rows_source_len);
+  }
   a.softcap = p.softcap > 0 ? static_cast<float>(p.softcap) : 0.f;
   a.q_scale = static_cast<float>(p.softcap > 0 ? p.scale / p.softcap : p.scale);
   a.window_left = p.window_left;

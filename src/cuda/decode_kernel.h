@@ -33,15 +33,26 @@ __device__ __forceinline__ KeyRow key_row_at(const DecodeArgs& a, int64_t page, 
           page * a.v_st.batch_stride + row * a.v_st.row_stride + kvh * a.v_st.head_stride};
 }
 
-// Where key j of batch b starts (paged or contiguous).
-__device__ __forceinline__ KeyRow key_row(const DecodeArgs& a, int b, int kvh, int j) {
+// Whether keys are found one by one (a table read per key): gathered rows, or pages smaller
+// than a tile of `tile_keys`.
+__device__ __forceinline__ bool keys_per_row(const DecodeArgs& a, int tile_keys) {
+  return a.key_rows != nullptr || (a.block_table != nullptr && a.page_size < tile_keys);
+}
+
+// Where key j of (batch b, kv head kvh) starts (gathered, paged or contiguous); false for a
+// gathered row outside the source, which the caller reads as zeros.
+__device__ __forceinline__ bool key_row(const DecodeArgs& a, int b, int kvh, int j, KeyRow& at) {
   int64_t page = b, row = j;
-  if (a.block_table != nullptr) {
+  if (a.key_rows != nullptr) {
+    row = a.key_rows[b * a.kr_sb + kvh * a.kr_sh + j];
+    if (row < 0 || row >= a.kr_rows) return false;
+  } else if (a.block_table != nullptr) {
     const int p = j / a.page_size;
     page = a.block_table[b * a.bt_stride + p];
     row = j - p * a.page_size;
   }
-  return key_row_at(a, page, row, kvh);
+  at = key_row_at(a, page, row, kvh);
+  return true;
 }
 
 // The keys [begin, end) that split `split` of a row chunk (rows r0 .. r0 + nrows - 1 of batch b)
@@ -480,8 +491,8 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
       // holds at least a tile), so one or two table reads a step; smaller pages read per key.
       int64_t page0 = b, page1 = b;
       int row0 = jt;
-      const bool paged = a.block_table != nullptr, small_pages = paged && a.page_size < kKeys;
-      if (paged && !small_pages) {
+      const bool paged = a.block_table != nullptr, per_row = keys_per_row(a, kKeys);
+      if (paged && !per_row) {
         const int p = jt / a.page_size;
         row0 = jt - p * a.page_size;
         page0 = a.block_table[b * a.bt_stride + p];
@@ -494,13 +505,14 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
       for (int u = 0; u < Tile::kChunksPerLane; ++u) {
         const int idx = u * 32 + lane, r = idx / kChunks, c = idx % kChunks;
         const int j = jt + r;
-        const bool ok = j < ke && c * 8 < a.head_dim;
+        bool ok = j < ke && c * 8 < a.head_dim;
         int64_t kofs = 0, vofs = 0;
         if (ok) {
           int64_t page = page0;
           int64_t row = row0 + r;
-          if (small_pages) {
-            const KeyRow at = key_row(a, b, kvh, j);
+          if (per_row) {
+            KeyRow at{0, 0};
+            ok = key_row(a, b, kvh, j, at);
             kofs = at.k, vofs = at.v;
           } else {
             if (paged && row >= a.page_size) page = page1, row -= a.page_size;

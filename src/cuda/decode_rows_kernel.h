@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2
       const int jt = kb + it * kStageKeys;
       Element* dk = stage_k(it) + so_t;
       Element* dv = dk + kStageKeys * kD;
-      if (a.block_table == nullptr) {
+      if (a.block_table == nullptr && a.key_rows == nullptr) {
         KeyRow at = key_row_at(a, b, jt + r_t, kvh);
         const int64_t step_k = int64_t(kPassRows) * a.k_st.row_stride, step_v = int64_t(kPassRows) * a.v_st.row_stride;
 #pragma unroll
@@ -110,9 +110,8 @@ __global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2
 #pragma unroll 2
         for (int u = 0; u < kPasses; ++u) {
           const int j = jt + r_t + u * kPassRows;
-          const bool ok = c_in && j < ke;
           KeyRow at{0, 0};
-          if (ok) at = key_row(a, b, kvh, j);
+          const bool ok = c_in && j < ke && key_row(a, b, kvh, j, at);
           cp_async_16(dk + u * kPassRows * kD, kbase + at.k + c_t * 8, ok ? 16 : 0);
           cp_async_16(dv + u * kPassRows * kD, vbase + at.v + c_t * 8, ok ? 16 : 0);
         }

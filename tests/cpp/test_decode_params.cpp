@@ -123,5 +123,76 @@ TEST(DecodeParams, NoSplitsForShapesTheKernelDoesNotTake) {
   EXPECT_EQ(decode_splits(DeviceKind::kCUDA, 0, 8, 1, 32, 6, 128, 32768, 64), 0);
 }
 
+// Gathered keys (DecodeInputs::gathered): the rules of the decode kernel's indexed keys, checked
+// on descriptors marked as CUDA tensors (validation only: nothing runs).
+struct GatheredCase {
+  TestTensor q{DType::kBFloat16, {2, 1, 8, 64}};
+  TestTensor out{DType::kBFloat16, {2, 1, 8, 64}};
+  TestTensor lse{DType::kFloat32, {2, 8, 1}};
+  TestTensor k{DType::kBFloat16, {2, 100, 2, 64}};
+  TestTensor v{DType::kBFloat16, {2, 100, 2, 64}};
+  TestTensor positions{DType::kInt32, {2, 2, 30}};
+};
+
+TensorDesc on_cuda(TestTensor& t) {
+  TensorDesc d = t.desc();
+  d.device = DeviceKind::kCUDA;
+  return d;
+}
+
+// make_decode_forward_params' error (or "no error" and the params) for gathered keys, after
+// `change` alters the inputs and options.
+Error gathered_error(const std::function<void(GatheredCase& c, DecodeInputs& inputs, AttentionOptions& o)>& change,
+                     ForwardParams* params = nullptr) {
+  GatheredCase c;
+  const TensorDesc positions = on_cuda(c.positions);
+  DecodeInputs inputs;
+  inputs.gathered = GatheredKeys{&positions, 100, nullptr, &positions};
+  AttentionOptions options;
+  change(c, inputs, options);
+  try {
+    const ForwardParams p = make_decode_forward_params(on_cuda(c.q), on_cuda(c.k), on_cuda(c.v), on_cuda(c.out),
+                                                       on_cuda(c.lse), nullptr, nullptr, options, inputs);
+    if (params != nullptr) *params = p;
+  } catch (const Error& e) {
+    return e;
+  }
+  return Error(ErrorKind::kRuntime, "no error");
+}
+
+TEST(DecodeParams, GatheredKeysRules) {
+  ForwardParams p;
+  EXPECT_STREQ(gathered_error([](auto&, auto&, AttentionOptions& o) { o.causal = true; }, &p).what(), "no error");
+  EXPECT_NE(p.key_rows, nullptr);
+  EXPECT_EQ(p.key_rows, p.key_positions);
+  EXPECT_EQ(p.seqlen_k, 30);  // the kept keys
+  EXPECT_EQ(p.key_rows_source_len, 100);
+
+  TestTensor table{DType::kInt32, {2, 3}};
+  const TensorDesc table_d = on_cuda(table);
+  expect_error(gathered_error([&](auto&, DecodeInputs& in, auto&) { in.block_table = &table_d; }),
+               ErrorKind::kValue, "key_positions: the decode kernel reads gathered keys from a contiguous k, v");
+  expect_error(gathered_error([](auto&, DecodeInputs& in, auto&) { in.gathered.key_rows = nullptr; }),
+               ErrorKind::kValue, "key_rows: the decode kernel reads gathered keys in place");
+  expect_error(gathered_error([](auto&, DecodeInputs& in, auto&) { in.gathered.key_ends = in.gathered.key_rows; }),
+               ErrorKind::kNotImplemented, "key_ends: per-query key bounds are not read by the decode kernel");
+  TestTensor per_query_head{DType::kInt32, {2, 8, 30}};
+  const TensorDesc per_head = on_cuda(per_query_head);
+  expect_error(gathered_error([&](auto&, DecodeInputs& in, auto&) {
+                 in.gathered.key_positions = in.gathered.key_rows = &per_head;
+               }),
+               ErrorKind::kValue, "key_positions: the decode kernel takes one key set per kv head");
+  expect_error(gathered_error([](auto&, auto&, AttentionOptions& o) { o.window_left = 10; }),
+               ErrorKind::kNotImplemented, "window: with gathered keys the decode kernel takes no left window");
+  // Causal with several queries: the positions would matter.
+  expect_error(gathered_error([](GatheredCase& c, auto&, AttentionOptions& o) {
+                 c.q = TestTensor{DType::kBFloat16, {2, 2, 8, 64}};
+                 c.out = TestTensor{DType::kBFloat16, {2, 2, 8, 64}};
+                 c.lse = TestTensor{DType::kFloat32, {2, 8, 2}};
+                 o.causal = true;
+               }),
+               ErrorKind::kNotImplemented, "with seqlen_q 2");
+}
+
 }  // namespace
 }  // namespace dmattn::test

@@ -443,8 +443,9 @@ def test_padded_attention_refuses_a_bias_with_a_query_dimension(device):
 @pytest.mark.parametrize("left_pad", [False, True])
 def test_gpu_generate_matches_eager(name, left_pad, monkeypatch):
     """Greedy generate() on CUDA (bf16) gives eager's tokens; decoding steps run on the decode
-    kernel (Llama: the attention function's decode_step; Doge without padding: the kept keys,
-    decode.gathered_decode; Doge with padding selects among the real keys on the general path).
+    kernel (Llama: the attention function's decode_step; Doge without padding: the kept keys read
+    in place, attention_topk's decoding form; Doge with padding selects among the real keys on
+    the general path).
     The output layer is scaled up so that greedy choices are not near ties; where eager's top two
     logits are closer than the two paths' rounding can separate, the sequences may part, and the
     rest of that row is not compared."""
@@ -458,9 +459,22 @@ def test_gpu_generate_matches_eager(name, left_pad, monkeypatch):
     pad = torch.ones(2, 12, dtype=torch.long, device="cuda")
     if left_pad:
         pad[1, :3] = 0
+    from dmattn import topk
+
     runs = []
     run_decode = decode._run_decode
     monkeypatch.setattr(decode, "_run_decode", lambda *a: runs.append(1) or run_decode(*a))
+    # (Doge's steps: the kept keys on the decode kernel wherever it has a split count for them,
+    # in one native call that also selects, or through _run_decode.)
+    splits_of = topk.gathered_decode_splits
+
+    def counted_splits(*a):
+        splits = splits_of(*a)
+        if splits:
+            runs.append(1)
+        return splits
+
+    monkeypatch.setattr(topk, "gathered_decode_splits", counted_splits)
     result = {}
     for impl in ("eager", "dmattn"):
         model.set_attn_implementation(impl)

@@ -115,11 +115,15 @@ def test_inference_form_is_cuda_only():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("form", ["plain", "per_query", "hf_cache_layout", "gqa_bias_per_kv_head",
-                                  "batch_broadcast_bias", "fp32_bias", "fp16", "options", "d64", "d256"])
+                                  "batch_broadcast_bias", "head_broadcast_bias", "fp32_bias", "fp16", "options",
+                                  "d64", "d256", "one_kv_head"])
 def test_one_query_runs_on_the_decode_kernel(form, nan_poison, monkeypatch):
-    """One query (a decoding step) in the inference form: the kept keys on the decode kernel
-    (decode.gathered_decode, the query heads of a kv head in one tile), against the float64
-    reference of attention with the selection as a mask."""
+    """One query (a decoding step) in the inference form: the kept keys read in place by the
+    decode kernel (the query heads of a kv head in one tile), against the float64 reference of
+    attention with the selection as a mask; through both routes: the selection and the decode
+    kernel called in turn from Python (decode.gathered_decode) and, where torch lends its
+    allocator to the native side, one native call (topk_attention), whose result must be the
+    other's bit for bit (the same kernels, the same split count)."""
     from dmattn import decode
 
     gen = torch.Generator().manual_seed(len(form))
@@ -131,6 +135,8 @@ def test_one_query_runs_on_the_decode_kernel(form, nan_poison, monkeypatch):
         args.update(heads=8, heads_kv=2, bias_rows=(2, 2))
     elif form == "batch_broadcast_bias":
         args.update(bias_rows=(1, 1))
+    elif form == "head_broadcast_bias":
+        args.update(bias_rows=(2, 1))
     elif form == "fp32_bias":
         args.update(bias_dtype=torch.float32)
     elif form == "fp16":
@@ -139,18 +145,38 @@ def test_one_query_runs_on_the_decode_kernel(form, nan_poison, monkeypatch):
         kw = dict(causal=False, window=(-1, 40), scale=0.05, softcap=20.0)
     elif form in ("d64", "d256"):
         args.update(d=int(form[1:]))
+    elif form == "one_kv_head":
+        args.update(heads=8, heads_kv=1, bias_rows=(2, 1))
     q, k, v, bias = _inputs(gen, **args)
     if form == "hf_cache_layout":  # transformers' caches: (B, Hkv, Sk, D), seen as (B, Sk, Hkv, D)
         k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
     keep = 700
     calls = []
     run_decode = decode._run_decode
-    monkeypatch.setattr(decode, "_run_decode", lambda *a: calls.append(1) or run_decode(*a))
+
+    def counted(*a, **kwargs):
+        calls.append(kwargs.get("key_positions"))
+        return run_decode(*a, **kwargs)
+
+    monkeypatch.setattr(decode, "_run_decode", counted)
+    monkeypatch.setattr(topk, "native_allocates", lambda: False)
     with torch.no_grad():
         out, lse = dmattn.attention_topk(q, k, v, bias, keep, return_lse=True, **kw)
-    assert calls, "the decode kernel did not run"
-    kw.pop("per_query", None)
+    assert len(calls) == 1 and calls[0] is not None, "the decode kernel did not read the kept keys in place"
+    monkeypatch.undo()
+    per_query = kw.pop("per_query", None)
     check_against_reference(q, k, v, dmattn.dynamic_mask(bias, keep), bias, out, lse, context=form, **kw)
+
+    if not topk.native_allocates():
+        return
+    monkeypatch.setattr(topk, "select_topk_positions", lambda *a: pytest.fail("the two-call route ran"))
+    if per_query:
+        kw["per_query"] = True
+    with torch.no_grad():
+        one_out, one_lse = dmattn.attention_topk(q, k, v, bias, keep, return_lse=True, **kw)
+        only_out = dmattn.attention_topk(q, k, v, bias, keep, **kw)  # lse in the workspace's tail
+    assert torch.equal(one_out, out) and torch.equal(one_lse, lse), form
+    assert torch.equal(only_out, out), form
 
 
 @pytest.mark.gpu
@@ -174,10 +200,10 @@ def test_native_call_names_bad_arguments():
     bias = torch.randn(1, 2, 1, 8, dtype=torch.bfloat16)
     nan = float("nan")
     with pytest.raises(ValueError, match="^q: expected a 4-D tensor"):
-        lib().topk_attention(q[0], q, q, bias, 3, None, False, -1, -1, nan, 0.0)
+        lib().topk_attention(q[0], q, q, bias, 3, None, False, -1, -1, nan, 0.0, 0)
     with pytest.raises(ValueError, match="^k: expected a 4-D tensor"):
-        lib().topk_attention(q, q[0], q, bias, 3, None, False, -1, -1, nan, 0.0)
+        lib().topk_attention(q, q[0], q, bias, 3, None, False, -1, -1, nan, 0.0, 0)
     with pytest.raises(ValueError, match=r"^bias: expected a key-side bias \(rows_b, rows_h, 1, Sk\)"):
-        lib().topk_attention(q, q, q, bias[:, :, 0], 3, None, False, -1, -1, nan, 0.0)
+        lib().topk_attention(q, q, q, bias[:, :, 0], 3, None, False, -1, -1, nan, 0.0, 0)
     with pytest.raises((ValueError, RuntimeError), match="^bias: "):
-        lib().topk_attention(q, q, q, bias, 3, None, False, -1, -1, nan, 0.0)
+        lib().topk_attention(q, q, q, bias, 3, None, False, -1, -1, nan, 0.0, 0)
