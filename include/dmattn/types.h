@@ -6,7 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <string>
+#include <iosfwd>
 #include <vector>
 
 namespace dmattn {
@@ -19,6 +19,14 @@ const char* dtype_name(DType dtype);
 size_t dtype_size(DType dtype);
 const char* device_name(DeviceKind device);
 
+// A shape as error text, "(2, 16, 128, 64)", formatted only when streamed: the argument checks
+// pass it to check(), which builds its message only when the check fails, so that validating a
+// call (every call) formats nothing. Refers to the shape: use it within the statement.
+struct ShapeText {
+  const std::vector<int64_t>& shape;
+};
+std::ostream& operator<<(std::ostream& os, const ShapeText& text);
+
 // A strided view of memory, in elements. Rank 0..N; strides may be 0 (broadcast).
 struct TensorDesc {
   void* data = nullptr;
@@ -30,8 +38,8 @@ struct TensorDesc {
 
   int64_t rank() const { return static_cast<int64_t>(shape.size()); }
   int64_t numel() const;
-  // "(2, 16, 128, 64)"
-  std::string shape_str() const;
+  // The shape as error text, "(2, 16, 128, 64)" (ShapeText).
+  ShapeText shape_text() const;
 };
 
 }  // namespace dmattn

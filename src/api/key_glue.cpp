@@ -38,7 +38,7 @@ void select_topk_positions(const TensorDesc& bias, int64_t keep, const TensorDes
   check_cuda_tensor(positions, bias, "positions");
   // (rows_b, rows_h, Sk), or the key-side bias itself, (rows_b, rows_h, 1, Sk).
   check(bias.rank() == 3 || (bias.rank() == 4 && bias.shape[2] == 1), ErrorKind::kValue,
-        "bias: expected shape (rows_b, rows_h, Sk) or (rows_b, rows_h, 1, Sk), got ", bias.shape_str());
+        "bias: expected shape (rows_b, rows_h, Sk) or (rows_b, rows_h, 1, Sk), got ", bias.shape_text());
   const int key_dim = bias.rank() == 4 ? 3 : 2;
   check_float_16_or_32(bias, "bias");
   const int64_t num_keys = bias.shape[key_dim];
@@ -94,7 +94,7 @@ void gather_key_rows(const TensorDesc& k, const TensorDesc& v, const TensorDesc&
   checks::check_contiguous(positions, "positions");
   const int64_t pos_batch = positions.shape[0], pos_heads = positions.shape[1], width = positions.shape[2];
   check((pos_batch == 1 || pos_batch == batch) && (pos_heads == 1 || pos_heads == heads), ErrorKind::kValue,
-        "positions: expected shape (1 or ", batch, ", 1 or ", heads, ", K), got ", positions.shape_str());
+        "positions: expected shape (1 or ", batch, ", 1 or ", heads, ", K), got ", positions.shape_text());
   for (const auto& [t, name] : {std::pair{&k_rows, "k_rows"}, {&v_rows, "v_rows"}}) {
     checks::check_dtype(*t, k.dtype, name);
     checks::check_shape(*t, {batch, width, heads, head_dim}, name);
@@ -174,8 +174,8 @@ void gather_segment_rows(const TensorDesc& k, const TensorDesc& v, const TensorD
   check(batch > 0 && rows_b % batch == 0 && heads_kv > 0 && heads % heads_kv == 0 &&
             (index.shape[1] == 1 || index.shape[1] == heads) && index.shape[0] == rows_b && index.shape[2] == width,
         ErrorKind::kValue, "index, k_rows: expected index (B * segments, 1 or G, W) and rows (B * segments, W, G, D) "
-        "with B = ", batch, " and G a multiple of Hkv = ", heads_kv, ", got ", index.shape_str(), " and ",
-        k_rows.shape_str());
+        "with B = ", batch, " and G a multiple of Hkv = ", heads_kv, ", got ", index.shape_text(), " and ",
+        k_rows.shape_text());
   for (const auto& [t, name] : {std::pair{&k_rows, "k_rows"}, {&v_rows, "v_rows"}}) {
     checks::check_dtype(*t, k.dtype, name);
     checks::check_shape(*t, {rows_b, width, heads, head_dim}, name);
@@ -228,8 +228,8 @@ void sum_segment_rows(const TensorDesc& dk_rows, const TensorDesc& dv_rows, cons
             (slots.shape[2] == 1 || slots.shape[2] == heads) && slots.shape[3] == num_keys && dk.shape[3] == head_dim &&
             head_dim <= 256,
         ErrorKind::kValue, "dk_rows, slots, dk: expected rows (B * segments, W, G, D), slots (B, segments, 1 or G, Sk) ",
-        "and dk (B, Sk, Hkv, D) with G a multiple of Hkv and D <= 256, got ", dk_rows.shape_str(), ", ",
-        slots.shape_str(), " and ", dk.shape_str());
+        "and dk (B, Sk, Hkv, D) with G a multiple of Hkv and D <= 256, got ", dk_rows.shape_text(), ", ",
+        slots.shape_text(), " and ", dk.shape_text());
   checks::check_dtype(slots, DType::kInt32, "slots");
   for (const auto& [t, name] : {std::pair{&dk_rows, "dk_rows"}, {&dv_rows, "dv_rows"}, {&slots, "slots"}, {&dk, "dk"},
                                 {&dv, "dv"}})

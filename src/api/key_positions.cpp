@@ -49,7 +49,7 @@ void set_key_positions(const TensorDesc& q, const GatheredKeys& gathered, Forwar
   const bool heads_ok = heads == 1 || heads == p.num_heads || heads == p.num_heads_kv;
   check((batch == 1 || batch == p.batch) && heads_ok && count == p.seqlen_k, ErrorKind::kValue,
         "key_positions: expected shape (1 or ", p.batch, ", 1, ", p.num_heads_kv, " or ",
-        p.num_heads, ", ", p.seqlen_k, " = k.shape[1]), got ", t.shape_str());
+        p.num_heads, ", ", p.seqlen_k, " = k.shape[1]), got ", t.shape_text());
   check_last_dim_contiguous(t, "key_positions");
   check(gathered.seqlen_k_original >= 0, ErrorKind::kValue,
         "seqlen_k_original: expected >= 0 (the key length key_positions index into), got ",
@@ -67,8 +67,8 @@ void set_key_positions(const TensorDesc& q, const GatheredKeys& gathered, Forwar
     check_same_device(q, e, "key_ends");
     check_dtype(e, DType::kInt32, "key_ends");
     check(same_layout_as(e, t), ErrorKind::kValue,
-          "key_ends: expected the shape and strides of key_positions ", t.shape_str(), ", got ",
-          e.shape_str());
+          "key_ends: expected the shape and strides of key_positions ", t.shape_text(), ", got ",
+          e.shape_text());
     p.key_ends = static_cast<const int32_t*>(e.data);
   }
   if (gathered.key_rows != nullptr) {
@@ -78,7 +78,7 @@ void set_key_positions(const TensorDesc& q, const GatheredKeys& gathered, Forwar
     check_same_device(q, r, "key_rows");
     check_dtype(r, DType::kInt32, "key_rows");
     check(same_layout_as(r, t), ErrorKind::kValue, "key_rows: expected the shape and strides of key_positions ",
-          t.shape_str(), ", got ", r.shape_str());
+          t.shape_text(), ", got ", r.shape_text());
     p.key_rows = static_cast<const int32_t*>(r.data);
   }
 

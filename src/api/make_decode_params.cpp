@@ -30,21 +30,21 @@ void check_key_pair(const TensorDesc& q, const TensorDesc& k, const TensorDesc& 
   const char* layout =
       paged ? "(num_blocks, page_size, num_heads_kv, head_dim)" : "(batch, seqlen_k, num_heads_kv, head_dim)";
   check_rank(k, 4, k_name, layout);
-  check(k.shape == v.shape, ErrorKind::kValue, v_name, ": expected the shape of ", k_name, " ", k.shape_str(),
-        ", got ", v.shape_str());
+  check(k.shape == v.shape, ErrorKind::kValue, v_name, ": expected the shape of ", k_name, " ", k.shape_text(),
+        ", got ", v.shape_text());
   check_same_device(q, k, k_name);
   check_same_device(q, v, v_name);
   check_dtype(k, q.dtype, k_name);
   check_dtype(v, q.dtype, v_name);
   check(k.shape[3] == q.shape[3], ErrorKind::kValue, k_name, ": expected head_dim ", q.shape[3],
-        " like q, got shape ", k.shape_str());
+        " like q, got shape ", k.shape_text());
   check(k.shape[2] >= 1 && q.shape[2] % k.shape[2] == 0, ErrorKind::kValue, k_name, ": num_heads_kv (",
         k.shape[2], ") must be >= 1 and divide num_heads (", q.shape[2], ")");
   if (paged) {
-    check(k.shape[1] >= 1, ErrorKind::kValue, k_name, ": expected a page size >= 1, got shape ", k.shape_str());
+    check(k.shape[1] >= 1, ErrorKind::kValue, k_name, ": expected a page size >= 1, got shape ", k.shape_text());
   } else {
     check(k.shape[0] == q.shape[0], ErrorKind::kValue, k_name, ": expected batch ", q.shape[0],
-          " like q, got shape ", k.shape_str());
+          " like q, got shape ", k.shape_text());
   }
 }
 
@@ -62,7 +62,7 @@ void check_gathered_inputs(const GatheredKeys& gathered) {
 void check_gathered_params(const TensorDesc& positions, const ForwardParams& p) {
   check(positions.shape[1] == 1 || positions.shape[1] == p.num_heads_kv, ErrorKind::kValue,
         "key_positions: the decode kernel takes one key set per kv head: expected shape (1 or ", p.batch,
-        ", 1 or ", p.num_heads_kv, ", K), got ", positions.shape_str());
+        ", 1 or ", p.num_heads_kv, ", K), got ", positions.shape_text());
   check(p.window_left < 0 && (p.window_right < 0 || p.seqlen_q == 1), ErrorKind::kNotImplemented,
         "window: with gathered keys the decode kernel takes no left window, and causal or a right window ",
         "only for one query (which sees every earlier key); got window (", p.window_left, ", ", p.window_right,
@@ -103,7 +103,7 @@ ForwardParams make_decode_forward_params(const TensorDesc& q, const TensorDesc& 
     check_same_device(q, bt, "block_table");
     check_dtype(bt, DType::kInt32, "block_table");
     check(bt.shape[0] == batch, ErrorKind::kValue, "block_table: expected ", batch, " rows (q's batch), got shape ",
-          bt.shape_str());
+          bt.shape_text());
     check(bt.shape[1] <= 1 || bt.strides[1] == 1, ErrorKind::kValue,
           "block_table: expected a unit stride along the blocks, got strides (", bt.strides[0], ", ", bt.strides[1],
           ")");

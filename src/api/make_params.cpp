@@ -42,7 +42,7 @@ BroadcastOperand make_broadcast_operand(const TensorDesc& t, const ProblemSize& 
                                         const char* name) {
   check(t.rank() <= 4, ErrorKind::kValue, name,
         ": expected at most 4 dimensions broadcastable to (B, H, Sq, Sk), got shape ",
-        t.shape_str());
+        t.shape_text());
   int64_t sizes[4] = {1, 1, 1, 1};
   int64_t strides[4] = {0, 0, 0, 0};
   const int64_t pad = 4 - t.rank();
@@ -52,14 +52,13 @@ BroadcastOperand make_broadcast_operand(const TensorDesc& t, const ProblemSize& 
   }
   const int64_t full[4] = {n.batch, n.heads, n.seqlen_q, n.seqlen_k};
   const char* dim_names[4] = {"batch (B)", "heads (H)", "query (Sq)", "key (Sk)"};
-  TensorDesc full_desc;
-  full_desc.shape = {n.batch, n.heads, n.seqlen_q, n.seqlen_k};
   for (int d = 0; d < 4; ++d) {
     const bool ok = sizes[d] == 1 || sizes[d] == full[d] || (d == 1 && sizes[d] == n.heads_kv);
-    check(ok, ErrorKind::kValue, name, ": shape ", t.shape_str(),
-          " does not broadcast to (B, H, Sq, Sk) = ", full_desc.shape_str(), ": its ",
-          dim_names[d], " dimension is ", sizes[d], ", expected 1 or ", full[d],
-          d == 1 ? " (or Hkv = " + std::to_string(n.heads_kv) + ")" : std::string());
+    if (ok) continue;
+    const std::vector<int64_t> full_shape(full, full + 4);
+    fail(ErrorKind::kValue, name, ": shape ", t.shape_text(), " does not broadcast to (B, H, Sq, Sk) = ",
+         ShapeText{full_shape}, ": its ", dim_names[d], " dimension is ", sizes[d], ", expected 1 or ", full[d],
+         d == 1 ? " (or Hkv = " + std::to_string(n.heads_kv) + ")" : std::string());
   }
   BroadcastOperand op;
   op.ptr = t.data;
@@ -114,7 +113,7 @@ ForwardParams make_forward_params(const TensorDesc& q, const TensorDesc& k, cons
   check_last_dim_contiguous(q, "q");
   const int64_t batch = q.shape[0], seqlen_q = q.shape[1], heads = q.shape[2], dim = q.shape[3];
   check(heads >= 1, ErrorKind::kValue, "q: expected at least 1 head (dim 2), got shape ",
-        q.shape_str());
+        q.shape_text());
   if (q.device == DeviceKind::kCUDA) {
     check(dim >= 8 && dim <= kMaxHeadDim && dim % 8 == 0, ErrorKind::kValue,
           "head_dim: expected a multiple of 8 in [8, ", kMaxHeadDim, "] on CUDA, got ", dim,
@@ -135,10 +134,10 @@ ForwardParams make_forward_params(const TensorDesc& q, const TensorDesc& k, cons
           "key_rows: given without key_positions (it says which source row each gathered row reads)");
     check(k.shape[0] >= 1 && batch % k.shape[0] == 0 && k.shape[3] == dim, ErrorKind::kValue,
           "k: with key_rows, expected a batch dividing ", batch, " and head_dim ", dim, ", got shape ",
-          k.shape_str());
+          k.shape_text());
   } else {
     check(k.shape[0] == batch && k.shape[3] == dim, ErrorKind::kValue,
-          "k: expected batch ", batch, " and head_dim ", dim, " like q, got shape ", k.shape_str());
+          "k: expected batch ", batch, " and head_dim ", dim, " like q, got shape ", k.shape_text());
   }
   const int64_t heads_kv = k.shape[2];
   const int64_t seqlen_k = indexed && gathered.key_positions->rank() == 3 ? gathered.key_positions->shape[2]

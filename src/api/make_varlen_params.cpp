@@ -76,7 +76,7 @@ void check_key_side(const TensorDesc& t, const PackedSizes& n, const char* name)
   check(t.shape[1] == n.total_k && (hb == 1 || hb == n.heads_kv || hb == n.heads),
         ErrorKind::kValue, name, ": expected shape (Hb, total_k) = (1, ", n.total_k, "), (",
         n.heads_kv, ", ", n.total_k, ") or (", n.heads, ", ", n.total_k, "), got ",
-        t.shape_str());
+        t.shape_text());
 }
 
 // The varlen-specific shape checks of the forward's arguments.
@@ -88,11 +88,11 @@ PackedSizes check_packed_forward(const TensorDesc& q, const TensorDesc& k, const
   PackedSizes n;
   n.total_q = q.shape[0], n.heads = q.shape[1], n.dim = q.shape[2];
   check(n.heads >= 1, ErrorKind::kValue, "q: expected at least 1 head (dim 1), got shape ",
-        q.shape_str());
+        q.shape_text());
   check_rank(k, 3, "k", "(total_k, num_heads_kv, head_dim)");
   n.total_k = k.shape[0], n.heads_kv = k.shape[1];
   check(k.shape[2] == n.dim, ErrorKind::kValue, "k: expected head_dim ", n.dim,
-        " like q, got shape ", k.shape_str());
+        " like q, got shape ", k.shape_text());
   check(n.heads_kv >= 1 && n.heads % n.heads_kv == 0, ErrorKind::kValue,
         "k: num_heads_kv (k.shape[1] = ", n.heads_kv, ") must be >= 1 and divide num_heads ",
         "(q.shape[1] = ", n.heads, ")");

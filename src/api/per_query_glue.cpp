@@ -144,7 +144,7 @@ void segment_candidates(const TensorDesc& ends, int64_t offset, int64_t seg_len,
   check(seg_len >= 1 && offset >= 0, ErrorKind::kValue, "seg_len, offset: expected seg_len >= 1 and offset >= 0, got ",
         seg_len, " and ", offset);
   check(rows_b > 0 && positions.shape[0] % rows_b == 0 && positions.shape[1] == rows_h, ErrorKind::kValue,
-        "positions: expected shape (", rows_b, " * num_segments, ", rows_h, ", W), got ", positions.shape_str());
+        "positions: expected shape (", rows_b, " * num_segments, ", rows_h, ", W), got ", positions.shape_text());
   checks::check_shape(key_ends, positions.shape, "key_ends");
   checks::check_shape(index, positions.shape, "index");
   const int64_t num_segments = positions.shape[0] / rows_b, width = positions.shape[2];

@@ -20,7 +20,7 @@ inline void check_same_device(const TensorDesc& ref, const TensorDesc& t, const 
 
 inline void check_rank(const TensorDesc& t, int64_t rank, const char* name, const char* layout) {
   check(t.rank() == rank, ErrorKind::kValue, name, ": expected a ", rank, "-D tensor ", layout,
-        ", got shape ", t.shape_str());
+        ", got shape ", t.shape_text());
 }
 
 inline void check_dtype(const TensorDesc& t, DType expected, const char* name) {
@@ -29,10 +29,8 @@ inline void check_dtype(const TensorDesc& t, DType expected, const char* name) {
 }
 
 inline void check_shape(const TensorDesc& t, const std::vector<int64_t>& expected, const char* name) {
-  TensorDesc want;
-  want.shape = expected;
-  check(t.shape == expected, ErrorKind::kValue, name, ": expected shape ", want.shape_str(),
-        ", got ", t.shape_str());
+  check(t.shape == expected, ErrorKind::kValue, name, ": expected shape ", ShapeText{expected},
+        ", got ", t.shape_text());
 }
 
 // The last dimension must be contiguous so rows can be loaded as vectors.
@@ -51,7 +49,7 @@ inline void check_contiguous(const TensorDesc& t, const char* name) {
     if (t.shape[d] != 1) {
       check(t.strides[d] == expected, ErrorKind::kValue, name,
             ": expected a contiguous tensor, got strides that are not row-major for shape ",
-            t.shape_str());
+            t.shape_text());
     }
     expected *= t.shape[d];
   }

@@ -43,13 +43,13 @@ int64_t TensorDesc::numel() const {
   return n;
 }
 
-std::string TensorDesc::shape_str() const {
-  std::ostringstream os;
+ShapeText TensorDesc::shape_text() const { return ShapeText{shape}; }
+
+std::ostream& operator<<(std::ostream& os, const ShapeText& text) {
   os << "(";
-  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
-  if (shape.size() == 1) os << ",";
-  os << ")";
-  return os.str();
+  for (size_t i = 0; i < text.shape.size(); ++i) os << (i ? ", " : "") << text.shape[i];
+  if (text.shape.size() == 1) os << ",";
+  return os << ")";
 }
 
 const char* Error::python_kind() const {

@@ -388,7 +388,7 @@ tvm::ffi::Tensor decode_attention(TensorView q, TensorView k, TensorView v, Opti
   translate_errors([&] {
     const dmattn::TensorDesc q_d = to_desc(q), k_d = to_desc(k);
     dmattn::check(q_d.shape.size() == 4, dmattn::ErrorKind::kValue,
-                  "q: expected a 4-D tensor (batch, seqlen_q, num_heads, head_dim), got shape ", q_d.shape_str());
+                  "q: expected a 4-D tensor (batch, seqlen_q, num_heads, head_dim), got shape ", q_d.shape_text());
     require_env_allocator("decode_attention", " (pass framework tensors, or use forward_decode with the outputs "
                           "allocated)");
     const OptionalDesc lse_d(lse), mask_d(mask), bias_d(bias), seqlens_d(cache_seqlens), table_d(block_table),
@@ -423,11 +423,11 @@ tvm::ffi::Tensor topk_attention(TensorView q, TensorView k, TensorView v, Tensor
   translate_errors([&] {
     const dmattn::TensorDesc q_d = to_desc(q), k_d = to_desc(k), bias_d = to_desc(bias);
     dmattn::check(q_d.shape.size() == 4, dmattn::ErrorKind::kValue,
-                  "q: expected a 4-D tensor (batch, seqlen_q, num_heads, head_dim), got shape ", q_d.shape_str());
+                  "q: expected a 4-D tensor (batch, seqlen_q, num_heads, head_dim), got shape ", q_d.shape_text());
     dmattn::check(k_d.shape.size() == 4, dmattn::ErrorKind::kValue,
-                  "k: expected a 4-D tensor (batch, seqlen_k, num_heads_kv, head_dim), got shape ", k_d.shape_str());
+                  "k: expected a 4-D tensor (batch, seqlen_k, num_heads_kv, head_dim), got shape ", k_d.shape_text());
     dmattn::check(bias_d.shape.size() == 4 && bias_d.shape[2] == 1, dmattn::ErrorKind::kValue,
-                  "bias: expected a key-side bias (rows_b, rows_h, 1, Sk), got shape ", bias_d.shape_str());
+                  "bias: expected a key-side bias (rows_b, rows_h, 1, Sk), got shape ", bias_d.shape_text());
     require_env_allocator("topk_attention", " (pass framework tensors)");
     const auto empty = [&](std::initializer_list<int64_t> shape, DLDataType dtype) {
       return env_empty(shape, dtype, q.device());
