@@ -65,11 +65,11 @@ def main():
         "its op's body": lambda: decode.kvcache_forward._init_fn(q, k, v, lengths, None, None, None, False, -1, -1,
                                                                  None, 0.0),
         f"native call, {splits} splits": lambda: lib().forward_decode(
-            q, k, v, out, lse, None, None, False, -1, -1, nan, 0.0, lengths, None, workspace, splits),
+            q, k, v, out, lse, None, None, False, -1, -1, nan, 0.0, lengths, None, workspace, splits, None),
         "native call, allocating": lambda: lib().decode_attention(
-            q, k, v, None, None, None, False, -1, -1, nan, 0.0, lengths, None, splits, True),
+            q, k, v, None, None, None, False, -1, -1, nan, 0.0, lengths, None, splits, True, None),
         "native call, 1 split": lambda: lib().forward_decode(
-            q, k, v, out, lse, None, None, False, -1, -1, nan, 0.0, lengths, None, None, 1),
+            q, k, v, out, lse, None, None, False, -1, -1, nan, 0.0, lengths, None, None, 1, None),
     }
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; us, medians of {args.calls} single calls")
     print(f"{'call':<28} {'host':>7} {'eager':>8} {'graph':>8} {'eager-graph':>12} {'host, back to back':>19}")
