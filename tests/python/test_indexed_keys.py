@@ -137,3 +137,35 @@ def test_indexed_keys_refused_on_cpu_and_checked():
             attention_forward(qc, kc, kc, None, None, True, -1, -1, None, 0.0, False, pc, 6, None, rc.long())
         with pytest.raises(ValueError, match="key_rows"):  # not key_positions' shape
             attention_forward(qc, kc, kc, None, None, True, -1, -1, None, 0.0, False, pc, 6, None, rc[..., :4])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("rows_heads", ["1", "hkv"])
+@pytest.mark.parametrize("native_allocates", [True, False])
+def test_decode_kernel_reads_indexed_rows_in_place(rows_heads, native_allocates, monkeypatch, nan_poison):
+    """The decode kernel's indexed keys (attention_topk's decoding step): one query per row
+    against source rows picked anywhere (unsorted, repeated), a row outside the source read as
+    zeros, equal (float64 reference) to attention on the gathered copy with the kept bias; both
+    native calls (decode_attention allocating its outputs, forward_decode given them)."""
+    from dmattn import decode
+    from reference import check_against_reference
+
+    if native_allocates and not decode.native_allocates():
+        pytest.skip("this torch lends no allocator to the native side")
+    monkeypatch.setattr(decode, "native_allocates", lambda: native_allocates)
+    gen = torch.Generator().manual_seed(11)
+    batch, seq, heads, heads_kv, d, width = 2, 500, 8, 2, 128, 300
+    hr = {"1": 1, "hkv": heads_kv}[rows_heads]
+    q = torch.randn(batch, 1, heads, d, generator=gen).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(batch, seq, heads_kv, d, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    positions = torch.randint(0, seq, (batch, hr, width), generator=gen, dtype=torch.int32)
+    positions[:, :, 5], positions[:, :, 17] = -1, seq  # outside the source: zero rows
+    positions = positions.cuda()
+    bias = torch.randn(batch, hr, 1, width, generator=gen).to("cuda", torch.bfloat16)
+    splits = decode.gathered_decode_splits(q, k, width)
+    assert splits > 0
+    out, lse = decode.gathered_decode(q, k, v, positions, bias, None, 0.0)
+    check_against_reference(q, _gathered(k, positions, 1), _gathered(v, positions, 1), None, bias, out, lse,
+                            context=f"rows_heads={rows_heads}")
+    assert torch.isfinite(out).all()
