@@ -103,8 +103,8 @@ BackwardParams make_varlen_backward_params(
 // k_name / v_name: how errors name k and v (the cache call's "k_cache" / "v_cache"; a paged
 // cache is always named so).
 // gathered: indexed keys (attention_topk's decoding step), contiguous keys only: key_positions
-// and key_rows the same int32 (1 or B, 1 or Hkv, K) tensor, no key_ends; k, v are the source (B
-// or 1, S, Hkv, D) and the K rows of (b, kv head) are read in place. The rules then see the
+// and key_rows the same int32 (1 or B, 1 or Hkv, K) tensor, no key_ends; k, v are the source
+// (B, S, Hkv, D) and the K rows of (b, kv head) are read in place. The rules then see the
 // gathered index, not the position, so only calls where positions cannot matter are taken: no
 // left window, and one query or no right window / causal (a last query sees every earlier
 // key). Every row must lie in [0, S) (the selection's positions do): one outside reads zeros
