@@ -139,17 +139,14 @@ def decode_step(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: O
 
 
 def gathered_decode(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, kept_bias: Tensor, scale: Optional[float],
-                    softcap: float, want_lse: bool = True) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+                    softcap: float, splits: int, want_lse: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
     """(out, lse) of one query per row (q (B, 1, H, D)) against the kept keys of each (batch,
     kv head): ``positions`` int32 (1 or B, 1 or Hkv, K), contiguous, into k, v (B, Sk, Hkv, D),
     with ``kept_bias`` (1 or B, 1 or Hkv, 1, K) their bias; every kept key is visible (the query
     is the last position). On the decode kernel reading the kept rows in place (its indexed
     keys), the H / Hkv query heads of a kv head packed into one tile, so that each kept K / V
-    row is read once per kv head; None where it does not apply (the caller runs the general
-    kernels). lse None unless want_lse."""
-    splits = gathered_decode_splits(q, k, positions.shape[-1])
-    if splits == 0:
-        return None
+    row is read once per kv head, with ``splits`` key splits (gathered_decode_splits' answer,
+    > 0). lse None unless want_lse."""
     return _run_decode(q, _cuda_layout(k), _cuda_layout(v), None, kept_bias, False, -1, -1, scale, softcap, None,
                        None, splits, want_lse, key_positions=positions)
 

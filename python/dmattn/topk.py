@@ -149,6 +149,6 @@ def _inference_forward(q, k, v, bias, keep: int, causal, window, scale, softcap,
     kept_bias = bias.new_empty((bias_batch, bias_heads, 1, keep))
     select_topk_positions(bias, keep, positions, kept_bias)
     if splits:
-        return gathered_decode(q, k, v, positions, kept_bias, scale, softcap, want_lse)
+        return gathered_decode(q, k, v, positions, kept_bias, scale, softcap, splits, want_lse)
     return native_forward(q, k, v, None, kept_bias, bool(causal), left, right, scale, softcap, positions, num_keys,
                           None, positions)

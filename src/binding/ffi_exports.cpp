@@ -288,13 +288,19 @@ void sum_segment_rows(TensorView dk_rows, TensorView dv_rows, TensorView slots, 
 // splits (decode_splits' answer for these shapes); cache_seqlens / block_table / workspace are
 // optional (dmattn/api.h, DecodeInputs), and so is key_positions: indexed keys (k, v the source
 // rows, key j of (b, kv head) their row key_positions[b', h', j]; DecodeInputs::gathered).
-dmattn::GatheredKeys decode_gathered(const OptionalDesc& key_positions, const dmattn::TensorDesc& k) {
-  dmattn::GatheredKeys gathered;
+// The key side of both decode calls but the workspace.
+dmattn::DecodeInputs decode_inputs(const OptionalDesc& seqlens, const OptionalDesc& table,
+                                   const OptionalDesc& key_positions, const dmattn::TensorDesc& k,
+                                   int64_t num_splits) {
+  dmattn::DecodeInputs inputs;
+  inputs.seqused_k = seqlens.get();
+  inputs.block_table = table.get();
   if (key_positions.present) {
-    gathered.key_positions = gathered.key_rows = key_positions.get();
-    gathered.seqlen_k_original = k.shape.size() == 4 ? k.shape[1] : 0;
+    inputs.gathered.key_positions = inputs.gathered.key_rows = key_positions.get();
+    inputs.gathered.seqlen_k_original = k.shape.size() == 4 ? k.shape[1] : 0;
   }
-  return gathered;
+  inputs.num_splits = num_splits;
+  return inputs;
 }
 
 void forward_decode(TensorView q, TensorView k, TensorView v, TensorView out, TensorView lse,
@@ -306,12 +312,8 @@ void forward_decode(TensorView q, TensorView k, TensorView v, TensorView out, Te
     const OptionalDesc mask_d(mask), bias_d(bias), seqlens_d(cache_seqlens), table_d(block_table),
         workspace_d(workspace), positions_d(key_positions);
     const dmattn::TensorDesc k_d = to_desc(k);
-    dmattn::DecodeInputs inputs;
-    inputs.seqused_k = seqlens_d.get();
-    inputs.block_table = table_d.get();
+    dmattn::DecodeInputs inputs = decode_inputs(seqlens_d, table_d, positions_d, k_d, num_splits);
     inputs.workspace = workspace_d.get();
-    inputs.gathered = decode_gathered(positions_d, k_d);
-    inputs.num_splits = num_splits;
     dmattn::ForwardParams p = dmattn::make_decode_forward_params(
         to_desc(q), k_d, to_desc(v), to_desc(out), to_desc(lse), mask_d.get(), bias_d.get(),
         make_options(causal, window_left, window_right, scale, softcap, false), inputs);
@@ -393,11 +395,7 @@ tvm::ffi::Tensor decode_attention(TensorView q, TensorView k, TensorView v, Opti
                           "allocated)");
     const OptionalDesc lse_d(lse), mask_d(mask), bias_d(bias), seqlens_d(cache_seqlens), table_d(block_table),
         positions_d(key_positions);
-    dmattn::DecodeInputs inputs;
-    inputs.seqused_k = seqlens_d.get();
-    inputs.block_table = table_d.get();
-    inputs.gathered = decode_gathered(positions_d, k_d);
-    inputs.num_splits = num_splits;
+    dmattn::DecodeInputs inputs = decode_inputs(seqlens_d, table_d, positions_d, k_d, num_splits);
     if (cache_call) inputs.k_name = "k_cache", inputs.v_name = "v_cache";
     out = run_decode_allocating(q_d, k_d, to_desc(v), lse_d.get(), mask_d.get(), bias_d.get(),
                                 make_options(causal, window_left, window_right, scale, softcap, false), inputs,

@@ -165,7 +165,7 @@ def test_decode_kernel_reads_indexed_rows_in_place(rows_heads, native_allocates,
     bias = torch.randn(batch, hr, 1, width, generator=gen).to("cuda", torch.bfloat16)
     splits = decode.gathered_decode_splits(q, k, width)
     assert splits > 0
-    out, lse = decode.gathered_decode(q, k, v, positions, bias, None, 0.0)
+    out, lse = decode.gathered_decode(q, k, v, positions, bias, None, 0.0, splits)
     check_against_reference(q, _gathered(k, positions, 1), _gathered(v, positions, 1), None, bias, out, lse,
                             context=f"rows_heads={rows_heads}")
     assert torch.isfinite(out).all()
