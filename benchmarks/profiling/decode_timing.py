@@ -10,20 +10,31 @@ DMATTN_DECODE=1 in the environment, else the general kernels). --general times
 dmattn.attention with DMATTN_DECODE=0 (the kernels of the long-sequence path), in a process of
 its own. TB/s counts the K and V bytes read once (the floor of any decode kernel; for the Doge
 step, the kept keys' bytes). --graph adds, under each row, the same call replayed from a CUDA
-graph: the kernels' time without the host's. No causal mask (SDPA's is top-left aligned), so
-every call reads every key.
-    PYTHONPATH=python python3 benchmarks/profiling/decode_timing.py [--general] [--graph] [--iters 50] [--json FILE]
+graph (GRAPH_REPEAT calls in one graph, the time per call): the kernels' time without the
+host's. No causal mask (SDPA's is top-left aligned), so every call reads every key.
+
+--rounds N (default 3) runs the whole set N times, each round on tensors allocated afresh, and
+ends with a table of each row's median over the rounds and its range (single rows move by a few
+percent between rounds).
+    PYTHONPATH=python python3 benchmarks/profiling/decode_timing.py [--general] [--graph] [--iters 50] [--rounds 3] [--json FILE]
 """
 
 import argparse
 import json
 import os
+import statistics
 
 import torch
 import torch.nn.functional as F
 
 import dmattn
 from dmattn.bench import cuda_graph_of, time_ms as bench_time_ms
+
+
+# Calls per CUDA graph: the graph rows time GRAPH_REPEAT calls replayed back to back and give the
+# time per call, the kernels' alone. One call per graph also times the graph launch's latency:
+# tens of microseconds, and up to 60 more in some processes (the profiled kernels unchanged).
+GRAPH_REPEAT = 10
 
 
 def time_ms(fn, iters=50):
@@ -40,6 +51,7 @@ def copy_ceiling(nbytes):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=3, help="runs of the whole set, each on fresh tensors")
     ap.add_argument("--json", default="")
     ap.add_argument("--general", action="store_true", help="only dmattn.attention with DMATTN_DECODE=0")
     ap.add_argument("--graph", action="store_true",
@@ -48,16 +60,18 @@ def main():
     dev, dt, D = "cuda", torch.bfloat16, 128
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
+    current_round = [0]
 
     def add(case, name, fn, kv_bytes, graph=None):
         try:
-            ms = time_ms(cuda_graph_of(fn) if graph else fn, iters=args.iters)
+            ms = time_ms(cuda_graph_of(fn, GRAPH_REPEAT), iters=args.iters) / GRAPH_REPEAT if graph else \
+                time_ms(fn, iters=args.iters)
         except Exception as e:  # noqa: BLE001
             print(f"{case} {name}: {type(e).__name__}: {str(e)[:200]}")
             ms = float("nan")
         tbs = kv_bytes / (ms * 1e-3) / 1e12
         label = f"{name}, CUDA graph" if graph else name
-        rows.append(dict(case=case, impl=label, ms=ms, kv_tb_s=tbs))
+        rows.append(dict(case=case, impl=label, ms=ms, kv_tb_s=tbs, kv_bytes=kv_bytes, round=current_round[0]))
         print(f"{case:<34} {label:<38} {ms:8.3f} ms {tbs:6.2f} TB/s", flush=True)
         if args.graph and graph is None:
             add(case, name, fn, kv_bytes, graph=True)
@@ -123,16 +137,39 @@ def main():
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, D={D}")
     print(f"copy ceiling: {copy_ceiling(1 << 30):.2f} TB/s")
-    workload("B=8 H=32 Hkv=8 Sk=32k Sq=1", 8, 32, 8, 32768, 1, pages=(64, 256))
-    workload("... per-key bias (B,H,1,Sk)", 8, 32, 8, 32768, 1, bias=True)
-    workload("B=1 H=32 Hkv=8 Sk=128k Sq=1", 1, 32, 8, 131072, 1)
-    workload("B=8 H=32 Hkv=8 Sk=32k Sq=4", 8, 32, 8, 32768, 4)
-    workload("B=8 H=32 Hkv=8 Sk=32k Sq=16", 8, 32, 8, 32768, 16)
-    if not args.general:
-        doge("Doge B=8 H=32 Hkv=8 Sk=32k top-2048", 8, 32, 8, 32768, 2048)
+    for current_round[0] in range(args.rounds):
+        print(f"-- round {current_round[0] + 1} of {args.rounds}", flush=True)
+        workload("B=8 H=32 Hkv=8 Sk=32k Sq=1", 8, 32, 8, 32768, 1, pages=(64, 256))
+        workload("... per-key bias (B,H,1,Sk)", 8, 32, 8, 32768, 1, bias=True)
+        workload("B=1 H=32 Hkv=8 Sk=128k Sq=1", 1, 32, 8, 131072, 1)
+        workload("B=8 H=32 Hkv=8 Sk=32k Sq=4", 8, 32, 8, 32768, 4)
+        workload("B=8 H=32 Hkv=8 Sk=32k Sq=16", 8, 32, 8, 32768, 16)
+        if not args.general:
+            doge("Doge B=8 H=32 Hkv=8 Sk=32k top-2048", 8, 32, 8, 32768, 2048)
+    summary = summarize(rows)
+    if args.rounds > 1:
+        print(f"\nmedian over {args.rounds} rounds [min - max], ms, and TB/s of the median")
+        for r in summary:
+            print(f"{r['case']:<34} {r['impl']:<38} {r['ms']:8.3f} ms [{r['min']:.3f} - {r['max']:.3f}] "
+                  f"{r['kv_tb_s']:6.2f} TB/s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+            json.dump(dict(device=torch.cuda.get_device_name(), rounds=args.rounds, rows=rows, summary=summary),
+                      f, indent=1)
+
+
+def summarize(rows):
+    """One row per (case, impl) in first-seen order: the median over rounds, min, max."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["case"], r["impl"]), []).append(r)
+    out = []
+    for (case, impl), rs in groups.items():
+        times = [r["ms"] for r in rs]
+        ms = statistics.median(times)
+        out.append(dict(case=case, impl=impl, ms=ms, min=min(times), max=max(times),
+                        kv_tb_s=rs[0]["kv_bytes"] / (ms * 1e-3) / 1e12))
+    return out
 
 
 if __name__ == "__main__":
