@@ -33,7 +33,7 @@ from dmattn.bench import cuda_graph_of, time_ms as bench_time_ms
 
 # Calls per CUDA graph: the graph rows time GRAPH_REPEAT calls replayed back to back and give the
 # time per call, the kernels' alone. One call per graph also times the graph launch's latency:
-# tens of microseconds, and up to 60 more in some processes (the profiled kernels unchanged).
+# tens of microseconds, and up to 65 more in some processes (the profiled kernels unchanged).
 GRAPH_REPEAT = 10
 
 
@@ -137,8 +137,9 @@ def main():
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, D={D}")
     print(f"copy ceiling: {copy_ceiling(1 << 30):.2f} TB/s")
-    for current_round[0] in range(args.rounds):
-        print(f"-- round {current_round[0] + 1} of {args.rounds}", flush=True)
+    for round_index in range(args.rounds):
+        current_round[0] = round_index  # (read by add())
+        print(f"-- round {round_index + 1} of {args.rounds}", flush=True)
         workload("B=8 H=32 Hkv=8 Sk=32k Sq=1", 8, 32, 8, 32768, 1, pages=(64, 256))
         workload("... per-key bias (B,H,1,Sk)", 8, 32, 8, 32768, 1, bias=True)
         workload("B=1 H=32 Hkv=8 Sk=128k Sq=1", 1, 32, 8, 131072, 1)
