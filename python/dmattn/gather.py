@@ -183,8 +183,8 @@ def topk_key_set(q: Tensor, k: Tensor, bias: Tensor, keep: int, mask: Optional[T
         # rows are the bias's own (b, h): a (b, h, 1, Sk) bias is read as it is.
         source = bias if bias.dim() == 4 and bias_dims[2] == num_keys else \
             _key_side_view(bias, batch, heads, heads_kv, num_keys)
-        positions = torch.empty((*rows, width), dtype=torch.int32, device=bias.device)
-        bias_rows = torch.empty((*rows, 1, width), dtype=bias.dtype, device=bias.device)
+        positions = bias.new_empty((*rows, width), dtype=torch.int32)
+        bias_rows = bias.new_empty((*rows, 1, width))
         select_topk_positions(source, width, positions, bias_rows)
         return KeySet(positions, None, full=True, bias_rows=bias_rows)
     scores = _key_side_view(bias, batch, heads, heads_kv, num_keys).detach().expand(*rows, num_keys)

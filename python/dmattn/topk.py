@@ -107,7 +107,8 @@ def _inference_forward(q, k, v, bias, keep: int, causal, window, scale, softcap,
     query (a decoding step) without a left window runs on the decode kernel instead, reading
     the kept K / V rows in place once per kv head, not once per query head (in one native call
     too, or decode.gathered_decode); results equal to floating-point summation order."""
-    if gather._forced is not None or not gather.INDEXED_KEYS:
+    # (the gradient test first: a training call, which takes the general path, leaves at once)
+    if not records_no_gradient(q, k, v, bias) or gather._forced is not None or not gather.INDEXED_KEYS:
         return None
     if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and type(bias) is Tensor):
         return None
@@ -130,8 +131,6 @@ def _inference_forward(q, k, v, bias, keep: int, causal, window, scale, softcap,
         return None
     device = q.get_device()
     if k.get_device() != device or v.get_device() != device or bias.get_device() != device:
-        return None
-    if not records_no_gradient(q, k, v, bias):
         return None
     if (not _plain_eager((q, k, v, bias)) or not native_glue_available()
             or not _native_supports_key_positions("cuda")):
