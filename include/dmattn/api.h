@@ -212,6 +212,14 @@ void sum_segment_rows(const TensorDesc& dk_rows, const TensorDesc& dv_rows, cons
 // Is the CUDA backend compiled in?
 bool cuda_available();
 
+// Whether the calls of this thread may launch persistent kernels (the Hopper forward's grid of one
+// CTA per multiprocessor, each taking tiles in turn; the default), or must launch one CTA per tile
+// instead: then multiprocessors free up as tiles finish, and kernels of other streams (NCCL's
+// transfers while a ring step computes) start during the call rather than after it. Returns the
+// previous setting. DMATTN_FWD_PERSISTENT in the environment, where set, decides instead.
+bool set_persistent_kernels(bool allowed);
+bool persistent_kernels_allowed();
+
 // Does the backend of `device` read ForwardParams::key_positions? run_forward / run_backward
 // refuse key_positions (kNotImplemented) where it does not; the Python layer then falls back
 // to the dense masked path.

@@ -9,7 +9,7 @@ See README.md and docs/semantics.md.
 """
 
 from . import integrations  # cheap: transformers is imported only by register()
-from ._lib import cuda_available
+from ._lib import cuda_available, persistent_kernels
 from .interface import attention, attention_varlen, flash_dmattn_func
 from .kvcache import attention_with_kvcache
 from .masks import dynamic_mask
@@ -19,4 +19,4 @@ __version__ = "0.1.0"
 
 __all__ = ["attention", "attention_topk", "attention_varlen", "attention_with_kvcache", "dynamic_mask",
            "flash_dmattn_func",
-           "cuda_available", "integrations", "__version__"]
+           "cuda_available", "persistent_kernels", "integrations", "__version__"]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from pathlib import Path
+from typing import Iterator
 
 
 def _candidates():
@@ -39,6 +41,22 @@ def lib():
 def cuda_available() -> bool:
     """True when this build of dmattn contains the CUDA kernels."""
     return bool(lib().cuda_available())
+
+
+@contextlib.contextmanager
+def persistent_kernels(enabled: bool) -> Iterator[None]:
+    """Within the block, the calls of this thread launch persistent kernels (Hopper's forward:
+    one CTA per multiprocessor taking tiles in turn; the default) only if ``enabled``; otherwise
+    one CTA per tile, so that multiprocessors free up as tiles finish and kernels of other
+    streams start during the call rather than after it: communication overlapped with attention
+    (NCCL's transfers are kernels; dmattn.distributed.ring_attention turns persistence off for
+    its steps with a transfer in flight). Results are the same bits either way.
+    DMATTN_FWD_PERSISTENT in the environment, where set, decides instead."""
+    previous = bool(lib().set_persistent_kernels(bool(enabled)))
+    try:
+        yield
+    finally:
+        lib().set_persistent_kernels(previous)
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,6 +17,18 @@ bool cuda_available() {
 }
 
 namespace {
+thread_local bool persistent_kernels = true;  // (per thread: a setting of one caller's calls)
+}  // namespace
+
+bool set_persistent_kernels(bool allowed) {
+  const bool previous = persistent_kernels;
+  persistent_kernels = allowed;
+  return previous;
+}
+
+bool persistent_kernels_allowed() { return persistent_kernels; }
+
+namespace {
 [[noreturn]] void no_cuda() {
   fail(ErrorKind::kRuntime,
        "q: got a CUDA tensor, but this build of dmattn has no CUDA backend (it was built without "

@@ -485,6 +485,9 @@ bool cuda_available() { return dmattn::cuda_available(); }
 // What this build contains: "cuda=1 archs=80,90a cuda_version=13.0.88 blas=1" (CMakeLists.txt).
 std::string build_info() { return DMATTN_BUILD_INFO; }
 
+// dmattn::set_persistent_kernels for the calling thread; returns the previous setting.
+bool set_persistent_kernels(bool allowed) { return dmattn::set_persistent_kernels(allowed); }
+
 // Whether forward/backward accept key_positions for tensors on `device` ("cpu", "cuda").
 bool supports_key_positions(const std::string& device) {
   if (device == "cpu") return dmattn::key_positions_supported(dmattn::DeviceKind::kCPU);
@@ -506,6 +509,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_attention, decode_attention);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(topk_attention, topk_attention);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(has_env_allocator, has_env_allocator);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(build_info, build_info);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(set_persistent_kernels, set_persistent_kernels);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(supports_key_positions, supports_key_positions);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(select_topk_positions, select_topk_positions);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gather_key_rows, gather_key_rows);

@@ -333,6 +333,36 @@ def error_cases(world_size: int, device: str = "cpu") -> List[str]:
     return errors
 
 
+def persistence_cases(world_size: int, device: str = "cpu") -> List[str]:
+    """The ring's forward steps with a transfer in flight run without persistent kernels (NCCL's
+    kernels need multiprocessors: docs/design.md), the last step with them, and the caller's
+    setting is back afterwards."""
+    import dmattn.distributed.ring as ring
+
+    dtype = F32 if device == "cpu" else torch.bfloat16
+    q, k, v = (torch.randn(1, 8, 2, 16, dtype=dtype, device=device) for _ in range(3))
+    seen = []
+    real = ring.persistent_kernels
+
+    def recording(enabled):
+        seen.append(enabled)
+        return real(enabled)
+
+    ring.persistent_kernels = recording
+    try:
+        dd.ring_attention(q, k, v, causal=True)
+    finally:
+        ring.persistent_kernels = real
+    errors = []
+    want = [False] * (world_size - 1) + [True]
+    if seen != want:
+        errors.append(f"persistence: the forward's steps asked for {seen}, expected {want}")
+    lib = dmattn._lib.lib()
+    if lib.set_persistent_kernels(True) is not True:
+        errors.append("persistence: the caller's setting (allowed) was not restored")
+    return errors
+
+
 def worker(rank: int, world_size: int, init_file: str, out_dir: str, case_names: Optional[List[str]],
            device: str = "cpu") -> None:
     """One rank: gloo on the CPU; on "cuda" NCCL with device ``rank`` (one GPU per rank)."""
@@ -356,6 +386,7 @@ def worker(rank: int, world_size: int, init_file: str, out_dir: str, case_names:
             ran += 1
         if case_names is None:
             failures += error_cases(world_size, device)
+            failures += persistence_cases(world_size, device)
         dist.barrier()
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -22,6 +22,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .._lib import persistent_kernels
 from ..ops import _call_op, attention_backward, attention_forward
 from .comm import RingExchange
 from .layout import Call, global_from_rank_major, rank_major_from_global
@@ -165,16 +166,19 @@ class RingAttention(torch.autograd.Function):
         for step, (source, calls) in enumerate(spec.plan):
             pending = spec.comm.start(blocks) if step + 1 < len(spec.plan) else None
             k_blk, v_blk, kb_blk, km_blk = operands.unpack(blocks)
-            for call in calls:
-                rows = slice(call.q_lo, call.q_hi)
-                out, lse = _call_op(attention_forward, q[:, rows], k_blk[:, :call.k_end], v_blk[:, :call.k_end],
-                                    *operands.for_call(call, source, kb_blk, km_blk), call.causal, -1, -1,
-                                    spec.scale, spec.softcap, spec.deterministic)
-                if step == 0:  # the first step's calls cover disjoint rows: nothing to merge yet
-                    out_acc[:, rows].copy_(out)
-                    lse_acc[:, :, rows].copy_(lse)
-                else:
-                    _merge(out_acc[:, rows], lse_acc[:, :, rows], out, lse)
+            # While a transfer is in flight, no persistent kernel: NCCL's kernels need
+            # multiprocessors, which a persistent forward holds until it ends (docs/design.md).
+            with persistent_kernels(pending is None):
+                for call in calls:
+                    rows = slice(call.q_lo, call.q_hi)
+                    out, lse = _call_op(attention_forward, q[:, rows], k_blk[:, :call.k_end], v_blk[:, :call.k_end],
+                                        *operands.for_call(call, source, kb_blk, km_blk), call.causal, -1, -1,
+                                        spec.scale, spec.softcap, spec.deterministic)
+                    if step == 0:  # the first step's calls cover disjoint rows: nothing to merge yet
+                        out_acc[:, rows].copy_(out)
+                        lse_acc[:, :, rows].copy_(lse)
+                    else:
+                        _merge(out_acc[:, rows], lse_acc[:, :, rows], out, lse)
             if pending is not None:
                 blocks = pending.wait()
 

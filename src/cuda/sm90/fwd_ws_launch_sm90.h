@@ -8,6 +8,7 @@
 
 #include <cuda_runtime.h>
 
+#include "dmattn/api.h"
 #include "cuda/check.h"
 #include "cuda/device_info.h"
 #include "cuda/fwd_args.h"
@@ -89,7 +90,9 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
   // key ends allow, for comparisons (read at each launch:
   // benchmarks/profiling/fwd_schedule_timing.py alternates them). With DMATTN_FWD_PERSISTENT set,
   // DMATTN_FWD_PERSISTENT_CTAS=n caps a persistent grid at n CTAs, so that small problems hand
-  // each CTA many tiles (tests; not read otherwise, off the launch's usual path).
+  // each CTA many tiles (tests; not read otherwise, off the launch's usual path). Otherwise a
+  // caller may rule persistence out for its thread's calls (dmattn::set_persistent_kernels: a
+  // context-parallel ring step, whose NCCL transfers need multiprocessors while it computes).
   const bool sweep = a.window_left >= 0 || a.window_right >= 0;
   const int sms = current_multiprocessor_count();
   const int pair_units = num_hb * ((num_m_blocks + 1) / 2);
@@ -97,7 +100,8 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
   const bool whole_rounds = rounds >= 1.0 && std::ceil(rounds) <= rounds * 1.06;
   const char* const mode = std::getenv("DMATTN_FWD_PERSISTENT");
   const bool persistent = a.kpos.ends == nullptr && sms > 0 &&
-                          (mode != nullptr ? mode[0] != '0' : !sweep || whole_rounds);
+                          (mode != nullptr ? mode[0] != '0'
+                                           : dmattn::persistent_kernels_allowed() && (!sweep || whole_rounds));
   const bool paired = persistent && sweep;
   const int units = paired ? pair_units : num_tiles;
   // The bias tiles' descriptor; without a bias an empty one, never read (no encoding on the host).
