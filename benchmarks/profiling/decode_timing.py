@@ -57,6 +57,8 @@ def main():
     ap.add_argument("--graph", action="store_true",
                     help="also time each call replayed from a CUDA graph (no host time: the kernels alone)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds: expected >= 1, got {args.rounds}")
     dev, dt, D = "cuda", torch.bfloat16, 128
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []

@@ -52,7 +52,9 @@ def persistent_kernels(enabled: bool) -> Iterator[None]:
     (NCCL's transfers are kernels; dmattn.distributed.ring_attention turns persistence off for
     its steps with a transfer in flight). Results are the same bits either way.
     DMATTN_FWD_PERSISTENT in the environment, where set, decides instead."""
-    previous = bool(lib().set_persistent_kernels(bool(enabled)))
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled: expected a bool, got {type(enabled).__name__}")
+    previous = bool(lib().set_persistent_kernels(enabled))
     try:
         yield
     finally:

@@ -198,6 +198,8 @@ def cuda_graph_of(fn: Callable[[], object], repeat: int = 1) -> Callable[[], Non
     scripts in benchmarks/profiling/). repeat: fn captured that many times back to back in the
     one graph; the replay's time divided by repeat leaves out the graph launch's own latency,
     which a call of a few hundred microseconds otherwise carries in full."""
+    if repeat < 1:
+        raise ValueError(f"repeat: expected >= 1, got {repeat}")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

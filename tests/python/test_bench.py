@@ -64,3 +64,9 @@ def test_main_writes_table_json_and_plots(tmp_path, capsys):
     results = json.loads((out / "results.json").read_text())
     assert {r["provider"] for r in results["rows"]} >= {"dmattn"}
     assert os.path.exists(out / "speedup.png")
+
+
+def test_cuda_graph_of_refuses_no_repeat():
+    from dmattn.bench import cuda_graph_of
+    with pytest.raises(ValueError, match="repeat"):
+        cuda_graph_of(lambda: None, repeat=0)

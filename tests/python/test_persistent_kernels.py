@@ -36,6 +36,14 @@ def test_restored_when_the_block_raises():
     assert allowed_now()
 
 
+def test_enabled_must_be_a_bool():
+    for bad in ("no", 0, None):
+        with pytest.raises(TypeError, match="enabled"):
+            with dmattn.persistent_kernels(bad):
+                pass
+    assert allowed_now()
+
+
 def test_per_thread():
     seen = []
     with dmattn.persistent_kernels(False):
