@@ -2,7 +2,7 @@
 process, on the rows of the Hopper backward: dense and causal, a per-key bias (B, H, 1, S) with
 its gradient, attention_topk's shared key set and Doge's per-query selection (selection
 included), GQA, a full bias (B, H, S, S) with its gradient (and GQA 32 / 8 with one, with the
-step's memory), head dim 64.
+step's memory), head dims 64 (H=16) and 256 (H=8), causal.
 
 bf16, B=2, H=16, S=8192, D=128; every gradient (q, k, v and the bias's); median of CUDA-event
 timings after warm-up; random (never zero) inputs. TFLOP/s with FlashAttention's convention
@@ -117,17 +117,19 @@ def main():
           f"the rest {(peak - dbias_bytes) / 2**30:.2f} GiB", flush=True)
     del gqa_bias
 
-    # Head dim 64, causal (H=16).
-    q64, k64, v64 = leaf(B, S, H, 64), leaf(B, S, H, 64), leaf(B, S, H, 64)
-    dout64 = torch.randn(B, S, H, 64, device=dev, dtype=dt, generator=g)
-    q64t, k64t, v64t = (t.detach().transpose(1, 2).requires_grad_() for t in (q64, k64, v64))
-    flop64 = dense_flop(True) / 2
-    add("dmattn causal D=64", lambda: dmattn.attention(q64, k64, v64, causal=True), [q64, k64, v64], dout64, flop64)
-    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash (FA2)", SDPBackend.FLASH_ATTENTION)):
-        def run64(backend=backend):
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q64t, k64t, v64t, is_causal=True)
-        add(f"sdpa {name} causal D=64", run64, [q64t, k64t, v64t], dout64.transpose(1, 2), flop64)
+    # Head dims 64 (H=16) and 256 (H=8), causal.
+    for d, h in ((64, H), (256, H // 2)):
+        qd, kd, vd = leaf(B, S, h, d), leaf(B, S, h, d), leaf(B, S, h, d)
+        doutd = torch.randn(B, S, h, d, device=dev, dtype=dt, generator=g)
+        qdt, kdt, vdt = (t.detach().transpose(1, 2).requires_grad_() for t in (qd, kd, vd))
+        flopd = dense_flop(True, h=h) * d / D
+        add(f"dmattn causal D={d}", lambda: dmattn.attention(qd, kd, vd, causal=True), [qd, kd, vd], doutd, flopd)
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash (FA2)", SDPBackend.FLASH_ATTENTION)):
+            def run_d(backend=backend):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(qdt, kdt, vdt, is_causal=True)
+            add(f"sdpa {name} causal D={d}", run_d, [qdt, kdt, vdt], doutd.transpose(1, 2), flopd)
+        del qd, kd, vd, qdt, kdt, vdt, doutd
 
     # Gradient check of the dense causal case against SDPA flash (same inputs, fp32 norms).
     out = dmattn.attention(q, k, v, causal=True)

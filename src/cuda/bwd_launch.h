@@ -157,9 +157,8 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
   // Indexed keys: read in place by the warp-specialized kernel alone (its dQ path), gathered into
   // a copy for the others.
   if (args.f.kpos.rows != nullptr) {
-    bool in_place = false;
-    if constexpr (kHeadDim == 64 || kHeadDim == 128)
-      in_place = !deterministic && !(exact && args.dq_accum != nullptr) && bwd_sm90_enabled() && sm90::bwd_ws_supports(args);
+    const bool in_place =
+        !deterministic && !(exact && args.dq_accum != nullptr) && bwd_sm90_enabled() && sm90::bwd_ws_supports(args);
     if (!in_place) {
       BwdArgs gathered = args;
       const GatheredRowsCopy rows(gathered.f, int(sizeof(Element)), stream);
@@ -179,10 +178,8 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
   // The warp-specialized Hopper kernel (sm90/bwd_ws_launch_sm90.h) where it takes the problem; in
   // deterministic mode where it can order its dQ adds (bwd_ws_orders_dq_adds), else the general
   // kernels with dQ from the query-major kernel.
-  bool ws = false;
-  if constexpr (kHeadDim == 64 || kHeadDim == 128)
-    ws = bwd_sm90_enabled() && sm90::bwd_ws_supports(a) &&
-         (!deterministic || (!exact && a.dq_accum != nullptr && sm90::bwd_ws_orders_dq_adds(a)));
+  const bool ws = bwd_sm90_enabled() && sm90::bwd_ws_supports(a) &&
+                  (!deterministic || (!exact && a.dq_accum != nullptr && sm90::bwd_ws_orders_dq_adds(a)));
   const bool ordered_dq = ws && deterministic;
   if (ordered_dq) deterministic = false;  // dQ through dq_accum, the adds in key block order
   else if (deterministic) a.dq_accum = nullptr;
@@ -241,6 +238,8 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
                   : sm90 ? TileSm90::smem_bytes(f.mask.ptr != nullptr, f.bias.ptr != nullptr, f.bias_fp32, a.exp_flags)
                          : smem;
   static_assert(TileSm90::kBlockN == Tile::kBlockN || kHeadDim != 128);
+  // (the grid's key blocks serve the warp-specialized kernel too)
+  static_assert(sm90::BwdWsTile<Element, kHeadDim, sm90::BwdWsScores::kPlain>::kBlockN == Tile::kBlockN);
   if (f.kpos.ptr) {  // gathered keys: the key block's positions (kBlockN int32) at the end,
     // at one offset for every kernel of the pass (the launches share the argument block)
     a.f.smem_kpos_off = smem > smem_main ? smem : smem_main;
@@ -305,7 +304,7 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
     using T = std::true_type;
     using F = std::false_type;
     if (ws) {
-      if constexpr (kHeadDim == 64 || kHeadDim == 128) sm90::launch_bwd_ws<Element, kHeadDim>(a, grid90, ordered_dq, stream);
+      sm90::launch_bwd_ws<Element, kHeadDim>(a, grid90, ordered_dq, stream);
     } else if (mask_or_bias) {
       if (softcap) launch_main(T{}, T{});
       else launch_main(T{}, F{});

@@ -1,5 +1,5 @@
 """The warp-specialized Hopper backward (src/cuda/sm90/bwd_ws_kernel_sm90.h) on the problems it
-takes (head dims 64 and 128: plain scores, per-key rows with a query-broadcast bias and its
+takes (head dims 64 and 128, and 256 with plain scores: plain scores, per-key rows with a query-broadcast bias and its
 column-sum gradient, a query-broadcast mask, gathered keys with key ends; a full bias with its
 gradient stored from the dS tiles; deterministic mode, its dQ adds ordered; packed batches with a
 key-side bias), against the float64 reference and against the general Hopper kernel
@@ -68,6 +68,10 @@ CASES = {
     "d64_gqa_causal_fp16": Case(torch.float16, 1, 300, 517, 6, 2, 64, causal=True),
     "d64_key_bias_mask": Case(BF16, 2, 200, 300, 4, 2, 64, causal=True, mask_shape=(2, 1, 1, 300),
                               bias_shape=(2, 4, 1, 300), bias_grad=True),
+    # head dim 256 (key blocks of 64; dK, dV and dQ split along the head dim, dQ added by atomics)
+    "d256_plain": Case(BF16, 2, 333, 333, 4, 4, 256),
+    "d256_gqa_causal_fp16": Case(torch.float16, 1, 300, 517, 6, 2, 256, causal=True),
+    "d256_window_empty_key_blocks": Case(BF16, 1, 96, 1024, 2, 2, 256, window=(32, 0)),
 }
 
 
@@ -79,7 +83,7 @@ def test_against_reference(name, bwd_path, nan_poison):
 # Deterministic mode: the same kernel, its dQ adds in key block order (ordered_adds_sm90.h).
 DETERMINISTIC_CASES = ["plain", "plain_gqa_causal", "window_empty_key_blocks", "key_bias_gqa_per_head",
                        "key_bias_per_kv_head", "key_bias_shared", "full_bias_gqa_causal_fp16", "d64_plain",
-                       "d64_gqa_causal_fp16", "d64_full_bias"]
+                       "d64_gqa_causal_fp16", "d64_full_bias", "d256_plain", "d256_gqa_causal_fp16"]
 
 
 @pytest.mark.parametrize("name", DETERMINISTIC_CASES)
@@ -87,7 +91,8 @@ def test_deterministic_against_reference(name, nan_poison):
     check_case(CASES[name], DEV, deterministic=True)
 
 
-@pytest.mark.parametrize("name", ["plain_gqa_causal", "key_bias_per_kv_head", "d64_gqa_causal_fp16"])
+@pytest.mark.parametrize("name", ["plain_gqa_causal", "key_bias_per_kv_head", "d64_gqa_causal_fp16",
+                                  "d256_gqa_causal_fp16"])
 def test_deterministic_bitwise(name):
     from cases import make_inputs, run_dmattn
     c = CASES[name]
@@ -148,6 +153,22 @@ def _assert_close_to_general(ws, general):
         assert rel < 1e-2, f"{name}: relative difference {rel:.3e}"
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_head_dim_256_matches_general_kernel(causal, monkeypatch):
+    """Head dim 256, many query blocks per key block and many key blocks adding into each dQ row
+    (by atomics), GQA: the warp-specialized kernel runs (Hopper) and gives the general kernels'
+    gradients within their summation orders."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ws = _long_grads(causal, 256, (-1, -1), False, False)
+        torch.cuda.synchronize()
+    if torch.cuda.get_device_capability() == (9, 0):
+        names = [e.key for e in prof.key_averages()]
+        assert any("bwd_ws_kernel_sm90" in n for n in names), names
+    monkeypatch.setenv("DMATTN_BWD_SM90_WS", "0")
+    _assert_close_to_general(ws, _long_grads(causal, 256, (-1, -1), False, False))
+
+
 def _topk_grads(per_query, causal, seed, d=128):
     g = torch.Generator(device=DEV).manual_seed(seed)
     b, s, h, hkv, keep = 2, 700, 4, 2, 200
@@ -199,9 +220,9 @@ def test_full_bias_matches_general_kernel(causal, d, monkeypatch):
     _assert_close_to_general(ws, _full_bias_grads(2, 1000, 4, 2, causal, d))
 
 
-def _packed_grads(causal, d, deterministic=False, seed=9):
+def _packed_grads(causal, d, deterministic=False, seed=9, bias=True):
     """A packed batch with ragged lengths (tails in both dims, a sequence shorter than a block),
-    a key-side bias (H, total_k) with its gradient, GQA."""
+    a key-side bias (H, total_k) with its gradient (or none), GQA."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     lens, h, hkv = [700, 130, 1000, 64, 3], 4, 2
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
@@ -209,29 +230,36 @@ def _packed_grads(causal, d, deterministic=False, seed=9):
     q = torch.randn(total, h, d, device=DEV, dtype=BF16, generator=g).requires_grad_()
     k = torch.randn(total, hkv, d, device=DEV, dtype=BF16, generator=g).requires_grad_()
     v = torch.randn(total, hkv, d, device=DEV, dtype=BF16, generator=g).requires_grad_()
-    bias = torch.randn(h, total, device=DEV, dtype=BF16, generator=g).requires_grad_()
+    leaves = [q, k, v]
+    kw = {}
+    if bias:
+        kw["bias"] = torch.randn(h, total, device=DEV, dtype=BF16, generator=g).requires_grad_()
+        leaves.append(kw["bias"])
     dout = torch.randn(total, h, d, device=DEV, dtype=BF16, generator=g)
-    out = dmattn.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), bias=bias, causal=causal,
-                                  deterministic=deterministic)
-    return (out,) + torch.autograd.grad(out, [q, k, v, bias], dout)
+    out = dmattn.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=causal,
+                                  deterministic=deterministic, **kw)
+    return (out,) + torch.autograd.grad(out, leaves, dout)
 
 
-@pytest.mark.parametrize("causal,d", [(False, 128), (True, 128), (True, 64)], ids=["full", "causal", "causal_d64"])
+@pytest.mark.parametrize("causal,d,bias", [(False, 128, True), (True, 128, True), (True, 64, True),
+                                           (False, 256, False), (True, 256, False)],
+                         ids=["full", "causal", "causal_d64", "full_d256", "causal_d256"])
 @pytest.mark.parametrize("exact", ["0", "1"], ids=["fa2_bwd", "exact_bwd"])
-def test_packed_matches_general_kernel(causal, d, exact, monkeypatch):
+def test_packed_matches_general_kernel(causal, d, bias, exact, monkeypatch):
     """Packed batches (each sequence's rows from its first; the rows of its tiles past its end
-    cleared, the dQ rows of its last query block past its end zeroed): the same gradients as the general
-    kernels, and the warp-specialized kernel is the one that ran (Hopper)."""
+    cleared, the dQ rows of its last query block past its end zeroed, or not added at head dim
+    256): the same gradients as the general kernels, and the warp-specialized kernel is the one
+    that ran (Hopper)."""
     from torch.profiler import ProfilerActivity, profile
     monkeypatch.setenv("DMATTN_BWD_EXACT", exact)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        ws = _packed_grads(causal, d)
+        ws = _packed_grads(causal, d, bias=bias)
         torch.cuda.synchronize()
     if torch.cuda.get_device_capability() == (9, 0):
         names = [e.key for e in prof.key_averages()]
         assert any("bwd_ws_kernel_sm90" in n for n in names), names
     monkeypatch.setenv("DMATTN_BWD_SM90_WS", "0")
-    _assert_close_to_general(ws, _packed_grads(causal, d))
+    _assert_close_to_general(ws, _packed_grads(causal, d, bias=bias))
 
 
 def test_packed_deterministic_bitwise():

@@ -3,8 +3,12 @@
 // memory:
 //   S = Q K^T, dP = dO V^T   (kBlockM queries, kBlockN keys): warpgroup w takes keys [64 w, 64 w + 64)
 //   dV += P^T dO, dK += dS^T Q  (kBlockN keys, D):            warpgroup w takes keys [64 w, 64 w + 64)
+//                                                             (kBlockN = 64: columns [w D/2, (w+1) D/2)
+//                                                             of all 64 keys, kSplitDkvD)
 //   dQ = dS K                   (kBlockM queries, D):         warpgroup w takes columns [w D/2, (w+1) D/2)
 #pragma once
+
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cute/arch/mma_sm90.hpp>
@@ -23,7 +27,12 @@ struct BwdMmas {
   using AlongN = cute::Layout<cute::Shape<cute::_1, cute::_2, cute::_1>>;
   using OneWarpgroup = cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>;
   using TiledMmaSdP = SsMma<64, kBlockN / 2, kHeadDim, cute::GMMA::Major::K, cute::GMMA::Major::K, AlongN>;
-  using TiledMmadKV = SsMma<64, kHeadDim, kBlockM, cute::GMMA::Major::MN, cute::GMMA::Major::MN, AlongM>;
+  // A key block of 64 (head dim 256: dK and dV of 128 keys would take 256 registers a thread)
+  // holds one wgmma row of keys: the warpgroups split dK and dV along the head dim instead.
+  static constexpr bool kSplitDkvD = kBlockN == 64;
+  using TiledMmadKV = std::conditional_t<
+      kSplitDkvD, SsMma<64, kHeadDim / 2, kBlockM, cute::GMMA::Major::MN, cute::GMMA::Major::MN, AlongN>,
+      SsMma<64, kHeadDim, kBlockM, cute::GMMA::Major::MN, cute::GMMA::Major::MN, AlongM>>;
   using TiledMmadQ = SsMma<kBlockM, kHeadDim / 2, kBlockN, cute::GMMA::Major::K, cute::GMMA::Major::MN, AlongN>;
 };
 

@@ -25,14 +25,16 @@
 //       positions tests) and P = exp(s - lse) while dP runs; dS = P (dP - Delta); column sums of
 //       dS for a key bias; P, dS -> shared memory; one barrier of both consumers (dS complete);
 //       issue dV += P^T dO, dK += dS^T Q, dQ = dS K; wait; release Q[t], dO[t];
-//       dQ -> shared memory (fp32) for the writer.
+//       dQ -> shared memory (fp32) for the writer (head dim 256: added by the consumer's own
+//       atomics, bwd_ws_tile_sm90.h).
 //     dK and dV stay in registers across the loop and are stored at the end (scale applied).
 // The score transform, P / dS and the column sums are the general Hopper kernel's
 // (bwd_common.h, dbias_colsum_sm90.h): the same numerics, exactly.
 // Buffers: P has one buffer (read only by its own consumer's dV product, complete at that
-// consumer's wait), dS two at D = 128 or with a full bias (Tile::kDsShared: the other consumer's
-// dQ product of block t, or the writer's dbias store, may still read it while block t + 1 is
-// written; the barrier of block t + 1 orders block t + 2's writes after it), else one. The
+// consumer's wait; at head dim 256 two, as dS: both consumers' dV products read all of it), dS
+// two at D = 128 or with a full bias (Tile::kDsShared: the other consumer's dQ product of block
+// t, or the writer's dbias store, may still read it while block t + 1 is written; the barrier of
+// block t + 1 orders block t + 2's writes after it), else one. The
 // dbias store of dS[t] is issued in the writer's turn for consumer 0's dQ[t] and waited for
 // (read) before the writer hands consumer 0's dQ buffer back: each consumer writes dS[t + 2]
 // only after its dQ-empty wait of block t + 1, which follows that hand-back.
@@ -83,6 +85,21 @@ struct BwdWsBarrier {
   static constexpr int kDqThreads = 128 + 32;
 };
 
+// Head dim 256 (Tile::kDqAtomic): a consumer's dQ columns added into dq_accum (row stride rs) from
+// its registers, one float2 atomic per pair (a wgmma accumulator's pairs are adjacent columns of
+// one row), the rows from `rows` on not at all.
+template <class Acc, class Coord>
+__device__ __forceinline__ void bwd_add_acc_pairs(Acc const& acc, Coord const& coord, float* g, int64_t rs, int rows,
+                                                  int head_dim) {
+  using namespace cute;
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); i += 2) {
+    const int r = get<0>(coord(i)), c = get<1>(coord(i));
+    if (r < rows && c < head_dim)
+      atomicAdd(reinterpret_cast<float2*>(g + int64_t(r) * rs + c), make_float2(acc(i), acc(i + 1)));
+  }
+}
+
 // kPacked: a packed batch (cu_seqlens): the sequences' lengths read from memory. A template
 // parameter: read at run time, the lengths were values of the query loop in every variant (276 B
 // of spills in the key-row consumers against 144 B).
@@ -119,24 +136,27 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   const bool colsum = Tile::kKeyRows && a.dbias != nullptr && a.dbias_mode == kDbColSum;
   // A full bias's gradient: dS's tiles stored by the dQ writer (which then runs without dQ too).
   const bool dbias_tiles = Tile::kFullBias && a.dbias != nullptr && a.dbias_mode == kDbDirect;
-  const bool writer = want_dq || dbias_tiles;
+  // (head dim 256: the consumers add dQ themselves, Tile::kDqAtomic)
+  const bool writer = (want_dq && !Tile::kDqAtomic) || dbias_tiles;
   // Indexed keys: the producer warpgroup copies the key block's K and V rows by cp.async, issued
   // first thing so that they overlap the setup below; each of its threads arrives on kv_full
   // once the barrier is initialized (128 arrivals, each when the thread's copies have landed).
   const bool indexed = Tile::kKeyRows && f.kpos.rows != nullptr;
-  if (indexed && warp_group == 0) {
-    static_assert(is_sw128_layout<typename Tile::SmemLayoutKV, kBlockN, Tile::kHeadDim>(),
-                  "the gather's addresses follow the K / V tiles' layout");
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int64_t src_b = b / f.kpos.rows_batch_div;
-    GatherRowIndices<kBlockN, 4> ix;
-    ix.load(rows_row(f.kpos, b, kvh * group) + n0, seq.len_k() - n0, warp, lane);
-    gather_rows_sw128<kBlockN, kHeadDim, 4>(cute::cast_smem_ptr_to_uint(ss.k.data()),
-                                            static_cast<const Element*>(f.k) + src_b * f.k_bs + int64_t(kvh) * f.k_hs,
-                                            f.k_rs, ix, f.kpos.rows_source_len, f.head_dim, warp, lane);
-    gather_rows_sw128<kBlockN, kHeadDim, 4>(cute::cast_smem_ptr_to_uint(ss.v.data()),
-                                            static_cast<const Element*>(f.v) + src_b * f.v_bs + int64_t(kvh) * f.v_hs,
-                                            f.v_rs, ix, f.kpos.rows_source_len, f.head_dim, warp, lane);
+  if constexpr (Tile::kKeyRows) {  // (compiled only where gathered keys may come)
+    if (indexed && warp_group == 0) {
+      static_assert(is_sw128_layout<typename Tile::SmemLayoutKV, kBlockN, Tile::kHeadDim>(),
+                    "the gather's addresses follow the K / V tiles' layout");
+      const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+      const int64_t src_b = b / f.kpos.rows_batch_div;
+      GatherRowIndices<kBlockN, 4> ix;
+      ix.load(rows_row(f.kpos, b, kvh * group) + n0, seq.len_k() - n0, warp, lane);
+      gather_rows_sw128<kBlockN, kHeadDim, 4>(cute::cast_smem_ptr_to_uint(ss.k.data()),
+                                              static_cast<const Element*>(f.k) + src_b * f.k_bs + int64_t(kvh) * f.k_hs,
+                                              f.k_rs, ix, f.kpos.rows_source_len, f.head_dim, warp, lane);
+      gather_rows_sw128<kBlockN, kHeadDim, 4>(cute::cast_smem_ptr_to_uint(ss.v.data()),
+                                              static_cast<const Element*>(f.v) + src_b * f.v_bs + int64_t(kvh) * f.v_hs,
+                                              f.v_rs, ix, f.kpos.rows_source_len, f.head_dim, warp, lane);
+    }
   }
 
   // The query blocks [m_lo, m_hi) that meet this key block (gathered keys: from its positions,
@@ -404,8 +424,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tile::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tile::SmemLayoutKV{});
   Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Tile::SmemLayoutKt{});
-  Tensor sP = make_tensor(make_smem_ptr(ss.p.data()), typename Tile::SmemLayoutP{});
-  Tensor sPt = make_tensor(make_smem_ptr(ss.p.data()), typename Tile::SmemLayoutPt{});
+  auto sP_at = [&](int buf) {
+    return make_tensor(make_smem_ptr(ss.p.data() + buf * Tile::kPElems), typename Tile::SmemLayoutP{});
+  };
+  auto sPt_at = [&](int buf) {
+    return make_tensor(make_smem_ptr(ss.p.data() + buf * Tile::kPElems), typename Tile::SmemLayoutPt{});
+  };
   auto sdS_at = [&](int buf) {
     return make_tensor(make_smem_ptr(ss.ds.data() + buf * Tile::kPElems), typename Tile::SmemLayoutP{});
   };
@@ -459,6 +483,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     for (int t = 0; t < n_iter; ++t) {
       const int m0 = mb * kBlockM;
       const int buf = Tile::kDsBuffers == 2 ? t & 1 : 0;
+      const int pbuf = Tile::kPBuffers == 2 ? t & 1 : 0;
 
       Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -545,7 +570,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         auto thr_r2s = r2s.get_thread_slice(ctid);
         Tensor rP = make_tensor<Element>(acc_s.layout());
         convert_fragment<Element, false>(acc_s, rP);
-        copy(r2s, thr_r2s.retile_S(rP), thr_r2s.partition_D(sP));
+        copy(r2s, thr_r2s.retile_S(rP), thr_r2s.partition_D(sP_at(pbuf)));
         if constexpr (Tile::kKeyRows) {
           if (colsum) colsum_add_smem<kBlockN, Tile::kWarpsPerCol>(dp_rc, tScS_rc, ss.colsum.data(), ctid);
         }
@@ -565,7 +590,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, read.index()), acc_dk);
       };
       {
-        Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);
+        Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt_at(pbuf));
         Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);
         gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, read.index()), acc_dv);
       }
@@ -589,26 +614,34 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         issue_dk();
         gemm_wait<1>(acc_dq);  // dV and dQ done
         warpgroup_fence_operand(acc_dv);
-        // Packed batches: the writer adds a block past the sequence's end by whole boxes, into the
-        // next sequence's rows too. Those rows of dS are 0, but 0 times an Inf in this sequence's
-        // K is NaN: they are zeroed. (Adding an exact 0 changes no sum, in any order: dq_accum
-        // starts at +0 and a sum of floats is -0 only when both terms are.)
-        if constexpr (packed) {
-          if (rows_valid < kBlockM) {
-            Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(DqShape{}));
-            CUTE_UNROLL
-            for (int i = 0; i < size(acc_dq); ++i)
-              if (get<0>(tdQcdQ(i)) >= rows_valid) acc_dq(i) = 0.f;
+        if constexpr (Tile::kDqAtomic) {
+          // (rows past the sequence, of the next packed sequence or past the tensor, not added)
+          const int64_t row_stride = int64_t(f.num_heads) * f.head_dim;
+          float* gdQ = a.dq_accum + (int64_t(tb) * p.rows_q + seq.q0() + m0) * row_stride + int64_t(h) * f.head_dim;
+          bwd_add_acc_pairs(acc_dq, thr_dq.partition_C(make_identity_tensor(DqShape{})), gdQ, row_stride, rows_valid,
+                            f.head_dim);
+        } else {
+          // Packed batches: the writer adds a block past the sequence's end by whole boxes, into the
+          // next sequence's rows too. Those rows of dS are 0, but 0 times an Inf in this sequence's
+          // K is NaN: they are zeroed. (Adding an exact 0 changes no sum, in any order: dq_accum
+          // starts at +0 and a sum of floats is -0 only when both terms are.)
+          if constexpr (packed) {
+            if (rows_valid < kBlockM) {
+              Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(DqShape{}));
+              CUTE_UNROLL
+              for (int i = 0; i < size(acc_dq); ++i)
+                if (get<0>(tdQcdQ(i)) >= rows_valid) acc_dq(i) = 0.f;
+            }
           }
+          // dQ -> this consumer's boxes once the writer has read the previous ones.
+          NamedBarrier::sync(Bar::kDqThreads, Bar::kDqEmpty + consumer);
+          if constexpr (Tile::kDqSplitKeys)
+            copy(acc_dq, thr_dq.partition_C(local_tile(sdQ, Shape<Int<kBlockM>, Int<64>>{}, make_coord(0, consumer))));
+          else
+            copy(acc_dq, thr_dq.partition_C(sdQ));
+          cutlass::arch::fence_view_async_shared();  // the writer's TMA reads them
+          NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqFull + consumer);
         }
-        // dQ -> this consumer's boxes once the writer has read the previous ones.
-        NamedBarrier::sync(Bar::kDqThreads, Bar::kDqEmpty + consumer);
-        if constexpr (Tile::kDqSplitKeys)
-          copy(acc_dq, thr_dq.partition_C(local_tile(sdQ, Shape<Int<kBlockM>, Int<64>>{}, make_coord(0, consumer))));
-        else
-          copy(acc_dq, thr_dq.partition_C(sdQ));
-        cutlass::arch::fence_view_async_shared();  // the writer's TMA reads them
-        NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqFull + consumer);
       } else {
         issue_dk();
         if (dbias_tiles) {  // (the writer stores dS[t] as dbias: its turn, without dQ)

@@ -34,7 +34,7 @@ inline bool bwd_ws_dbias_tiles_ok(const BwdArgs& a) {
 }
 
 // The problems the warp-specialized backward takes: dense or packed batches at head dims 64 and
-// 128 with plain scores, or with per-key rows (a query-broadcast or key-side bias with its
+// 128 with plain scores (at 256 too), or with per-key rows (a query-broadcast or key-side bias with its
 // column-sum gradient or without one, a query-broadcast or key-side mask; dense batches also
 // gathered keys and key ends), dense batches with a full 16-bit bias alone whose tiles TMA loads
 // (tma_bias_tiles_ok), with its gradient where every dS element has its own
@@ -46,8 +46,10 @@ inline bool bwd_ws_dbias_tiles_ok(const BwdArgs& a) {
 inline bool bwd_ws_supports(const BwdArgs& a) {
   // (read on every call, so that one process can compare both kernels: the tests do)
   const FwdArgs& f = a.f;
-  if (env_switched_off("DMATTN_BWD_SM90_WS") || (f.head_dim != 64 && f.head_dim != 128) || f.softcap != 0.f)
+  if (env_switched_off("DMATTN_BWD_SM90_WS") || (f.head_dim != 64 && f.head_dim != 128 && f.head_dim != 256) ||
+      f.softcap != 0.f)
     return false;
+  if (f.head_dim == 256 && bwd_ws_scores(f) != BwdWsScores::kPlain) return false;
   if (a.fold_batch || a.fold_heads) return false;
   // (no query or no key: nothing for TMA to describe -- an empty tensor may even have a null
   // pointer; the general kernels write the zeros)
@@ -72,8 +74,9 @@ inline bool bwd_ws_supports(const BwdArgs& a) {
 
 // Deterministic mode: the kernel adds each query block's dQ in key block order, which needs the
 // key blocks that meet a query block to be consecutive: true of the query block range of a
-// window (bwd_query_block_range), not of gathered keys' positions.
-inline bool bwd_ws_orders_dq_adds(const BwdArgs& a) { return a.f.kpos.ptr == nullptr; }
+// window (bwd_query_block_range), not of gathered keys' positions; and dQ's writer warp, which
+// head dim 256 does without (its consumers add dQ by atomics).
+inline bool bwd_ws_orders_dq_adds(const BwdArgs& a) { return a.f.kpos.ptr == nullptr && a.f.head_dim != 256; }
 
 template <class Tile, bool kPacked>
 void launch_bwd_ws_tile(const BwdArgs& a, dim3 grid, cudaStream_t stream) {
@@ -146,7 +149,8 @@ void launch_bwd_ws_tile(const BwdArgs& a, dim3 grid, cudaStream_t stream) {
   check_cuda(cudaGetLastError(), "backward kernel launch (sm90, warp-specialized)");
 }
 
-// grid: the general Hopper kernel's (cta_order.h), one CTA per (key block of 128, kv head, batch).
+// grid: the general Hopper kernel's (cta_order.h), one CTA per (key block of Tile::kBlockN, kv
+// head, batch).
 // ordered_dq (deterministic mode): dQ's adds in key block order, through a zeroed flag per
 // (batch, head, query block) that lives for this launch.
 template <typename Element, int kHeadDim>
@@ -162,18 +166,23 @@ void launch_bwd_ws(const BwdArgs& args, dim3 grid, bool ordered_dq, cudaStream_t
   }
   // (packed batches: plain scores or key rows; bwd_ws_supports)
   const bool packed = a.f.cu_seqlens_q != nullptr;
-  using KeyRows = BwdWsTile<Element, kHeadDim, BwdWsScores::kKeyRows>;
   using Plain = BwdWsTile<Element, kHeadDim, BwdWsScores::kPlain>;
-  switch (bwd_ws_scores(a.f)) {
-    case BwdWsScores::kFullBias:
-      launch_bwd_ws_tile<BwdWsTile<Element, kHeadDim, BwdWsScores::kFullBias>, false>(a, grid, stream);
-      break;
-    case BwdWsScores::kKeyRows:
-      packed ? launch_bwd_ws_tile<KeyRows, true>(a, grid, stream) : launch_bwd_ws_tile<KeyRows, false>(a, grid, stream);
-      break;
-    case BwdWsScores::kPlain:
-      packed ? launch_bwd_ws_tile<Plain, true>(a, grid, stream) : launch_bwd_ws_tile<Plain, false>(a, grid, stream);
-      break;
+  if constexpr (kHeadDim == 256) {  // (plain scores only: bwd_ws_supports)
+    packed ? launch_bwd_ws_tile<Plain, true>(a, grid, stream) : launch_bwd_ws_tile<Plain, false>(a, grid, stream);
+  } else {
+    using KeyRows = BwdWsTile<Element, kHeadDim, BwdWsScores::kKeyRows>;
+    switch (bwd_ws_scores(a.f)) {
+      case BwdWsScores::kFullBias:
+        launch_bwd_ws_tile<BwdWsTile<Element, kHeadDim, BwdWsScores::kFullBias>, false>(a, grid, stream);
+        break;
+      case BwdWsScores::kKeyRows:
+        packed ? launch_bwd_ws_tile<KeyRows, true>(a, grid, stream)
+               : launch_bwd_ws_tile<KeyRows, false>(a, grid, stream);
+        break;
+      case BwdWsScores::kPlain:
+        packed ? launch_bwd_ws_tile<Plain, true>(a, grid, stream) : launch_bwd_ws_tile<Plain, false>(a, grid, stream);
+        break;
+    }
   }
 }
 

@@ -1,5 +1,5 @@
 // Tile, shared-memory layouts, TMA types and pipelines of the warp-specialized Hopper backward
-// (bwd_ws_kernel_sm90.h). One CTA per (key block of 128, kv head, batch): a producer warpgroup
+// (bwd_ws_kernel_sm90.h). One CTA per (key block of 128, 64 at head dim 256; kv head, batch): a producer warpgroup
 // and two consumer warpgroups; the key block's K and V stay in shared memory, Q / dO of each
 // query block (64 rows) stream through kStages-deep TMA pipelines. The products, split between
 // the consumers as in the general Hopper backward (bwd_tile_sm90.h):
@@ -15,7 +15,14 @@
 //                                                      TMA reduce adds both shares
 // so that dV and dK read only the consumer's own columns of P and dS. dQ leaves through shared
 // memory (fp32, one 64 x 64 region per consumer in 128-byte swizzled 64 x 32 boxes) by TMA
-// reduce-add into dq_accum. Every operand of a product comes from shared
+// reduce-add into dq_accum.
+// Head dim 256 (kBlockN = 64, plain scores): S and dP split along the keys (32 each), dV, dK and
+// dQ along the head dim (128 columns each: dK and dV of 128 keys would need 256 accumulator
+// registers a thread), so every product reads both consumers' halves of P and dS (two buffers of
+// each, one barrier of both consumers). Q and dO in two stages, K and V take 224 KiB of shared
+// memory with P and dS: no room for dQ's 64 KiB of fp32 staging, and each consumer adds its dQ
+// columns into dq_accum from its registers (vector atomics), as FlashAttention-3 does at this
+// head dim. Every operand of a product comes from shared
 // memory in wgmma's 128-byte-swizzled K-major layout; the transposed operands are composed views.
 // The score policy (BwdWsScores):
 //   kPlain:   scale * q k^T, the window / causal / tail test;
@@ -55,13 +62,18 @@ struct BwdWsTile {
   static constexpr bool kFullBias = kScores == BwdWsScores::kFullBias;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 64;
-  static constexpr int kBlockN = 128;
+  static constexpr int kBlockN = kHeadDim == 256 ? 64 : 128;
   static constexpr int kStages = 2;  // Q / dO (and their row statistics)
   static constexpr int kConsumers = 2;
   static constexpr int kConsumerThreads = kConsumers * 128;
   static constexpr int kNThreads = kConsumerThreads + 128;
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dims 64, 128 and 256");
+  static_assert(kHeadDim != 256 || kScores == BwdWsScores::kPlain, "head dim 256: plain scores");
   static constexpr bool kDqSplitKeys = kHeadDim == 64;
+  // Head dim 256: dQ added by the consumers' atomics (no staging buffer, no writer); every
+  // consumer's dV product reads all of P (two buffers, as dS).
+  static constexpr bool kDqAtomic = kHeadDim == 256;
+  static constexpr int kPBuffers = kHeadDim == 256 ? 2 : 1;
   // dS read across consumers (D = 128), or stored as dbias's tile by the writer (a full bias):
   // two buffers, and one barrier of both consumers once both halves are written; else (D = 64)
   // each consumer reads its own half only: one buffer, a barrier of its own.
@@ -70,7 +82,8 @@ struct BwdWsTile {
   // setmaxnreg: 65536 / 384 = 168 at launch; the producer keeps 40 and the consumers take 232
   // (dK and dV hold 128 accumulator registers, S and dP 64, dQ 32). With 24 / 240 the producer's
   // TMA coordinates spilled (ptxas -v: 96 B in the plain kernel, none at 40 / 232). At D = 64
-  // the consumers need far fewer (64 + 64 + 32): the key-row loader gets 56.
+  // the consumers need far fewer (64 + 64 + 32): the key-row loader gets 56. D = 256 takes as
+  // many as D = 128: dK and dV 128, S and dP 32, dQ 64.
   static constexpr int kLaunchRegs = 65536 / kNThreads / 8 * 8;
   static constexpr int kProducerRegs = kHeadDim == 64 ? 56 : 40;
   static constexpr int kConsumerRegs = kHeadDim == 64 ? 224 : 232;
@@ -97,8 +110,9 @@ struct BwdWsTile {
   using SmemLayoutKV = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
   using SmemLayoutKt = decltype(cute::composition(
       SmemLayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
-  // P (one buffer: read only by its own consumer's dV product) and dS (D = 128: two, the other
-  // consumer's dQ product of query block t may still read it while block t + 1 is written).
+  // P (one buffer: read only by its own consumer's dV product; D = 256: two, as dS) and dS
+  // (D = 128: two, the other consumer's dQ product of query block t may still read it while
+  // block t + 1 is written).
   using SmemLayoutP = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
   using SmemLayoutPt = decltype(cute::composition(
       SmemLayoutP{}, cute::make_layout(cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>{}, cute::GenRowMajor{})));
@@ -159,10 +173,12 @@ struct BwdWsTile {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> dout;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> k;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> v;
-    alignas(1024) cute::array_aligned<Element, kPElems, 1024> p;
+    alignas(1024) cute::array_aligned<Element, kPBuffers * kPElems, 1024> p;
     alignas(1024) cute::array_aligned<Element, kDsBuffers * kPElems, 1024> ds;
-    alignas(1024) cute::array_aligned<float, cute::cosize_v<SmemLayoutdQ>, 1024> dq;
-    alignas(1024) cute::array_aligned<Element, kBiasElems, 1024> bias;
+    // (unused buffers: a few bytes, without the swizzle's alignment; head dim 256 has 3 KiB to spare)
+    static constexpr int kDqAlign = kDqAtomic ? 16 : 1024;
+    alignas(kDqAlign) cute::array_aligned<float, kDqAtomic ? 4 : cute::cosize_v<SmemLayoutdQ>, kDqAlign> dq;
+    alignas(kFullBias ? 1024 : 16) cute::array_aligned<Element, kBiasElems, kFullBias ? 1024 : 16> bias;
     RowStage rows[kStages];
     cute::array_aligned<float, kKeyRows ? kWarpsPerCol * kBlockN : 4, 16> colsum;
     cute::array_aligned<int32_t, kKeyRows ? kBlockN : 4, 16> pos;  // the CTA's positions (query range)
