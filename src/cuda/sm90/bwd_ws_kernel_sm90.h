@@ -86,7 +86,7 @@ struct BwdWsBarrier {
 };
 
 // Head dim 256 (Tile::kDqAtomic): a consumer's dQ columns added into dq_accum (row stride rs) from
-// its registers, one float2 atomic per pair (a wgmma accumulator's pairs are adjacent columns of
+// its registers, one 2-float reduction per pair (a wgmma accumulator's pairs are adjacent columns of
 // one row), the rows from `rows` on not at all.
 template <class Acc, class Coord>
 __device__ __forceinline__ void bwd_add_acc_pairs(Acc const& acc, Coord const& coord, float* g, int64_t rs, int rows,
@@ -95,8 +95,7 @@ __device__ __forceinline__ void bwd_add_acc_pairs(Acc const& acc, Coord const& c
   CUTE_UNROLL
   for (int i = 0; i < size(acc); i += 2) {
     const int r = get<0>(coord(i)), c = get<1>(coord(i));
-    if (r < rows && c < head_dim)
-      atomicAdd(reinterpret_cast<float2*>(g + int64_t(r) * rs + c), make_float2(acc(i), acc(i + 1)));
+    if (r < rows && c < head_dim) red_add2(g + int64_t(r) * rs + c, acc(i), acc(i + 1));
   }
 }
 
