@@ -168,6 +168,9 @@ for dtype in (torch.bfloat16, torch.float16):
     case(2, 300, 520, 4, 2, 128, dtype, bias_shape=(2, 4, 300, 520), causal=True)
     case(1, 96, 704, 2, 2, 128, dtype, bias_shape=(1, 2, 96, 704), window=(32, 0))
     case(2, 300, 520, 4, 2, 64, dtype, bias_shape=(2, 4, 300, 520), causal=True)
+    # Head dim 256 on it: key blocks of 64, P and dS in two buffers each read by both consumers,
+    # dQ added by the consumers' reductions (rows past the queries left out; GQA, Sq < Sk).
+    case(2, 300, 520, 4, 2, 256, dtype, causal=True)
     # Deterministic mode on it: the dQ writer's ordered adds (flags in a stream-ordered buffer;
     # head dim 64: both consumers' adds into the same rows), plain and with a full bias.
     case(2, 300, 520, 4, 2, 128, dtype, causal=True, deterministic=True)
@@ -180,5 +183,6 @@ for dtype in (torch.bfloat16, torch.float16):
     varlen_case([300, 70, 200, 1], 4, 2, 128, dtype, causal=True)
     varlen_case([130, 257, 64], 4, 2, 64, dtype, key_bias=True)
     varlen_case([300, 70, 200], 4, 2, 128, dtype, key_bias=True, deterministic=True)
+    varlen_case([300, 70, 200, 1], 4, 2, 256, dtype, causal=True)
     del os.environ["DMATTN_BWD_EXACT"]
 print("sanitizer cases done")
