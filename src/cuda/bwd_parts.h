@@ -27,8 +27,8 @@ __device__ __forceinline__ void red_add4(float* p, float x, float y, float z, fl
 }
 
 // Fire-and-forget fp32 reduction of 2 consecutive floats (8-byte aligned; sm_90). (atomicAdd on
-// a float2 compiles to an atomic that returns the old values, whose registers the warp then waits
-// for.)
+// a float2 is an atomic with results in PTX: this says fire-and-forget rather than leave it to
+// ptxas to drop them.)
 __device__ __forceinline__ void red_add2(float* p, float x, float y) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");

@@ -26,7 +26,7 @@
 //       dS for a key bias; P, dS -> shared memory; one barrier of both consumers (dS complete);
 //       issue dV += P^T dO, dK += dS^T Q, dQ = dS K; wait; release Q[t], dO[t];
 //       dQ -> shared memory (fp32) for the writer (head dim 256: added by the consumer's own
-//       atomics, bwd_ws_tile_sm90.h).
+//       reductions, bwd_ws_tile_sm90.h).
 //     dK and dV stay in registers across the loop and are stored at the end (scale applied).
 // The score transform, P / dS and the column sums are the general Hopper kernel's
 // (bwd_common.h, dbias_colsum_sm90.h): the same numerics, exactly.

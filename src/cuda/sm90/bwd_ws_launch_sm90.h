@@ -34,10 +34,10 @@ inline bool bwd_ws_dbias_tiles_ok(const BwdArgs& a) {
 }
 
 // The problems the warp-specialized backward takes: dense or packed batches at head dims 64 and
-// 128 with plain scores (at 256 too), or with per-key rows (a query-broadcast or key-side bias with its
-// column-sum gradient or without one, a query-broadcast or key-side mask; dense batches also
-// gathered keys and key ends), dense batches with a full 16-bit bias alone whose tiles TMA loads
-// (tma_bias_tiles_ok), with its gradient where every dS element has its own
+// 128 (and 256) with plain scores, or at 64 and 128 with per-key rows (a query-broadcast or
+// key-side bias with its column-sum gradient or without one, a query-broadcast or key-side
+// mask; dense batches also gathered keys and key ends), dense batches at 64 and 128 with a full
+// 16-bit bias alone whose tiles TMA loads (tma_bias_tiles_ok), with its gradient where every dS element has its own
 // (bwd_ws_dbias_tiles_ok) or without one; the lse or the exact path's statistics (dQ then by the
 // query-major kernel). The others (full masks, fp32 full biases, a full bias's gradient reduced
 // over batch / heads, softcap, a dbias reduced by folding batch / heads into a CTA) run the
@@ -75,7 +75,7 @@ inline bool bwd_ws_supports(const BwdArgs& a) {
 // Deterministic mode: the kernel adds each query block's dQ in key block order, which needs the
 // key blocks that meet a query block to be consecutive: true of the query block range of a
 // window (bwd_query_block_range), not of gathered keys' positions; and dQ's writer warp, which
-// head dim 256 does without (its consumers add dQ by atomics).
+// head dim 256 does without (its consumers add dQ by reductions).
 inline bool bwd_ws_orders_dq_adds(const BwdArgs& a) { return a.f.kpos.ptr == nullptr && a.f.head_dim != 256; }
 
 template <class Tile, bool kPacked>

@@ -1,8 +1,8 @@
 // Tile, shared-memory layouts, TMA types and pipelines of the warp-specialized Hopper backward
-// (bwd_ws_kernel_sm90.h). One CTA per (key block of 128, 64 at head dim 256; kv head, batch): a producer warpgroup
-// and two consumer warpgroups; the key block's K and V stay in shared memory, Q / dO of each
-// query block (64 rows) stream through kStages-deep TMA pipelines. The products, split between
-// the consumers as in the general Hopper backward (bwd_tile_sm90.h):
+// (bwd_ws_kernel_sm90.h). One CTA per (key block of 128 -- 64 at head dim 256 --, kv head,
+// batch): a producer warpgroup and two consumer warpgroups; the key block's K and V stay in
+// shared memory, Q / dO of each query block (64 rows) stream through kStages-deep TMA pipelines.
+// The products, split between the consumers as in the general Hopper backward (bwd_tile_sm90.h):
 //   S = Q K^T, dP = dO V^T    (64 queries, 128 keys): consumer w takes keys [64 w, 64 w + 64)
 //   dV += P^T dO, dK += dS^T Q (128 keys, D):        consumer w takes keys [64 w, 64 w + 64)
 //   dQ = dS K                  (64 queries, D):       D = 128: consumer w takes columns
@@ -21,9 +21,10 @@
 // registers a thread), so every product reads both consumers' halves of P and dS (two buffers of
 // each, one barrier of both consumers). Q and dO in two stages, K and V take 224 KiB of shared
 // memory with P and dS: no room for dQ's 64 KiB of fp32 staging, and each consumer adds its dQ
-// columns into dq_accum from its registers (vector atomics), as FlashAttention-3 does at this
-// head dim. Every operand of a product comes from shared
-// memory in wgmma's 128-byte-swizzled K-major layout; the transposed operands are composed views.
+// columns into dq_accum from its registers (2-float reductions), as FlashAttention-3 does at
+// this head dim.
+// Every operand of a product comes from shared memory in wgmma's 128-byte-swizzled K-major
+// layout; the transposed operands are composed views.
 // The score policy (BwdWsScores):
 //   kPlain:   scale * q k^T, the window / causal / tail test;
 //   kKeyRows: per-key rows of the key block (key_rows_sm90.h): positions (gathered keys; else the
