@@ -1,6 +1,6 @@
 """The warp-specialized Hopper backward (src/cuda/sm90/bwd_ws_kernel_sm90.h) on the problems it
-takes (head dims 64 and 128, and 256 with plain scores: plain scores, per-key rows with a query-broadcast bias and its
-column-sum gradient, a query-broadcast mask, gathered keys with key ends; a full bias with its
+takes (head dims 64 and 128, and 256 with plain scores: plain scores, per-key rows with a
+query-broadcast bias and its column-sum gradient, a query-broadcast mask, gathered keys with key ends; a full bias with its
 gradient stored from the dS tiles; deterministic mode, its dQ adds ordered; packed batches with a
 key-side bias), against the float64 reference and against the general Hopper kernel
 (DMATTN_BWD_SM90_WS=0) on the top-k paths, the full bias and packed batches (whose reference
@@ -68,7 +68,7 @@ CASES = {
     "d64_gqa_causal_fp16": Case(torch.float16, 1, 300, 517, 6, 2, 64, causal=True),
     "d64_key_bias_mask": Case(BF16, 2, 200, 300, 4, 2, 64, causal=True, mask_shape=(2, 1, 1, 300),
                               bias_shape=(2, 4, 1, 300), bias_grad=True),
-    # head dim 256 (key blocks of 64; dK, dV and dQ split along the head dim, dQ added by atomics)
+    # head dim 256 (key blocks of 64; dK, dV and dQ split along the head dim, dQ added by reductions)
     "d256_plain": Case(BF16, 2, 333, 333, 4, 4, 256),
     "d256_gqa_causal_fp16": Case(torch.float16, 1, 300, 517, 6, 2, 256, causal=True),
     "d256_window_empty_key_blocks": Case(BF16, 1, 96, 1024, 2, 2, 256, window=(32, 0)),
@@ -80,7 +80,8 @@ def test_against_reference(name, bwd_path, nan_poison):
     check_case(CASES[name], DEV)
 
 
-# Deterministic mode: the same kernel, its dQ adds in key block order (ordered_adds_sm90.h).
+# Deterministic mode: the same kernel, its dQ adds in key block order (ordered_adds_sm90.h); at
+# head dim 256, the general kernels (the query-major dQ kernel).
 DETERMINISTIC_CASES = ["plain", "plain_gqa_causal", "window_empty_key_blocks", "key_bias_gqa_per_head",
                        "key_bias_per_kv_head", "key_bias_shared", "full_bias_gqa_causal_fp16", "d64_plain",
                        "d64_gqa_causal_fp16", "d64_full_bias", "d256_plain", "d256_gqa_causal_fp16"]
@@ -156,7 +157,7 @@ def _assert_close_to_general(ws, general):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_head_dim_256_matches_general_kernel(causal, monkeypatch):
     """Head dim 256, many query blocks per key block and many key blocks adding into each dQ row
-    (by atomics), GQA: the warp-specialized kernel runs (Hopper) and gives the general kernels'
+    (by reductions), GQA: the warp-specialized kernel runs (Hopper) and gives the general kernels'
     gradients within their summation orders."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
