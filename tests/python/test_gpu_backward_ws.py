@@ -1,10 +1,10 @@
-"""The warp-specialized Hopper backward (src/cuda/sm90/bwd_ws_kernel_sm90.h) on the problems it
-takes (head dims 64 and 128, and 256 with plain scores: plain scores, per-key rows with a
-query-broadcast bias and its column-sum gradient, a query-broadcast mask, gathered keys with key ends; a full bias with its
-gradient stored from the dS tiles; deterministic mode, its dQ adds ordered; packed batches with a
-key-side bias), against the float64 reference and against the general Hopper kernel
-(DMATTN_BWD_SM90_WS=0) on the top-k paths, the full bias and packed batches (whose reference
-tests are test_varlen.py's).
+"""The warp-specialized Hopper backward (src/cuda/sm90/bwd_ws_kernel_sm90.h) on the problems it takes
+(head dims 64 and 128, and 256 with plain scores: plain scores, per-key rows with a query-broadcast
+bias and its column-sum gradient, a query-broadcast mask, gathered keys with key ends; a full bias
+with its gradient stored from the dS tiles; deterministic mode, its dQ adds ordered; packed batches
+with a key-side bias), against the float64 reference and against the general Hopper kernel
+(DMATTN_BWD_SM90_WS=0) on the top-k paths, the full bias and packed batches (whose reference tests
+are test_varlen.py's).
 Both backward paths (DMATTN_BWD_EXACT=0 / 1; the exact path's main pass runs it without dQ). On
 GPUs other than compute capability 9.0 the same tests run the sm80-class kernels.
 """
