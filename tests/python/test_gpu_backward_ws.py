@@ -154,20 +154,26 @@ def _assert_close_to_general(ws, general):
         assert rel < 1e-2, f"{name}: relative difference {rel:.3e}"
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_head_dim_256_matches_general_kernel(causal, monkeypatch):
-    """Head dim 256, many query blocks per key block and many key blocks adding into each dQ row
-    (by reductions), GQA: the warp-specialized kernel runs (Hopper) and gives the general kernels'
-    gradients within their summation orders."""
+def _assert_ws_kernel_matches_general(grads, monkeypatch):
+    """grads() with the warp-specialized kernel, which must be the one that runs (Hopper), then
+    with the general kernels (DMATTN_BWD_SM90_WS=0): close within their summation orders."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        ws = _long_grads(causal, 256, (-1, -1), False, False)
+        ws = grads()
         torch.cuda.synchronize()
     if torch.cuda.get_device_capability() == (9, 0):
         names = [e.key for e in prof.key_averages()]
         assert any("bwd_ws_kernel_sm90" in n for n in names), names
     monkeypatch.setenv("DMATTN_BWD_SM90_WS", "0")
-    _assert_close_to_general(ws, _long_grads(causal, 256, (-1, -1), False, False))
+    _assert_close_to_general(ws, grads())
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_head_dim_256_matches_general_kernel(causal, monkeypatch):
+    """Head dim 256, many query blocks per key block and many key blocks adding into each dQ row
+    (by reductions), GQA: the warp-specialized kernel runs (Hopper) and gives the general kernels'
+    gradients within their summation orders."""
+    _assert_ws_kernel_matches_general(lambda: _long_grads(causal, 256, (-1, -1), False, False), monkeypatch)
 
 
 def _topk_grads(per_query, causal, seed, d=128):
@@ -210,15 +216,7 @@ def test_full_bias_matches_general_kernel(causal, d, monkeypatch):
     """A full bias with its gradient, several key blocks and query blocks per CTA, GQA: the same
     gradients as the general kernels (the same transform; dbias is dS, the same bits where both
     round dS alike), and the warp-specialized kernel is the one that ran (Hopper)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        ws = _full_bias_grads(2, 1000, 4, 2, causal, d)
-        torch.cuda.synchronize()
-    if torch.cuda.get_device_capability() == (9, 0):
-        names = [e.key for e in prof.key_averages()]
-        assert any("bwd_ws_kernel_sm90" in n for n in names), names
-    monkeypatch.setenv("DMATTN_BWD_SM90_WS", "0")
-    _assert_close_to_general(ws, _full_bias_grads(2, 1000, 4, 2, causal, d))
+    _assert_ws_kernel_matches_general(lambda: _full_bias_grads(2, 1000, 4, 2, causal, d), monkeypatch)
 
 
 def _packed_grads(causal, d, deterministic=False, seed=9, bias=True):
@@ -251,16 +249,8 @@ def test_packed_matches_general_kernel(causal, d, bias, exact, monkeypatch):
     cleared, the dQ rows of its last query block past its end zeroed, or not added at head dim
     256): the same gradients as the general kernels, and the warp-specialized kernel is the one
     that ran (Hopper)."""
-    from torch.profiler import ProfilerActivity, profile
     monkeypatch.setenv("DMATTN_BWD_EXACT", exact)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        ws = _packed_grads(causal, d, bias=bias)
-        torch.cuda.synchronize()
-    if torch.cuda.get_device_capability() == (9, 0):
-        names = [e.key for e in prof.key_averages()]
-        assert any("bwd_ws_kernel_sm90" in n for n in names), names
-    monkeypatch.setenv("DMATTN_BWD_SM90_WS", "0")
-    _assert_close_to_general(ws, _packed_grads(causal, d, bias=bias))
+    _assert_ws_kernel_matches_general(lambda: _packed_grads(causal, d, bias=bias), monkeypatch)
 
 
 def test_packed_deterministic_bitwise():
