@@ -26,18 +26,6 @@ __device__ __forceinline__ void red_add4(float* p, float x, float y, float z, fl
 #endif
 }
 
-// Fire-and-forget fp32 reduction of 2 consecutive floats (8-byte aligned; sm_90). (atomicAdd on
-// a float2 is an atomic with results in PTX: this says fire-and-forget rather than leave it to
-// ptxas to drop them.)
-__device__ __forceinline__ void red_add2(float* p, float x, float y) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
-#else
-  atomicAdd(p, x);
-  atomicAdd(p + 1, y);
-#endif
-}
-
 // Row statistics of one query block (m, log2 l when present, Delta: kBlockM floats each) into
 // shared memory, issued with the block's Q / dO loads (cp.async, 4 bytes per row), so that the
 // products do not wait on their global loads: read back by bwd_load_row_stats, which ignores rows

@@ -85,20 +85,6 @@ struct BwdWsBarrier {
   static constexpr int kDqThreads = 128 + 32;
 };
 
-// Head dim 256 (Tile::kDqAtomic): a consumer's dQ columns added into dq_accum (row stride rs) from
-// its registers, one 2-float reduction per pair (a wgmma accumulator's pairs are adjacent columns of
-// one row), the rows from `rows` on not at all.
-template <class Acc, class Coord>
-__device__ __forceinline__ void bwd_add_acc_pairs(Acc const& acc, Coord const& coord, float* g, int64_t rs, int rows,
-                                                  int head_dim) {
-  using namespace cute;
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc); i += 2) {
-    const int r = get<0>(coord(i)), c = get<1>(coord(i));
-    if (r < rows && c < head_dim) red_add2(g + int64_t(r) * rs + c, acc(i), acc(i + 1));
-  }
-}
-
 // kPacked: a packed batch (cu_seqlens): the sequences' lengths read from memory. A template
 // parameter: read at run time, the lengths were values of the query loop in every variant (276 B
 // of spills in the key-row consumers against 144 B).
@@ -617,8 +603,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
           // (rows past the sequence, of the next packed sequence or past the tensor, not added)
           const int64_t row_stride = int64_t(f.num_heads) * f.head_dim;
           float* gdQ = a.dq_accum + (int64_t(tb) * p.rows_q + seq.q0() + m0) * row_stride + int64_t(h) * f.head_dim;
-          bwd_add_acc_pairs(acc_dq, thr_dq.partition_C(make_identity_tensor(DqShape{})), gdQ, row_stride, rows_valid,
-                            f.head_dim);
+          bwd_dq_atomic_add(acc_dq, thr_dq.partition_C(make_identity_tensor(DqShape{})), gdQ, row_stride, rows_valid,
+                            f.head_dim, ctid);
         } else {
           // Packed batches: the writer adds a block past the sequence's end by whole boxes, into the
           // next sequence's rows too. Those rows of dS are 0, but 0 times an Inf in this sequence's

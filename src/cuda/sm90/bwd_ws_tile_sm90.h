@@ -21,7 +21,7 @@
 // registers a thread), so every product reads both consumers' halves of P and dS (two buffers of
 // each, one barrier of both consumers). Q and dO in two stages, K and V take 224 KiB of shared
 // memory with P and dS: no room for dQ's 64 KiB of fp32 staging, and each consumer adds its dQ
-// columns into dq_accum from its registers (2-float reductions), as FlashAttention-3 does at
+// columns into dq_accum from its registers (16-byte reductions), as FlashAttention-3 does at
 // this head dim.
 // Every operand of a product comes from shared memory in wgmma's 128-byte-swizzled K-major
 // layout; the transposed operands are composed views.
@@ -71,10 +71,8 @@ struct BwdWsTile {
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dims 64, 128 and 256");
   static_assert(kHeadDim != 256 || kScores == BwdWsScores::kPlain, "head dim 256: plain scores");
   static constexpr bool kDqSplitKeys = kHeadDim == 64;
-  // Head dim 256: dQ added by the consumers' atomics (no staging buffer, no writer); every
-  // consumer's dV product reads all of P (two buffers, as dS).
+  // Head dim 256: dQ added by the consumers' atomics (no staging buffer, no writer).
   static constexpr bool kDqAtomic = kHeadDim == 256;
-  static constexpr int kPBuffers = kHeadDim == 256 ? 2 : 1;
   // dS read across consumers (D = 128), or stored as dbias's tile by the writer (a full bias):
   // two buffers, and one barrier of both consumers once both halves are written; else (D = 64)
   // each consumer reads its own half only: one buffer, a barrier of its own.
@@ -92,6 +90,9 @@ struct BwdWsTile {
                 "the consumers' registers must come from the producer's");
 
   using Mmas = BwdMmas<Element, kHeadDim, kBlockM, kBlockN>;  // (bwd_mmas_sm90.h)
+  // dK and dV split along the head dim: every consumer's dV product reads all of P (two
+  // buffers, as dS); else each reads its own keys' half of the one buffer.
+  static constexpr int kPBuffers = Mmas::kSplitDkvD ? 2 : 1;
   using TiledMmaSdP = typename Mmas::TiledMmaSdP;
   using TiledMmadKV = typename Mmas::TiledMmadKV;
   // D = 64: one warpgroup's product over its own 64 keys.
