@@ -32,9 +32,10 @@
 // (bwd_common.h, dbias_colsum_sm90.h): the same numerics, exactly.
 // Buffers: P has one buffer (read only by its own consumer's dV product, complete at that
 // consumer's wait; at head dim 256 two, as dS: both consumers' dV products read all of it), dS
-// two at D = 128 or with a full bias (Tile::kDsShared: the other consumer's dQ product of block
-// t, or the writer's dbias store, may still read it while block t + 1 is written; the barrier of
-// block t + 1 orders block t + 2's writes after it), else one. The
+// two (a dQ product of block t, which reads both consumers' halves, or the writer's dbias store,
+// may still read it while block t + 1 is written; the barrier of block t + 1 orders block
+// t + 2's writes after it). At D = 64 one consumer computes dQ[t], consumer t % 2 (the other
+// still takes its turn with the writer, without a tile: the hand-backs stay matched). The
 // dbias store of dS[t] is issued in the writer's turn for consumer 0's dQ[t] and waited for
 // (read) before the writer hands consumer 0's dQ buffer back: each consumer writes dS[t + 2]
 // only after its dQ-empty wait of block t + 1, which follows that hand-back.
@@ -81,7 +82,6 @@ struct BwdWsBarrier {
   static constexpr int kDqFull = 1;     // + w: consumer w's dQ staged (consumer w + the writer warp)
   static constexpr int kDqEmpty = 3;    // + w: consumer w's dQ buffer free again
   static constexpr int kColSum = 5;     // both consumers: column-sum flushes, packed tails cleared
-  static constexpr int kPdSOwn = 6;     // + w: consumer w's P and dS written (dQ split along the keys)
   static constexpr int kDqThreads = 128 + 32;
 };
 
@@ -290,11 +290,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
               }
             }
             constexpr int kBoxesPerConsumer = Tile::kDqBoxes / Tile::kConsumers;
-            if (want_dq) {
-              // Ordered adds: after the previous key block's; where both consumers add into the
-              // same elements (kDqSplitKeys), the second one's after the first one's.
-              if (order != nullptr && w == 0 && mb < prev_hi) wait_for_flag(order, n_block);
-              if (order != nullptr && Tile::kDqSplitKeys && w > 0) bulk_ops_complete();
+            // (D = 64: consumer t % 2's tile alone)
+            const int first_adder = Tile::kDqOneConsumer ? t & 1 : 0;
+            if (want_dq && (!Tile::kDqOneConsumer || w == first_adder)) {
+              // Ordered adds: after the previous key block's (the consumers add disjoint columns).
+              if (order != nullptr && w == first_adder && mb < prev_hi) wait_for_flag(order, n_block);
               CUTE_UNROLL
               for (int j = 0; j < kBoxesPerConsumer; ++j) {
                 const int box = w * kBoxesPerConsumer + j;
@@ -400,7 +400,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   typename Tile::TiledMmadQ mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(ctid);
   auto thr_dkv = mma_dkv.get_thread_slice(ctid);
-  auto thr_dq = mma_dq.get_thread_slice(Tile::kDqSplitKeys ? ctid % 128 : ctid);
+  auto thr_dq = mma_dq.get_thread_slice(Tile::kDqOneConsumer ? ctid % 128 : ctid);
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tile::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tile::SmemLayoutQ{});
@@ -564,8 +564,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         copy(r2s, thr_r2s.retile_S(rdS), thr_r2s.partition_D(sdS_at(buf)));
       }
       fence_smem_for_wgmma();
-      if constexpr (!Tile::kDsShared) NamedBarrier::sync(128, Bar::kPdSOwn + consumer);
-      else NamedBarrier::sync(kConsumerThreads, Bar::kPdS);
+      NamedBarrier::sync(kConsumerThreads, Bar::kPdS);
 
       // dV += P^T dO, then dQ = dS K, then dK += dS^T Q: dQ is staged for its writer while dK
       // still runs.
@@ -579,19 +578,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);
         gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, read.index()), acc_dv);
       }
-      if (want_dq) {
-        // D = 128: this consumer's half of the columns, from all of dS and K; D = 64: every
-        // column, from this consumer's keys (its columns of dS, its rows of K).
-        constexpr int kDqN = Tile::kDqSplitKeys ? kHeadDim : kHeadDim / 2;
-        using DqShape = Shape<Int<kBlockM>, Int<kDqN * (Tile::kDqSplitKeys ? 1 : 2)>>;
+      // D = 128: this consumer's half of the columns; D = 64: every column, in the blocks of
+      // this consumer's parity. Both from all of dS and K.
+      if (want_dq && (!Tile::kDqOneConsumer || (t & 1) == consumer)) {
+        using DqShape = Shape<Int<kBlockM>, Int<kHeadDim>>;
         Tensor acc_dq = partition_fragment_C(mma_dq, DqShape{});
-        if constexpr (Tile::kDqSplitKeys) {
-          Tensor sdS_own = local_tile(sdS_at(buf), Shape<Int<kBlockM>, Int<kBlockN / 2>>{}, make_coord(0, consumer));
-          Tensor sKt_own = local_tile(sKt, Shape<Int<kHeadDim>, Int<kBlockN / 2>>{}, make_coord(0, consumer));
-          Tensor tdQrdS = thr_dq.partition_fragment_A(sdS_own);
-          Tensor tdQrKt = thr_dq.partition_fragment_B(sKt_own);
-          gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_dq, tdQrdS, tdQrKt, acc_dq);
-        } else {
+        {
           Tensor tdQrdS = thr_dq.partition_fragment_A(sdS_at(buf));
           Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
           gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_dq, tdQrdS, tdQrKt, acc_dq);
@@ -620,7 +612,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
           }
           // dQ -> this consumer's boxes once the writer has read the previous ones.
           NamedBarrier::sync(Bar::kDqThreads, Bar::kDqEmpty + consumer);
-          if constexpr (Tile::kDqSplitKeys)
+          if constexpr (Tile::kDqOneConsumer)
             copy(acc_dq, thr_dq.partition_C(local_tile(sdQ, Shape<Int<kBlockM>, Int<64>>{}, make_coord(0, consumer))));
           else
             copy(acc_dq, thr_dq.partition_C(sdQ));
@@ -629,7 +621,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         }
       } else {
         issue_dk();
-        if (dbias_tiles) {  // (the writer stores dS[t] as dbias: its turn, without dQ)
+        // The writer's turn without a dQ tile from this consumer (it may store dS[t] as dbias).
+        if (want_dq || dbias_tiles) {
           NamedBarrier::sync(Bar::kDqThreads, Bar::kDqEmpty + consumer);
           NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqFull + consumer);
         }

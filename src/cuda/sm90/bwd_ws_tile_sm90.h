@@ -6,13 +6,12 @@
 //   S = Q K^T, dP = dO V^T    (64 queries, 128 keys): consumer w takes keys [64 w, 64 w + 64)
 //   dV += P^T dO, dK += dS^T Q (128 keys, D):        consumer w takes keys [64 w, 64 w + 64)
 //   dQ = dS K                  (64 queries, D):       D = 128: consumer w takes columns
-//                                                      [64 w, 64 w + 64), from both halves of dS
-//                                                      (one barrier of the two consumers);
-//                                                      D = 64: consumer w takes its own keys'
-//                                                      share of every column (split along the
-//                                                      keys: a (64 x 32)-column slice of K^T is
-//                                                      no whole 128-byte swizzle row), and the
-//                                                      TMA reduce adds both shares
+//                                                      [64 w, 64 w + 64); D = 64: one consumer
+//                                                      takes every column, consumer t % 2 in
+//                                                      query block t (a (64 x 32)-column slice
+//                                                      of K^T is no whole 128-byte swizzle row);
+//                                                      either way from both halves of dS (one
+//                                                      barrier of the two consumers)
 // so that dV and dK read only the consumer's own columns of P and dS. dQ leaves through shared
 // memory (fp32, one 64 x 64 region per consumer in 128-byte swizzled 64 x 32 boxes) by TMA
 // reduce-add into dq_accum.
@@ -70,14 +69,16 @@ struct BwdWsTile {
   static constexpr int kNThreads = kConsumerThreads + 128;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dims 64, 128 and 256");
   static_assert(kHeadDim != 256 || kScores == BwdWsScores::kPlain, "head dim 256: plain scores");
-  static constexpr bool kDqSplitKeys = kHeadDim == 64;
+  // D = 64: one consumer's dQ product per query block, over all the block's keys, so one (64, 64)
+  // tile to reduce into dq_accum. (Each consumer's own keys' share of every column, as before,
+  // made two reduce-adds of the same elements per block: twice the L2 reduction traffic, which
+  // binds this kernel.)
+  static constexpr bool kDqOneConsumer = kHeadDim == 64;
   // Head dim 256: dQ added by the consumers' atomics (no staging buffer, no writer).
   static constexpr bool kDqAtomic = kHeadDim == 256;
-  // dS read across consumers (D = 128), or stored as dbias's tile by the writer (a full bias):
-  // two buffers, and one barrier of both consumers once both halves are written; else (D = 64)
-  // each consumer reads its own half only: one buffer, a barrier of its own.
-  static constexpr bool kDsShared = !kDqSplitKeys || kFullBias;
-  static constexpr int kDsBuffers = kDsShared ? 2 : 1;
+  // dS is read across consumers (the dQ product) or stored as dbias's tile by the writer (a full
+  // bias): two buffers, and one barrier of both consumers once both halves are written.
+  static constexpr int kDsBuffers = 2;
   // setmaxnreg: 65536 / 384 = 168 at launch; the producer keeps 40 and the consumers take 232
   // (dK and dV hold 128 accumulator registers, S and dP 64, dQ 32). With 24 / 240 the producer's
   // TMA coordinates spilled (ptxas -v: 96 B in the plain kernel, none at 40 / 232). At D = 64
@@ -95,10 +96,10 @@ struct BwdWsTile {
   static constexpr int kPBuffers = Mmas::kSplitDkvD ? 2 : 1;
   using TiledMmaSdP = typename Mmas::TiledMmaSdP;
   using TiledMmadKV = typename Mmas::TiledMmadKV;
-  // D = 64: one warpgroup's product over its own 64 keys.
+  // D = 64: one warpgroup's product over all the key block's keys.
   using TiledMmadQ = std::conditional_t<
-      kDqSplitKeys,
-      typename Mmas::template SsMma<kBlockM, kHeadDim, kBlockN / 2, cute::GMMA::Major::K, cute::GMMA::Major::MN,
+      kDqOneConsumer,
+      typename Mmas::template SsMma<kBlockM, kHeadDim, kBlockN, cute::GMMA::Major::K, cute::GMMA::Major::MN,
                                     typename Mmas::OneWarpgroup>,
       typename Mmas::TiledMmadQ>;
 
@@ -113,8 +114,8 @@ struct BwdWsTile {
   using SmemLayoutKt = decltype(cute::composition(
       SmemLayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
   // P (one buffer: read only by its own consumer's dV product; D = 256: two, as dS) and dS
-  // (D = 128: two, the other consumer's dQ product of query block t may still read it while
-  // block t + 1 is written).
+  // (two: a dQ product of query block t reads the other consumer's half too, and may still read
+  // it while block t + 1 is written).
   using SmemLayoutP = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
   using SmemLayoutPt = decltype(cute::composition(
       SmemLayoutP{}, cute::make_layout(cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>{}, cute::GenRowMajor{})));
@@ -125,7 +126,8 @@ struct BwdWsTile {
 
   // dQ's fp32 tile: 128-byte-swizzled (64, 32) boxes, the TMA reduce-add's unit; consumer w
   // writes the 64 columns [64 w, 64 w + 64) of a (64, 128) tile, boxes 2 w and 2 w + 1, which
-  // the writer adds to dQ's columns [64 w, 64 w + 64) (D = 128) or [0, 64) (D = 64).
+  // the writer adds to dQ's columns [64 w, 64 w + 64) (D = 128) or [0, 64) (D = 64, the blocks
+  // of consumer w's parity).
   using SmemAtomF32 = cute::GMMA::Layout_K_SW128_Atom<float>;
   static constexpr int kDqBoxCols = 32;
   static constexpr int kDqCols = 64 * kConsumers;
