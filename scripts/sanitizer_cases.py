@@ -172,7 +172,7 @@ for dtype in (torch.bfloat16, torch.float16):
     # dQ added by the consumers' reductions (rows past the queries left out; GQA, Sq < Sk).
     case(2, 300, 520, 4, 2, 256, dtype, causal=True)
     # Deterministic mode on it: the dQ writer's ordered adds (flags in a stream-ordered buffer;
-    # head dim 64: both consumers' adds into the same rows), plain and with a full bias.
+    # head dim 64: one consumer's tile a block, alternating), plain and with a full bias.
     case(2, 300, 520, 4, 2, 128, dtype, causal=True, deterministic=True)
     case(1, 333, 400, 4, 2, 64, dtype, deterministic=True)
     case(1, 200, 320, 4, 2, 128, dtype, bias_shape=(1, 4, 200, 320), deterministic=True)

@@ -63,8 +63,10 @@ CASES = {
                                           bias_shape=(1, 4, 300, 520), bias_grad=True),
     "d64_full_bias": Case(BF16, 2, 333, 336, 4, 4, 64, bias_shape=(2, 4, 333, 336), bias_grad=True,
                           bias_neg_inf=0.05, bias_dtype=BF16),
-    # head dim 64 (dQ split along the keys, both shares added by the TMA reduce)
+    # head dim 64 (one consumer computes a query block's dQ, by the block's parity: odd and even
+    # counts of query blocks, and a single one, where the second consumer computes none)
     "d64_plain": Case(BF16, 2, 333, 333, 4, 4, 64),
+    "d64_one_query_block": Case(BF16, 2, 50, 300, 2, 2, 64),
     "d64_gqa_causal_fp16": Case(torch.float16, 1, 300, 517, 6, 2, 64, causal=True),
     "d64_key_bias_mask": Case(BF16, 2, 200, 300, 4, 2, 64, causal=True, mask_shape=(2, 1, 1, 300),
                               bias_shape=(2, 4, 1, 300), bias_grad=True),
