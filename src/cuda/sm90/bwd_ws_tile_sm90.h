@@ -63,9 +63,7 @@ struct BwdWsTile {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = kHeadDim == 256 ? 64 : 128;
-  // Q / dO (and their row statistics): three stages at D = 64, where the shared memory has room
-  // (causal fwd+bwd 1-2 % faster than with two, non-causal even; docs/design.md).
-  static constexpr int kStages = kHeadDim == 64 ? 3 : 2;
+  static constexpr int kStages = 2;  // Q / dO (and their row statistics)
   static constexpr int kConsumers = 2;
   static constexpr int kConsumerThreads = kConsumers * 128;
   static constexpr int kNThreads = kConsumerThreads + 128;
