@@ -70,9 +70,9 @@ struct BwdWsTile {
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dims 64, 128 and 256");
   static_assert(kHeadDim != 256 || kScores == BwdWsScores::kPlain, "head dim 256: plain scores");
   // D = 64: one consumer's dQ product per query block, over all the block's keys, so one (64, 64)
-  // tile to reduce into dq_accum. (Each consumer's own keys' share of every column, as before,
-  // made two reduce-adds of the same elements per block: twice the L2 reduction traffic, which
-  // binds this kernel.)
+  // tile to reduce into dq_accum. (Split by keys instead, each consumer its own keys' share of
+  // every column, dQ would take two reduce-adds of the same elements per block: twice the L2
+  // reduction traffic, which binds this kernel.)
   static constexpr bool kDqOneConsumer = kHeadDim == 64;
   // Head dim 256: dQ added by the consumers' atomics (no staging buffer, no writer).
   static constexpr bool kDqAtomic = kHeadDim == 256;
