@@ -9,10 +9,15 @@ timings after warm-up; random (never zero) inputs. TFLOP/s with FlashAttention's
 (4*B*H*S*S*D x 3.5, halved when causal; the top-k rows count the kept pairs). The backward kernel
 is the one dmattn picks (DMATTN_BWD_SM90_WS=0: the general Hopper kernel instead, for a
 comparison in a second process). Ends with a check of dmattn's dense gradients against SDPA's.
-    python benchmarks/profiling/bwd_timing.py [--iters 10] [-S 8192]
+--rounds N (N > 1): the rows with peers (dense, causal, head dims 64 and 256) are timed N times
+with the peers alternated, each row's figure the median of its rounds, and a line per problem
+gives the range of the per-round dmattn / cuDNN time ratios (the peers' times move with the GPU's
+state from one round to the next, as dmattn's do).
+    python benchmarks/profiling/bwd_timing.py [--iters 10] [-S 8192] [--rounds 1]
 """
 
 import argparse
+import statistics
 
 import torch
 
@@ -24,6 +29,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("-S", type=int, default=8192)
+    ap.add_argument("--rounds", type=int, default=1, help="alternations of the rows with peers")
     args = ap.parse_args()
     B, H, S, D, KEEP = 2, 16, args.S, 128, 2048
     dev, dt = "cuda", torch.bfloat16
@@ -40,16 +46,35 @@ def main():
 
     rows = []
 
-    def add(name, fn, leaves, d_out, flop):
+    def time_row(name, fn, leaves, d_out):
         def step():
             return torch.autograd.grad(fn(), leaves, d_out)
         try:
-            ms = bench_time_ms(step, "cuda", 3, args.iters)
-            rows.append((name, ms, flop / ms / 1e9))
+            return bench_time_ms(step, "cuda", 3, args.iters)
         except Exception as e:  # noqa: BLE001
-            rows.append((name, float("nan"), float("nan")))
             print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+            return float("nan")
+
+    def record(name, ms, flop):
+        rows.append((name, ms, flop / ms / 1e9))
         print(f"{rows[-1][0]:<62} {rows[-1][1]:8.3f} ms {rows[-1][2]:7.1f} TFLOP/s", flush=True)
+
+    def add(name, fn, leaves, d_out, flop):
+        record(name, time_row(name, fn, leaves, d_out), flop)
+
+    def add_with_peers(entries, flop):
+        """entries: (name, fn, leaves, d_out), dmattn's first and cuDNN's second, timed in turn
+        for args.rounds rounds; each row gets the median of its rounds."""
+        times = [[] for _ in entries]
+        for _ in range(args.rounds):
+            for i, entry in enumerate(entries):
+                times[i].append(time_row(*entry))
+        for entry, t in zip(entries, times):
+            record(entry[0], statistics.median(t), flop)
+        if args.rounds > 1:
+            ratios = [a / c for a, c in zip(times[0], times[1])]
+            print(f"{entries[0][0]}: dmattn / cuDNN per round {min(ratios):.3f}-{max(ratios):.3f} "
+                  f"over {args.rounds} rounds", flush=True)
 
     def dense_flop(causal, h=H, s=S, b=B):
         return 4 * b * h * s * s * D * 3.5 * (0.5 if causal else 1.0)
@@ -65,10 +90,11 @@ def main():
 
     for causal in (False, True):
         kind = "causal" if causal else "dense"
-        add(f"dmattn {kind}", lambda: dmattn.attention(q, k, v, causal=causal), [q, k, v], dout, dense_flop(causal))
-        add(f"sdpa cudnn {kind}", sdpa(causal, SDPBackend.CUDNN_ATTENTION), [qt, kt, vt], doutt, dense_flop(causal))
-        add(f"sdpa flash (FA2) {kind}", sdpa(causal, SDPBackend.FLASH_ATTENTION), [qt, kt, vt], doutt,
-            dense_flop(causal))
+        add_with_peers([(f"dmattn {kind}", lambda causal=causal: dmattn.attention(q, k, v, causal=causal), [q, k, v],
+                         dout),
+                        (f"sdpa cudnn {kind}", sdpa(causal, SDPBackend.CUDNN_ATTENTION), [qt, kt, vt], doutt),
+                        (f"sdpa flash (FA2) {kind}", sdpa(causal, SDPBackend.FLASH_ATTENTION), [qt, kt, vt], doutt)],
+                       dense_flop(causal))
     for causal in (False, True):
         add(f"dmattn per-key bias (B,H,1,S) + dbias{' causal' if causal else ''}",
             lambda: dmattn.attention(q, k, v, bias=key_bias, causal=causal), [q, k, v, key_bias], dout,
@@ -123,13 +149,14 @@ def main():
         doutd = torch.randn(B, S, h, d, device=dev, dtype=dt, generator=g)
         qdt, kdt, vdt = (t.detach().transpose(1, 2).requires_grad_() for t in (qd, kd, vd))
         flopd = dense_flop(True, h=h) * d / D
-        add(f"dmattn causal D={d}", lambda: dmattn.attention(qd, kd, vd, causal=True), [qd, kd, vd], doutd, flopd)
+        entries = [(f"dmattn causal D={d}", lambda: dmattn.attention(qd, kd, vd, causal=True), [qd, kd, vd], doutd)]
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash (FA2)", SDPBackend.FLASH_ATTENTION)):
             def run_d(backend=backend):
                 with sdpa_kernel(backend):
                     return F.scaled_dot_product_attention(qdt, kdt, vdt, is_causal=True)
-            add(f"sdpa {name} causal D={d}", run_d, [qdt, kdt, vdt], doutd.transpose(1, 2), flopd)
-        del qd, kd, vd, qdt, kdt, vdt, doutd
+            entries.append((f"sdpa {name} causal D={d}", run_d, [qdt, kdt, vdt], doutd.transpose(1, 2)))
+        add_with_peers(entries, flopd)
+        del qd, kd, vd, qdt, kdt, vdt, doutd, entries
 
     # Gradient check of the dense causal case against SDPA flash (same inputs, fp32 norms).
     out = dmattn.attention(q, k, v, causal=True)
