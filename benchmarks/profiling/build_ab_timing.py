@@ -5,7 +5,7 @@ builds alternated, two rounds or more, on one GPU, one process after another.
     PYTHONPATH=/path/to/build_a/python python benchmarks/profiling/build_ab_timing.py a1
     PYTHONPATH=/path/to/build_b/python python benchmarks/profiling/build_ab_timing.py b1
 
-Rows: dense and causal at D=128 and D=64; bf16, B=2, H=16, S=8192; gradients of q, k and
+Rows: dense and causal at D=128 and D=64, causal at D=256 (H=8); bf16, B=2, H=16, S=8192; gradients of q, k and
 v; median of CUDA-event timings (5 warm-up, 20 timed runs). One line per row: the tag, dmattn's
 ms, cuDNN's ms and their ratio (cuDNN's time moves with the GPU's state as dmattn's does, so the
 ratio is the figure to compare between processes).
@@ -25,9 +25,9 @@ def main() -> None:
     tag = sys.argv[1] if len(sys.argv) > 1 else "build"
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
-    B, H, S = 2, 16, 8192
-    for name, D, causal in (("dense", 128, False), ("causal", 128, True), ("dense_d64", 64, False),
-                            ("causal_d64", 64, True)):
+    B, S = 2, 8192
+    for name, D, H, causal in (("dense", 128, 16, False), ("causal", 128, 16, True), ("dense_d64", 64, 16, False),
+                               ("causal_d64", 64, 16, True), ("causal_d256", 256, 8, True)):
         q, k, v = (torch.randn(B, S, H, D, device=dev, dtype=dt, generator=g).requires_grad_() for _ in range(3))
         dout = torch.randn(B, S, H, D, device=dev, dtype=dt, generator=g)
         qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
