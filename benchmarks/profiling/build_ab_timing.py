@@ -5,10 +5,10 @@ builds alternated, two rounds or more, on one GPU, one process after another.
     PYTHONPATH=/path/to/build_a/python python benchmarks/profiling/build_ab_timing.py a1
     PYTHONPATH=/path/to/build_b/python python benchmarks/profiling/build_ab_timing.py b1
 
-Rows: dense and causal at D=128 and D=64, causal at D=256 (H=8); bf16, B=2, H=16, S=8192; gradients of q, k and
-v; median of CUDA-event timings (5 warm-up, 20 timed runs). One line per row: the tag, dmattn's
-ms, cuDNN's ms and their ratio (cuDNN's time moves with the GPU's state as dmattn's does, so the
-ratio is the figure to compare between processes).
+Rows: dense and causal at D=128 and D=64, causal at D=256 (H=8); bf16, B=2, H=16, S=8192;
+gradients of q, k and v; median of CUDA-event timings (5 warm-up, 20 timed runs). One line per
+row: the tag, dmattn's ms, cuDNN's ms and their ratio (cuDNN's time moves with the GPU's state as
+dmattn's does, so the ratio is the figure to compare between processes).
 """
 
 import sys
