@@ -290,11 +290,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
               }
             }
             constexpr int kBoxesPerConsumer = Tile::kDqBoxes / Tile::kConsumers;
-            // (D = 64: consumer t % 2's tile alone)
-            const int first_adder = Tile::kDqOneConsumer ? t & 1 : 0;
-            if (want_dq && (!Tile::kDqOneConsumer || w == first_adder)) {
+            if (want_dq && Tile::computes_dq(w, t)) {
               // Ordered adds: after the previous key block's (the consumers add disjoint columns).
-              if (order != nullptr && w == first_adder && mb < prev_hi) wait_for_flag(order, n_block);
+              if (order != nullptr && w == Tile::first_dq_adder(t) && mb < prev_hi) wait_for_flag(order, n_block);
               CUTE_UNROLL
               for (int j = 0; j < kBoxesPerConsumer; ++j) {
                 const int box = w * kBoxesPerConsumer + j;
@@ -580,7 +578,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       }
       // D = 128: this consumer's half of the columns; D = 64: every column, in the blocks of
       // this consumer's parity. Both from all of dS and K.
-      if (want_dq && (!Tile::kDqOneConsumer || (t & 1) == consumer)) {
+      if (want_dq && Tile::computes_dq(consumer, t)) {
         using DqShape = Shape<Int<kBlockM>, Int<kHeadDim>>;
         Tensor acc_dq = partition_fragment_C(mma_dq, DqShape{});
         {

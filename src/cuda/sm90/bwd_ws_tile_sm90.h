@@ -74,6 +74,11 @@ struct BwdWsTile {
   // every column, dQ would take two reduce-adds of the same elements per block: twice the L2
   // reduction traffic, which binds this kernel.)
   static constexpr bool kDqOneConsumer = kHeadDim == 64;
+  // Whether consumer w computes dQ of query block t. The writer adds the staged tiles of exactly
+  // these consumers (a mismatch would leave it waiting or drop a tile). D = 64: consumer t % 2.
+  static CUTE_HOST_DEVICE constexpr bool computes_dq(int w, int t) { return !kDqOneConsumer || (t & 1) == w; }
+  // The first consumer whose tile of block t the writer adds (deterministic mode's flag waits there).
+  static CUTE_HOST_DEVICE constexpr int first_dq_adder(int t) { return kDqOneConsumer ? t & 1 : 0; }
   // Head dim 256: dQ added by the consumers' atomics (no staging buffer, no writer).
   static constexpr bool kDqAtomic = kHeadDim == 256;
   // dS is read across consumers (the dQ product) or stored as dbias's tile by the writer (a full
