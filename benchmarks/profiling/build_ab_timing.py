@@ -3,9 +3,10 @@ comparing two builds of the library: run it once per build (each on its own PYTH
 builds alternated, two rounds or more, on one GPU, one process after another.
 
     PYTHONPATH=/path/to/build_a/python python benchmarks/profiling/build_ab_timing.py a1
-    PYTHONPATH=/path/to/build_b/python python benchmarks/profiling/build_ab_timing.py b1
+    PYTHONPATH=/path/to/build_b/python python benchmarks/profiling/build_ab_timing.py b1 [rows]
 
-Rows: dense and causal at D=128 and D=64, causal at D=256 (H=8); bf16, B=2, H=16, S=8192;
+Rows (all, or the comma-separated names given): dense and causal at D=128 and D=64, dense and
+causal at D=256 (H=8); bf16, B=2, H=16, S=8192;
 gradients of q, k and v; median of CUDA-event timings (5 warm-up, 20 timed runs). One line per
 row: the tag, dmattn's ms, cuDNN's ms and their ratio (cuDNN's time moves with the GPU's state as
 dmattn's does, so the ratio is the figure to compare between processes).
@@ -23,11 +24,18 @@ from dmattn.bench import time_ms
 
 def main() -> None:
     tag = sys.argv[1] if len(sys.argv) > 1 else "build"
+    rows = (("dense", 128, 16, False), ("causal", 128, 16, True), ("dense_d64", 64, 16, False),
+            ("causal_d64", 64, 16, True), ("dense_d256", 256, 8, False), ("causal_d256", 256, 8, True))
+    if len(sys.argv) > 2:
+        wanted = sys.argv[2].split(",")
+        unknown = set(wanted) - {r[0] for r in rows}
+        if unknown:
+            sys.exit(f"unknown rows {sorted(unknown)}; rows: {', '.join(r[0] for r in rows)}")
+        rows = tuple(r for r in rows if r[0] in wanted)
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     B, S = 2, 8192
-    for name, D, H, causal in (("dense", 128, 16, False), ("causal", 128, 16, True), ("dense_d64", 64, 16, False),
-                               ("causal_d64", 64, 16, True), ("causal_d256", 256, 8, True)):
+    for name, D, H, causal in rows:
         q, k, v = (torch.randn(B, S, H, D, device=dev, dtype=dt, generator=g).requires_grad_() for _ in range(3))
         dout = torch.randn(B, S, H, D, device=dev, dtype=dt, generator=g)
         qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
