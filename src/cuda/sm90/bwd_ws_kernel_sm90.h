@@ -52,6 +52,7 @@
 #include "cuda/key_positions.h"
 #include "cuda/score_mask.h"
 #include "cuda/seq_bounds.h"
+#include "cuda/sm90/acc_store_sm90.h"
 #include "cuda/sm90/bias_tile_sm90.h"
 #include "cuda/sm90/bwd_ws_tile_sm90.h"
 #include "cuda/sm90/dbias_colsum_sm90.h"
@@ -611,9 +612,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
           // dQ -> this consumer's boxes once the writer has read the previous ones.
           NamedBarrier::sync(Bar::kDqThreads, Bar::kDqEmpty + consumer);
           if constexpr (Tile::kDqOneConsumer)
-            copy(acc_dq, thr_dq.partition_C(local_tile(sdQ, Shape<Int<kBlockM>, Int<64>>{}, make_coord(0, consumer))));
+            store_acc_to_smem(acc_dq, thr_dq.partition_C(local_tile(sdQ, Shape<Int<kBlockM>, Int<64>>{},
+                                                                    make_coord(0, consumer))));
           else
-            copy(acc_dq, thr_dq.partition_C(sdQ));
+            store_acc_to_smem(acc_dq, thr_dq.partition_C(sdQ));
           cutlass::arch::fence_view_async_shared();  // the writer's TMA reads them
           NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqFull + consumer);
         }
