@@ -25,8 +25,8 @@
 //       positions tests) and P = exp(s - lse) while dP runs; dS = P (dP - Delta); column sums of
 //       dS for a key bias; P, dS -> shared memory; one barrier of both consumers (dS complete);
 //       issue dV += P^T dO, dK += dS^T Q, dQ = dS K; wait; release Q[t], dO[t];
-//       dQ -> shared memory (fp32) for the writer (head dim 256: added by the consumer's own
-//       reductions, bwd_ws_tile_sm90.h).
+//       dQ -> shared memory (fp32) for the writer (head dim 256: consumer 1's columns added by
+//       its own reductions, bwd_ws_tile_sm90.h).
 //     dK and dV stay in registers across the loop and are stored at the end (scale applied).
 // The score transform, P / dS and the column sums are the general Hopper kernel's
 // (bwd_common.h, dbias_colsum_sm90.h): the same numerics, exactly.
@@ -122,8 +122,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   const bool colsum = Tile::kKeyRows && a.dbias != nullptr && a.dbias_mode == kDbColSum;
   // A full bias's gradient: dS's tiles stored by the dQ writer (which then runs without dQ too).
   const bool dbias_tiles = Tile::kFullBias && a.dbias != nullptr && a.dbias_mode == kDbDirect;
-  // (head dim 256: the consumers add dQ themselves, Tile::kDqAtomic)
-  const bool writer = (want_dq && !Tile::kDqAtomic) || dbias_tiles;
+  const bool writer = want_dq || dbias_tiles;
   // Indexed keys: the producer warpgroup copies the key block's K and V rows by cp.async, issued
   // first thing so that they overlap the setup below; each of its threads arrives on kv_full
   // once the barrier is initialized (128 arrivals, each when the thread's copies have landed).
@@ -175,7 +174,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
 
   const auto pipe_params = tma_pipeline_params<Pipeline>(Tile::kQBytes, warp_group == 0, kConsumerThreads);
   Pipeline pipe_q(ss.pipe_q, pipe_params, Shape<_1, _1, _1>{});
-  Pipeline pipe_do(ss.pipe_do, pipe_params, Shape<_1, _1, _1>{});
+  using PipelineDo = typename Tile::PipelineDo;
+  PipelineDo pipe_do(ss.pipe_do, tma_pipeline_params<PipelineDo>(Tile::kQBytes, warp_group == 0, kConsumerThreads),
+                     Shape<_1, _1, _1>{});
   RowPipeline pipe_rows(ss.pipe_rows, loader_pipeline_params<RowPipeline>(warp_group == 0, kConsumerThreads));
   using BiasPipeline = typename Tile::BiasPipeline;
   BiasPipeline pipe_bias(ss.pipe_bias,
@@ -260,7 +261,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       // Both buffers start free; each later hand-back but the last matches a consumer's wait
       // (no barrier is left half arrived when the CTA ends).
       CUTE_UNROLL
-      for (int w = 0; w < Tile::kConsumers; ++w) NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqEmpty + w);
+      for (int w = 0; w < Tile::kDqStagedConsumers; ++w) NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqEmpty + w);
       for (int t = 0; t < n_iter; ++t) {
         const int mb = m_block_of(t);
         // (deterministic mode: this query block's flag, ordered_adds_sm90.h)
@@ -275,7 +276,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         auto [tdQgdQ, tdQsdQ] = tma_partition(p.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
                                               group_modes<0, 2>(gdQ));
         CUTE_UNROLL
-        for (int w = 0; w < Tile::kConsumers; ++w) {
+        for (int w = 0; w < Tile::kDqStagedConsumers; ++w) {
           NamedBarrier::sync(Bar::kDqThreads, Bar::kDqFull + w);
           if (lane == 0) {
             if constexpr (Tile::kFullBias) {
@@ -290,7 +291,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
                 copy(p.tma_dbias, tBsB, tBgB);
               }
             }
-            constexpr int kBoxesPerConsumer = Tile::kDqBoxes / Tile::kConsumers;
+            constexpr int kBoxesPerConsumer = Tile::kDqBoxes / Tile::kDqStagedConsumers;
             if (want_dq && Tile::computes_dq(w, t)) {
               // Ordered adds: after the previous key block's (the consumers add disjoint columns).
               if (order != nullptr && w == Tile::first_dq_adder(t) && mb < prev_hi) wait_for_flag(order, n_block);
@@ -343,8 +344,14 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.rows_q, f.head_dim, f.num_heads, p.tma_batch));
     Tensor mdO = p.tma_do.get_tma_tensor(make_shape(p.rows_q, f.head_dim, f.num_heads, p.tma_batch));
     Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tile::SmemLayoutQ{});
-    Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tile::SmemLayoutQ{});
-    PipelineState write = cutlass::make_producer_start_state<Pipeline>();  // (Q's and dO's: in step)
+    Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tile::SmemLayoutDo{});
+    PipelineState write = cutlass::make_producer_start_state<Pipeline>();  // (Q's, and dO's at the same depth)
+    // dO's state at block t: Q's, or at head dim 256 its one stage's, derived from t (a second
+    // state held took the producer warps' registers).
+    auto write_do_at = [&](int t) -> decltype(auto) {
+      if constexpr (Tile::kStagesDo == Tile::kStages) return (write);
+      else return cutlass::PipelineState<1>(0, (t & 1) ^ 1, t);
+    };
     auto write_bias = cutlass::make_producer_start_state<BiasPipeline>();
     Tensor mB = p.tma_bias.get_tma_tensor(make_shape(f.seqlen_q, f.seqlen_k, p.bias_heads, p.bias_batch));
     Tensor sB = make_tensor(make_smem_ptr(ss.bias.data()), typename Tile::SmemLayoutP{});
@@ -366,8 +373,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
           tma_partition(p.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
       pipe_q.producer_acquire(write);
       copy(p.tma_q.with(*pipe_q.producer_get_barrier(write)), tQgQ, tQsQ(_, write.index()));
-      pipe_do.producer_acquire(write);
-      copy(p.tma_do.with(*pipe_do.producer_get_barrier(write)), tdOgdO, tdOsdO(_, write.index()));
+      const auto write_do = write_do_at(t);
+      pipe_do.producer_acquire(write_do);
+      copy(p.tma_do.with(*pipe_do.producer_get_barrier(write_do)), tdOgdO, tdOsdO(_, write_do.index()));
       ++write;
       if constexpr (Tile::kFullBias) {
         pipe_bias.producer_acquire(write_bias);  // the consumers have added block t - 1's tile
@@ -384,7 +392,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     }
     // Stay until the consumers have released every stage (no load outlives the CTA's smem).
     pipe_q.producer_tail(write);
-    pipe_do.producer_tail(write);
+    pipe_do.producer_tail(write_do_at(n_iter));
     if constexpr (Tile::kFullBias) pipe_bias.producer_tail(write_bias);
     return;
   }
@@ -402,9 +410,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   auto thr_dq = mma_dq.get_thread_slice(Tile::kDqOneConsumer ? ctid % 128 : ctid);
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tile::SmemLayoutQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tile::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tile::SmemLayoutDo{});
   Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Tile::SmemLayoutQt{});
-  Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Tile::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Tile::SmemLayoutDot{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tile::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tile::SmemLayoutKV{});
   Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Tile::SmemLayoutKt{});
@@ -421,6 +429,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     return make_tensor(make_smem_ptr(ss.ds.data() + buf * Tile::kPElems), typename Tile::SmemLayoutPt{});
   };
   Tensor sdQ = make_tensor(make_smem_ptr(ss.dq.data()), typename Tile::SmemLayoutdQ{});
+  Tensor sdQ_wide = make_tensor(make_smem_ptr(ss.dq.data()), typename Tile::SmemLayoutdQWide{});
 
   Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
   Tensor tScS = thr_sdp.partition_C(cS);
@@ -462,9 +471,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     // Q, dO and the rows advance together, one stage per query block: one state for the three
     // pipelines (three held across the loop took registers the key-row consumers lack).
     PipelineState read;
+    // dO's state at block t: Q's, or at head dim 256 its one stage's, derived from t.
+    auto read_do_at = [&](int t) -> decltype(auto) {
+      if constexpr (Tile::kStagesDo == Tile::kStages) return (read);
+      else return cutlass::PipelineState<1>(0, t & 1, t);
+    };
     // (h, mb) = (head_of(t), m_block_of(t)), stepped rather than divided out of t.
     int h = kvh * group, mb = m_lo;
     for (int t = 0; t < n_iter; ++t) {
+      const auto read_do = read_do_at(t);
       const int m0 = mb * kBlockM;
       const int buf = Tile::kDsBuffers == 2 ? t & 1 : 0;
       const int pbuf = Tile::kPBuffers == 2 ? t & 1 : 0;
@@ -475,9 +490,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       if (packed) {
         const int rows_in_seq = seq.rows_valid(m0, kBlockM);
         if (rows_in_seq < kBlockM) {
-          pipe_do.consumer_wait(read);
+          pipe_do.consumer_wait(read_do);
           clear_tail_rows(sQ(_, _, read.index()), rows_in_seq, kBlockM);
-          clear_tail_rows(sdO(_, _, read.index()), rows_in_seq, kBlockM);
+          clear_tail_rows(sdO(_, _, read_do.index()), rows_in_seq, kBlockM);
           fence_smem_for_wgmma();
           consumers_sync();
         }
@@ -488,15 +503,17 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_sdp, tSrQ, tSrK, acc_s);
       }
       auto issue_dp = [&] {
-        pipe_do.consumer_wait(read);
-        Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO)(_, _, _, read.index());
+        pipe_do.consumer_wait(read_do);
+        Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO)(_, _, _, read_do.index());
         Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
         gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_sdp, tdPrdO, tdPrV, acc_dp);
       };
       // Plain scores: dP runs while S is transformed. Key rows: dP is issued after the
       // per-element tests, whose position and bound reads would otherwise sit beside dP's
-      // accumulators in flight (ptxas: 432 B of spills that way).
-      if constexpr (!Tile::kKeyRows) issue_dp();
+      // accumulators in flight (ptxas: 432 B of spills that way). dO in one stage: after the
+      // transform too, which its load may still overlap.
+      constexpr bool kDpAfterTransform = Tile::kKeyRows || Tile::kStagesDo == 1;
+      if constexpr (!kDpAfterTransform) issue_dp();
       pipe_rows.consumer_wait(read);
       const auto& st = ss.rows[read.index()];
       // The window from the kernel arguments (dense) or from the block's stage (packed: the
@@ -512,7 +529,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       bwd_load_row_stats(tScS_rc, st.m, a.row_log2l != nullptr ? st.log2l : nullptr, st.delta, rows_valid, row_m,
                          row_log2l, delta);
 
-      gemm_wait<Tile::kKeyRows ? 0 : 1>(acc_s);  // S done; dP may still run
+      gemm_wait<kDpAfterTransform ? 0 : 1>(acc_s);  // S done; dP may still run
       Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
       Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
       if constexpr (Tile::kKeyRows) {
@@ -541,6 +558,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         }
         if (win.block_needs_mask(m0, kBlockM, kBlockN, n_block))
           mask_and_bias_scores<false, true, Element, kBlockN>(s_rc, tScS_rc, m0, n0, win, nullptr, 0, nullptr, 0);
+        if constexpr (kDpAfterTransform) issue_dp();
       }
       gemm_wait<0>(acc_dp);
       bwd_p_ds(s_rc, dp_rc, row_m, row_log2l, delta);
@@ -575,11 +593,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       {
         Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt_at(pbuf));
         Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);
-        gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, read.index()), acc_dv);
+        gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, read_do.index()), acc_dv);
       }
-      // D = 128: this consumer's half of the columns; D = 64: every column, in the blocks of
-      // this consumer's parity. Both from all of dS and K.
-      if (want_dq && Tile::computes_dq(consumer, t)) {
+      // D = 128 and 256: this consumer's half of the columns; D = 64: every column, in the blocks
+      // of this consumer's parity. All from all of dS and K.
+      const bool dq_here = want_dq && Tile::computes_dq(consumer, t);
+      // dO in one stage: released once the dV product has read it, so that the next block's
+      // load starts while this block's dQ and dK run.
+      const bool do_early = Tile::kStagesDo == 1 && dq_here;
+      if (dq_here) {
         using DqShape = Shape<Int<kBlockM>, Int<kHeadDim>>;
         Tensor acc_dq = partition_fragment_C(mma_dq, DqShape{});
         {
@@ -590,7 +612,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         issue_dk();
         gemm_wait<1>(acc_dq);  // dV and dQ done
         warpgroup_fence_operand(acc_dv);
-        if constexpr (Tile::kDqAtomic) {
+        if (do_early) pipe_do.consumer_release(read_do);
+        // (D = 256, consumer 1: its own reductions; the first test keeps the others' code out)
+        if (Tile::kDqStagedConsumers < Tile::kConsumers && consumer >= Tile::kDqStagedConsumers) {
           // (rows past the sequence, of the next packed sequence or past the tensor, not added)
           const int64_t row_stride = int64_t(f.num_heads) * f.head_dim;
           float* gdQ = a.dq_accum + (int64_t(tb) * p.rows_q + seq.q0() + m0) * row_stride + int64_t(h) * f.head_dim;
@@ -614,8 +638,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
           if constexpr (Tile::kDqOneConsumer)
             store_acc_to_smem(acc_dq, thr_dq.partition_C(local_tile(sdQ, Shape<Int<kBlockM>, Int<64>>{},
                                                                     make_coord(0, consumer))));
-          else
-            store_acc_to_smem(acc_dq, thr_dq.partition_C(sdQ));
+          else  // (D = 128: both consumers' columns; D = 256: consumer 0's, the buffer's 32 KiB)
+            store_acc_to_smem(acc_dq, thr_dq.partition_C(sdQ_wide));
           cutlass::arch::fence_view_async_shared();  // the writer's TMA reads them
           NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqFull + consumer);
         }
@@ -630,7 +654,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       gemm_wait<0>(acc_dk);
       warpgroup_fence_operand(acc_dv);
       pipe_q.consumer_release(read);
-      pipe_do.consumer_release(read);
+      if (!do_early) pipe_do.consumer_release(read_do);
       ++read;
       if constexpr (Tile::kKeyRows) {
         if (colsum_per_head && mb == m_hi - 1) colsum_flush(h);

@@ -18,10 +18,10 @@
 // Head dim 256 (kBlockN = 64, plain scores): S and dP split along the keys (32 each), dV, dK and
 // dQ along the head dim (128 columns each: dK and dV of 128 keys would need 256 accumulator
 // registers a thread), so every product reads both consumers' halves of P and dS (two buffers of
-// each, one barrier of both consumers). Q and dO in two stages, K and V take 224 KiB of shared
-// memory with P and dS: no room for dQ's 64 KiB of fp32 staging, and each consumer adds its dQ
-// columns into dq_accum from its registers (16-byte reductions), as FlashAttention-3 does at
-// this head dim.
+// each, one barrier of both consumers). Q in two stages and dO in one (as FlashAttention-3 at
+// this head dim: dO[t + 1] loads while S[t + 1] is computed and transformed), which leaves room
+// for 32 KiB of fp32 staging: consumer 0's dQ columns leave through the writer's TMA reduce-add,
+// consumer 1's by 16-byte reductions from its registers (no room for both).
 // Every operand of a product comes from shared memory in wgmma's 128-byte-swizzled K-major
 // layout; the transposed operands are composed views.
 // The score policy (BwdWsScores):
@@ -63,7 +63,8 @@ struct BwdWsTile {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = kHeadDim == 256 ? 64 : 128;
-  static constexpr int kStages = 2;  // Q / dO (and their row statistics)
+  static constexpr int kStages = 2;  // Q (and the row statistics; dO too but at head dim 256)
+  static constexpr int kStagesDo = kHeadDim == 256 ? 1 : kStages;
   static constexpr int kConsumers = 2;
   static constexpr int kConsumerThreads = kConsumers * 128;
   static constexpr int kNThreads = kConsumerThreads + 128;
@@ -79,19 +80,21 @@ struct BwdWsTile {
   static CUTE_HOST_DEVICE constexpr bool computes_dq(int w, int t) { return !kDqOneConsumer || (t & 1) == w; }
   // The first consumer whose tile of block t the writer adds (deterministic mode's flag waits there).
   static CUTE_HOST_DEVICE constexpr int first_dq_adder(int t) { return kDqOneConsumer ? t & 1 : 0; }
-  // Head dim 256: dQ added by the consumers' atomics (no staging buffer, no writer).
-  static constexpr bool kDqAtomic = kHeadDim == 256;
+  // The consumers whose dQ goes through the staging buffer and the writer: both, but at head dim
+  // 256 consumer 0 only (consumer 1 adds its columns by reductions from its registers).
+  static constexpr int kDqStagedConsumers = kHeadDim == 256 ? 1 : kConsumers;
   // dS is read across consumers (the dQ product) or stored as dbias's tile by the writer (a full
   // bias): two buffers, and one barrier of both consumers once both halves are written.
   static constexpr int kDsBuffers = 2;
   // setmaxnreg: 65536 / 384 = 168 at launch; the producer keeps 40 and the consumers take 232
   // (dK and dV hold 128 accumulator registers, S and dP 64, dQ 32). With 24 / 240 the producer's
   // TMA coordinates spilled (ptxas -v: 96 B in the plain kernel, none at 40 / 232). At D = 64
-  // the consumers need far fewer (64 + 64 + 32): the key-row loader gets 56. D = 256 takes as
-  // many as D = 128: dK and dV 128, S and dP 32, dQ 64.
+  // the consumers need far fewer (64 + 64 + 32): the key-row loader gets 56. D = 256 (dK and dV
+  // 128, S and dP 32, dQ 64) fits 224 as well, and its producer warps need the 56: the TMA
+  // thread's dO state and the dQ writer spilled 24 B at 40.
   static constexpr int kLaunchRegs = 65536 / kNThreads / 8 * 8;
-  static constexpr int kProducerRegs = kHeadDim == 64 ? 56 : 40;
-  static constexpr int kConsumerRegs = kHeadDim == 64 ? 224 : 232;
+  static constexpr int kProducerRegs = kHeadDim == 128 ? 40 : 56;
+  static constexpr int kConsumerRegs = kHeadDim == 128 ? 232 : 224;
   static_assert((kLaunchRegs - kProducerRegs) * 128 >= (kConsumerRegs - kLaunchRegs) * kConsumerThreads,
                 "the consumers' registers must come from the producer's");
 
@@ -111,10 +114,17 @@ struct BwdWsTile {
   using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
   using Stage = cute::Int<kStages>;
   // Q / dO: (rows, D, stage), and their transposes (D, rows, stage) for dK / dV's B operand.
-  using SmemLayoutQ = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, Stage>{}));
-  using SmemLayoutQt = decltype(cute::composition(
-      SmemLayoutQ{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>, Stage>{},
-                                       cute::Stride<cute::Int<kBlockM>, cute::_1, cute::Int<kBlockM * kHeadDim>>{})));
+  template <int kS>
+  using SmemLayoutRows = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>, cute::Int<kS>>{}));
+  template <int kS>
+  using SmemLayoutRowsT = decltype(cute::composition(
+      SmemLayoutRows<kS>{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>, cute::Int<kS>>{},
+                                              cute::Stride<cute::Int<kBlockM>, cute::_1, cute::Int<kBlockM * kHeadDim>>{})));
+  using SmemLayoutQ = SmemLayoutRows<kStages>;
+  using SmemLayoutQt = SmemLayoutRowsT<kStages>;
+  using SmemLayoutDo = SmemLayoutRows<kStagesDo>;
+  using SmemLayoutDot = SmemLayoutRowsT<kStagesDo>;
   using SmemLayoutKV = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
   using SmemLayoutKt = decltype(cute::composition(
       SmemLayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
@@ -141,6 +151,10 @@ struct BwdWsTile {
   using SmemLayoutdQ = decltype(cute::tile_to_shape(SmemAtomF32{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kDqCols>>{}));
   using SmemLayoutdQBoxes = decltype(cute::tile_to_shape(
       SmemAtomF32{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kDqBoxCols>, cute::Int<kDqBoxes>>{}));
+  // Head dim 256: consumer 0's columns [0, 128) of a (64, 256) view of the same buffer (the view's
+  // atoms run down the rows first, so its first 128 columns are the buffer's 32 KiB, box b its
+  // columns [32 b, 32 b + 32)); consumer 1 writes none of it.
+  using SmemLayoutdQWide = decltype(cute::tile_to_shape(SmemAtomF32{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
 
   // Global tensors as (rows, cols, heads, batch) (tma_views.h).
   using GmemLayout = cute::Layout<cute::Shape<int, int, int, int>, cute::Stride<int64_t, cute::_1, int64_t, int64_t>>;
@@ -156,6 +170,7 @@ struct BwdWsTile {
   using TmadBias = decltype(cute::make_tma_copy(cute::SM90_TMA_STORE{}, GmemTensorOut{}, SmemLayoutP{}));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineDo = cutlass::PipelineTmaAsync<kStagesDo>;
   using RowPipeline = cutlass::PipelineAsync<kStages>;
   using BiasPipeline = cutlass::PipelineTmaAsync<1>;
   // What the loader warp writes per query block: the rows' statistics and, with key rows, the
@@ -179,20 +194,20 @@ struct BwdWsTile {
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> dout;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutDo>, 1024> dout;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> k;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> v;
     alignas(1024) cute::array_aligned<Element, kPBuffers * kPElems, 1024> p;
     alignas(1024) cute::array_aligned<Element, kDsBuffers * kPElems, 1024> ds;
-    // (unused buffers: a few bytes, without the swizzle's alignment; head dim 256 has 3 KiB to spare)
-    static constexpr int kDqAlign = kDqAtomic ? 16 : 1024;
-    alignas(kDqAlign) cute::array_aligned<float, kDqAtomic ? 4 : cute::cosize_v<SmemLayoutdQ>, kDqAlign> dq;
+    // (unused buffers: a few bytes, without the swizzle's alignment)
+    alignas(1024) cute::array_aligned<float, cute::cosize_v<SmemLayoutdQ>, 1024> dq;
     alignas(kFullBias ? 1024 : 16) cute::array_aligned<Element, kBiasElems, kFullBias ? 1024 : 16> bias;
     RowStage rows[kStages];
     cute::array_aligned<float, kKeyRows ? kWarpsPerCol * kBlockN : 4, 16> colsum;
     cute::array_aligned<int32_t, kKeyRows ? kBlockN : 4, 16> pos;  // the CTA's positions (query range)
     int32_t end_max[kNThreads / 32];  // key_block_end_max's per-warp maxima
-    typename Pipeline::SharedStorage pipe_q, pipe_do;
+    typename Pipeline::SharedStorage pipe_q;
+    typename PipelineDo::SharedStorage pipe_do;
     typename RowPipeline::SharedStorage pipe_rows;
     typename BiasPipeline::SharedStorage pipe_bias;
     alignas(8) cutlass::arch::ClusterTransactionBarrier::ValueType kv_full;
