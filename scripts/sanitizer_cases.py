@@ -2,13 +2,30 @@
 scripts/gpu_cycle.sh with the step `sanitize`. Tails, broadcast mask/bias, GQA, causal and
 window, forward and backward; each call is checked for finiteness so a failing launch shows."""
 
+import functools
 import os
+import time
 
 import torch
 
 import dmattn
 
 
+def announced(fn):
+    """Prints each call and its time as it ends (flushed): under a sanitizer, the case that
+    fails or hangs is the last one named."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kw):
+        t0 = time.perf_counter()
+        print(f"{fn.__name__}{args} {kw or ''}", end=" ", flush=True)
+        fn(*args, **kw)
+        print(f"{time.perf_counter() - t0:.1f} s", flush=True)
+
+    return wrapper
+
+
+@announced
 def case(b, sq, sk, h, hkv, d, dtype, mask_shape=None, bias_shape=None, bias_dtype=None, **kw):
     g = torch.Generator().manual_seed(sq * 1000 + sk)
     dev = "cuda"
@@ -24,6 +41,7 @@ def case(b, sq, sk, h, hkv, d, dtype, mask_shape=None, bias_shape=None, bias_dty
         assert torch.isfinite(t).all(), "non-finite value"
 
 
+@announced
 def topk_case(b, s, h, hkv, d, dtype, keep, **kw):
     """dmattn.attention_topk with a per-key bias (B, H, 1, S): the gather path."""
     g = torch.Generator().manual_seed(s * 7 + keep)
@@ -39,6 +57,7 @@ def topk_case(b, s, h, hkv, d, dtype, keep, **kw):
         assert torch.isfinite(t).all(), "non-finite value"
 
 
+@announced
 def varlen_case(lens, h, hkv, d, dtype, key_bias=False, **kw):
     """dmattn.attention_varlen forward + backward on ragged sequences (a key-side bias with its
     gradient when key_bias)."""
@@ -57,6 +76,7 @@ def varlen_case(lens, h, hkv, d, dtype, key_bias=False, **kw):
         assert torch.isfinite(t).all(), "non-finite value"
 
 
+@announced
 def kvcache_case(b, sq, h, hkv, d, dtype, capacity, page_size=None, bias=False, mask=False):
     """dmattn.attention_with_kvcache (the split-KV decode kernel and its combine kernel): ragged
     lengths, a partial last key tile, several warps and splits, optional pages (capacity a
@@ -79,6 +99,7 @@ def kvcache_case(b, sq, h, hkv, d, dtype, capacity, page_size=None, bias=False, 
     assert torch.isfinite(out).all(), "non-finite value"
 
 
+@announced
 def topk_decode_case(b, h, hkv, d, dtype, sk, keep, bias_rows):
     """attention_topk's decoding step (one query, no gradient): the kept rows read in place by
     the decode kernel (its indexed keys), a bias (bias_rows..., 1, Sk) over the kv heads."""
@@ -169,8 +190,11 @@ for dtype in (torch.bfloat16, torch.float16):
     case(1, 96, 704, 2, 2, 128, dtype, bias_shape=(1, 2, 96, 704), window=(32, 0))
     case(2, 300, 520, 4, 2, 64, dtype, bias_shape=(2, 4, 300, 520), causal=True)
     # Head dim 256 on it: key blocks of 64, P and dS in two buffers each read by both consumers,
-    # dQ added by the consumers' reductions (rows past the queries left out; GQA, Sq < Sk).
+    # dO in one stage, dQ by consumer 0's staged tile and consumer 1's reductions (rows past the
+    # queries left out; GQA, Sq < Sk; the FA2-style path, so that the kernel adds dQ).
+    os.environ["DMATTN_BWD_EXACT"] = "0"
     case(2, 300, 520, 4, 2, 256, dtype, causal=True)
+    del os.environ["DMATTN_BWD_EXACT"]
     # Deterministic mode on it: the dQ writer's ordered adds (flags in a stream-ordered buffer;
     # head dim 64: one consumer's tile a block, alternating), plain and with a full bias.
     case(2, 300, 520, 4, 2, 128, dtype, causal=True, deterministic=True)
