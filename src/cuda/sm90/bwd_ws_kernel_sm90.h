@@ -258,8 +258,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         int prev_lo;
         bwd_query_block_range(seq.window(), n0 - kBlockN, kBlockN, kBlockM, prev_lo, prev_hi);
       }
-      // Both buffers start free; each later hand-back but the last matches a consumer's wait
-      // (no barrier is left half arrived when the CTA ends).
+      // The staging buffers (one per staging consumer) start free; each later hand-back but the
+      // last matches a consumer's wait (no barrier is left half arrived when the CTA ends).
       CUTE_UNROLL
       for (int w = 0; w < Tile::kDqStagedConsumers; ++w) NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqEmpty + w);
       for (int t = 0; t < n_iter; ++t) {
