@@ -199,8 +199,8 @@ struct BwdWsTile {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> v;
     alignas(1024) cute::array_aligned<Element, kPBuffers * kPElems, 1024> p;
     alignas(1024) cute::array_aligned<Element, kDsBuffers * kPElems, 1024> ds;
-    // (unused buffers: a few bytes, without the swizzle's alignment)
     alignas(1024) cute::array_aligned<float, cute::cosize_v<SmemLayoutdQ>, 1024> dq;
+    // (unused buffers below: a few bytes, without the swizzle's alignment)
     alignas(kFullBias ? 1024 : 16) cute::array_aligned<Element, kBiasElems, kFullBias ? 1024 : 16> bias;
     RowStage rows[kStages];
     cute::array_aligned<float, kKeyRows ? kWarpsPerCol * kBlockN : 4, 16> colsum;
