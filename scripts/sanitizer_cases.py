@@ -12,8 +12,8 @@ import dmattn
 
 
 def announced(fn):
-    """Prints each call and its time as it ends (flushed): under a sanitizer, the case that
-    fails or hangs is the last one named."""
+    """Prints each call as it starts and its time as it ends (flushed): under a sanitizer, the
+    case that fails or hangs is the last one named."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kw):
