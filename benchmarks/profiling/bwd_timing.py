@@ -31,6 +31,8 @@ def main():
     ap.add_argument("-S", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=1, help="alternations of the rows with peers")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     B, H, S, D, KEEP = 2, 16, args.S, 128, 2048
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
