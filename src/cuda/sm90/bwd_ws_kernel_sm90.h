@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     // state held took the producer warps' registers).
     auto write_do_at = [&](int t) -> decltype(auto) {
       if constexpr (Tile::kStagesDo == Tile::kStages) return (write);
-      else return cutlass::PipelineState<1>(0, (t & 1) ^ 1, t);
+      else return one_stage_producer_state(t);
     };
     auto write_bias = cutlass::make_producer_start_state<BiasPipeline>();
     Tensor mB = p.tma_bias.get_tma_tensor(make_shape(f.seqlen_q, f.seqlen_k, p.bias_heads, p.bias_batch));
@@ -474,7 +474,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     // dO's state at block t: Q's, or at head dim 256 its one stage's, derived from t.
     auto read_do_at = [&](int t) -> decltype(auto) {
       if constexpr (Tile::kStagesDo == Tile::kStages) return (read);
-      else return cutlass::PipelineState<1>(0, t & 1, t);
+      else return one_stage_consumer_state(t);
     };
     // (h, mb) = (head_of(t), m_block_of(t)), stepped rather than divided out of t.
     int h = kvh * group, mb = m_lo;
@@ -551,7 +551,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         if constexpr (Tile::kFullBias) {
           // + bias (two roundings, as the general transform; its tile landed by TMA), then the
           // window / tail test
-          const cutlass::PipelineState<1> read_bias(0, t & 1, t);
+          const auto read_bias = one_stage_consumer_state(t);
           pipe_bias.consumer_wait(read_bias);
           add_bias_sw128<Element, kBlockM>(s_rc, tScS_rc, ss.bias.data(), 1.f);
           pipe_bias.consumer_release(read_bias);

@@ -32,6 +32,16 @@ __device__ __forceinline__ typename Pipeline::Params cp_async_pipeline_params(bo
   return p;
 }
 
+// A one-stage pipeline's state at its t-th use, derived from t rather than held across a loop
+// (a held state takes registers): the consumer's phase flips with every use from 0, the
+// producer's from 1 (as make_producer_start_state begins).
+__device__ __forceinline__ cutlass::PipelineState<1> one_stage_consumer_state(int t) {
+  return cutlass::PipelineState<1>(0, t & 1, t);
+}
+__device__ __forceinline__ cutlass::PipelineState<1> one_stage_producer_state(int t) {
+  return cutlass::PipelineState<1>(0, (t & 1) ^ 1, t);
+}
+
 // (one loader warp: its 32 lanes arrive)
 template <class Pipeline>
 __device__ __forceinline__ typename Pipeline::Params loader_pipeline_params(bool producer, int consumer_threads) {
