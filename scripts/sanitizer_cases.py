@@ -190,7 +190,7 @@ for dtype in (torch.bfloat16, torch.float16):
     case(1, 96, 704, 2, 2, 128, dtype, bias_shape=(1, 2, 96, 704), window=(32, 0))
     case(2, 300, 520, 4, 2, 64, dtype, bias_shape=(2, 4, 300, 520), causal=True)
     # Head dim 256 on it: key blocks of 64, P and dS in two buffers each read by both consumers,
-    # dO in one stage, dQ by consumer 0's staged tile and consumer 1's reductions (rows past the
+    # dO in one stage, the consumers' dQ tiles in turns on one staging buffer (rows past the
     # queries left out; GQA, Sq < Sk; the FA2-style path, so that the kernel adds dQ).
     os.environ["DMATTN_BWD_EXACT"] = "0"
     case(2, 300, 520, 4, 2, 256, dtype, causal=True)
@@ -200,6 +200,7 @@ for dtype in (torch.bfloat16, torch.float16):
     case(2, 300, 520, 4, 2, 128, dtype, causal=True, deterministic=True)
     case(1, 333, 400, 4, 2, 64, dtype, deterministic=True)
     case(1, 200, 320, 4, 2, 128, dtype, bias_shape=(1, 4, 200, 320), deterministic=True)
+    case(2, 300, 520, 4, 2, 256, dtype, causal=True, deterministic=True)
     # Packed batches on it: each sequence's tiles from its first row, the rows past its end
     # cleared in shared memory, its last query block's dQ rows past its end zeroed (the FA2-style path,
     # so that the main pass adds dQ), plain and with a key-side bias, deterministic too.

@@ -70,7 +70,8 @@ CASES = {
     "d64_gqa_causal_fp16": Case(torch.float16, 1, 300, 517, 6, 2, 64, causal=True),
     "d64_key_bias_mask": Case(BF16, 2, 200, 300, 4, 2, 64, causal=True, mask_shape=(2, 1, 1, 300),
                               bias_shape=(2, 4, 1, 300), bias_grad=True),
-    # head dim 256 (key blocks of 64; dK, dV and dQ split along the head dim, dQ added by reductions)
+    # head dim 256 (key blocks of 64; dK, dV and dQ split along the head dim, the consumers' dQ
+    # columns staged in turns)
     "d256_plain": Case(BF16, 2, 333, 333, 4, 4, 256),
     "d256_gqa_causal_fp16": Case(torch.float16, 1, 300, 517, 6, 2, 256, causal=True),
     "d256_window_empty_key_blocks": Case(BF16, 1, 96, 1024, 2, 2, 256, window=(32, 0)),
@@ -82,8 +83,7 @@ def test_against_reference(name, bwd_path, nan_poison):
     check_case(CASES[name], DEV)
 
 
-# Deterministic mode: the same kernel, its dQ adds in key block order (ordered_adds_sm90.h); at
-# head dim 256, the general kernels (the query-major dQ kernel).
+# Deterministic mode: the same kernel, its dQ adds in key block order (ordered_adds_sm90.h).
 DETERMINISTIC_CASES = ["plain", "plain_gqa_causal", "window_empty_key_blocks", "key_bias_gqa_per_head",
                        "key_bias_per_kv_head", "key_bias_shared", "full_bias_gqa_causal_fp16", "d64_plain",
                        "d64_gqa_causal_fp16", "d64_full_bias", "d256_plain", "d256_gqa_causal_fp16"]
@@ -126,9 +126,9 @@ def _long_grads(causal, d, window, bias, deterministic):
 
 
 @pytest.mark.parametrize("causal,d,window,bias", [(False, 128, (-1, -1), False), (True, 128, (-1, -1), False),
-                                                  (True, 64, (-1, -1), False), (False, 128, (700, 300), False),
-                                                  (True, 128, (-1, -1), True)],
-                         ids=["dense", "causal", "causal_d64", "window", "causal_full_bias"])
+                                                  (True, 64, (-1, -1), False), (True, 256, (-1, -1), False),
+                                                  (False, 128, (700, 300), False), (True, 128, (-1, -1), True)],
+                         ids=["dense", "causal", "causal_d64", "causal_d256", "window", "causal_full_bias"])
 def test_deterministic_ordered_dq(causal, d, window, bias):
     """Deterministic mode with many key blocks per query block: the warp-specialized kernel runs
     (Hopper), with no query-major dQ kernel, and its gradients are bitwise equal over runs and

@@ -25,8 +25,8 @@
 //       positions tests) and P = exp(s - lse) while dP runs; dS = P (dP - Delta); column sums of
 //       dS for a key bias; P, dS -> shared memory; one barrier of both consumers (dS complete);
 //       issue dV += P^T dO, dK += dS^T Q, dQ = dS K; wait; release Q[t], dO[t];
-//       dQ -> shared memory (fp32) for the writer (head dim 256: consumer 1's columns added by
-//       its own reductions, bwd_ws_tile_sm90.h).
+//       dQ -> shared memory (fp32) for the writer (head dim 256: the consumers in turns on one
+//       buffer, bwd_ws_tile_sm90.h).
 //     dK and dV stay in registers across the loop and are stored at the end (scale applied).
 // The score transform, P / dS and the column sums are the general Hopper kernel's
 // (bwd_common.h, dbias_colsum_sm90.h): the same numerics, exactly.
@@ -186,6 +186,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   // (indexed keys: the producers' copies, issued above, arrive once they land: 128 arrivals)
   if (threadIdx.x == 0) {
     kv_full.init(indexed ? 128 : 1);
+    if constexpr (Tile::kDqTurns)
+      for (int w = 0; w < Tile::kConsumers; ++w) cutlass::arch::ClusterBarrier::init(&ss.dq_turn[w], 128 + 1);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -258,10 +260,16 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         int prev_lo;
         bwd_query_block_range(seq.window(), n0 - kBlockN, kBlockN, kBlockM, prev_lo, prev_hi);
       }
-      // The staging buffers (one per staging consumer) start free; each later hand-back but the
-      // last matches a consumer's wait (no barrier is left half arrived when the CTA ends).
-      CUTE_UNROLL
-      for (int w = 0; w < Tile::kDqStagedConsumers; ++w) NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqEmpty + w);
+      // The staging buffers start free; each later hand-back but the last matches a consumer's
+      // wait (no barrier is left half arrived when the CTA ends). Head dim 256 hands the one
+      // buffer over by the turn barriers instead: consumer 0's first turn is the writer's arrival
+      // here and consumer 1's before its loop.
+      if constexpr (Tile::kDqTurns) {
+        if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&ss.dq_turn[0]);
+      } else {
+        CUTE_UNROLL
+        for (int w = 0; w < Tile::kConsumers; ++w) NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqEmpty + w);
+      }
       for (int t = 0; t < n_iter; ++t) {
         const int mb = m_block_of(t);
         // (deterministic mode: this query block's flag, ordered_adds_sm90.h)
@@ -276,7 +284,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         auto [tdQgdQ, tdQsdQ] = tma_partition(p.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
                                               group_modes<0, 2>(gdQ));
         CUTE_UNROLL
-        for (int w = 0; w < Tile::kDqStagedConsumers; ++w) {
+        for (int w = 0; w < Tile::kConsumers; ++w) {
           NamedBarrier::sync(Bar::kDqThreads, Bar::kDqFull + w);
           if (lane == 0) {
             if constexpr (Tile::kFullBias) {
@@ -291,21 +299,25 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
                 copy(p.tma_dbias, tBsB, tBgB);
               }
             }
-            constexpr int kBoxesPerConsumer = Tile::kDqBoxes / Tile::kDqStagedConsumers;
+            // (turns: each consumer's columns fill the whole buffer)
+            constexpr int kBoxesPerConsumer = Tile::kDqTurns ? Tile::kDqBoxes : Tile::kDqBoxes / Tile::kConsumers;
             if (want_dq && Tile::computes_dq(w, t)) {
               // Ordered adds: after the previous key block's (the consumers add disjoint columns).
               if (order != nullptr && w == Tile::first_dq_adder(t) && mb < prev_hi) wait_for_flag(order, n_block);
               CUTE_UNROLL
               for (int j = 0; j < kBoxesPerConsumer; ++j) {
-                const int box = w * kBoxesPerConsumer + j;
-                copy(p.tma_dq, tdQsdQ(_, box), tdQgdQ(_, box % Tile::kDqHeadBoxes));
+                const int box = w * kBoxesPerConsumer + j;  // (of the dQ row)
+                copy(p.tma_dq, tdQsdQ(_, box % Tile::kDqBoxes), tdQgdQ(_, box % Tile::kDqHeadBoxes));
               }
             }
             tma_store_arrive();
             tma_store_wait<0>();  // the boxes have been read: the buffer may be written again
+            // (turns: consumer 0's columns read, consumer 1's turn; consumer 1's, consumer 0's
+            // next block's)
+            if constexpr (Tile::kDqTurns) cutlass::arch::ClusterBarrier::arrive(&ss.dq_turn[1 - w]);
           }
           __syncwarp();
-          if (t + 1 < n_iter) NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqEmpty + w);
+          if (!Tile::kDqTurns && t + 1 < n_iter) NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqEmpty + w);
         }
         // Ordered adds: this block's performed in global memory, then the next key block may
         // add (the consumers have their buffers back meanwhile).
@@ -362,8 +374,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     };
     // (packed: read once; reloaded in each block it cost 84 B more spills in the producer warps)
     const int q0 = packed ? seq.q0() : 0;
+    // (the head and query block stepped, as the consumers do: dividing t each block took the
+    // registers of a 40-register TMA thread at head dim 256)
+    int h = head_of(0), mb = m_lo;
     for (int t = 0; t < n_iter; ++t) {
-      const int h = head_of(t), mb = m_block_of(t);
       Tensor gQ = local_tile(domain_offset(make_coord(q0, 0), mQ(_, _, h, tb)), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                              make_coord(mb, 0));
       Tensor gdO = local_tile(domain_offset(make_coord(q0, 0), mdO(_, _, h, tb)), Shape<Int<kBlockM>, Int<kHeadDim>>{},
@@ -388,6 +402,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
                                             group_modes<0, 2>(bias_tile(t + 1)));
           prefetch(p.tma_bias, tNgB);
         }
+      }
+      if (++mb == m_hi) {
+        mb = m_lo;
+        ++h;
       }
     }
     // Stay until the consumers have released every stage (no load outlives the CTA's smem).
@@ -478,6 +496,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     };
     // (h, mb) = (head_of(t), m_block_of(t)), stepped rather than divided out of t.
     int h = kvh * group, mb = m_lo;
+    // Head dim 256: consumer 1's arrivals for consumer 0's first turn (with the writer's).
+    if (Tile::kDqTurns && consumer == 1) cutlass::arch::ClusterBarrier::arrive(&ss.dq_turn[0]);
     for (int t = 0; t < n_iter; ++t) {
       const auto read_do = read_do_at(t);
       const int m0 = mb * kBlockM;
@@ -605,22 +625,27 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         using DqShape = Shape<Int<kBlockM>, Int<kHeadDim>>;
         Tensor acc_dq = partition_fragment_C(mma_dq, DqShape{});
         {
+          // Head dim 256: the consumers take turns on one staging buffer. This consumer's turn
+          // comes once the other one has stored its tile and the writer has read it; each turn
+          // barrier completes one phase a block (consumer 1's: consumer 0's tile of block t;
+          // consumer 0's: consumer 1's of block t - 1, phase 0 the initial arrivals). mbarriers,
+          // whose arrivals release each thread's own stores, so that the two consumers' writes of
+          // the buffer are ordered directly and not only through the writer's barriers. dK is
+          // issued first and the turn awaited before the dQ product: awaited among dQ's live
+          // accumulators, the wait's loop made the consumers spill.
+          if constexpr (Tile::kDqTurns) {
+            issue_dk();
+            cutlass::arch::ClusterBarrier::wait(&ss.dq_turn[consumer], t & 1);
+          }
           Tensor tdQrdS = thr_dq.partition_fragment_A(sdS_at(buf));
           Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
           gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_dq, tdQrdS, tdQrKt, acc_dq);
         }
-        issue_dk();
-        gemm_wait<1>(acc_dq);  // dV and dQ done
+        if constexpr (!Tile::kDqTurns) issue_dk();
+        gemm_wait<Tile::kDqTurns ? 0 : 1>(acc_dq);  // dV and dQ done (head dim 256: dK too)
         warpgroup_fence_operand(acc_dv);
         if (do_early) pipe_do.consumer_release(read_do);
-        // (D = 256, consumer 1: its own reductions; the first test keeps the others' code out)
-        if (Tile::kDqStagedConsumers < Tile::kConsumers && consumer >= Tile::kDqStagedConsumers) {
-          // (rows past the sequence, of the next packed sequence or past the tensor, not added)
-          const int64_t row_stride = int64_t(f.num_heads) * f.head_dim;
-          float* gdQ = a.dq_accum + (int64_t(tb) * p.rows_q + seq.q0() + m0) * row_stride + int64_t(h) * f.head_dim;
-          bwd_dq_atomic_add(acc_dq, thr_dq.partition_C(make_identity_tensor(DqShape{})), gdQ, row_stride, rows_valid,
-                            f.head_dim, ctid);
-        } else {
+        {
           // Packed batches: the writer adds a block past the sequence's end by whole boxes, into the
           // next sequence's rows too. Those rows of dS are 0, but 0 times an Inf in this sequence's
           // K is NaN: they are zeroed. (Adding an exact 0 changes no sum, in any order: dq_accum
@@ -633,20 +658,32 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
                 if (get<0>(tdQcdQ(i)) >= rows_valid) acc_dq(i) = 0.f;
             }
           }
-          // dQ -> this consumer's boxes once the writer has read the previous ones.
-          NamedBarrier::sync(Bar::kDqThreads, Bar::kDqEmpty + consumer);
+          // dQ -> this consumer's boxes once the writer has read the previous ones (head dim
+          // 256: its turn, awaited above).
+          if constexpr (!Tile::kDqTurns) NamedBarrier::sync(Bar::kDqThreads, Bar::kDqEmpty + consumer);
           if constexpr (Tile::kDqOneConsumer)
             store_acc_to_smem(acc_dq, thr_dq.partition_C(local_tile(sdQ, Shape<Int<kBlockM>, Int<64>>{},
                                                                     make_coord(0, consumer))));
-          else  // (D = 128: both consumers' columns; D = 256: consumer 0's, the buffer's 32 KiB)
+          else if constexpr (!Tile::kDqTurns)  // (D = 128: both consumers' columns)
             store_acc_to_smem(acc_dq, thr_dq.partition_C(sdQ_wide));
+          else {  // D = 256: this consumer's columns onto the buffer, where consumer 0's partition
+                  // puts them (the two consumers' partitions differ by the columns' offset alone);
+                  // the addresses from an opaque thread index (held across the loop, they spilled)
+            int tid = ctid % 128;
+            asm volatile("" : "+r"(tid));
+            store_acc_to_smem(acc_dq, mma_dq.get_thread_slice(tid).partition_C(sdQ_wide));
+          }
           cutlass::arch::fence_view_async_shared();  // the writer's TMA reads them
           NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqFull + consumer);
+          // (head dim 256: the other consumer's turn follows this store)
+          if constexpr (Tile::kDqTurns) cutlass::arch::ClusterBarrier::arrive(&ss.dq_turn[1 - consumer]);
         }
       } else {
         issue_dk();
         // The writer's turn without a dQ tile from this consumer (it may store dS[t] as dbias).
-        if (want_dq || dbias_tiles) {
+        // (head dim 256 never comes here with a turn to take: plain scores have no dbias tile,
+        // and both consumers compute dQ whenever it is wanted)
+        if (!Tile::kDqTurns && (want_dq || dbias_tiles)) {
           NamedBarrier::sync(Bar::kDqThreads, Bar::kDqEmpty + consumer);
           NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqFull + consumer);
         }

@@ -74,10 +74,8 @@ inline bool bwd_ws_supports(const BwdArgs& a) {
 
 // Deterministic mode: the kernel adds each query block's dQ in key block order, which needs the
 // key blocks that meet a query block to be consecutive: true of the query block range of a
-// window (bwd_query_block_range), not of gathered keys' positions; and every dQ add through the
-// writer warp, which head dim 256 has for consumer 0's columns only (consumer 1 adds its own by
-// reductions).
-inline bool bwd_ws_orders_dq_adds(const BwdArgs& a) { return a.f.kpos.ptr == nullptr && a.f.head_dim != 256; }
+// window (bwd_query_block_range), not of gathered keys' positions.
+inline bool bwd_ws_orders_dq_adds(const BwdArgs& a) { return a.f.kpos.ptr == nullptr; }
 
 template <class Tile, bool kPacked>
 void launch_bwd_ws_tile(const BwdArgs& a, dim3 grid, cudaStream_t stream) {

@@ -20,8 +20,9 @@
 // registers a thread), so every product reads both consumers' halves of P and dS (two buffers of
 // each, one barrier of both consumers). Q in two stages and dO in one (as FlashAttention-3 at
 // this head dim: dO[t + 1] loads while S[t + 1] is computed and transformed), which leaves room
-// for 32 KiB of fp32 staging: consumer 0's dQ columns leave through the writer's TMA reduce-add,
-// consumer 1's by 16-byte reductions from its registers (no room for both).
+// for 32 KiB of fp32 staging, one consumer's dQ columns: the consumers take turns on it (consumer
+// 0's columns, then consumer 1's, each read by the writer's TMA reduce-add before the next; the
+// turns handed over by two mbarriers, dK issued before the dQ product).
 // Every operand of a product comes from shared memory in wgmma's 128-byte-swizzled K-major
 // layout; the transposed operands are composed views.
 // The score policy (BwdWsScores):
@@ -80,9 +81,9 @@ struct BwdWsTile {
   static CUTE_HOST_DEVICE constexpr bool computes_dq(int w, int t) { return !kDqOneConsumer || (t & 1) == w; }
   // The first consumer whose tile of block t the writer adds (deterministic mode's flag waits there).
   static CUTE_HOST_DEVICE constexpr int first_dq_adder(int t) { return kDqOneConsumer ? t & 1 : 0; }
-  // The consumers whose dQ goes through the staging buffer and the writer: both, but at head dim
-  // 256 consumer 0 only (consumer 1 adds its columns by reductions from its registers).
-  static constexpr int kDqStagedConsumers = kHeadDim == 256 ? 1 : kConsumers;
+  // Head dim 256: each consumer's 128 dQ columns take the whole staging buffer, so the consumers
+  // take turns on it (consumer 0's columns, then consumer 1's, every query block).
+  static constexpr bool kDqTurns = kHeadDim == 256;
   // dS is read across consumers (the dQ product) or stored as dbias's tile by the writer (a full
   // bias): two buffers, and one barrier of both consumers once both halves are written.
   static constexpr int kDsBuffers = 2;
@@ -90,11 +91,12 @@ struct BwdWsTile {
   // (dK and dV hold 128 accumulator registers, S and dP 64, dQ 32). With 24 / 240 the producer's
   // TMA coordinates spilled (ptxas -v: 96 B in the plain kernel, none at 40 / 232). At D = 64
   // the consumers need far fewer (64 + 64 + 32): the key-row loader gets 56. D = 256 (dK and dV
-  // 128, S and dP 32, dQ 64) fits 224 as well, and its producer warps need the 56: the TMA
-  // thread's dO state and the dQ writer spilled 24 B at 40.
+  // 128, S and dP 32, dQ 64) needs the 232 too once both consumers stage dQ in turns (12 B of
+  // spills at 224), and its TMA thread fits 40 when it steps the head and query block instead of
+  // dividing the block index (24 B at 40 otherwise).
   static constexpr int kLaunchRegs = 65536 / kNThreads / 8 * 8;
-  static constexpr int kProducerRegs = kHeadDim == 128 ? 40 : 56;
-  static constexpr int kConsumerRegs = kHeadDim == 128 ? 232 : 224;
+  static constexpr int kProducerRegs = kHeadDim == 64 ? 56 : 40;
+  static constexpr int kConsumerRegs = kHeadDim == 64 ? 224 : 232;
   static_assert((kLaunchRegs - kProducerRegs) * 128 >= (kConsumerRegs - kLaunchRegs) * kConsumerThreads,
                 "the consumers' registers must come from the producer's");
 
@@ -151,9 +153,9 @@ struct BwdWsTile {
   using SmemLayoutdQ = decltype(cute::tile_to_shape(SmemAtomF32{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kDqCols>>{}));
   using SmemLayoutdQBoxes = decltype(cute::tile_to_shape(
       SmemAtomF32{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kDqBoxCols>, cute::Int<kDqBoxes>>{}));
-  // Head dim 256: consumer 0's columns [0, 128) of a (64, 256) view of the same buffer (the view's
-  // atoms run down the rows first, so its first 128 columns are the buffer's 32 KiB, box b its
-  // columns [32 b, 32 b + 32)); consumer 1 writes none of it.
+  // Head dim 256: a (64, 256) view over the buffer. Its atoms run down the rows first, so its
+  // columns [0, 128) are the buffer's 32 KiB (box b its columns [32 b, 32 b + 32)): consumer 0's
+  // partition of it, which both consumers store through in their turns.
   using SmemLayoutdQWide = decltype(cute::tile_to_shape(SmemAtomF32{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
 
   // Global tensors as (rows, cols, heads, batch) (tma_views.h).
@@ -211,6 +213,9 @@ struct BwdWsTile {
     typename RowPipeline::SharedStorage pipe_rows;
     typename BiasPipeline::SharedStorage pipe_bias;
     alignas(8) cutlass::arch::ClusterTransactionBarrier::ValueType kv_full;
+    // Head dim 256: consumer w's turn on the dQ staging buffer (the other consumer's 128 arrivals
+    // after its store, and the writer's one after its TMA has read that store).
+    alignas(8) cutlass::arch::ClusterBarrier::ValueType dq_turn[kConsumers];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024);
