@@ -91,8 +91,8 @@ struct BwdWsTile {
   // (dK and dV hold 128 accumulator registers, S and dP 64, dQ 32). With 24 / 240 the producer's
   // TMA coordinates spilled (ptxas -v: 96 B in the plain kernel, none at 40 / 232). At D = 64
   // the consumers need far fewer (64 + 64 + 32): the key-row loader gets 56. D = 256 (dK and dV
-  // 128, S and dP 32, dQ 64) needs the 232 too once both consumers stage dQ in turns (12 B of
-  // spills at 224), and its TMA thread fits 40 when it steps the head and query block instead of
+  // 128, S and dP 32, dQ 64) needs the 232 too once both consumers stage dQ in turns (they
+  // spilled at 224), and its TMA thread fits 40 when it steps the head and query block instead of
   // dividing the block index (24 B at 40 otherwise).
   static constexpr int kLaunchRegs = 65536 / kNThreads / 8 * 8;
   static constexpr int kProducerRegs = kHeadDim == 64 ? 56 : 40;
