@@ -447,7 +447,6 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     return make_tensor(make_smem_ptr(ss.ds.data() + buf * Tile::kPElems), typename Tile::SmemLayoutPt{});
   };
   Tensor sdQ = make_tensor(make_smem_ptr(ss.dq.data()), typename Tile::SmemLayoutdQ{});
-  Tensor sdQ_wide = make_tensor(make_smem_ptr(ss.dq.data()), typename Tile::SmemLayoutdQWide{});
 
   Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
   Tensor tScS = thr_sdp.partition_C(cS);
@@ -665,12 +664,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
             store_acc_to_smem(acc_dq, thr_dq.partition_C(local_tile(sdQ, Shape<Int<kBlockM>, Int<64>>{},
                                                                     make_coord(0, consumer))));
           else if constexpr (!Tile::kDqTurns)  // (D = 128: both consumers' columns)
-            store_acc_to_smem(acc_dq, thr_dq.partition_C(sdQ_wide));
+            store_acc_to_smem(acc_dq, thr_dq.partition_C(sdQ));
           else {  // D = 256: this consumer's columns onto the buffer, where consumer 0's partition
                   // puts them (the two consumers' partitions differ by the columns' offset alone);
                   // the addresses from an opaque thread index (held across the loop, they spilled)
             int tid = ctid % 128;
             asm volatile("" : "+r"(tid));
+            Tensor sdQ_wide = make_tensor(make_smem_ptr(ss.dq.data()), typename Tile::SmemLayoutdQWide{});
             store_acc_to_smem(acc_dq, mma_dq.get_thread_slice(tid).partition_C(sdQ_wide));
           }
           cutlass::arch::fence_view_async_shared();  // the writer's TMA reads them
