@@ -42,14 +42,16 @@ def case(b, sq, sk, h, hkv, d, dtype, mask_shape=None, bias_shape=None, bias_dty
 
 
 @announced
-def topk_case(b, s, h, hkv, d, dtype, keep, **kw):
-    """dmattn.attention_topk with a per-key bias (B, H, 1, S): the gather path."""
+def topk_case(b, s, h, hkv, d, dtype, keep, bias_heads=None, **kw):
+    """dmattn.attention_topk with a per-key bias (B, bias_heads (default H), 1, S): the gather
+    path; bias_heads 1 or Hkv: its training form (one key set per kv head, the full-size
+    gradients written by the scatter kernel)."""
     g = torch.Generator().manual_seed(s * 7 + keep)
     dev = "cuda"
     q = torch.randn(b, s, h, d, generator=g).to(dev, dtype).requires_grad_()
     k = torch.randn(b, s, hkv, d, generator=g).to(dev, dtype).requires_grad_()
     v = torch.randn(b, s, hkv, d, generator=g).to(dev, dtype).requires_grad_()
-    bias = torch.randn(b, h, 1, s, generator=g).to(dev, dtype).requires_grad_()
+    bias = torch.randn(b, h if bias_heads is None else bias_heads, 1, s, generator=g).to(dev, dtype).requires_grad_()
     out = dmattn.attention_topk(q, k, v, bias, keep, **kw)
     out.backward(torch.randn_like(out))
     torch.cuda.synchronize()
@@ -164,6 +166,8 @@ for dtype in (torch.bfloat16, torch.float16):
     topk_case(2, 300, 4, 2, 128, dtype, keep=160, causal=True)
     topk_case(1, 520, 2, 2, 64, dtype, keep=200, causal=True, per_query=True)
     topk_case(1, 260, 2, 1, 128, dtype, keep=96, causal=False)
+    topk_case(2, 600, 4, 2, 128, dtype, keep=300, bias_heads=2, causal=True)
+    topk_case(1, 700, 2, 2, 64, dtype, keep=280, bias_heads=1, causal=False)
 
     # The forward's persistent CTAs: more tiles than SMs (each CTA takes several, the pipelines
     # running on across them), for plain scores, a full bias and per-key rows; then a causal

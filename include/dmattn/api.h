@@ -151,11 +151,19 @@ void run_backward(const BackwardParams& params);
 //   gather_key_rows: k_rows[b, j, g] = k[b, positions[b', g', j], g] (v likewise; k, v (B, Sk, Hkv,
 //     D), positions (1 or B, 1 or Hkv, K) contiguous, k_rows / v_rows (B, K, Hkv, D) contiguous),
 //     and, given, bias_rows[b', g', j] = bias[b', g', positions[b', g', j]] (bias (rows of the
-//     positions..., Sk), bias_rows contiguous). A negative position gives zeros.
+//     positions..., Sk), bias_rows contiguous). A negative position gives zeros;
+//   scatter_key_rows: the inverse for the gradients of a gather at distinct positions (each row
+//     strictly increasing, negative padding last): dk[b, s, g] = dk_rows[b, j, g] where
+//     positions[b', g', j] == s, zeros at the keys no position names (dv likewise; shapes as in
+//     gather_key_rows, every tensor contiguous), and, given, dbias (rows of the positions..., 1,
+//     Sk) from dbias_rows (..., 1, K) the same way. Every element of the outputs is written.
 void select_topk_positions(const TensorDesc& bias, int64_t keep, const TensorDesc& positions, const TensorDesc* values,
                            void* stream);
 void gather_key_rows(const TensorDesc& k, const TensorDesc& v, const TensorDesc& positions, const TensorDesc& k_rows,
                      const TensorDesc& v_rows, const TensorDesc* bias, const TensorDesc* bias_rows, void* stream);
+void scatter_key_rows(const TensorDesc& dk_rows, const TensorDesc& dv_rows, const TensorDesc& positions,
+                      const TensorDesc& dk, const TensorDesc& dv, const TensorDesc* dbias_rows, const TensorDesc* dbias,
+                      void* stream);
 
 // Per-query causal top-k glue (docs/semantics.md, "Per-query causal top-k"), CPU or CUDA tensors
 // (CUDA: on `stream`), destination-passing, every tensor int32 and contiguous:

@@ -29,7 +29,8 @@ from torch import Tensor
 
 from .masks import bias_over_keys, cached_index_tensor, dynamic_mask, selection_key, selection_shape
 from .ops import (_GLUE_DTYPES, _call_op, attention_backward, attention_forward, forward_with_grad, gather_key_rows,
-                  native_glue_available, records_no_gradient, select_topk_positions, supports_key_positions)
+                  native_glue_available, records_no_gradient, scatter_key_rows, select_topk_positions,
+                  supports_key_positions)
 
 __all__ = ["KeySet", "mask_key_set", "topk_key_set", "attention_over_key_set", "force_path"]
 
@@ -50,7 +51,9 @@ INDEXED_KEYS = os.environ.get("DMATTN_INDEXED_KEYS", "1") != "0"
 def force_path(path: Optional[str]) -> Iterator[None]:
     """For tests and benchmarks: "gather" makes dmattn.attention gather whenever the key set
     allows it (whatever fraction is kept), "dense" makes it and dmattn.attention_topk always
-    take the dense masked path, None restores the automatic choice. Not thread-local."""
+    take the dense masked path, None restores the automatic choice. With either path forced,
+    attention_topk also leaves its native inference and training forms (topk.py) for the
+    general path's layers (same results). Not thread-local."""
     global _forced
     if path not in (None, "gather", "dense"):
         raise ValueError(f"path: expected 'gather', 'dense' or None, got {path!r}")
@@ -345,15 +348,16 @@ class _DistinctRowsAttention(torch.autograd.Function):
     head: attention_topk's per-key selection): the attention op on the kept rows (read in place,
     or gathered), and in the backward the copy of dK, dV, dbias back onto the original rows, as
     ONE autograd node. Same values as the composed path (index_select, the op, index_copy_ /
-    scatter back); the gathers are not recorded by autograd and the backward runs one node
-    instead of about ten: host time, which the GPU waits on at these sizes. Without a gradient
-    to compute, attention_over_key_set calls the forward's body directly (no node)."""
+    scatter back; on CUDA one kernel, ops.scatter_key_rows, writes the full-size gradients);
+    the gathers are not recorded by autograd and the backward runs one node instead of about
+    ten: host time, which the GPU waits on at these sizes. Without a gradient to compute,
+    attention_over_key_set calls the forward's body directly (no node)."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, key_set, mode, options):
         out, lse, saved = _distinct_rows_forward(q, k, v, bias, key_set, mode, options)
         ctx.save_for_backward(*saved)
-        ctx.options, ctx.num_keys, ctx.key_set = options, k.shape[1], key_set
+        ctx.options, ctx.num_keys, ctx.key_set, ctx.mode = options, k.shape[1], key_set, mode
         ctx.shapes = (k.shape, v.shape, None if bias is None else bias.shape)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
@@ -372,6 +376,11 @@ class _DistinctRowsAttention(torch.autograd.Function):
             attention_backward, dout, q, k_rows, v_rows, out, lse, None, bias_rows, want_dbias, *ctx.options,
             positions, ctx.num_keys, None, False, key_rows)
         k_shape, v_shape, bias_shape = ctx.shapes
+        needs = ctx.needs_input_grad
+        if ctx.mode != "torch":  # CUDA: one kernel writes dK, dV (and dbias) at full size
+            dk, dv, dbias = scatter_key_rows(dk_rows, dv_rows, positions, k_shape,
+                                             dbias_rows if want_dbias else None, bias_shape)
+            return dq, dk if needs[1] else None, dv if needs[2] else None, dbias, None, None, None
         index = ctx.key_set.key_index()
         if flat_index is None:
             flat_index = _flat_row_index(index, k_shape[0], k_shape[2], k_shape[1], k_shape[2])
@@ -381,8 +390,8 @@ class _DistinctRowsAttention(torch.autograd.Function):
             full.view(-1, shape[-1]).index_copy_(0, flat_index, rows.reshape(-1, shape[-1]))
             return full
 
-        dk = rows_back(dk_rows, k_shape) if ctx.needs_input_grad[1] else None
-        dv = rows_back(dv_rows, v_shape) if ctx.needs_input_grad[2] else None
+        dk = rows_back(dk_rows, k_shape) if needs[1] else None
+        dv = rows_back(dv_rows, v_shape) if needs[2] else None
         dbias = dbias_rows.new_zeros(bias_shape).scatter_(-1, index.unsqueeze(-2), dbias_rows) if want_dbias else None
         return dq, dk, dv, dbias, None, None, None
 

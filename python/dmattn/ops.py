@@ -132,9 +132,10 @@ _GLUE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @functools.lru_cache(maxsize=None)
 def native_glue_available() -> bool:
-    """Whether the loaded library has the CUDA glue (select_topk_positions, gather_key_rows)."""
+    """Whether the loaded library has the CUDA glue (select_topk_positions, gather_key_rows,
+    scatter_key_rows)."""
     try:
-        return lib().cuda_available() and hasattr(lib(), "select_topk_positions")
+        return lib().cuda_available() and hasattr(lib(), "scatter_key_rows")
     except Exception:  # noqa: BLE001 (no library: the ops report it where they are used)
         return False
 
@@ -166,6 +167,20 @@ def gather_key_rows(k: Tensor, v: Tensor, positions: Tensor,
     lib().gather_key_rows(k, v, positions, k_rows, v_rows, bias3,
                           None if bias_rows is None else bias_rows.view(*bias3.shape[:2], width))
     return k_rows, v_rows, bias_rows
+
+
+def scatter_key_rows(dk_rows: Tensor, dv_rows: Tensor, positions: Tensor, key_shape,
+                     dbias_rows: Optional[Tensor] = None,
+                     bias_shape=None) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """The inverse of gather_key_rows for the gradients: dk, dv of shape ``key_shape`` (B, Sk,
+    Hkv, D) holding the rows dk_rows, dv_rows (B, K, Hkv, D) at ``positions`` (1 or B, 1 or Hkv,
+    K; distinct, increasing, padding -1 last) and zeros elsewhere, and, given, dbias of
+    ``bias_shape`` (positions' leading dims, 1, Sk) from dbias_rows (.., 1, K) the same way.
+    One kernel, every output element written once (no zero fill, no atomics)."""
+    dk, dv = dk_rows.new_empty(key_shape), dv_rows.new_empty(key_shape)
+    dbias = None if dbias_rows is None else dbias_rows.new_empty(bias_shape)
+    lib().scatter_key_rows(dk_rows, dv_rows, positions, dk, dv, dbias_rows, dbias)
+    return dk, dv, dbias
 
 
 # ---------------------------------------------------------------------------------------------

@@ -69,6 +69,8 @@ def attention_topk(
     # per_query without causal: every query sees every key, one key set per (batch, head).
     if mask is None and not deterministic:
         fast = _inference_forward(q, k, v, bias, keep, causal, window, scale, softcap, return_lse)
+        if fast is None:
+            fast = _training_forward(q, k, v, bias, keep, causal, window, scale, softcap)
         if fast is not None:
             return fast if return_lse else fast[0]
     options = dict(causal=causal, window=window, scale=scale, softcap=softcap,
@@ -95,46 +97,23 @@ def _inference_forward(q, k, v, bias, keep: int, causal, window, scale, softcap,
     call is not that form (the general path then runs, and reports any error). lse may be None
     when not want_lse.
 
-    The form: no gradient to record, eager mode on plain tensors, CUDA, 16-bit q / k / v with
-    unit stride along D, a (1 or B, 1 or Hkv, 1, Sk) bias of a 16/32-bit float dtype, no mask,
-    keep < Sk. The calls are those the general path ends in (gather.topk_key_set's selection
-    kernel, which also writes the bias rows, then the forward kernel reading the kept K / V
-    rows in place: gather._distinct_rows_forward's "indexed" mode), with the same arguments,
-    so the results are the same bits; what is left out are the general path's layers of checks
-    and dispatch, host time that an idle GPU waits on at these sizes. Where torch lends its
-    allocator to the native side (decode.native_allocates) and q / k / v need no copy for the
-    kernels, both calls and every allocation are one native call (``topk_attention``). One
-    query (a decoding step) without a left window runs on the decode kernel instead, reading
-    the kept K / V rows in place once per kv head, not once per query head (in one native call
-    too, or decode.gathered_decode); results equal to floating-point summation order."""
-    # (the gradient test first: a training call, which takes the general path, leaves at once)
-    if not records_no_gradient(q, k, v, bias) or gather._forced is not None or not gather.INDEXED_KEYS:
+    The form: no gradient to record, and _native_form. The calls are those the general path
+    ends in (gather.topk_key_set's selection kernel, which also writes the bias rows, then the
+    forward kernel reading the kept K / V rows in place: gather._distinct_rows_forward's
+    "indexed" mode), with the same arguments, so the results are the same bits; what is left out
+    are the general path's layers of checks and dispatch, host time that an idle GPU waits on at
+    these sizes. Where torch lends its allocator to the native side (decode.native_allocates)
+    and q / k / v need no copy for the kernels, both calls and every allocation are one native
+    call (``topk_attention``). One query (a decoding step) without a left window runs on the
+    decode kernel instead, reading the kept K / V rows in place once per kv head, not once per
+    query head (in one native call too, or decode.gathered_decode); results equal to
+    floating-point summation order."""
+    # (the gradient test first: a training call leaves at once for _training_forward)
+    if not records_no_gradient(q, k, v, bias) or not _native_form(q, k, v, bias, keep):
         return None
-    if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and type(bias) is Tensor):
-        return None
-    if not (q.is_cuda and k.is_cuda and v.is_cuda and bias.is_cuda):
-        return None
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or bias.dim() != 4:
-        return None
-    batch, _, heads, head_dim = q.shape
-    num_keys, heads_kv = k.shape[1], k.shape[2]
-    bias_batch, bias_heads, bias_rows, bias_keys = bias.shape
-    if (k.shape[0] != batch or k.shape[3] != head_dim or v.shape != k.shape or q.numel() == 0
-            or heads_kv == 0 or heads % heads_kv or keep >= num_keys):
-        return None
-    if bias_rows != 1 or bias_keys != num_keys or bias_batch not in (1, batch) or bias_heads not in (1, heads_kv):
-        return None
-    if not (q.dtype in _SIXTEEN_BIT and k.dtype == q.dtype and v.dtype == q.dtype
-            and bias.dtype in (q.dtype, torch.float32)):
-        return None
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        return None
-    device = q.get_device()
-    if k.get_device() != device or v.get_device() != device or bias.get_device() != device:
-        return None
-    if (not _plain_eager((q, k, v, bias)) or not native_glue_available()
-            or not _native_supports_key_positions("cuda")):
-        return None
+    batch, _, heads, _ = q.shape
+    num_keys = k.shape[1]
+    bias_batch, bias_heads = bias.shape[0], bias.shape[1]
     left, right, scale, softcap = _parse_options(window, scale, softcap)
     # One query without a left window (a decoding step; at the causal end it sees every kept
     # key): the decode kernel, where it takes these shapes.
@@ -142,7 +121,7 @@ def _inference_forward(q, k, v, bias, keep: int, causal, window, scale, softcap,
     if native_allocates() and all(_cuda_layout(x) is x for x in (q, k, v)):
         lse = q.new_empty((batch, heads, q.shape[1]), dtype=torch.float32) if want_lse else None
         out = lib().topk_attention(q, k, v, bias, keep, lse, bool(causal), left, right, _scale_arg(scale), softcap,
-                                   splits)
+                                   splits, None, None)
         return out, lse
     positions = bias.new_empty((bias_batch, bias_heads, keep), dtype=torch.int32)
     kept_bias = bias.new_empty((bias_batch, bias_heads, 1, keep))
@@ -151,3 +130,93 @@ def _inference_forward(q, k, v, bias, keep: int, causal, window, scale, softcap,
         return gathered_decode(q, k, v, positions, kept_bias, scale, softcap, splits, want_lse)
     return native_forward(q, k, v, None, kept_bias, bool(causal), left, right, scale, softcap, positions, num_keys,
                           None, positions)
+
+
+def _native_form(q, k, v, bias, keep: int) -> bool:
+    """Whether attention_topk's arguments are the form its native calls take (inference and
+    training): no path forced and indexed keys on, eager mode on plain tensors, CUDA, 16-bit
+    q / k / v with unit stride along D, a (1 or B, 1 or Hkv, 1, Sk) bias of a 16/32-bit float
+    dtype, no mask (the caller's test), keep < Sk."""
+    if gather._forced is not None or not gather.INDEXED_KEYS:
+        return False
+    if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and type(bias) is Tensor):
+        return False
+    if not (q.is_cuda and k.is_cuda and v.is_cuda and bias.is_cuda):
+        return False
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or bias.dim() != 4:
+        return False
+    batch, _, heads, head_dim = q.shape
+    num_keys, heads_kv = k.shape[1], k.shape[2]
+    bias_batch, bias_heads, bias_rows, bias_keys = bias.shape
+    if (k.shape[0] != batch or k.shape[3] != head_dim or v.shape != k.shape or q.numel() == 0
+            or heads_kv == 0 or heads % heads_kv or keep >= num_keys):
+        return False
+    if bias_rows != 1 or bias_keys != num_keys or bias_batch not in (1, batch) or bias_heads not in (1, heads_kv):
+        return False
+    if not (q.dtype in _SIXTEEN_BIT and k.dtype == q.dtype and v.dtype == q.dtype
+            and bias.dtype in (q.dtype, torch.float32)):
+        return False
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return False
+    device = q.get_device()
+    if k.get_device() != device or v.get_device() != device or bias.get_device() != device:
+        return False
+    return (_plain_eager((q, k, v, bias)) and native_glue_available()
+            and _native_supports_key_positions("cuda"))
+
+
+def _training_forward(q, k, v, bias, keep: int, causal, window, scale,
+                      softcap) -> Optional[Tuple[Tensor, Tensor]]:
+    """(out, lse) of the shared-set gather path with a gradient to record, as one autograd node
+    over two native calls (_TopkTrainingStep), or None where the call is not that form (the
+    general path then runs, and reports any error).
+
+    The form: _native_form, torch lending its allocator to the native side
+    (decode.native_allocates) and q / k / v needing no copy for the kernels. The forward is
+    ``topk_attention`` (the selection, then the forward over the kept rows read in place), the
+    backward ``topk_attention_backward`` (the backward over the kept rows, then dK, dV and dbias
+    written at full size by one kernel), with the arguments the general path's autograd node
+    (gather._DistinctRowsAttention, "indexed" mode) passes, so the same bits; left out are the
+    general path's layers of checks, dispatch and allocations in Python, host time on the GPU's
+    critical path at these sizes (the forward kernel waited for it after the selection)."""
+    if not _native_form(q, k, v, bias, keep) or not native_allocates():
+        return None
+    if not all(_cuda_layout(x) is x for x in (q, k, v)):
+        return None
+    left, right, scale, softcap = _parse_options(window, scale, softcap)
+    return _TopkTrainingStep.apply(q, k, v, bias, keep, bool(causal), left, right, scale, softcap)
+
+
+class _TopkTrainingStep(torch.autograd.Function):
+    """attention_topk's training form (_training_forward): forward and backward each one native
+    call that allocates its scratch through torch. The selection's positions and kept bias are
+    saved for the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, keep, causal, left, right, scale, softcap):
+        batch, seqlen_q, heads, _ = q.shape
+        positions = bias.new_empty((bias.shape[0], bias.shape[1], keep), dtype=torch.int32)
+        kept_bias = bias.new_empty((bias.shape[0], bias.shape[1], 1, keep))
+        lse = q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+        out = lib().topk_attention(q, k, v, bias, keep, lse, causal, left, right, _scale_arg(scale), softcap, 0,
+                                   positions, kept_bias)
+        ctx.save_for_backward(q, k, v, kept_bias, out, lse, positions)
+        ctx.options = (causal, left, right, _scale_arg(scale), softcap)
+        ctx.bias_shape = bias.shape
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        if dout is None:  # out did not reach the loss
+            return (None,) * len(ctx.needs_input_grad)
+        q, k, v, kept_bias, out, lse, positions = ctx.saved_tensors
+        dout = _cuda_layout(dout if dout.stride(-1) == 1 else dout.contiguous())
+        dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+        want_dbias = ctx.needs_input_grad[3]
+        dbias = kept_bias.new_empty(ctx.bias_shape) if want_dbias else None
+        lib().topk_attention_backward(dout, q, k, v, out, lse, positions, kept_bias, *ctx.options, dq, dk, dv, dbias)
+        needs = ctx.needs_input_grad
+        return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, dbias,
+                None, None, None, None, None, None)

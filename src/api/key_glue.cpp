@@ -1,5 +1,6 @@
-// Validation and dispatch of the gather path's glue (select_topk_positions, gather_key_rows):
-// CUDA only; the CPU path composes framework ops (python/dmattn/gather.py).
+// Validation and dispatch of the gather path's glue (select_topk_positions, gather_key_rows,
+// scatter_key_rows) and the per-query path's row copies: CUDA only; the CPU path composes
+// framework ops (python/dmattn/gather.py).
 #include <cstdint>
 
 #include "api/tensor_checks.h"
@@ -22,6 +23,21 @@ void check_cuda_tensor(const TensorDesc& t, const TensorDesc& ref, const char* n
   check(t.device == DeviceKind::kCUDA, ErrorKind::kValue, name, ": expected a CUDA tensor, got ",
         device_name(t.device), " (the gather path's glue runs on CUDA; the CPU composes torch ops)");
   checks::check_same_device(ref, t, name);
+}
+
+// The key_positions operand of a (B, Sk, heads, D) k or dk: int32 (1 or B, 1 or heads, K),
+// contiguous. Returns its shape.
+struct PositionsShape {
+  int64_t batch, heads, width;
+};
+PositionsShape check_key_positions(const TensorDesc& positions, int64_t batch, int64_t heads) {
+  checks::check_dtype(positions, DType::kInt32, "positions");
+  checks::check_rank(positions, 3, "positions", "(1 or B, 1 or Hkv, K)");
+  checks::check_contiguous(positions, "positions");
+  const PositionsShape shape{positions.shape[0], positions.shape[1], positions.shape[2]};
+  check((shape.batch == 1 || shape.batch == batch) && (shape.heads == 1 || shape.heads == heads), ErrorKind::kValue,
+        "positions: expected shape (1 or ", batch, ", 1 or ", heads, ", K), got ", positions.shape_text());
+  return shape;
 }
 
 #ifndef DMATTN_WITH_CUDA
@@ -89,12 +105,7 @@ void gather_key_rows(const TensorDesc& k, const TensorDesc& v, const TensorDesc&
   checks::check_last_dim_contiguous(k, "k");
   checks::check_last_dim_contiguous(v, "v");
   const int64_t batch = k.shape[0], num_keys = k.shape[1], heads = k.shape[2], head_dim = k.shape[3];
-  checks::check_dtype(positions, DType::kInt32, "positions");
-  checks::check_rank(positions, 3, "positions", "(1 or B, 1 or Hkv, K)");
-  checks::check_contiguous(positions, "positions");
-  const int64_t pos_batch = positions.shape[0], pos_heads = positions.shape[1], width = positions.shape[2];
-  check((pos_batch == 1 || pos_batch == batch) && (pos_heads == 1 || pos_heads == heads), ErrorKind::kValue,
-        "positions: expected shape (1 or ", batch, ", 1 or ", heads, ", K), got ", positions.shape_text());
+  const auto [pos_batch, pos_heads, width] = check_key_positions(positions, batch, heads);
   for (const auto& [t, name] : {std::pair{&k_rows, "k_rows"}, {&v_rows, "v_rows"}}) {
     checks::check_dtype(*t, k.dtype, name);
     checks::check_shape(*t, {batch, width, heads, head_dim}, name);
@@ -148,6 +159,67 @@ void gather_key_rows(const TensorDesc& k, const TensorDesc& v, const TensorDesc&
     g.out = bias_rows->data;
     cuda::gather_bias(g, stream);
   }
+#else
+  (void)stream;
+  no_cuda_glue();
+#endif
+}
+
+void scatter_key_rows(const TensorDesc& dk_rows, const TensorDesc& dv_rows, const TensorDesc& positions,
+                      const TensorDesc& dk, const TensorDesc& dv, const TensorDesc* dbias_rows, const TensorDesc* dbias,
+                      void* stream) {
+  check_cuda_tensor(dk_rows, dk_rows, "dk_rows");
+  for (const auto& [t, name] : {std::pair{&dv_rows, "dv_rows"}, {&positions, "positions"}, {&dk, "dk"}, {&dv, "dv"}})
+    check_cuda_tensor(*t, dk_rows, name);
+  checks::check_rank(dk, 4, "dk", "(B, Sk, Hkv, D)");
+  check_float_16_or_32(dk, "dk");
+  const int64_t batch = dk.shape[0], num_keys = dk.shape[1], heads = dk.shape[2], head_dim = dk.shape[3];
+  const auto [pos_batch, pos_heads, width] = check_key_positions(positions, batch, heads);
+  check(num_keys < (int64_t(1) << 31) && width < (int64_t(1) << 31), ErrorKind::kValue,
+        "dk, positions: expected fewer than 2^31 keys and positions, got ", num_keys, " and ", width);
+  for (const auto& [t, name] : {std::pair{&dk_rows, "dk_rows"}, {&dv_rows, "dv_rows"}}) {
+    checks::check_dtype(*t, dk.dtype, name);
+    checks::check_shape(*t, {batch, width, heads, head_dim}, name);
+    checks::check_contiguous(*t, name);
+  }
+  checks::check_dtype(dv, dk.dtype, "dv");
+  checks::check_shape(dv, dk.shape, "dv");
+  checks::check_contiguous(dk, "dk");
+  checks::check_contiguous(dv, "dv");
+  check((dbias == nullptr) == (dbias_rows == nullptr), ErrorKind::kValue, "dbias_rows: expected with dbias, and only then");
+  if (dbias != nullptr) {
+    check_cuda_tensor(*dbias, dk_rows, "dbias");
+    check_cuda_tensor(*dbias_rows, dk_rows, "dbias_rows");
+    check_float_16_or_32(*dbias, "dbias");
+    checks::check_dtype(*dbias_rows, dbias->dtype, "dbias_rows");
+    checks::check_shape(*dbias, {pos_batch, pos_heads, 1, num_keys}, "dbias");
+    checks::check_shape(*dbias_rows, {pos_batch, pos_heads, 1, width}, "dbias_rows");
+    checks::check_contiguous(*dbias, "dbias");
+    checks::check_contiguous(*dbias_rows, "dbias_rows");
+  }
+#ifdef DMATTN_WITH_CUDA
+  cuda::ScatterRowsArgs a;
+  const int64_t elem = int64_t(dtype_size(dk.dtype));
+  a.operand[0] = {dk_rows.data, dk.data};
+  a.operand[1] = {dv_rows.data, dv.data};
+  bool vec16 = (head_dim * elem) % 16 == 0;
+  for (const void* p : {dk_rows.data, dv_rows.data, dk.data, dv.data})
+    vec16 = vec16 && reinterpret_cast<uintptr_t>(p) % 16 == 0;
+  a.positions = static_cast<const int32_t*>(positions.data);
+  a.pos_batch = pos_batch;
+  a.pos_heads = pos_heads;
+  a.batch = batch;
+  a.num_keys = num_keys;
+  a.width = width;
+  a.heads = heads;
+  a.row_bytes = head_dim * elem;
+  a.elem_bytes = int(elem);
+  if (dbias != nullptr) {
+    a.bias_rows = dbias_rows->data;
+    a.bias_dst = dbias->data;
+    a.bias_bytes = int(dtype_size(dbias->dtype));
+  }
+  cuda::scatter_rows(a, vec16, stream);
 #else
   (void)stream;
   no_cuda_glue();

@@ -3,9 +3,9 @@
 // Functions take DLPack tensors (torch, numpy, JAX, CuPy...) in destination-passing style:
 // the caller allocates every output and scratch buffer, so the Python layer stays in charge
 // of memory (caching allocator, CUDA graphs) and the C++ core never allocates device memory.
-// The exceptions, decode_attention (a decoding step) and topk_attention (attention_topk's
-// inference form), calls where host time counts, allocate through the caller's framework
-// (tvm-ffi's environment allocator), never by themselves.
+// The exceptions, decode_attention (a decoding step), topk_attention (attention_topk's forward)
+// and topk_attention_backward, calls where host time counts, allocate through the caller's
+// framework (tvm-ffi's environment allocator), never by themselves.
 // dmattn::Error is re-raised with its kind (ValueError / TypeError / RuntimeError) and its
 // message intact.
 #include <dlpack/dlpack.h>
@@ -239,6 +239,15 @@ void gather_key_rows(TensorView k, TensorView v, TensorView positions, TensorVie
   });
 }
 
+void scatter_key_rows(TensorView dk_rows, TensorView dv_rows, TensorView positions, TensorView dk, TensorView dv,
+                      Optional<TensorView> dbias_rows, Optional<TensorView> dbias) {
+  translate_errors([&] {
+    const OptionalDesc dbias_rows_d(dbias_rows), dbias_d(dbias);
+    dmattn::scatter_key_rows(to_desc(dk_rows), to_desc(dv_rows), to_desc(positions), to_desc(dk), to_desc(dv),
+                             dbias_rows_d.get(), dbias_d.get(), glue_stream(dk_rows));
+  });
+}
+
 // Per-query causal top-k glue (dmattn/api.h), CPU or CUDA tensors.
 void prefix_thresholds(TensorView ranks, TensorView order, int64_t keep, TensorView thresholds) {
   translate_errors([&] {
@@ -413,10 +422,14 @@ tvm::ffi::Tensor decode_attention(TensorView q, TensorView k, TensorView v, Opti
 // the decode kernel with that many key splits instead of the general forward, each kept row read
 // once per kv head. Everything but the caller's lse (optional, (B, H, Sq) float32) is allocated
 // here through tvm-ffi's environment allocator, as decode_attention does: one call and no Python
-// allocations, host time that an idle GPU waits for. Returns out (B, Sq, H, D), contiguous.
+// allocations, host time that an idle GPU waits for. The training form passes the selection's
+// outputs too, positions (rows_b, rows_h, keep) int32 and kept_bias (rows_b, rows_h, 1, keep) in
+// the bias's dtype, both contiguous: its backward (topk_attention_backward) reads them. Returns
+// out (B, Sq, H, D), contiguous.
 tvm::ffi::Tensor topk_attention(TensorView q, TensorView k, TensorView v, TensorView bias, int64_t keep,
                                 Optional<TensorView> lse, bool causal, int64_t window_left, int64_t window_right,
-                                double scale, double softcap, int64_t decode_splits) {
+                                double scale, double softcap, int64_t decode_splits,
+                                Optional<TensorView> positions_out, Optional<TensorView> kept_bias_out) {
   tvm::ffi::Tensor out;
   translate_errors([&] {
     const dmattn::TensorDesc q_d = to_desc(q), k_d = to_desc(k), bias_d = to_desc(bias);
@@ -431,9 +444,12 @@ tvm::ffi::Tensor topk_attention(TensorView q, TensorView k, TensorView v, Tensor
       return env_empty(shape, dtype, q.device());
     };
     const int64_t rows_b = bias_d.shape[0], rows_h = bias_d.shape[1];
-    const tvm::ffi::Tensor positions = empty({rows_b, rows_h, keep}, DLDataType{kDLInt, 32, 1});
-    const tvm::ffi::Tensor kept_bias = empty({rows_b, rows_h, 1, keep}, bias.dtype());
-    const dmattn::TensorDesc positions_d = to_desc(positions), kept_bias_d = to_desc(kept_bias);
+    tvm::ffi::Tensor own_positions, own_kept_bias;
+    if (!positions_out.has_value()) own_positions = empty({rows_b, rows_h, keep}, DLDataType{kDLInt, 32, 1});
+    if (!kept_bias_out.has_value()) own_kept_bias = empty({rows_b, rows_h, 1, keep}, bias.dtype());
+    const dmattn::TensorDesc positions_d = to_desc(positions_out.has_value() ? positions_out.value() : own_positions),
+                             kept_bias_d =
+                                 to_desc(kept_bias_out.has_value() ? kept_bias_out.value() : own_kept_bias);
     dmattn::select_topk_positions(bias_d, keep, positions_d, &kept_bias_d, glue_stream(bias));
     const dmattn::GatheredKeys gathered{&positions_d, k_d.shape[1], nullptr, &positions_d};
     const auto options = make_options(causal, window_left, window_right, scale, softcap, false);
@@ -457,6 +473,67 @@ tvm::ffi::Tensor topk_attention(TensorView q, TensorView k, TensorView v, Tensor
     dmattn::run_forward(p);
   });
   return out;
+}
+
+// attention_topk's training form, backward (python/dmattn/topk.py): the gradients of
+// topk_attention's forward from the positions and kept bias it selected, as the general route
+// computes them (the backward over the kept rows read in place, then scatter_key_rows to full
+// size), with the same arguments, so the same bits. dq, dk, dv and, where given, dbias (the
+// bias's gradient, (rows_b, rows_h, 1, Sk)) are the caller's, contiguous; the scratch buffers
+// (the kept rows' gradients, Delta, the float32 dQ accumulator and, for a bias broadcast over
+// batch or heads, dbias's accumulator) are allocated here through tvm-ffi's environment
+// allocator: one crossing of the binding for the whole backward.
+void topk_attention_backward(TensorView dout, TensorView q, TensorView k, TensorView v, TensorView out,
+                             TensorView lse, TensorView positions, TensorView kept_bias, bool causal,
+                             int64_t window_left, int64_t window_right, double scale, double softcap, TensorView dq,
+                             TensorView dk, TensorView dv, Optional<TensorView> dbias) {
+  translate_errors([&] {
+    const dmattn::TensorDesc q_d = to_desc(q), k_d = to_desc(k), positions_d = to_desc(positions),
+                             kept_bias_d = to_desc(kept_bias);
+    dmattn::check(q_d.shape.size() == 4, dmattn::ErrorKind::kValue,
+                  "q: expected a 4-D tensor (batch, seqlen_q, num_heads, head_dim), got shape ", q_d.shape_text());
+    dmattn::check(k_d.shape.size() == 4, dmattn::ErrorKind::kValue,
+                  "k: expected a 4-D tensor (batch, seqlen_k, num_heads_kv, head_dim), got shape ", k_d.shape_text());
+    dmattn::check(positions_d.shape.size() == 3 && kept_bias_d.shape.size() == 4, dmattn::ErrorKind::kValue,
+                  "positions, kept_bias: expected (rows_b, rows_h, K) and (rows_b, rows_h, 1, K), got ",
+                  positions_d.shape_text(), " and ", kept_bias_d.shape_text());
+    require_env_allocator("topk_attention_backward", " (pass framework tensors)");
+    const auto empty = [&](std::initializer_list<int64_t> shape, DLDataType dtype) {
+      return env_empty(shape, dtype, q.device());
+    };
+    const DLDataType f32{kDLFloat, 32, 1};
+    const int64_t batch = q_d.shape[0], seqlen_q = q_d.shape[1], heads = q_d.shape[2], head_dim = q_d.shape[3];
+    const int64_t heads_kv = k_d.shape[2], width = positions_d.shape[2];
+    const int64_t rows_b = kept_bias_d.shape[0], rows_h = kept_bias_d.shape[1];
+    const tvm::ffi::Tensor dk_rows = empty({batch, width, heads_kv, head_dim}, k.dtype());
+    const tvm::ffi::Tensor dv_rows = empty({batch, width, heads_kv, head_dim}, v.dtype());
+    const tvm::ffi::Tensor delta = empty({batch, heads, seqlen_q}, f32);
+    const tvm::ffi::Tensor dq_accum = empty({batch, seqlen_q, heads, head_dim}, f32);
+    tvm::ffi::Tensor dbias_rows, dbias_accum;
+    dmattn::TensorDesc dbias_rows_d, dbias_accum_d;
+    if (dbias.has_value()) {
+      dbias_rows = empty({rows_b, rows_h, 1, width}, kept_bias.dtype());
+      dbias_rows_d = to_desc(dbias_rows);
+      // (a bias broadcast over batch or heads is reduced in float32 by the kernels)
+      if (rows_b < batch || rows_h < heads) {
+        dbias_accum = empty({rows_b, rows_h, 1, width}, f32);
+        dbias_accum_d = to_desc(dbias_accum);
+      }
+    }
+    const dmattn::TensorDesc dk_rows_d = to_desc(dk_rows), dv_rows_d = to_desc(dv_rows), delta_d = to_desc(delta),
+                             dq_accum_d = to_desc(dq_accum);
+    const dmattn::GatheredKeys gathered{&positions_d, k_d.shape[1], nullptr, &positions_d};
+    dmattn::BackwardParams p = dmattn::make_backward_params(
+        q_d, k_d, to_desc(v), to_desc(out), to_desc(lse), nullptr, &kept_bias_d, to_desc(dout), to_desc(dq), dk_rows_d,
+        dv_rows_d, dbias.has_value() ? &dbias_rows_d : nullptr, &delta_d, &dq_accum_d,
+        dbias_accum.defined() ? &dbias_accum_d : nullptr,
+        make_options(causal, window_left, window_right, scale, softcap, false), gathered);
+    p.fwd.stream = current_stream(p.fwd);
+    dmattn::run_backward(p);
+    const OptionalDesc dbias_d(dbias);
+    dmattn::scatter_key_rows(dk_rows_d, dv_rows_d, positions_d, to_desc(dk), to_desc(dv),
+                             dbias.has_value() ? &dbias_rows_d : nullptr, dbias_d.get(), p.fwd.stream);
+  });
 }
 
 // Whether decode_attention can allocate in a call with these arguments' framework (torch
@@ -507,12 +584,14 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward_decode, forward_decode);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_splits, decode_splits);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_attention, decode_attention);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(topk_attention, topk_attention);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(topk_attention_backward, topk_attention_backward);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(has_env_allocator, has_env_allocator);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(build_info, build_info);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(set_persistent_kernels, set_persistent_kernels);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(supports_key_positions, supports_key_positions);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(select_topk_positions, select_topk_positions);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gather_key_rows, gather_key_rows);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(scatter_key_rows, scatter_key_rows);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(prefix_thresholds, prefix_thresholds);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(interval_ends, interval_ends);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(selection_key, selection_key);

@@ -1,7 +1,7 @@
 // Launcher of the backward pass for one (element type, instantiated head dim); explicitly
 // instantiated once per pair in src/cuda/inst/bwd_<dtype>_hd<D>.cu. Sequence on the stream:
-//   1. zero the fp32 accumulators (dq_accum unless dQ comes from the query-major kernel,
-//      dbias_accum when used);
+//   1. zero the fp32 accumulators (dq_accum unless dQ comes from the query-major kernel -- in a
+//      dense batch by bwd_preprocess instead --, dbias_accum when used);
 //   2. bwd_preprocess: Delta = rowsum(dO * O) for every row (0 for empty rows), or (exact path)
 //      bwd_stats: m, log2 l and Delta = sum_j P_ij dP_ij recomputed for every row;
 //   3. a key-broadcast dbias is exactly zero (see kDbNone): filled here;
@@ -41,9 +41,12 @@ void run_bwd(const BwdArgs& a, bool deterministic, bool exact, cudaStream_t stre
 
 namespace dmattn::cuda {
 
-// Delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] in fp32; 8 threads per row.
+// Delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] in fp32; 8 threads per row. Given
+// zero_dq_accum (a dense batch's dq_accum, (B, Sq, H, D)), the row's accumulator is zeroed by the
+// same threads (FlashAttention-3's preprocessing does the same): one pass over the query rows
+// fewer than a separate memset.
 template <typename Element, int kHeadDim>
-__global__ void __launch_bounds__(128) bwd_preprocess(const __grid_constant__ BwdArgs a) {
+__global__ void __launch_bounds__(128) bwd_preprocess(const __grid_constant__ BwdArgs a, float* zero_dq_accum) {
   const FwdArgs& f = a.f;
   const int tid = threadIdx.x;
   const int i = blockIdx.x * 16 + tid / 8;
@@ -57,7 +60,14 @@ __global__ void __launch_bounds__(128) bwd_preprocess(const __grid_constant__ Bw
     const int64_t row = seq.q0() + i;
     const Element* o = static_cast<const Element*>(f.out) + int64_t(b) * f.o_bs + row * f.o_rs + int64_t(h) * f.o_hs;
     const Element* d = static_cast<const Element*>(a.dout) + int64_t(b) * a.do_bs + row * a.do_rs + int64_t(h) * a.do_hs;
+    float* accum = zero_dq_accum == nullptr
+                       ? nullptr
+                       : zero_dq_accum + ((int64_t(b) * f.seqlen_q + row) * f.num_heads + h) * f.head_dim;
     for (int c = lane8 * 8; c < f.head_dim; c += 64) {
+      if (accum != nullptr) {
+        reinterpret_cast<float4*>(accum + c)[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+        reinterpret_cast<float4*>(accum + c)[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
       const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
       const uint4 dv = *reinterpret_cast<const uint4*>(d + c);
       const uint32_t* op = reinterpret_cast<const uint32_t*>(&ov);
@@ -194,7 +204,10 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
     deterministic = true;  // dQ from the query-major kernel
   }
 
-  if (!deterministic && q_rows * H > 0)
+  // dq_accum starts at zero: in a dense batch the preprocessing below zeroes it row by row (every
+  // row has its Delta); a packed batch's rows past its last sequence have none, so the memset.
+  const bool zero_in_preprocess = !deterministic && !exact && f.cu_seqlens_q == nullptr;
+  if (!deterministic && q_rows * H > 0 && !zero_in_preprocess)
     check_cuda(cudaMemsetAsync(a.dq_accum, 0, size_t(q_rows * H * D) * sizeof(float), stream), "cudaMemsetAsync(dq_accum)");
   const bool accum_used = a.dbias != nullptr && B > 0 && Sk > 0 &&
                           (a.dbias_mode == kDbAccum || (a.dbias_mode == kDbColSum && a.db_colsum_to_accum));
@@ -203,7 +216,8 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
     check_cuda(cudaMemsetAsync(a.dbias_accum, 0, size_t(dbias_numel) * sizeof(float), stream), "cudaMemsetAsync(dbias_accum)");
 
   if (q_rows * H > 0 && !exact) {
-    bwd_preprocess<Element, kHeadDim><<<dim3(unsigned((Sq + 15) / 16), unsigned(H), unsigned(B)), 128, 0, stream>>>(a);
+    bwd_preprocess<Element, kHeadDim><<<dim3(unsigned((Sq + 15) / 16), unsigned(H), unsigned(B)), 128, 0, stream>>>(
+        a, zero_in_preprocess ? a.dq_accum : nullptr);
     check_cuda(cudaGetLastError(), "backward preprocess launch");
   }
   auto write_dbias = [&](bool from_accum) {

@@ -5,7 +5,9 @@
 //     0.0 included, by the lower key index; a NaN ranks as +inf) as the sorted key_positions
 //     operand -- and optionally the bias at them (the gathered bias operand);
 //   * gather_key_rows: the K, V (and bias) rows at those positions, laid out as the kernels'
-//     gathered operands.
+//     gathered operands;
+//   * scatter_key_rows: the inverse for the gradients, dK, dV (and dbias) of the gathered rows
+//     written back at full size with zeros elsewhere, in one pass over the output.
 // One CTA per row selects by a radix select on an order-preserving 32-bit key of the bias's
 // bits (8 bits per pass, most significant first), then writes the selected indices in index
 // order with one block-wide scan.
@@ -138,6 +140,73 @@ __global__ void gather_bias_kernel(GatherBiasArgs a) {
     const int32_t pos = a.positions[bh * a.width + j];
     const Bits* src = static_cast<const Bits*>(a.bias) + (bh / a.rows_h) * a.stride_b + (bh % a.rows_h) * a.stride_h;
     static_cast<Bits*>(a.out)[e] = pos >= 0 ? src[int64_t(pos) * a.stride_k] : Bits(0);
+  }
+}
+
+// Keys of one (batch, head) per CTA of scatter_rows_kernel: their slice of the inverse map of the
+// positions (key -> gathered row) lives in shared memory.
+constexpr int kScatterKeys = 256;
+constexpr int kScatterThreads = 256;
+
+// Each CTA takes a slice of kScatterKeys keys for (batch, head) pairs in turn: it inverts the
+// pair's positions into the slice's map (one pass over the row of positions, which is short
+// next to the rows written), then writes every output row of the slice exactly once, the
+// gathered row's bytes or zeros, both operands in the same iteration (their loads in flight
+// together). No atomics and no separate zero fill: each byte of dK and dV is written once.
+template <typename Chunk>
+__global__ void __launch_bounds__(kScatterThreads) scatter_rows_kernel(ScatterRowsArgs a) {
+  __shared__ int32_t slot[kScatterKeys];  // the gathered row of key s0 + i, -1 for none
+  const int tid = threadIdx.x;
+  const int64_t s0 = int64_t(blockIdx.x) * kScatterKeys;
+  const int keys = int(min(int64_t(kScatterKeys), a.num_keys - s0));
+  const int cpr = int(a.row_bytes / int64_t(sizeof(Chunk)));  // chunks per row
+  // (the thread's (row, chunk) advances by a constant step: no division in the copy loop)
+  const int step_rows = kScatterThreads / cpr, step_chunks = kScatterThreads % cpr;
+  const int64_t row_step = a.heads * cpr;  // chunks between consecutive keys of one head
+  for (int64_t bg = blockIdx.y; bg < a.batch * a.heads; bg += gridDim.y) {
+    const int64_t b = bg / a.heads, g = bg % a.heads;
+    const int64_t pos_row = (a.pos_batch > 1 ? b : 0) * a.pos_heads + (a.pos_heads > 1 ? g : 0);
+    const int32_t* pos = a.positions + pos_row * a.width;
+    __syncthreads();  // (the previous pair's reads of the map are done)
+    for (int i = tid; i < kScatterKeys; i += kScatterThreads) slot[i] = -1;
+    __syncthreads();
+    for (int64_t j = tid; j < a.width; j += kScatterThreads) {
+      const int64_t p = int64_t(pos[j]) - s0;  // (padding, negative, falls outside)
+      if (p >= 0 && p < keys) slot[p] = int32_t(j);
+    }
+    __syncthreads();
+    const Chunk* rows0 = static_cast<const Chunk*>(a.operand[0].rows) + (b * a.width * a.heads + g) * cpr;
+    const Chunk* rows1 = static_cast<const Chunk*>(a.operand[1].rows) + (b * a.width * a.heads + g) * cpr;
+    const int64_t dst_base = ((b * a.num_keys + s0) * a.heads + g) * cpr;
+    Chunk* dst0 = static_cast<Chunk*>(a.operand[0].dst) + dst_base;
+    Chunk* dst1 = static_cast<Chunk*>(a.operand[1].dst) + dst_base;
+    int i = tid / cpr, ch = tid % cpr;
+    while (i < keys) {
+      const int j = slot[i];
+      Chunk v0{}, v1{};
+      if (j >= 0) {
+        v0 = rows0[j * row_step + ch];
+        v1 = rows1[j * row_step + ch];
+      }
+      dst0[i * row_step + ch] = v0;
+      dst1[i * row_step + ch] = v1;
+      i += step_rows, ch += step_chunks;
+      if (ch >= cpr) ch -= cpr, ++i;
+    }
+    // The bias row of these positions, once: by the pair whose batch and head index it.
+    if (a.bias_dst != nullptr && b < a.pos_batch && g < a.pos_heads) {
+      for (int k = tid; k < keys; k += kScatterThreads) {
+        const int j = slot[k];
+        const int64_t out = pos_row * a.num_keys + s0 + k;
+        if (a.bias_bytes == 2) {
+          static_cast<uint16_t*>(a.bias_dst)[out] =
+              j >= 0 ? static_cast<const uint16_t*>(a.bias_rows)[pos_row * a.width + j] : uint16_t(0);
+        } else {
+          static_cast<uint32_t*>(a.bias_dst)[out] =
+              j >= 0 ? static_cast<const uint32_t*>(a.bias_rows)[pos_row * a.width + j] : 0u;
+        }
+      }
+    }
   }
 }
 
@@ -294,6 +363,17 @@ void gather_bias(const GatherBiasArgs& a, void* stream_ptr) {
   if (a.elem_bytes == 2) gather_bias_kernel<uint16_t><<<grid_for(total, 256), 256, 0, stream>>>(a);
   else gather_bias_kernel<uint32_t><<<grid_for(total, 256), 256, 0, stream>>>(a);
   check_cuda(cudaGetLastError(), "gather of bias keys launch");
+}
+
+void scatter_rows(const ScatterRowsArgs& a, bool vec16, void* stream_ptr) {
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const int64_t pairs = a.batch * a.heads;
+  if (pairs == 0 || a.num_keys == 0 || a.row_bytes == 0) return;
+  const dim3 grid(unsigned((a.num_keys + kScatterKeys - 1) / kScatterKeys), unsigned(pairs < 65535 ? pairs : 65535));
+  if (vec16) scatter_rows_kernel<uint4><<<grid, kScatterThreads, 0, stream>>>(a);
+  else if (a.elem_bytes == 2) scatter_rows_kernel<uint16_t><<<grid, kScatterThreads, 0, stream>>>(a);
+  else scatter_rows_kernel<uint32_t><<<grid, kScatterThreads, 0, stream>>>(a);
+  check_cuda(cudaGetLastError(), "scatter of key rows launch");
 }
 
 }  // namespace dmattn::cuda

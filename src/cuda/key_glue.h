@@ -1,6 +1,7 @@
-// Launchers of the gather path's glue kernels (key_glue.cu): the top-k selection of key positions
-// and the gathers of K / V / bias rows. Plain argument structs (pointers, int64 strides in
-// elements, sizes); validation is the caller's (src/api/key_glue.cpp).
+// Launchers of the gather path's glue kernels (key_glue.cu): the top-k selection of key positions,
+// the gathers of K / V / bias rows, and the scatter of their gradients back to full size. Plain
+// argument structs (pointers, int64 strides in elements, sizes); validation is the caller's
+// (src/api/key_glue.cpp).
 #pragma once
 
 #include <cstdint>
@@ -74,10 +75,33 @@ struct GatherBiasArgs {
   void* out = nullptr;
 };
 
+// The inverse of a gather at distinct positions: dst[b, s, g, :] = rows[b, j, g, :] where
+// positions[b', g', j] == s, else zeros, for operand 0 (dk) and 1 (dv); rows contiguous (batch,
+// width, heads, row), dst contiguous (batch, num_keys, heads, row), rows of row_bytes contiguous
+// bytes; positions int32 contiguous (pos_batch, pos_heads, width), pos_batch in {1, batch},
+// pos_heads in {1, heads}, per row strictly increasing with negative padding last. Given bias_dst:
+// bias_dst[b', g', s] = bias_rows[b', g', j] likewise, both contiguous (pos_batch, pos_heads, ...)
+// with bias_bytes-byte elements.
+struct ScatterRowsArgs {
+  struct Operand {
+    const void* rows = nullptr;
+    void* dst = nullptr;
+  } operand[2];
+  const int32_t* positions = nullptr;
+  int64_t pos_batch = 1, pos_heads = 1;
+  int64_t batch = 0, num_keys = 0, width = 0, heads = 0, row_bytes = 0;
+  int elem_bytes = 2;
+  const void* bias_rows = nullptr;
+  void* bias_dst = nullptr;
+  int bias_bytes = 2;
+};
+
 void topk_positions(const TopkPositionsArgs& a, void* stream);
 // vec16: every row and source offset 16-byte aligned (16-byte chunks), else element-wise.
 void gather_rows(const GatherRowsArgs& a, bool vec16, void* stream);
 void gather_bias(const GatherBiasArgs& a, void* stream);
+// vec16: every row 16-byte aligned (16-byte chunks), else element-wise.
+void scatter_rows(const ScatterRowsArgs& a, bool vec16, void* stream);
 void sum_segment_rows(const SumSegmentRowsArgs& a, void* stream);
 
 }  // namespace dmattn::cuda

@@ -1,12 +1,13 @@
-"""The gather path's native CUDA glue (ops.select_topk_positions, ops.gather_key_rows) against
-the torch composition it replaces: the same positions bit for bit (ties, -0.0 == 0.0, -inf,
-NaN, strided and broadcast rows), the same gathered rows, clear errors."""
+"""The gather path's native CUDA glue (ops.select_topk_positions, ops.gather_key_rows,
+ops.scatter_key_rows) against the torch composition it replaces: the same positions bit for bit
+(ties, -0.0 == 0.0, -inf, NaN, strided and broadcast rows), the same gathered rows, the same
+scattered gradients, clear errors."""
 
 import pytest
 import torch
 
 import dmattn
-from dmattn import gather, ops
+from dmattn import gather, ops, topk
 from dmattn.masks import selection_key
 
 pytestmark = pytest.mark.gpu
@@ -85,6 +86,61 @@ def test_gather_key_rows_matches_indexing(dtype, pos_shape):
     torch.testing.assert_close(bias_rows[:, :, 0], want_bias, rtol=0, atol=0)
 
 
+def _scatter_inputs(dtype, batch, num_keys, heads, dim, width, pos_shape, padding, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randn(batch, width, heads, dim, generator=g).to("cuda", dtype) for _ in range(2)]
+    positions = torch.stack([torch.randperm(num_keys, generator=g)[:width].sort().values
+                             for _ in range(pos_shape[0] * pos_shape[1])]).view(*pos_shape, width).int()
+    if padding:
+        positions[..., width - padding:] = -1
+    dbias_rows = torch.randn(*pos_shape, 1, width, generator=g).to("cuda", dtype)
+    return rows, positions.to("cuda"), dbias_rows
+
+
+def _scatter_reference(rows, positions, num_keys, pos_shape):
+    """zeros, then each gathered row copied to its position (padding rows dropped): the torch
+    composition the kernel replaces."""
+    batch, width, heads, dim = rows.shape
+    full = torch.zeros(batch, num_keys + 1, heads, dim, dtype=rows.dtype, device=rows.device)
+    index = positions.long().masked_fill(positions < 0, num_keys).expand(batch, heads, width)
+    full.scatter_(1, index.transpose(1, 2).unsqueeze(-1).expand(batch, width, heads, dim), rows)
+    return full[:, :num_keys]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("pos_shape", [(2, 3), (1, 3), (2, 1), (1, 1)])
+@pytest.mark.parametrize("dim,num_keys,width,padding", [(128, 1000, 300, 0), (64, 257, 257, 0), (36, 700, 41, 5),
+                                                        (256, 513, 100, 1), (96, 9000, 2048, 0)])
+def test_scatter_key_rows_matches_the_torch_scatter(dtype, pos_shape, dim, num_keys, width, padding, nan_poison):
+    """dk, dv and dbias at full size, bit for bit: the gathered rows at their positions, zeros
+    at every other key (outputs start as NaN: every element must be written); head dims with
+    16-byte rows and without (36 x 2 bytes), key counts across the kernel's 256-key slices,
+    positions broadcast over batch and heads, padding."""
+    batch, heads = 2, 3
+    (dk_rows, dv_rows), positions, dbias_rows = _scatter_inputs(dtype, batch, num_keys, heads, dim, width, pos_shape,
+                                                                padding)
+    dk, dv, dbias = ops.scatter_key_rows(dk_rows, dv_rows, positions, (batch, num_keys, heads, dim), dbias_rows,
+                                         (*pos_shape, 1, num_keys))
+    assert torch.equal(dk, _scatter_reference(dk_rows, positions, num_keys, pos_shape))
+    assert torch.equal(dv, _scatter_reference(dv_rows, positions, num_keys, pos_shape))
+    want_bias = torch.zeros(*pos_shape, num_keys + 1, dtype=dtype, device="cuda")
+    want_bias.scatter_(-1, positions.long().masked_fill(positions < 0, num_keys), dbias_rows[:, :, 0])
+    assert torch.equal(dbias[:, :, 0], want_bias[..., :num_keys])
+    dk2, dv2, none = ops.scatter_key_rows(dk_rows, dv_rows, positions, (batch, num_keys, heads, dim))
+    assert none is None and torch.equal(dk2, dk) and torch.equal(dv2, dv)
+
+
+def test_scatter_key_rows_unaligned_rows():
+    """Rows that start 8 bytes past a 16-byte boundary take the element-wise copy."""
+    (dk_rows, dv_rows), positions, _ = _scatter_inputs(torch.bfloat16, 1, 300, 2, 64, 50, (1, 2), 0)
+    shifted = torch.empty(dk_rows.numel() + 4, dtype=dk_rows.dtype, device="cuda")[4:].view(dk_rows.shape)
+    shifted.copy_(dk_rows)
+    assert shifted.data_ptr() % 16 == 8
+    dk, dv, _ = ops.scatter_key_rows(shifted, dv_rows, positions, (1, 300, 2, 64))
+    assert torch.equal(dk, _scatter_reference(dk_rows, positions, 300, (1, 2)))
+    assert torch.equal(dv, _scatter_reference(dv_rows, positions, 300, (1, 2)))
+
+
 def test_glue_errors_name_the_argument():
     scores = torch.randn(2, 3, 100, device="cuda")
     with pytest.raises(ValueError, match="keep"):
@@ -102,6 +158,18 @@ def test_glue_errors_name_the_argument():
         ops.gather_key_rows(k, k.float(), torch.zeros(1, 2, 5, dtype=torch.int32, device="cuda"), None)
     with pytest.raises(ValueError, match="positions"):
         ops.gather_key_rows(k, k, torch.zeros(1, 3, 5, dtype=torch.int32, device="cuda"), None)
+    rows = torch.zeros(1, 5, 2, 16, device="cuda", dtype=torch.bfloat16)
+    positions = torch.arange(5, dtype=torch.int32, device="cuda").view(1, 1, 5)
+    with pytest.raises(ValueError, match="dk_rows"):  # 5 rows, 6 positions
+        ops.scatter_key_rows(rows, rows, torch.arange(6, dtype=torch.int32, device="cuda").view(1, 1, 6), k.shape)
+    with pytest.raises(TypeError, match="dv_rows"):
+        ops.scatter_key_rows(rows, rows.float(), positions, k.shape)
+    with pytest.raises(ValueError, match="positions"):
+        ops.scatter_key_rows(rows, rows, positions.view(1, 5, 1), k.shape)
+    with pytest.raises(TypeError, match="positions"):
+        ops.scatter_key_rows(rows, rows, positions.long(), k.shape)
+    with pytest.raises(ValueError, match="dbias"):  # a bias's rows need the positions' leading dims
+        ops.scatter_key_rows(rows, rows, positions, k.shape, torch.zeros(1, 2, 1, 5, device="cuda"), (1, 2, 1, 50))
 
 
 @pytest.mark.parametrize("indexed", [True, False])
@@ -111,6 +179,7 @@ def test_attention_topk_takes_the_native_glue(monkeypatch, indexed):
     a native gather (DMATTN_INDEXED_KEYS=0). The output equals the torch composition's (the glue
     off) exactly, the gradients up to dQ's atomic summation order; no gradient to compute takes
     no autograd node and gives the same output."""
+    monkeypatch.setattr(topk, "_training_forward", lambda *a, **kw: None)  # (the general path's glue)
     calls = []
     for name in ("select_topk_positions", "gather_key_rows"):
         fn = getattr(gather, name)

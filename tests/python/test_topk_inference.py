@@ -24,10 +24,11 @@ def _inputs(gen, *, batch=2, sq=333, sk=1000, heads=4, heads_kv=2, d=128, dtype=
 
 
 def _general(q, k, v, bias, keep, **kw):
-    """The same call through the general path: a bias that requires grad takes the autograd
-    node (gather._DistinctRowsAttention), whose forward runs the same kernels."""
+    """The same call through the general path: with a path forced (which leaves both native
+    forms), a bias that requires grad takes the autograd node (gather._DistinctRowsAttention),
+    whose forward runs the same kernels."""
     bias = bias.detach().requires_grad_()
-    with torch.enable_grad():
+    with torch.enable_grad(), gather.force_path("gather"):
         out, lse = dmattn.attention_topk(q, k, v, bias, keep, return_lse=True, **kw)
     return out.detach(), lse
 
@@ -193,17 +194,31 @@ def test_one_query_with_a_left_window_takes_the_general_kernels(monkeypatch):
 
 
 def test_native_call_names_bad_arguments():
-    """topk_attention (the one-call route) names the argument at fault, as the rest of the
-    native validation does; CPU tensors are refused by the selection (CUDA only)."""
+    """topk_attention (the one-call route) and topk_attention_backward (the training form's)
+    name the argument at fault, as the rest of the native validation does; CPU tensors are
+    refused by the selection (CUDA only)."""
     from dmattn._lib import lib
     q = torch.randn(1, 8, 2, 16, dtype=torch.bfloat16)
     bias = torch.randn(1, 2, 1, 8, dtype=torch.bfloat16)
     nan = float("nan")
     with pytest.raises(ValueError, match="^q: expected a 4-D tensor"):
-        lib().topk_attention(q[0], q, q, bias, 3, None, False, -1, -1, nan, 0.0, 0)
+        lib().topk_attention(q[0], q, q, bias, 3, None, False, -1, -1, nan, 0.0, 0, None, None)
     with pytest.raises(ValueError, match="^k: expected a 4-D tensor"):
-        lib().topk_attention(q, q[0], q, bias, 3, None, False, -1, -1, nan, 0.0, 0)
+        lib().topk_attention(q, q[0], q, bias, 3, None, False, -1, -1, nan, 0.0, 0, None, None)
     with pytest.raises(ValueError, match=r"^bias: expected a key-side bias \(rows_b, rows_h, 1, Sk\)"):
-        lib().topk_attention(q, q, q, bias[:, :, 0], 3, None, False, -1, -1, nan, 0.0, 0)
+        lib().topk_attention(q, q, q, bias[:, :, 0], 3, None, False, -1, -1, nan, 0.0, 0, None, None)
     with pytest.raises((ValueError, RuntimeError), match="^bias: "):
-        lib().topk_attention(q, q, q, bias, 3, None, False, -1, -1, nan, 0.0, 0)
+        lib().topk_attention(q, q, q, bias, 3, None, False, -1, -1, nan, 0.0, 0, None, None)
+    positions = torch.zeros(1, 2, 3, dtype=torch.int32)
+    kept = torch.zeros(1, 2, 1, 3, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 8)
+
+    def backward(q_, k_, positions_, kept_):
+        lib().topk_attention_backward(q, q_, k_, q, q, lse, positions_, kept_, False, -1, -1, nan, 0.0, q, q, q, None)
+
+    with pytest.raises(ValueError, match="^q: expected a 4-D tensor"):
+        backward(q[0], q, positions, kept)
+    with pytest.raises(ValueError, match="^k: expected a 4-D tensor"):
+        backward(q, q[0], positions, kept)
+    with pytest.raises(ValueError, match=r"^positions, kept_bias: expected \(rows_b, rows_h, K\)"):
+        backward(q, q, positions[0], kept)
