@@ -41,10 +41,11 @@ void run_bwd(const BwdArgs& a, bool deterministic, bool exact, cudaStream_t stre
 
 namespace dmattn::cuda {
 
-// Delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] in fp32; 8 threads per row. Given
-// zero_dq_accum (a dense batch's dq_accum, (B, Sq, H, D)), the row's accumulator is zeroed by the
-// same threads (FlashAttention-3's preprocessing does the same): one pass over the query rows
-// fewer than a separate memset.
+// Delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] in fp32; 8 threads per row, each with all
+// its 16-byte chunks' loads in flight together (the loop bound is the instantiated head dim).
+// Given zero_dq_accum (a dense batch's dq_accum, (B, Sq, H, D)), the row's accumulator is zeroed
+// by the same threads (FlashAttention-3's preprocessing does the same): one pass over the query
+// rows fewer than a separate memset.
 template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(128) bwd_preprocess(const __grid_constant__ BwdArgs a, float* zero_dq_accum) {
   const FwdArgs& f = a.f;
@@ -63,15 +64,25 @@ __global__ void __launch_bounds__(128) bwd_preprocess(const __grid_constant__ Bw
     float* accum = zero_dq_accum == nullptr
                        ? nullptr
                        : zero_dq_accum + ((int64_t(b) * f.seqlen_q + row) * f.num_heads + h) * f.head_dim;
-    for (int c = lane8 * 8; c < f.head_dim; c += 64) {
-      if (accum != nullptr) {
-        reinterpret_cast<float4*>(accum + c)[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-        reinterpret_cast<float4*>(accum + c)[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    constexpr int kChunks = (kHeadDim + 63) / 64;  // per thread
+    uint4 ov[kChunks], dv[kChunks];
+#pragma unroll
+    for (int it = 0; it < kChunks; ++it) {
+      const int c = lane8 * 8 + it * 64;
+      ov[it] = dv[it] = make_uint4(0u, 0u, 0u, 0u);  // (past the head dim: adds nothing)
+      if (c < f.head_dim) {
+        ov[it] = *reinterpret_cast<const uint4*>(o + c);
+        dv[it] = *reinterpret_cast<const uint4*>(d + c);
+        if (accum != nullptr) {
+          reinterpret_cast<float4*>(accum + c)[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+          reinterpret_cast<float4*>(accum + c)[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
       }
-      const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
-      const uint4 dv = *reinterpret_cast<const uint4*>(d + c);
-      const uint32_t* op = reinterpret_cast<const uint32_t*>(&ov);
-      const uint32_t* dp = reinterpret_cast<const uint32_t*>(&dv);
+    }
+#pragma unroll
+    for (int it = 0; it < kChunks; ++it) {
+      const uint32_t* op = reinterpret_cast<const uint32_t*>(&ov[it]);
+      const uint32_t* dp = reinterpret_cast<const uint32_t*>(&dv[it]);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float o0, o1, d0, d1;
