@@ -505,29 +505,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         gemm_issue</*kZeroInit=*/false, /*kRegA=*/true>(mma_o, tOrP, tOrVt(_, _, _, stage), acc_o);
       };
       const WindowMask win = SeqBounds(a, tile.b).window();
-      // Key rows: the block's stage waited for, this thread's bias columns read into registers
-      // and the test of its positions made while its scores' GEMM is still in flight, so that
-      // the shared-memory reads' latency is not on the softmax's path (read where they are added,
-      // they made the consumers wait on them every block).
-      constexpr int kCols = decltype(size<1>(s_rc))::value;
-      // The window the positions are tested against: gathered keys' on original positions, else
-      // the plain one (positions are indices).
-      auto positions_window = [&]() { return a.kpos.ptr != nullptr ? position_window(a) : win; };
-      struct KeyRowsAhead {
-        float2 bias[kCols / 2];
-        bool test;  // some key of the block needs the per-element position test
-      };
-      auto key_rows_ahead = [&](KeyRowsAhead& kr) {
-        if constexpr (Tile::kKeyRows) {
-          pipe_key_rows.consumer_wait(read_r);
-          const auto& st = ss.key_rows[read_r.index()];
-          read_key_bias<kCols>(tScS_rc, st.bias, kr.bias);
-          kr.test = bounded_block_needs_mask<kBlockN>(positions_window(), st.pos, m0, kBlockM, st.end_min);
-        }
-      };
       // The bias and the window / tail test of block n, then the softmax; alpha: O's rescale
       // factors.
-      auto scores_to_probs = [&](int n, float (&alpha)[kRows], const KeyRowsAhead& kr) {
+      auto scores_to_probs = [&](int n, float (&alpha)[kRows]) {
         if constexpr (Tile::kBias) {
           pipe_bias.consumer_wait(read_b);
           add_bias_sw128<Element, kBlockM>(s_rc, tScS_rc, ss.bias.data() + read_b.index() * (kBlockM * kBlockN),
@@ -536,17 +516,19 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           ++read_b;
         }
         if constexpr (Tile::kKeyRows) {
+          pipe_key_rows.consumer_wait(read_r);
           const auto& st = ss.key_rows[read_r.index()];
           if (a.softcap != 0.f) {  // s = softcap * tanh(scale * qk / softcap) + bias
             CUTE_UNROLL
             for (int i = 0; i < size(s_rc); ++i) s_rc(i) = a.softcap * tanhf(s_rc(i) * a.scale_div_softcap);
-            add_key_bias(s_rc, kr.bias, 1.f);
+            add_key_bias(s_rc, tScS_rc, st.bias, 1.f);
           } else {
-            add_key_bias(s_rc, kr.bias, a.scale);
+            add_key_bias(s_rc, tScS_rc, st.bias, a.scale);
           }
-          // The test on positions, and on query bounds (key ends, a mask), where the block needs it.
-          const PositionTest pt{st.pos, positions_window(), Tile::kKeyRowEndDelta};
-          if (kr.test)
+          // The test on positions: gathered keys' window on original positions, else the plain
+          // window (positions are indices); query bounds (key ends, a mask) on every block.
+          const PositionTest pt{st.pos, a.kpos.ptr != nullptr ? position_window(a) : win, Tile::kKeyRowEndDelta};
+          if (bounded_block_needs_mask<kBlockN>(pt.win, st.pos, m0, kBlockM, st.end_min))
             mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(s_rc, tScS_rc, m0, n * kBlockN, win,
                                                                                      nullptr, 0, nullptr, 0, &pt);
           pipe_key_rows.consumer_release(read_r);
@@ -581,14 +563,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       sched_sync();
       issue_s(read_k.index());
       sched_pass();
+      gemm_wait<0>(acc_s);
+      pipe_k.consumer_release(read_k);
+      ++read_k;
       {
-        KeyRowsAhead kr;
-        key_rows_ahead(kr);
-        gemm_wait<0>(acc_s);
-        pipe_k.consumer_release(read_k);
-        ++read_k;
         float alpha[kRows];
-        scores_to_probs(n, alpha, kr);  // (alpha = 0: O is still zero)
+        scores_to_probs(n, alpha);  // (alpha = 0: O is still zero)
       }
       convert_fragment<Element, false>(acc_s, rP);
 
@@ -600,13 +580,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         pipe_v.consumer_wait(read_v);
         issue_pv(read_v.index());
         sched_pass();
-        KeyRowsAhead kr;
-        key_rows_ahead(kr);
         gemm_wait<1>(acc_s);
         pipe_k.consumer_release(read_k);
         ++read_k;
         float alpha[kRows];
-        scores_to_probs(n, alpha, kr);
+        scores_to_probs(n, alpha);
         gemm_wait<0>(acc_o);
         pipe_v.consumer_release(read_v);
         ++read_v;

@@ -1,7 +1,7 @@
 // The per-key rows of the warp-specialized Hopper kernels (forward and backward): a key
 // block's positions, query bounds and bias, loaded by one producer warp into a pipeline stage
 // (load_key_rows), and the bias added to the scores on the accumulator's row/col view
-// (read_key_bias, add_key_bias).
+// (add_key_bias).
 #pragma once
 
 #include <climits>
@@ -15,42 +15,22 @@
 
 namespace dmattn::cuda::sm90 {
 
-// The key bias at this thread's kCols accumulator columns (row/col view coordinates `coord`),
-// from a kBlockN fp32 row in shared memory, as column pairs (broadcast within a quad's columns):
-// into registers, so that a caller can issue the reads before the scores are complete.
-template <int kCols, class C>
-__device__ __forceinline__ void read_key_bias(C const& coord, const float* s_bias, float2 (&bias)[kCols / 2]) {
+// s = s * scale + bias[col] on the accumulator row/col view, the key bias from a kBlockN fp32 row
+// in shared memory (read as column pairs: broadcast within a quad's columns).
+template <class S, class C>
+__device__ __forceinline__ void add_key_bias(S& s, C const& coord, const float* s_bias, float scale) {
   using namespace cute;
   const int col0 = get<1>(coord(0, 0));
   CUTE_UNROLL
-  for (int c = 0; c < kCols; c += 2) {
+  for (int c = 0; c < size<1>(s); c += 2) {
     const int cc = get<1>(coord(0, c)) - col0;  // compile-time after folding, even
-    bias[c / 2] = *reinterpret_cast<const float2*>(s_bias + col0 + cc);
-  }
-}
-
-// s = s * scale + bias[col] on the accumulator row/col view, the bias as read_key_bias gives it.
-template <class S, int kPairs>
-__device__ __forceinline__ void add_key_bias(S& s, const float2 (&bias)[kPairs], float scale) {
-  using namespace cute;
-  static_assert(2 * kPairs == decltype(size<1>(s))::value);
-  CUTE_UNROLL
-  for (int c = 0; c < 2 * kPairs; c += 2) {
+    const float2 bv = *reinterpret_cast<const float2*>(s_bias + col0 + cc);
     CUTE_UNROLL
     for (int r = 0; r < size<0>(s); ++r) {
-      s(r, c) = fmaf(s(r, c), scale, bias[c / 2].x);
-      s(r, c + 1) = fmaf(s(r, c + 1), scale, bias[c / 2].y);
+      s(r, c) = fmaf(s(r, c), scale, bv.x);
+      s(r, c + 1) = fmaf(s(r, c + 1), scale, bv.y);
     }
   }
-}
-
-// Both in one: the bias read from shared memory where it is added.
-template <class S, class C>
-__device__ __forceinline__ void add_key_bias(S& s, C const& coord, const float* s_bias, float scale) {
-  constexpr int kCols = decltype(cute::size<1>(s))::value;
-  float2 bias[kCols / 2];
-  read_key_bias<kCols>(coord, s_bias, bias);
-  add_key_bias(s, bias, scale);
 }
 
 // Where the per-key rows of one (batch, query head) come from; null where absent.
