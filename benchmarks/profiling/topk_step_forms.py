@@ -20,7 +20,7 @@ import torch
 
 import dmattn
 from dmattn import gather, topk
-from dmattn.bench import time_ms
+from dmattn.bench import cuda_graph_of, time_ms
 from topk_gather_timing import KEEP, make
 
 
@@ -30,19 +30,6 @@ def step_of(q, k, v, bias, dout, causal, path):
             out = dmattn.attention_topk(q, k, v, bias, KEEP, causal=causal)
         return torch.autograd.grad(out, (q, k, v, bias), dout)
     return step
-
-
-def graphed(step):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
 
 
 def profile_step(step, causal):
@@ -89,7 +76,7 @@ def main():
             elif form == "general":
                 fns[form] = step_of(q, k, v, bias, dout, causal, "gather")
             elif form == "graph":
-                fns[form] = graphed(step_of(q, k, v, bias, dout, causal, None))
+                fns[form] = cuda_graph_of(step_of(q, k, v, bias, dout, causal, None))
             else:
                 ap.error(f"--forms: unknown form {form!r}")
         times = {form: [] for form in fns}

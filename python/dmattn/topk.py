@@ -171,7 +171,7 @@ def _training_forward(q, k, v, bias, keep: int, causal, window, scale,
     over two native calls (_TopkTrainingStep), or None where the call is not that form (the
     general path then runs, and reports any error).
 
-    The form: _native_form, torch lending its allocator to the native side
+    The form: a gradient to record, _native_form, torch lending its allocator to the native side
     (decode.native_allocates) and q / k / v needing no copy for the kernels. The forward is
     ``topk_attention`` (the selection, then the forward over the kept rows read in place), the
     backward ``topk_attention_backward`` (the backward over the kept rows, then dK, dV and dbias
@@ -179,7 +179,9 @@ def _training_forward(q, k, v, bias, keep: int, causal, window, scale,
     (gather._DistinctRowsAttention, "indexed" mode) passes, so the same bits; left out are the
     general path's layers of checks, dispatch and allocations in Python, host time on the GPU's
     critical path at these sizes (the forward kernel waited for it after the selection)."""
-    if not _native_form(q, k, v, bias, keep) or not native_allocates():
+    # (the gradient test first: an inference call that is not the inference form leaves at once,
+    # without the form's tests again)
+    if records_no_gradient(q, k, v, bias) or not _native_form(q, k, v, bias, keep) or not native_allocates():
         return None
     if not all(_cuda_layout(x) is x for x in (q, k, v)):
         return None
