@@ -194,9 +194,9 @@ def test_one_query_with_a_left_window_takes_the_general_kernels(monkeypatch):
 
 
 def test_native_call_names_bad_arguments():
-    """topk_attention (the one-call route) and topk_attention_backward (the training form's)
-    name the argument at fault, as the rest of the native validation does; CPU tensors are
-    refused by the selection (CUDA only)."""
+    """topk_attention (the one-call route), topk_attention_backward (the training form's) and
+    scatter_key_rows name the argument at fault, as the rest of the native validation does; CPU
+    tensors are refused by the selection and the scatter (CUDA only)."""
     from dmattn._lib import lib
     q = torch.randn(1, 8, 2, 16, dtype=torch.bfloat16)
     bias = torch.randn(1, 2, 1, 8, dtype=torch.bfloat16)
@@ -222,3 +222,6 @@ def test_native_call_names_bad_arguments():
         backward(q, q[0], positions, kept)
     with pytest.raises(ValueError, match=r"^positions, kept_bias: expected \(rows_b, rows_h, K\)"):
         backward(q, q, positions[0], kept)
+    rows = torch.zeros(1, 3, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="^dk_rows: expected a CUDA tensor"):  # (the scatter's glue is CUDA only)
+        lib().scatter_key_rows(rows, rows, positions[:1, :1], q, q, None, None)
