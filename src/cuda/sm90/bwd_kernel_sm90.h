@@ -37,22 +37,6 @@
 
 namespace dmattn::cuda::sm90 {
 
-// Adds the column sums of one query block, from the fast path's column-sum product (kColSumMma),
-// into row 0 of s_col (flushed by colsum_flush_smem): the lane holding column 0 of a key row adds
-// its sum. Every key row has one such lane, always the same one: no barrier between query
-// blocks, a fixed order of the adds. m64n8 fp32 accumulator of warpgroup w (keys [64 w, 64 w +
-// 64)): value i of a thread is key row 64 w + 16 (warp % 4) + lane / 4 + 8 (i / 2), column
-// 2 (lane % 4) + i % 2.
-template <class Acc>
-__device__ __forceinline__ void colsum_acc_add_smem(Acc const& acc, float* s_col, int tid) {
-  static_assert(decltype(cute::size(acc))::value == 4);
-  if ((tid & 3) == 0) {
-    const int c = (tid / 128) * 64 + ((tid / 32) % 4) * 16 + (tid % 32) / 4;
-    s_col[c] += acc(0);
-    s_col[c + 8] += acc(2);
-  }
-}
-
 enum BwdBiasPath : int {
   kBiasPathOff = 0,     // the plain kernel (kMaskBias false) or the general mask / bias kernel
   kBiasPathDirect = 1,  // bias fast path, dbias kDbDirect or kDbNone

@@ -28,8 +28,9 @@
 //       dQ -> shared memory (fp32) for the writer (head dim 256: the consumers in turns on one
 //       buffer, bwd_ws_tile_sm90.h).
 //     dK and dV stay in registers across the loop and are stored at the end (scale applied).
-// The score transform, P / dS and the column sums are the general Hopper kernel's
-// (bwd_common.h, dbias_colsum_sm90.h): the same numerics, exactly.
+// The score transform and P / dS are the general Hopper kernel's (bwd_common.h): the same
+// numerics, exactly. A query-broadcast dbias's column sums are one more product, dS^T times a
+// tile of ones (the general kernel's bias fast path's, dbias_colsum_sm90.h), issued with dK.
 // Buffers: P has one buffer (read only by its own consumer's dV product, complete at that
 // consumer's wait; at head dim 256 two, as dS: both consumers' dV products read all of it), dS
 // two (a dQ product of block t, which reads both consumers' halves, or the writer's dbias store,
@@ -119,7 +120,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   constexpr bool packed = kPacked;
   const int tb = packed ? 0 : b;
   const bool want_dq = a.dq_accum != nullptr;
-  const bool colsum = Tile::kKeyRows && a.dbias != nullptr && a.dbias_mode == kDbColSum;
+  constexpr bool colsum = Tile::kColSum;  // (the launch picks the variant: a.dbias_mode == kDbColSum)
   // A full bias's gradient: dS's tiles stored by the dQ writer (which then runs without dQ too).
   const bool dbias_tiles = Tile::kFullBias && a.dbias != nullptr && a.dbias_mode == kDbDirect;
   const bool writer = want_dq || dbias_tiles;
@@ -164,8 +165,14 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     } else {
       bwd_query_block_range(seq.window(), n0, kBlockN, kBlockM, m_lo, m_hi);
     }
-    if (colsum)
-      for (int i = threadIdx.x; i < Tile::kWarpsPerCol * kBlockN; i += Tile::kNThreads) ss.colsum[i] = 0.f;
+    if constexpr (colsum) {
+      for (int i = threadIdx.x; i < kBlockN; i += Tile::kNThreads) ss.colsum[i] = 0.f;
+      // (the column-sum product's B operand, published to wgmma by this fence and the barriers
+      // before the first product)
+      for (int i = threadIdx.x; i < cute::cosize(typename Tile::SmemLayoutOnes{}); i += Tile::kNThreads)
+        ss.ones[i] = Element(1.f);
+      fence_smem_for_wgmma();
+    }
   } else {
     bwd_query_block_range(seq.window(), n0, kBlockN, kBlockM, m_lo, m_hi);
   }
@@ -463,7 +470,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   const int cols_valid = min(kBlockN, seq.len_k() - n0);
   auto consumers_sync = [] { NamedBarrier::sync(kConsumerThreads, Bar::kColSum); };
   auto colsum_flush = [&](int h) {
-    colsum_flush_smem<Element, kBlockN, Tile::kWarpsPerCol, kConsumerThreads>(a, ss.colsum.data(), b, h, n0,
+    colsum_flush_smem<Element, kBlockN, 1, kConsumerThreads>(a, ss.colsum.data(), b, h, n0,
                                                                               cols_valid, ctid, consumers_sync);
   };
 
@@ -592,9 +599,6 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         Tensor rP = make_tensor<Element>(acc_s.layout());
         convert_fragment<Element, false>(acc_s, rP);
         copy(r2s, thr_r2s.retile_S(rP), thr_r2s.partition_D(sP_at(pbuf)));
-        if constexpr (Tile::kKeyRows) {
-          if (colsum) colsum_add_smem<kBlockN, Tile::kWarpsPerCol>(dp_rc, tScS_rc, ss.colsum.data(), ctid);
-        }
         Tensor rdS = make_tensor<Element>(acc_dp.layout());
         convert_fragment<Element, true>(acc_dp, rdS);
         copy(r2s, thr_r2s.retile_S(rdS), thr_r2s.partition_D(sdS_at(buf)));
@@ -602,8 +606,19 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       fence_smem_for_wgmma();
       NamedBarrier::sync(kConsumerThreads, Bar::kPdS);
 
-      // dV += P^T dO, then dQ = dS K, then dK += dS^T Q: dQ is staged for its writer while dK
-      // still runs.
+      // dbias's column sums (kColSum) first, then dV += P^T dO, dQ = dS K, dK += dS^T Q: dQ is
+      // staged for its writer while dK still runs; the column sums are added once dK is done.
+      typename Tile::TiledMmaColSum mma_cs;
+      Tensor acc_cs = partition_fragment_C(mma_cs, Shape<Int<kBlockN>, _8>{});
+      if constexpr (colsum) {
+        {
+          auto thr_cs = mma_cs.get_thread_slice(ctid);
+          Tensor tCSrdSt = thr_cs.partition_fragment_A(sdSt_at(buf));
+          Tensor tCSrOnes = thr_cs.partition_fragment_B(
+              make_tensor(make_smem_ptr(ss.ones.data()), typename Tile::SmemLayoutOnes{}));
+          gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_cs, tCSrdSt, tCSrOnes, acc_cs);
+        }
+      }
       auto issue_dk = [&] {
         Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt_at(buf));
         Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
@@ -690,6 +705,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       }
       gemm_wait<0>(acc_dk);
       warpgroup_fence_operand(acc_dv);
+      if constexpr (colsum) {
+        warpgroup_fence_operand(acc_cs);
+        colsum_acc_add_smem(acc_cs, ss.colsum.data(), ctid);
+      }
       pipe_q.consumer_release(read);
       if (!do_early) pipe_do.consumer_release(read_do);
       ++read;

@@ -170,13 +170,19 @@ void launch_bwd_ws(const BwdArgs& args, dim3 grid, bool ordered_dq, cudaStream_t
     packed ? launch_bwd_ws_tile<Plain, true>(a, grid, stream) : launch_bwd_ws_tile<Plain, false>(a, grid, stream);
   } else {
     using KeyRows = BwdWsTile<Element, kHeadDim, BwdWsScores::kKeyRows>;
+    using KeyRowsColSum = BwdWsTile<Element, kHeadDim, BwdWsScores::kKeyRows, /*kColSum=*/true>;
     switch (bwd_ws_scores(a.f)) {
       case BwdWsScores::kFullBias:
         launch_bwd_ws_tile<BwdWsTile<Element, kHeadDim, BwdWsScores::kFullBias>, false>(a, grid, stream);
         break;
       case BwdWsScores::kKeyRows:
-        packed ? launch_bwd_ws_tile<KeyRows, true>(a, grid, stream)
-               : launch_bwd_ws_tile<KeyRows, false>(a, grid, stream);
+        // (bwd_ws_supports: a key-row problem's dbias is its column sums, or none)
+        if (a.dbias != nullptr && a.dbias_mode == kDbColSum)
+          packed ? launch_bwd_ws_tile<KeyRowsColSum, true>(a, grid, stream)
+                 : launch_bwd_ws_tile<KeyRowsColSum, false>(a, grid, stream);
+        else
+          packed ? launch_bwd_ws_tile<KeyRows, true>(a, grid, stream)
+                 : launch_bwd_ws_tile<KeyRows, false>(a, grid, stream);
         break;
       case BwdWsScores::kPlain:
         packed ? launch_bwd_ws_tile<Plain, true>(a, grid, stream) : launch_bwd_ws_tile<Plain, false>(a, grid, stream);

@@ -55,12 +55,17 @@ namespace dmattn::cuda::sm90 {
 
 enum class BwdWsScores { kPlain, kKeyRows, kFullBias };
 
-template <typename Element_, int kHeadDim_, BwdWsScores kScores_>
+template <typename Element_, int kHeadDim_, BwdWsScores kScores_, bool kColSum_ = false>
 struct BwdWsTile {
   using Element = Element_;
   static constexpr BwdWsScores kScores = kScores_;
   static constexpr bool kKeyRows = kScores == BwdWsScores::kKeyRows;
   static constexpr bool kFullBias = kScores == BwdWsScores::kFullBias;
+  // Key rows with a query-broadcast dbias (kDbColSum): its column sums, by one more product
+  // (TiledMmaColSum). A variant of its own: in the kernel without a dbias, a run-time test
+  // around the product and its accumulator cost 4 % (registers the loop had used otherwise).
+  static constexpr bool kColSum = kColSum_;
+  static_assert(!kColSum || kKeyRows, "column sums: key rows only");
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = kHeadDim == 256 ? 64 : 128;
@@ -192,7 +197,13 @@ struct BwdWsTile {
     int32_t seq_len[2];  // packed batches: the sequence's query and key counts
     std::conditional_t<kKeyRows, KeyRows, NoKeyRows> keys;
   };
-  static constexpr int kWarpsPerCol = 4;  // column-sum rows: the 4 warps of a consumer split its 64 queries
+  // kColSum: the column sums as one more product, dS^T (keys x queries, the dK product's A
+  // operand) times a tile of ones (8 x kBlockM, K-major): each column of the 64 x 8 fp32
+  // accumulator of a consumer holds the sums of its 64 keys over the query block, added to one
+  // shared row (colsum_acc_add_smem).
+  using TiledMmaColSum = typename Mmas::template SsMma<64, 8, kBlockM, cute::GMMA::Major::MN, cute::GMMA::Major::K,
+                                                      typename Mmas::AlongM>;
+  using SmemLayoutOnes = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::_8, cute::Int<kBlockM>>{}));
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
@@ -205,7 +216,8 @@ struct BwdWsTile {
     // (unused buffers below: a few bytes, without the swizzle's alignment)
     alignas(kFullBias ? 1024 : 16) cute::array_aligned<Element, kBiasElems, kFullBias ? 1024 : 16> bias;
     RowStage rows[kStages];
-    cute::array_aligned<float, kKeyRows ? kWarpsPerCol * kBlockN : 4, 16> colsum;
+    cute::array_aligned<float, kColSum ? kBlockN : 4, 16> colsum;
+    alignas(kColSum ? 1024 : 16) cute::array_aligned<Element, kColSum ? cute::cosize_v<SmemLayoutOnes> : 8, kColSum ? 1024 : 16> ones;
     cute::array_aligned<int32_t, kKeyRows ? kBlockN : 4, 16> pos;  // the CTA's positions (query range)
     int32_t end_max[kNThreads / 32];  // key_block_end_max's per-warp maxima
     typename Pipeline::SharedStorage pipe_q;

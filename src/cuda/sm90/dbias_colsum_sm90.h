@@ -1,6 +1,7 @@
 // Column sums of a query-broadcast dbias (kDbColSum) in the Hopper backward kernels: each query
-// block's dS column sums added into shared rows (colsum_add_smem), flushed to dbias or its fp32
-// accumulator once per (batch, bias head) (colsum_flush_smem).
+// block's dS column sums added into shared rows (colsum_add_smem from registers, colsum_acc_add_smem
+// from a column-sum product), flushed to dbias or its fp32 accumulator once per (batch, bias head)
+// (colsum_flush_smem).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -75,6 +76,22 @@ __device__ __forceinline__ void colsum_add_smem(DP const& dp, C const& coord, fl
     acc.x += v8[i];
     acc.y += v8[i + 1];
     *p = acc;
+  }
+}
+
+// Adds the column sums of one query block, from a column-sum product (dS^T times a tile of ones:
+// the general kernel's bias fast path, the warp-specialized kernel's key rows), into row 0 of s_col (flushed by colsum_flush_smem): the lane holding column 0 of a key row adds
+// its sum. Every key row has one such lane, always the same one: no barrier between query
+// blocks, a fixed order of the adds. m64n8 fp32 accumulator of warpgroup w (keys [64 w, 64 w +
+// 64)): value i of a thread is key row 64 w + 16 (warp % 4) + lane / 4 + 8 (i / 2), column
+// 2 (lane % 4) + i % 2.
+template <class Acc>
+__device__ __forceinline__ void colsum_acc_add_smem(Acc const& acc, float* s_col, int tid) {
+  static_assert(decltype(cute::size(acc))::value == 4);
+  if ((tid & 3) == 0) {
+    const int c = (tid / 128) * 64 + ((tid / 32) % 4) * 16 + (tid % 32) / 4;
+    s_col[c] += acc(0);
+    s_col[c + 8] += acc(2);
   }
 }
 
