@@ -29,8 +29,9 @@
 //       buffer, bwd_ws_tile_sm90.h).
 //     dK and dV stay in registers across the loop and are stored at the end (scale applied).
 // The score transform and P / dS are the general Hopper kernel's (bwd_common.h): the same
-// numerics, exactly. A query-broadcast dbias's column sums are one more product, dS^T times a
-// tile of ones (the general kernel's bias fast path's, dbias_colsum_sm90.h), issued with dK.
+// numerics, exactly. A query-broadcast dbias's column sums (the variant Tile::kColSum) are one
+// more product, dS^T times a tile of ones (as the general kernel's bias fast path), issued before
+// dV and added to a shared row after dK's wait (dbias_colsum_sm90.h).
 // Buffers: P has one buffer (read only by its own consumer's dV product, complete at that
 // consumer's wait; at head dim 256 two, as dS: both consumers' dV products read all of it), dS
 // two (a dQ product of block t, which reads both consumers' halves, or the writer's dbias store,
@@ -470,8 +471,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   const int cols_valid = min(kBlockN, seq.len_k() - n0);
   auto consumers_sync = [] { NamedBarrier::sync(kConsumerThreads, Bar::kColSum); };
   auto colsum_flush = [&](int h) {
-    colsum_flush_smem<Element, kBlockN, 1, kConsumerThreads>(a, ss.colsum.data(), b, h, n0,
-                                                                              cols_valid, ctid, consumers_sync);
+    colsum_flush_smem<Element, kBlockN, 1, kConsumerThreads>(a, ss.colsum.data(), b, h, n0, cols_valid, ctid,
+                                                             consumers_sync);
   };
 
   // Packed batches: the rows of a tile past its sequence's end are the next sequence's (zeros
@@ -611,13 +612,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       typename Tile::TiledMmaColSum mma_cs;
       Tensor acc_cs = partition_fragment_C(mma_cs, Shape<Int<kBlockN>, _8>{});
       if constexpr (colsum) {
-        {
-          auto thr_cs = mma_cs.get_thread_slice(ctid);
-          Tensor tCSrdSt = thr_cs.partition_fragment_A(sdSt_at(buf));
-          Tensor tCSrOnes = thr_cs.partition_fragment_B(
-              make_tensor(make_smem_ptr(ss.ones.data()), typename Tile::SmemLayoutOnes{}));
-          gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_cs, tCSrdSt, tCSrOnes, acc_cs);
-        }
+        auto thr_cs = mma_cs.get_thread_slice(ctid);
+        Tensor tCSrdSt = thr_cs.partition_fragment_A(sdSt_at(buf));
+        Tensor tCSrOnes =
+            thr_cs.partition_fragment_B(make_tensor(make_smem_ptr(ss.ones.data()), typename Tile::SmemLayoutOnes{}));
+        gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_cs, tCSrdSt, tCSrOnes, acc_cs);
       }
       auto issue_dk = [&] {
         Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt_at(buf));

@@ -217,7 +217,8 @@ struct BwdWsTile {
     alignas(kFullBias ? 1024 : 16) cute::array_aligned<Element, kBiasElems, kFullBias ? 1024 : 16> bias;
     RowStage rows[kStages];
     cute::array_aligned<float, kColSum ? kBlockN : 4, 16> colsum;
-    alignas(kColSum ? 1024 : 16) cute::array_aligned<Element, kColSum ? cute::cosize_v<SmemLayoutOnes> : 8, kColSum ? 1024 : 16> ones;
+    alignas(kColSum ? 1024 : 16)
+        cute::array_aligned<Element, kColSum ? cute::cosize_v<SmemLayoutOnes> : 8, kColSum ? 1024 : 16> ones;
     cute::array_aligned<int32_t, kKeyRows ? kBlockN : 4, 16> pos;  // the CTA's positions (query range)
     int32_t end_max[kNThreads / 32];  // key_block_end_max's per-warp maxima
     typename Pipeline::SharedStorage pipe_q;

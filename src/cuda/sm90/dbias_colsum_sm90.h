@@ -80,9 +80,10 @@ __device__ __forceinline__ void colsum_add_smem(DP const& dp, C const& coord, fl
 }
 
 // Adds the column sums of one query block, from a column-sum product (dS^T times a tile of ones:
-// the general kernel's bias fast path, the warp-specialized kernel's key rows), into row 0 of s_col (flushed by colsum_flush_smem): the lane holding column 0 of a key row adds
-// its sum. Every key row has one such lane, always the same one: no barrier between query
-// blocks, a fixed order of the adds. m64n8 fp32 accumulator of warpgroup w (keys [64 w, 64 w +
+// the general kernel's bias fast path, the warp-specialized kernel's key rows), into row 0 of
+// s_col (flushed by colsum_flush_smem): the lane holding column 0 of a key row adds its sum.
+// Every key row has one such lane, always the same one: no barrier between query blocks, a fixed
+// order of the adds. m64n8 fp32 accumulator of warpgroup w (keys [64 w, 64 w +
 // 64)): value i of a thread is key row 64 w + 16 (warp % 4) + lane / 4 + 8 (i / 2), column
 // 2 (lane % 4) + i % 2.
 template <class Acc>
