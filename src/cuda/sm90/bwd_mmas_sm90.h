@@ -34,6 +34,14 @@ struct BwdMmas {
       kSplitDkvD, SsMma<64, kHeadDim / 2, kBlockM, cute::GMMA::Major::MN, cute::GMMA::Major::MN, AlongN>,
       SsMma<64, kHeadDim, kBlockM, cute::GMMA::Major::MN, cute::GMMA::Major::MN, AlongM>>;
   using TiledMmadQ = SsMma<kBlockM, kHeadDim / 2, kBlockN, cute::GMMA::Major::K, cute::GMMA::Major::MN, AlongN>;
+  // A query-broadcast dbias's column sums as one more product (the general kernel's bias fast
+  // path, the warp-specialized kernel's kColSum variant): dS^T (keys x queries, the dK product's
+  // A operand) times a tile of ones (8 x kBlockM, K-major: SmemLayoutOnes). Each column of a
+  // warpgroup's 64 x 8 fp32 accumulator holds the sums of its 64 keys over the query block,
+  // which the kernels add to one shared row (colsum_acc_add_smem).
+  using TiledMmaColSum = SsMma<64, 8, kBlockM, cute::GMMA::Major::MN, cute::GMMA::Major::K, AlongM>;
+  using SmemLayoutOnes = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
+                                                      cute::Shape<cute::_8, cute::Int<kBlockM>>{}));
 };
 
 }  // namespace dmattn::cuda::sm90

@@ -45,16 +45,14 @@ struct BwdTileSm90 : BwdSmemPlan<Element_, kHeadDim_, 64, 128, 2, 4> {
   using TiledMmadQ = typename Mmas::TiledMmadQ;
 
   // The query-broadcast dbias of the bias fast path (kBiasPathColSum): its column sums as one
-  // more product, dS^T (keys x queries, the dK product's A operand) times a tile of ones (8 x
-  // kBlockM, K-major): each column of the 64 x 8 fp32 accumulator of a warpgroup holds the sums
-  // of its 64 keys over the query block, which the kernel adds to one shared row (colsum_acc_add_smem).
-  using TiledMmaColSum = SsMma<64, 8, kBlockM, cute::GMMA::Major::MN, cute::GMMA::Major::K, AlongM>;
+  // more product (bwd_mmas_sm90.h).
+  using TiledMmaColSum = typename Mmas::TiledMmaColSum;
 
   using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
   using SmemLayoutQdO = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
   using SmemLayoutKV = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
   using SmemLayoutPdS = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
-  using SmemLayoutOnes = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::_8, cute::Int<kBlockM>>{}));
+  using SmemLayoutOnes = typename Mmas::SmemLayoutOnes;
   using SmemLayoutQdOt = decltype(cute::composition(
       SmemLayoutQdO{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>>{}, cute::GenRowMajor{})));
   using SmemLayoutKt = decltype(cute::composition(

@@ -197,13 +197,9 @@ struct BwdWsTile {
     int32_t seq_len[2];  // packed batches: the sequence's query and key counts
     std::conditional_t<kKeyRows, KeyRows, NoKeyRows> keys;
   };
-  // kColSum: the column sums as one more product, dS^T (keys x queries, the dK product's A
-  // operand) times a tile of ones (8 x kBlockM, K-major): each column of the 64 x 8 fp32
-  // accumulator of a consumer holds the sums of its 64 keys over the query block, added to one
-  // shared row (colsum_acc_add_smem).
-  using TiledMmaColSum = typename Mmas::template SsMma<64, 8, kBlockM, cute::GMMA::Major::MN, cute::GMMA::Major::K,
-                                                      typename Mmas::AlongM>;
-  using SmemLayoutOnes = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::_8, cute::Int<kBlockM>>{}));
+  // kColSum: the column sums as one more product (bwd_mmas_sm90.h), one per consumer.
+  using TiledMmaColSum = typename Mmas::TiledMmaColSum;
+  using SmemLayoutOnes = typename Mmas::SmemLayoutOnes;
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
