@@ -150,3 +150,37 @@ def test_large_bias_offsets_forward(kind, d, nan_poison):
     assert err < 2e-2 * max(1.0, ref.abs().max().item()), err
     lse_err = ((lse.double() - ref_lse).abs() - 2e-6 * ref_lse.abs())[~empty].max().item()
     assert lse_err < 1e-2, lse_err  # (float32 lse: 2e-6 relative at the offsets' magnitudes)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_key_bias_extremes(dtype, d, causal, nan_poison):
+    """A per-key bias (B, H, 1, Sk) with extreme values among ordinary ones, against the float64
+    reference: a row (batch 0, head 0) with biases near finfo.min in its third key block (the
+    scores of such keys overflow float32 once divided by the scale; the Hopper forward reads the
+    key blocks from the last to the first, so they arrive mid-tile), a row (batch 1, head 1) whose
+    every key carries such a bias (uniform for finfo.min: its lse is the bias plus log Sk), -inf
+    keys (a mask) and a row of them only (empty: out 0, lse -inf); without and with a softcap.
+    fp16 q / k / v take an fp32 bias of -1e4 in the place of finfo.min (bias / scale beyond
+    fp16's range)."""
+    import dmattn
+    from reference import check_against_reference
+    g = torch.Generator(device="cpu").manual_seed(d + 7 * causal + (dtype == torch.float16))
+    b, h, sq, sk = 2, 2, 300, 700
+    q, k, v = (torch.randn(b, n, h, d, generator=g).to("cuda", dtype) for n in (sq, sk, sk))
+    bias_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    # finfo.min for bf16 (bias / scale overflows float32); -1e4 for fp16 (beyond 65504)
+    extreme = torch.finfo(torch.bfloat16).min if dtype == torch.bfloat16 else -1e4
+    bias = 3 * torch.randn(b, h, 1, sk, generator=g)
+    bias[0, 0, 0, 300:310] = extreme
+    bias[1, 1, 0, :] = extreme
+    bias[0, 1, 0, 100:200] = float("-inf")
+    bias[1, 0, 0, :] = float("-inf")
+    bias = bias.to("cuda", bias_dtype)
+    for softcap in (0.0, 20.0):
+        out, lse = dmattn.attention(q, k, v, bias=bias, causal=causal, softcap=softcap, return_lse=True)
+        check_against_reference(q, k, v, None, bias, out, lse, causal=causal, softcap=softcap,
+                                context=f"softcap={softcap}")
+        assert torch.equal(out[1, :, 0], torch.zeros_like(out[1, :, 0]))
+        assert torch.isneginf(lse[1, 0]).all()
