@@ -158,19 +158,18 @@ def test_large_bias_offsets_forward(kind, d, nan_poison):
 def test_key_bias_extremes(dtype, d, causal, nan_poison):
     """A per-key bias (B, H, 1, Sk) with extreme values among ordinary ones, against the float64
     reference: a row (batch 0, head 0) with biases near finfo.min in its third key block (the
-    scores of such keys overflow float32 once divided by the scale; the Hopper forward reads the
-    key blocks from the last to the first, so they arrive mid-tile), a row (batch 1, head 1) whose
-    every key carries such a bias (uniform for finfo.min: its lse is the bias plus log Sk), -inf
-    keys (a mask) and a row of them only (empty: out 0, lse -inf); without and with a softcap.
-    fp16 q / k / v take an fp32 bias of -1e4 in the place of finfo.min (bias / scale beyond
-    fp16's range)."""
+    Hopper forward reads the key blocks from the last to the first, so they arrive mid-tile), a
+    row (batch 1, head 1) whose every key carries such a bias (uniform for finfo.min: its lse is
+    the bias plus log Sk), -inf keys (a mask) and a row of them only (empty: out 0, lse -inf);
+    without and with a softcap. fp16 q / k / v take an fp32 bias of -1e4 in the place of
+    finfo.min (far below any score, beyond fp16's range once divided by a scale below 1)."""
     import dmattn
     from reference import check_against_reference
     g = torch.Generator(device="cpu").manual_seed(d + 7 * causal + (dtype == torch.float16))
     b, h, sq, sk = 2, 2, 300, 700
     q, k, v = (torch.randn(b, n, h, d, generator=g).to("cuda", dtype) for n in (sq, sk, sk))
     bias_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-    # finfo.min for bf16 (bias / scale overflows float32); -1e4 for fp16 (beyond 65504)
+    # near finfo.min for bf16; -1e4 (in fp32) for fp16
     extreme = torch.finfo(torch.bfloat16).min if dtype == torch.bfloat16 else -1e4
     bias = 3 * torch.randn(b, h, 1, sk, generator=g)
     bias[0, 0, 0, 300:310] = extreme
