@@ -106,23 +106,26 @@ __device__ __forceinline__ void bwd_load_row_stats(C const& coord, const float* 
 // dp -> dS = P * (dP - Delta), exactly 0 wherever P is 0. Where P == 1 exactly (the key holds
 // the whole row's mass, every other P_k < 2^-24), dS = P * sum_k P_k (dP_j - dP_k) is below
 // fp32 resolution: it is set to 0 rather than left to the rounding noise of Delta, which comes
-// from the stored low-precision O (a row with a single allowed key must get exactly 0).
-// P is exactly 1 only there (elsewhere at most the float below 1), so dS tests P itself: no
-// per-element flag is held between the two, which the kernels schedule around the dP product.
+// from the stored low-precision O (a row with a single allowed key must get exactly 0: x = 0
+// there, and exp2(0) = 1 exactly). P = min(exp2(x), 1) is exactly 1 only where exp2 rounds to 1,
+// x above about -2^-24 (ex2.approx's own error included): the other keys of the row then hold
+// about 2^-24 of its mass or less, so dS is at fp32 resolution there too. dS tests P itself:
+// no per-element flag is held between the two, which the kernels schedule around the dP
+// product, and no test on x comes before the exponent (it cost a compare and a constant per
+// score).
 template <int kRows, class S, class DP>
 __device__ __forceinline__ void bwd_p_ds(S& s, DP& dp, const float (&m)[kRows], const float (&log2l)[kRows],
                                          const float (&delta)[kRows]) {
   using namespace cute;
   constexpr float kLog2e = 1.4426950408889634f;
-  constexpr float kBelowOne = 0x1.fffffep-1f;
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     CUTE_UNROLL
     for (int c = 0; c < size<1>(s); ++c) {
       // ex2.approx like the forward's softmax (exp2f's range handling was ~1/7 of the Hopper
-      // backward's instructions). x >= -2^-25 is where exp2 rounds to 1: P = 1 exactly there.
+      // backward's instructions); the min keeps a NaN and caps the rounding of x > 0 (lse path).
       const float x = (s(r, c) - m[r]) * kLog2e - log2l[r];
-      s(r, c) = x >= -0x1p-25f ? 1.f : min_keep_nan(fast_exp2(x), kBelowOne);
+      s(r, c) = min_keep_nan(fast_exp2(x), 1.f);
     }
   }
   CUTE_UNROLL

@@ -434,6 +434,16 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   auto thr_sdp = mma_sdp.get_thread_slice(ctid);
   auto thr_dkv = mma_dkv.get_thread_slice(ctid);
   auto thr_dq = mma_dq.get_thread_slice(Tile::kDqOneConsumer ? ctid % 128 : ctid);
+  // The shared-memory operands (A, B) of a wgmma depend on the warpgroup only: they are taken
+  // from the slice of the warpgroup's first thread, whose index comes from a shuffle of lane 0
+  // so that the compiler knows it warp-uniform. The operand descriptors then live in uniform
+  // registers and each k step is one uniform add; from the thread index itself every wgmma
+  // rebuilt its descriptor in vector registers and moved it over (six instructions a wgmma,
+  // about an eighth of the kernel's instructions at D = 128).
+  const int wg_thread0 = __shfl_sync(0xffffffff, consumer, 0) * 128;
+  auto wg_sdp = mma_sdp.get_thread_slice(wg_thread0);
+  auto wg_dkv = mma_dkv.get_thread_slice(wg_thread0);
+  auto wg_dq = mma_dq.get_thread_slice(Tile::kDqOneConsumer ? 0 : wg_thread0);
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tile::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tile::SmemLayoutDo{});
@@ -525,14 +535,14 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         }
       }
       {
-        Tensor tSrQ = thr_sdp.partition_fragment_A(sQ)(_, _, _, read.index());
-        Tensor tSrK = thr_sdp.partition_fragment_B(sK);
+        Tensor tSrQ = wg_sdp.partition_fragment_A(sQ)(_, _, _, read.index());
+        Tensor tSrK = wg_sdp.partition_fragment_B(sK);
         gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_sdp, tSrQ, tSrK, acc_s);
       }
       auto issue_dp = [&] {
         pipe_do.consumer_wait(read_do);
-        Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO)(_, _, _, read_do.index());
-        Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+        Tensor tdPrdO = wg_sdp.partition_fragment_A(sdO)(_, _, _, read_do.index());
+        Tensor tdPrV = wg_sdp.partition_fragment_B(sV);
         gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_sdp, tdPrdO, tdPrV, acc_dp);
       };
       // Plain scores: dP runs while S is transformed. Key rows: dP is issued after the
@@ -612,20 +622,20 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       typename Tile::TiledMmaColSum mma_cs;
       Tensor acc_cs = partition_fragment_C(mma_cs, Shape<Int<kBlockN>, _8>{});
       if constexpr (colsum) {
-        auto thr_cs = mma_cs.get_thread_slice(ctid);
-        Tensor tCSrdSt = thr_cs.partition_fragment_A(sdSt_at(buf));
+        auto wg_cs = mma_cs.get_thread_slice(wg_thread0);
+        Tensor tCSrdSt = wg_cs.partition_fragment_A(sdSt_at(buf));
         Tensor tCSrOnes =
-            thr_cs.partition_fragment_B(make_tensor(make_smem_ptr(ss.ones.data()), typename Tile::SmemLayoutOnes{}));
+            wg_cs.partition_fragment_B(make_tensor(make_smem_ptr(ss.ones.data()), typename Tile::SmemLayoutOnes{}));
         gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_cs, tCSrdSt, tCSrOnes, acc_cs);
       }
       auto issue_dk = [&] {
-        Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt_at(buf));
-        Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
+        Tensor tdKrdSt = wg_dkv.partition_fragment_A(sdSt_at(buf));
+        Tensor tdKrQt = wg_dkv.partition_fragment_B(sQt);
         gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, read.index()), acc_dk);
       };
       {
-        Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt_at(pbuf));
-        Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);
+        Tensor tdVrPt = wg_dkv.partition_fragment_A(sPt_at(pbuf));
+        Tensor tdVrdOt = wg_dkv.partition_fragment_B(sdOt);
         gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, read_do.index()), acc_dv);
       }
       // D = 128 and 256: this consumer's half of the columns; D = 64: every column, in the blocks
@@ -650,8 +660,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
             issue_dk();
             cutlass::arch::ClusterBarrier::wait(&ss.dq_turn[consumer], t & 1);
           }
-          Tensor tdQrdS = thr_dq.partition_fragment_A(sdS_at(buf));
-          Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+          Tensor tdQrdS = wg_dq.partition_fragment_A(sdS_at(buf));
+          Tensor tdQrKt = wg_dq.partition_fragment_B(sKt);
           gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_dq, tdQrdS, tdQrKt, acc_dq);
         }
         if constexpr (!Tile::kDqTurns) issue_dk();

@@ -439,6 +439,14 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
 
   typename Tile::TiledMmaS mma_s;
   typename Tile::TiledMmaO mma_o;
+  // The shared-memory operands (A, B) of a wgmma depend on the warpgroup only: they are taken
+  // from the slice of the warpgroup's first thread, whose index comes from a shuffle of lane 0
+  // so that the compiler knows it warp-uniform. The operand descriptors then live in uniform
+  // registers, each k step one uniform add; from the (opaque) thread index every wgmma rebuilt
+  // its descriptor in vector registers and moved it over.
+  const int wg_thread0 = __shfl_sync(0xffffffff, consumer, 0) * 128;
+  auto wg_s = mma_s.get_thread_slice(wg_thread0);
+  auto wg_o = mma_o.get_thread_slice(wg_thread0);
   Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
   constexpr float kLog2e = 1.4426950408889634f;
   const float sl2 = a.scale * kLog2e;  // (raw scores: the scale folded into the exponent)
@@ -461,9 +469,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
     const int n_min = tile.n_min, n_max = tile.n_max;
     const int m0 = tile.m_block * kBlockM;
     const int tid = opaque_thread_index();
-    auto thr_s = mma_s.get_thread_slice(tid);
-    auto thr_o = mma_o.get_thread_slice(tid);
-    Tensor tScS = thr_s.partition_C(cS);
+    Tensor tScS = mma_s.get_thread_slice(tid).partition_C(cS);
     Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
     Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     clear(acc_o);
@@ -495,13 +501,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       auto issue_s = [&](int stage) {
         Tensor q = make_tensor(make_smem_ptr(opaque(ss.q.data())), typename Tile::SmemLayoutQ{});
         Tensor k = make_tensor(make_smem_ptr(opaque(ss.k.data())), typename Tile::SmemLayoutKV{});
-        Tensor tSrQ = thr_s.partition_fragment_A(q);
-        Tensor tSrK = thr_s.partition_fragment_B(k);
+        Tensor tSrQ = wg_s.partition_fragment_A(q);
+        Tensor tSrK = wg_s.partition_fragment_B(k);
         gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
       };
       auto issue_pv = [&](int stage) {
         Tensor vt = make_tensor(make_smem_ptr(opaque(ss.v.data())), typename Tile::SmemLayoutVt{});
-        Tensor tOrVt = thr_o.partition_fragment_B(vt);
+        Tensor tOrVt = wg_o.partition_fragment_B(vt);
         gemm_issue</*kZeroInit=*/false, /*kRegA=*/true>(mma_o, tOrP, tOrVt(_, _, _, stage), acc_o);
       };
       const WindowMask win = SeqBounds(a, tile.b).window();
