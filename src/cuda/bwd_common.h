@@ -80,7 +80,11 @@ __device__ __forceinline__ void bwd_scores(S& s, C const& coord, TT& tt, const F
 // A row outside Sq or with no allowed key gets m = +inf, so that P is exactly 0 there and -inf
 // never meets -inf; its Delta is 0. The test is m == -inf exactly: a NaN row (NaN lse, or NaN
 // log2 l and Delta) keeps P and dS NaN.
-template <int kRows, class C>
+// kReadAll: every row of the tile is readable (a shared-memory stage of kBlockM rows, those past
+// the sequence unwritten): all are loaded and the rows outside are replaced after the loads, so
+// that the loads carry no branch and their uses can be scheduled away from them (behind a
+// branch per row, each use waited on its shared load right after it).
+template <int kRows, bool kReadAll = false, class C>
 __device__ __forceinline__ void bwd_load_row_stats(C const& coord, const float* g_m, const float* g_log2l,
                                                    const float* g_delta, int rows_valid, float (&m)[kRows],
                                                    float (&log2l)[kRows], float (&delta)[kRows]) {
@@ -89,7 +93,13 @@ __device__ __forceinline__ void bwd_load_row_stats(C const& coord, const float* 
   for (int r = 0; r < kRows; ++r) {
     const int row = get<0>(coord(r, 0));
     float mm = INFINITY, ll = 0.f, d = 0.f;
-    if (row < rows_valid) {
+    if constexpr (kReadAll) {
+      const float lm = g_m[row], lll = g_log2l ? g_log2l[row] : 0.f, ld = g_delta[row];
+      const bool in = row < rows_valid;
+      mm = in && lm != -INFINITY ? lm : INFINITY;
+      ll = in ? lll : 0.f;
+      d = in ? ld : 0.f;
+    } else if (row < rows_valid) {
       mm = g_m[row];
       if (g_log2l) ll = g_log2l[row];
       d = g_delta[row];

@@ -464,7 +464,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   auto sdSt_at = [&](int buf) {
     return make_tensor(make_smem_ptr(ss.ds.data() + buf * Tile::kPElems), typename Tile::SmemLayoutPt{});
   };
-  Tensor sdQ = make_tensor(make_smem_ptr(ss.dq.data()), typename Tile::SmemLayoutdQ{});
+  // (written by the consumers' stores only: its swizzle on offsets, as for P and dS below)
+  Tensor sdQ = as_position_independent_swizzle_tensor(
+      make_tensor(make_smem_ptr(ss.dq.data()), typename Tile::SmemLayoutdQ{}));
 
   Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
   Tensor tScS = thr_sdp.partition_C(cS);
@@ -563,8 +565,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
                               f.window_left, f.window_right};
       const int rows_valid = min(kBlockM, int(win.seqlen_q) - m0);
       float row_m[kRows], row_log2l[kRows], delta[kRows];
-      bwd_load_row_stats(tScS_rc, st.m, a.row_log2l != nullptr ? st.log2l : nullptr, st.delta, rows_valid, row_m,
-                         row_log2l, delta);
+      bwd_load_row_stats<kRows, /*kReadAll=*/true>(tScS_rc, st.m, a.row_log2l != nullptr ? st.log2l : nullptr,
+                                                   st.delta, rows_valid, row_m, row_log2l, delta);
 
       gemm_wait<kDpAfterTransform ? 0 : 1>(acc_s);  // S done; dP may still run
       Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
@@ -605,14 +607,18 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
          // t - 1 is complete (its wait). dS[t % 2] was last read by the dQ products of t - 2,
          // which both consumers finished before the barrier of t - 1. P goes first: its
          // registers are free while the column sums of dS run.
+        // The stores' addresses: the 128-byte swizzle applied to the offset within the
+        // 1024-byte-aligned buffer (a position-independent swizzle), then added to its 32-bit
+        // shared address. Applied to the 64-bit generic pointer, as the swizzled layout does, each
+        // address took five or six instructions of 64-bit arithmetic, recomputed in every block.
         auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
         auto thr_r2s = r2s.get_thread_slice(ctid);
         Tensor rP = make_tensor<Element>(acc_s.layout());
         convert_fragment<Element, false>(acc_s, rP);
-        copy(r2s, thr_r2s.retile_S(rP), thr_r2s.partition_D(sP_at(pbuf)));
+        copy(r2s, thr_r2s.retile_S(rP), thr_r2s.partition_D(as_position_independent_swizzle_tensor(sP_at(pbuf))));
         Tensor rdS = make_tensor<Element>(acc_dp.layout());
         convert_fragment<Element, true>(acc_dp, rdS);
-        copy(r2s, thr_r2s.retile_S(rdS), thr_r2s.partition_D(sdS_at(buf)));
+        copy(r2s, thr_r2s.retile_S(rdS), thr_r2s.partition_D(as_position_independent_swizzle_tensor(sdS_at(buf))));
       }
       fence_smem_for_wgmma();
       NamedBarrier::sync(kConsumerThreads, Bar::kPdS);
@@ -695,7 +701,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
             int tid = ctid % 128;
             asm volatile("" : "+r"(tid));
             Tensor sdQ_wide = make_tensor(make_smem_ptr(ss.dq.data()), typename Tile::SmemLayoutdQWide{});
-            store_acc_to_smem(acc_dq, mma_dq.get_thread_slice(tid).partition_C(sdQ_wide));
+            store_acc_to_smem(acc_dq, mma_dq.get_thread_slice(tid).partition_C(as_position_independent_swizzle_tensor(sdQ_wide)));
           }
           cutlass::arch::fence_view_async_shared();  // the writer's TMA reads them
           NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqFull + consumer);
