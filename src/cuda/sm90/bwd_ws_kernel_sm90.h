@@ -437,9 +437,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   // The shared-memory operands (A, B) of a wgmma depend on the warpgroup only: they are taken
   // from the slice of the warpgroup's first thread, whose index comes from a shuffle of lane 0
   // so that the compiler knows it warp-uniform. The operand descriptors then live in uniform
-  // registers and each k step is one uniform add; from the thread index itself every wgmma
-  // rebuilt its descriptor in vector registers and moved it over (six instructions a wgmma,
-  // about an eighth of the kernel's instructions at D = 128).
+  // registers (an add and a move per operand and wgmma); from the thread index itself every
+  // wgmma rebuilt its descriptors in vector registers and moved them over (six instructions, and
+  // the moves' latency, per wgmma: one wgmma per 32 scores of a thread at D = 128).
   const int wg_thread0 = __shfl_sync(0xffffffff, consumer, 0) * 128;
   auto wg_sdp = mma_sdp.get_thread_slice(wg_thread0);
   auto wg_dkv = mma_dkv.get_thread_slice(wg_thread0);
@@ -701,7 +701,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
             int tid = ctid % 128;
             asm volatile("" : "+r"(tid));
             Tensor sdQ_wide = make_tensor(make_smem_ptr(ss.dq.data()), typename Tile::SmemLayoutdQWide{});
-            store_acc_to_smem(acc_dq, mma_dq.get_thread_slice(tid).partition_C(as_position_independent_swizzle_tensor(sdQ_wide)));
+            store_acc_to_smem(acc_dq,
+                              mma_dq.get_thread_slice(tid).partition_C(as_position_independent_swizzle_tensor(sdQ_wide)));
           }
           cutlass::arch::fence_view_async_shared();  // the writer's TMA reads them
           NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqFull + consumer);

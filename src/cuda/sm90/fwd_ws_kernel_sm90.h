@@ -442,8 +442,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
   // The shared-memory operands (A, B) of a wgmma depend on the warpgroup only: they are taken
   // from the slice of the warpgroup's first thread, whose index comes from a shuffle of lane 0
   // so that the compiler knows it warp-uniform. The operand descriptors then live in uniform
-  // registers, each k step one uniform add; from the (opaque) thread index every wgmma rebuilt
-  // its descriptor in vector registers and moved it over.
+  // registers (an add and a move per operand and wgmma); from the (opaque) thread index every
+  // wgmma rebuilt its descriptors in vector registers and moved them over.
   const int wg_thread0 = __shfl_sync(0xffffffff, consumer, 0) * 128;
   auto wg_s = mma_s.get_thread_slice(wg_thread0);
   auto wg_o = mma_o.get_thread_slice(wg_thread0);
