@@ -22,8 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import dmattn
 from dmattn.bench import cuda_graph_of, time_ms
-
-B, H, S, D, KEEP = 2, 16, 8192, 128, 2048
+from keep_problem import KEEP, keep_inputs
 
 
 def kernel_times(fn, steps=5):
@@ -51,14 +50,7 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--kernels", action="store_true")
     args = ap.parse_args()
-    g = torch.Generator().manual_seed(0)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=g).to("cuda", torch.bfloat16)
-
-    q, k, v, dout = (randn(B, S, H, D) for _ in range(4))
-    bias = randn(B, H, 1, S)
-    k2, v2, bias2 = k[:, :KEEP].contiguous(), v[:, :KEEP].contiguous(), bias[..., :KEEP].contiguous()
+    q, k, v, dout, bias, k2, v2, bias2 = keep_inputs()
     for t in (q, k, v, bias, k2, v2, bias2):
         t.requires_grad_(True)
     qt, kt, vt, dt = (x.detach().transpose(1, 2).contiguous() for x in (q, k2, v2, dout))

@@ -20,21 +20,13 @@ import torch
 
 import dmattn
 from dmattn.bench import cuda_graph_of, time_ms
-
-B, H, S, D, KEEP = 2, 16, 8192, 128, 2048
+from keep_problem import KEEP, keep_inputs
 
 
 def main() -> None:
     tag = sys.argv[1] if len(sys.argv) > 1 else "build"
     prefixes = sys.argv[2].split(",") if len(sys.argv) > 2 else None
-    g = torch.Generator().manual_seed(0)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=g).to("cuda", torch.bfloat16)
-
-    q, k, v, dout = (randn(B, S, H, D) for _ in range(4))
-    bias = randn(B, H, 1, S)
-    k2, v2, bias2 = k[:, :KEEP].contiguous(), v[:, :KEEP].contiguous(), bias[..., :KEEP].contiguous()
+    q, k, v, dout, bias, k2, v2, bias2 = keep_inputs()
     for t in (q, k, v, bias):
         t.requires_grad_(True)
     kk, vv, bb = (t.clone().requires_grad_(True) for t in (k2, v2, bias2))
