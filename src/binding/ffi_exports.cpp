@@ -15,6 +15,7 @@
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/optional.h>
 
+#include <cstdlib>
 #include <string>
 
 #include "dmattn/api.h"
@@ -426,6 +427,25 @@ tvm::ffi::Tensor decode_attention(TensorView q, TensorView k, TensorView v, Opti
 // outputs too, positions (rows_b, rows_h, keep) int32 and kept_bias (rows_b, rows_h, 1, keep) in
 // the bias's dtype, both contiguous: its backward (topk_attention_backward) reads them. Returns
 // out (B, Sq, H, D), contiguous.
+// Whether topk_attention's forward reads the kept K / V rows from a gathered copy rather than
+// in place. In place, the producer warps of every query tile copy its kept rows by cp.async
+// (TMA's tiled boxes cannot gather rows on sm_90); from a copy, one gather pass writes them
+// contiguous and every tile loads them by TMA. The copy pays where every query tile reads every
+// kept row (no causal mask or window) and the rows of a kv head are read by at least 16 tiles
+// (seqlen_q * group >= 2048): H200, B=2, H=16, 8192 queries, keep 2048, the forward 0.668 ms in
+// place against 0.633 with the copy (CUDA graphs). Causal, where a tile reads part of the rows,
+// both take 0.42 ms, so in place (no copy's memory). DMATTN_TOPK_ROWS_COPY=0 / 1 forces either
+// (comparisons).
+bool kept_rows_copy_pays(int64_t seqlen_q, int64_t heads, int64_t heads_kv, const dmattn::AttentionOptions& o) {
+  static const int forced = [] {
+    const char* e = std::getenv("DMATTN_TOPK_ROWS_COPY");
+    return e == nullptr || *e == 0 ? -1 : (std::string(e) == "0" ? 0 : 1);
+  }();
+  if (forced >= 0) return forced == 1;
+  const bool every_row = !o.causal && o.window_left < 0 && o.window_right < 0;
+  return every_row && heads_kv > 0 && seqlen_q * (heads / heads_kv) >= 16 * 128;
+}
+
 tvm::ffi::Tensor topk_attention(TensorView q, TensorView k, TensorView v, TensorView bias, int64_t keep,
                                 Optional<TensorView> lse, bool causal, int64_t window_left, int64_t window_right,
                                 double scale, double softcap, int64_t decode_splits,
@@ -439,6 +459,10 @@ tvm::ffi::Tensor topk_attention(TensorView q, TensorView k, TensorView v, Tensor
                   "k: expected a 4-D tensor (batch, seqlen_k, num_heads_kv, head_dim), got shape ", k_d.shape_text());
     dmattn::check(bias_d.shape.size() == 4 && bias_d.shape[2] == 1, dmattn::ErrorKind::kValue,
                   "bias: expected a key-side bias (rows_b, rows_h, 1, Sk), got shape ", bias_d.shape_text());
+    // (the selection's own test, made first: the forward's arguments are built before it runs)
+    dmattn::check(bias_d.device == dmattn::DeviceKind::kCUDA, dmattn::ErrorKind::kValue,
+                  "bias: expected a CUDA tensor, got ", dmattn::device_name(bias_d.device),
+                  " (the gather path's glue runs on CUDA; the CPU composes torch ops)");
     require_env_allocator("topk_attention", " (pass framework tensors)");
     const auto empty = [&](std::initializer_list<int64_t> shape, DLDataType dtype) {
       return env_empty(shape, dtype, q.device());
@@ -450,11 +474,11 @@ tvm::ffi::Tensor topk_attention(TensorView q, TensorView k, TensorView v, Tensor
     const dmattn::TensorDesc positions_d = to_desc(positions_out.has_value() ? positions_out.value() : own_positions),
                              kept_bias_d =
                                  to_desc(kept_bias_out.has_value() ? kept_bias_out.value() : own_kept_bias);
-    dmattn::select_topk_positions(bias_d, keep, positions_d, &kept_bias_d, glue_stream(bias));
     const dmattn::GatheredKeys gathered{&positions_d, k_d.shape[1], nullptr, &positions_d};
     const auto options = make_options(causal, window_left, window_right, scale, softcap, false);
     const OptionalDesc lse_d(lse);
     if (decode_splits > 0) {
+      dmattn::select_topk_positions(bias_d, keep, positions_d, &kept_bias_d, glue_stream(bias));
       dmattn::DecodeInputs inputs;
       inputs.gathered = gathered;
       inputs.num_splits = decode_splits;
@@ -462,13 +486,37 @@ tvm::ffi::Tensor topk_attention(TensorView q, TensorView k, TensorView v, Tensor
                                   q.dtype(), q.device());
       return;
     }
-    const int64_t batch = q_d.shape[0], seqlen_q = q_d.shape[1], heads = q_d.shape[2];
-    out = empty({batch, seqlen_q, heads, q_d.shape[3]}, q.dtype());
+    // The selection first: the host allocates and prepares the forward while it runs.
+    dmattn::select_topk_positions(bias_d, keep, positions_d, &kept_bias_d, glue_stream(bias));
+    const int64_t batch = q_d.shape[0], seqlen_q = q_d.shape[1], heads = q_d.shape[2], head_dim = q_d.shape[3];
+    const int64_t heads_kv = k_d.shape[2];
+    const dmattn::TensorDesc v_d = to_desc(v);
+    tvm::ffi::Tensor k_rows, v_rows;  // (copy: (B, keep, Hkv, D), the kept rows)
+    dmattn::TensorDesc k_rows_d, v_rows_d;
+    const bool copy = kept_rows_copy_pays(seqlen_q, heads, heads_kv, options);
+    if (copy) {
+      k_rows = empty({batch, keep, heads_kv, head_dim}, k.dtype());
+      v_rows = empty({batch, keep, heads_kv, head_dim}, v.dtype());
+      k_rows_d = to_desc(k_rows), v_rows_d = to_desc(v_rows);
+      dmattn::gather_key_rows(k_d, v_d, positions_d, k_rows_d, v_rows_d, nullptr, nullptr, glue_stream(bias));
+    }
+    out = empty({batch, seqlen_q, heads, head_dim}, q.dtype());
     tvm::ffi::Tensor own_lse;
     if (!lse.has_value()) own_lse = empty({batch, heads, seqlen_q}, DLDataType{kDLFloat, 32, 1});
-    dmattn::ForwardParams p = dmattn::make_forward_params(
-        q_d, k_d, to_desc(v), to_desc(out), lse_d.present ? lse_d.desc : to_desc(own_lse), nullptr,
-        &kept_bias_d, options, gathered);
+    const dmattn::TensorDesc out_d = to_desc(out), lse_out_d = lse_d.present ? lse_d.desc : to_desc(own_lse);
+    // Without a causal mask or window the positions decide nothing (the selection yields keep
+    // valid ones, no padding): the forward over the copy then runs without them, the kept bias a
+    // key-side bias, where that broadcasts (one bias row per head or for all heads; a row per kv
+    // head under GQA needs the positions' head mapping).
+    const bool positions_decide = options.causal || window_left >= 0 || window_right >= 0;
+    const bool bias_broadcasts = rows_h == 1 || rows_h == heads;
+    const dmattn::GatheredKeys copied = !positions_decide && bias_broadcasts
+                                            ? dmattn::GatheredKeys{}
+                                            : dmattn::GatheredKeys{&positions_d, k_d.shape[1], nullptr, nullptr};
+    dmattn::ForwardParams p = copy ? dmattn::make_forward_params(q_d, k_rows_d, v_rows_d, out_d, lse_out_d, nullptr,
+                                                                 &kept_bias_d, options, copied)
+                                   : dmattn::make_forward_params(q_d, k_d, v_d, out_d, lse_out_d, nullptr,
+                                                                 &kept_bias_d, options, gathered);
     p.stream = current_stream(p);
     dmattn::run_forward(p);
   });

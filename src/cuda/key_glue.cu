@@ -113,22 +113,28 @@ __global__ void __launch_bounds__(kSelectThreads) topk_positions_kernel(TopkPosi
   }
 }
 
+// The rows of a batch spread over blocks of blockDim.y rows (a row's chunks over the block's
+// blockDim.x threads of that y, all of them when chunks_per_row <= 256), operand blockIdx.y,
+// batches from blockIdx.z on: a row's indices are two 32-bit divisions per thread (gather_rows
+// checks width * heads < 2^30), where one thread per chunk spent several 64-bit divisions on
+// every 16 bytes copied and the kernel ran on its integer arithmetic rather than on memory.
 template <typename Chunk>
-__global__ void gather_rows_kernel(GatherRowsArgs a) {
+__global__ void __launch_bounds__(256) gather_rows_kernel(GatherRowsArgs a, int chunks_per_row) {
   const GatherRowsArgs::Operand& op = a.operand[blockIdx.y];
-  const int64_t chunks_per_row = a.row_bytes / int64_t(sizeof(Chunk));
-  const int64_t total = a.batch * a.width * a.heads * chunks_per_row;
-  for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < total; c += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = c / chunks_per_row, ch = c % chunks_per_row;
-    const int64_t g = r % a.heads, t = r / a.heads, j = t % a.width, b = t / a.width;
-    const int32_t pos = a.positions[(a.pos_batch > 1 ? b : 0) * a.pos_sb + (a.pos_heads > 1 ? g : 0) * a.pos_sh + j];
-    Chunk v{};
-    if (pos >= 0 && pos < a.src_rows)
-      v = *reinterpret_cast<const Chunk*>(
-          static_cast<const char*>(op.src) +
-          ((b / a.src_batch_div) * op.sb + int64_t(pos) * op.sr + (g / a.src_head_div) * op.sh) * a.elem_bytes +
-          ch * int64_t(sizeof(Chunk)));
-    reinterpret_cast<Chunk*>(op.dst)[c] = v;
+  const int heads = int(a.heads), rows = int(a.width * a.heads);
+  for (int64_t b = blockIdx.z; b < a.batch; b += gridDim.z) {
+    const int32_t* positions = a.positions + (a.pos_batch > 1 ? b : 0) * a.pos_sb;
+    const char* src = static_cast<const char*>(op.src) + (b / a.src_batch_div) * op.sb * a.elem_bytes;
+    Chunk* dst = reinterpret_cast<Chunk*>(op.dst) + b * rows * int64_t(chunks_per_row);
+    for (int r = blockIdx.x * blockDim.y + threadIdx.y; r < rows; r += gridDim.x * blockDim.y) {
+      const int g = r % heads, j = r / heads;
+      const int32_t pos = positions[(a.pos_heads > 1 ? g : 0) * a.pos_sh + j];
+      const bool in = pos >= 0 && pos < a.src_rows;
+      const Chunk* row =
+          reinterpret_cast<const Chunk*>(src + (int64_t(in ? pos : 0) * op.sr + (g / a.src_head_div) * op.sh) * a.elem_bytes);
+      for (int c = threadIdx.x; c < chunks_per_row; c += blockDim.x)
+        dst[int64_t(r) * chunks_per_row + c] = in ? row[c] : Chunk{};
+    }
   }
 }
 
@@ -325,13 +331,18 @@ void topk_positions(const TopkPositionsArgs& a, void* stream_ptr) {
 
 void gather_rows(const GatherRowsArgs& a, bool vec16, void* stream_ptr) {
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-  const int64_t rows = a.batch * a.width * a.heads;
-  if (rows == 0) return;
+  const int64_t rows = a.width * a.heads;  // per batch
+  if (a.batch == 0 || rows == 0) return;
+  check(rows < (int64_t(1) << 30), ErrorKind::kValue, "gather of key rows: at most 2^30 rows per batch, got ", rows);
   const int64_t chunk = vec16 ? 16 : a.elem_bytes;
-  const dim3 grid(unsigned(grid_for(rows * (a.row_bytes / chunk), 256)), 2);
-  if (vec16) gather_rows_kernel<uint4><<<grid, 256, 0, stream>>>(a);
-  else if (a.elem_bytes == 2) gather_rows_kernel<uint16_t><<<grid, 256, 0, stream>>>(a);
-  else gather_rows_kernel<uint32_t><<<grid, 256, 0, stream>>>(a);
+  const int chunks_per_row = int(a.row_bytes / chunk);
+  const int x = chunks_per_row < 256 ? chunks_per_row : 256;
+  const dim3 block(unsigned(x), unsigned(256 / x));
+  const int64_t blocks = (rows + block.y - 1) / block.y;
+  const dim3 grid(unsigned(blocks < 65535 * 16 ? blocks : 65535 * 16), 2, unsigned(a.batch < 65535 ? a.batch : 65535));
+  if (vec16) gather_rows_kernel<uint4><<<grid, block, 0, stream>>>(a, chunks_per_row);
+  else if (a.elem_bytes == 2) gather_rows_kernel<uint16_t><<<grid, block, 0, stream>>>(a, chunks_per_row);
+  else gather_rows_kernel<uint32_t><<<grid, block, 0, stream>>>(a, chunks_per_row);
   check_cuda(cudaGetLastError(), "gather of key rows launch");
 }
 

@@ -66,8 +66,9 @@ def test_select_topk_positions_strided_and_broadcast_rows():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("pos_shape", [(2, 3), (1, 3), (2, 1), (1, 1)])
-def test_gather_key_rows_matches_indexing(dtype, pos_shape):
-    batch, num_keys, heads, dim, width = 2, 300, 3, 40, 17
+@pytest.mark.parametrize("dim", [40, 36, 256])  # 16-byte chunks (bf16 36: element by element), a long row
+def test_gather_key_rows_matches_indexing(dtype, pos_shape, dim):
+    batch, num_keys, heads, width = 2, 300, 3, 17
     g = torch.Generator().manual_seed(1)
     k = torch.randn(batch, num_keys, heads, dim, generator=g).to("cuda", dtype)
     v = torch.randn(batch, num_keys, heads * 2, dim, generator=g).to("cuda", dtype)[:, :, ::2]  # strided heads

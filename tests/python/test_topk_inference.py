@@ -36,7 +36,7 @@ def _general(q, k, v, bias, keep, **kw):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("form", ["plain", "gqa_bias_per_kv_head", "batch_broadcast_bias", "fp32_bias", "fp16",
-                                  "options", "d64", "unaligned_q"])
+                                  "options", "d64", "unaligned_q", "many_query_tiles"])
 @pytest.mark.parametrize("route", ["one_native_call", "two_native_calls"])
 def test_inference_form_equals_the_general_path(form, route, nan_poison, monkeypatch):
     """Both of its routes: one native call that allocates through torch (topk_attention), and
@@ -57,6 +57,9 @@ def test_inference_form_equals_the_general_path(form, route, nan_poison, monkeyp
         kw = dict(causal=False, window=(300, 40), scale=0.05, softcap=20.0)
     elif form == "d64":
         args = dict(d=64, sq=700)
+    elif form == "many_query_tiles":  # every tile reads every kept row, 2048 query rows per kv head: from a copy
+        args = dict(sq=1100, heads=8, heads_kv=2)
+        kw = dict(causal=False)
     q, k, v, bias = _inputs(gen, **args)
     if form == "unaligned_q":  # 8 bytes past a 16-byte boundary: the kernels take a copy
         q = torch.cat([torch.zeros_like(q[..., :4]), q], dim=-1)[..., 4:]

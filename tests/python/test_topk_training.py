@@ -27,6 +27,11 @@ FORMS = {
     "options": dict(kw=dict(causal=False, window=(300, 40), scale=0.05, softcap=20.0)),
     "d64": dict(d=64, sq=700),
     "d256": dict(d=256, sq=300, sk=600),
+    # no causal mask or window, 2048 query rows per kv head and more: the forward reads the kept
+    # rows from a gathered copy
+    "many_query_tiles": dict(sq=1100, heads=8, heads_kv=2, bias_rows=(2, 2), kw=dict(causal=False)),
+    "many_query_tiles_options": dict(sq=2100, heads=2, heads_kv=2, bias_rows=(1, 2),
+                                     kw=dict(causal=False, scale=0.05, softcap=20.0)),
 }
 
 
@@ -114,6 +119,41 @@ def test_training_form_against_the_float64_reference(monkeypatch):
     mask = dynamic_mask(bias, 120)
     check_against_reference(q, k, v, mask, bias, out, lse, {"q": dq, "k": dk, "v": dv, "bias": dbias}, dout=dout,
                             context="attention_topk training form", **kw)
+
+
+_FORCED_COPY_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import test_topk_training as t
+cases = {{"causal": {{}}, "window_softcap": dict(kw=dict(causal=False, window=(300, 40), softcap=20.0)),
+          "gqa_bias_per_kv_head": dict(heads=8, heads_kv=2, bias_rows=(2, 2), kw=dict(causal=False)),
+          "many_query_tiles": dict(sq=1100, heads=8, heads_kv=2, bias_rows=(2, 1), kw=dict(causal=False))}}
+for name, args in cases.items():
+    gen = torch.Generator().manual_seed(len(name))
+    inputs, dout, kw = t._inputs(gen, **args)
+    want = t._general(inputs, dout, 257, kw)
+    got = t._step(inputs, dout, 257, kw)  # (the native training form: nothing forces the path)
+    bias_rows = args.get("bias_rows", (2, 2))
+    t._assert_same(got, want, bias_rows[0] < 2 or bias_rows[1] < inputs[0].shape[2])
+print("same")
+"""
+
+
+@pytest.mark.parametrize("copy", ["0", "1"])
+def test_forced_kept_rows_copy_equals_the_general_path(copy):
+    """DMATTN_TOPK_ROWS_COPY forces the forward's kept rows from a gathered copy (1) or in place
+    (0) whatever the shapes (read once per process: a fresh one). Either must give the general
+    path's bits, under a causal mask and window too, where the positions decide."""
+    import os
+    import subprocess
+    import sys
+    if not topk.native_allocates():
+        pytest.skip("this torch lends no allocator to the native side")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, DMATTN_TOPK_ROWS_COPY=copy)
+    run = subprocess.run([sys.executable, "-c", _FORCED_COPY_SCRIPT.format(tests=tests)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("same"), run.stderr[-3000:]
 
 
 def test_keep_one_with_a_broadcast_bias():
