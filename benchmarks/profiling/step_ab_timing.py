@@ -10,7 +10,9 @@ bf16, B=2, H=16, S=8192, D=128, a per-key bias (B, H, 1, S); attention_topk keep
 those whose name starts with one of the comma-separated PREFIXES, e.g. "step"): forward alone
 (no gradient) and training steps (forward + backward with every gradient). One line per row:
 the tag, the row, the eager and the CUDA-graph time in ms, each the median of three medians of
-10 CUDA-event timings (after 3 warm-up calls).
+10 CUDA-event timings (after 3 warm-up calls). With one build and DMATTN_TOPK_ROWS_COPY=0, then 1,
+it compares attention_topk's forward reading the kept K / V rows in place and from a gathered
+copy (docs/design.md, "Indexed keys").
 """
 
 import statistics

@@ -432,10 +432,10 @@ tvm::ffi::Tensor decode_attention(TensorView q, TensorView k, TensorView v, Opti
 // (TMA's tiled boxes cannot gather rows on sm_90); from a copy, one gather pass writes them
 // contiguous and every tile loads them by TMA. The copy pays where every query tile reads every
 // kept row (no causal mask or window) and the rows of a kv head are read by at least 16 tiles
-// (seqlen_q * group >= 2048): H200, B=2, H=16, 8192 queries, keep 2048, the forward 0.668 ms in
-// place against 0.633 with the copy (CUDA graphs). Causal, where a tile reads part of the rows,
-// both take 0.42 ms, so in place (no copy's memory). DMATTN_TOPK_ROWS_COPY=0 / 1 forces either
-// (comparisons).
+// (seqlen_q * group >= 2048): H200, B=2, H=16, 8192 queries, keep 2048, the forward 0.66 ms in
+// place against 0.61 from the copy, its gather included (CUDA graphs). Causal, where a tile reads
+// part of the rows, both take 0.42 ms, so in place (no copy's memory). DMATTN_TOPK_ROWS_COPY=0 / 1
+// forces either (comparisons).
 bool kept_rows_copy_pays(int64_t seqlen_q, int64_t heads, int64_t heads_kv, const dmattn::AttentionOptions& o) {
   static const int forced = [] {
     const char* e = std::getenv("DMATTN_TOPK_ROWS_COPY");
