@@ -173,7 +173,7 @@ def _training_forward(q, k, v, bias, keep: int, causal, window, scale,
 
     The form: a gradient to record, _native_form, torch lending its allocator to the native side
     (decode.native_allocates) and q / k / v needing no copy for the kernels. The forward is
-    ``topk_attention`` (the selection, then the forward over the kept rows read in place), the
+    ``topk_attention_training`` (the selection, then the forward over the kept rows), the
     backward ``topk_attention_backward`` (the backward over the kept rows, then dK, dV and dbias
     written at full size by one kernel), with the arguments the general path's autograd node
     (gather._DistinctRowsAttention, "indexed" mode) passes, so the same bits; left out are the
@@ -186,24 +186,26 @@ def _training_forward(q, k, v, bias, keep: int, causal, window, scale,
     if not all(_cuda_layout(x) is x for x in (q, k, v)):
         return None
     left, right, scale, softcap = _parse_options(window, scale, softcap)
-    return _TopkTrainingStep.apply(q, k, v, bias, keep, bool(causal), left, right, scale, softcap)
+    options = (bool(causal), left, right, _scale_arg(scale), softcap)
+    # The native call first: the GPU starts on the selection while the autograd node is recorded.
+    # (its results reach the node in a tuple, which autograd does not look into: out and lse are
+    # then the node's own outputs, as if made in its forward, rather than inputs returned as-is,
+    # which autograd would return as views)
+    results = tuple(lib().topk_attention_training(q, k, v, bias, keep, *options))
+    return _TopkTrainingStep.apply(q, k, v, bias, results, options)
 
 
 class _TopkTrainingStep(torch.autograd.Function):
     """attention_topk's training form (_training_forward): forward and backward each one native
-    call that allocates its scratch through torch. The selection's positions and kept bias are
-    saved for the backward."""
+    call that allocates its scratch through torch. The forward's call is made before the node
+    (topk_attention_training: out, lse and the selection's positions and kept bias), which only
+    records them; the positions and kept bias are saved for the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, keep, causal, left, right, scale, softcap):
-        batch, seqlen_q, heads, _ = q.shape
-        positions = bias.new_empty((bias.shape[0], bias.shape[1], keep), dtype=torch.int32)
-        kept_bias = bias.new_empty((bias.shape[0], bias.shape[1], 1, keep))
-        lse = q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
-        out = lib().topk_attention(q, k, v, bias, keep, lse, causal, left, right, _scale_arg(scale), softcap, 0,
-                                   positions, kept_bias)
+    def forward(ctx, q, k, v, bias, results, options):
+        out, lse, positions, kept_bias = results
         ctx.save_for_backward(q, k, v, kept_bias, out, lse, positions)
-        ctx.options = (causal, left, right, _scale_arg(scale), softcap)
+        ctx.options = options
         ctx.bias_shape = bias.shape
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
@@ -220,5 +222,4 @@ class _TopkTrainingStep(torch.autograd.Function):
         dbias = kept_bias.new_empty(ctx.bias_shape) if want_dbias else None
         lib().topk_attention_backward(dout, q, k, v, out, lse, positions, kept_bias, *ctx.options, dq, dk, dv, dbias)
         needs = ctx.needs_input_grad
-        return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, dbias,
-                None, None, None, None, None, None)
+        return dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, dbias, None, None

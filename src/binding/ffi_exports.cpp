@@ -9,6 +9,7 @@
 // dmattn::Error is re-raised with its kind (ValueError / TypeError / RuntimeError) and its
 // message intact.
 #include <dlpack/dlpack.h>
+#include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/error.h>
 #include <tvm/ffi/extra/c_env_api.h>
@@ -523,6 +524,34 @@ tvm::ffi::Tensor topk_attention(TensorView q, TensorView k, TensorView v, Tensor
   return out;
 }
 
+// attention_topk's training form, forward (python/dmattn/topk.py): topk_attention with the lse
+// and the selection's outputs allocated here too, returned as [out, lse (B, H, Sq) float32,
+// positions (rows_b, rows_h, keep) int32, kept_bias (rows_b, rows_h, 1, keep) in the bias's dtype]
+// for the backward (topk_attention_backward). One call before the autograd node's own work: the
+// GPU starts on the selection while the host records the node.
+tvm::ffi::Array<tvm::ffi::Tensor> topk_attention_training(TensorView q, TensorView k, TensorView v, TensorView bias,
+                                                          int64_t keep, bool causal, int64_t window_left,
+                                                          int64_t window_right, double scale, double softcap) {
+  tvm::ffi::Array<tvm::ffi::Tensor> outputs;
+  translate_errors([&] {
+    const dmattn::TensorDesc q_d = to_desc(q), bias_d = to_desc(bias);
+    dmattn::check(q_d.shape.size() == 4, dmattn::ErrorKind::kValue,
+                  "q: expected a 4-D tensor (batch, seqlen_q, num_heads, head_dim), got shape ", q_d.shape_text());
+    dmattn::check(bias_d.shape.size() == 4 && bias_d.shape[2] == 1, dmattn::ErrorKind::kValue,
+                  "bias: expected a key-side bias (rows_b, rows_h, 1, Sk), got shape ", bias_d.shape_text());
+    require_env_allocator("topk_attention_training", " (pass framework tensors)");
+    const tvm::ffi::Tensor lse = env_empty({q_d.shape[0], q_d.shape[2], q_d.shape[1]}, DLDataType{kDLFloat, 32, 1},
+                                           q.device());
+    const tvm::ffi::Tensor positions =
+        env_empty({bias_d.shape[0], bias_d.shape[1], keep}, DLDataType{kDLInt, 32, 1}, q.device());
+    const tvm::ffi::Tensor kept_bias = env_empty({bias_d.shape[0], bias_d.shape[1], 1, keep}, bias.dtype(), q.device());
+    const tvm::ffi::Tensor out = topk_attention(q, k, v, bias, keep, TensorView(lse), causal, window_left, window_right,
+                                                scale, softcap, 0, TensorView(positions), TensorView(kept_bias));
+    outputs = tvm::ffi::Array<tvm::ffi::Tensor>{out, lse, positions, kept_bias};
+  });
+  return outputs;
+}
+
 // attention_topk's training form, backward (python/dmattn/topk.py): the gradients of
 // topk_attention's forward from the positions and kept bias it selected, as the general route
 // computes them (the backward over the kept rows read in place, then scatter_key_rows to full
@@ -632,6 +661,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward_decode, forward_decode);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_splits, decode_splits);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_attention, decode_attention);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(topk_attention, topk_attention);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(topk_attention_training, topk_attention_training);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(topk_attention_backward, topk_attention_backward);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(has_env_allocator, has_env_allocator);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(build_info, build_info);
