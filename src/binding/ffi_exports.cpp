@@ -415,19 +415,6 @@ tvm::ffi::Tensor decode_attention(TensorView q, TensorView k, TensorView v, Opti
   return out;
 }
 
-// attention_topk's inference form over one key set per (batch, kv head) (python/dmattn/topk.py):
-// the top `keep` keys of each row of a key-side bias (rows_b, rows_h, 1, Sk) selected
-// (select_topk_positions, which also writes their bias), then the forward over them reading the
-// kept K / V rows in place (key positions and key rows both the selection), as the Python route
-// composes it from select_topk_positions and forward (or forward_decode), with the same
-// arguments, so the same bits. decode_splits > 0 (a decoding step: one query, no left window):
-// the decode kernel with that many key splits instead of the general forward, each kept row read
-// once per kv head. Everything but the caller's lse (optional, (B, H, Sq) float32) is allocated
-// here through tvm-ffi's environment allocator, as decode_attention does: one call and no Python
-// allocations, host time that an idle GPU waits for. The training form passes the selection's
-// outputs too, positions (rows_b, rows_h, keep) int32 and kept_bias (rows_b, rows_h, 1, keep) in
-// the bias's dtype, both contiguous: its backward (topk_attention_backward) reads them. Returns
-// out (B, Sq, H, D), contiguous.
 // Whether topk_attention's forward reads the kept K / V rows from a gathered copy rather than
 // in place. In place, the producer warps of every query tile copy its kept rows by cp.async
 // (TMA's tiled boxes cannot gather rows on sm_90); from a copy, one gather pass writes them
@@ -447,6 +434,20 @@ bool kept_rows_copy_pays(int64_t seqlen_q, int64_t heads, int64_t heads_kv, cons
   return every_row && heads_kv > 0 && seqlen_q * (heads / heads_kv) >= 16 * 128;
 }
 
+// attention_topk's inference form over one key set per (batch, kv head) (python/dmattn/topk.py):
+// the top `keep` keys of each row of a key-side bias (rows_b, rows_h, 1, Sk) selected
+// (select_topk_positions, which also writes their bias), then the forward over them reading the
+// kept K / V rows in place (key positions and key rows both the selection) or, where
+// kept_rows_copy_pays, from a gathered copy (gather_key_rows), as the Python route
+// composes it from select_topk_positions and forward (or forward_decode), with the same
+// arguments, so the same bits. decode_splits > 0 (a decoding step: one query, no left window):
+// the decode kernel with that many key splits instead of the general forward, each kept row read
+// once per kv head. Everything but the caller's lse (optional, (B, H, Sq) float32) is allocated
+// here through tvm-ffi's environment allocator, as decode_attention does: one call and no Python
+// allocations, host time that an idle GPU waits for. The training form passes the selection's
+// outputs too, positions (rows_b, rows_h, keep) int32 and kept_bias (rows_b, rows_h, 1, keep) in
+// the bias's dtype, both contiguous: its backward (topk_attention_backward) reads them. Returns
+// out (B, Sq, H, D), contiguous.
 tvm::ffi::Tensor topk_attention(TensorView q, TensorView k, TensorView v, TensorView bias, int64_t keep,
                                 Optional<TensorView> lse, bool causal, int64_t window_left, int64_t window_right,
                                 double scale, double softcap, int64_t decode_splits,
