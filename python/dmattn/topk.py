@@ -105,10 +105,10 @@ def _inference_forward(q, k, v, bias, keep: int, causal, window, scale, softcap,
     these sizes. Where torch lends its allocator to the native side (decode.native_allocates)
     and q / k / v need no copy for the kernels, both calls and every allocation are one native
     call (``topk_attention``, which reads the kept rows from a gathered copy instead where every
-    query tile reads all of them: the same bits, docs/design.md "Indexed keys"). One query (a decoding step) without a left window runs on the
-    decode kernel instead, reading the kept K / V rows in place once per kv head, not once per
-    query head (in one native call too, or decode.gathered_decode); results equal to
-    floating-point summation order."""
+    query tile reads all of them: the same bits, docs/design.md "Indexed keys"). One query (a
+    decoding step) without a left window runs on the decode kernel instead, reading the kept K / V
+    rows in place once per kv head, not once per query head (in one native call too, or
+    decode.gathered_decode); results equal to floating-point summation order."""
     # (the gradient test first: a training call leaves at once for _training_forward)
     if not records_no_gradient(q, k, v, bias) or not _native_form(q, k, v, bias, keep):
         return None

@@ -415,6 +415,13 @@ tvm::ffi::Tensor decode_attention(TensorView q, TensorView k, TensorView v, Opti
   return out;
 }
 
+// Whether the positions of topk_attention's kept keys decide anything beyond which rows are
+// read: a causal mask or window tests them; without one every query sees every kept key (the
+// selection yields keep valid positions, no padding).
+bool positions_decide(const dmattn::AttentionOptions& o) {
+  return o.causal || o.window_left >= 0 || o.window_right >= 0;
+}
+
 // Whether topk_attention's forward reads the kept K / V rows from a gathered copy rather than
 // in place. In place, the producer warps of every query tile copy its kept rows by cp.async
 // (TMA's tiled boxes cannot gather rows on sm_90); from a copy, one gather pass writes them
@@ -430,8 +437,7 @@ bool kept_rows_copy_pays(int64_t seqlen_q, int64_t heads, int64_t heads_kv, cons
     return e == nullptr || *e == 0 ? -1 : (std::string(e) == "0" ? 0 : 1);
   }();
   if (forced >= 0) return forced == 1;
-  const bool every_row = !o.causal && o.window_left < 0 && o.window_right < 0;
-  return every_row && heads_kv > 0 && seqlen_q * (heads / heads_kv) >= 16 * 128;
+  return !positions_decide(o) && heads_kv > 0 && seqlen_q * (heads / heads_kv) >= 16 * 128;
 }
 
 // attention_topk's inference form over one key set per (batch, kv head) (python/dmattn/topk.py):
@@ -461,10 +467,6 @@ tvm::ffi::Tensor topk_attention(TensorView q, TensorView k, TensorView v, Tensor
                   "k: expected a 4-D tensor (batch, seqlen_k, num_heads_kv, head_dim), got shape ", k_d.shape_text());
     dmattn::check(bias_d.shape.size() == 4 && bias_d.shape[2] == 1, dmattn::ErrorKind::kValue,
                   "bias: expected a key-side bias (rows_b, rows_h, 1, Sk), got shape ", bias_d.shape_text());
-    // (the selection's own test, made first: the forward's arguments are built before it runs)
-    dmattn::check(bias_d.device == dmattn::DeviceKind::kCUDA, dmattn::ErrorKind::kValue,
-                  "bias: expected a CUDA tensor, got ", dmattn::device_name(bias_d.device),
-                  " (the gather path's glue runs on CUDA; the CPU composes torch ops)");
     require_env_allocator("topk_attention", " (pass framework tensors)");
     const auto empty = [&](std::initializer_list<int64_t> shape, DLDataType dtype) {
       return env_empty(shape, dtype, q.device());
@@ -506,13 +508,11 @@ tvm::ffi::Tensor topk_attention(TensorView q, TensorView k, TensorView v, Tensor
     tvm::ffi::Tensor own_lse;
     if (!lse.has_value()) own_lse = empty({batch, heads, seqlen_q}, DLDataType{kDLFloat, 32, 1});
     const dmattn::TensorDesc out_d = to_desc(out), lse_out_d = lse_d.present ? lse_d.desc : to_desc(own_lse);
-    // Without a causal mask or window the positions decide nothing (the selection yields keep
-    // valid ones, no padding): the forward over the copy then runs without them, the kept bias a
-    // key-side bias, where that broadcasts (one bias row per head or for all heads; a row per kv
-    // head under GQA needs the positions' head mapping).
-    const bool positions_decide = options.causal || window_left >= 0 || window_right >= 0;
+    // The forward over the copy runs without the positions where they decide nothing, the kept
+    // bias a key-side bias, if that broadcasts (one bias row per head or for all heads; a row per
+    // kv head under GQA needs the positions' head mapping).
     const bool bias_broadcasts = rows_h == 1 || rows_h == heads;
-    const dmattn::GatheredKeys copied = !positions_decide && bias_broadcasts
+    const dmattn::GatheredKeys copied = !positions_decide(options) && bias_broadcasts
                                             ? dmattn::GatheredKeys{}
                                             : dmattn::GatheredKeys{&positions_d, k_d.shape[1], nullptr, nullptr};
     dmattn::ForwardParams p = copy ? dmattn::make_forward_params(q_d, k_rows_d, v_rows_d, out_d, lse_out_d, nullptr,

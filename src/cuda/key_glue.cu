@@ -338,8 +338,7 @@ void gather_rows(const GatherRowsArgs& a, bool vec16, void* stream_ptr) {
   const int chunks_per_row = int(a.row_bytes / chunk);
   const int x = chunks_per_row < 256 ? chunks_per_row : 256;
   const dim3 block(unsigned(x), unsigned(256 / x));
-  const int64_t blocks = (rows + block.y - 1) / block.y;
-  const dim3 grid(unsigned(blocks < 65535 * 16 ? blocks : 65535 * 16), 2, unsigned(a.batch < 65535 ? a.batch : 65535));
+  const dim3 grid(unsigned(grid_for(rows, int(block.y))), 2, unsigned(a.batch < 65535 ? a.batch : 65535));
   if (vec16) gather_rows_kernel<uint4><<<grid, block, 0, stream>>>(a, chunks_per_row);
   else if (a.elem_bytes == 2) gather_rows_kernel<uint16_t><<<grid, block, 0, stream>>>(a, chunks_per_row);
   else gather_rows_kernel<uint32_t><<<grid, block, 0, stream>>>(a, chunks_per_row);
