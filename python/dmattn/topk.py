@@ -122,7 +122,7 @@ def _inference_forward(q, k, v, bias, keep: int, causal, window, scale, softcap,
     if native_allocates() and all(_cuda_layout(x) is x for x in (q, k, v)):
         lse = q.new_empty((batch, heads, q.shape[1]), dtype=torch.float32) if want_lse else None
         out = lib().topk_attention(q, k, v, bias, keep, lse, bool(causal), left, right, _scale_arg(scale), softcap,
-                                   splits, None, None)
+                                   splits)
         return out, lse
     positions = bias.new_empty((bias_batch, bias_heads, keep), dtype=torch.int32)
     kept_bias = bias.new_empty((bias_batch, bias_heads, 1, keep))

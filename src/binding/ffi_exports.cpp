@@ -440,115 +440,115 @@ bool kept_rows_copy_pays(int64_t seqlen_q, int64_t heads, int64_t heads_kv, cons
   return !positions_decide(o) && heads_kv > 0 && seqlen_q * (heads / heads_kv) >= 16 * 128;
 }
 
-// attention_topk's inference form over one key set per (batch, kv head) (python/dmattn/topk.py):
-// the top `keep` keys of each row of a key-side bias (rows_b, rows_h, 1, Sk) selected
+// What run_topk_forward leaves: out (B, Sq, H, D), contiguous; the lse where the caller passed
+// none ((B, H, Sq) float32; empty on the decode route, whose kernel keeps its own); the kept keys'
+// positions (rows_b, rows_h, keep) int32 and bias (rows_b, rows_h, 1, keep) in the bias's dtype.
+struct TopkForwardResults {
+  tvm::ffi::Tensor out, own_lse, positions, kept_bias;
+};
+
+// attention_topk's forward over one key set per (batch, kv head) (python/dmattn/topk.py): the top
+// `keep` keys of each row of a key-side bias (rows_b, rows_h, 1, Sk) selected
 // (select_topk_positions, which also writes their bias), then the forward over them reading the
 // kept K / V rows in place (key positions and key rows both the selection) or, where
-// kept_rows_copy_pays, from a gathered copy (gather_key_rows), as the Python route
-// composes it from select_topk_positions and forward (or forward_decode), with the same
-// arguments, so the same bits. decode_splits > 0 (a decoding step: one query, no left window):
-// the decode kernel with that many key splits instead of the general forward, each kept row read
-// once per kv head. Everything but the caller's lse (optional, (B, H, Sq) float32) is allocated
-// here through tvm-ffi's environment allocator, as decode_attention does: one call and no Python
-// allocations, host time that an idle GPU waits for. The training form passes the selection's
-// outputs too, positions (rows_b, rows_h, keep) int32 and kept_bias (rows_b, rows_h, 1, keep) in
-// the bias's dtype, both contiguous: its backward (topk_attention_backward) reads them. Returns
-// out (B, Sq, H, D), contiguous.
+// kept_rows_copy_pays, from a gathered copy (gather_key_rows), as the Python route composes it
+// from select_topk_positions and forward (or forward_decode), with the same arguments, so the same
+// bits. decode_splits > 0 (a decoding step: one query, no left window): the decode kernel with
+// that many key splits instead of the general forward, each kept row read once per kv head.
+// Everything but the caller's lse (optional, (B, H, Sq) float32) is allocated here through
+// tvm-ffi's environment allocator, as decode_attention does: one call and no Python allocations,
+// host time that an idle GPU waits for. `function` names the export in the allocator's error.
+TopkForwardResults run_topk_forward(TensorView q, TensorView k, TensorView v, TensorView bias, int64_t keep,
+                                    Optional<TensorView> lse, const dmattn::AttentionOptions& options,
+                                    int64_t decode_splits, const char* function) {
+  const dmattn::TensorDesc q_d = to_desc(q), k_d = to_desc(k), bias_d = to_desc(bias);
+  dmattn::check(q_d.shape.size() == 4, dmattn::ErrorKind::kValue,
+                "q: expected a 4-D tensor (batch, seqlen_q, num_heads, head_dim), got shape ", q_d.shape_text());
+  dmattn::check(k_d.shape.size() == 4, dmattn::ErrorKind::kValue,
+                "k: expected a 4-D tensor (batch, seqlen_k, num_heads_kv, head_dim), got shape ", k_d.shape_text());
+  dmattn::check(bias_d.shape.size() == 4 && bias_d.shape[2] == 1, dmattn::ErrorKind::kValue,
+                "bias: expected a key-side bias (rows_b, rows_h, 1, Sk), got shape ", bias_d.shape_text());
+  require_env_allocator(function, " (pass framework tensors)");
+  const auto empty = [&](std::initializer_list<int64_t> shape, DLDataType dtype) {
+    return env_empty(shape, dtype, q.device());
+  };
+  TopkForwardResults r;
+  const int64_t rows_b = bias_d.shape[0], rows_h = bias_d.shape[1];
+  r.positions = empty({rows_b, rows_h, keep}, DLDataType{kDLInt, 32, 1});
+  r.kept_bias = empty({rows_b, rows_h, 1, keep}, bias.dtype());
+  const dmattn::TensorDesc positions_d = to_desc(r.positions), kept_bias_d = to_desc(r.kept_bias);
+  const dmattn::GatheredKeys gathered{&positions_d, k_d.shape[1], nullptr, &positions_d};
+  const OptionalDesc lse_d(lse);
+  if (decode_splits > 0) {
+    dmattn::select_topk_positions(bias_d, keep, positions_d, &kept_bias_d, glue_stream(bias));
+    dmattn::DecodeInputs inputs;
+    inputs.gathered = gathered;
+    inputs.num_splits = decode_splits;
+    r.out = run_decode_allocating(q_d, k_d, to_desc(v), lse_d.get(), nullptr, &kept_bias_d, options, inputs,
+                                  q.dtype(), q.device());
+    return r;
+  }
+  // The selection first: the host allocates and prepares the forward while it runs.
+  dmattn::select_topk_positions(bias_d, keep, positions_d, &kept_bias_d, glue_stream(bias));
+  const int64_t batch = q_d.shape[0], seqlen_q = q_d.shape[1], heads = q_d.shape[2], head_dim = q_d.shape[3];
+  const int64_t heads_kv = k_d.shape[2];
+  const dmattn::TensorDesc v_d = to_desc(v);
+  tvm::ffi::Tensor k_rows, v_rows;  // (copy: (B, keep, Hkv, D), the kept rows)
+  dmattn::TensorDesc k_rows_d, v_rows_d;
+  const bool copy = kept_rows_copy_pays(seqlen_q, heads, heads_kv, options);
+  if (copy) {
+    k_rows = empty({batch, keep, heads_kv, head_dim}, k.dtype());
+    v_rows = empty({batch, keep, heads_kv, head_dim}, v.dtype());
+    k_rows_d = to_desc(k_rows), v_rows_d = to_desc(v_rows);
+    dmattn::gather_key_rows(k_d, v_d, positions_d, k_rows_d, v_rows_d, nullptr, nullptr, glue_stream(bias));
+  }
+  r.out = empty({batch, seqlen_q, heads, head_dim}, q.dtype());
+  if (!lse.has_value()) r.own_lse = empty({batch, heads, seqlen_q}, DLDataType{kDLFloat, 32, 1});
+  const dmattn::TensorDesc out_d = to_desc(r.out), lse_out_d = lse_d.present ? lse_d.desc : to_desc(r.own_lse);
+  // The forward over the copy runs without the positions where they decide nothing, the kept
+  // bias a key-side bias, if that broadcasts (one bias row per head or for all heads; a row per
+  // kv head under GQA needs the positions' head mapping).
+  const bool bias_broadcasts = rows_h == 1 || rows_h == heads;
+  const dmattn::GatheredKeys copied = !positions_decide(options) && bias_broadcasts
+                                          ? dmattn::GatheredKeys{}
+                                          : dmattn::GatheredKeys{&positions_d, k_d.shape[1], nullptr, nullptr};
+  dmattn::ForwardParams p = copy ? dmattn::make_forward_params(q_d, k_rows_d, v_rows_d, out_d, lse_out_d, nullptr,
+                                                               &kept_bias_d, options, copied)
+                                 : dmattn::make_forward_params(q_d, k_d, v_d, out_d, lse_out_d, nullptr,
+                                                               &kept_bias_d, options, gathered);
+  p.stream = current_stream(p);
+  dmattn::run_forward(p);
+  return r;
+}
+
+// attention_topk's inference form: run_topk_forward, returning out.
 tvm::ffi::Tensor topk_attention(TensorView q, TensorView k, TensorView v, TensorView bias, int64_t keep,
                                 Optional<TensorView> lse, bool causal, int64_t window_left, int64_t window_right,
-                                double scale, double softcap, int64_t decode_splits,
-                                Optional<TensorView> positions_out, Optional<TensorView> kept_bias_out) {
+                                double scale, double softcap, int64_t decode_splits) {
   tvm::ffi::Tensor out;
   translate_errors([&] {
-    const dmattn::TensorDesc q_d = to_desc(q), k_d = to_desc(k), bias_d = to_desc(bias);
-    dmattn::check(q_d.shape.size() == 4, dmattn::ErrorKind::kValue,
-                  "q: expected a 4-D tensor (batch, seqlen_q, num_heads, head_dim), got shape ", q_d.shape_text());
-    dmattn::check(k_d.shape.size() == 4, dmattn::ErrorKind::kValue,
-                  "k: expected a 4-D tensor (batch, seqlen_k, num_heads_kv, head_dim), got shape ", k_d.shape_text());
-    dmattn::check(bias_d.shape.size() == 4 && bias_d.shape[2] == 1, dmattn::ErrorKind::kValue,
-                  "bias: expected a key-side bias (rows_b, rows_h, 1, Sk), got shape ", bias_d.shape_text());
-    require_env_allocator("topk_attention", " (pass framework tensors)");
-    const auto empty = [&](std::initializer_list<int64_t> shape, DLDataType dtype) {
-      return env_empty(shape, dtype, q.device());
-    };
-    const int64_t rows_b = bias_d.shape[0], rows_h = bias_d.shape[1];
-    tvm::ffi::Tensor own_positions, own_kept_bias;
-    if (!positions_out.has_value()) own_positions = empty({rows_b, rows_h, keep}, DLDataType{kDLInt, 32, 1});
-    if (!kept_bias_out.has_value()) own_kept_bias = empty({rows_b, rows_h, 1, keep}, bias.dtype());
-    const dmattn::TensorDesc positions_d = to_desc(positions_out.has_value() ? positions_out.value() : own_positions),
-                             kept_bias_d =
-                                 to_desc(kept_bias_out.has_value() ? kept_bias_out.value() : own_kept_bias);
-    const dmattn::GatheredKeys gathered{&positions_d, k_d.shape[1], nullptr, &positions_d};
-    const auto options = make_options(causal, window_left, window_right, scale, softcap, false);
-    const OptionalDesc lse_d(lse);
-    if (decode_splits > 0) {
-      dmattn::select_topk_positions(bias_d, keep, positions_d, &kept_bias_d, glue_stream(bias));
-      dmattn::DecodeInputs inputs;
-      inputs.gathered = gathered;
-      inputs.num_splits = decode_splits;
-      out = run_decode_allocating(q_d, k_d, to_desc(v), lse_d.get(), nullptr, &kept_bias_d, options, inputs,
-                                  q.dtype(), q.device());
-      return;
-    }
-    // The selection first: the host allocates and prepares the forward while it runs.
-    dmattn::select_topk_positions(bias_d, keep, positions_d, &kept_bias_d, glue_stream(bias));
-    const int64_t batch = q_d.shape[0], seqlen_q = q_d.shape[1], heads = q_d.shape[2], head_dim = q_d.shape[3];
-    const int64_t heads_kv = k_d.shape[2];
-    const dmattn::TensorDesc v_d = to_desc(v);
-    tvm::ffi::Tensor k_rows, v_rows;  // (copy: (B, keep, Hkv, D), the kept rows)
-    dmattn::TensorDesc k_rows_d, v_rows_d;
-    const bool copy = kept_rows_copy_pays(seqlen_q, heads, heads_kv, options);
-    if (copy) {
-      k_rows = empty({batch, keep, heads_kv, head_dim}, k.dtype());
-      v_rows = empty({batch, keep, heads_kv, head_dim}, v.dtype());
-      k_rows_d = to_desc(k_rows), v_rows_d = to_desc(v_rows);
-      dmattn::gather_key_rows(k_d, v_d, positions_d, k_rows_d, v_rows_d, nullptr, nullptr, glue_stream(bias));
-    }
-    out = empty({batch, seqlen_q, heads, head_dim}, q.dtype());
-    tvm::ffi::Tensor own_lse;
-    if (!lse.has_value()) own_lse = empty({batch, heads, seqlen_q}, DLDataType{kDLFloat, 32, 1});
-    const dmattn::TensorDesc out_d = to_desc(out), lse_out_d = lse_d.present ? lse_d.desc : to_desc(own_lse);
-    // The forward over the copy runs without the positions where they decide nothing, the kept
-    // bias a key-side bias, if that broadcasts (one bias row per head or for all heads; a row per
-    // kv head under GQA needs the positions' head mapping).
-    const bool bias_broadcasts = rows_h == 1 || rows_h == heads;
-    const dmattn::GatheredKeys copied = !positions_decide(options) && bias_broadcasts
-                                            ? dmattn::GatheredKeys{}
-                                            : dmattn::GatheredKeys{&positions_d, k_d.shape[1], nullptr, nullptr};
-    dmattn::ForwardParams p = copy ? dmattn::make_forward_params(q_d, k_rows_d, v_rows_d, out_d, lse_out_d, nullptr,
-                                                                 &kept_bias_d, options, copied)
-                                   : dmattn::make_forward_params(q_d, k_d, v_d, out_d, lse_out_d, nullptr,
-                                                                 &kept_bias_d, options, gathered);
-    p.stream = current_stream(p);
-    dmattn::run_forward(p);
+    out = run_topk_forward(q, k, v, bias, keep, lse, make_options(causal, window_left, window_right, scale, softcap,
+                                                                  false),
+                           decode_splits, "topk_attention")
+              .out;
   });
   return out;
 }
 
-// attention_topk's training form, forward (python/dmattn/topk.py): topk_attention with the lse
-// and the selection's outputs allocated here too, returned as [out, lse (B, H, Sq) float32,
-// positions (rows_b, rows_h, keep) int32, kept_bias (rows_b, rows_h, 1, keep) in the bias's dtype]
-// for the backward (topk_attention_backward). One call before the autograd node's own work: the
-// GPU starts on the selection while the host records the node.
+// attention_topk's training form, forward (python/dmattn/topk.py): run_topk_forward (the general
+// forward, its lse allocated too), returning [out, lse, positions, kept_bias] for the backward
+// (topk_attention_backward). One call before the autograd node's own work: the GPU starts on
+// the selection while the host records the node.
 tvm::ffi::Array<tvm::ffi::Tensor> topk_attention_training(TensorView q, TensorView k, TensorView v, TensorView bias,
                                                           int64_t keep, bool causal, int64_t window_left,
                                                           int64_t window_right, double scale, double softcap) {
   tvm::ffi::Array<tvm::ffi::Tensor> outputs;
   translate_errors([&] {
-    const dmattn::TensorDesc q_d = to_desc(q), bias_d = to_desc(bias);
-    dmattn::check(q_d.shape.size() == 4, dmattn::ErrorKind::kValue,
-                  "q: expected a 4-D tensor (batch, seqlen_q, num_heads, head_dim), got shape ", q_d.shape_text());
-    dmattn::check(bias_d.shape.size() == 4 && bias_d.shape[2] == 1, dmattn::ErrorKind::kValue,
-                  "bias: expected a key-side bias (rows_b, rows_h, 1, Sk), got shape ", bias_d.shape_text());
-    require_env_allocator("topk_attention_training", " (pass framework tensors)");
-    const tvm::ffi::Tensor lse = env_empty({q_d.shape[0], q_d.shape[2], q_d.shape[1]}, DLDataType{kDLFloat, 32, 1},
-                                           q.device());
-    const tvm::ffi::Tensor positions =
-        env_empty({bias_d.shape[0], bias_d.shape[1], keep}, DLDataType{kDLInt, 32, 1}, q.device());
-    const tvm::ffi::Tensor kept_bias = env_empty({bias_d.shape[0], bias_d.shape[1], 1, keep}, bias.dtype(), q.device());
-    const tvm::ffi::Tensor out = topk_attention(q, k, v, bias, keep, TensorView(lse), causal, window_left, window_right,
-                                                scale, softcap, 0, TensorView(positions), TensorView(kept_bias));
-    outputs = tvm::ffi::Array<tvm::ffi::Tensor>{out, lse, positions, kept_bias};
+    const TopkForwardResults r =
+        run_topk_forward(q, k, v, bias, keep, Optional<TensorView>(),
+                         make_options(causal, window_left, window_right, scale, softcap, false), 0,
+                         "topk_attention_training");
+    outputs = tvm::ffi::Array<tvm::ffi::Tensor>{r.out, r.own_lse, r.positions, r.kept_bias};
   });
   return outputs;
 }
