@@ -527,10 +527,8 @@ tvm::ffi::Tensor topk_attention(TensorView q, TensorView k, TensorView v, Tensor
                                 double scale, double softcap, int64_t decode_splits) {
   tvm::ffi::Tensor out;
   translate_errors([&] {
-    out = run_topk_forward(q, k, v, bias, keep, lse, make_options(causal, window_left, window_right, scale, softcap,
-                                                                  false),
-                           decode_splits, "topk_attention")
-              .out;
+    const auto options = make_options(causal, window_left, window_right, scale, softcap, false);
+    out = run_topk_forward(q, k, v, bias, keep, lse, options, decode_splits, "topk_attention").out;
   });
   return out;
 }
@@ -544,10 +542,9 @@ tvm::ffi::Array<tvm::ffi::Tensor> topk_attention_training(TensorView q, TensorVi
                                                           int64_t window_right, double scale, double softcap) {
   tvm::ffi::Array<tvm::ffi::Tensor> outputs;
   translate_errors([&] {
+    const auto options = make_options(causal, window_left, window_right, scale, softcap, false);
     const TopkForwardResults r =
-        run_topk_forward(q, k, v, bias, keep, Optional<TensorView>(),
-                         make_options(causal, window_left, window_right, scale, softcap, false), 0,
-                         "topk_attention_training");
+        run_topk_forward(q, k, v, bias, keep, Optional<TensorView>(), options, 0, "topk_attention_training");
     outputs = tvm::ffi::Array<tvm::ffi::Tensor>{r.out, r.own_lse, r.positions, r.kept_bias};
   });
   return outputs;

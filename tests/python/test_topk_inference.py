@@ -212,9 +212,11 @@ def test_native_call_names_bad_arguments():
         lib().topk_attention(q, q, q, bias[:, :, 0], 3, None, False, -1, -1, nan, 0.0, 0)
     with pytest.raises((ValueError, RuntimeError), match="^bias: "):
         lib().topk_attention(q, q, q, bias, 3, None, False, -1, -1, nan, 0.0, 0)
-    # (the training form's call: its outputs allocated too, then the same call)
+    # (the training form's call: the same native body, its lse allocated too)
     with pytest.raises(ValueError, match="^q: expected a 4-D tensor"):
         lib().topk_attention_training(q[0], q, q, bias, 3, False, -1, -1, nan, 0.0)
+    with pytest.raises(ValueError, match="^k: expected a 4-D tensor"):
+        lib().topk_attention_training(q, q[0], q, bias, 3, False, -1, -1, nan, 0.0)
     with pytest.raises(ValueError, match=r"^bias: expected a key-side bias \(rows_b, rows_h, 1, Sk\)"):
         lib().topk_attention_training(q, q, q, bias[:, :, 0], 3, False, -1, -1, nan, 0.0)
     with pytest.raises((ValueError, RuntimeError), match="^bias: "):
