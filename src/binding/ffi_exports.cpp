@@ -479,8 +479,9 @@ TopkForwardResults run_topk_forward(TensorView q, TensorView k, TensorView v, Te
   const dmattn::TensorDesc positions_d = to_desc(r.positions), kept_bias_d = to_desc(r.kept_bias);
   const dmattn::GatheredKeys gathered{&positions_d, k_d.shape[1], nullptr, &positions_d};
   const OptionalDesc lse_d(lse);
+  // The selection first: the host allocates and prepares the forward while it runs.
+  dmattn::select_topk_positions(bias_d, keep, positions_d, &kept_bias_d, glue_stream(bias));
   if (decode_splits > 0) {
-    dmattn::select_topk_positions(bias_d, keep, positions_d, &kept_bias_d, glue_stream(bias));
     dmattn::DecodeInputs inputs;
     inputs.gathered = gathered;
     inputs.num_splits = decode_splits;
@@ -488,8 +489,6 @@ TopkForwardResults run_topk_forward(TensorView q, TensorView k, TensorView v, Te
                                   q.dtype(), q.device());
     return r;
   }
-  // The selection first: the host allocates and prepares the forward while it runs.
-  dmattn::select_topk_positions(bias_d, keep, positions_d, &kept_bias_d, glue_stream(bias));
   const int64_t batch = q_d.shape[0], seqlen_q = q_d.shape[1], heads = q_d.shape[2], head_dim = q_d.shape[3];
   const int64_t heads_kv = k_d.shape[2];
   const dmattn::TensorDesc v_d = to_desc(v);
