@@ -168,6 +168,10 @@ for dtype in (torch.bfloat16, torch.float16):
     topk_case(1, 260, 2, 1, 128, dtype, keep=96, causal=False)
     topk_case(2, 600, 4, 2, 128, dtype, keep=300, bias_heads=2, causal=True)
     topk_case(1, 700, 2, 2, 64, dtype, keep=280, bias_heads=1, causal=False)
+    # Both at head dim 256 (key blocks of 64): a full bias, a query-broadcast bias, gathered keys.
+    case(1, 200, 456, 2, 1, 256, dtype, bias_shape=(1, 2, 200, 456), causal=True)
+    case(1, 129, 304, 2, 2, 256, dtype, bias_shape=(1, 2, 1, 304))
+    topk_case(1, 300, 2, 1, 256, dtype, keep=160, causal=True)
 
     # The forward's persistent CTAs: more tiles than SMs (each CTA takes several, the pipelines
     # running on across them), for plain scores, a full bias and per-key rows; then a causal

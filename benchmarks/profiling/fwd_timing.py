@@ -1,10 +1,11 @@
 """Forward timings of dmattn (CUDA) against SDPA cuDNN, SDPA flash (FA2) and FlexAttention in one
 process.
 
-bf16, B=2, H=16, S=8192, D=128 unless told otherwise (--head-dims adds dense rows at other head
-dims: H=16 up to 128, H=8 above); median of CUDA-event timings after warm-up; random (never
-zero) inputs. TFLOP/s with FlashAttention's convention (4*B*H*S*S*D, halved when causal).
-The packed batch and the dense batch of the same shape are timed in alternation (--rounds).
+bf16, B=2, H=16, S=8192, D=128 unless told otherwise (--head-dims adds rows at other head dims,
+dense, full bias and the Doge step's key mask and bias: H=16 up to 128, H=8 above); median of
+CUDA-event timings after warm-up; random (never zero) inputs. TFLOP/s with FlashAttention's
+convention (4*B*H*S*S*D, halved when causal). The packed batch and the dense batch of the same
+shape are timed in alternation (--rounds).
     python benchmarks/profiling/fwd_timing.py [--flex] [--iters 20] [--rounds 5] [--head-dims 64,256]
 """
 
@@ -78,6 +79,23 @@ def main():
         add(f"dmattn {kind}", lambda: dmattn.attention(q, k, v, causal=causal), causal)
         add(f"sdpa cudnn {kind}", sdpa(causal, SDPBackend.CUDNN_ATTENTION), causal)
         add(f"sdpa flash (FA2) {kind}", sdpa(causal), causal)
+    # Top-2048 of a per-key bias, causal: TFLOP/s over the (query, key) pairs the key set keeps
+    # (query i keeps the selected keys j <= i: sum over them of S - j).
+    def causal_pairs(keys):
+        return float((S - keys.float()).sum())
+
+    def flex_bias(tensors, bias, causal):
+        """FlexAttention with `bias` as its score_mod (compiled on first call), causal by a block
+        mask built here, outside the timed call."""
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        flex = torch.compile(flex_attention, dynamic=False)
+
+        def bias_mod(score, b, h, qi, ki):
+            return score + bias[b, h, qi, ki]
+
+        bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, B, bias.shape[1], S, S, device=dev) if causal else None
+        return lambda: flex(*tensors, score_mod=bias_mod, block_mask=bm)
+
     # A packed batch of 4 sequences of S/2 against the dense batch of the same shape.
     nseq, sl = 4, S // 2
     qp, kp, vp = (torch.randn(nseq * sl, H, D, device=dev, dtype=dt, generator=g) for _ in range(3))
@@ -110,16 +128,21 @@ def main():
             add(f"dmattn {kind}", lambda: dmattn.attention(qd, kd, vd, causal=causal), causal, h, d)
             add(f"sdpa cudnn {kind}", sdpa(causal, SDPBackend.CUDNN_ATTENTION, tens), causal, h, d)
             add(f"sdpa flash (FA2) {kind}", sdpa(causal, tensors=tens), causal, h, d)
-        del qd, kd, vd, tens
+        # The biased forwards at this head dim: a full bias, and the Doge step's key mask and bias.
+        bias_d = torch.randn(B, h, S, S, device=dev, dtype=dt, generator=g)
+        for causal in (False, True):
+            kind = f"bias (B,H,S,S){' causal' if causal else ''} D={d} H={h}"
+            add(f"dmattn {kind}", lambda: dmattn.attention(qd, kd, vd, bias=bias_d, causal=causal), causal, h, d)
+            if args.flex:
+                add(f"flex {kind}", flex_bias(tens, bias_d, causal), causal, h, d)
+        add(f"dmattn Doge per-key bias+mask(2048) causal D={d} H={h}",
+            lambda: dmattn.attention(qd, kd, vd, key_mask[:, :h], key_bias[:, :h], causal=True), True, h, d,
+            flop=4 * d * causal_pairs(idx[:, :h]))
+        del qd, kd, vd, tens, bias_d
     add("dmattn dense bias (B,H,S,S) bf16", lambda: dmattn.attention(q, k, v, bias=dense_bias), False)
     add("dmattn dense bias causal", lambda: dmattn.attention(q, k, v, bias=dense_bias, causal=True), True)
     add("dmattn Doge per-key bias+mask(2048) causal",
         lambda: dmattn.attention(q, k, v, key_mask, key_bias, causal=True), True)
-
-    # Top-2048 of a per-key bias, causal: TFLOP/s over the (query, key) pairs the key set keeps
-    # (query i keeps the selected keys j <= i: sum over them of S - j).
-    def causal_pairs(keys):
-        return float((S - keys.float()).sum())
 
     topk_flop = 4 * D * causal_pairs(key_bias.float().topk(2048, dim=-1).indices)
     per_query_flop = 4 * D * B * H * sum(min(2048, i + 1) for i in range(S))
@@ -143,22 +166,15 @@ def main():
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         flex = torch.compile(flex_attention, dynamic=False)
 
-        def bias_mod(score, b, h, qi, ki):
-            return score + dense_bias[b, h, qi, ki]
-
         def key_mod(score, b, h, qi, ki):
             return score + key_bias[b, h, 0, ki]
-
-        def causal_mm(b, h, qi, ki):
-            return qi >= ki
 
         def doge_mm(b, h, qi, ki):
             return (qi >= ki) & key_mask[b, h, 0, ki]
 
-        bm_causal = create_block_mask(causal_mm, B, H, S, S, device=dev)
         bm_doge = create_block_mask(doge_mm, B, H, S, S, device=dev)
-        add("flex dense bias", lambda: flex(qt, kt, vt, score_mod=bias_mod), False)
-        add("flex dense bias causal", lambda: flex(qt, kt, vt, score_mod=bias_mod, block_mask=bm_causal), True)
+        add("flex dense bias", flex_bias((qt, kt, vt), dense_bias, False), False)
+        add("flex dense bias causal", flex_bias((qt, kt, vt), dense_bias, True), True)
         add("flex Doge causal", lambda: flex(qt, kt, vt, score_mod=key_mod, block_mask=bm_doge), True,
             flop=4 * D * causal_pairs(idx))
 

@@ -98,8 +98,8 @@ void launch_fwd(const FwdArgs& args, cudaStream_t stream) {
 
 // The Hopper kernels are the forward on compute capability 9.0 (faster than the sm80-class
 // kernels there: docs/perf.md): the warp-specialized one (sm90/fwd_ws_kernel_sm90.h, every head
-// dim) for what fwd_ws_supports takes (plain scores; up to head dim 128 also 16-bit full
-// biases, query-broadcast biases and masks, softcap, gathered keys and key ends), the general
+// dim) for what fwd_ws_supports takes (plain scores, 16-bit full biases, query-broadcast biases
+// and masks, softcap, gathered keys and key ends), the general
 // one (sm90/fwd_kernel_sm90.h, head dims up to 128) for the rest (full masks, fp32 full biases,
 // a full bias with anything else). DMATTN_FWD_SM90=0 turns both off (the sm80-class kernels, which
 // run everywhere), DMATTN_FWD_SM90_WS=0 the first alone, for comparisons.
@@ -134,17 +134,15 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream) {
   // The warp-specialized Hopper kernel (TMA producer, pingpong consumers) for what it covers.
   if (fwd_sm90_enabled() && sm90::fwd_ws_supports<kHeadDim>(a)) {
     using sm90::FwdWsScores;
-    if constexpr (kHeadDim <= 128) {
-      switch (sm90::fwd_ws_scores(a)) {
-        case FwdWsScores::kKeyRows:
-          sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kKeyRows>::Tile>(a, stream);
-          return;
-        case FwdWsScores::kFullBias:
-          sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullBias>::Tile>(a, stream);
-          return;
-        case FwdWsScores::kPlain:
-          break;
-      }
+    switch (sm90::fwd_ws_scores(a)) {
+      case FwdWsScores::kKeyRows:
+        sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kKeyRows>::Tile>(a, stream);
+        return;
+      case FwdWsScores::kFullBias:
+        sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullBias>::Tile>(a, stream);
+        return;
+      case FwdWsScores::kPlain:
+        break;
     }
     sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kPlain>::Tile>(a, stream);
     return;

@@ -106,7 +106,7 @@ def test_random_forward_large(seed, nan_poison):
 
 
 @pytest.mark.parametrize("kind", ["full", "full_by_warp", "per_key", "topk"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_large_bias_offsets_forward(kind, d, nan_poison):
     """Biased scores far from zero: rows whose maximum lies between -1e5 and 3e4 (where an
     exponent computed as s * log2e - m * log2e in one FMA would be off by the rounding of
@@ -153,7 +153,7 @@ def test_large_bias_offsets_forward(kind, d, nan_poison):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_key_bias_extremes(dtype, d, causal, nan_poison):
     """A per-key bias (B, H, 1, Sk) with extreme values among ordinary ones, against the float64

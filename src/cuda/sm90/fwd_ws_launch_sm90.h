@@ -28,11 +28,11 @@ inline FwdWsScores fwd_ws_scores(const FwdArgs& a) {
   return FwdWsScores::kPlain;
 }
 
-// The problems the warp-specialized kernel takes: dense or packed batches with plain scores;
-// up to head dim 128, also with softcap, a query-broadcast bias (any dtype) or mask, and gathered
-// keys with key ends; dense batches with a full 16-bit bias (tma_bias_tiles_ok) alone. The others
-// (full masks, fp32 full biases, a full bias with anything else) run the sm90 kernel of
-// fwd_kernel_sm90.h.
+// The problems the warp-specialized kernel takes, at every head dim: dense or packed batches
+// with plain scores, softcap, a query-broadcast bias (any dtype) or mask, and gathered keys with
+// key ends; dense batches with a full 16-bit bias (tma_bias_tiles_ok) alone. The others (full
+// masks, fp32 full biases, a full bias with anything else) run the sm90 kernel of
+// fwd_kernel_sm90.h up to head dim 128, the sm80-class general kernel above.
 template <int kHeadDim>
 bool fwd_ws_supports(const FwdArgs& a) {
   static const bool off = env_switched_off("DMATTN_FWD_SM90_WS");  // (comparisons)
@@ -40,10 +40,9 @@ bool fwd_ws_supports(const FwdArgs& a) {
   if ((a.mask.ptr && !a.mask.row_bcast) || (a.kpos.ends && !a.kpos.ptr)) return false;
   switch (fwd_ws_scores(a)) {
     case FwdWsScores::kKeyRows:
-      if (kHeadDim > 128) return false;
       break;
     case FwdWsScores::kFullBias:
-      if (kHeadDim > 128 || !tma_bias_tiles_ok(a.bias) || a.mask.ptr || a.softcap != 0.f || a.kpos.ptr) return false;
+      if (!tma_bias_tiles_ok(a.bias) || a.mask.ptr || a.softcap != 0.f || a.kpos.ptr) return false;
       break;
     case FwdWsScores::kPlain:
       break;

@@ -16,7 +16,8 @@
 //              A producer warp loads them into kStages KeyRowStage buffers (a PipelineAsync);
 //              the test runs on positions (key_positions.h).
 // Per head dim (FwdWsConfig): 64: 192 x 128 (three consumers); 128: 128 x 128; 256: 128 x 80 (the
-// largest key block whose Q, two K and two V stages fit in 227 KB).
+// largest key block whose Q, two K and two V stages fit in 227 KB), 128 x 64 with a bias or key
+// rows.
 #pragma once
 
 #include <cstdint>
@@ -153,8 +154,9 @@ struct FwdWsTile {
 // register budgets that keep both roles free of spills (ptxas -v). Two consumers: the producer at
 // 40 and the consumers at 232 (24 / 240 spilled the producer's TMA coordinates and
 // descriptors; at D = 256 the consumers fit 232 only with the GEMM descriptors rebuilt per
-// issue, fwd_ws_kernel_sm90.h). Plain scores only at 256: Q, K and V take the whole shared
-// memory. With a bias or key rows at 64, two consumers (three spilled at 160 registers). The
+// issue, fwd_ws_kernel_sm90.h). At 256 with a bias or key rows, a key block of 64: the bias
+// stages fit beside Q, K and V (those of 80 take the whole shared memory), and the gather warps
+// take whole groups of 32 rows. With a bias or key rows at 64, two consumers (three spilled at 160 registers). The
 // full bias at 128: 48 / 224 (at 40 the producer's TMA issue of K and the bias tile spilled a
 // register).
 template <typename Element, int kHeadDim, FwdWsScores kScores> struct FwdWsConfig;
@@ -169,6 +171,9 @@ template <typename Element, FwdWsScores kScores> struct FwdWsConfig<Element, 128
 };
 template <typename Element> struct FwdWsConfig<Element, 128, FwdWsScores::kFullBias> {
   using Tile = FwdWsTile<Element, 128, 128, 128, 2, FwdWsScores::kFullBias, 48, 224>;
+};
+template <typename Element, FwdWsScores kScores> struct FwdWsConfig<Element, 256, kScores> {
+  using Tile = FwdWsTile<Element, 256, 128, 64, 2, kScores, 40, 232>;
 };
 template <typename Element> struct FwdWsConfig<Element, 256, FwdWsScores::kPlain> {
   using Tile = FwdWsTile<Element, 256, 128, 80, 2, FwdWsScores::kPlain, 40, 232>;
