@@ -1,0 +1,53 @@
+"""Forward timings of dmattn's biased problems at one head dim (CUDA, bf16, B=2, S=8192, H=16 up
+to head dim 128, H=8 above): a full bias (B,H,S,S), causal or not, a key mask (2048 of S) with a
+per-key bias, causal, and `attention_topk` 2048 with the selection, causal. Median of three
+medians of CUDA-event timings. Run it once per kernel selection to compare paths, e.g. the
+warp-specialized Hopper kernel against the kernels that serve the same problems without it:
+    python benchmarks/profiling/biased_fwd_timing.py --head-dim 256
+    DMATTN_FWD_SM90_WS=0 python benchmarks/profiling/biased_fwd_timing.py --head-dim 256
+"""
+
+import argparse
+import statistics
+
+import torch
+
+import dmattn
+from dmattn.bench import time_ms
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--head-dim", type=int, default=256)
+    ap.add_argument("--tag", default="", help="a label printed on every row")
+    args = ap.parse_args()
+    B, S, D = 2, 8192, args.head_dim
+    H = 16 if D <= 128 else 8
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(B, S, H, D, device=dev, dtype=dt, generator=g) for _ in range(3))
+    bias = torch.randn(B, H, S, S, device=dev, dtype=dt, generator=g)
+    key_bias = torch.randn(B, H, 1, S, device=dev, dtype=dt, generator=g)
+    keep = torch.rand(B, H, 1, S, device=dev, generator=g).topk(2048, dim=-1).indices
+    key_mask = torch.zeros(B, H, 1, S, device=dev, dtype=torch.bool).scatter_(-1, keep, True)
+    # Clocks settle before the first row: about a second of bf16 GEMMs.
+    warm = torch.randn(8192, 8192, device=dev, dtype=dt, generator=g)
+    for _ in range(500):
+        warm @ warm
+    torch.cuda.synchronize()
+    del warm
+    cases = {
+        "full bias": lambda: dmattn.attention(q, k, v, bias=bias),
+        "full bias, causal": lambda: dmattn.attention(q, k, v, bias=bias, causal=True),
+        "key mask + per-key bias, causal": lambda: dmattn.attention(q, k, v, key_mask, key_bias, causal=True),
+        "attention_topk 2048, causal": lambda: dmattn.attention_topk(q, k, v, key_bias, 2048, causal=True),
+    }
+    print(f"B={B} H={H} S={S} D={D} bf16")
+    with torch.no_grad():
+        for name, fn in cases.items():
+            ms = statistics.median(time_ms(fn, dev, 3, 10) for _ in range(3))
+            print(f"{args.tag} {name:<34} {ms:8.3f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
