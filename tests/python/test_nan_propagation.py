@@ -52,8 +52,8 @@ def _skip_unsupported(device, dtype):
 
 # Dense problem: batch 1, query head 3 (kv head 1) carries the NaN; Sk spans several key blocks.
 B, SQ, SK, H, HKV = 2, 40, 150, 4, 2
-# Head dims: on an H100, 128 and 256 take the Hopper kernels (the warp-specialized forward, the
-# sm90 backward at 128), 32 the others. 128 and 256 only where a GPU is visible (the CPU code
+# Head dims: on an H100, 128 and 256 take the Hopper kernels (the warp-specialized forward; the
+# Hopper backward, at 256 for plain scores only), 32 the others. 128 and 256 only where a GPU is visible (the CPU code
 # does not depend on them).
 HEAD_DIMS = pytest.mark.parametrize("d", [32] + ([128, 256] if torch.cuda.is_available() else []),
                                     ids=lambda d: f"d{d}")

@@ -156,9 +156,9 @@ struct FwdWsTile {
 // descriptors; at D = 256 the consumers fit 232 only with the GEMM descriptors rebuilt per
 // issue, fwd_ws_kernel_sm90.h). At 256 with a bias or key rows, a key block of 64: the bias
 // stages fit beside Q, K and V (those of 80 take the whole shared memory), and the gather warps
-// take whole groups of 32 rows. With a bias or key rows at 64, two consumers (three spilled at 160 registers). The
-// full bias at 128: 48 / 224 (at 40 the producer's TMA issue of K and the bias tile spilled a
-// register).
+// take whole groups of 32 rows. With a bias or key rows at 64, two consumers (three spilled at
+// 160 registers). The full bias at 128: 48 / 224 (at 40 the producer's TMA issue of K and the
+// bias tile spilled a register).
 template <typename Element, int kHeadDim, FwdWsScores kScores> struct FwdWsConfig;
 template <typename Element> struct FwdWsConfig<Element, 64, FwdWsScores::kPlain> {
   using Tile = FwdWsTile<Element, 64, 192, 128, 2, FwdWsScores::kPlain, 32, 160>;
