@@ -172,6 +172,10 @@ for dtype in (torch.bfloat16, torch.float16):
     case(1, 200, 456, 2, 1, 256, dtype, bias_shape=(1, 2, 200, 456), causal=True)
     case(1, 129, 304, 2, 2, 256, dtype, bias_shape=(1, 2, 1, 304))
     topk_case(1, 300, 2, 1, 256, dtype, keep=160, causal=True)
+    # Full masks with 16-byte rows (their tiles by TMA): one per head, causal, a partial query
+    # block; one for all heads at head dim 64.
+    case(2, 200, 512, 4, 2, 128, dtype, mask_shape=(2, 4, 200, 512), causal=True)
+    case(1, 129, 256, 2, 2, 64, dtype, mask_shape=(1, 1, 129, 256))
 
     # The forward's persistent CTAs: more tiles than SMs (each CTA takes several, the pipelines
     # running on across them), for plain scores, a full bias and per-key rows; then a causal

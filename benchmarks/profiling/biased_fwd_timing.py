@@ -1,10 +1,11 @@
-"""Forward timings of dmattn's biased problems at one head dim (CUDA, bf16, B=2, S=8192, H=16 up
-to head dim 128, H=8 above): a full bias (B,H,S,S), causal or not, a key mask (2048 of S) with a
-per-key bias, causal, and `attention_topk` 2048 with the selection, causal. Median of three
-medians of CUDA-event timings. Run it once per kernel selection to compare paths, e.g. the
-warp-specialized Hopper kernel against the kernels that serve the same problems without it:
-    python benchmarks/profiling/biased_fwd_timing.py --head-dim 256
-    DMATTN_FWD_SM90_WS=0 python benchmarks/profiling/biased_fwd_timing.py --head-dim 256
+"""Forward timings of dmattn's biased and masked problems at one head dim (CUDA, bf16, B=2, S=8192,
+H=16 up to head dim 128, H=8 above): a full bias (B,H,S,S) and a full boolean mask (half true at
+random), causal or not, a key mask (2048 of S) with a per-key bias, causal, and `attention_topk`
+2048 with the selection, causal. Median of three medians of CUDA-event timings. Run it once
+per kernel selection to compare paths, e.g. the warp-specialized Hopper kernel against the
+kernels that serve the same problems without it:
+    python benchmarks/profiling/biased_fwd_timing.py --head-dim 128
+    DMATTN_FWD_SM90_WS=0 python benchmarks/profiling/biased_fwd_timing.py --head-dim 128
 """
 
 import argparse
@@ -30,6 +31,7 @@ def main():
     key_bias = torch.randn(B, H, 1, S, device=dev, dtype=dt, generator=g)
     keep = torch.rand(B, H, 1, S, device=dev, generator=g).topk(2048, dim=-1).indices
     key_mask = torch.zeros(B, H, 1, S, device=dev, dtype=torch.bool).scatter_(-1, keep, True)
+    full_mask = torch.randint(0, 2, (B, H, S, S), device=dev, dtype=torch.uint8, generator=g).bool()
     # Clocks settle before the first row: about a second of bf16 GEMMs.
     warm = torch.randn(8192, 8192, device=dev, dtype=dt, generator=g)
     for _ in range(500):
@@ -39,6 +41,8 @@ def main():
     cases = {
         "full bias": lambda: dmattn.attention(q, k, v, bias=bias),
         "full bias, causal": lambda: dmattn.attention(q, k, v, bias=bias, causal=True),
+        "full mask (half true)": lambda: dmattn.attention(q, k, v, full_mask),
+        "full mask (half true), causal": lambda: dmattn.attention(q, k, v, full_mask, causal=True),
         "key mask + per-key bias, causal": lambda: dmattn.attention(q, k, v, key_mask, key_bias, causal=True),
         "attention_topk 2048, causal": lambda: dmattn.attention_topk(q, k, v, key_bias, 2048, causal=True),
     }

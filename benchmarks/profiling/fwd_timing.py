@@ -2,10 +2,11 @@
 process.
 
 bf16, B=2, H=16, S=8192, D=128 unless told otherwise (--head-dims adds rows at other head dims,
-dense, full bias and the Doge step's key mask and bias: H=16 up to 128, H=8 above); median of
-CUDA-event timings after warm-up; random (never zero) inputs. TFLOP/s with FlashAttention's
-convention (4*B*H*S*S*D, halved when causal). The packed batch and the dense batch of the same
-shape are timed in alternation (--rounds).
+dense, full bias and the Doge step's key mask and bias: H=16 up to 128, H=8 above); a full
+boolean mask against SDPA given the same attn_mask. Median of CUDA-event timings after warm-up;
+random (never zero) inputs. TFLOP/s with FlashAttention's convention (4*B*H*S*S*D, halved when
+causal). The packed batch and the dense batch of the same shape are timed in alternation
+(--rounds).
     python benchmarks/profiling/fwd_timing.py [--flex] [--iters 20] [--rounds 5] [--head-dims 64,256]
 """
 
@@ -143,6 +144,19 @@ def main():
     add("dmattn dense bias causal", lambda: dmattn.attention(q, k, v, bias=dense_bias, causal=True), True)
     add("dmattn Doge per-key bias+mask(2048) causal",
         lambda: dmattn.attention(q, k, v, key_mask, key_bias, causal=True), True)
+    # A full boolean mask (B,H,S,S), half of it true at random; SDPA takes it as attn_mask.
+    # (SDPA takes no attn_mask with is_causal: for it the causal bound folded into a second mask)
+    full_mask = torch.randint(0, 2, (B, H, S, S), device=dev, dtype=torch.uint8, generator=g).bool()
+    sdpa_masks = {False: full_mask, True: full_mask.tril()}
+    for causal in (False, True):
+        kind = f"full mask (B,H,S,S){' causal' if causal else ''}"
+        add(f"dmattn {kind}", lambda: dmattn.attention(q, k, v, full_mask, causal=causal), causal)
+        for backend, label in ((SDPBackend.CUDNN_ATTENTION, "cudnn"), (SDPBackend.EFFICIENT_ATTENTION, "mem-efficient")):
+            def sdpa_masked(backend=backend, m=sdpa_masks[causal]):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=m)
+            add(f"sdpa {label} {kind}", sdpa_masked, causal)
+    del sdpa_masks
 
     topk_flop = 4 * D * causal_pairs(key_bias.float().topk(2048, dim=-1).indices)
     per_query_flop = 4 * D * B * H * sum(min(2048, i + 1) for i in range(S))
@@ -172,7 +186,17 @@ def main():
         def doge_mm(b, h, qi, ki):
             return (qi >= ki) & key_mask[b, h, 0, ki]
 
+        def full_mm(b, h, qi, ki):
+            return full_mask[b, h, qi, ki]
+
+        def full_causal_mm(b, h, qi, ki):
+            return full_mask[b, h, qi, ki] & (qi >= ki)
+
         bm_doge = create_block_mask(doge_mm, B, H, S, S, device=dev)
+        bm_full = create_block_mask(full_mm, B, H, S, S, device=dev)
+        bm_full_causal = create_block_mask(full_causal_mm, B, H, S, S, device=dev)
+        add("flex full mask", lambda: flex(qt, kt, vt, block_mask=bm_full), False)
+        add("flex full mask causal", lambda: flex(qt, kt, vt, block_mask=bm_full_causal), True)
         add("flex dense bias", flex_bias((qt, kt, vt), dense_bias, False), False)
         add("flex dense bias causal", flex_bias((qt, kt, vt), dense_bias, True), True)
         add("flex Doge causal", lambda: flex(qt, kt, vt, score_mod=key_mod, block_mask=bm_doge), True,

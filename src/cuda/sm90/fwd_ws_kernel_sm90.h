@@ -25,8 +25,11 @@
 // its tile of block n is loaded with K[n] and s = scale * qk + bias before the test, the softmax
 // then on final scores (scale 1; the safe subtraction, under which a finfo.min bias stays
 // finite, only in warps with a row max beyond OnlineSoftmax::kFmaMaxAbs; O's rescale skipped
-// when no row's max moved). The tile reaches the accumulators by ldmatrix. Rows past
-// the sequence and head-dim columns past head_dim arrive as zeros (TMA's out-of-bounds fill).
+// when no row's max moved). The tile reaches the accumulators by ldmatrix. With a full mask
+// (Tile::kMask), its byte tile of block n comes the same way, a false element makes the raw
+// score -inf before the test (mask_tile_sm90.h), and the softmax is the plain one. Rows past
+// the sequence and columns past head_dim or the keys arrive as zeros (TMA's out-of-bounds fill:
+// a mask of false there).
 // With per-key rows (Tile::kKeyRows: gathered keys, key ends, a query-broadcast bias or mask,
 // softcap), warp 1
 // of the producer warpgroup loads block n's positions, query bounds and bias (load_key_rows)
@@ -59,6 +62,7 @@
 #include "cuda/sm90/fwd_ws_tile_sm90.h"
 #include "cuda/sm90/gmma.h"
 #include "cuda/sm90/key_rows_sm90.h"
+#include "cuda/sm90/mask_tile_sm90.h"
 #include "cuda/sm90/pipeline_params_sm90.h"
 #include "cuda/fwd_kernel.h"
 
@@ -78,7 +82,9 @@ struct FwdWsParams {
   typename Tile::TmaQ tma_q;
   typename Tile::TmaKV tma_k, tma_v;
   typename Tile::TmaBias tma_bias;  // (Tile::kBias only)
+  typename Tile::TmaMask tma_mask;  // (Tile::kMask only)
   int bias_heads, bias_batch;       // extents of the bias's head / batch dims (1: broadcast)
+  int mask_heads, mask_batch;       // and of the mask's
   int rows_q, rows_k, batch;        // the q / k tensors as TMA sees them (packed: all rows, batch 1)
   FwdWsTiles schedule;              // the launch's tiles (fwd_ws_tile_coords)
 };
@@ -222,8 +228,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
                                  : tma_pipeline_params<Pipeline>(Tile::kKVStageBytes, warp_group == 0, kConsumerThreads);
   Pipeline pipe_k(ss.pipe_k, kv_params, Shape<_1, _1, _1>{});
   Pipeline pipe_v(ss.pipe_v, kv_params, Shape<_1, _1, _1>{});
-  Pipeline pipe_bias(ss.pipe_bias, tma_pipeline_params<Pipeline>(Tile::kBiasStageBytes, warp_group == 0, kConsumerThreads),
-                     Shape<_1, _1, _1>{});
+  Pipeline pipe_bias(ss.pipe_bias, tma_pipeline_params<Pipeline>(Tile::kScoreTileBytes, warp_group == 0, kConsumerThreads),
+                     Shape<_1, _1, _1>{});  // (the bias or mask tiles)
   using KeyRowPipeline = typename Tile::KeyRowPipeline;
   KeyRowPipeline pipe_key_rows(ss.pipe_key_rows, loader_pipeline_params<KeyRowPipeline>(warp_group == 0, kConsumerThreads));
   // The tiles' readers: the consumers, the key rows' loader and the gather warps.
@@ -297,6 +303,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
       cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
       if constexpr (Tile::kBias) cute::prefetch_tma_descriptor(p.tma_bias.get_tma_descriptor());
+      if constexpr (Tile::kMask) cute::prefetch_tma_descriptor(p.tma_mask.get_tma_descriptor());
     }
     // Counters across tiles, kept by lane 0 in shared memory (the producer's registers are few):
     // the tiles handed over so far, and their key blocks (as many K, V and bias stages each).
@@ -315,7 +322,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.rows_k, a.head_dim, a.num_heads / a.group, p.batch));
       Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.rows_k, a.head_dim, a.num_heads / a.group, p.batch));
       Tensor mB = p.tma_bias.get_tma_tensor(make_shape(a.seqlen_q, a.seqlen_k, p.bias_heads, p.bias_batch));
-      Tensor sBias = make_tensor(make_smem_ptr(ss.bias.data()), typename Tile::SmemLayoutBias{});
+      Tensor sBias = make_tensor(make_smem_ptr(ss.score_tiles.data()), typename Tile::SmemLayoutBias{});
+      Tensor mM = p.tma_mask.get_tma_tensor(make_shape(a.seqlen_q, a.seqlen_k, p.mask_heads, p.mask_batch));
+      Tensor sMask = make_tensor(make_smem_ptr(reinterpret_cast<uint8_t*>(ss.score_tiles.data())),
+                                 typename Tile::SmemLayoutMask{});
       const SeqBounds seq(a, tile.b);
       const int tb = packed ? 0 : tile.b;  // (packed: the sequence's rows from its first, in batch 0)
       const int h_kv = tile.h / a.group;
@@ -341,6 +351,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       Tensor gB = local_tile(mB(_, _, p.bias_heads == 1 ? 0 : tile.h / a.bias.head_div, p.bias_batch == 1 ? 0 : tile.b),
                              Shape<Int<kBlockM>, Int<Tile::kBiasN>>{}, make_coord(tile.m_block, _));
       const auto tB = tma_partition(p.tma_bias, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sBias), group_modes<0, 2>(gB));
+      // The mask's likewise, (kBlockM, 128) a key block.
+      Tensor gM = local_tile(mM(_, _, p.mask_heads == 1 ? 0 : tile.h / a.mask.head_div, p.mask_batch == 1 ? 0 : tile.b),
+                             Shape<Int<Tile::kMaskM>, _128>{}, make_coord(tile.m_block, _));
+      const auto tM = tma_partition(p.tma_mask, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sMask), group_modes<0, 2>(gM));
       // With K[nb]. The bias streams from HBM (no other CTA reads it) and the two stages give it
       // one block of lead: the tile kBiasPrefetch blocks further is prefetched into L2 meanwhile.
       constexpr int kBiasPrefetch = 2;
@@ -358,6 +372,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           pipe_bias.producer_acquire(write_k);
           copy(p.tma_bias.with(*pipe_bias.producer_get_barrier(write_k)), get<0>(tB)(_, nb), get<1>(tB)(_, write_k.index()));
           if (nb - kBiasPrefetch >= tile.n_min) prefetch(p.tma_bias, get<0>(tB)(_, nb - kBiasPrefetch));
+        }
+        if constexpr (Tile::kMask) {
+          pipe_bias.producer_acquire(write_k);
+          copy(p.tma_mask.with(*pipe_bias.producer_get_barrier(write_k)), get<0>(tM)(_, nb), get<1>(tM)(_, write_k.index()));
+          if (nb - kBiasPrefetch >= tile.n_min) prefetch(p.tma_mask, get<0>(tM)(_, nb - kBiasPrefetch));
         }
       };
       int n = tile.n_max - 1;
@@ -420,7 +439,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       const PipelineState write = pipeline_state_at<Tile::kStages>(uint32_t(blocks), true);
       pipe_k.producer_tail(write);
       pipe_v.producer_tail(write);
-      if constexpr (Tile::kBias) pipe_bias.producer_tail(write);
+      if constexpr (Tile::kBias || Tile::kMask) pipe_bias.producer_tail(write);
     }
     return;
   }
@@ -516,8 +535,18 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       auto scores_to_probs = [&](int n, float (&alpha)[kRows]) {
         if constexpr (Tile::kBias) {
           pipe_bias.consumer_wait(read_b);
-          add_bias_sw128<Element, kBlockM>(s_rc, tScS_rc, ss.bias.data() + read_b.index() * (kBlockM * kBlockN),
+          add_bias_sw128<Element, kBlockM>(s_rc, tScS_rc, ss.score_tiles.data() + read_b.index() * (kBlockM * kBlockN),
                                            a.scale);
+          pipe_bias.consumer_release(read_b);
+          ++read_b;
+        }
+        if constexpr (Tile::kMask) {
+          static_assert(is_mask_sw128_layout<typename Tile::SmemLayoutMask, kBlockM>(),
+                        "the mask's reads follow the tile's layout");
+          pipe_bias.consumer_wait(read_b);
+          apply_mask_sw128<kBlockM>(s_rc, tScS_rc,
+                                    reinterpret_cast<const uint8_t*>(ss.score_tiles.data()) +
+                                        read_b.index() * Tile::kMaskStageBytes);
           pipe_bias.consumer_release(read_b);
           ++read_b;
         }

@@ -14,15 +14,19 @@
 #include "cuda/fwd_args.h"
 #include "cuda/sm90/enabled.h"
 #include "cuda/sm90/fwd_ws_kernel_sm90.h"
+#include "cuda/sm90/mask_tile_sm90.h"
 #include "cuda/sm90/tma_views.h"
 
 namespace dmattn::cuda::sm90 {
 
-// The score policy a problem needs: the bias tiles for a full 16-bit bias alone, per-key rows
-// for everything else the kernel takes (gathered keys and key ends, query-broadcast biases and
-// masks, softcap), plain scores without any of them.
+// The score policy a problem needs: the bias tiles for a full 16-bit bias alone, the mask tiles
+// for a full mask alone, per-key rows for everything else the kernel takes (gathered keys and
+// key ends, query-broadcast biases and masks, softcap), plain scores without any of them.
 inline FwdWsScores fwd_ws_scores(const FwdArgs& a) {
   if (a.bias.ptr != nullptr && !a.bias.row_bcast) return FwdWsScores::kFullBias;
+  if (a.mask.ptr != nullptr && !a.mask.row_bcast && a.bias.ptr == nullptr && a.softcap == 0.f &&
+      a.kpos.ptr == nullptr && a.kpos.ends == nullptr)
+    return FwdWsScores::kFullMask;
   if (a.kpos.ptr != nullptr || a.bias.ptr != nullptr || a.mask.ptr != nullptr || a.softcap != 0.f)
     return FwdWsScores::kKeyRows;
   return FwdWsScores::kPlain;
@@ -30,19 +34,25 @@ inline FwdWsScores fwd_ws_scores(const FwdArgs& a) {
 
 // The problems the warp-specialized kernel takes, at every head dim: dense or packed batches
 // with plain scores, softcap, a query-broadcast bias (any dtype) or mask, and gathered keys with
-// key ends; dense batches with a full 16-bit bias (tma_bias_tiles_ok) alone. The others (full
-// masks, fp32 full biases, a full bias with anything else) run the sm90 kernel of
-// fwd_kernel_sm90.h up to head dim 128, the sm80-class general kernel above.
+// key ends; dense batches with a full 16-bit bias (tma_bias_tiles_ok) alone; up to head dim 128,
+// dense batches with a full mask (tma_mask_tiles_ok) alone. The others (fp32 full biases, a full
+// bias or mask with anything else, full masks above 128) run the sm90 kernel of fwd_kernel_sm90.h
+// up to head dim 128, the sm80-class general kernel above.
 template <int kHeadDim>
 bool fwd_ws_supports(const FwdArgs& a) {
   static const bool off = env_switched_off("DMATTN_FWD_SM90_WS");  // (comparisons)
   if (off) return false;
-  if ((a.mask.ptr && !a.mask.row_bcast) || (a.kpos.ends && !a.kpos.ptr)) return false;
+  if (a.kpos.ends && !a.kpos.ptr) return false;
+  const bool full_mask = a.mask.ptr && !a.mask.row_bcast;
   switch (fwd_ws_scores(a)) {
     case FwdWsScores::kKeyRows:
+      if (full_mask) return false;
       break;
     case FwdWsScores::kFullBias:
       if (!tma_bias_tiles_ok(a.bias) || a.mask.ptr || a.softcap != 0.f || a.kpos.ptr) return false;
+      break;
+    case FwdWsScores::kFullMask:
+      if (kHeadDim > 128 || !tma_mask_tiles_ok(a.mask) || a.cu_seqlens_q != nullptr) return false;
       break;
     case FwdWsScores::kPlain:
       break;
@@ -76,6 +86,8 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
   // The bias's head and batch extents: 1 where it broadcasts (stride 0), else its own.
   const int bias_heads = a.bias.stride_h == 0 ? 1 : a.num_heads / a.bias.head_div;
   const int bias_batch = a.bias.stride_b == 0 ? 1 : a.batch;
+  const int mask_heads = a.mask.stride_h == 0 ? 1 : a.num_heads / a.mask.head_div;
+  const int mask_batch = a.mask.stride_b == 0 ? 1 : a.batch;
   const int num_m_blocks = (a.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
   const int num_hb = a.num_heads * a.batch;
   const int num_tiles = num_m_blocks * num_hb;
@@ -110,14 +122,24 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
                              gmem(a.bias.ptr, a.seqlen_q, a.seqlen_k, bias_heads, bias_batch, a.bias.stride_q,
                                   a.bias.stride_h, a.bias.stride_b),
                              take<0, 2>(typename Tile::SmemLayoutBias{}));
+  // The mask tiles' likewise.
+  typename Tile::TmaMask tma_mask{};
+  if constexpr (Tile::kMask)
+    tma_mask = make_tma_copy(SM90_TMA_LOAD{},
+                             tma_gmem_view(reinterpret_cast<const uint8_t*>(a.mask.ptr), a.seqlen_q, a.seqlen_k,
+                                           mask_heads, mask_batch, a.mask.stride_q, a.mask.stride_h, a.mask.stride_b),
+                             take<0, 2>(typename Tile::SmemLayoutMask{}));
   FwdWsParams<Tile> p{
       a,
       make_tma_copy(SM90_TMA_LOAD{}, q, typename Tile::SmemLayoutQ{}),
       make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename Tile::SmemLayoutKV{})),
       make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Tile::SmemLayoutKV{})),
       tma_bias,
+      tma_mask,
       bias_heads,
       bias_batch,
+      mask_heads,
+      mask_batch,
       rows_q,
       rows_k,
       batch,

@@ -10,6 +10,10 @@
 //              K into kStages stages of its own, in the same 128-byte swizzle (chunk c of a
 //              64-key half-row at c ^ (row % 8): the accumulator-layout reads of a warp hit 8
 //              different bank groups);
+//   kFullMask: a boolean mask with one row per query (one byte an element), (kBlockM, kBlockN)
+//              tiles loaded by TMA with K as the bias tiles are, in the 8-bit 128-byte swizzle
+//              (chunk c of a row at c ^ (row % 8)); a false element gives a -inf score, the
+//              softmax then on raw scores as kPlain's (mask_tile_sm90.h);
 //   kKeyRows:  per-key operands, one kBlockN row of each per key block: the key's position
 //              (gathered keys; else its index), its query bound (key ends; else none) and its
 //              bias (a query-broadcast bias in any of its dtypes, converted to fp32; else 0).
@@ -33,7 +37,7 @@
 
 namespace dmattn::cuda::sm90 {
 
-enum class FwdWsScores { kPlain, kFullBias, kKeyRows };
+enum class FwdWsScores { kPlain, kFullBias, kKeyRows, kFullMask };
 
 // One tile of the forward (a query block of one head and batch) as the scheduler warp hands it
 // to the other roles: the key blocks [n_min, n_max) it reads (empty: its rows see no key), and
@@ -50,6 +54,7 @@ struct FwdWsTile {
   static constexpr FwdWsScores kScores = kScores_;
   static constexpr bool kBias = kScores == FwdWsScores::kFullBias;     // the (kBlockM, kBlockN) bias tiles
   static constexpr bool kKeyRows = kScores == FwdWsScores::kKeyRows;   // the per-key rows
+  static constexpr bool kMask = kScores == FwdWsScores::kFullMask;     // the (kBlockM, kBlockN) mask tiles
   // Final scores (scale and bias applied before the softmax, scale 1 there) or raw q k^T with
   // the scale folded into the softmax's exponent.
   static constexpr bool kScaledScores = kBias || kKeyRows;
@@ -57,6 +62,7 @@ struct FwdWsTile {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
+  static_assert(!kMask || kBlockN == 128, "mask tiles: one 128-byte swizzle atom a row");
   static constexpr int kStages = kStages_;
   static constexpr int kConsumers = kBlockM / 64;  // consumer warpgroups
   static constexpr int kConsumerThreads = kConsumers * 128;
@@ -112,6 +118,14 @@ struct FwdWsTile {
       SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBiasN>, cute::Int<kStages>>{}));
   using TmaBias = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
                                                cute::take<0, 2>(SmemLayoutBias{})));
+  // The mask as bytes (without a mask, a placeholder of 8 x 128).
+  static constexpr int kMaskM = kMask ? kBlockM : 8;
+  using SmemLayoutMask = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_K_SW128_Atom<uint8_t>{}, cute::Shape<cute::Int<kMaskM>, cute::_128, cute::Int<kStages>>{}));
+  using GmemTensorMask =
+      decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<const uint8_t*>(nullptr)), GmemLayout{}));
+  using TmaMask = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensorMask{},
+                                               cute::take<0, 2>(SmemLayoutMask{})));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   // Per-key rows of one key block (kKeyRows): written by the loader warp's plain stores.
@@ -130,14 +144,21 @@ struct FwdWsTile {
   static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kKVStageBytes = kBlockN * kHeadDim * int(sizeof(Element));
   static constexpr int kBiasStageBytes = kBlockM * kBlockN * int(sizeof(Element));
+  static constexpr int kMaskStageBytes = kMaskM * 128;
+  // The stage of the score tiles' pipeline (the bias's or the mask's).
+  static constexpr int kScoreTileBytes = kMask ? kMaskStageBytes : kBiasStageBytes;
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;  // O in the epilogue
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> k;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> v;
-    alignas(1024) cute::array_aligned<Element, kBias ? cute::cosize_v<SmemLayoutBias> : 8, 1024> bias;
+    // The bias's or the mask's tiles (kScoreTileBytes a stage; the mask's as bytes).
+    alignas(1024) cute::array_aligned<Element, kBias ? cute::cosize_v<SmemLayoutBias>
+                                               : kMask ? cute::cosize_v<SmemLayoutMask> / int(sizeof(Element))
+                                                       : 8,
+                                      1024> score_tiles;
     cute::array_aligned<KeyRowStage, kKeyRows ? kStages : 1, 16> key_rows;
-    typename Pipeline::SharedStorage pipe_k, pipe_v, pipe_bias;
+    typename Pipeline::SharedStorage pipe_k, pipe_v, pipe_bias;  // (pipe_bias: the bias or mask tiles)
     typename KeyRowPipeline::SharedStorage pipe_key_rows;
     typename TilePipeline::SharedStorage pipe_tile;
     FwdWsTileInfo tiles[kTileSlots];
@@ -171,6 +192,9 @@ template <typename Element, FwdWsScores kScores> struct FwdWsConfig<Element, 128
 };
 template <typename Element> struct FwdWsConfig<Element, 128, FwdWsScores::kFullBias> {
   using Tile = FwdWsTile<Element, 128, 128, 128, 2, FwdWsScores::kFullBias, 48, 224>;
+};
+template <typename Element> struct FwdWsConfig<Element, 128, FwdWsScores::kFullMask> {
+  using Tile = FwdWsTile<Element, 128, 128, 128, 2, FwdWsScores::kFullMask, 48, 224>;
 };
 template <typename Element, FwdWsScores kScores> struct FwdWsConfig<Element, 256, kScores> {
   using Tile = FwdWsTile<Element, 256, 128, 64, 2, kScores, 40, 232>;
