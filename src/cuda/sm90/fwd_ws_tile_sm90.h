@@ -179,7 +179,7 @@ struct FwdWsTile {
 // stages fit beside Q, K and V (those of 80 take the whole shared memory), and the gather warps
 // take whole groups of 32 rows. With a bias or key rows at 64, two consumers (three spilled at
 // 160 registers). The full bias at 128: 48 / 224 (at 40 the producer's TMA issue of K and the
-// bias tile spilled a register).
+// bias tile spilled a register), and the full mask the same (its producer issues the same loads).
 template <typename Element, int kHeadDim, FwdWsScores kScores> struct FwdWsConfig;
 template <typename Element> struct FwdWsConfig<Element, 64, FwdWsScores::kPlain> {
   using Tile = FwdWsTile<Element, 64, 192, 128, 2, FwdWsScores::kPlain, 32, 160>;
