@@ -99,10 +99,11 @@ void launch_fwd(const FwdArgs& args, cudaStream_t stream) {
 // The Hopper kernels are the forward on compute capability 9.0 (faster than the sm80-class
 // kernels there: docs/perf.md): the warp-specialized one (sm90/fwd_ws_kernel_sm90.h, every head
 // dim) for what fwd_ws_supports takes (plain scores, 16-bit full biases, full masks up to head
-// dim 128, query-broadcast biases and masks, softcap, gathered keys and key ends), the general one
-// (sm90/fwd_kernel_sm90.h, head dims up to 128) for the rest (fp32 full biases, a full bias or
-// mask with anything else; above 128 the sm80-class general kernel). DMATTN_FWD_SM90=0 turns both off (the sm80-class
-// kernels, which run everywhere), DMATTN_FWD_SM90_WS=0 the first alone, for comparisons.
+// dim 128, query-broadcast biases and masks, softcap, gathered keys and key ends), the general
+// one (sm90/fwd_kernel_sm90.h, head dims up to 128) for the rest (fp32 full biases, a full bias
+// or mask with anything else; above 128 the sm80-class general kernel). DMATTN_FWD_SM90=0 turns
+// both off (the sm80-class kernels, which run everywhere), DMATTN_FWD_SM90_WS=0 the first alone,
+// for comparisons.
 // (sm90/enabled.h: never in a build without sm_90a code)
 inline bool fwd_sm90_enabled() {
   static const bool off = sm90::env_switched_off("DMATTN_FWD_SM90");

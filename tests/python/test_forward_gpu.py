@@ -100,6 +100,25 @@ def test_full_mask_tiles_forward(dtype, case, nan_poison):
     check_against_reference(q, k, v, mask, None, out, lse, causal=causal, window=window, context=str(case))
 
 
+@pytest.mark.parametrize("operand", ["mask", "bias"])
+def test_no_keys_full_operand_slice(operand, nan_poison):
+    """No key (Sk = 0) with a full mask or bias sliced from a larger one (a real pointer, rows of
+    16-byte multiples, as the tile paths take): every row is empty, out 0, lse -inf."""
+    import dmattn
+    b, sq, h, d = 2, 130, 4, 64
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, 0, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    if operand == "mask":
+        full = torch.ones(b, h, sq, 64, dtype=torch.bool, device="cuda")
+        kw = dict(mask=full[..., :0])
+    else:
+        full = torch.randn(b, h, sq, 64, device="cuda", dtype=torch.bfloat16)
+        kw = dict(bias=full[..., :0])
+    out, lse = dmattn.attention(q, k, v, return_lse=True, **kw)
+    assert torch.all(out == 0)
+    assert torch.all(lse == float("-inf"))
+
+
 @pytest.mark.parametrize("seed", range(300), ids=lambda s: f"seed_{s}")
 def test_random_forward(seed, nan_poison):
     _check_fwd(random_case(seed, "cuda"))

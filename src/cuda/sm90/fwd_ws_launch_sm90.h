@@ -44,15 +44,16 @@ bool fwd_ws_supports(const FwdArgs& a) {
   if (off) return false;
   if (a.kpos.ends && !a.kpos.ptr) return false;
   const bool full_mask = a.mask.ptr && !a.mask.row_bcast;
+  // (the bias or mask tiles: no key, nothing for their TMA descriptor to describe)
   switch (fwd_ws_scores(a)) {
     case FwdWsScores::kKeyRows:
       if (full_mask) return false;
       break;
     case FwdWsScores::kFullBias:
-      if (!tma_bias_tiles_ok(a.bias) || a.mask.ptr || a.softcap != 0.f || a.kpos.ptr) return false;
+      if (!tma_bias_tiles_ok(a.bias) || a.mask.ptr || a.softcap != 0.f || a.kpos.ptr || a.seqlen_k == 0) return false;
       break;
     case FwdWsScores::kFullMask:
-      if (kHeadDim > 128 || !tma_mask_tiles_ok(a.mask) || a.cu_seqlens_q != nullptr) return false;
+      if (kHeadDim > 128 || !tma_mask_tiles_ok(a.mask) || a.cu_seqlens_q != nullptr || a.seqlen_k == 0) return false;
       break;
     case FwdWsScores::kPlain:
       break;
