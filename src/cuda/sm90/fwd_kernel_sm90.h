@@ -1,11 +1,11 @@
 // The general Hopper forward kernel (sm_90a): what the warp-specialized kernel
 // (fwd_ws_kernel_sm90.h) does not take (fp32 full biases, a full bias or mask with anything
 // else, masks TMA cannot tile; fwd_ws_supports), and everything when DMATTN_FWD_SM90_WS=0.
-// One CTA of two warpgroups per (128-query block, head, batch), wgmma for S = Q K^T (both operands in shared memory) and O += P V (P from
-// registers), cp.async loads with zero-filled tails (copy.h), key blocks walked from the last
-// to the first like the sm80 kernel (fwd_kernel.h), whose score transform, online softmax,
-// block skipping and epilogue it reuses: the accumulator layout of wgmma has the same per-quad
-// row ownership as mma.sync's.
+// One CTA of two warpgroups per (128-query block, head, batch), wgmma for S = Q K^T (both
+// operands in shared memory) and O += P V (P from registers), cp.async loads with zero-filled
+// tails (copy.h), key blocks walked from the last to the first like the sm80 kernel
+// (fwd_kernel.h), whose score transform, online softmax, block skipping and epilogue it reuses:
+// the accumulator layout of wgmma has the same per-quad row ownership as mma.sync's.
 // Plain scores (no mask / bias / softcap), K and V double buffered, one barrier per block:
 //   block n:  issue loads K[n-1], V[n];  issue S = Q K[n]^T, then O += P[n+1] V[n+1];
 //             wait S; softmax of S (the rescale of O deferred); wait O; rescale O; P[n] = S
