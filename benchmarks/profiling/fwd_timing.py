@@ -85,12 +85,13 @@ def main():
     def causal_pairs(keys):
         return float((S - keys.float()).sum())
 
-    def flex_bias(tensors, bias, causal):
-        """FlexAttention with `bias` as its score_mod (compiled on first call), causal by a block
-        mask built here, outside the timed call."""
+    if args.flex:  # (one compiled FlexAttention for every row that times it)
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         flex = torch.compile(flex_attention, dynamic=False)
 
+    def flex_bias(tensors, bias, causal):
+        """FlexAttention with `bias` as its score_mod, causal by a block mask built here, outside
+        the timed call."""
         def bias_mod(score, b, h, qi, ki):
             return score + bias[b, h, qi, ki]
 
@@ -177,9 +178,6 @@ def main():
         add(name, replay, True, flop=flop)
 
     if args.flex:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        flex = torch.compile(flex_attention, dynamic=False)
-
         def key_mod(score, b, h, qi, ki):
             return score + key_bias[b, h, 0, ki]
 
