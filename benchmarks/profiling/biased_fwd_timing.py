@@ -1,5 +1,6 @@
 """Forward timings of dmattn's biased and masked problems at one head dim (CUDA, bf16, B=2, S=8192,
-H=16 up to head dim 128, H=8 above): a full bias (B,H,S,S) and a full boolean mask (half true at
+H=16 up to head dim 128, H=8 above): a full bias (B,H,S,S), alone or with a key padding mask
+(B,1,1,S; the second sequence's last 1536 keys padding), and a full boolean mask (half true at
 random), causal or not, a key mask (2048 of S) with a per-key bias, causal, and `attention_topk`
 2048 with the selection, causal. Median of three medians of CUDA-event timings. Run it once
 per kernel selection to compare paths, e.g. the warp-specialized Hopper kernel against the
@@ -31,6 +32,8 @@ def main():
     key_bias = torch.randn(B, H, 1, S, device=dev, dtype=dt, generator=g)
     keep = torch.rand(B, H, 1, S, device=dev, generator=g).topk(2048, dim=-1).indices
     key_mask = torch.zeros(B, H, 1, S, device=dev, dtype=torch.bool).scatter_(-1, keep, True)
+    lens = torch.tensor([S, S - 1536], device=dev)
+    key_padding = (torch.arange(S, device=dev) < lens[:, None]).view(B, 1, 1, S)
     full_mask = torch.randint(0, 2, (B, H, S, S), device=dev, dtype=torch.uint8, generator=g).bool()
     # Clocks settle before the first row: about a second of bf16 GEMMs.
     warm = torch.randn(8192, 8192, device=dev, dtype=dt, generator=g)
@@ -41,6 +44,8 @@ def main():
     cases = {
         "full bias": lambda: dmattn.attention(q, k, v, bias=bias),
         "full bias, causal": lambda: dmattn.attention(q, k, v, bias=bias, causal=True),
+        "full bias + key padding": lambda: dmattn.attention(q, k, v, key_padding, bias),
+        "full bias + key padding, causal": lambda: dmattn.attention(q, k, v, key_padding, bias, causal=True),
         "full mask (half true)": lambda: dmattn.attention(q, k, v, full_mask),
         "full mask (half true), causal": lambda: dmattn.attention(q, k, v, full_mask, causal=True),
         "key mask + per-key bias, causal": lambda: dmattn.attention(q, k, v, key_mask, key_bias, causal=True),

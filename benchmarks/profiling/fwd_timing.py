@@ -2,11 +2,11 @@
 process.
 
 bf16, B=2, H=16, S=8192, D=128 unless told otherwise (--head-dims adds rows at other head dims,
-dense, full bias and the Doge step's key mask and bias: H=16 up to 128, H=8 above); a full
-boolean mask against SDPA given the same attn_mask. Median of CUDA-event timings after warm-up;
-random (never zero) inputs. TFLOP/s with FlashAttention's convention (4*B*H*S*S*D, halved when
-causal). The packed batch and the dense batch of the same shape are timed in alternation
-(--rounds).
+dense, full bias and the Doge step's key mask and bias: H=16 up to 128, H=8 above); the full
+bias with a key padding mask; a full boolean mask against SDPA given the same attn_mask. Median
+of CUDA-event timings after warm-up; random (never zero) inputs. TFLOP/s with FlashAttention's
+convention (4*B*H*S*S*D, halved when causal). The packed batch and the dense batch of the same
+shape are timed in alternation (--rounds).
     python benchmarks/profiling/fwd_timing.py [--flex] [--iters 20] [--rounds 5] [--head-dims 64,256]
 """
 
@@ -143,6 +143,11 @@ def main():
         del qd, kd, vd, tens, bias_d
     add("dmattn dense bias (B,H,S,S) bf16", lambda: dmattn.attention(q, k, v, bias=dense_bias), False)
     add("dmattn dense bias causal", lambda: dmattn.attention(q, k, v, bias=dense_bias, causal=True), True)
+    # The full bias with a key padding mask (B,1,1,S): the second sequence's last 1536 keys padding.
+    key_padding = (torch.arange(S, device=dev) < torch.tensor([S, S - 1536], device=dev)[:, None]).view(B, 1, 1, S)
+    add("dmattn dense bias + key padding", lambda: dmattn.attention(q, k, v, key_padding, dense_bias), False)
+    add("dmattn dense bias + key padding causal",
+        lambda: dmattn.attention(q, k, v, key_padding, dense_bias, causal=True), True)
     add("dmattn Doge per-key bias+mask(2048) causal",
         lambda: dmattn.attention(q, k, v, key_mask, key_bias, causal=True), True)
     # A full boolean mask (B,H,S,S), half of it true at random; SDPA takes it as attn_mask.
@@ -197,6 +202,20 @@ def main():
         add("flex full mask causal", lambda: flex(qt, kt, vt, block_mask=bm_full_causal), True)
         add("flex dense bias", flex_bias((qt, kt, vt), dense_bias, False), False)
         add("flex dense bias causal", flex_bias((qt, kt, vt), dense_bias, True), True)
+
+        def bias_mod(score, b, h, qi, ki):
+            return score + dense_bias[b, h, qi, ki]
+
+        def padding_mm(b, h, qi, ki):
+            return key_padding[b, 0, 0, ki]
+
+        def padding_causal_mm(b, h, qi, ki):
+            return key_padding[b, 0, 0, ki] & (qi >= ki)
+
+        for causal, mm in ((False, padding_mm), (True, padding_causal_mm)):
+            bm = create_block_mask(mm, B, 1, S, S, device=dev)
+            add(f"flex dense bias + key padding{' causal' if causal else ''}",
+                lambda bm=bm: flex(qt, kt, vt, score_mod=bias_mod, block_mask=bm), causal)
         add("flex Doge causal", lambda: flex(qt, kt, vt, score_mod=key_mod, block_mask=bm_doge), True,
             flop=4 * D * causal_pairs(idx))
 

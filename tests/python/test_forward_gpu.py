@@ -100,6 +100,48 @@ def test_full_mask_tiles_forward(dtype, case, nan_poison):
     check_against_reference(q, k, v, mask, None, out, lse, causal=causal, window=window, context=str(case))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", [
+    # (B, Sq, Sk, H, Hkv, D, bias heads, key mask heads, softcap, causal, window)
+    (2, 300, 512, 4, 4, 128, "h", "h", 0.0, False, (-1, -1)),
+    (2, 1000, 1024, 4, 2, 64, "1", "1", 0.0, True, (-1, -1)),
+    (2, 129, 264, 4, 2, 128, "hkv", "h", 20.0, False, (64, 32)),
+    (1, 256, 776, 2, 1, 96, "expand", None, 30.0, True, (-1, -1)),
+    (2, 200, 320, 4, 4, 256, "h", "1", 0.0, False, (-1, -1)),
+    (1, 130, 136, 2, 2, 256, "1", "h", 25.0, True, (-1, -1)),
+], ids=lambda c: (f"{c[0]}x{c[1]}x{c[2]}_h{c[3]}_{c[4]}_d{c[5]}_bias{c[6]}_keymask{c[7]}_cap{c[8]:g}"
+                  f"{'_causal' if c[9] else ''}_w{c[10][0]}"))
+def test_full_bias_with_key_mask_forward(dtype, case, nan_poison):
+    """A full bias (rows of 16-byte multiples: the Hopper warp-specialized forward's bias tiles)
+    with a key mask (B, H | 1, 1, Sk) and / or softcap, which that kernel reads beside the tiles
+    as per-key rows: one bias per head, broadcast (a size-1 dim and an expanded one), one per
+    kv head (GQA); finfo.min and -inf bias entries, a batch whose key mask is all false, keys
+    masked in the tail block; causal and window bounds; against the float64 reference."""
+    import dmattn
+    from reference import check_against_reference
+    b, sq, sk, h, hkv, d, bias_heads, mask_heads, softcap, causal, window = case
+    g = torch.Generator(device="cpu").manual_seed(sq + sk + d + int(softcap) + (dtype == torch.float16))
+    q = torch.randn(b, sq, h, d, generator=g).to("cuda", dtype)
+    k, v = (torch.randn(b, sk, hkv, d, generator=g).to("cuda", dtype) for _ in range(2))
+    bias = 2 * torch.randn(b, {"h": h, "hkv": hkv}.get(bias_heads, 1), sq, sk, generator=g)
+    bias[:, :, 3, : sk // 2] = torch.finfo(dtype).min  # half a row at the dtype's lowest
+    bias[:, :, 7, :] = float("-inf")                    # a row without any key
+    bias = bias.to("cuda", dtype)
+    if bias_heads == "expand":
+        bias = bias.expand(b, h, sq, sk)
+    mask = None
+    if mask_heads is not None:
+        mask = torch.rand(b, h if mask_heads == "h" else 1, 1, sk, generator=g) < 0.7
+        mask[..., -3:] = False  # keys of the tail block
+        if b > 1:
+            mask[1] = False     # a batch without any key
+        mask = mask.to("cuda")
+    out, lse = dmattn.attention(q, k, v, mask, bias, causal=causal, window=window, softcap=softcap,
+                                return_lse=True)
+    check_against_reference(q, k, v, mask, bias, out, lse, causal=causal, window=window, softcap=softcap,
+                            context=str(case))
+
+
 @pytest.mark.parametrize("operand", ["mask", "bias"])
 def test_no_keys_full_operand_slice(operand, nan_poison):
     """No key (Sk = 0) with a full mask or bias sliced from a larger one (a real pointer, rows of

@@ -31,7 +31,7 @@
 // the sequence and columns past head_dim or the keys arrive as zeros (TMA's out-of-bounds fill:
 // a mask of false there).
 // With per-key rows (Tile::kKeyRows: gathered keys, key ends, a query-broadcast bias or mask,
-// softcap), warp 1
+// softcap; beside a full bias's tiles, a query-broadcast mask and softcap), warp 1
 // of the producer warpgroup loads block n's positions, query bounds and bias (load_key_rows)
 // into a stage of their own pipeline; s = scale * qk + bias (softcap: softcap * tanh(scale * qk
 // / softcap) + bias), then on the blocks that need it
@@ -534,9 +534,17 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       // factors.
       auto scores_to_probs = [&](int n, float (&alpha)[kRows]) {
         if constexpr (Tile::kBias) {
+          float scale = a.scale;
+          if constexpr (Tile::kKeyRows) {  // softcap before the bias: s = softcap * tanh(scale * qk / softcap) + bias
+            if (a.softcap != 0.f) {
+              CUTE_UNROLL
+              for (int i = 0; i < size(s_rc); ++i) s_rc(i) = a.softcap * tanhf(s_rc(i) * a.scale_div_softcap);
+              scale = 1.f;
+            }
+          }
           pipe_bias.consumer_wait(read_b);
           add_bias_sw128<Element, kBlockM>(s_rc, tScS_rc, ss.score_tiles.data() + read_b.index() * (kBlockM * kBlockN),
-                                           a.scale);
+                                           scale);
           pipe_bias.consumer_release(read_b);
           ++read_b;
         }
@@ -553,12 +561,14 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         if constexpr (Tile::kKeyRows) {
           pipe_key_rows.consumer_wait(read_r);
           const auto& st = ss.key_rows[read_r.index()];
-          if (a.softcap != 0.f) {  // s = softcap * tanh(scale * qk / softcap) + bias
-            CUTE_UNROLL
-            for (int i = 0; i < size(s_rc); ++i) s_rc(i) = a.softcap * tanhf(s_rc(i) * a.scale_div_softcap);
-            add_key_bias(s_rc, tScS_rc, st.bias, 1.f);
-          } else {
-            add_key_bias(s_rc, tScS_rc, st.bias, a.scale);
+          if constexpr (!Tile::kBias) {  // (beside bias tiles: the score is final, the rows carry no bias)
+            if (a.softcap != 0.f) {  // s = softcap * tanh(scale * qk / softcap) + bias
+              CUTE_UNROLL
+              for (int i = 0; i < size(s_rc); ++i) s_rc(i) = a.softcap * tanhf(s_rc(i) * a.scale_div_softcap);
+              add_key_bias(s_rc, tScS_rc, st.bias, 1.f);
+            } else {
+              add_key_bias(s_rc, tScS_rc, st.bias, a.scale);
+            }
           }
           // The test on positions: gathered keys' window on original positions, else the plain
           // window (positions are indices); query bounds (key ends, a mask) on every block.

@@ -18,7 +18,10 @@
 //              (gathered keys; else its index), its query bound (key ends; else none) and its
 //              bias (a query-broadcast bias in any of its dtypes, converted to fp32; else 0).
 //              A producer warp loads them into kStages KeyRowStage buffers (a PipelineAsync);
-//              the test runs on positions (key_positions.h).
+//              the test runs on positions (key_positions.h);
+//   kFullBiasKeyRows: both, for a full bias with a query-broadcast mask (a key padding mask)
+//              and / or softcap: the bias tiles as kFullBias's, the key rows as kKeyRows's
+//              without their bias (the mask's rows give the query bounds).
 // Per head dim (FwdWsConfig): 64: 192 x 128 (three consumers); 128: 128 x 128; 256: 128 x 80 (the
 // largest key block whose Q, two K and two V stages fit in 227 KB), 128 x 64 with a bias or key
 // rows.
@@ -37,7 +40,7 @@
 
 namespace dmattn::cuda::sm90 {
 
-enum class FwdWsScores { kPlain, kFullBias, kKeyRows, kFullMask };
+enum class FwdWsScores { kPlain, kFullBias, kKeyRows, kFullMask, kFullBiasKeyRows };
 
 // One tile of the forward (a query block of one head and batch) as the scheduler warp hands it
 // to the other roles: the key blocks [n_min, n_max) it reads (empty: its rows see no key), and
@@ -52,8 +55,10 @@ template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kSta
           int kProducerRegs_, int kConsumerRegs_>
 struct FwdWsTile {
   static constexpr FwdWsScores kScores = kScores_;
-  static constexpr bool kBias = kScores == FwdWsScores::kFullBias;     // the (kBlockM, kBlockN) bias tiles
-  static constexpr bool kKeyRows = kScores == FwdWsScores::kKeyRows;   // the per-key rows
+  // the (kBlockM, kBlockN) bias tiles
+  static constexpr bool kBias = kScores == FwdWsScores::kFullBias || kScores == FwdWsScores::kFullBiasKeyRows;
+  // the per-key rows
+  static constexpr bool kKeyRows = kScores == FwdWsScores::kKeyRows || kScores == FwdWsScores::kFullBiasKeyRows;
   static constexpr bool kMask = kScores == FwdWsScores::kFullMask;     // the (kBlockM, kBlockN) mask tiles
   // Final scores (scale and bias applied before the softmax, scale 1 there) or raw q k^T with
   // the scale folded into the softmax's exponent.
@@ -128,11 +133,13 @@ struct FwdWsTile {
                                                cute::take<0, 2>(SmemLayoutMask{})));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
-  // Per-key rows of one key block (kKeyRows): written by the loader warp's plain stores.
+  // Per-key rows of one key block (kKeyRows): written by the loader warp's plain stores. Beside
+  // the bias tiles no key bias (one placeholder entry: at head dim 128 the two stages of the
+  // bias tiles leave no room for it).
   struct KeyRowStage {
     int32_t pos[kBlockN];  // position of the key (-1: a padding row past the keys)
     int32_t end[kBlockN];  // queries i < end may see it (INT_MAX: no bound; 0 past the keys)
-    float bias[kBlockN];
+    float bias[kBias ? 1 : kBlockN];
     alignas(16) int32_t end_min;  // the smallest of end[] (16-byte aligned: the next stage's rows are read as float2)
   };
   static constexpr int kKeyRowEndDelta = kBlockN;  // end[] behind pos[] (PositionTest::end_delta)
@@ -169,6 +176,7 @@ struct FwdWsTile {
     int32_t sched_next;                   // and its next step
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "beyond the shared memory of one CTA");
 };
 
 // The tile of each head dim (a dim below it runs zero-filled by TMA: 96 on 128), with the
@@ -195,6 +203,9 @@ template <typename Element> struct FwdWsConfig<Element, 128, FwdWsScores::kFullB
 };
 template <typename Element> struct FwdWsConfig<Element, 128, FwdWsScores::kFullMask> {
   using Tile = FwdWsTile<Element, 128, 128, 128, 2, FwdWsScores::kFullMask, 48, 224>;
+};
+template <typename Element> struct FwdWsConfig<Element, 128, FwdWsScores::kFullBiasKeyRows> {
+  using Tile = FwdWsTile<Element, 128, 128, 128, 2, FwdWsScores::kFullBiasKeyRows, 48, 224>;
 };
 template <typename Element, FwdWsScores kScores> struct FwdWsConfig<Element, 256, kScores> {
   using Tile = FwdWsTile<Element, 256, 128, 64, 2, kScores, 40, 232>;

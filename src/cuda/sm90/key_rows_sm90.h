@@ -48,7 +48,7 @@ struct KeyRowSources {
 __device__ __forceinline__ KeyRowSources key_row_sources(const FwdArgs& a, int b, int h, int64_t k0) {
   KeyRowSources src;
   const OperandArgs& bias = a.bias;
-  if (bias.ptr != nullptr) {
+  if (bias.ptr != nullptr && bias.row_bcast) {  // (a full bias comes by its tiles)
     src.bias = bias.ptr + (int64_t(b) * bias.stride_b + int64_t(h / bias.head_div) * bias.stride_h + k0 * bias.stride_k) *
                               bias.esize;
     src.bias_step = bias.stride_k * bias.esize;
@@ -74,6 +74,8 @@ __device__ __forceinline__ KeyRowSources key_row_sources(const FwdArgs& a, int b
 // smallest bound into st.end_min.
 template <typename Element, class Stage, int kBlockN>
 __device__ __forceinline__ void load_key_rows(Stage& st, int n, int count, const KeyRowSources& src) {
+  // (a stage beside bias tiles has no key bias: a placeholder of one entry)
+  constexpr bool kStageBias = sizeof(st.bias) == kBlockN * sizeof(float);
   const int lane = threadIdx.x & 31;
   CUTE_UNROLL
   for (int c = lane; c < kBlockN; c += 32) {
@@ -83,12 +85,14 @@ __device__ __forceinline__ void load_key_rows(Stage& st, int n, int count, const
     int end = !in ? 0 : src.end != nullptr ? __ldg(src.end + j) : INT_MAX;
     if (in && src.mask != nullptr && __ldg(src.mask + int64_t(j) * src.mask_step) == 0) end = 0;
     st.end[c] = end;
-    float bv = 0.f;
-    if (in && src.bias != nullptr) {
-      const char* e = src.bias + int64_t(j) * src.bias_step;
-      bv = src.bias_fp32 ? __ldg(reinterpret_cast<const float*>(e)) : ElemInfo<Element>::to_float(e);
+    if constexpr (kStageBias) {
+      float bv = 0.f;
+      if (in && src.bias != nullptr) {
+        const char* e = src.bias + int64_t(j) * src.bias_step;
+        bv = src.bias_fp32 ? __ldg(reinterpret_cast<const float*>(e)) : ElemInfo<Element>::to_float(e);
+      }
+      st.bias[c] = bv;
     }
-    st.bias[c] = bv;
   }
   // The block's smallest bound: the consumers skip the per-element test when all their queries
   // are below it (bounded_block_needs_mask). Read back from shared memory: folded into the loop
