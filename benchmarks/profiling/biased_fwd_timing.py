@@ -1,10 +1,10 @@
 """Forward timings of dmattn's biased and masked problems at one head dim (CUDA, bf16, B=2, S=8192,
 H=16 up to head dim 128, H=8 above): a full bias (B,H,S,S), alone or with a key padding mask
 (B,1,1,S; the second sequence's last 1536 keys padding), and a full boolean mask (half true at
-random), causal or not, a key mask (2048 of S) with a per-key bias, causal, and `attention_topk`
-2048 with the selection, causal. Median of three medians of CUDA-event timings. Run it once
-per kernel selection to compare paths, e.g. the warp-specialized Hopper kernel against the
-kernels that serve the same problems without it:
+random), causal or not, or with the full bias; a key mask (2048 of S) with a per-key bias,
+causal, and `attention_topk` 2048 with the selection, causal. Median of three medians of
+CUDA-event timings. Run it once per kernel selection to compare paths, e.g. the
+warp-specialized Hopper kernel against the kernels that serve the same problems without it:
     python benchmarks/profiling/biased_fwd_timing.py --head-dim 128
     DMATTN_FWD_SM90_WS=0 python benchmarks/profiling/biased_fwd_timing.py --head-dim 128
 """
@@ -48,6 +48,7 @@ def main():
         "full bias + key padding, causal": lambda: dmattn.attention(q, k, v, key_padding, bias, causal=True),
         "full mask (half true)": lambda: dmattn.attention(q, k, v, full_mask),
         "full mask (half true), causal": lambda: dmattn.attention(q, k, v, full_mask, causal=True),
+        "full mask + full bias": lambda: dmattn.attention(q, k, v, full_mask, bias),
         "key mask + per-key bias, causal": lambda: dmattn.attention(q, k, v, key_mask, key_bias, causal=True),
         "attention_topk 2048, causal": lambda: dmattn.attention_topk(q, k, v, key_bias, 2048, causal=True),
     }
