@@ -142,6 +142,46 @@ def test_full_bias_with_key_mask_forward(dtype, case, nan_poison):
                             context=str(case))
 
 
+@pytest.mark.parametrize("case", [
+    # (B, Sq, Sk, H, D, bias, causal, window, key mask layout)
+    (3, 300, 1024, 4, 128, "full", False, (-1, -1), "contiguous"),
+    (3, 1000, 1000, 4, 64, "key", True, (-1, -1), "contiguous"),
+    (3, 200, 776, 2, 256, "full", False, (96, 64), "strided"),
+    (3, 129, 1500, 2, 96, None, False, (-1, -1), "strided"),
+], ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}_d{c[4]}_bias{c[5]}{'_causal' if c[6] else ''}_w{c[7][0]}_{c[8]}")
+def test_key_mask_padding_forward(case, nan_poison):
+    """Key masks (B, H, 1, Sk) of padded batches: false before a first and after a last key
+    (left and right padding, random keys false between), one batch without any true key and
+    one with all true, whose padding the Hopper warp-specialized forward never loads (the
+    key-block range between the first and last true key); a contiguous mask (16-byte loads of
+    the row, Sk % 16 != 0 among them) and a strided view (byte loads); with a full or a per-key
+    bias or none; against the float64 reference."""
+    import dmattn
+    from reference import check_against_reference
+    b, sq, sk, h, d, bias_kind, causal, window, layout = case
+    g = torch.Generator(device="cpu").manual_seed(sq + sk + d)
+    q = torch.randn(b, sq, h, d, generator=g).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(b, sk, h, d, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    mask = torch.rand(b, h, 1, sk, generator=g) < 0.8
+    mask[0, :, :, : sk // 3] = False           # left padding over whole key blocks
+    mask[0, :, :, sk - sk // 4:] = False       # and right padding
+    mask[0, 1:, :, sk // 2 + 7:] = False       # more of it on the other heads
+    mask[1] = False                            # no key at all
+    mask[2] = True                             # every key (also: off the gather path, which
+                                               # masks keeping at most half of the keys take)
+    mask = mask.to("cuda")
+    if layout == "strided":                    # (a view whose keys are 2 bytes apart)
+        mask = torch.stack([mask, ~mask], -1)[..., 0]
+        assert mask.stride(-1) == 2
+    bias = None
+    if bias_kind == "full":
+        bias = torch.randn(b, h, sq, sk, generator=g).to("cuda", torch.bfloat16)
+    elif bias_kind == "key":
+        bias = torch.randn(b, h, 1, sk, generator=g).to("cuda", torch.bfloat16)
+    out, lse = dmattn.attention(q, k, v, mask, bias, causal=causal, window=window, return_lse=True)
+    check_against_reference(q, k, v, mask, bias, out, lse, causal=causal, window=window, context=str(case))
+
+
 @pytest.mark.parametrize("operand", ["mask", "bias"])
 def test_no_keys_full_operand_slice(operand, nan_poison):
     """No key (Sk = 0) with a full mask or bias sliced from a larger one (a real pointer, rows of

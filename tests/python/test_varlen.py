@@ -21,6 +21,7 @@ calls then share. CUDA needs float16/bfloat16 and head dims that are multiples o
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import random
 from dataclasses import dataclass
@@ -66,6 +67,10 @@ class VarlenCase:
     max_slack: int = 0  # max_seqlen = longest sequence + max_slack
     deterministic: bool = False
     seed: int = 0
+    # The key-side mask of padded sequences: false in the first and last eighth of each
+    # sequence's keys (every third sequence: all false), random between (more than half of the
+    # keys kept: the dense call of a sequence stays off the gather path).
+    mask_padding: bool = False
 
     def short(self) -> str:
         return (f"dtype={str(self.dtype).replace('torch.', '')} lens_q={self.lens_q} "
@@ -73,7 +78,7 @@ class VarlenCase:
                 f"window={self.window} scale={self.scale} softcap={self.softcap} "
                 f"mask_Hb={self.mask_heads} bias_Hb={self.bias_heads}:{self.bias_dtype} "
                 f"grad={self.bias_grad} slack={self.max_slack} det={self.deterministic} "
-                f"seed={self.seed}")
+                f"seed={self.seed} padding={self.mask_padding}")
 
 
 def for_device(c: VarlenCase, device: str) -> VarlenCase:
@@ -187,7 +192,14 @@ def make_varlen_inputs(c: VarlenCase, device: str) -> VarlenInputs:
     v = torch.randn(total_k, c.hkv, c.d, generator=gen).to(c.dtype).to(device)
     mask = bias = None
     if c.mask_heads is not None:
-        mask = (torch.rand(c.mask_heads, total_k, generator=gen) < 0.8).to(device)
+        mask = torch.rand(c.mask_heads, total_k, generator=gen) < 0.8
+        if c.mask_padding:
+            for b, (k0, n) in enumerate(zip([0] + list(itertools.accumulate(c.lens_k)), c.lens_k)):
+                mask[:, k0:k0 + n // 8] = False
+                mask[:, k0 + n - n // 8:k0 + n] = False
+                if b % 3 == 2:
+                    mask[:, k0:k0 + n] = False
+        mask = mask.to(device)
     if c.bias_heads is not None:
         bias = (1.5 * torch.randn(c.bias_heads, total_k, generator=gen)).to(c.bias_dtype).to(device)
     dout = torch.randn(total_q, c.h, c.d, generator=gen).to(c.dtype).to(device)
@@ -355,6 +367,9 @@ EXPLICIT_CASES = {
     "mqa_float64_softcap": VarlenCase(torch.float64, [5, 9, 1], [7, 2, 11], h=3, hkv=1, d=5,
                                       softcap=5.0, scale=0.7, mask_heads=3, bias_heads=3,
                                       bias_dtype=torch.float64),
+    "padded_key_mask": VarlenCase(torch.bfloat16, [300, 700, 129, 1000], [300, 700, 129, 1000], h=4, hkv=2,
+                                  d=64, causal=True, mask_heads=2, bias_heads=4, bias_dtype=torch.bfloat16,
+                                  mask_padding=True),
     "single_sequence": VarlenCase(torch.float16, [33], [47], h=2, hkv=1, d=32, causal=True,
                                   window=(8, -1), bias_heads=2, bias_dtype=torch.float16),
     "no_sequences": VarlenCase(torch.float32, [], [], h=2, hkv=1, d=8, bias_heads=1,

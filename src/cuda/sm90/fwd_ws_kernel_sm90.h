@@ -149,15 +149,21 @@ __device__ __forceinline__ bool fwd_ws_tile_coords(int u, int half, const FwdWsT
   return true;
 }
 
-// The key blocks a tile reads: those of its gathered keys' range (warp-cooperative: every lane
-// of the warp calls it, every warp finds the same range), else of its window.
+// The key blocks a tile reads (warp-cooperative: every lane of the warp calls it, every warp
+// finds the same range): those of its gathered keys' range, else of its window, narrowed to the
+// first and last true key of a query-broadcast mask.
 template <class Tile>
 __device__ __forceinline__ void fwd_ws_key_range(const FwdArgs& a, const SeqBounds& seq, int b, int h, int m0,
                                                  int& n_min, int& n_max) {
-  if (Tile::kKeyRows && a.kpos.ptr != nullptr)
+  if (Tile::kKeyRows && a.kpos.ptr != nullptr) {
     KeyPositionRow(a, b, h).key_block_range(m0, Tile::kBlockM, Tile::kBlockN, n_min, n_max);
-  else
-    seq.window().key_block_range(m0, Tile::kBlockM, Tile::kBlockN, n_min, n_max);
+    return;
+  }
+  seq.window().key_block_range(m0, Tile::kBlockM, Tile::kBlockN, n_min, n_max);
+  if (Tile::kKeyRows && a.mask.ptr != nullptr) {  // (a query-broadcast mask: fwd_ws_supports)
+    const KeyRowSources src = key_row_sources(a, b, h, seq.k0());
+    key_mask_block_range<Tile::kBlockN>(src.mask, src.mask_step, seq.len_k(), n_min, n_max);
+  }
 }
 
 // The state of a pipeline of kStages stages after `count` steps, for its consumers or (producer:

@@ -2,9 +2,11 @@
 // TMA loads as tiles, and a (kTileRows, 128) tile of a boolean mask (one byte an element,
 // nonzero: the key is kept), which TMA writes in the 8-bit 128-byte swizzle
 // (GMMA::Layout_K_SW128_Atom<uint8_t>: 16-byte chunk c of row r at c ^ (r % 8)), applied to one
-// warpgroup's scores in the accumulator layout.
+// warpgroup's scores in the accumulator layout. And for a query-broadcast mask (key rows), the
+// key-block range between its first and last true key (key_mask_block_range).
 #pragma once
 
+#include <climits>
 #include <cmath>
 #include <cstdint>
 
@@ -64,6 +66,65 @@ __device__ __forceinline__ void apply_mask_sw128(S& s, C const& coord, const uin
       if ((w & 0xff00u) == 0) s(r, 2 * j + 1) = -INFINITY;
     }
   }
+}
+
+// The first and last set byte of a 16-byte chunk holding keys j0 .. j0 + 15 (INT_MAX / -1
+// without one): bit 7 of each byte of `nz` tells whether the byte is nonzero.
+__device__ __forceinline__ void set_bytes_range(const uint4& v, int j0, int& first, int& last) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  CUTE_UNROLL
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t nz = (((w[i] & 0x7f7f7f7fu) + 0x7f7f7f7fu) | w[i]) & 0x80808080u;
+    if (nz != 0) {
+      first = min(first, j0 + i * 4 + (__ffs(nz) - 1) / 8);
+      last = max(last, j0 + i * 4 + (31 - __clz(nz)) / 8);
+    }
+  }
+}
+
+// The key blocks of [n_min, n_max) between the first and the last true key of a
+// query-broadcast mask's row (`row`, `step` bytes between keys, `count` keys): the blocks of a
+// padded batch's padding are never loaded; an empty range where no key of it is true.
+// Warp-cooperative (every lane calls it; all find the same range): each round tests 512 keys
+// from each end, 16 a lane (one 16-byte load where the row allows).
+template <int kBlockN>
+__device__ __forceinline__ void key_mask_block_range(const uint8_t* row, int64_t step, int count, int& n_min,
+                                                     int& n_max) {
+  const int lane = threadIdx.x & 31;
+  const int lo = n_min * kBlockN, hi = min(count, n_max * kBlockN);
+  if (hi <= lo) return;
+  const bool vec = step == 1 && reinterpret_cast<uintptr_t>(row) % 16 == 0;
+  // (keys j0 .. j0 + 15 of [lo, hi))
+  auto scan_chunk = [&](int j0, int& first, int& last) {
+    if (vec && j0 >= lo && j0 + 16 <= hi) {
+      set_bytes_range(__ldg(reinterpret_cast<const uint4*>(row + j0)), j0, first, last);
+      return;
+    }
+    for (int c = 0; c < 16; ++c) {
+      const int j = j0 + c;
+      if (j >= lo && j < hi && __ldg(row + int64_t(j) * step) != 0) {
+        first = min(first, j);
+        last = max(last, j);
+      }
+    }
+  };
+  const int top = lo + (hi - lo + 15) / 16 * 16;  // (the backward chunks end on the forward ones' grid)
+  int first = INT_MAX, last = -1;
+  for (int r = 0;; ++r) {
+    int f = INT_MAX, l = -1;
+    const int fwd = lo + (r * 32 + lane) * 16, bwd = top - (r * 32 + lane + 1) * 16;
+    if (first == INT_MAX && fwd < hi) scan_chunk(fwd, f, l);
+    if (last < 0 && bwd + 16 > lo) scan_chunk(bwd, f, l);
+    first = min(first, __reduce_min_sync(0xffffffffu, f));
+    last = max(last, __reduce_max_sync(0xffffffffu, l));
+    if ((first != INT_MAX && last >= 0) || lo + (r + 1) * 512 >= hi) break;
+  }
+  if (first == INT_MAX) {
+    n_max = n_min;
+    return;
+  }
+  n_min = first / kBlockN;
+  n_max = last / kBlockN + 1;
 }
 
 }  // namespace dmattn::cuda::sm90
