@@ -148,6 +148,7 @@ def test_full_bias_with_key_mask_forward(dtype, case, nan_poison):
     (3, 1000, 1000, 4, 64, "key", True, (-1, -1), "contiguous"),
     (3, 200, 776, 2, 256, "full", False, (96, 64), "strided"),
     (3, 129, 1500, 2, 96, None, False, (-1, -1), "strided"),
+    (3, 64, 3000, 2, 64, "key", False, (-1, -1), "contiguous"),
 ], ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}_d{c[4]}_bias{c[5]}{'_causal' if c[6] else ''}_w{c[7][0]}_{c[8]}")
 def test_key_mask_padding_forward(case, nan_poison):
     """Key masks (B, H, 1, Sk) of padded batches: false before a first and after a last key

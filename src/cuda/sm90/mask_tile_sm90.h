@@ -111,10 +111,12 @@ __device__ __forceinline__ void key_mask_block_range(const uint8_t* row, int64_t
   const int top = lo + (hi - lo + 15) / 16 * 16;  // (the backward chunks end on the forward ones' grid)
   int first = INT_MAX, last = -1;
   for (int r = 0;; ++r) {
-    int f = INT_MAX, l = -1;
+    // (the forward chunks give only the first key, the backward ones only the last: a forward
+    // chunk's last true key need not be the row's)
+    int f = INT_MAX, l = -1, f_unused = INT_MAX, l_unused = -1;
     const int fwd = lo + (r * 32 + lane) * 16, bwd = top - (r * 32 + lane + 1) * 16;
-    if (first == INT_MAX && fwd < hi) scan_chunk(fwd, f, l);
-    if (last < 0 && bwd + 16 > lo) scan_chunk(bwd, f, l);
+    if (first == INT_MAX && fwd < hi) scan_chunk(fwd, f, l_unused);
+    if (last < 0 && bwd + 16 > lo) scan_chunk(bwd, f_unused, l);
     first = min(first, __reduce_min_sync(0xffffffffu, f));
     last = max(last, __reduce_max_sync(0xffffffffu, l));
     if ((first != INT_MAX && last >= 0) || lo + (r + 1) * 512 >= hi) break;
