@@ -87,6 +87,10 @@ def main():
 
     if args.flex:  # (one compiled FlexAttention for every row that times it)
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        # Each row's score_mod / mask_mod and shape compiles a variant of its own: past dynamo's
+        # default limit of 8 the later rows would run FlexAttention uncompiled (scores
+        # materialized, ~100x slower).
+        torch._dynamo.config.recompile_limit = 64
         flex = torch.compile(flex_attention, dynamic=False)
 
     def flex_bias(tensors, bias, causal):
