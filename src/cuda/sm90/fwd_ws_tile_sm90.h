@@ -187,7 +187,9 @@ struct FwdWsTile {
 // stages fit beside Q, K and V (those of 80 take the whole shared memory), and the gather warps
 // take whole groups of 32 rows. With a bias or key rows at 64, two consumers (three spilled at
 // 160 registers). The full bias at 128: 48 / 224 (at 40 the producer's TMA issue of K and the
-// bias tile spilled a register), and the full mask the same (its producer issues the same loads).
+// bias tile spilled a register), and the full mask the same (its producer issues the same loads);
+// the key rows at 128 too (the scheduler warp's scan of a key mask for its first and last true
+// key, mask_tile_sm90.h, spilled a producer register at 40).
 template <typename Element, int kHeadDim, FwdWsScores kScores> struct FwdWsConfig;
 template <typename Element> struct FwdWsConfig<Element, 64, FwdWsScores::kPlain> {
   using Tile = FwdWsTile<Element, 64, 192, 128, 2, FwdWsScores::kPlain, 32, 160>;
@@ -203,6 +205,9 @@ template <typename Element> struct FwdWsConfig<Element, 128, FwdWsScores::kFullB
 };
 template <typename Element> struct FwdWsConfig<Element, 128, FwdWsScores::kFullMask> {
   using Tile = FwdWsTile<Element, 128, 128, 128, 2, FwdWsScores::kFullMask, 48, 224>;
+};
+template <typename Element> struct FwdWsConfig<Element, 128, FwdWsScores::kKeyRows> {
+  using Tile = FwdWsTile<Element, 128, 128, 128, 2, FwdWsScores::kKeyRows, 48, 224>;
 };
 template <typename Element> struct FwdWsConfig<Element, 128, FwdWsScores::kFullBiasKeyRows> {
   using Tile = FwdWsTile<Element, 128, 128, 128, 2, FwdWsScores::kFullBiasKeyRows, 48, 224>;
