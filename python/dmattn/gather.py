@@ -135,12 +135,18 @@ def _same_device(q: Tensor, *others: Optional[Tensor]) -> bool:
     return all(t is None or (isinstance(t, Tensor) and t.device == q.device) for t in others)
 
 
+def _capturing(q: Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of q's device."""
+    return q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def mask_key_set(q: Tensor, k: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
                  deterministic: bool) -> Optional[KeySet]:
     """dmattn.attention's choice: the key set of ``mask`` when the gather path applies and
     pays off, else None (dense path). Deciding needs the largest kept count, i.e. one host
-    synchronization, and is skipped under torch.compile (always dense there)."""
-    if _forced == "dense" or mask is None or torch.compiler.is_compiling():
+    synchronization, and is skipped under torch.compile and while a CUDA graph is captured
+    (always dense there: a synchronization would break the capture)."""
+    if _forced == "dense" or mask is None or torch.compiler.is_compiling() or _capturing(q):
         return None
     if mask.dtype != torch.bool or not _same_device(q, mask, bias) or not _gather_allowed(q, k, deterministic):
         return None

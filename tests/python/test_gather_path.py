@@ -457,3 +457,41 @@ def test_attention_topk_cuda_graph(per_query):
         with torch.no_grad():
             want = call(fresh)
         torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_attention_key_mask_cuda_graph():
+    """dmattn.attention with a sparse key mask (eagerly: the gather path, whose choice
+    synchronizes with the host) captured in a CUDA graph: the capture takes the dense path, and
+    replays on new inputs copied into the captured tensors give what eager dense calls give."""
+    g = torch.Generator().manual_seed(6)
+
+    def draw():
+        q, k, v = (torch.randn(2, 700, 4, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(3))
+        mask = (torch.rand(2, 4, 1, 700, generator=g) < 0.2).to("cuda")
+        return q, k, v, mask, torch.randn(2, 4, 1, 700, generator=g).to("cuda", torch.bfloat16)
+
+    captured = draw()
+    assert gather.mask_key_set(*captured[:2], captured[3], captured[4], False) is not None  # eagerly
+
+    def call(x):
+        return dmattn.attention(*x[:3], mask=x[3], bias=x[4], causal=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(2):
+            call(captured)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = call(captured)
+    for _ in range(2):
+        fresh = draw()
+        for dst, src in zip(captured, fresh):
+            dst.copy_(src)
+        graph.replay()
+        with torch.no_grad(), gather.force_path("dense"):
+            want = call(fresh)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
