@@ -27,7 +27,8 @@ from typing import Iterator, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .masks import bias_over_keys, cached_index_tensor, dynamic_mask, selection_key, selection_shape
+from .masks import (bias_over_keys, cached_index_tensor, dynamic_mask, host_reads_allowed, selection_key,
+                    selection_shape)
 from .ops import (_GLUE_DTYPES, _call_op, attention_backward, attention_forward, forward_with_grad, gather_key_rows,
                   native_glue_available, records_no_gradient, scatter_key_rows, select_topk_positions,
                   supports_key_positions)
@@ -135,18 +136,13 @@ def _same_device(q: Tensor, *others: Optional[Tensor]) -> bool:
     return all(t is None or (isinstance(t, Tensor) and t.device == q.device) for t in others)
 
 
-def _capturing(q: Tensor) -> bool:
-    """Whether a CUDA graph is being captured on the current stream of q's device."""
-    return q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def mask_key_set(q: Tensor, k: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
                  deterministic: bool) -> Optional[KeySet]:
     """dmattn.attention's choice: the key set of ``mask`` when the gather path applies and
     pays off, else None (dense path). Deciding needs the largest kept count, i.e. one host
     synchronization, and is skipped under torch.compile and while a CUDA graph is captured
     (always dense there: a synchronization would break the capture)."""
-    if _forced == "dense" or mask is None or torch.compiler.is_compiling() or _capturing(q):
+    if _forced == "dense" or mask is None or not host_reads_allowed(q):
         return None
     if mask.dtype != torch.bool or not _same_device(q, mask, bias) or not _gather_allowed(q, k, deterministic):
         return None

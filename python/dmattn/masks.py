@@ -93,6 +93,15 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def host_reads_allowed(t: Tensor) -> bool:
+    """Whether a value of t may be read on the host now (a synchronization on CUDA): not while
+    torch.compile traces (a graph break) nor while a CUDA graph is captured (an error that ends
+    the capture). Callers that would read one take a path without it instead."""
+    if torch.compiler.is_compiling():
+        return False
+    return t.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+
+
 _index_tensors: dict = {}
 _INDEX_TENSORS_MAX = 64
 

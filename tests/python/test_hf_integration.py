@@ -336,6 +336,26 @@ def test_masks_trace_without_graph_breaks(mask_kind):
     torch.testing.assert_close(compiled[real], call(q, k, v, mask)[real], atol=1e-5, rtol=1e-5)
 
 
+def test_padding_2d_without_host_reads_stays_dense(monkeypatch):
+    """Where the host may not read a tensor (a CUDA graph being captured; torch.compile: the test
+    above) a 2D padding mask runs the dense key-mask path, not the packed one, and gives the
+    same real rows."""
+    q, k, v = _hf_qkv(B, H, HKV, SQ, SQ, D, torch.float32, "cpu")
+    module = TinyAttention(H, HKV)
+    mask = torch.ones(B, SQ, dtype=torch.long)
+    mask[1, :2] = 0
+    real = mask.bool()
+    packed = hf_dmattn.attention_forward(module, q, k, v, mask, scaling=0.3)[0]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("packed although the host may not read the lengths")
+
+    monkeypatch.setattr(hf_dmattn, "host_reads_allowed", lambda t: False)
+    monkeypatch.setattr(hf_dmattn, "padded_attention", refuse)
+    dense = hf_dmattn.attention_forward(module, q, k, v, mask, scaling=0.3)[0]
+    torch.testing.assert_close(dense[real], packed[real], atol=1e-5, rtol=1e-5)
+
+
 def test_unsupported_kwargs(device):
     q, k, v = _hf_qkv(B, H, HKV, SQ, SQ, D, _dtype(device), device)
     module = TinyAttention(H, HKV, dtype=_dtype(device)).to(device)

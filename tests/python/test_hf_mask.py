@@ -61,6 +61,17 @@ def test_compact_form_means_sdpa_mask(q_length, past, padded):
     assert torch.equal(_dense(got, q_length, kv_length), _sdpa(q_length, kv_length, past, attention_mask))
 
 
+def test_no_padding_read_without_host_reads(monkeypatch):
+    """Telling "no padding" apart reads the mask on the host; where that is not allowed (a CUDA
+    graph being captured, torch.compile) the 2D mask is returned as it is, which means the same."""
+    import dmattn.integrations.hf_mask as hf_mask
+    no_padding = torch.ones(B, 7, dtype=torch.bool)
+    assert compact_causal_mask(B, 7, 7, attention_mask=no_padding) is None
+    monkeypatch.setattr(hf_mask, "host_reads_allowed", lambda t: False)
+    got = compact_causal_mask(B, 7, 7, attention_mask=no_padding)
+    assert torch.equal(got, no_padding)
+
+
 def test_padding_mask_longer_than_keys_and_all_ones():
     longer = torch.ones(B, 9, dtype=torch.long)
     assert compact_causal_mask(B, 6, 6, attention_mask=longer) is None  # no padding among the keys

@@ -20,8 +20,8 @@ model, whose attention the Doge hook (doge.py) runs from the compact form. Anyth
 to transformers' ``sdpa_mask`` with the same arguments.
 
 Telling "no padding" from padding reads the mask: one host synchronization per model call (as
-sdpa's and FlashAttention's mask functions do); under torch.compile it is skipped and the 2D
-mask is returned.
+sdpa's and FlashAttention's mask functions do); under torch.compile and while a CUDA graph is
+captured it is skipped and the 2D mask is returned.
 
 Imported by register() only: it imports transformers.
 """
@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
+from ..masks import host_reads_allowed
 from . import doge
 
 __all__ = ["compact_causal_mask"]
@@ -72,6 +73,6 @@ def compact_causal_mask(batch_size: int, q_length: int, kv_length: int, q_offset
         return torch.ones(batch_size, kv_length, dtype=torch.bool, device=device)
     keys = attention_mask[:, :kv_length]
     keys = keys if keys.dtype == torch.bool else keys != 0
-    if aligned and not torch.compiler.is_compiling() and bool(keys.all()):
+    if aligned and host_reads_allowed(keys) and bool(keys.all()):
         return None
     return keys

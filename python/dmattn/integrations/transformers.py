@@ -42,7 +42,7 @@ from torch import Tensor
 
 from ..decode import decode_step
 from ..interface import attention
-from ..masks import bias_over_keys, dynamic_mask
+from ..masks import bias_over_keys, dynamic_mask, host_reads_allowed
 from .padding import key_side_bias, padded_attention
 
 __all__ = ["register", "attention_forward"]
@@ -228,11 +228,12 @@ def attention_forward(
     bias = _bias_for(bias, q.dtype)
     padding_2d = attention_mask is not None and attention_mask.dim() == 2
     # Packing needs the real lengths on the host (two synchronizations), which torch.compile
-    # cannot trace without a graph break: compiled, the key mask runs on the dense path instead
-    # (same real rows; padded query rows then hold whatever their causal keys give).
+    # cannot trace without a graph break and a CUDA graph's capture does not allow: there the key
+    # mask runs on the dense path instead (same real rows; padded query rows then hold whatever
+    # their causal keys give).
     # A decode step (one query per row) stays dense with the key mask: the one query of every row
     # is real and no lengths are read on the host.
-    packs = padding_2d and not selects and not torch.compiler.is_compiling() and num_queries > 1
+    packs = padding_2d and not selects and num_queries > 1 and host_reads_allowed(q)
     if packs and (bias is None or key_side_bias(bias, q.shape[0], num_keys) is not None):
         # Only the real tokens are computed (FlashAttention's unpad / pad).
         out = padded_attention(q, k, v, mask[:, 0, 0, :], bias, causal=causal, scale=scaling, softcap=softcap)
