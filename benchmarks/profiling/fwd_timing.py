@@ -93,13 +93,19 @@ def main():
         torch._dynamo.config.recompile_limit = 64
         flex = torch.compile(flex_attention, dynamic=False)
 
-    def flex_bias(tensors, bias, causal):
-        """FlexAttention with `bias` as its score_mod, causal by a block mask built here, outside
-        the timed call."""
+    def flex_bias(tensors, bias, causal, key_mask=None):
+        """FlexAttention with `bias` as its score_mod; causal and / or a key mask (B,1,1,S) by a
+        block mask built here, outside the timed call."""
         def bias_mod(score, b, h, qi, ki):
             return score + bias[b, h, qi, ki]
 
-        bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, B, bias.shape[1], S, S, device=dev) if causal else None
+        if key_mask is not None:
+            def key_mm(b, h, qi, ki):
+                return key_mask[b, 0, 0, ki] & (qi >= ki) if causal else key_mask[b, 0, 0, ki]
+
+            bm = create_block_mask(key_mm, B, 1, S, S, device=dev)
+        else:
+            bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, B, bias.shape[1], S, S, device=dev) if causal else None
         return lambda: flex(*tensors, score_mod=bias_mod, block_mask=bm)
 
     # A packed batch of 4 sequences of S/2 against the dense batch of the same shape.
@@ -206,20 +212,9 @@ def main():
         add("flex full mask causal", lambda: flex(qt, kt, vt, block_mask=bm_full_causal), True)
         add("flex dense bias", flex_bias((qt, kt, vt), dense_bias, False), False)
         add("flex dense bias causal", flex_bias((qt, kt, vt), dense_bias, True), True)
-
-        def bias_mod(score, b, h, qi, ki):
-            return score + dense_bias[b, h, qi, ki]
-
-        def padding_mm(b, h, qi, ki):
-            return key_padding[b, 0, 0, ki]
-
-        def padding_causal_mm(b, h, qi, ki):
-            return key_padding[b, 0, 0, ki] & (qi >= ki)
-
-        for causal, mm in ((False, padding_mm), (True, padding_causal_mm)):
-            bm = create_block_mask(mm, B, 1, S, S, device=dev)
+        for causal in (False, True):
             add(f"flex dense bias + key padding{' causal' if causal else ''}",
-                lambda bm=bm: flex(qt, kt, vt, score_mod=bias_mod, block_mask=bm), causal)
+                flex_bias((qt, kt, vt), dense_bias, causal, key_padding), causal)
         add("flex Doge causal", lambda: flex(qt, kt, vt, score_mod=key_mod, block_mask=bm_doge), True,
             flop=4 * D * causal_pairs(idx))
 

@@ -16,6 +16,7 @@
 Every test with the ``device`` fixture also runs on CUDA (gpu marker) when a GPU is visible.
 """
 
+import contextlib
 import math
 
 import pytest
@@ -422,24 +423,11 @@ def test_compile_topk_gather_fullgraph(dtype, with_mask):
     assert math.isfinite(float(loss_c.detach()))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("per_query", [False, True])
-def test_attention_topk_cuda_graph(per_query):
-    """attention_topk, selection included, captured in a CUDA graph (no host synchronization, no
-    state kept on the host): replays on new inputs copied into the captured tensors give what
-    eager calls on those inputs give."""
-    g = torch.Generator().manual_seed(5)
-
-    def draw():
-        q, k, v = (torch.randn(2, 1000, 4, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(3))
-        return q, k, v, torch.randn(2, 4, 1, 1000, generator=g).to("cuda", torch.bfloat16)
-
+def _assert_graph_replays_match(draw, call, eager=contextlib.nullcontext):
+    """call(draw()) captured in a CUDA graph (after two warm-up calls on a side stream): replays on
+    new inputs copied into the captured tensors give exactly what eager calls on those inputs give
+    (made inside eager(), a context manager)."""
     captured = draw()
-
-    def call(x):
-        return dmattn.attention_topk(*x[:3], x[3], 300, causal=True, per_query=per_query)
-
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), torch.no_grad():
@@ -454,9 +442,26 @@ def test_attention_topk_cuda_graph(per_query):
         for dst, src in zip(captured, fresh):
             dst.copy_(src)
         graph.replay()
-        with torch.no_grad():
+        with torch.no_grad(), eager():
             want = call(fresh)
         torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("per_query", [False, True])
+def test_attention_topk_cuda_graph(per_query):
+    """attention_topk, selection included, captured in a CUDA graph (no host synchronization, no
+    state kept on the host): replays on new inputs copied into the captured tensors give what
+    eager calls on those inputs give."""
+    g = torch.Generator().manual_seed(5)
+
+    def draw():
+        q, k, v = (torch.randn(2, 1000, 4, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(3))
+        return q, k, v, torch.randn(2, 4, 1, 1000, generator=g).to("cuda", torch.bfloat16)
+
+    _assert_graph_replays_match(
+        draw, lambda x: dmattn.attention_topk(*x[:3], x[3], 300, causal=True, per_query=per_query))
 
 
 @pytest.mark.gpu
@@ -472,26 +477,7 @@ def test_attention_key_mask_cuda_graph():
         mask = (torch.rand(2, 4, 1, 700, generator=g) < 0.2).to("cuda")
         return q, k, v, mask, torch.randn(2, 4, 1, 700, generator=g).to("cuda", torch.bfloat16)
 
-    captured = draw()
-    assert gather.mask_key_set(*captured[:2], captured[3], captured[4], False) is not None  # eagerly
-
-    def call(x):
-        return dmattn.attention(*x[:3], mask=x[3], bias=x[4], causal=True)
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.no_grad():
-        for _ in range(2):
-            call(captured)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph):
-        out = call(captured)
-    for _ in range(2):
-        fresh = draw()
-        for dst, src in zip(captured, fresh):
-            dst.copy_(src)
-        graph.replay()
-        with torch.no_grad(), gather.force_path("dense"):
-            want = call(fresh)
-        torch.testing.assert_close(out, want, rtol=0, atol=0)
+    first = draw()  # (the choice, eagerly: the gather path)
+    assert gather.mask_key_set(*first[:2], first[3], first[4], False) is not None
+    _assert_graph_replays_match(draw, lambda x: dmattn.attention(*x[:3], mask=x[3], bias=x[4], causal=True),
+                                eager=lambda: gather.force_path("dense"))
