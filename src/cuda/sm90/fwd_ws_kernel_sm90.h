@@ -539,15 +539,17 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       // The bias and the window / tail test of block n, then the softmax; alpha: O's rescale
       // factors.
       auto scores_to_probs = [&](int n, float (&alpha)[kRows]) {
-        if constexpr (Tile::kBias) {
-          float scale = a.scale;
-          if constexpr (Tile::kKeyRows) {  // softcap before the bias: s = softcap * tanh(scale * qk / softcap) + bias
-            if (a.softcap != 0.f) {
-              CUTE_UNROLL
-              for (int i = 0; i < size(s_rc); ++i) s_rc(i) = a.softcap * tanhf(s_rc(i) * a.scale_div_softcap);
-              scale = 1.f;
-            }
+        // Softcap (key-row policies) before any bias: s = softcap * tanh(scale * qk / softcap) +
+        // bias, the bias then added to scores scaled already.
+        float scale = a.scale;
+        if constexpr (Tile::kKeyRows) {
+          if (a.softcap != 0.f) {
+            CUTE_UNROLL
+            for (int i = 0; i < size(s_rc); ++i) s_rc(i) = a.softcap * tanhf(s_rc(i) * a.scale_div_softcap);
+            scale = 1.f;
           }
+        }
+        if constexpr (Tile::kBias) {
           pipe_bias.consumer_wait(read_b);
           add_bias_sw128<Element, kBlockM>(s_rc, tScS_rc, ss.score_tiles.data() + read_b.index() * (kBlockM * kBlockN),
                                            scale);
@@ -567,15 +569,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         if constexpr (Tile::kKeyRows) {
           pipe_key_rows.consumer_wait(read_r);
           const auto& st = ss.key_rows[read_r.index()];
-          if constexpr (!Tile::kBias) {  // (beside bias tiles: the score is final, the rows carry no bias)
-            if (a.softcap != 0.f) {  // s = softcap * tanh(scale * qk / softcap) + bias
-              CUTE_UNROLL
-              for (int i = 0; i < size(s_rc); ++i) s_rc(i) = a.softcap * tanhf(s_rc(i) * a.scale_div_softcap);
-              add_key_bias(s_rc, tScS_rc, st.bias, 1.f);
-            } else {
-              add_key_bias(s_rc, tScS_rc, st.bias, a.scale);
-            }
-          }
+          // (beside bias tiles: the score is final, the rows carry no bias)
+          if constexpr (!Tile::kBias) add_key_bias(s_rc, tScS_rc, st.bias, scale);
           // The test on positions: gathered keys' window on original positions, else the plain
           // window (positions are indices); query bounds (key ends, a mask) on every block.
           const PositionTest pt{st.pos, a.kpos.ptr != nullptr ? position_window(a) : win, Tile::kKeyRowEndDelta};
