@@ -50,9 +50,6 @@ inline constexpr int fwd_instantiated_head_dim(int d) {
 
 // The general kernel (mask / bias / softcap) holds more per score element (bias and mask reads,
 // the softcap's tanh); its own knobs keep it free of register spills.
-#ifndef DMATTN_FWD_GEN_WARPS_HD64
-#define DMATTN_FWD_GEN_WARPS_HD64 8
-#endif
 #ifndef DMATTN_FWD_GEN_WARPS_HD128
 #define DMATTN_FWD_GEN_WARPS_HD128 8
 #endif
@@ -97,7 +94,7 @@ struct FwdTile {
                           : (kHeadDim <= 64 ? DMATTN_FWD_BLOCKN_HD64
                              : kHeadDim <= 128 ? DMATTN_FWD_BLOCKN_HD128 : DMATTN_FWD_BLOCKN_HD256);
   static constexpr int kNWarps =
-      kHeadDim <= 64 ? (kKind == kFwdGeneral ? DMATTN_FWD_GEN_WARPS_HD64 : DMATTN_FWD_WARPS_HD64)
+      kHeadDim <= 64 ? DMATTN_FWD_WARPS_HD64
       : kHeadDim <= 128 ? (kKind == kFwdGeneral ? DMATTN_FWD_GEN_WARPS_HD128
                            : kKind == kFwdInit ? DMATTN_FWD_INIT_WARPS_HD128 : DMATTN_FWD_WARPS_HD128)
                         : DMATTN_FWD_WARPS_HD256;
