@@ -93,13 +93,16 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _graph_being_built(cuda: bool) -> bool:
+    """Whether torch.compile traces, or (cuda) a CUDA graph is captured on the current stream."""
+    return torch.compiler.is_compiling() or (cuda and torch.cuda.is_current_stream_capturing())
+
+
 def host_reads_allowed(t: Tensor) -> bool:
     """Whether a value of t may be read on the host now (a synchronization on CUDA): not while
     torch.compile traces (a graph break) nor while a CUDA graph is captured (an error that ends
     the capture). Callers that would read one take a path without it instead."""
-    if torch.compiler.is_compiling():
-        return False
-    return t.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+    return not _graph_being_built(t.device.type == "cuda")
 
 
 _index_tensors: dict = {}
@@ -111,7 +114,7 @@ def cached_index_tensor(key: tuple, make: Callable[[], Tensor]) -> Tensor:
     the gather path's row offsets), kept for the next call with the same key: one kernel launch
     less each time (host time). Read-only by contract. Not cached under torch.compile or while a
     CUDA graph is captured (the tensor would belong to the graph's memory pool)."""
-    if torch.compiler.is_compiling() or (_cuda_available() and torch.cuda.is_current_stream_capturing()):
+    if _graph_being_built(_cuda_available()):
         return make()
     t = _index_tensors.get(key)
     if t is None:

@@ -186,10 +186,9 @@ struct FwdWsTile {
 // issue, fwd_ws_kernel_sm90.h). At 256 with a bias or key rows, a key block of 64: the bias
 // stages fit beside Q, K and V (those of 80 take the whole shared memory), and the gather warps
 // take whole groups of 32 rows. With a bias or key rows at 64, two consumers (three spilled at
-// 160 registers). The full bias at 128: 48 / 224 (at 40 the producer's TMA issue of K and the
-// bias tile spilled a register), and the full mask the same (its producer issues the same loads);
-// the key rows at 128 too (the scheduler warp's scan of a key mask for its first and last true
-// key, mask_tile_sm90.h, spilled a producer register at 40).
+// 160 registers). At 128 every policy but plain scores: 48 / 224 (at 40 the producer's TMA issue
+// of K and the bias or mask tile spilled a register, and for key rows the scheduler warp's scan
+// of a key mask for its first and last true key, mask_tile_sm90.h).
 template <typename Element, int kHeadDim, FwdWsScores kScores> struct FwdWsConfig;
 template <typename Element> struct FwdWsConfig<Element, 64, FwdWsScores::kPlain> {
   using Tile = FwdWsTile<Element, 64, 192, 128, 2, FwdWsScores::kPlain, 32, 160>;
@@ -198,19 +197,8 @@ template <typename Element, FwdWsScores kScores> struct FwdWsConfig<Element, 64,
   using Tile = FwdWsTile<Element, 64, 128, 128, 2, kScores, 40, 232>;
 };
 template <typename Element, FwdWsScores kScores> struct FwdWsConfig<Element, 128, kScores> {
-  using Tile = FwdWsTile<Element, 128, 128, 128, 2, kScores, 40, 232>;
-};
-template <typename Element> struct FwdWsConfig<Element, 128, FwdWsScores::kFullBias> {
-  using Tile = FwdWsTile<Element, 128, 128, 128, 2, FwdWsScores::kFullBias, 48, 224>;
-};
-template <typename Element> struct FwdWsConfig<Element, 128, FwdWsScores::kFullMask> {
-  using Tile = FwdWsTile<Element, 128, 128, 128, 2, FwdWsScores::kFullMask, 48, 224>;
-};
-template <typename Element> struct FwdWsConfig<Element, 128, FwdWsScores::kKeyRows> {
-  using Tile = FwdWsTile<Element, 128, 128, 128, 2, FwdWsScores::kKeyRows, 48, 224>;
-};
-template <typename Element> struct FwdWsConfig<Element, 128, FwdWsScores::kFullBiasKeyRows> {
-  using Tile = FwdWsTile<Element, 128, 128, 128, 2, FwdWsScores::kFullBiasKeyRows, 48, 224>;
+  static constexpr bool kPlain = kScores == FwdWsScores::kPlain;
+  using Tile = FwdWsTile<Element, 128, 128, 128, 2, kScores, kPlain ? 40 : 48, kPlain ? 232 : 224>;
 };
 template <typename Element, FwdWsScores kScores> struct FwdWsConfig<Element, 256, kScores> {
   using Tile = FwdWsTile<Element, 256, 128, 64, 2, kScores, 40, 232>;
