@@ -129,8 +129,9 @@ __device__ __forceinline__ void init_scores(S& s, C const& coord, const char* s_
   }
 }
 
-template <class Tile, bool kMaskBias, bool kInit = false>
-__global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_constant__ FwdArgs a) {
+// One CTA of the forward (fwd_kernel's body).
+template <class Tile, bool kMaskBias, bool kInit>
+__device__ __forceinline__ void fwd_block(const FwdArgs& a) {
   static_assert(!kInit || kMaskBias);
   using namespace cute;
   using Element = typename Tile::Element;
@@ -392,6 +393,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_co
   Element* gO = static_cast<Element*>(a.out) + int64_t(b) * a.o_bs + int64_t(seq.q0() + m0) * a.o_rs + int64_t(h) * a.o_hs;
   float* g_lse = a.lse + seq.stat_offset(h) + m0;
   fwd_epilogue<Tile>(acc_o, sQ, thr_mma, lse, rows, gO, a.o_rs, g_lse, seq.rows_valid(m0, kBlockM), a.head_dim, tid);
+}
+
+// The kernel, with a body only in the device code its tile's configuration is for
+// (fwd_tile_compiled_here: the kHopper tiles in the sm_90a code, the others elsewhere).
+template <class Tile, bool kMaskBias, bool kInit = false>
+__global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_constant__ FwdArgs a) {
+  if constexpr (fwd_tile_compiled_here<Tile>()) fwd_block<Tile, kMaskBias, kInit>(a);
 }
 
 }  // namespace dmattn::cuda

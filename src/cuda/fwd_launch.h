@@ -17,6 +17,7 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream);
 
 #ifdef DMATTN_FWD_LAUNCH_IMPL
 #include <algorithm>
+#include <type_traits>
 #include <cstdlib>
 
 #include "cuda/fwd_kernel.h"
@@ -176,15 +177,25 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream) {
       return;
     }
   }
+  // The sm80-class kernels in the configuration of the device's code (FwdTile's kHopper).
+  const bool hopper = sm90::device_runs_sm90_kernels();
+  auto launch = [&](auto kind, auto mask_bias, auto init) {
+    constexpr int kKind = decltype(kind)::value;
+    constexpr bool kMaskBias = decltype(mask_bias)::value, kInit = decltype(init)::value;
+    if (hopper) launch_fwd<FwdTile<Element, kHeadDim, kKind, true>, kMaskBias, kInit>(a, stream);
+    else launch_fwd<FwdTile<Element, kHeadDim, kKind, false>, kMaskBias, kInit>(a, stream);
+  };
+  using T = std::true_type;
+  using F = std::false_type;
 #if DMATTN_FWD_INIT_KERNEL  // (not instantiated at all when off: compile time)
   if (mask_or_bias && a.softcap == 0.f && !a.kpos.ptr)  // no key positions in the init kernel
-    launch_fwd<FwdTile<Element, kHeadDim, kFwdInit>, true, true>(a, stream);
+    launch(std::integral_constant<int, kFwdInit>{}, T{}, T{});
   else
 #endif
   if (mask_or_bias || a.softcap != 0.f)
-    launch_fwd<FwdTile<Element, kHeadDim, kFwdGeneral>, true, false>(a, stream);
+    launch(std::integral_constant<int, kFwdGeneral>{}, T{}, F{});
   else
-    launch_fwd<FwdTile<Element, kHeadDim, kFwdPlain>, false, false>(a, stream);
+    launch(std::integral_constant<int, kFwdPlain>{}, F{}, F{});
 }
 
 }  // namespace dmattn::cuda

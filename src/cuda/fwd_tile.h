@@ -81,9 +81,16 @@ inline constexpr int fwd_instantiated_head_dim(int d) {
 // general kernel (softcap, with or without mask / bias).
 enum FwdKind : int { kFwdPlain = 0, kFwdInit = 1, kFwdGeneral = 2 };
 
-template <typename Element_, int kHeadDim_, int kKind = kFwdPlain>
+// kHopper: the configuration compiled for sm_90a, where these kernels are the fallback at head
+// dims up to 128 (the Hopper kernels serve those: fwd_launch.h). ptxas for sm_90a needs more
+// registers than for sm_80 on the same source: 4 warps x 32 rows spilled there (plain 60 / 20
+// bytes at head dims 64 / 128, the general kernel 1044 at 64), so the sm_90a code runs 8 warps
+// x 16 rows at every head dim. Each configuration has a body only in its own code
+// (fwd_tile_compiled_here); the launcher picks by the device (fwd_launch.h).
+template <typename Element_, int kHeadDim_, int kKind = kFwdPlain, bool kHopper_ = false>
 struct FwdTile {
   using Element = Element_;
+  static constexpr bool kHopper = kHopper_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN =
@@ -94,7 +101,8 @@ struct FwdTile {
                           : (kHeadDim <= 64 ? DMATTN_FWD_BLOCKN_HD64
                              : kHeadDim <= 128 ? DMATTN_FWD_BLOCKN_HD128 : DMATTN_FWD_BLOCKN_HD256);
   static constexpr int kNWarps =
-      kHeadDim <= 64 ? DMATTN_FWD_WARPS_HD64
+      kHopper ? 8
+      : kHeadDim <= 64 ? DMATTN_FWD_WARPS_HD64
       : kHeadDim <= 128 ? (kKind == kFwdGeneral ? DMATTN_FWD_GEN_WARPS_HD128
                            : kKind == kFwdInit ? DMATTN_FWD_INIT_WARPS_HD128 : DMATTN_FWD_WARPS_HD128)
                         : DMATTN_FWD_WARPS_HD256;
@@ -143,5 +151,23 @@ struct FwdTile {
     return mask_or_bias ? kOffMask + kMaskBytes : kOffBias;
   }
 };
+
+// Whether this compilation pass holds Tile's kernel body: the kHopper configuration in the sm_90a
+// code of a build with it (the launcher then picks it on compute capability 9.0:
+// sm90::device_runs_sm90_kernels), the other one in every other device code. The host pass
+// keeps both kernels' stubs.
+#ifndef DMATTN_HAS_SM90A
+#define DMATTN_HAS_SM90A 0
+#endif
+template <class Tile>
+__host__ __device__ constexpr bool fwd_tile_compiled_here() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && DMATTN_HAS_SM90A
+  return Tile::kHopper;
+#elif defined(__CUDA_ARCH__)
+  return !Tile::kHopper;
+#else
+  return true;
+#endif
+}
 
 }  // namespace dmattn::cuda
