@@ -318,14 +318,19 @@ __device__ __forceinline__ void fwd_block(const FwdArgs& a) {
           // Read after the barrier below; the last block's tile was read before the one above.
           if (gathered) load_positions_tile_async<kBlockN, kThreads, kMaskBias>(s_pos, positions_row(a.kpos, b, h), a.seqlen_k, n0, tid, ends_row(a.kpos, b, h), kBlockN);
           if constexpr (kMaskBias) {
-            if (has_bias && !bias_db) bias_tile.load_any(s_bias_base, Tile::kBiasPitch, n0, seq.len_k(), tid);
+            if (has_bias && !bias_db) bias_tile.template load_any</*kRolled=*/true>(s_bias_base, Tile::kBiasPitch, n0, seq.len_k(), tid);
             // The next block's mask tile, one block ahead, into the other buffer.
             if (has_mask && n > n_min)
-              mask_tile.load_any(s_mask_base + (mbuf ^ 1) * a.smem_mask_stride, Tile::kMaskPitch, n0 - kBlockN, seq.len_k(), tid);
+              mask_tile.template load_any</*kRolled=*/true>(s_mask_base + (mbuf ^ 1) * a.smem_mask_stride, Tile::kMaskPitch, n0 - kBlockN, seq.len_k(), tid);
           }
           cp_async_commit();
 
-          gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, copy_q, copy_k, tid);
+          // The fragments' shared-memory addresses (kOpaqueLoopAddresses) from a thread index
+          // the compiler cannot see through, at each block: derived from tid, they were hoisted
+          // out of the key loop and held (or spilled) through it.
+          const int ltid = Tile::kOpaqueLoopAddresses ? opaque_int(tid) : tid;
+          gemm_ss<Tile::kGemmPrefetch>(acc_s, tSrQ, tSrK, copy_q.get_thread_slice(ltid).partition_S(sQ),
+                                       copy_k.get_thread_slice(ltid).partition_S(sK), tiled_mma, copy_q, copy_k, ltid);
 
           // V[n], mask, bias landed; everyone is done with K[n]. Next block to run: nn.
           int nn = n - 1;
@@ -347,7 +352,7 @@ __device__ __forceinline__ void fwd_block(const FwdArgs& a) {
             cp_async_commit();
             if constexpr (kMaskBias) {
               if (bias_db) {
-                bias_tile.load_any(s_bias_base + (bbuf ^ 1) * a.smem_bias_stride, Tile::kBiasPitch, n0_next, seq.len_k(), tid);
+                bias_tile.template load_any</*kRolled=*/true>(s_bias_base + (bbuf ^ 1) * a.smem_bias_stride, Tile::kBiasPitch, n0_next, seq.len_k(), tid);
                 cp_async_commit();
               }
             }
@@ -373,7 +378,9 @@ __device__ __forceinline__ void fwd_block(const FwdArgs& a) {
           Tensor rP = make_tensor<Element>(acc_s.layout());
           convert_fragment<Element, false>(acc_s, rP);
           Tensor tOrP = make_tensor(rP.data(), acc_to_a(rP.layout()));
-          gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, copy_v, tid);
+          const int vtid = Tile::kOpaqueLoopAddresses ? opaque_int(tid) : tid;
+          gemm_rs<Tile::kGemmPrefetch>(acc_o, tOrP, tOrVt, copy_v.get_thread_slice(vtid).partition_S(sVt), tiled_mma,
+                                       copy_v, vtid);
 
           if (nn < n_min) break;
           n = nn;

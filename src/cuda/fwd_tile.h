@@ -83,10 +83,10 @@ enum FwdKind : int { kFwdPlain = 0, kFwdInit = 1, kFwdGeneral = 2 };
 
 // kHopper: the configuration compiled for sm_90a, where these kernels are the fallback at head
 // dims up to 128 (the Hopper kernels serve those: fwd_launch.h). ptxas for sm_90a needs more
-// registers than for sm_80 on the same source: 4 warps x 32 rows spilled there (plain 60 / 20
-// bytes at head dims 64 / 128, the general kernel 1044 at 64), so the sm_90a code runs 8 warps
-// x 16 rows at every head dim. Each configuration has a body only in its own code
-// (fwd_tile_compiled_here); the launcher picks by the device (fwd_launch.h).
+// registers than for sm_80 on the same source: the plain kernel at head dim 128 spilled there on
+// 4 warps x 32 rows (20 B, 24 with the measures below), so the sm_90a code runs it on 8 warps x
+// 16 rows. Each configuration has a body only in its own device code (fwd_tile_compiled_here);
+// the launcher picks by the device (fwd_launch.h).
 template <typename Element_, int kHeadDim_, int kKind = kFwdPlain, bool kHopper_ = false>
 struct FwdTile {
   using Element = Element_;
@@ -101,12 +101,19 @@ struct FwdTile {
                           : (kHeadDim <= 64 ? DMATTN_FWD_BLOCKN_HD64
                              : kHeadDim <= 128 ? DMATTN_FWD_BLOCKN_HD128 : DMATTN_FWD_BLOCKN_HD256);
   static constexpr int kNWarps =
-      kHopper ? 8
+      kHopper && kHeadDim == 128 ? 8
       : kHeadDim <= 64 ? DMATTN_FWD_WARPS_HD64
       : kHeadDim <= 128 ? (kKind == kFwdGeneral ? DMATTN_FWD_GEN_WARPS_HD128
                            : kKind == kFwdInit ? DMATTN_FWD_INIT_WARPS_HD128 : DMATTN_FWD_WARPS_HD128)
                         : DMATTN_FWD_WARPS_HD256;
   static constexpr int kNThreads = kNWarps * 32;
+  // Measures that keep the kernels below the register limit (ptxas -v: 0 spills; fwd_kernel.h,
+  // docs/design.md): the key loop's shared-memory fragment addresses derived at each block from
+  // an opaque thread index (not for the plain kernel above head dim 64: there it spilled instead,
+  // 24 B at 128); the next k16 slice's fragments loaded before this slice's MMAs except in the
+  // plain kernel at head dim 64 (128 scores and 64 output elements a thread: 48 B spilled).
+  static constexpr bool kOpaqueLoopAddresses = kKind != kFwdPlain || kHeadDim <= 64;
+  static constexpr bool kGemmPrefetch = kKind != kFwdPlain || kHeadDim > 64;
   // CTAs per SM the register budget allows (255 registers per thread at most).
   static constexpr int kCtasPerSm = kNThreads <= 128 ? 2 : 1;
   static_assert(kHeadDim % 32 == 0 && kBlockN % 32 == 0 && kBlockM % (16 * kNWarps) == 0);

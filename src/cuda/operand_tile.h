@@ -74,7 +74,9 @@ struct OperandTile {
   // load() for the common full-tile cp.async case (vec, not query-broadcast) with the element
   // size known at compile time: constant divisors and offsets, few registers. Same thread ->
   // chunk assignment as load() (own_any() reads it back).
-  template <int kEsize>
+  // kRolled: the chunks in a loop that is not unrolled (one address live at a time, not every
+  // chunk's: the sm80-class general forward at head dim 64 spilled on the unrolled one).
+  template <int kEsize, bool kRolled = false>
   __device__ __forceinline__ void load_vec_rows(char* smem, int smem_pitch, int n0, int seqlen_k, int tid) const {
     constexpr int kChunkElems = 16 / kEsize;
     constexpr int kChunksPerRow = kBlockN / kChunkElems;
@@ -84,8 +86,9 @@ struct OperandTile {
     asm volatile("" : "+r"(t));  // keep the addresses out of the caller's loop-carried registers
     const int cols_valid = min(kBlockN, seqlen_k - n0);
     const char* g0 = base + int64_t(n0) * kEsize;
-    CUTE_UNROLL
-    for (int it = 0; it < (kChunks + kThreads - 1) / kThreads; ++it) {
+    constexpr int kIters = (kChunks + kThreads - 1) / kThreads;
+#pragma unroll(kRolled ? 1 : kIters)
+    for (int it = 0; it < kIters; ++it) {
       const int idx = it * kThreads + t;
       if (kChunks % kThreads != 0 && idx >= kChunks) break;
       const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * kChunkElems;
@@ -97,11 +100,12 @@ struct OperandTile {
   }
 
   // load() with the fast path above where it applies.
+  template <bool kRolled = false>
   __device__ __forceinline__ void load_any(char* smem, int smem_pitch, int n0, int seqlen_k, int tid) const {
     if (vec && pitch != 0) {
-      if (esize == 2) return load_vec_rows<2>(smem, smem_pitch, n0, seqlen_k, tid);
-      if (esize == 4) return load_vec_rows<4>(smem, smem_pitch, n0, seqlen_k, tid);
-      if (esize == 1) return load_vec_rows<1>(smem, smem_pitch, n0, seqlen_k, tid);
+      if (esize == 2) return load_vec_rows<2, kRolled>(smem, smem_pitch, n0, seqlen_k, tid);
+      if (esize == 4) return load_vec_rows<4, kRolled>(smem, smem_pitch, n0, seqlen_k, tid);
+      if (esize == 1) return load_vec_rows<1, kRolled>(smem, smem_pitch, n0, seqlen_k, tid);
     }
     load(smem, smem_pitch, n0, seqlen_k, tid);
   }

@@ -18,6 +18,13 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int sr
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
 }
+// x, as a value the compiler cannot see through: what is derived from it is computed where it is
+// used, not hoisted out of a loop and held in registers through it.
+__device__ __forceinline__ int opaque_int(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
