@@ -17,8 +17,8 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream);
 
 #ifdef DMATTN_FWD_LAUNCH_IMPL
 #include <algorithm>
-#include <type_traits>
 #include <cstdlib>
+#include <type_traits>
 
 #include "cuda/fwd_kernel.h"
 #include "cuda/indexed_rows.h"

@@ -84,7 +84,7 @@ enum FwdKind : int { kFwdPlain = 0, kFwdInit = 1, kFwdGeneral = 2 };
 // kHopper: the configuration compiled for sm_90a, where these kernels are the fallback at head
 // dims up to 128 (the Hopper kernels serve those: fwd_launch.h). ptxas for sm_90a needs more
 // registers than for sm_80 on the same source: the plain kernel at head dim 128 spilled there on
-// 4 warps x 32 rows (20 B, 24 with the measures below), so the sm_90a code runs it on 8 warps x
+// 4 warps x 32 rows (20 B; 24-36 with the measures below), so the sm_90a code runs it on 8 warps x
 // 16 rows. Each configuration has a body only in its own device code (fwd_tile_compiled_here);
 // the launcher picks by the device (fwd_launch.h).
 template <typename Element_, int kHeadDim_, int kKind = kFwdPlain, bool kHopper_ = false>
