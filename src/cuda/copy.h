@@ -19,8 +19,7 @@ __device__ __forceinline__ void load_rows_async(SmemTensor& s, const Element* gm
   // The thread index goes through an empty asm so that the per-chunk addresses are recomputed
   // at each call (a few integer ops) instead of being hoisted out of the caller's key loop and
   // held in (or spilled from) registers for its whole length.
-  int t = tid;
-  asm volatile("" : "+r"(t));
+  const int t = opaque_int(tid);
   if constexpr (kThreads % kChunksPerRow == 0 && (kThreads / kChunksPerRow) % 8 == 0) {
     // Every chunk of this thread sits in the same column; rows advance in steps of a multiple of
     // 8, which moves a swizzled (8-row atom) tile by a constant offset.

@@ -174,9 +174,6 @@ __device__ __forceinline__ void fwd_block(const FwdArgs& a) {
   auto copy_q = make_tiled_copy_A(typename Tile::LdsmCopy{}, tiled_mma);
   auto copy_k = make_tiled_copy_B(typename Tile::LdsmCopy{}, tiled_mma);
   auto copy_v = make_tiled_copy_B(typename Tile::LdsmCopyT{}, tiled_mma);
-  Tensor tSsQ = copy_q.get_thread_slice(tid).partition_S(sQ);
-  Tensor tSsK = copy_k.get_thread_slice(tid).partition_S(sK);
-  Tensor tOsVt = copy_v.get_thread_slice(tid).partition_S(sVt);
 
   // (row, col) of each score element in the block.
   Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -224,6 +221,9 @@ __device__ __forceinline__ void fwd_block(const FwdArgs& a) {
       //           acc = init_scores(bias[n], mask[n]); acc += Q K[n]^T
       //   middle: wait; barrier; issue K[nn]; window / tail test; softmax; acc_o += P V[n]
       // Buffers: mask x3 (current, next, look-ahead), bias x2 (current, next).
+      Tensor tSsQ = copy_q.get_thread_slice(tid).partition_S(sQ);
+      Tensor tSsK = copy_k.get_thread_slice(tid).partition_S(sK);
+      Tensor tOsVt = copy_v.get_thread_slice(tid).partition_S(sVt);
       int mcur = 0, mnext = 1, bcur = 0;
       auto load_bias = [&](char* dst, int n0_) {
         if (a.bias_fp32) bias_tile.template load_as<4>(dst, Tile::kBiasPitch, n0_, seq.len_k(), tid);

@@ -18,7 +18,6 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream);
 #ifdef DMATTN_FWD_LAUNCH_IMPL
 #include <algorithm>
 #include <cstdlib>
-#include <type_traits>
 
 #include "cuda/fwd_kernel.h"
 #include "cuda/indexed_rows.h"
@@ -95,6 +94,16 @@ void launch_fwd_kernel(const FwdArgs& args, cudaStream_t stream, Kernel kernel) 
 template <class Tile, bool kMaskBias, bool kInit>
 void launch_fwd(const FwdArgs& args, cudaStream_t stream) {
   launch_fwd_kernel<Tile, kInit>(args, stream, fwd_kernel<Tile, kMaskBias, kInit>);
+}
+
+// An sm80-class kernel in the configuration of the device's code (FwdTile's kHopper: the sm_90a
+// one on compute capability 9.0 when the build has sm_90a code).
+template <typename Element, int kHeadDim, int kKind, bool kMaskBias, bool kInit>
+void launch_fwd_for_device(const FwdArgs& a, cudaStream_t stream) {
+  if (sm90::device_runs_sm90_kernels())
+    launch_fwd<FwdTile<Element, kHeadDim, kKind, true>, kMaskBias, kInit>(a, stream);
+  else
+    launch_fwd<FwdTile<Element, kHeadDim, kKind, false>, kMaskBias, kInit>(a, stream);
 }
 
 // The Hopper kernels are the forward on compute capability 9.0 (faster than the sm80-class
@@ -177,25 +186,15 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream) {
       return;
     }
   }
-  // The sm80-class kernels in the configuration of the device's code (FwdTile's kHopper).
-  const bool hopper = sm90::device_runs_sm90_kernels();
-  auto launch = [&](auto kind, auto mask_bias, auto init) {
-    constexpr int kKind = decltype(kind)::value;
-    constexpr bool kMaskBias = decltype(mask_bias)::value, kInit = decltype(init)::value;
-    if (hopper) launch_fwd<FwdTile<Element, kHeadDim, kKind, true>, kMaskBias, kInit>(a, stream);
-    else launch_fwd<FwdTile<Element, kHeadDim, kKind, false>, kMaskBias, kInit>(a, stream);
-  };
-  using T = std::true_type;
-  using F = std::false_type;
 #if DMATTN_FWD_INIT_KERNEL  // (not instantiated at all when off: compile time)
   if (mask_or_bias && a.softcap == 0.f && !a.kpos.ptr)  // no key positions in the init kernel
-    launch(std::integral_constant<int, kFwdInit>{}, T{}, T{});
+    launch_fwd_for_device<Element, kHeadDim, kFwdInit, true, true>(a, stream);
   else
 #endif
   if (mask_or_bias || a.softcap != 0.f)
-    launch(std::integral_constant<int, kFwdGeneral>{}, T{}, F{});
+    launch_fwd_for_device<Element, kHeadDim, kFwdGeneral, true, false>(a, stream);
   else
-    launch(std::integral_constant<int, kFwdPlain>{}, F{}, F{});
+    launch_fwd_for_device<Element, kHeadDim, kFwdPlain, false, false>(a, stream);
 }
 
 }  // namespace dmattn::cuda

@@ -82,8 +82,7 @@ struct OperandTile {
     constexpr int kChunksPerRow = kBlockN / kChunkElems;
     constexpr int kChunks = kBlockM * kChunksPerRow;
     static_assert(kBlockN % kChunkElems == 0);
-    int t = tid;
-    asm volatile("" : "+r"(t));  // keep the addresses out of the caller's loop-carried registers
+    const int t = opaque_int(tid);  // keep the addresses out of the caller's loop-carried registers
     const int cols_valid = min(kBlockN, seqlen_k - n0);
     const char* g0 = base + int64_t(n0) * kEsize;
     constexpr int kIters = (kChunks + kThreads - 1) / kThreads;

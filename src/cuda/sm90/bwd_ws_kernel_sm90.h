@@ -698,8 +698,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
           else {  // D = 256: this consumer's columns onto the buffer, where consumer 0's partition
                   // puts them (the two consumers' partitions differ by the columns' offset alone);
                   // the addresses from an opaque thread index (held across the loop, they spilled)
-            int tid = ctid % 128;
-            asm volatile("" : "+r"(tid));
+            const int tid = opaque_int(ctid % 128);
             Tensor sdQ_wide = make_tensor(make_smem_ptr(ss.dq.data()), typename Tile::SmemLayoutdQWide{});
             store_acc_to_smem(acc_dq,
                               mma_dq.get_thread_slice(tid).partition_C(as_position_independent_swizzle_tensor(sdQ_wide)));

@@ -456,11 +456,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
   // The consumer thread index, read afresh where a phase of a tile needs it and opaque to the
   // compiler: derived from one value, every fragment address and coordinate would be hoisted
   // out of the tile loop and held through every key loop and epilogue (spills).
-  auto opaque_thread_index = []() {
-    int tid = int(threadIdx.x) - 128;
-    asm volatile("" : "+r"(tid));
-    return tid;
-  };
+  auto opaque_thread_index = []() { return opaque_int(int(threadIdx.x) - 128); };
 
   typename Tile::TiledMmaS mma_s;
   typename Tile::TiledMmaO mma_o;
