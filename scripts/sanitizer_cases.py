@@ -180,6 +180,12 @@ for dtype in (torch.bfloat16, torch.float16):
     case(2, 200, 456, 4, 2, 128, dtype, mask_shape=(2, 1, 1, 456), bias_shape=(2, 4, 200, 456), causal=True)
     case(1, 129, 304, 2, 2, 64, dtype, mask_shape=(1, 2, 1, 304), bias_shape=(1, 2, 129, 304), softcap=20.0)
     case(1, 200, 456, 2, 1, 256, dtype, mask_shape=(1, 1, 1, 456), bias_shape=(1, 2, 200, 456), causal=True)
+    # A full mask with a key bias and / or softcap (the mask tiles beside per-key rows).
+    case(2, 200, 512, 4, 2, 128, dtype, mask_shape=(2, 4, 200, 512), bias_shape=(2, 1, 1, 512), causal=True)
+    case(1, 129, 256, 2, 2, 64, dtype, mask_shape=(1, 1, 129, 256), softcap=20.0)
+    # Rows that are not 16-byte multiples (1001 keys): the padded copies of the mask and the bias.
+    case(1, 130, 1001, 2, 2, 128, dtype, mask_shape=(1, 1, 130, 1001))
+    case(1, 130, 1001, 2, 1, 64, dtype, bias_shape=(1, 2, 130, 1001), causal=True)
 
     # The forward's persistent CTAs: more tiles than SMs (each CTA takes several, the pipelines
     # running on across them), for plain scores, a full bias and per-key rows; then a causal

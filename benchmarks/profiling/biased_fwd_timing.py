@@ -1,8 +1,10 @@
 """Forward timings of dmattn's biased and masked problems at one head dim (CUDA, bf16, B=2, S=8192,
 H=16 up to head dim 128, H=8 above): a full bias (B,H,S,S), alone or with a key padding mask
 (B,1,1,S; the second sequence's last 1536 keys padding), and a full boolean mask (half true at
-random), causal or not, or with the full bias; a key mask (2048 of S) with a per-key bias,
-causal, and `attention_topk` 2048 with the selection, causal. Median of three medians of
+random), causal or not, with the full bias, with a per-key bias (B,H,1,S) or with softcap; the
+mask and the bias with rows that are not 16-byte multiples (S - 8 and S - 4 keys: the backend's
+padded copy, src/cuda/aligned_operand.h); a key mask (2048 of S) with a per-key bias, causal, and
+`attention_topk` 2048 with the selection, causal. Median of three medians of
 CUDA-event timings. Run it once per kernel selection to compare paths, e.g. the
 warp-specialized Hopper kernel against the kernels that serve the same problems without it:
     python benchmarks/profiling/biased_fwd_timing.py --head-dim 128
@@ -35,6 +37,11 @@ def main():
     lens = torch.tensor([S, S - 1536], device=dev)
     key_padding = (torch.arange(S, device=dev) < lens[:, None]).view(B, 1, 1, S)
     full_mask = torch.randint(0, 2, (B, H, S, S), device=dev, dtype=torch.uint8, generator=g).bool()
+    # Rows of S - 8 mask bytes and S - 4 bias elements (with as many keys).
+    k_mask_rows, v_mask_rows = k[:, : S - 8], v[:, : S - 8]
+    mask_rows = full_mask[..., : S - 8].contiguous()
+    k_bias_rows, v_bias_rows = k[:, : S - 4], v[:, : S - 4]
+    bias_rows = bias[..., : S - 4].contiguous()
     # Clocks settle before the first row: about a second of bf16 GEMMs.
     warm = torch.randn(8192, 8192, device=dev, dtype=dt, generator=g)
     for _ in range(500):
@@ -49,6 +56,11 @@ def main():
         "full mask (half true)": lambda: dmattn.attention(q, k, v, full_mask),
         "full mask (half true), causal": lambda: dmattn.attention(q, k, v, full_mask, causal=True),
         "full mask + full bias": lambda: dmattn.attention(q, k, v, full_mask, bias),
+        "full mask + per-key bias": lambda: dmattn.attention(q, k, v, full_mask, key_bias),
+        "full mask + per-key bias, causal": lambda: dmattn.attention(q, k, v, full_mask, key_bias, causal=True),
+        "full mask + softcap 30": lambda: dmattn.attention(q, k, v, full_mask, softcap=30.0),
+        "full mask, rows of S - 8 keys": lambda: dmattn.attention(q, k_mask_rows, v_mask_rows, mask_rows),
+        "full bias, rows of S - 4 keys": lambda: dmattn.attention(q, k_bias_rows, v_bias_rows, bias=bias_rows),
         "key mask + per-key bias, causal": lambda: dmattn.attention(q, k, v, key_mask, key_bias, causal=True),
         "attention_topk 2048, causal": lambda: dmattn.attention_topk(q, k, v, key_bias, 2048, causal=True),
     }

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdlib>
 
+#include "cuda/aligned_operand.h"
 #include "cuda/bwd_args.h"
 #include "cuda/bwd_launch.h"
 #include "cuda/bwd_tile.h"
@@ -126,8 +127,11 @@ void forward(const ForwardParams& p) {
   check_seq_tensor("out", p.out, p.out_strides);
 
   DeviceGuard guard(p.device_id);
-  const FwdArgs a = make_fwd_args(p);
+  FwdArgs a = make_fwd_args(p);
   auto stream = static_cast<cudaStream_t>(p.stream);
+  // (rows the kernels would read element by element: a padded copy for this call)
+  const AlignedOperandCopy mask_rows(a.mask, a.batch, a.num_heads, a.seqlen_q, a.seqlen_k, stream);
+  const AlignedOperandCopy bias_rows(a.bias, a.batch, a.num_heads, a.seqlen_q, a.seqlen_k, stream);
   const bool bf16 = p.dtype == DType::kBFloat16;
   switch (hd) {
     case 64: bf16 ? run_fwd<cutlass::bfloat16_t, 64>(a, stream) : run_fwd<cutlass::half_t, 64>(a, stream); break;
@@ -253,6 +257,8 @@ void backward(const BackwardParams& p) {
   if (const char* env = std::getenv("DMATTN_BWD_EXP")) a.exp_flags = std::atoi(env);
 
   auto stream = static_cast<cudaStream_t>(f.stream);
+  const AlignedOperandCopy mask_rows(a.f.mask, a.f.batch, a.f.num_heads, a.f.seqlen_q, a.f.seqlen_k, stream);
+  const AlignedOperandCopy bias_rows(a.f.bias, a.f.batch, a.f.num_heads, a.f.seqlen_q, a.f.seqlen_k, stream);
   const bool bf16 = f.dtype == DType::kBFloat16;
   switch (bwd_instantiated_head_dim(static_cast<int>(f.head_dim))) {
     case 64:

@@ -109,10 +109,11 @@ void launch_fwd_for_device(const FwdArgs& a, cudaStream_t stream) {
 // The Hopper kernels are the forward on compute capability 9.0 (faster than the sm80-class
 // kernels there: docs/perf.md): the warp-specialized one (sm90/fwd_ws_kernel_sm90.h, every head
 // dim) for what fwd_ws_supports takes (plain scores, 16-bit full biases alone or with a
-// query-broadcast mask or softcap, full masks up to head dim 128, query-broadcast biases and
-// masks, softcap, gathered keys and key ends), the general one (sm90/fwd_kernel_sm90.h, head
-// dims up to 128) for the rest (fp32 full biases, a full bias with a full mask or gathered keys,
-// a full mask with anything else; above 128 the sm80-class general kernel). DMATTN_FWD_SM90=0 turns
+// query-broadcast mask or softcap, full masks up to head dim 128 alone or with a
+// query-broadcast bias or softcap, query-broadcast biases and masks, softcap, gathered keys and
+// key ends), the general one (sm90/fwd_kernel_sm90.h, head dims up to 128) for the rest (fp32
+// full biases, a full bias with a full mask or gathered keys, a full mask with gathered keys;
+// above 128 the sm80-class general kernel). DMATTN_FWD_SM90=0 turns
 // both off (the sm80-class kernels, which run everywhere), DMATTN_FWD_SM90_WS=0 the first alone,
 // for comparisons.
 // (sm90/enabled.h: never in a build without sm_90a code)
@@ -156,9 +157,13 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream) {
       case FwdWsScores::kFullBiasKeyRows:
         sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullBiasKeyRows>::Tile>(a, stream);
         return;
-      case FwdWsScores::kFullMask:  // (up to head dim 128: fwd_ws_supports)
+      case FwdWsScores::kFullMask:  // (mask tiles: up to head dim 128, fwd_ws_supports)
         if constexpr (kHeadDim <= 128)
           sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullMask>::Tile>(a, stream);
+        return;
+      case FwdWsScores::kFullMaskKeyRows:
+        if constexpr (kHeadDim <= 128)
+          sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullMaskKeyRows>::Tile>(a, stream);
         return;
       case FwdWsScores::kPlain:
         break;

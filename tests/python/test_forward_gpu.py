@@ -102,6 +102,46 @@ def test_full_mask_tiles_forward(dtype, case, nan_poison):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", [
+    # (B, Sq, Sk, H, Hkv, D, mask heads, key bias heads, softcap, causal, window)
+    (2, 300, 512, 4, 4, 128, "h", "h", 0.0, False, (-1, -1)),
+    (1, 1000, 1024, 4, 2, 64, "1", "1", 30.0, True, (-1, -1)),
+    (2, 129, 256, 4, 2, 128, "hkv", None, 20.0, False, (64, 32)),
+    (1, 256, 784, 2, 1, 96, "expand", "h", 0.0, True, (-1, -1)),
+    (2, 200, 320, 4, 4, 256, "h", "1", 25.0, False, (-1, -1)),
+], ids=lambda c: (f"{c[0]}x{c[1]}x{c[2]}_h{c[3]}_{c[4]}_d{c[5]}_mask{c[6]}_keybias{c[7]}_cap{c[8]:g}"
+                  f"{'_causal' if c[9] else ''}_w{c[10][0]}"))
+def test_full_mask_with_key_bias_forward(dtype, case, nan_poison):
+    """A full mask (rows of 16-byte multiples: the Hopper warp-specialized forward's mask tiles)
+    with a key bias (B, H | 1, 1, Sk) and / or softcap, which that kernel reads beside the tiles
+    as per-key rows: one mask per head, broadcast (a size-1 dim and an expanded one), one per kv
+    head (GQA); finfo.min and -inf key biases, a row and a query block without any true element;
+    causal and window bounds; against the float64 reference."""
+    import dmattn
+    from reference import check_against_reference
+    b, sq, sk, h, hkv, d, mask_heads, bias_heads, softcap, causal, window = case
+    g = torch.Generator(device="cpu").manual_seed(sq + sk + d + int(softcap) + (dtype == torch.float16))
+    q = torch.randn(b, sq, h, d, generator=g).to("cuda", dtype)
+    k, v = (torch.randn(b, sk, hkv, d, generator=g).to("cuda", dtype) for _ in range(2))
+    mask = torch.rand(b, {"h": h, "hkv": hkv}.get(mask_heads, 1), sq, sk, generator=g) < 0.6
+    mask[:, :, 5] = False                 # a row without any key
+    mask[:, :, 128:min(sq, 256)] = False  # a whole query block without any
+    mask = mask.to("cuda")
+    if mask_heads == "expand":
+        mask = mask.expand(b, h, sq, sk)
+    bias = None
+    if bias_heads is not None:
+        bias = 2 * torch.randn(b, h if bias_heads == "h" else 1, 1, sk, generator=g)
+        bias[..., : sk // 4] = torch.finfo(dtype).min  # keys at the dtype's lowest
+        bias[..., -2:] = float("-inf")                  # keys of the tail block
+        bias = bias.to("cuda", dtype)
+    out, lse = dmattn.attention(q, k, v, mask, bias, causal=causal, window=window, softcap=softcap,
+                                return_lse=True)
+    check_against_reference(q, k, v, mask, bias, out, lse, causal=causal, window=window, softcap=softcap,
+                            context=str(case))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", [
     # (B, Sq, Sk, H, Hkv, D, bias heads, key mask heads, softcap, causal, window)
     (2, 300, 512, 4, 4, 128, "h", "h", 0.0, False, (-1, -1)),
     (2, 1000, 1024, 4, 2, 64, "1", "1", 0.0, True, (-1, -1)),

@@ -31,7 +31,8 @@
 // the sequence and columns past head_dim or the keys arrive as zeros (TMA's out-of-bounds fill:
 // a mask of false there).
 // With per-key rows (Tile::kKeyRows: gathered keys, key ends, a query-broadcast bias or mask,
-// softcap; beside a full bias's tiles, a query-broadcast mask and softcap), warp 1
+// softcap; beside a full bias's tiles, a query-broadcast mask and softcap; beside a full mask's
+// tiles, a query-broadcast bias and softcap, the mask then applied to the final scores), warp 1
 // of the producer warpgroup loads block n's positions, query bounds and bias (load_key_rows)
 // into a stage of their own pipeline; s = scale * qk + bias (softcap: softcap * tanh(scale * qk
 // / softcap) + bias), then on the blocks that need it
@@ -160,7 +161,7 @@ __device__ __forceinline__ void fwd_ws_key_range(const FwdArgs& a, const SeqBoun
     return;
   }
   seq.window().key_block_range(m0, Tile::kBlockM, Tile::kBlockN, n_min, n_max);
-  if (Tile::kKeyRows && a.mask.ptr != nullptr) {  // (a query-broadcast mask: fwd_ws_supports)
+  if (Tile::kKeyRows && !Tile::kMask && a.mask.ptr != nullptr) {  // (a query-broadcast mask: fwd_ws_supports)
     const KeyRowSources src = key_row_sources(a, b, h, seq.k0());
     key_mask_block_range<Tile::kBlockN>(src.mask, src.mask_step, seq.len_k(), n_min, n_max);
   }
@@ -266,7 +267,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         for (FwdWsTileInfo tile; (tile = next_fwd_ws_tile<Tile::kTileSlots>(pipe_tile, taken, ss.tiles)).m_block >= 0;) {
           PipelineState write_r = pipeline_state_at<Tile::kStages>(tile.blocks_before, true);
           const SeqBounds seq(a, tile.b);
-          const KeyRowSources src = key_row_sources(a, tile.b, tile.h, seq.k0());
+          KeyRowSources src = key_row_sources(a, tile.b, tile.h, seq.k0());
+          if constexpr (Tile::kMask) src.mask = nullptr;  // (a full mask comes by its tiles)
           const int count = seq.len_k();
           for (int n = tile.n_max - 1; n >= tile.n_min; --n) {
             pipe_key_rows.producer_acquire(write_r);
@@ -552,21 +554,27 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           pipe_bias.consumer_release(read_b);
           ++read_b;
         }
-        if constexpr (Tile::kMask) {
-          static_assert(is_mask_sw128_layout<typename Tile::SmemLayoutMask, kBlockM>(),
-                        "the mask's reads follow the tile's layout");
-          pipe_bias.consumer_wait(read_b);
-          apply_mask_sw128<kBlockM>(s_rc, tScS_rc,
-                                    reinterpret_cast<const uint8_t*>(ss.score_tiles.data()) +
-                                        read_b.index() * Tile::kMaskStageBytes);
-          pipe_bias.consumer_release(read_b);
-          ++read_b;
-        }
+        // The mask tile's false elements: -inf on the final score (after any bias, so that no
+        // bias value turns a masked score into anything else).
+        auto apply_mask_tile = [&]() {
+          if constexpr (Tile::kMask) {
+            static_assert(is_mask_sw128_layout<typename Tile::SmemLayoutMask, kBlockM>(),
+                          "the mask's reads follow the tile's layout");
+            pipe_bias.consumer_wait(read_b);
+            apply_mask_sw128<kBlockM>(s_rc, tScS_rc,
+                                      reinterpret_cast<const uint8_t*>(ss.score_tiles.data()) +
+                                          read_b.index() * Tile::kMaskStageBytes);
+            pipe_bias.consumer_release(read_b);
+            ++read_b;
+          }
+        };
+        if constexpr (Tile::kMask && !Tile::kKeyRows) apply_mask_tile();
         if constexpr (Tile::kKeyRows) {
           pipe_key_rows.consumer_wait(read_r);
           const auto& st = ss.key_rows[read_r.index()];
           // (beside bias tiles: the score is final, the rows carry no bias)
           if constexpr (!Tile::kBias) add_key_bias(s_rc, tScS_rc, st.bias, scale);
+          if constexpr (Tile::kMask) apply_mask_tile();
           // The test on positions: gathered keys' window on original positions, else the plain
           // window (positions are indices); query bounds (key ends, a mask) on every block.
           const PositionTest pt{st.pos, a.kpos.ptr != nullptr ? position_window(a) : win, Tile::kKeyRowEndDelta};

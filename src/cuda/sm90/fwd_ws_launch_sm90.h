@@ -20,16 +20,16 @@
 namespace dmattn::cuda::sm90 {
 
 // The score policy a problem needs: the bias tiles for a full bias alone, with key rows beside
-// them where a mask or softcap comes with it; the mask tiles for a full mask alone; per-key rows
-// for everything else the kernel takes (gathered keys and key ends, query-broadcast biases and
+// them where a mask or softcap comes with it; the mask tiles for a full mask alone, with key
+// rows beside them where softcap or a query-broadcast bias comes with it; per-key rows for
+// everything else the kernel takes (gathered keys and key ends, query-broadcast biases and
 // masks, softcap); plain scores without any of them.
 inline FwdWsScores fwd_ws_scores(const FwdArgs& a) {
   if (a.bias.ptr != nullptr && !a.bias.row_bcast)
     return a.mask.ptr != nullptr || a.softcap != 0.f || a.kpos.ptr != nullptr ? FwdWsScores::kFullBiasKeyRows
                                                                                : FwdWsScores::kFullBias;
-  if (a.mask.ptr != nullptr && !a.mask.row_bcast && a.bias.ptr == nullptr && a.softcap == 0.f &&
-      a.kpos.ptr == nullptr && a.kpos.ends == nullptr)
-    return FwdWsScores::kFullMask;
+  if (a.mask.ptr != nullptr && !a.mask.row_bcast && a.kpos.ptr == nullptr && a.kpos.ends == nullptr)
+    return a.bias.ptr != nullptr || a.softcap != 0.f ? FwdWsScores::kFullMaskKeyRows : FwdWsScores::kFullMask;
   if (a.kpos.ptr != nullptr || a.bias.ptr != nullptr || a.mask.ptr != nullptr || a.softcap != 0.f)
     return FwdWsScores::kKeyRows;
   return FwdWsScores::kPlain;
@@ -39,9 +39,10 @@ inline FwdWsScores fwd_ws_scores(const FwdArgs& a) {
 // with plain scores, softcap, a query-broadcast bias (any dtype) or mask, and gathered keys with
 // key ends; dense batches with a full 16-bit bias (tma_bias_tiles_ok), alone or with a
 // query-broadcast mask and / or softcap; up to head dim 128, dense batches with a full mask
-// (tma_mask_tiles_ok) alone. The others (fp32 full biases, a full bias with a full mask or
-// gathered keys, a full mask with anything else, full masks above 128) run the sm90 kernel of
-// fwd_kernel_sm90.h up to head dim 128, the sm80-class general kernel above.
+// (tma_mask_tiles_ok), alone or with a query-broadcast bias and / or softcap. The others (fp32
+// full biases, a full bias with a full mask or gathered keys, a full mask with gathered keys,
+// full masks above 128) run the sm90 kernel of fwd_kernel_sm90.h up to head dim 128, the
+// sm80-class general kernel above.
 template <int kHeadDim>
 bool fwd_ws_supports(const FwdArgs& a) {
   static const bool off = env_switched_off("DMATTN_FWD_SM90_WS");  // (comparisons)
@@ -60,6 +61,7 @@ bool fwd_ws_supports(const FwdArgs& a) {
       if (!tma_bias_tiles_ok(a.bias) || full_mask || a.kpos.ptr || a.seqlen_k == 0) return false;
       break;
     case FwdWsScores::kFullMask:
+    case FwdWsScores::kFullMaskKeyRows:
       if (kHeadDim > 128 || !tma_mask_tiles_ok(a.mask) || a.cu_seqlens_q != nullptr || a.seqlen_k == 0) return false;
       break;
     case FwdWsScores::kPlain:

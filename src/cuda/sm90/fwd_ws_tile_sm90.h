@@ -21,7 +21,10 @@
 //              the test runs on positions (key_positions.h);
 //   kFullBiasKeyRows: both, for a full bias with a query-broadcast mask (a key padding mask)
 //              and / or softcap: the bias tiles as kFullBias's, the key rows as kKeyRows's
-//              without their bias (the mask's rows give the query bounds).
+//              without their bias (the mask's rows give the query bounds);
+//   kFullMaskKeyRows: a full mask with softcap and / or a query-broadcast bias: the mask tiles
+//              as kFullMask's, the key rows as kKeyRows's (their bias; no query bounds but the
+//              keys' end), the mask applied to the final scores.
 // Per head dim (FwdWsConfig): 64: 192 x 128 (three consumers); 128: 128 x 128; 256: 128 x 80 (the
 // largest key block whose Q, two K and two V stages fit in 227 KB), 128 x 64 with a bias or key
 // rows.
@@ -40,7 +43,7 @@
 
 namespace dmattn::cuda::sm90 {
 
-enum class FwdWsScores { kPlain, kFullBias, kKeyRows, kFullMask, kFullBiasKeyRows };
+enum class FwdWsScores { kPlain, kFullBias, kKeyRows, kFullMask, kFullBiasKeyRows, kFullMaskKeyRows };
 
 // One tile of the forward (a query block of one head and batch) as the scheduler warp hands it
 // to the other roles: the key blocks [n_min, n_max) it reads (empty: its rows see no key), and
@@ -58,8 +61,10 @@ struct FwdWsTile {
   // the (kBlockM, kBlockN) bias tiles
   static constexpr bool kBias = kScores == FwdWsScores::kFullBias || kScores == FwdWsScores::kFullBiasKeyRows;
   // the per-key rows
-  static constexpr bool kKeyRows = kScores == FwdWsScores::kKeyRows || kScores == FwdWsScores::kFullBiasKeyRows;
-  static constexpr bool kMask = kScores == FwdWsScores::kFullMask;     // the (kBlockM, kBlockN) mask tiles
+  static constexpr bool kKeyRows = kScores == FwdWsScores::kKeyRows || kScores == FwdWsScores::kFullBiasKeyRows ||
+                                   kScores == FwdWsScores::kFullMaskKeyRows;
+  // the (kBlockM, kBlockN) mask tiles
+  static constexpr bool kMask = kScores == FwdWsScores::kFullMask || kScores == FwdWsScores::kFullMaskKeyRows;
   // Final scores (scale and bias applied before the softmax, scale 1 there) or raw q k^T with
   // the scale folded into the softmax's exponent.
   static constexpr bool kScaledScores = kBias || kKeyRows;
