@@ -6,7 +6,11 @@
 // kernels fall back to element-wise loads, each waiting on global memory: a (B, H, Sq, Sk) mask
 // with Sk = 4100 made the forward 15x slower than with Sk = 4096 (docs/design.md, "Operand
 // tiles"). The copy is stream-ordered and freed after the kernels that read it; where the device
-// has no memory for it, the element-wise path serves the call as before.
+// has no memory for it, the element-wise path serves the call as before. Memory the stream-ordered
+// pool gives back at a synchronization is mapped afresh by the next call (a few ms a GB), so a
+// caller with a caching allocator pads such operands itself: the Python package does
+// (python/dmattn/ops.py, _cuda_operand_rows), and this copy serves the rest (a key dimension of
+// size 1, callers of the C API).
 #pragma once
 
 #include <cuda_runtime.h>
