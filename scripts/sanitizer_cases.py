@@ -183,8 +183,8 @@ for dtype in (torch.bfloat16, torch.float16):
     # A full mask with a key bias and / or softcap (the mask tiles beside per-key rows).
     case(2, 200, 512, 4, 2, 128, dtype, mask_shape=(2, 4, 200, 512), bias_shape=(2, 1, 1, 512), causal=True)
     case(1, 129, 256, 2, 2, 64, dtype, mask_shape=(1, 1, 129, 256), softcap=20.0)
-    # Rows that are not 16-byte multiples (1001 keys; padded by the Python layer), and a key
-    # dimension of size 1 (the native backend's padded copy).
+    # Rows that are not 16-byte multiples (1001 keys) and a key dimension of size 1: the padded
+    # copies of the mask and the bias (src/cuda/aligned_operand.h).
     case(1, 130, 1001, 2, 2, 128, dtype, mask_shape=(1, 1, 130, 1001))
     case(1, 130, 1001, 2, 1, 64, dtype, bias_shape=(1, 2, 130, 1001), causal=True)
     case(1, 130, 300, 2, 1, 128, dtype, mask_shape=(1, 2, 130, 1), bias_shape=(1, 1, 130, 1))

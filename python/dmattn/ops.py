@@ -65,29 +65,6 @@ def _cuda_layout(x: Tensor) -> Tensor:
     return x.clone(memory_format=torch.contiguous_format)
 
 
-def _cuda_operand_rows(t: Optional[Tensor]) -> Optional[Tensor]:
-    """A mask or bias with a row per query whose rows are not 16-byte aligned (a bool mask with
-    Sk % 16 != 0, a 16-bit bias with Sk % 8 != 0, a key stride other than 1, an odd offset)
-    would be read element by element by the kernels; the native backend then pads a copy of its
-    own (src/cuda/aligned_operand.h), in memory it maps afresh each call. This pads it here, from
-    torch's caching allocator, whose blocks are reused: the same rows, each padded to a 16-byte
-    multiple, viewed at the operand's shape (broadcast, stride 0, dimensions padded once and
-    expanded again, not materialized). Operands without a query dimension or with one key are
-    left as they are."""
-    if t is None or not t.is_cuda or t.dim() < 2 or t.shape[-2] <= 1 or t.shape[-1] <= 1 or t.numel() == 0:
-        return t
-    per16 = 16 // t.element_size()
-    if (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and not any(st % per16 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)):
-        return t
-    shape = t.shape
-    for d in range(t.dim() - 1):
-        if t.stride(d) == 0 and t.shape[d] > 1:
-            t = t.narrow(d, 0, 1)
-    sk = shape[-1]
-    return torch.nn.functional.pad(t, (0, -sk % per16))[..., :sk].expand(shape)
-
-
 def _check_rank(t: Tensor, name: str, layout: str, rank: int = 4) -> None:
     if t.dim() != rank:
         raise ValueError(f"{name}: expected a {rank}-D tensor {layout}, got shape {tuple(t.shape)}")
@@ -380,7 +357,6 @@ def native_forward(q, k, v, mask, bias, causal, window_left, window_right, scale
     out = q.new_empty(q.shape)
     lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q))
     q, k, v = _cuda_layout(q), _cuda_layout(k), _cuda_layout(v)
-    mask, bias = _cuda_operand_rows(mask), _cuda_operand_rows(bias)
     lib().forward(q, k, v, out, lse, mask, bias, causal, window_left, window_right,
                   _scale_arg(scale), softcap, key_positions, seqlen_k_original, key_ends, key_rows)
     return out, lse
@@ -445,7 +421,6 @@ def attention_backward(
         if dbias is not None and _dbias_needs_accum(q, bias):
             dbias_accum = torch.empty(_bias_shape4(bias), dtype=torch.float32, device=q.device)
     dout, q, k, v, out = (_cuda_layout(t) for t in (dout, q, k, v, out))
-    mask, bias = _cuda_operand_rows(mask), _cuda_operand_rows(bias)
     lib().backward(q, k, v, out, lse, mask, bias, dout, dq, dk, dv, dbias, delta, dq_accum,
                    dbias_accum, causal, window_left, window_right, _scale_arg(scale), softcap,
                    deterministic, key_positions, seqlen_k_original, key_ends, bool(forward_stats), key_rows)
