@@ -19,21 +19,10 @@ from torch.profiler import ProfilerActivity, profile
 
 import dmattn
 from dmattn.bench import time_ms
+from dmattn.bench_doge import back_to_back_ms
 
 dev, dt = "cuda", torch.bfloat16
 B, S, H, D = 2, 8192, 16, 128
-
-
-def back_to_back_ms(fn, n=10):
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(n):
-        fn()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) / n
 
 
 def keep_default_pool_memory():
@@ -70,7 +59,7 @@ def main():
         with torch.no_grad():
             for name, fn in cases.items():
                 ms = statistics.median(time_ms(fn, dev, 3, 10) for _ in range(3))
-                print(f"{tag:<14} {name:<20} sync a call {ms:7.3f} ms, back to back {back_to_back_ms(fn):7.3f} ms",
+                print(f"{tag:<14} {name:<20} sync a call {ms:7.3f} ms, back to back {back_to_back_ms(fn, 10):7.3f} ms",
                       flush=True)
 
     print(f"B={B} H={H} S={S} D={D} bf16")
