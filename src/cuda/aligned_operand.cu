@@ -1,7 +1,8 @@
 // The padded copy of a mask or bias (aligned_operand.h): one CTA a row (its source offset
-// computed once, not per chunk), each thread writing 16-byte chunks of it by vector stores. Rows with contiguous keys are read as
-// aligned 32-bit words shifted into place (five loads a chunk); other rows, and the chunk that
-// reaches past the keys, element by element, all of a chunk's loads in flight together.
+// computed once, not per chunk), each thread writing 16-byte chunks of it by vector stores.
+// Rows with contiguous keys are read as aligned 32-bit words shifted into place (five loads a
+// chunk); other rows, and the chunk that reaches past the keys, element by element, all of a
+// chunk's loads in flight together.
 #include "cuda/aligned_operand.h"
 
 namespace dmattn::cuda {
