@@ -25,6 +25,13 @@ def _check_fwd(c):
         raise
 
 
+def _random_qkv(g, b, sq, sk, h, hkv, d, dtype):
+    """q (b, sq, h, d) and k, v (b, sk, hkv, d), standard normal from generator g, on the GPU."""
+    q = torch.randn(b, sq, h, d, generator=g).to("cuda", dtype)
+    k, v = (torch.randn(b, sk, hkv, d, generator=g).to("cuda", dtype) for _ in range(2))
+    return q, k, v
+
+
 @pytest.mark.parametrize("case", [
     # (Sq, Sk, D, causal, mask shape kind, density)
     (1000, 1000, 128, False, "full", 0.02),
@@ -88,8 +95,7 @@ def test_full_mask_tiles_forward(dtype, case, nan_poison):
     from reference import check_against_reference
     b, sq, sk, h, hkv, d, heads, causal, window, density = case
     g = torch.Generator(device="cpu").manual_seed(sq + sk + d + (dtype == torch.float16))
-    q = torch.randn(b, sq, h, d, generator=g).to("cuda", dtype)
-    k, v = (torch.randn(b, sk, hkv, d, generator=g).to("cuda", dtype) for _ in range(2))
+    q, k, v = _random_qkv(g, b, sq, sk, h, hkv, d, dtype)
     mask = torch.rand(b, {"h": h, "hkv": hkv}.get(heads, 1), sq, sk, generator=g) < density
     mask[:, :, 5] = False              # a row without any key
     mask[:, :, 128:min(sq, 256)] = False  # a whole query block without any
@@ -120,8 +126,7 @@ def test_full_mask_with_key_bias_forward(dtype, case, nan_poison):
     from reference import check_against_reference
     b, sq, sk, h, hkv, d, mask_heads, bias_heads, softcap, causal, window = case
     g = torch.Generator(device="cpu").manual_seed(sq + sk + d + int(softcap) + (dtype == torch.float16))
-    q = torch.randn(b, sq, h, d, generator=g).to("cuda", dtype)
-    k, v = (torch.randn(b, sk, hkv, d, generator=g).to("cuda", dtype) for _ in range(2))
+    q, k, v = _random_qkv(g, b, sq, sk, h, hkv, d, dtype)
     mask = torch.rand(b, {"h": h, "hkv": hkv}.get(mask_heads, 1), sq, sk, generator=g) < 0.6
     mask[:, :, 5] = False                 # a row without any key
     mask[:, :, 128:min(sq, 256)] = False  # a whole query block without any
@@ -161,8 +166,7 @@ def test_full_bias_with_key_mask_forward(dtype, case, nan_poison):
     from reference import check_against_reference
     b, sq, sk, h, hkv, d, bias_heads, mask_heads, softcap, causal, window = case
     g = torch.Generator(device="cpu").manual_seed(sq + sk + d + int(softcap) + (dtype == torch.float16))
-    q = torch.randn(b, sq, h, d, generator=g).to("cuda", dtype)
-    k, v = (torch.randn(b, sk, hkv, d, generator=g).to("cuda", dtype) for _ in range(2))
+    q, k, v = _random_qkv(g, b, sq, sk, h, hkv, d, dtype)
     bias = 2 * torch.randn(b, {"h": h, "hkv": hkv}.get(bias_heads, 1), sq, sk, generator=g)
     bias[:, :, 3, : sk // 2] = torch.finfo(dtype).min  # half a row at the dtype's lowest
     bias[:, :, 7, :] = float("-inf")                    # a row without any key
