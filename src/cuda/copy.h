@@ -68,6 +68,23 @@ constexpr bool is_sw128_layout() {
   return true;
 }
 
+// One lane's half of tile row r in the 128-byte-swizzled layout above (a pair of lanes copies a
+// row: `odd` picks its 16-byte chunks 2k + odd), by cp.async from src (the lane's first chunk
+// of the row), `bytes` (16 or 0: zeros) a chunk for its chunks k < k_end, zeros past them.
+template <int kRows, int kCols, typename Element>
+__device__ __forceinline__ void copy_row_chunks_sw128(uint32_t s_tile, int r, const Element* src, int bytes, int k_end,
+                                                      int odd) {
+  constexpr int kChunksPerLane = kCols / 16;  // (16-byte chunks of 8 elements, two lanes a row)
+  const uint32_t dst_row = s_tile + r * 128;
+  const int swz = (r % 8) ^ odd;  // chunk 2k + odd of the row sits at chunk (2k % 8) ^ swz of its half
+  CUTE_UNROLL
+  for (int k = 0; k < kChunksPerLane; ++k) {
+    const uint32_t dst = dst_row + (2 * k / 8) * (kRows * 128) + (((2 * k) % 8 ^ swz) << 4);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src + 16 * k),
+                 "r"(k < k_end ? bytes : 0));
+  }
+}
+
 // The row indices of a gathered (kRows, ...) tile as gather_rows_sw128 takes them: kWarps warps
 // share the tile, warp w the rows [w, w + 1) * kRows / kWarps, whose indices its lanes hold 32
 // rows at a time (lane l: row l of each group of 32; one coalesced load per group). Rows >=
@@ -100,7 +117,6 @@ __device__ __forceinline__ void gather_rows_sw128(uint32_t s_tile, const Element
                                                   int cols_valid, int warp, int lane) {
   static_assert(sizeof(Element) == 2 && kCols % 64 == 0);
   using Indices = GatherRowIndices<kRows, kWarps>;
-  constexpr int kChunksPerLane = kCols / 16;  // (16-byte chunks of 8 elements, two lanes a row)
   const int odd = lane & 1;
   // This lane's chunks 2k + odd are inside the columns for k < k_end.
   const int k_end = (cols_valid / 8 - odd + 1) / 2;
@@ -117,15 +133,7 @@ __device__ __forceinline__ void gather_rows_sw128(uint32_t s_tile, const Element
     const int j = __shfl_sync(0xffffffffu, held, 16 * h + lane / 2);
     const bool ok = j >= 0 && j < src_rows;
     const Element* src = ok ? gmem + int64_t(j) * row_stride + odd * 8 : gmem;
-    const int bytes = ok ? 16 : 0;
-    const uint32_t dst_row = s_tile + r * 128;
-    const int swz = (r % 8) ^ odd;  // chunk 2k + odd of the row sits at chunk (2k % 8) ^ swz of its half
-    CUTE_UNROLL
-    for (int k = 0; k < kChunksPerLane; ++k) {
-      const uint32_t dst = dst_row + (2 * k / 8) * (kRows * 128) + (((2 * k) % 8 ^ swz) << 4);
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src + 16 * k),
-                   "r"(k < k_end ? bytes : 0));
-    }
+    copy_row_chunks_sw128<kRows, kCols>(s_tile, r, src, ok ? 16 : 0, k_end, odd);
   }
 }
 

@@ -111,11 +111,12 @@ void launch_fwd_for_device(const FwdArgs& a, cudaStream_t stream) {
 // dim) for what fwd_ws_supports takes (plain scores, 16-bit full biases alone or with a
 // query-broadcast mask or softcap, full masks up to head dim 128 alone or with a
 // query-broadcast bias or softcap, query-broadcast biases and masks, softcap, gathered keys and
-// key ends), the general one (sm90/fwd_kernel_sm90.h, head dims up to 128) for the rest (fp32
-// full biases, a full bias with a full mask or gathered keys, a full mask with gathered keys;
-// above 128 the sm80-class general kernel). DMATTN_FWD_SM90=0 turns
-// both off (the sm80-class kernels, which run everywhere), DMATTN_FWD_SM90_WS=0 the first alone,
-// for comparisons.
+// key ends; plain scores with the query heads of each KV head packed into the tiles where
+// fwd_ws_packs_gqa says so), the general one (sm90/fwd_kernel_sm90.h, head dims up to 128) for
+// the rest (fp32 full biases, a full bias with a full mask or gathered keys, a full mask with
+// gathered keys; above 128 the sm80-class general kernel). DMATTN_FWD_SM90=0 turns both off (the
+// sm80-class kernels, which run everywhere), DMATTN_FWD_SM90_WS=0 the first alone, for
+// comparisons.
 // (sm90/enabled.h: never in a build without sm_90a code)
 inline bool fwd_sm90_enabled() {
   static const bool off = sm90::env_switched_off("DMATTN_FWD_SM90");
@@ -168,7 +169,11 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream) {
       case FwdWsScores::kPlain:
         break;
     }
-    sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kPlain>::Tile>(a, stream);
+    using PlainTile = typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kPlain>::Tile;
+    if (sm90::fwd_ws_packs_gqa(a, PlainTile::kBlockM))
+      sm90::launch_fwd_ws<typename PlainTile::template WithPackGqa<true>>(a, stream);
+    else
+      sm90::launch_fwd_ws<PlainTile>(a, stream);
     return;
   }
   if constexpr (kHeadDim <= 128) {

@@ -64,15 +64,17 @@
 #include "cuda/sm90/gmma.h"
 #include "cuda/sm90/key_rows_sm90.h"
 #include "cuda/sm90/mask_tile_sm90.h"
+#include "cuda/sm90/pack_gqa_sm90.h"
 #include "cuda/sm90/pipeline_params_sm90.h"
 #include "cuda/fwd_kernel.h"
 
 namespace dmattn::cuda::sm90 {
 
 // The work of a launch (fwd_ws_tile_coords): query blocks of a sequence, (head, batch) pairs,
-// whether a unit of work pairs two tiles, and the number of units.
+// the heads of a batch (KV heads where the query heads are packed), whether a unit of work
+// pairs two tiles, and the number of units.
 struct FwdWsTiles {
-  int num_m_blocks, num_hb;
+  int num_m_blocks, num_hb, heads;
   bool paired;
   int units;
 };
@@ -136,8 +138,8 @@ __device__ __forceinline__ void gather_kv_blocks(const FwdArgs& a, int b, int h,
 // units of a pair are its query blocks from the last to the first (the longest causal rows
 // first), or, paired, query blocks nm - 1 - i and i together: under a causal sweep every pair
 // of tiles reads about as many key blocks, so that units handed out in fixed rounds balance.
-__device__ __forceinline__ bool fwd_ws_tile_coords(int u, int half, const FwdWsTiles& w, int heads, int& m_block,
-                                                   int& h, int& b) {
+__device__ __forceinline__ bool fwd_ws_tile_coords(int u, int half, const FwdWsTiles& w, int& m_block, int& h,
+                                                   int& b) {
   const int per_hb = w.paired ? (w.num_m_blocks + 1) / 2 : w.num_m_blocks;
   const int hb = u / per_hb, i = u - hb * per_hb;
   m_block = w.num_m_blocks - 1 - i;
@@ -145,22 +147,22 @@ __device__ __forceinline__ bool fwd_ws_tile_coords(int u, int half, const FwdWsT
     if (!w.paired || i == m_block) return false;
     m_block = i;
   }
-  h = hb % heads;
-  b = hb / heads;
+  h = hb % w.heads;
+  b = hb / w.heads;
   return true;
 }
 
-// The key blocks a tile reads (warp-cooperative: every lane of the warp calls it, every warp
-// finds the same range): those of its gathered keys' range, else of its window, narrowed to the
-// first and last true key of a query-broadcast mask.
+// The key blocks a tile of queries [q_first, q_first + q_count) reads (warp-cooperative: every
+// lane of the warp calls it, every warp finds the same range): those of its gathered keys'
+// range, else of its window, narrowed to the first and last true key of a query-broadcast mask.
 template <class Tile>
-__device__ __forceinline__ void fwd_ws_key_range(const FwdArgs& a, const SeqBounds& seq, int b, int h, int m0,
-                                                 int& n_min, int& n_max) {
+__device__ __forceinline__ void fwd_ws_key_range(const FwdArgs& a, const SeqBounds& seq, int b, int h, int q_first,
+                                                 int q_count, int& n_min, int& n_max) {
   if (Tile::kKeyRows && a.kpos.ptr != nullptr) {
-    KeyPositionRow(a, b, h).key_block_range(m0, Tile::kBlockM, Tile::kBlockN, n_min, n_max);
+    KeyPositionRow(a, b, h).key_block_range(q_first, q_count, Tile::kBlockN, n_min, n_max);
     return;
   }
-  seq.window().key_block_range(m0, Tile::kBlockM, Tile::kBlockN, n_min, n_max);
+  seq.window().key_block_range(q_first, q_count, Tile::kBlockN, n_min, n_max);
   if (Tile::kKeyRows && !Tile::kMask && a.mask.ptr != nullptr) {  // (a query-broadcast mask: fwd_ws_supports)
     const KeyRowSources src = key_row_sources(a, b, h, seq.k0());
     key_mask_block_range<Tile::kBlockN>(src.mask, src.mask_step, seq.len_k(), n_min, n_max);
@@ -213,11 +215,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
   const bool skip_dead = Tile::kKeyRows && a.kpos.ends != nullptr;
   if (skip_dead) {
     int m_block, h, b, n_min, n_max;
-    fwd_ws_tile_coords(blockIdx.x, 0, p.schedule, a.num_heads, m_block, h, b);  // (unpaired: one tile a unit)
+    fwd_ws_tile_coords(blockIdx.x, 0, p.schedule, m_block, h, b);  // (unpaired: one tile a unit)
     const SeqBounds seq(a, b);
     const int m0 = m_block * kBlockM;
     if (m0 < seq.len_q()) {
-      fwd_ws_key_range<Tile>(a, seq, b, h, m0, n_min, n_max);
+      fwd_ws_key_range<Tile>(a, seq, b, h, m0, kBlockM, n_min, n_max);
       const int32_t* ends = ends_row(a.kpos, b, h);
       const int lo = n_min * kBlockN, hi = min(a.seqlen_k, n_max * kBlockN);
       int first = hi;
@@ -239,11 +241,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
                      Shape<_1, _1, _1>{});  // (the bias or mask tiles)
   using KeyRowPipeline = typename Tile::KeyRowPipeline;
   KeyRowPipeline pipe_key_rows(ss.pipe_key_rows, loader_pipeline_params<KeyRowPipeline>(warp_group == 0, kConsumerThreads));
-  // The tiles' readers: the consumers, the key rows' loader and the gather warps.
+  // The tiles' readers: the consumers, the key rows' or packed Q's loader and the gather warps.
   typename TilePipeline::Params tile_params;
   tile_params.dst_blockid = 0;  // (no cluster: a constant, not a register held by every role)
   tile_params.producer_arv_count = 1;
-  tile_params.consumer_arv_count = kConsumerThreads + (Tile::kKeyRows ? 32 : 0) + (indexed ? 64 : 0);
+  tile_params.consumer_arv_count = kConsumerThreads + (Tile::kKeyRows || Tile::kPackGqa ? 32 : 0) + (indexed ? 64 : 0);
   TilePipeline pipe_tile(ss.pipe_tile, tile_params);
   auto& q_full = *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&ss.q_full);
   auto& q_empty = *reinterpret_cast<cutlass::arch::ClusterBarrier*>(&ss.q_empty);
@@ -297,6 +299,27 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         return;
       }
     }
+    if constexpr (Tile::kPackGqa) {
+      if (warp == 1) {  // Q of each tile, its rows from the group's heads (pack_gqa_sm90.h), by cp.async
+        uint32_t taken = 0;
+        for (FwdWsTileInfo tile; (tile = next_fwd_ws_tile<Tile::kTileSlots>(pipe_tile, taken, ss.tiles)).m_block >= 0;) {
+          // (the previous tile's output staged in the buffer has been stored)
+          if (taken > 1) q_empty.wait((taken - 2) & 1);
+          const SeqBounds seq(a, tile.b);
+          const Element* q_group = static_cast<const Element*>(a.q) + int64_t(tile.b) * a.q_bs +
+                                   int64_t(seq.q0()) * a.q_rs + int64_t(tile.h) * a.group * a.q_hs;
+          const int lane = threadIdx.x % 32;
+          load_packed_q_sw128<kBlockM, kHeadDim>(cute::cast_smem_ptr_to_uint(ss.q.data()), q_group, a.q_rs, a.q_hs,
+                                                 tile.m_block * kBlockM, a.group, seq.len_q(), a.head_dim, lane);
+          // Landed, then visible to wgmma (the async proxy) before the barrier publishes it.
+          asm volatile("cp.async.wait_all;\n" ::: "memory");
+          cutlass::arch::fence_view_async_shared();
+          __syncwarp();
+          if (lane == 0) q_full.arrive();
+        }
+        return;
+      }
+    }
     if (warp != 0) return;
     // (read afresh at each use: the lane index is not held in a register across tiles)
     auto first_lane = []() {
@@ -336,14 +359,16 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
                                  typename Tile::SmemLayoutMask{});
       const SeqBounds seq(a, tile.b);
       const int tb = packed ? 0 : tile.b;  // (packed: the sequence's rows from its first, in batch 0)
-      const int h_kv = tile.h / a.group;
+      const int h_kv = Tile::kPackGqa ? tile.h : tile.h / a.group;  // (packed heads: the tile's head is the KV head)
       Tensor gQ = local_tile(domain_offset(make_coord(seq.q0(), 0), mQ(_, _, tile.h, tb)),
                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(tile.m_block, 0));
       auto [tQgQ, tQsQ] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto load_q = [&]() {
-        if (i > 0) q_empty.wait((i - 1) & 1);
-        q_full.arrive_and_expect_tx(Tile::kQBytes);
-        copy(p.tma_q.with(ss.q_full), tQgQ, tQsQ);
+        if constexpr (!Tile::kPackGqa) {  // (packed heads: Q from its own loader warp)
+          if (i > 0) q_empty.wait((i - 1) & 1);
+          q_full.arrive_and_expect_tx(Tile::kQBytes);
+          copy(p.tma_q.with(ss.q_full), tQgQ, tQsQ);
+        }
       };
       if (indexed || tile.n_max <= tile.n_min) {  // (indexed keys: K and V from the gather warps)
         load_q();
@@ -409,11 +434,14 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       bool skip = false;
       if (u < p.schedule.units) {
         int m_block, h, b, n_min, n_max;
-        skip = !fwd_ws_tile_coords(u, half, p.schedule, a.num_heads, m_block, h, b) ||
-               m_block * kBlockM >= SeqBounds(a, b).len_q();  // packed: past the end of a shorter sequence
+        // (packed batches: past the end of a shorter sequence)
+        skip = !fwd_ws_tile_coords(u, half, p.schedule, m_block, h, b) ||
+               m_block * kBlockM >= SeqBounds(a, b).len_q() * (Tile::kPackGqa ? a.group : 1);
         if (!skip) {
           const SeqBounds seq(a, b);
-          fwd_ws_key_range<Tile>(a, seq, b, h, m_block * kBlockM, n_min, n_max);
+          int q_first = m_block * kBlockM, q_count = kBlockM;
+          if constexpr (Tile::kPackGqa) packed_query_span(m_block * kBlockM, kBlockM, a.group, q_first, q_count);
+          fwd_ws_key_range<Tile>(a, seq, b, h, q_first, q_count, n_min, n_max);
           if (skip_dead && n_max > n_min) {
             int first = INT_MAX;
             for (int w = 0; w < Tile::kNThreads / 32; ++w) first = min(first, ss.first_alive[w]);
@@ -583,6 +611,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
                                                                                      nullptr, 0, nullptr, 0, &pt);
           pipe_key_rows.consumer_release(read_r);
           ++read_r;
+        } else if constexpr (Tile::kPackGqa) {  // (the test on each row's own query)
+          int q_first, q_count;
+          packed_query_span(m0, kBlockM, a.group, q_first, q_count);
+          if (win.block_needs_mask(q_first, q_count, kBlockN, n))
+            mask_packed_rows<kBlockN>(s_rc, tScS_rc, m0, a.group, n * kBlockN, win);
         } else if (win.block_needs_mask(m0, kBlockM, kBlockN, n)) {
           transform_scores_ex<false, true, Element, kBlockN, false>(s_rc, tScS_rc, a, m0, n * kBlockN, win, nullptr, 0,
                                                                     nullptr, 0);
@@ -673,26 +706,54 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
     Tensor tOsO = mma_o.get_thread_slice(etid).partition_C(sQ);
     copy(rO, tOsO);
     const SeqBounds seq(a, tile.b);
-    const int rows_valid = seq.rows_valid(m0, kBlockM);
-    float* g_lse = a.lse + seq.stat_offset(tile.h) + m0;
-    if ((etid & 3) == 0) {
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r)
-        if (rows[r] < rows_valid) g_lse[rows[r]] = lse[r];
-    }
-    NamedBarrier::sync(128, kEpilogueBarrier + consumer);
-    Element* gO = static_cast<Element*>(a.out) + int64_t(tile.b) * a.o_bs + int64_t(seq.q0() + m0) * a.o_rs +
-                  int64_t(tile.h) * a.o_hs;
     constexpr int kChunksPerRow = kHeadDim / 8;
     constexpr int kChunks = 64 * kChunksPerRow;
     static_assert(kChunks % 128 == 0);
     const int wtid = etid % 128;
-    CUTE_UNROLL
-    for (int it = 0; it < kChunks / 128; ++it) {
-      const int idx = it * 128 + wtid;
-      const int r = consumer * 64 + idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
-      if (r < rows_valid && c < a.head_dim)
-        *reinterpret_cast<uint4*>(gO + r * a.o_rs + c) = *reinterpret_cast<const uint4*>(&sQ(r, c));
+    if constexpr (Tile::kPackGqa) {
+      // Row r of the tile is query (m0 + r) / group of head (m0 + r) % group of the group: each
+      // row's lse and output at its own (query, head). (The stores in a rolled loop: unrolled,
+      // the rows' divisions and addresses spilled at head dim 256.)
+      const int q0 = seq.q0();
+      const int rows_valid = min(kBlockM, seq.len_q() * a.group - m0);
+      auto row_offset = [&](int r, int64_t row_stride, int64_t head_stride) {
+        const int q = (m0 + r) / a.group;
+        return int64_t(q) * row_stride + int64_t(m0 + r - q * a.group) * head_stride;
+      };
+      float* g_lse = a.lse + seq.stat_offset(tile.h * a.group, q0);
+      if ((etid & 3) == 0) {
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r)
+          if (rows[r] < rows_valid) g_lse[row_offset(rows[r], 1, a.lse_hs)] = lse[r];
+      }
+      NamedBarrier::sync(128, kEpilogueBarrier + consumer);
+      Element* gO = static_cast<Element*>(a.out) + int64_t(tile.b) * a.o_bs + int64_t(q0) * a.o_rs +
+                    int64_t(tile.h) * a.group * a.o_hs;
+#pragma unroll 1
+      for (int it = 0; it < kChunks / 128; ++it) {
+        const int idx = it * 128 + wtid;
+        const int r = consumer * 64 + idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
+        if (r < rows_valid && c < a.head_dim)
+          *reinterpret_cast<uint4*>(gO + row_offset(r, a.o_rs, a.o_hs) + c) = *reinterpret_cast<const uint4*>(&sQ(r, c));
+      }
+    } else {
+      const int rows_valid = seq.rows_valid(m0, kBlockM);
+      float* g_lse = a.lse + seq.stat_offset(tile.h) + m0;
+      if ((etid & 3) == 0) {
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r)
+          if (rows[r] < rows_valid) g_lse[rows[r]] = lse[r];
+      }
+      NamedBarrier::sync(128, kEpilogueBarrier + consumer);
+      Element* gO = static_cast<Element*>(a.out) + int64_t(tile.b) * a.o_bs + int64_t(seq.q0() + m0) * a.o_rs +
+                    int64_t(tile.h) * a.o_hs;
+      CUTE_UNROLL
+      for (int it = 0; it < kChunks / 128; ++it) {
+        const int idx = it * 128 + wtid;
+        const int r = consumer * 64 + idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
+        if (r < rows_valid && c < a.head_dim)
+          *reinterpret_cast<uint4*>(gO + r * a.o_rs + c) = *reinterpret_cast<const uint4*>(&sQ(r, c));
+      }
     }
     // The next tile's Q may now land in these rows (by TMA: the async proxy, after these
     // generic writes).

@@ -75,6 +75,28 @@ bool fwd_ws_supports(const FwdArgs& a) {
           (tma_strides_ok(a.k_bs, a.k_hs, batch, heads_kv) && tma_strides_ok(a.v_bs, a.v_hs, batch, heads_kv)));
 }
 
+// Whether a forward of plain scores packs the query heads of each KV head into its tiles
+// (pack_gqa_sm90.h): where the launch then needs fewer rounds of tiles over the
+// multiprocessors. A tile reads the same key blocks packed or not, so a launch's time goes with
+// its rounds; with short query sequences (a tile of one head mostly rows past the sequence) the
+// group's rows fill group-fold fewer tiles. Where the rounds are as many, the unpacked launch
+// was the faster (more CTAs streaming K and V: H200, B=1 against 32k keys, 5-10 %), and a
+// launch of fewer tiles than multiprocessors stays unpacked (split-KV is the decode kernels').
+// Packed batches count their longest sequence. The results are the same either way.
+// DMATTN_FWD_PACK_GQA=0 / =1: never / wherever there is a group (read at each launch; tests and
+// comparisons).
+inline bool fwd_ws_packs_gqa(const FwdArgs& a, int block_m) {
+  if (a.group <= 1 || fwd_ws_scores(a) != FwdWsScores::kPlain) return false;
+  if (const char* mode = std::getenv("DMATTN_FWD_PACK_GQA")) return mode[0] != '0';
+  const int sms = current_multiprocessor_count();
+  if (sms <= 0) return false;
+  auto rounds = [&](int64_t rows, int heads) {
+    const int64_t tiles = int64_t(a.batch) * heads * ((rows + block_m - 1) / block_m);
+    return (tiles + sms - 1) / sms;
+  };
+  return rounds(int64_t(a.seqlen_q) * a.group, a.num_heads / a.group) < rounds(a.seqlen_q, a.num_heads);
+}
+
 template <class Tile>
 void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
   using namespace cute;
@@ -98,8 +120,11 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
   const int bias_batch = a.bias.stride_b == 0 ? 1 : a.batch;
   const int mask_heads = a.mask.stride_h == 0 ? 1 : a.num_heads / a.mask.head_div;
   const int mask_batch = a.mask.stride_b == 0 ? 1 : a.batch;
-  const int num_m_blocks = (a.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
-  const int num_hb = a.num_heads * a.batch;
+  // Packed query heads (Tile::kPackGqa): a tile per KV head, over seqlen_q * group rows.
+  const int tile_heads = Tile::kPackGqa ? heads_kv : a.num_heads;
+  const int64_t tile_rows = int64_t(a.seqlen_q) * (Tile::kPackGqa ? a.group : 1);
+  const int num_m_blocks = int((tile_rows + Tile::kBlockM - 1) / Tile::kBlockM);
+  const int num_hb = tile_heads * a.batch;
   const int num_tiles = num_m_blocks * num_hb;
   // Persistent: one CTA an SM (the launch bounds and shared memory allow no second), each taking
   // units of work in fixed rounds (the kernel's scheduler warp): the next tile's loads overlap
@@ -153,7 +178,7 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
       rows_q,
       rows_k,
       batch,
-      FwdWsTiles{num_m_blocks, num_hb, paired, units},
+      FwdWsTiles{num_m_blocks, num_hb, tile_heads, paired, units},
   };
   auto kernel = fwd_ws_kernel_sm90<Tile>;
   constexpr int smem = Tile::kSmemBytes;

@@ -25,6 +25,8 @@
 //   kFullMaskKeyRows: a full mask with softcap and / or a query-broadcast bias: the mask tiles
 //              as kFullMask's, the key rows as kKeyRows's (their bias; no query bounds but the
 //              keys' end), the mask applied to the final scores.
+// Under plain scores the query heads of a KV head may be packed into the rows (kPackGqa,
+// pack_gqa_sm90.h): Q then comes by the producer's warp 1 (cp.async), not TMA.
 // Per head dim (FwdWsConfig): 64: 192 x 128 (three consumers); 128: 128 x 128; 256: 128 x 80 (the
 // largest key block whose Q, two K and two V stages fit in 227 KB), 128 x 64 with a bias or key
 // rows.
@@ -55,9 +57,17 @@ struct FwdWsTileInfo {
 };
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, FwdWsScores kScores_,
-          int kProducerRegs_, int kConsumerRegs_>
+          int kProducerRegs_, int kConsumerRegs_, bool kPackGqa_ = false>
 struct FwdWsTile {
   static constexpr FwdWsScores kScores = kScores_;
+  // The query heads of a KV head packed into the tile's rows (pack_gqa_sm90.h): plain scores
+  // only (a bias, mask or key rows would differ between the rows' heads).
+  static constexpr bool kPackGqa = kPackGqa_;
+  static_assert(!kPackGqa || kScores == FwdWsScores::kPlain);
+  // The same tile with the heads packed or not.
+  template <bool kPack>
+  using WithPackGqa = FwdWsTile<Element_, kHeadDim_, kBlockM_, kBlockN_, kStages_, kScores_, kProducerRegs_,
+                                kConsumerRegs_, kPack>;
   // the (kBlockM, kBlockN) bias tiles
   static constexpr bool kBias = kScores == FwdWsScores::kFullBias || kScores == FwdWsScores::kFullBiasKeyRows;
   // the per-key rows
