@@ -641,50 +641,88 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         NamedBarrier::sync(kConsumerThreads, kTailBarrier);
       };
 
-      int n = n_max - 1;
-      pipe_k.consumer_wait(read_k);
-      sched_sync();
-      issue_s(read_k.index());
-      sched_pass();
-      gemm_wait<0>(acc_s);
-      pipe_k.consumer_release(read_k);
-      ++read_k;
-      {
-        float alpha[kRows];
-        scores_to_probs(n, alpha);  // (alpha = 0: O is still zero)
-      }
-      convert_fragment<Element, false>(acc_s, rP);
-
-      for (--n; n >= n_min; --n) {
+      // A consumer whose 64 rows all lie past the sequence (a short sequence, the last query
+      // block of a longer one; never consumer 0) runs no product and no softmax: it takes its
+      // tensor-core turns and consumes its pipeline stages unread, so that the others' products
+      // run back to back. (Its rows are never stored. A branch around the loop, not a flag held
+      // through it: the flag cost the loop registers, spills at D=64, 128 and 256.)
+      if (consumer * 64 >= SeqBounds(a, tile.b).len_q() * (Tile::kPackGqa ? a.group : 1) - m0) {
+        auto skip_score_stages = [&]() {
+          if constexpr (Tile::kBias || Tile::kMask) {
+            pipe_bias.consumer_wait(read_b);
+            pipe_bias.consumer_release(read_b);
+            ++read_b;
+          }
+          if constexpr (Tile::kKeyRows) {
+            pipe_key_rows.consumer_wait(read_r);
+            pipe_key_rows.consumer_release(read_r);
+            ++read_r;
+          }
+        };
+        for (int n = n_max - 1; n >= n_min - 1; --n) {  // (n_min - 1: the last P V turn)
+          if (n >= n_min) pipe_k.consumer_wait(read_k);
+          if (n < n_max - 1) {
+            clear_v_tail(n + 1);
+            pipe_v.consumer_wait(read_v);
+          }
+          sched_sync();
+          sched_pass();
+          if (n >= n_min) {
+            pipe_k.consumer_release(read_k);
+            ++read_k;
+            skip_score_stages();
+          }
+          if (n < n_max - 1) {
+            pipe_v.consumer_release(read_v);
+            ++read_v;
+          }
+        }
+      } else {
+        int n = n_max - 1;
         pipe_k.consumer_wait(read_k);
-        clear_v_tail(n + 1);
         sched_sync();
         issue_s(read_k.index());
-        pipe_v.consumer_wait(read_v);
-        issue_pv(read_v.index());
         sched_pass();
-        gemm_wait<1>(acc_s);
+        gemm_wait<0>(acc_s);
         pipe_k.consumer_release(read_k);
         ++read_k;
-        float alpha[kRows];
-        scores_to_probs(n, alpha);
+        {
+          float alpha[kRows];
+          scores_to_probs(n, alpha);  // (alpha = 0: O is still zero)
+        }
+        convert_fragment<Element, false>(acc_s, rP);
+
+        for (--n; n >= n_min; --n) {
+          pipe_k.consumer_wait(read_k);
+          clear_v_tail(n + 1);
+          sched_sync();
+          issue_s(read_k.index());
+          pipe_v.consumer_wait(read_v);
+          issue_pv(read_v.index());
+          sched_pass();
+          gemm_wait<1>(acc_s);
+          pipe_k.consumer_release(read_k);
+          ++read_k;
+          float alpha[kRows];
+          scores_to_probs(n, alpha);
+          gemm_wait<0>(acc_o);
+          pipe_v.consumer_release(read_v);
+          ++read_v;
+          // (the skip pays with a bias or key rows; on plain scores its vote sits on the shortest
+          // path between the P V product and the next turn, 2-3 % slower there)
+          if constexpr (Tile::kScaledScores) softmax.rescale_if_needed(acc_o_rc, alpha);
+          else softmax.rescale(acc_o_rc, alpha);
+          convert_fragment<Element, false>(acc_s, rP);
+        }
+        clear_v_tail(n_min);
+        pipe_v.consumer_wait(read_v);
+        sched_sync();
+        issue_pv(read_v.index());
+        sched_pass();
         gemm_wait<0>(acc_o);
         pipe_v.consumer_release(read_v);
         ++read_v;
-        // (the skip pays with a bias or key rows; on plain scores its vote sits on the shortest
-        // path between the P V product and the next turn, 2-3 % slower there)
-        if constexpr (Tile::kScaledScores) softmax.rescale_if_needed(acc_o_rc, alpha);
-        else softmax.rescale(acc_o_rc, alpha);
-        convert_fragment<Element, false>(acc_s, rP);
       }
-      clear_v_tail(n_min);
-      pipe_v.consumer_wait(read_v);
-      sched_sync();
-      issue_pv(read_v.index());
-      sched_pass();
-      gemm_wait<0>(acc_o);
-      pipe_v.consumer_release(read_v);
-      ++read_v;
       // The last consumer's final hand-over is to consumer 0: consume it, so that no barrier
       // is left half arrived.
       if (consumer == 0) sched_sync();
