@@ -234,11 +234,10 @@ for dtype in (torch.bfloat16, torch.float16):
     varlen_case([300, 70, 200], 4, 2, 128, dtype, key_bias=True, deterministic=True)
     varlen_case([300, 70, 200, 1], 4, 2, 256, dtype, causal=True)
     del os.environ["DMATTN_BWD_EXACT"]
-print("sanitizer cases done")
-
-    # The query heads of a KV head packed into the forward's tiles (short chunks, groups of 4,
-    # 8 and 7; D 64 / 96 / 256; causal and window), several tiles a CTA forced persistent; a
-    # packed batch, which packs its heads whenever they form groups.
+    # The query heads of a KV head packed into the forward's tiles, forced (short chunks, groups
+    # of 4, 8 and 7; D 64 / 96 / 256; causal and window; a consumer without rows), several tiles
+    # a CTA forced persistent, and a packed batch.
+    os.environ["DMATTN_FWD_PACK_GQA"] = "1"
     case(2, 16, 700, 16, 4, 128, dtype, causal=True)
     case(1, 5, 1030, 16, 2, 64, dtype)
     case(1, 20, 333, 28, 4, 96, dtype, window=(40, 0))
@@ -248,3 +247,5 @@ print("sanitizer cases done")
     case(2, 70, 600, 16, 4, 128, dtype, causal=True)
     del os.environ["DMATTN_FWD_PERSISTENT"], os.environ["DMATTN_FWD_PERSISTENT_CTAS"]
     varlen_case([7, 0, 130, 33], 8, 2, 128, dtype, causal=True)
+    del os.environ["DMATTN_FWD_PACK_GQA"]
+print("sanitizer cases done")

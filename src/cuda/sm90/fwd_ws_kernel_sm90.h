@@ -638,7 +638,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         for (int idx = opaque_thread_index(); idx < (kBlockN - valid) * kHeadDim; idx += kConsumerThreads)
           sV(valid + idx / kHeadDim, idx % kHeadDim, read_v.index()) = Element(0.f);
         fence_smem_for_wgmma();
-        NamedBarrier::sync(kConsumerThreads, kTailBarrier);
+        // (not .aligned: a consumer without rows arrives from its own loop, and the lanes of a
+        // warp from the zeroing loop's different trip counts; compute-sanitizer's synccheck
+        // flagged the aligned form there)
+        NamedBarrier(kConsumerThreads, kTailBarrier).arrive_and_wait_unaligned();
       };
 
       // A consumer whose 64 rows all lie past the sequence (a short sequence, the last query
