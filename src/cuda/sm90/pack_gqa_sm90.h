@@ -7,7 +7,9 @@
 // Every row's scores, softmax and output are computed as in a tile of its own head (the same
 // products, the same key blocks in the same order; a block that only another row of the tile
 // needs gives this row's scores -inf and changes none of its values), so packing changes no
-// bit of the results.
+// bit of the results. (Of finite inputs: a NaN or Inf in V at a key a row does not attend may
+// reach that row through P = 0, as in any tile that another row's keys share; docs/semantics.md
+// leaves that open.)
 #pragma once
 
 #include <cstdint>
