@@ -1,7 +1,8 @@
 """Forward timings of dmattn's biased and masked problems at one head dim (CUDA, bf16, B=2, S=8192,
-H=16 up to head dim 128, H=8 above): a full bias (B,H,S,S), alone or with a key padding mask
-(B,1,1,S; the second sequence's last 1536 keys padding), and a full boolean mask (half true at
-random), causal or not, with the full bias, with a per-key bias (B,H,1,S) or with softcap; the
+H=16 up to head dim 128, H=8 above): a full bias (B,H,S,S), in bf16 or fp32, alone or with a key
+padding mask (B,1,1,S; the second sequence's last 1536 keys padding), and a full boolean mask
+(half true at random), causal or not, with the full bias, with a per-key bias (B,H,1,S) or with
+softcap; the
 mask and the bias with rows that are not 16-byte multiples (S - 8 and S - 4 keys: the backend's
 padded copy, src/cuda/aligned_operand.h); a key mask (2048 of S) with a per-key bias, causal, and
 `attention_topk` 2048 with the selection, causal. Median of three medians of
@@ -31,6 +32,7 @@ def main():
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v = (torch.randn(B, S, H, D, device=dev, dtype=dt, generator=g) for _ in range(3))
     bias = torch.randn(B, H, S, S, device=dev, dtype=dt, generator=g)
+    bias32 = bias.float()  # a learnable bias kept in fp32 beside bf16 q, k, v
     key_bias = torch.randn(B, H, 1, S, device=dev, dtype=dt, generator=g)
     keep = torch.rand(B, H, 1, S, device=dev, generator=g).topk(2048, dim=-1).indices
     key_mask = torch.zeros(B, H, 1, S, device=dev, dtype=torch.bool).scatter_(-1, keep, True)
@@ -56,6 +58,10 @@ def main():
         "full mask (half true)": lambda: dmattn.attention(q, k, v, full_mask),
         "full mask (half true), causal": lambda: dmattn.attention(q, k, v, full_mask, causal=True),
         "full mask + full bias": lambda: dmattn.attention(q, k, v, full_mask, bias),
+        "full mask + full bias, causal": lambda: dmattn.attention(q, k, v, full_mask, bias, causal=True),
+        "full fp32 bias": lambda: dmattn.attention(q, k, v, bias=bias32),
+        "full fp32 bias, causal": lambda: dmattn.attention(q, k, v, bias=bias32, causal=True),
+        "full fp32 bias + key padding": lambda: dmattn.attention(q, k, v, key_padding, bias32),
         "full mask + per-key bias": lambda: dmattn.attention(q, k, v, full_mask, key_bias),
         "full mask + per-key bias, causal": lambda: dmattn.attention(q, k, v, full_mask, key_bias, causal=True),
         "full mask + softcap 30": lambda: dmattn.attention(q, k, v, full_mask, softcap=30.0),

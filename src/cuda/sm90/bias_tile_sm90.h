@@ -7,7 +7,8 @@
 // 16-byte chunks are XOR-swizzled by the row: chunk c of row r lives at chunk c ^ (r % 8). A
 // query-broadcast bias keeps one row (r = 0: no swizzle). Out-of-range elements are 0 (the key
 // tail is masked by the window test, rows past Sq are never stored).
-// The TMA tile of the warp-specialized kernels (add_bias_sw128): wgmma's 128-byte swizzle.
+// The TMA tile of the warp-specialized kernels (add_bias_sw128): wgmma's 128-byte swizzle, of
+// 16-bit elements or (the forward's fp32 bias) of floats.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -130,6 +131,37 @@ __device__ __forceinline__ void add_bias_sw128(S& s, C const& coord, const Eleme
       ElemInfo<Element>::word_to_float2(w[i], b0, b1);
       s(r, c) = fmaf(s(r, c), scale, b0);
       s(r, c + 1) = fmaf(s(r, c + 1), scale, b1);
+    }
+  }
+}
+
+// The same for an fp32 bias tile: (kTileRows, 32 j) in the 128-byte swizzle of 4-byte elements
+// (tile_to_shape of Layout_K_SW128_Atom<float>: 32-key column blocks of kTileRows 128-byte rows,
+// 16-byte chunk c of row r at c ^ (r % 8)). A thread's pair of keys 8j + 2 (lane % 4) + {0, 1}
+// is one 8-byte load: chunk 2 (j % 4) + (lane % 4) / 2 of its 32-key block, at byte 8 (lane % 2)
+// of it. A warp's load covers 8 rows, two chunks each, at 16 distinct chunk positions of two
+// 128-byte lines: its 256 bytes in two wavefronts, the least they take. (ldmatrix, which moves
+// 16-bit pairs, would hand each lane single floats of other columns.) The accumulator's keys
+// start at a multiple of 32.
+template <int kTileRows, class S, class C>
+__device__ __forceinline__ void add_bias_sw128(S& s, C const& coord, const float* s_bias, float scale) {
+  using namespace cute;
+  constexpr int kGroups = decltype(size<1>(s))::value / 2;  // 8-key groups
+  static_assert(decltype(size<0>(s))::value == 2 && kGroups % 4 == 0, "a 64 x 32 j accumulator of one warpgroup");
+  const int c0 = get<1>(coord(0, 0));  // 32 b + 2 (lane % 4)
+  const uint32_t tile = cute::cast_smem_ptr_to_uint(s_bias) + (c0 >> 5) * (kTileRows * 128) + (c0 & 2) * 4;
+  CUTE_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const int row = get<0>(coord(r, 0));
+    const uint32_t base = tile + row * 128;
+    const uint32_t xs = uint32_t(((c0 & 31) >> 2) ^ (row & 7));  // (the chunk's low bit, then the row's XOR)
+    CUTE_UNROLL
+    for (int j = 0; j < kGroups; ++j) {
+      const uint32_t addr = base + (j >> 2) * (kTileRows * 128) + (((uint32_t(j & 3) << 1) ^ xs) << 4);
+      float b0, b1;
+      asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(b0), "=f"(b1) : "r"(addr));
+      s(r, 2 * j) = fmaf(s(r, 2 * j), scale, b0);
+      s(r, 2 * j + 1) = fmaf(s(r, 2 * j + 1), scale, b1);
     }
   }
 }

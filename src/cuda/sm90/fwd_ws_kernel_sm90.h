@@ -237,8 +237,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
                                  : tma_pipeline_params<Pipeline>(Tile::kKVStageBytes, warp_group == 0, kConsumerThreads);
   Pipeline pipe_k(ss.pipe_k, kv_params, Shape<_1, _1, _1>{});
   Pipeline pipe_v(ss.pipe_v, kv_params, Shape<_1, _1, _1>{});
-  Pipeline pipe_bias(ss.pipe_bias, tma_pipeline_params<Pipeline>(Tile::kScoreTileBytes, warp_group == 0, kConsumerThreads),
-                     Shape<_1, _1, _1>{});  // (the bias or mask tiles)
+  // The bias tiles and the mask tiles (their pipelines advance with K's: block n's stage of each
+  // is K[n]'s).
+  Pipeline pipe_bias(ss.pipe_bias, tma_pipeline_params<Pipeline>(Tile::kBiasStageBytes, warp_group == 0, kConsumerThreads),
+                     Shape<_1, _1, _1>{});
+  Pipeline pipe_mask(ss.pipe_mask, tma_pipeline_params<Pipeline>(Tile::kMaskStageBytes, warp_group == 0, kConsumerThreads),
+                     Shape<_1, _1, _1>{});
   using KeyRowPipeline = typename Tile::KeyRowPipeline;
   KeyRowPipeline pipe_key_rows(ss.pipe_key_rows, loader_pipeline_params<KeyRowPipeline>(warp_group == 0, kConsumerThreads));
   // The tiles' readers: the consumers, the key rows' or packed Q's loader and the gather warps.
@@ -353,10 +357,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.rows_k, a.head_dim, a.num_heads / a.group, p.batch));
       Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.rows_k, a.head_dim, a.num_heads / a.group, p.batch));
       Tensor mB = p.tma_bias.get_tma_tensor(make_shape(a.seqlen_q, a.seqlen_k, p.bias_heads, p.bias_batch));
-      Tensor sBias = make_tensor(make_smem_ptr(ss.score_tiles.data()), typename Tile::SmemLayoutBias{});
+      Tensor sBias = make_tensor(make_smem_ptr(reinterpret_cast<typename Tile::BiasElement*>(ss.bias_tiles.data())),
+                                 typename Tile::SmemLayoutBias{});
       Tensor mM = p.tma_mask.get_tma_tensor(make_shape(a.seqlen_q, a.seqlen_k, p.mask_heads, p.mask_batch));
-      Tensor sMask = make_tensor(make_smem_ptr(reinterpret_cast<uint8_t*>(ss.score_tiles.data())),
-                                 typename Tile::SmemLayoutMask{});
+      Tensor sMask = make_tensor(make_smem_ptr(ss.mask_tiles.data()), typename Tile::SmemLayoutMask{});
       const SeqBounds seq(a, tile.b);
       const int tb = packed ? 0 : tile.b;  // (packed: the sequence's rows from its first, in batch 0)
       const int h_kv = Tile::kPackGqa ? tile.h : tile.h / a.group;  // (packed heads: the tile's head is the KV head)
@@ -384,9 +388,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       Tensor gB = local_tile(mB(_, _, p.bias_heads == 1 ? 0 : tile.h / a.bias.head_div, p.bias_batch == 1 ? 0 : tile.b),
                              Shape<Int<kBlockM>, Int<Tile::kBiasN>>{}, make_coord(tile.m_block, _));
       const auto tB = tma_partition(p.tma_bias, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sBias), group_modes<0, 2>(gB));
-      // The mask's likewise, (kBlockM, 128) a key block.
+      // The mask's likewise.
       Tensor gM = local_tile(mM(_, _, p.mask_heads == 1 ? 0 : tile.h / a.mask.head_div, p.mask_batch == 1 ? 0 : tile.b),
-                             Shape<Int<Tile::kMaskM>, _128>{}, make_coord(tile.m_block, _));
+                             Shape<Int<Tile::kMaskM>, Int<Tile::kMaskN>>{}, make_coord(tile.m_block, _));
       const auto tM = tma_partition(p.tma_mask, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sMask), group_modes<0, 2>(gM));
       // With K[nb]. The bias streams from HBM (no other CTA reads it) and the two stages give it
       // one block of lead: the tile kBiasPrefetch blocks further is prefetched into L2 meanwhile.
@@ -407,8 +411,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           if (nb - kBiasPrefetch >= tile.n_min) prefetch(p.tma_bias, get<0>(tB)(_, nb - kBiasPrefetch));
         }
         if constexpr (Tile::kMask) {
-          pipe_bias.producer_acquire(write_k);
-          copy(p.tma_mask.with(*pipe_bias.producer_get_barrier(write_k)), get<0>(tM)(_, nb), get<1>(tM)(_, write_k.index()));
+          pipe_mask.producer_acquire(write_k);
+          copy(p.tma_mask.with(*pipe_mask.producer_get_barrier(write_k)), get<0>(tM)(_, nb), get<1>(tM)(_, write_k.index()));
           if (nb - kBiasPrefetch >= tile.n_min) prefetch(p.tma_mask, get<0>(tM)(_, nb - kBiasPrefetch));
         }
       };
@@ -475,7 +479,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       const PipelineState write = pipeline_state_at<Tile::kStages>(uint32_t(blocks), true);
       pipe_k.producer_tail(write);
       pipe_v.producer_tail(write);
-      if constexpr (Tile::kBias || Tile::kMask) pipe_bias.producer_tail(write);
+      if constexpr (Tile::kBias) pipe_bias.producer_tail(write);
+      if constexpr (Tile::kMask) pipe_mask.producer_tail(write);
     }
     return;
   }
@@ -565,35 +570,34 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       // The bias and the window / tail test of block n, then the softmax; alpha: O's rescale
       // factors.
       auto scores_to_probs = [&](int n, float (&alpha)[kRows]) {
-        // Softcap (key-row policies) before any bias: s = softcap * tanh(scale * qk / softcap) +
-        // bias, the bias then added to scores scaled already.
+        // Softcap before any bias: s = softcap * tanh(scale * qk / softcap) + bias, the bias then
+        // added to scores scaled already.
         float scale = a.scale;
-        if constexpr (Tile::kKeyRows) {
+        if constexpr (Tile::kSoftcap) {
           if (a.softcap != 0.f) {
             CUTE_UNROLL
             for (int i = 0; i < size(s_rc); ++i) s_rc(i) = a.softcap * tanhf(s_rc(i) * a.scale_div_softcap);
             scale = 1.f;
           }
         }
+        // (block n's bias and mask stages: read_b of both pipelines, advanced once they are read)
         if constexpr (Tile::kBias) {
           pipe_bias.consumer_wait(read_b);
-          add_bias_sw128<Element, kBlockM>(s_rc, tScS_rc, ss.score_tiles.data() + read_b.index() * (kBlockM * kBlockN),
-                                           scale);
+          const auto* bias_stage = reinterpret_cast<const typename Tile::BiasElement*>(
+              ss.bias_tiles.data() + read_b.index() * Tile::kBiasStageBytes);
+          if constexpr (Tile::kBiasBytes == 4) add_bias_sw128<kBlockM>(s_rc, tScS_rc, bias_stage, scale);
+          else add_bias_sw128<Element, kBlockM>(s_rc, tScS_rc, bias_stage, scale);
           pipe_bias.consumer_release(read_b);
-          ++read_b;
         }
         // The mask tile's false elements: -inf on the final score (after any bias, so that no
         // bias value turns a masked score into anything else).
         auto apply_mask_tile = [&]() {
           if constexpr (Tile::kMask) {
-            static_assert(is_mask_sw128_layout<typename Tile::SmemLayoutMask, kBlockM>(),
+            static_assert(is_mask_sw_layout<typename Tile::SmemLayoutMask, kBlockM, kBlockN>(),
                           "the mask's reads follow the tile's layout");
-            pipe_bias.consumer_wait(read_b);
-            apply_mask_sw128<kBlockM>(s_rc, tScS_rc,
-                                      reinterpret_cast<const uint8_t*>(ss.score_tiles.data()) +
-                                          read_b.index() * Tile::kMaskStageBytes);
-            pipe_bias.consumer_release(read_b);
-            ++read_b;
+            pipe_mask.consumer_wait(read_b);
+            apply_mask_sw<kBlockM, kBlockN>(s_rc, tScS_rc, ss.mask_tiles.data() + read_b.index() * Tile::kMaskStageBytes);
+            pipe_mask.consumer_release(read_b);
           }
         };
         if constexpr (Tile::kMask && !Tile::kKeyRows) apply_mask_tile();
@@ -620,6 +624,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           transform_scores_ex<false, true, Element, kBlockN, false>(s_rc, tScS_rc, a, m0, n * kBlockN, win, nullptr, 0,
                                                                     nullptr, 0);
         }
+        if constexpr (Tile::kBias || Tile::kMask) ++read_b;
         if constexpr (Tile::kScaledScores) softmax.template update_scaled_deferred<true, true>(s_rc, kLog2e, alpha);
         else softmax.template update_scaled_deferred<false>(s_rc, sl2, alpha);
       };
@@ -651,11 +656,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       // through it: the flag cost the loop registers, spills at D=64, 128 and 256.)
       if (consumer * 64 >= SeqBounds(a, tile.b).len_q() * (Tile::kPackGqa ? a.group : 1) - m0) {
         auto skip_score_stages = [&]() {
-          if constexpr (Tile::kBias || Tile::kMask) {
+          if constexpr (Tile::kBias) {
             pipe_bias.consumer_wait(read_b);
             pipe_bias.consumer_release(read_b);
-            ++read_b;
           }
+          if constexpr (Tile::kMask) {
+            pipe_mask.consumer_wait(read_b);
+            pipe_mask.consumer_release(read_b);
+          }
+          if constexpr (Tile::kBias || Tile::kMask) ++read_b;
           if constexpr (Tile::kKeyRows) {
             pipe_key_rows.consumer_wait(read_r);
             pipe_key_rows.consumer_release(read_r);

@@ -19,15 +19,19 @@
 
 namespace dmattn::cuda::sm90 {
 
-// The score policy a problem needs: the bias tiles for a full bias alone, with key rows beside
-// them where a mask or softcap comes with it; the mask tiles for a full mask alone, with key
-// rows beside them where softcap or a query-broadcast bias comes with it; per-key rows for
-// everything else the kernel takes (gathered keys and key ends, query-broadcast biases and
-// masks, softcap); plain scores without any of them.
+// The score policy a problem needs: the bias tiles for a full bias alone, with the mask tiles
+// beside them for a full mask (and softcap), with key rows beside them where a query-broadcast
+// mask or softcap comes with it; the mask tiles for a full mask alone, with key rows beside them
+// where softcap or a query-broadcast bias comes with it; per-key rows for everything else the
+// kernel takes (gathered keys and key ends, query-broadcast biases and masks, softcap); plain
+// scores without any of them.
 inline FwdWsScores fwd_ws_scores(const FwdArgs& a) {
-  if (a.bias.ptr != nullptr && !a.bias.row_bcast)
+  const bool full_mask = a.mask.ptr != nullptr && !a.mask.row_bcast;
+  if (a.bias.ptr != nullptr && !a.bias.row_bcast) {
+    if (full_mask && a.kpos.ptr == nullptr && a.kpos.ends == nullptr) return FwdWsScores::kFullBiasMask;
     return a.mask.ptr != nullptr || a.softcap != 0.f || a.kpos.ptr != nullptr ? FwdWsScores::kFullBiasKeyRows
                                                                                : FwdWsScores::kFullBias;
+  }
   if (a.mask.ptr != nullptr && !a.mask.row_bcast && a.kpos.ptr == nullptr && a.kpos.ends == nullptr)
     return a.bias.ptr != nullptr || a.softcap != 0.f ? FwdWsScores::kFullMaskKeyRows : FwdWsScores::kFullMask;
   if (a.kpos.ptr != nullptr || a.bias.ptr != nullptr || a.mask.ptr != nullptr || a.softcap != 0.f)
@@ -37,12 +41,13 @@ inline FwdWsScores fwd_ws_scores(const FwdArgs& a) {
 
 // The problems the warp-specialized kernel takes, at every head dim: dense or packed batches
 // with plain scores, softcap, a query-broadcast bias (any dtype) or mask, and gathered keys with
-// key ends; dense batches with a full 16-bit bias (tma_bias_tiles_ok), alone or with a
-// query-broadcast mask and / or softcap; up to head dim 128, dense batches with a full mask
-// (tma_mask_tiles_ok), alone or with a query-broadcast bias and / or softcap. The others (fp32
-// full biases, a full bias with a full mask or gathered keys, a full mask with gathered keys,
-// full masks above 128) run the sm90 kernel of fwd_kernel_sm90.h up to head dim 128, the
-// sm80-class general kernel above.
+// key ends; dense batches with a full bias (tma_bias_tiles_ok: 16-bit, or fp32 up to head dim
+// 128), alone or with a query-broadcast mask and / or softcap; dense batches with a full mask
+// (tma_mask_tiles_ok), alone or with a query-broadcast bias and / or softcap; up to head dim
+// 128, dense batches with a full 16-bit bias and a full mask (and softcap). The others (a full
+// bias or mask with gathered keys or key ends, an fp32 full bias with a full mask, a full bias
+// and mask at 256, packed batches with a full mask, operands whose strides TMA cannot take) run
+// the sm90 kernel of fwd_kernel_sm90.h up to head dim 128, the sm80-class general kernel above.
 template <int kHeadDim>
 bool fwd_ws_supports(const FwdArgs& a) {
   static const bool off = env_switched_off("DMATTN_FWD_SM90_WS");  // (comparisons)
@@ -55,14 +60,19 @@ bool fwd_ws_supports(const FwdArgs& a) {
       if (full_mask) return false;
       break;
     case FwdWsScores::kFullBias:
-      if (!tma_bias_tiles_ok(a.bias) || a.seqlen_k == 0) return false;
+      if (!tma_bias_tiles_ok(a.bias, kHeadDim <= 128) || a.seqlen_k == 0) return false;
       break;
     case FwdWsScores::kFullBiasKeyRows:
-      if (!tma_bias_tiles_ok(a.bias) || full_mask || a.kpos.ptr || a.seqlen_k == 0) return false;
+      if (!tma_bias_tiles_ok(a.bias, kHeadDim <= 128) || full_mask || a.kpos.ptr || a.seqlen_k == 0) return false;
+      break;
+    case FwdWsScores::kFullBiasMask:
+      if (kHeadDim > 128 || !tma_bias_tiles_ok(a.bias) || !tma_mask_tiles_ok(a.mask) || a.cu_seqlens_q != nullptr ||
+          a.seqlen_k == 0)
+        return false;
       break;
     case FwdWsScores::kFullMask:
     case FwdWsScores::kFullMaskKeyRows:
-      if (kHeadDim > 128 || !tma_mask_tiles_ok(a.mask) || a.cu_seqlens_q != nullptr || a.seqlen_k == 0) return false;
+      if (!tma_mask_tiles_ok(a.mask) || a.cu_seqlens_q != nullptr || a.seqlen_k == 0) return false;
       break;
     case FwdWsScores::kPlain:
       break;
@@ -154,8 +164,9 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
   typename Tile::TmaBias tma_bias{};
   if constexpr (Tile::kBias)
     tma_bias = make_tma_copy(SM90_TMA_LOAD{},
-                             gmem(a.bias.ptr, a.seqlen_q, a.seqlen_k, bias_heads, bias_batch, a.bias.stride_q,
-                                  a.bias.stride_h, a.bias.stride_b),
+                             tma_gmem_view(reinterpret_cast<const typename Tile::BiasElement*>(a.bias.ptr), a.seqlen_q,
+                                           a.seqlen_k, bias_heads, bias_batch, a.bias.stride_q, a.bias.stride_h,
+                                           a.bias.stride_b),
                              take<0, 2>(typename Tile::SmemLayoutBias{}));
   // The mask tiles' likewise.
   typename Tile::TmaMask tma_mask{};

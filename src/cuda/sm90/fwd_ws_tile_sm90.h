@@ -24,15 +24,23 @@
 //              without their bias (the mask's rows give the query bounds);
 //   kFullMaskKeyRows: a full mask with softcap and / or a query-broadcast bias: the mask tiles
 //              as kFullMask's, the key rows as kKeyRows's (their bias; no query bounds but the
-//              keys' end), the mask applied to the final scores.
+//              keys' end), the mask applied to the final scores;
+//   kFullBiasMask: a full 16-bit bias with a full mask (and softcap): both tile streams, each
+//              through a pipeline of its own, the mask applied to the final scores.
+// A full bias in fp32 (kBiasBytes = 4: a learnable bias kept in fp32 beside 16-bit q, k, v) comes
+// as fp32 tiles in the 128-byte swizzle of 4-byte elements (32-key column blocks).
+// Mask tiles of a 64-key block are 64-byte rows in the 64-byte swizzle (chunk c of row r at
+// c ^ ((r / 2) % 4)).
 // Under plain scores the query heads of a KV head may be packed into the rows (kPackGqa,
 // pack_gqa_sm90.h): Q then comes by the producer's warp 1 (cp.async), not TMA.
 // Per head dim (FwdWsConfig): 64: 192 x 128 (three consumers); 128: 128 x 128; 256: 128 x 80 (the
-// largest key block whose Q, two K and two V stages fit in 227 KB), 128 x 64 with a bias or key
-// rows.
+// largest key block whose Q, two K and two V stages fit in 227 KB), 128 x 64 with a bias, a mask
+// or key rows. 128 x 64 at 128 where two tile streams or fp32 bias tiles would not fit beside
+// 128-key K and V stages.
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
@@ -45,7 +53,7 @@
 
 namespace dmattn::cuda::sm90 {
 
-enum class FwdWsScores { kPlain, kFullBias, kKeyRows, kFullMask, kFullBiasKeyRows, kFullMaskKeyRows };
+enum class FwdWsScores { kPlain, kFullBias, kKeyRows, kFullMask, kFullBiasKeyRows, kFullMaskKeyRows, kFullBiasMask };
 
 // One tile of the forward (a query block of one head and batch) as the scheduler warp hands it
 // to the other roles: the key blocks [n_min, n_max) it reads (empty: its rows see no key), and
@@ -57,7 +65,7 @@ struct FwdWsTileInfo {
 };
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, FwdWsScores kScores_,
-          int kProducerRegs_, int kConsumerRegs_, bool kPackGqa_ = false>
+          int kProducerRegs_, int kConsumerRegs_, bool kPackGqa_ = false, int kBiasBytes_ = 2>
 struct FwdWsTile {
   static constexpr FwdWsScores kScores = kScores_;
   // The query heads of a KV head packed into the tile's rows (pack_gqa_sm90.h): plain scores
@@ -67,22 +75,31 @@ struct FwdWsTile {
   // The same tile with the heads packed or not.
   template <bool kPack>
   using WithPackGqa = FwdWsTile<Element_, kHeadDim_, kBlockM_, kBlockN_, kStages_, kScores_, kProducerRegs_,
-                                kConsumerRegs_, kPack>;
+                                kConsumerRegs_, kPack, kBiasBytes_>;
   // the (kBlockM, kBlockN) bias tiles
-  static constexpr bool kBias = kScores == FwdWsScores::kFullBias || kScores == FwdWsScores::kFullBiasKeyRows;
+  static constexpr bool kBias = kScores == FwdWsScores::kFullBias || kScores == FwdWsScores::kFullBiasKeyRows ||
+                                kScores == FwdWsScores::kFullBiasMask;
   // the per-key rows
   static constexpr bool kKeyRows = kScores == FwdWsScores::kKeyRows || kScores == FwdWsScores::kFullBiasKeyRows ||
                                    kScores == FwdWsScores::kFullMaskKeyRows;
   // the (kBlockM, kBlockN) mask tiles
-  static constexpr bool kMask = kScores == FwdWsScores::kFullMask || kScores == FwdWsScores::kFullMaskKeyRows;
+  static constexpr bool kMask = kScores == FwdWsScores::kFullMask || kScores == FwdWsScores::kFullMaskKeyRows ||
+                                kScores == FwdWsScores::kFullBiasMask;
+  // Softcap on the scores (the policies whose problems may carry it; plain scores and a lone
+  // bias or mask never do: fwd_ws_scores).
+  static constexpr bool kSoftcap = kKeyRows || kScores == FwdWsScores::kFullBiasMask;
   // Final scores (scale and bias applied before the softmax, scale 1 there) or raw q k^T with
   // the scale folded into the softmax's exponent.
   static constexpr bool kScaledScores = kBias || kKeyRows;
   using Element = Element_;
+  // The bias tiles' element: q's 16-bit type, or fp32.
+  static constexpr int kBiasBytes = kBiasBytes_;
+  static_assert(kBiasBytes == 2 || (kBiasBytes == 4 && kBias));
+  using BiasElement = std::conditional_t<kBiasBytes == 4, float, Element>;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
-  static_assert(!kMask || kBlockN == 128, "mask tiles: one 128-byte swizzle atom a row");
+  static_assert(!kMask || kBlockN == 128 || kBlockN == 64, "mask tiles: one 128- or 64-byte swizzle atom a row");
   static constexpr int kStages = kStages_;
   static constexpr int kConsumers = kBlockM / 64;  // consumer warpgroups
   static constexpr int kConsumerThreads = kConsumers * 128;
@@ -135,13 +152,18 @@ struct FwdWsTile {
   // (without a bias, a placeholder tile of 64 keys: kBlockN need not be a multiple of the atom's)
   static constexpr int kBiasN = kBias ? kBlockN : 64;
   using SmemLayoutBias = decltype(cute::tile_to_shape(
-      SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBiasN>, cute::Int<kStages>>{}));
-  using TmaBias = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
+      cute::GMMA::Layout_K_SW128_Atom<BiasElement>{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBiasN>, cute::Int<kStages>>{}));
+  using GmemTensorBias =
+      decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<const BiasElement*>(nullptr)), GmemLayout{}));
+  using TmaBias = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensorBias{},
                                                cute::take<0, 2>(SmemLayoutBias{})));
-  // The mask as bytes (without a mask, a placeholder of 8 x 128).
+  // The mask as bytes, one swizzle atom a row (without a mask, a placeholder of 8 x 128).
   static constexpr int kMaskM = kMask ? kBlockM : 8;
+  static constexpr int kMaskN = kMask ? kBlockN : 128;
+  using MaskAtom = std::conditional_t<kMaskN == 128, cute::GMMA::Layout_K_SW128_Atom<uint8_t>,
+                                      cute::GMMA::Layout_K_SW64_Atom<uint8_t>>;
   using SmemLayoutMask = decltype(cute::tile_to_shape(
-      cute::GMMA::Layout_K_SW128_Atom<uint8_t>{}, cute::Shape<cute::Int<kMaskM>, cute::_128, cute::Int<kStages>>{}));
+      MaskAtom{}, cute::Shape<cute::Int<kMaskM>, cute::Int<kMaskN>, cute::Int<kStages>>{}));
   using GmemTensorMask =
       decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<const uint8_t*>(nullptr)), GmemLayout{}));
   using TmaMask = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensorMask{},
@@ -165,22 +187,18 @@ struct FwdWsTile {
   using TilePipeline = cutlass::PipelineAsync<kTileSlots>;
   static constexpr int kQBytes = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kKVStageBytes = kBlockN * kHeadDim * int(sizeof(Element));
-  static constexpr int kBiasStageBytes = kBlockM * kBlockN * int(sizeof(Element));
-  static constexpr int kMaskStageBytes = kMaskM * 128;
-  // The stage of the score tiles' pipeline (the bias's or the mask's).
-  static constexpr int kScoreTileBytes = kMask ? kMaskStageBytes : kBiasStageBytes;
+  static constexpr int kBiasStageBytes = kBlockM * kBiasN * kBiasBytes;
+  static constexpr int kMaskStageBytes = kMaskM * kMaskN;
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;  // O in the epilogue
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> k;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> v;
-    // The bias's or the mask's tiles (kScoreTileBytes a stage; the mask's as bytes).
-    alignas(1024) cute::array_aligned<Element, kBias ? cute::cosize_v<SmemLayoutBias>
-                                               : kMask ? cute::cosize_v<SmemLayoutMask> / int(sizeof(Element))
-                                                       : 8,
-                                      1024> score_tiles;
+    // The bias's tiles (kBiasStageBytes a stage) and the mask's (kMaskStageBytes), as bytes.
+    alignas(kBias ? 1024 : 16) cute::array_aligned<uint8_t, kBias ? kStages * kBiasStageBytes : 16, 16> bias_tiles;
+    alignas(kMask ? 1024 : 16) cute::array_aligned<uint8_t, kMask ? kStages * kMaskStageBytes : 16, 16> mask_tiles;
     cute::array_aligned<KeyRowStage, kKeyRows ? kStages : 1, 16> key_rows;
-    typename Pipeline::SharedStorage pipe_k, pipe_v, pipe_bias;  // (pipe_bias: the bias or mask tiles)
+    typename Pipeline::SharedStorage pipe_k, pipe_v, pipe_bias, pipe_mask;
     typename KeyRowPipeline::SharedStorage pipe_key_rows;
     typename TilePipeline::SharedStorage pipe_tile;
     FwdWsTileInfo tiles[kTileSlots];
@@ -190,6 +208,8 @@ struct FwdWsTile {
     uint32_t sched_tiles, sched_blocks;   // the scheduler's counters (fwd_ws_kernel_sm90.h)
     int32_t sched_next;                   // and its next step
   };
+  static_assert(!kBias || cute::cosize_v<SmemLayoutBias> * kBiasBytes == kStages * kBiasStageBytes);
+  static_assert(!kMask || cute::cosize_v<SmemLayoutMask> == kStages * kMaskStageBytes);
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "beyond the shared memory of one CTA");
 };
@@ -198,27 +218,35 @@ struct FwdWsTile {
 // register budgets that keep both roles free of spills (ptxas -v). Two consumers: the producer at
 // 40 and the consumers at 232 (24 / 240 spilled the producer's TMA coordinates and
 // descriptors; at D = 256 the consumers fit 232 only with the GEMM descriptors rebuilt per
-// issue, fwd_ws_kernel_sm90.h). At 256 with a bias or key rows, a key block of 64: the bias
-// stages fit beside Q, K and V (those of 80 take the whole shared memory), and the gather warps
-// take whole groups of 32 rows. With a bias or key rows at 64, two consumers (three spilled at
-// 160 registers). At 128 every policy but plain scores: 48 / 224 (at 40 the producer's TMA issue
-// of K and the bias or mask tile spilled a register, and for key rows the scheduler warp's scan
-// of a key mask for its first and last true key, mask_tile_sm90.h).
-template <typename Element, int kHeadDim, FwdWsScores kScores> struct FwdWsConfig;
-template <typename Element> struct FwdWsConfig<Element, 64, FwdWsScores::kPlain> {
+// issue, fwd_ws_kernel_sm90.h). At 256 with a bias, a mask or key rows, a key block of 64: the
+// bias or mask stages fit beside Q, K and V (those of 80 take the whole shared memory), and the
+// gather warps take whole groups of 32 rows. With a bias or key rows at 64, two consumers (three
+// spilled at 160 registers). At 128 every policy but plain scores: 48 / 224 (at 40 the
+// producer's TMA issue of K and the bias or mask tile spilled a register, and for key rows the
+// scheduler warp's scan of a key mask for its first and last true key, mask_tile_sm90.h); a key
+// block of 64 for both tile streams (Q, K and V of 128 keys take 160 KB, the bias's two stages
+// 64 KB) and for fp32 bias tiles. kBiasBytes: the bias tiles' element size (4: fp32, head dims 64
+// and 128; at 256 Q, K and V leave room for 16-bit tiles only). A full bias with a full mask
+// has no tile at 256 (their stages do not fit beside Q, K and V). A full mask alone at 256: 48 /
+// 224 (at 40 the producer's issue of K and the mask tile spilled 68 bytes).
+template <typename Element, int kHeadDim, FwdWsScores kScores, int kBiasBytes = 2> struct FwdWsConfig;
+template <typename Element> struct FwdWsConfig<Element, 64, FwdWsScores::kPlain, 2> {
   using Tile = FwdWsTile<Element, 64, 192, 128, 2, FwdWsScores::kPlain, 32, 160>;
 };
-template <typename Element, FwdWsScores kScores> struct FwdWsConfig<Element, 64, kScores> {
-  using Tile = FwdWsTile<Element, 64, 128, 128, 2, kScores, 40, 232>;
+template <typename Element, FwdWsScores kScores, int kBiasBytes> struct FwdWsConfig<Element, 64, kScores, kBiasBytes> {
+  using Tile = FwdWsTile<Element, 64, 128, 128, 2, kScores, 40, 232, false, kBiasBytes>;
 };
-template <typename Element, FwdWsScores kScores> struct FwdWsConfig<Element, 128, kScores> {
+template <typename Element, FwdWsScores kScores, int kBiasBytes> struct FwdWsConfig<Element, 128, kScores, kBiasBytes> {
   static constexpr bool kPlain = kScores == FwdWsScores::kPlain;
-  using Tile = FwdWsTile<Element, 128, 128, 128, 2, kScores, kPlain ? 40 : 48, kPlain ? 232 : 224>;
+  static constexpr int kBlockN = kBiasBytes == 4 || kScores == FwdWsScores::kFullBiasMask ? 64 : 128;
+  using Tile = FwdWsTile<Element, 128, 128, kBlockN, 2, kScores, kPlain ? 40 : 48, kPlain ? 232 : 224, false, kBiasBytes>;
 };
-template <typename Element, FwdWsScores kScores> struct FwdWsConfig<Element, 256, kScores> {
-  using Tile = FwdWsTile<Element, 256, 128, 64, 2, kScores, 40, 232>;
+template <typename Element, FwdWsScores kScores> struct FwdWsConfig<Element, 256, kScores, 2> {
+  static_assert(kScores != FwdWsScores::kFullBiasMask, "no room for both tile streams at head dim 256");
+  static constexpr bool kMaskAlone = kScores == FwdWsScores::kFullMask;
+  using Tile = FwdWsTile<Element, 256, 128, 64, 2, kScores, kMaskAlone ? 48 : 40, kMaskAlone ? 224 : 232>;
 };
-template <typename Element> struct FwdWsConfig<Element, 256, FwdWsScores::kPlain> {
+template <typename Element> struct FwdWsConfig<Element, 256, FwdWsScores::kPlain, 2> {
   using Tile = FwdWsTile<Element, 256, 128, 80, 2, FwdWsScores::kPlain, 40, 232>;
 };
 

@@ -1,14 +1,16 @@
 // The mask tile of the warp-specialized Hopper forward (FwdWsScores::kFullMask): which masks
-// TMA loads as tiles, and a (kTileRows, 128) tile of a boolean mask (one byte an element,
+// TMA loads as tiles, and a (kTileRows, 128 or 64) tile of a boolean mask (one byte an element,
 // nonzero: the key is kept), which TMA writes in the 8-bit 128-byte swizzle
-// (GMMA::Layout_K_SW128_Atom<uint8_t>: 16-byte chunk c of row r at c ^ (r % 8)), applied to one
-// warpgroup's scores in the accumulator layout. And for a query-broadcast mask (key rows), the
+// (GMMA::Layout_K_SW128_Atom<uint8_t>: 16-byte chunk c of row r at c ^ (r % 8)) or, for 64-key
+// blocks, the 64-byte one (Layout_K_SW64_Atom<uint8_t>: chunk c of row r at c ^ ((r / 2) % 4)),
+// applied to one warpgroup's scores in the accumulator layout. And for a query-broadcast mask (key rows), the
 // key-block range between its first and last true key (key_mask_block_range).
 #pragma once
 
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 
@@ -23,40 +25,56 @@ inline bool tma_mask_tiles_ok(const OperandArgs& m) {
          m.stride_b % 16 == 0 && reinterpret_cast<uintptr_t>(m.ptr) % 16 == 0;
 }
 
-// Byte offset of element (r, c) in the swizzled tile.
-constexpr int mask_sw128_offset(int r, int c) { return r * 128 + ((((c >> 4) ^ (r & 7))) << 4) + (c & 15); }
+// The 16-byte chunk position that row r's chunks are XORed with: rows of 128 bytes (the
+// 128-byte swizzle) or 64 (the 64-byte swizzle: rows in pairs share a 128-byte line).
+template <int kRowBytes>
+constexpr int mask_row_swizzle(int r) {
+  static_assert(kRowBytes == 128 || kRowBytes == 64);
+  return kRowBytes == 128 ? r & 7 : (r >> 1) & 3;
+}
 
-// Whether `Layout` (a (rows, 128[, stages]) tile of bytes) is the one above.
-template <class Layout, int kRows>
-constexpr bool is_mask_sw128_layout() {
+// Byte offset of element (r, c) in a swizzled tile of kRowBytes-byte rows.
+template <int kRowBytes = 128>
+constexpr int mask_sw_offset(int r, int c) {
+  return r * kRowBytes + ((((c >> 4) ^ mask_row_swizzle<kRowBytes>(r))) << 4) + (c & 15);
+}
+
+// Whether `Layout` (a (rows, kRowBytes[, stages]) tile of bytes) is the one above.
+template <class Layout, int kRows, int kRowBytes = 128>
+constexpr bool is_mask_sw_layout() {
   using Linear = decltype(Layout{}.layout_b());
-  if (!std::is_same_v<decltype(Layout{}.layout_a()), cute::Swizzle<3, 4, 3>>) return false;
+  // (the swizzle XORs the chunk bits 4.. of the offset with the bits 3 above them)
+  using Swizzle = std::conditional_t<kRowBytes == 128, cute::Swizzle<3, 4, 3>, cute::Swizzle<2, 4, 3>>;
+  if (!std::is_same_v<decltype(Layout{}.layout_a()), Swizzle>) return false;
+  constexpr int kChunkBits = kRowBytes == 128 ? 7 : 3;
   for (int r = 0; r < kRows; r += 3)
-    for (int c = 0; c < 128; c += 5) {
+    for (int c = 0; c < kRowBytes; c += 5) {
       const int linear = int(cute::take<0, 2>(Linear{})(r, c));
-      // (the swizzle XORs bits 4-6 of the offset with bits 7-9)
-      if ((linear ^ (((linear >> 7) & 7) << 4)) != mask_sw128_offset(r, c)) return false;
+      if ((linear ^ (((linear >> 7) & kChunkBits) << 4)) != mask_sw_offset<kRowBytes>(r, c)) return false;
     }
   return true;
 }
 
-// s = -inf where the mask is false, on one warpgroup's 64 x 128 accumulator (row/col view;
-// coord: (row, col) in the tile). The accumulator gives each thread, per 8-key group j, the
-// pair of keys 8j + 2 (lane % 4) + {0, 1} of two rows: one 16-bit load each (the pair's two
-// bytes), at an offset that is the row's base XOR a constant per 16-key chunk. The rows of a
-// warp's load sit in 8 different chunk positions: no bank conflicts.
-template <int kTileRows, class S, class C>
-__device__ __forceinline__ void apply_mask_sw128(S& s, C const& coord, const uint8_t* s_mask) {
+// s = -inf where the mask is false, on one warpgroup's 64 x kRowBytes accumulator (row/col view;
+// coord: (row, col) in the tile), the mask tile's rows kRowBytes bytes in the swizzle above. The
+// accumulator gives each thread, per 8-key group j, the pair of keys 8j + 2 (lane % 4) + {0, 1}
+// of two rows: one 16-bit load each (the pair's two bytes), at an offset that is the row's base
+// XOR a constant per 16-key chunk. The 8 rows of a warp's load sit in 8 different 16-byte
+// positions of a 128-byte line (64-byte rows: two rows a line, each pair of rows at its own
+// chunk XOR): no bank conflicts.
+template <int kTileRows, int kRowBytes = 128, class S, class C>
+__device__ __forceinline__ void apply_mask_sw(S& s, C const& coord, const uint8_t* s_mask) {
   using namespace cute;
   constexpr int kPairs = decltype(size<1>(s))::value / 2;  // 8-key groups
-  static_assert(decltype(size<0>(s))::value == 2 && kPairs == 16, "a 64 x 128 accumulator of one warpgroup");
+  static_assert(decltype(size<0>(s))::value == 2 && kPairs * 8 == kRowBytes,
+                "a 64 x kRowBytes accumulator of one warpgroup");
   const uint32_t tile = cute::cast_smem_ptr_to_uint(s_mask);
   const int col0 = get<1>(coord(0, 0));  // 2 (lane % 4)
   CUTE_UNROLL
   for (int r = 0; r < 2; ++r) {
     const int row = get<0>(coord(r, 0));
-    const uint32_t base = tile + row * 128 + col0;
-    const uint32_t xs = uint32_t(row & 7) << 4;
+    const uint32_t base = tile + row * kRowBytes + col0;
+    const uint32_t xs = uint32_t(mask_row_swizzle<kRowBytes>(row)) << 4;
     CUTE_UNROLL
     for (int j = 0; j < kPairs; ++j) {
       const uint32_t addr = (base + ((uint32_t(j >> 1) << 4) ^ xs)) + 8 * (j & 1);

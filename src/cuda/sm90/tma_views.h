@@ -30,11 +30,13 @@ auto tma_gmem_view(T* ptr, int rows, int cols, int heads, int batch, int64_t rs,
   return make_tensor(make_gmem_ptr(ptr), make_layout(make_shape(rows, cols, heads, batch), make_stride(rs, _1{}, hs_ok, bs_ok)));
 }
 
-// A bias whose (rows, keys) tiles TMA loads: q's dtype (16-bit), one row per query, contiguous
-// keys, 16-byte multiples as strides and base.
-inline bool tma_bias_tiles_ok(const OperandArgs& b) {
-  return b.esize == 2 && !b.row_bcast && b.stride_k == 1 && b.stride_q % 8 == 0 && b.stride_h % 8 == 0 &&
-         b.stride_b % 8 == 0 && reinterpret_cast<uintptr_t>(b.ptr) % 16 == 0;
+// A bias whose (rows, keys) tiles TMA loads: q's dtype (16-bit; fp32 too where the kernel takes
+// fp32 tiles), one row per query, contiguous keys, 16-byte multiples as strides and base.
+inline bool tma_bias_tiles_ok(const OperandArgs& b, bool fp32_ok = false) {
+  if (b.esize != 2 && !(fp32_ok && b.esize == 4)) return false;
+  const int64_t per16 = 16 / b.esize;  // elements in 16 bytes
+  return !b.row_bcast && b.stride_k == 1 && b.stride_q % per16 == 0 && b.stride_h % per16 == 0 &&
+         b.stride_b % per16 == 0 && reinterpret_cast<uintptr_t>(b.ptr) % 16 == 0;
 }
 
 }  // namespace dmattn::cuda::sm90
