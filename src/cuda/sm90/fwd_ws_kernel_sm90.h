@@ -366,12 +366,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       const int h_kv = Tile::kPackGqa ? tile.h : tile.h / a.group;  // (packed heads: the tile's head is the KV head)
       Tensor gQ = local_tile(domain_offset(make_coord(seq.q0(), 0), mQ(_, _, tile.h, tb)),
                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(tile.m_block, 0));
-      auto [tQgQ, tQsQ] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      // (tuples, not structured bindings: the lambdas below capture them, which C++17 does not allow)
+      auto tQ = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto load_q = [&]() {
         if constexpr (!Tile::kPackGqa) {  // (packed heads: Q from its own loader warp)
           if (i > 0) q_empty.wait((i - 1) & 1);
           q_full.arrive_and_expect_tx(Tile::kQBytes);
-          copy(p.tma_q.with(ss.q_full), tQgQ, tQsQ);
+          copy(p.tma_q.with(ss.q_full), get<0>(tQ), get<1>(tQ));
         }
       };
       if (indexed || tile.n_max <= tile.n_min) {  // (indexed keys: K and V from the gather warps)
@@ -382,8 +383,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
                              Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
       Tensor gV = local_tile(domain_offset(make_coord(seq.k0(), 0), mV(_, _, h_kv, tb)),
                              Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
-      auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-      auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      auto tK = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto tV = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
       // The bias of this query block: (kBlockM, kBlockN, key blocks) of its (head, batch) slice.
       Tensor gB = local_tile(mB(_, _, p.bias_heads == 1 ? 0 : tile.h / a.bias.head_div, p.bias_batch == 1 ? 0 : tile.b),
                              Shape<Int<kBlockM>, Int<Tile::kBiasN>>{}, make_coord(tile.m_block, _));
@@ -404,7 +405,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       auto load_k_and_bias = [&](int nb) {
         const PipelineState write_k = state_of(nb);
         pipe_k.producer_acquire(write_k);
-        copy(p.tma_k.with(*pipe_k.producer_get_barrier(write_k)), tKgK(_, nb), tKsK(_, write_k.index()));
+        copy(p.tma_k.with(*pipe_k.producer_get_barrier(write_k)), get<0>(tK)(_, nb), get<1>(tK)(_, write_k.index()));
         if constexpr (Tile::kBias) {
           pipe_bias.producer_acquire(write_k);
           copy(p.tma_bias.with(*pipe_bias.producer_get_barrier(write_k)), get<0>(tB)(_, nb), get<1>(tB)(_, write_k.index()));
@@ -423,7 +424,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         if (n > tile.n_min) load_k_and_bias(n - 1);
         const PipelineState write_v = state_of(n);
         pipe_v.producer_acquire(write_v);
-        copy(p.tma_v.with(*pipe_v.producer_get_barrier(write_v)), tVgV(_, n), tVsV(_, write_v.index()));
+        copy(p.tma_v.with(*pipe_v.producer_get_barrier(write_v)), get<0>(tV)(_, n), get<1>(tV)(_, write_v.index()));
       }
     };
 
@@ -440,7 +441,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         int m_block, h, b, n_min, n_max;
         // (packed batches: past the end of a shorter sequence)
         skip = !fwd_ws_tile_coords(u, half, p.schedule, m_block, h, b) ||
-               m_block * kBlockM >= SeqBounds(a, b).len_q() * (Tile::kPackGqa ? a.group : 1);
+               m_block * kBlockM >= tile_rows_of<Tile::kPackGqa>(SeqBounds(a, b).len_q(), a.group);
         if (!skip) {
           const SeqBounds seq(a, b);
           int q_first = m_block * kBlockM, q_count = kBlockM;
@@ -654,7 +655,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       // tensor-core turns and consumes its pipeline stages unread, so that the others' products
       // run back to back. (Its rows are never stored. A branch around the loop, not a flag held
       // through it: the flag cost the loop registers, spills at D=64, 128 and 256.)
-      if (consumer * 64 >= SeqBounds(a, tile.b).len_q() * (Tile::kPackGqa ? a.group : 1) - m0) {
+      if (consumer * 64 >= tile_rows_of<Tile::kPackGqa>(SeqBounds(a, tile.b).len_q(), a.group) - m0) {
         auto skip_score_stages = [&]() {
           if constexpr (Tile::kBias) {
             pipe_bias.consumer_wait(read_b);
@@ -760,50 +761,30 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
     constexpr int kChunks = 64 * kChunksPerRow;
     static_assert(kChunks % 128 == 0);
     const int wtid = etid % 128;
-    if constexpr (Tile::kPackGqa) {
-      // Row r of the tile is query (m0 + r) / group of head (m0 + r) % group of the group: each
-      // row's lse and output at its own (query, head). (The stores in a rolled loop: unrolled,
-      // the rows' divisions and addresses spilled at head dim 256.)
-      const int q0 = seq.q0();
-      const int rows_valid = min(kBlockM, seq.len_q() * a.group - m0);
-      auto row_offset = [&](int r, int64_t row_stride, int64_t head_stride) {
-        const int q = (m0 + r) / a.group;
-        return int64_t(q) * row_stride + int64_t(m0 + r - q * a.group) * head_stride;
-      };
-      float* g_lse = a.lse + seq.stat_offset(tile.h * a.group, q0);
-      if ((etid & 3) == 0) {
-        CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r)
-          if (rows[r] < rows_valid) g_lse[row_offset(rows[r], 1, a.lse_hs)] = lse[r];
-      }
-      NamedBarrier::sync(128, kEpilogueBarrier + consumer);
-      Element* gO = static_cast<Element*>(a.out) + int64_t(tile.b) * a.o_bs + int64_t(q0) * a.o_rs +
-                    int64_t(tile.h) * a.group * a.o_hs;
-#pragma unroll 1
-      for (int it = 0; it < kChunks / 128; ++it) {
-        const int idx = it * 128 + wtid;
-        const int r = consumer * 64 + idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
-        if (r < rows_valid && c < a.head_dim)
-          *reinterpret_cast<uint4*>(gO + row_offset(r, a.o_rs, a.o_hs) + c) = *reinterpret_cast<const uint4*>(&sQ(r, c));
-      }
-    } else {
-      const int rows_valid = seq.rows_valid(m0, kBlockM);
-      float* g_lse = a.lse + seq.stat_offset(tile.h) + m0;
-      if ((etid & 3) == 0) {
-        CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r)
-          if (rows[r] < rows_valid) g_lse[rows[r]] = lse[r];
-      }
-      NamedBarrier::sync(128, kEpilogueBarrier + consumer);
-      Element* gO = static_cast<Element*>(a.out) + int64_t(tile.b) * a.o_bs + int64_t(seq.q0() + m0) * a.o_rs +
-                    int64_t(tile.h) * a.o_hs;
+    // Row r of the tile is tile row m0 + r of the sequence (packed query heads: query (m0 + r) /
+    // group of head (m0 + r) % group of the group): each row's lse and output at its own (query,
+    // head). (Packed, the stores in a rolled loop: unrolled, the rows' divisions and addresses
+    // spilled at head dim 256.)
+    const int q0 = seq.q0();
+    const int rows_valid = min(kBlockM, tile_rows_of<Tile::kPackGqa>(seq.len_q(), a.group) - m0);
+    const int h0 = Tile::kPackGqa ? tile.h * a.group : tile.h;  // the tile's (first) head
+    auto row_offset = [&](int r, int64_t row_stride, int64_t head_stride) {
+      return tile_row_offset<Tile::kPackGqa>(m0 + r, a.group, row_stride, head_stride);
+    };
+    float* g_lse = a.lse + seq.stat_offset(h0, q0);
+    if ((etid & 3) == 0) {
       CUTE_UNROLL
-      for (int it = 0; it < kChunks / 128; ++it) {
-        const int idx = it * 128 + wtid;
-        const int r = consumer * 64 + idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
-        if (r < rows_valid && c < a.head_dim)
-          *reinterpret_cast<uint4*>(gO + r * a.o_rs + c) = *reinterpret_cast<const uint4*>(&sQ(r, c));
-      }
+      for (int r = 0; r < kRows; ++r)
+        if (rows[r] < rows_valid) g_lse[row_offset(rows[r], 1, a.lse_hs)] = lse[r];
+    }
+    NamedBarrier::sync(128, kEpilogueBarrier + consumer);
+    Element* gO = static_cast<Element*>(a.out) + int64_t(tile.b) * a.o_bs + int64_t(q0) * a.o_rs + int64_t(h0) * a.o_hs;
+#pragma unroll(Tile::kPackGqa ? 1 : kChunks / 128)
+    for (int it = 0; it < kChunks / 128; ++it) {
+      const int idx = it * 128 + wtid;
+      const int r = consumer * 64 + idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
+      if (r < rows_valid && c < a.head_dim)
+        *reinterpret_cast<uint4*>(gO + row_offset(r, a.o_rs, a.o_hs) + c) = *reinterpret_cast<const uint4*>(&sQ(r, c));
     }
     // The next tile's Q may now land in these rows (by TMA: the async proxy, after these
     // generic writes).

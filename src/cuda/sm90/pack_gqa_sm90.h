@@ -21,6 +21,26 @@
 
 namespace dmattn::cuda::sm90 {
 
+// The rows that a sequence of len_q queries fills in the tiles: len_q, or len_q x group with the
+// query heads packed.
+template <bool kPackGqa>
+__device__ __forceinline__ int tile_rows_of(int len_q, int group) {
+  return kPackGqa ? len_q * group : len_q;
+}
+
+// Offset of tile row i (a row of tile_rows_of) from the sequence's first query of the tile's
+// first head, in a tensor of row_stride between queries and head_stride between heads: query i,
+// or, packed, query i / group of head i % group of the group.
+template <bool kPackGqa>
+__device__ __forceinline__ int64_t tile_row_offset(int i, int group, int64_t row_stride, int64_t head_stride) {
+  if constexpr (kPackGqa) {
+    const int q = i / group;
+    return int64_t(q) * row_stride + int64_t(i - q * group) * head_stride;
+  } else {
+    return int64_t(i) * row_stride;
+  }
+}
+
 // The queries (positions in the sequence) of tile rows [m0, m0 + block_m): [first, first + count),
 // bounded by the sequence's end where the window's key range is taken (WindowMask clamps).
 // Unpacked (group 1) the rows themselves.
