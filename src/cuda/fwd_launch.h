@@ -114,8 +114,8 @@ void launch_fwd_for_device(const FwdArgs& a, cudaStream_t stream) {
 // softcap, gathered keys and key ends; plain scores with the query heads of each KV head packed
 // into the tiles where fwd_ws_packs_gqa says so), the general one (sm90/fwd_kernel_sm90.h, head
 // dims up to 128) for the rest (a full bias or mask with gathered keys or key ends, an fp32 full
-// bias with a full mask, packed batches with a full mask; above 128 the sm80-class general
-// kernel). DMATTN_FWD_SM90=0 turns both off (the
+// bias with a full mask, packed batches with a full mask, operands whose strides TMA cannot take;
+// above 128 the sm80-class general kernel). DMATTN_FWD_SM90=0 turns both off (the
 // sm80-class kernels, which run everywhere), DMATTN_FWD_SM90_WS=0 the first alone, for
 // comparisons.
 // (sm90/enabled.h: never in a build without sm_90a code)
