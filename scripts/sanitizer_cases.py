@@ -184,14 +184,19 @@ for dtype in (torch.bfloat16, torch.float16):
     case(2, 200, 512, 4, 2, 128, dtype, mask_shape=(2, 4, 200, 512), bias_shape=(2, 1, 1, 512), causal=True)
     case(1, 129, 256, 2, 2, 64, dtype, mask_shape=(1, 1, 129, 256), softcap=20.0)
     # A full bias with a full mask (both tile streams; key blocks of 64 at head dim 128), fp32
-    # full bias tiles alone and beside a key mask, full masks at head dim 256 (key blocks of 64).
+    # full bias tiles alone, beside a key mask and beside a full mask, full masks at head dim 256
+    # (key blocks of 64).
     case(2, 200, 512, 4, 2, 128, dtype, mask_shape=(2, 1, 200, 512), bias_shape=(2, 4, 200, 512), causal=True,
          softcap=20.0)
     case(1, 129, 256, 2, 2, 64, dtype, mask_shape=(1, 2, 129, 256), bias_shape=(1, 1, 129, 256))
     case(1, 200, 456, 4, 2, 128, dtype, bias_shape=(1, 4, 200, 456), bias_dtype=torch.float32, causal=True)
     case(1, 129, 304, 2, 2, 64, dtype, mask_shape=(1, 2, 1, 304), bias_shape=(1, 2, 129, 304),
          bias_dtype=torch.float32)
+    case(1, 200, 320, 4, 2, 128, dtype, mask_shape=(1, 4, 200, 320), bias_shape=(1, 1, 200, 320),
+         bias_dtype=torch.float32, causal=True)
     case(1, 200, 512, 2, 1, 256, dtype, mask_shape=(1, 2, 200, 512), causal=True)
+    case(1, 200, 456, 2, 1, 256, dtype, mask_shape=(1, 1, 1, 456), bias_shape=(1, 2, 200, 456),
+         bias_dtype=torch.float32, causal=True)
     # Rows that are not 16-byte multiples (1001 keys) and a key dimension of size 1: the padded
     # copies of the mask and the bias (src/cuda/aligned_operand.h).
     case(1, 130, 1001, 2, 2, 128, dtype, mask_shape=(1, 1, 130, 1001))

@@ -62,6 +62,7 @@ def main():
         "full fp32 bias": lambda: dmattn.attention(q, k, v, bias=bias32),
         "full fp32 bias, causal": lambda: dmattn.attention(q, k, v, bias=bias32, causal=True),
         "full fp32 bias + key padding": lambda: dmattn.attention(q, k, v, key_padding, bias32),
+        "full mask + full fp32 bias": lambda: dmattn.attention(q, k, v, full_mask, bias32),
         "full mask + per-key bias": lambda: dmattn.attention(q, k, v, full_mask, key_bias),
         "full mask + per-key bias, causal": lambda: dmattn.attention(q, k, v, full_mask, key_bias, causal=True),
         "full mask + softcap 30": lambda: dmattn.attention(q, k, v, full_mask, softcap=30.0),

@@ -108,14 +108,13 @@ void launch_fwd_for_device(const FwdArgs& a, cudaStream_t stream) {
 
 // The Hopper kernels are the forward on compute capability 9.0 (faster than the sm80-class
 // kernels there: docs/perf.md): the warp-specialized one (sm90/fwd_ws_kernel_sm90.h, every head
-// dim) for what fwd_ws_supports takes (plain scores, full biases (fp32 up to head dim 128) alone
-// or with a query-broadcast mask or softcap, full masks alone or with a query-broadcast bias or
-// softcap, a full 16-bit bias with a full mask up to 128, query-broadcast biases and masks,
+// dim) for what fwd_ws_supports takes (plain scores, full biases (16-bit or fp32) alone or with
+// a query-broadcast mask or softcap, full masks alone or with a query-broadcast bias or
+// softcap, a full bias with a full mask up to 128, query-broadcast biases and masks,
 // softcap, gathered keys and key ends; plain scores with the query heads of each KV head packed
 // into the tiles where fwd_ws_packs_gqa says so), the general one (sm90/fwd_kernel_sm90.h, head
-// dims up to 128) for the rest (a full bias or mask with gathered keys or key ends, an fp32 full
-// bias with a full mask, packed batches with a full mask, operands whose strides TMA cannot take;
-// above 128 the sm80-class general kernel). DMATTN_FWD_SM90=0 turns both off (the
+// dims up to 128) for the rest (a full bias or mask with gathered keys or key ends, operands
+// whose strides TMA cannot take; above 128 the sm80-class general kernel). DMATTN_FWD_SM90=0 turns both off (the
 // sm80-class kernels, which run everywhere), DMATTN_FWD_SM90_WS=0 the first alone, for
 // comparisons.
 // (sm90/enabled.h: never in a build without sm_90a code)
@@ -153,26 +152,28 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream) {
       case FwdWsScores::kKeyRows:
         sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kKeyRows>::Tile>(a, stream);
         return;
-      case FwdWsScores::kFullBias:  // (fp32 tiles: up to head dim 128, fwd_ws_supports)
-        if constexpr (kHeadDim <= 128)
-          if (a.bias.esize == 4) {
-            sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullBias, 4>::Tile>(a, stream);
-            return;
-          }
-        sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullBias>::Tile>(a, stream);
+      case FwdWsScores::kFullBias:  // (the bias tiles in fp32 or q's dtype)
+        if (a.bias.esize == 4)
+          sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullBias, 4>::Tile>(a, stream);
+        else
+          sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullBias>::Tile>(a, stream);
         return;
       case FwdWsScores::kFullBiasKeyRows:
-        if constexpr (kHeadDim <= 128)
-          if (a.bias.esize == 4) {
-            sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullBiasKeyRows, 4>::Tile>(
-                a, stream);
-            return;
-          }
-        sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullBiasKeyRows>::Tile>(a, stream);
+        if (a.bias.esize == 4)
+          sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullBiasKeyRows, 4>::Tile>(
+              a, stream);
+        else
+          sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullBiasKeyRows>::Tile>(a,
+                                                                                                                 stream);
         return;
       case FwdWsScores::kFullBiasMask:  // (up to head dim 128, fwd_ws_supports)
-        if constexpr (kHeadDim <= 128)
-          sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullBiasMask>::Tile>(a, stream);
+        if constexpr (kHeadDim <= 128) {
+          if (a.bias.esize == 4)
+            sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullBiasMask, 4>::Tile>(a,
+                                                                                                                 stream);
+          else
+            sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullBiasMask>::Tile>(a, stream);
+        }
         return;
       case FwdWsScores::kFullMask:
         sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullMask>::Tile>(a, stream);

@@ -32,6 +32,16 @@ def _random_qkv(g, b, sq, sk, h, hkv, d, dtype):
     return q, k, v
 
 
+def _attend_and_check(q, k, v, mask, bias, causal, window, softcap, case):
+    """dmattn.attention's out and lse against the float64 reference."""
+    import dmattn
+    from reference import check_against_reference
+    out, lse = dmattn.attention(q, k, v, mask, bias, causal=causal, window=window, softcap=softcap,
+                                return_lse=True)
+    check_against_reference(q, k, v, mask, bias, out, lse, causal=causal, window=window, softcap=softcap,
+                            context=str(case))
+
+
 @pytest.mark.parametrize("case", [
     # (Sq, Sk, D, causal, mask shape kind, density)
     (1000, 1000, 128, False, "full", 0.02),
@@ -93,8 +103,6 @@ def test_full_mask_tiles_forward(dtype, case, nan_poison):
     (a size-1 dim and an expanded one), one per kv head (GQA); causal and window bounds, tail
     blocks, query rows without a true element and a query block without any; against the
     float64 reference."""
-    import dmattn
-    from reference import check_against_reference
     b, sq, sk, h, hkv, d, heads, causal, window, density = case
     g = torch.Generator(device="cpu").manual_seed(sq + sk + d + (dtype == torch.float16))
     q, k, v = _random_qkv(g, b, sq, sk, h, hkv, d, dtype)
@@ -104,8 +112,7 @@ def test_full_mask_tiles_forward(dtype, case, nan_poison):
     mask = mask.to("cuda")
     if heads == "expand":
         mask = mask.expand(b, h, sq, sk)
-    out, lse = dmattn.attention(q, k, v, mask, causal=causal, window=window, return_lse=True)
-    check_against_reference(q, k, v, mask, None, out, lse, causal=causal, window=window, context=str(case))
+    _attend_and_check(q, k, v, mask, None, causal, window, 0.0, case)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -124,8 +131,6 @@ def test_full_mask_with_key_bias_forward(dtype, case, nan_poison):
     as per-key rows: one mask per head, broadcast (a size-1 dim and an expanded one), one per kv
     head (GQA); finfo.min and -inf key biases, a row and a query block without any true element;
     causal and window bounds; against the float64 reference."""
-    import dmattn
-    from reference import check_against_reference
     b, sq, sk, h, hkv, d, mask_heads, bias_heads, softcap, causal, window = case
     g = torch.Generator(device="cpu").manual_seed(sq + sk + d + int(softcap) + (dtype == torch.float16))
     q, k, v = _random_qkv(g, b, sq, sk, h, hkv, d, dtype)
@@ -141,10 +146,7 @@ def test_full_mask_with_key_bias_forward(dtype, case, nan_poison):
         bias[..., : sk // 4] = torch.finfo(dtype).min  # keys at the dtype's lowest
         bias[..., -2:] = float("-inf")                  # keys of the tail block
         bias = bias.to("cuda", dtype)
-    out, lse = dmattn.attention(q, k, v, mask, bias, causal=causal, window=window, softcap=softcap,
-                                return_lse=True)
-    check_against_reference(q, k, v, mask, bias, out, lse, causal=causal, window=window, softcap=softcap,
-                            context=str(case))
+    _attend_and_check(q, k, v, mask, bias, causal, window, softcap, case)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -156,23 +158,29 @@ def test_full_mask_with_key_bias_forward(dtype, case, nan_poison):
     (1, 256, 776, 2, 1, 96, "expand", None, 30.0, True, (-1, -1)),
     (2, 200, 320, 4, 4, 256, "h", "1", 0.0, False, (-1, -1)),
     (1, 130, 136, 2, 2, 256, "1", "h", 25.0, True, (-1, -1)),
+    (2, 300, 512, 4, 4, 128, "h", None, 0.0, False, (-1, -1)),
+    (1, 1000, 1024, 4, 2, 64, "1", None, 0.0, True, (-1, -1)),
+    (2, 300, 520, 4, 2, 256, "hkv", None, 0.0, True, (-1, -1)),
 ], ids=lambda c: (f"{c[0]}x{c[1]}x{c[2]}_h{c[3]}_{c[4]}_d{c[5]}_bias{c[6]}_keymask{c[7]}_cap{c[8]:g}"
                   f"{'_causal' if c[9] else ''}_w{c[10][0]}"))
-def test_full_bias_with_key_mask_forward(dtype, case, nan_poison):
-    """A full bias (rows of 16-byte multiples: the Hopper warp-specialized forward's bias tiles)
-    with a key mask (B, H | 1, 1, Sk) and / or softcap, which that kernel reads beside the tiles
-    as per-key rows: one bias per head, broadcast (a size-1 dim and an expanded one), one per
-    kv head (GQA); finfo.min and -inf bias entries, a batch whose key mask is all false, keys
-    masked in the tail block; causal and window bounds; against the float64 reference."""
-    import dmattn
-    from reference import check_against_reference
+@pytest.mark.parametrize("bias_fp32", [False, True], ids=["bias_q_dtype", "bias_fp32"])
+def test_full_bias_with_key_mask_forward(dtype, case, bias_fp32, nan_poison):
+    """A full bias in q's dtype or fp32 (a learnable bias kept in fp32 beside 16-bit q, k, v;
+    rows of 16-byte multiples: the Hopper warp-specialized forward's bias tiles), alone or with a key mask (B, H | 1, 1, Sk) and / or softcap, which that kernel
+    reads beside the tiles as per-key rows: one bias per head, broadcast (a size-1 dim and an
+    expanded one), one per kv head (GQA); finfo.min and -inf bias entries, values beyond fp16's
+    range in fp32, a batch whose key mask is all false, keys masked in the tail block; causal and
+    window bounds; against the float64 reference."""
     b, sq, sk, h, hkv, d, bias_heads, mask_heads, softcap, causal, window = case
     g = torch.Generator(device="cpu").manual_seed(sq + sk + d + int(softcap) + (dtype == torch.float16))
     q, k, v = _random_qkv(g, b, sq, sk, h, hkv, d, dtype)
+    bias_dtype = torch.float32 if bias_fp32 else dtype
     bias = 2 * torch.randn(b, {"h": h, "hkv": hkv}.get(bias_heads, 1), sq, sk, generator=g)
-    bias[:, :, 3, : sk // 2] = torch.finfo(dtype).min  # half a row at the dtype's lowest
-    bias[:, :, 7, :] = float("-inf")                    # a row without any key
-    bias = bias.to("cuda", dtype)
+    if bias_fp32:
+        bias[:, :, 2, : sk // 3] = -1e6                   # beyond fp16's range (still fp32)
+    bias[:, :, 3, : sk // 2] = torch.finfo(bias_dtype).min  # half a row at the dtype's lowest
+    bias[:, :, 7, :] = float("-inf")                        # a row without any key
+    bias = bias.to("cuda", bias_dtype)
     if bias_heads == "expand":
         bias = bias.expand(b, h, sq, sk)
     mask = None
@@ -182,10 +190,7 @@ def test_full_bias_with_key_mask_forward(dtype, case, nan_poison):
         if b > 1:
             mask[1] = False     # a batch without any key
         mask = mask.to("cuda")
-    out, lse = dmattn.attention(q, k, v, mask, bias, causal=causal, window=window, softcap=softcap,
-                                return_lse=True)
-    check_against_reference(q, k, v, mask, bias, out, lse, causal=causal, window=window, softcap=softcap,
-                            context=str(case))
+    _attend_and_check(q, k, v, mask, bias, causal, window, softcap, case)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -199,78 +204,32 @@ def test_full_bias_with_key_mask_forward(dtype, case, nan_poison):
     (1, 200, 320, 2, 2, 256, "h", "h", 25.0, True, (-1, -1)),
 ], ids=lambda c: (f"{c[0]}x{c[1]}x{c[2]}_h{c[3]}_{c[4]}_d{c[5]}_bias{c[6]}_mask{c[7]}_cap{c[8]:g}"
                   f"{'_causal' if c[9] else ''}_w{c[10][0]}"))
-def test_full_bias_with_full_mask_forward(dtype, case, nan_poison):
-    """A full bias and a full mask together (rows of 16-byte multiples: on Hopper the
-    warp-specialized forward's two tile streams up to head dim 128, the general kernel at 256),
-    with softcap: each per head, broadcast (a size-1 dim and an expanded one) or per kv head
-    (GQA); finfo.min and -inf bias entries, a bias of -inf where the mask is true and a large
-    one where it is false, a row and a query block without any true element; causal and window
-    bounds; against the float64 reference."""
-    import dmattn
-    from reference import check_against_reference
+@pytest.mark.parametrize("bias_fp32", [False, True], ids=["bias_q_dtype", "bias_fp32"])
+def test_full_bias_with_full_mask_forward(dtype, case, bias_fp32, nan_poison):
+    """A full bias (q's dtype or fp32) and a full mask together (rows of 16-byte multiples: on
+    Hopper the warp-specialized forward's two tile streams up to head dim 128, the general
+    kernel at 256), with softcap: each per head, broadcast (a size-1 dim and an expanded one) or
+    per kv head (GQA); finfo.min and -inf bias entries, a bias of -inf where the mask is true and
+    a large one where it is false, a row and a query block without any true element; causal and
+    window bounds; against the float64 reference."""
     b, sq, sk, h, hkv, d, bias_heads, mask_heads, softcap, causal, window = case
     g = torch.Generator(device="cpu").manual_seed(sq + 3 * sk + d + int(softcap) + (dtype == torch.float16))
     q, k, v = _random_qkv(g, b, sq, sk, h, hkv, d, dtype)
+    bias_dtype = torch.float32 if bias_fp32 else dtype
     heads = {"h": h, "hkv": hkv}
     bias = 2 * torch.randn(b, heads.get(bias_heads, 1), sq, sk, generator=g)
     mask = torch.rand(b, heads.get(mask_heads, 1), sq, sk, generator=g) < 0.6
-    bias[:, :, 3, : sk // 2] = torch.finfo(dtype).min  # half a row at the dtype's lowest
-    bias[:, :, 9, :] = float("-inf")                    # a row without any key by its bias
+    bias[:, :, 3, : sk // 2] = torch.finfo(bias_dtype).min  # half a row at the dtype's lowest
+    bias[:, :, 9, :] = float("-inf")                         # a row without any key by its bias
     bias[:, :, 11] = torch.where(mask[:, :1, 11], float("-inf"), 1e3)  # true keys -inf, false ones large
     mask[:, :, 5] = False                               # a row without any key by its mask
     mask[:, :, 128:min(sq, 256)] = False                # a whole query block without any
-    bias, mask = bias.to("cuda", dtype), mask.to("cuda")
+    bias, mask = bias.to("cuda", bias_dtype), mask.to("cuda")
     if bias_heads == "expand":
         bias = bias.expand(b, h, sq, sk)
     if mask_heads == "expand":
         mask = mask.expand(b, h, sq, sk)
-    out, lse = dmattn.attention(q, k, v, mask, bias, causal=causal, window=window, softcap=softcap,
-                                return_lse=True)
-    check_against_reference(q, k, v, mask, bias, out, lse, causal=causal, window=window, softcap=softcap,
-                            context=str(case))
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case", [
-    # (B, Sq, Sk, H, Hkv, D, bias heads, key mask heads, softcap, causal, window)
-    (2, 300, 512, 4, 4, 128, "h", None, 0.0, False, (-1, -1)),
-    (1, 1000, 1024, 4, 2, 64, "1", None, 0.0, True, (-1, -1)),
-    (2, 129, 260, 4, 2, 128, "hkv", "h", 20.0, False, (64, 32)),
-    (1, 256, 772, 2, 1, 96, "expand", None, 30.0, True, (-1, -1)),
-    (2, 200, 320, 4, 4, 64, "h", "1", 0.0, False, (-1, -1)),
-    (1, 130, 136, 2, 2, 256, "1", "h", 0.0, True, (-1, -1)),
-], ids=lambda c: (f"{c[0]}x{c[1]}x{c[2]}_h{c[3]}_{c[4]}_d{c[5]}_bias{c[6]}_keymask{c[7]}_cap{c[8]:g}"
-                  f"{'_causal' if c[9] else ''}_w{c[10][0]}"))
-def test_fp32_full_bias_forward(dtype, case, nan_poison):
-    """A full fp32 bias beside 16-bit q, k, v (a learnable bias kept in fp32; rows of 16-byte
-    multiples: Sk % 4 == 0, the Hopper warp-specialized forward's fp32 tiles up to head dim
-    128), alone or with a key mask (B, H | 1, 1, Sk) and / or softcap: per head, broadcast or per
-    kv head; values beyond the 16-bit range, fp32's finfo.min and -inf entries, a row without any
-    key, a batch whose key mask is all false; causal and window bounds; against the float64
-    reference."""
-    import dmattn
-    from reference import check_against_reference
-    b, sq, sk, h, hkv, d, bias_heads, mask_heads, softcap, causal, window = case
-    g = torch.Generator(device="cpu").manual_seed(sq + 5 * sk + d + int(softcap) + (dtype == torch.float16))
-    q, k, v = _random_qkv(g, b, sq, sk, h, hkv, d, dtype)
-    bias = 2 * torch.randn(b, {"h": h, "hkv": hkv}.get(bias_heads, 1), sq, sk, generator=g)
-    bias[:, :, 2, : sk // 3] = -1e6                           # beyond fp16's range (still fp32)
-    bias[:, :, 3, : sk // 2] = torch.finfo(torch.float32).min  # half a row at fp32's lowest
-    bias[:, :, 7, :] = float("-inf")                          # a row without any key
-    bias = bias.to("cuda")
-    if bias_heads == "expand":
-        bias = bias.expand(b, h, sq, sk)
-    mask = None
-    if mask_heads is not None:
-        mask = torch.rand(b, h if mask_heads == "h" else 1, 1, sk, generator=g) < 0.7
-        mask[..., -3:] = False  # keys of the tail block
-        if b > 1:
-            mask[1] = False     # a batch without any key
-        mask = mask.to("cuda")
-    out, lse = dmattn.attention(q, k, v, mask, bias, causal=causal, window=window, softcap=softcap,
-                                return_lse=True)
-    check_against_reference(q, k, v, mask, bias, out, lse, causal=causal, window=window, softcap=softcap,
-                            context=str(case))
+    _attend_and_check(q, k, v, mask, bias, causal, window, softcap, case)
 
 
 @pytest.mark.parametrize("case", [

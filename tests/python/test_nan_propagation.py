@@ -130,14 +130,18 @@ def _attention(q, k, v, bias, *, mask=None, **kw):
 
 def _dense_case(device, dtype, operands, gen, d):
     """q, k, v, dout, mask, bias of the dense problem. operands: "none"; "bias" (B, H, Sq, Sk)
-    in q's dtype with a few -inf; "mask_bias32" a (B, 1, Sq, Sk) mask and a (1, H, 1, Sk) fp32
+    in q's dtype with a few -inf; "bias32" the same in fp32; "mask_bias" a (B, 1, Sq, Sk) mask
+    with that bias in q's dtype; "mask_bias32" a (B, 1, Sq, Sk) mask and a (1, H, 1, Sk) fp32
     bias (reduced over batch and queries in dbias)."""
     q, k, v, dout = (_randn(s, dtype, device, gen) for s in
                      ((B, SQ, H, d), (B, SK, HKV, d), (B, SK, HKV, d), (B, SQ, H, d)))
     mask = bias = None
-    if operands == "bias":
+    if operands in ("bias", "bias32", "mask_bias"):
         bias = torch.randn(B, H, SQ, SK, generator=gen)
-        bias = bias.masked_fill(torch.rand(B, H, SQ, SK, generator=gen) < 0.05, -INF).to(dtype).to(device)
+        bias = bias.masked_fill(torch.rand(B, H, SQ, SK, generator=gen) < 0.05, -INF)
+        bias = bias.to(torch.float32 if operands == "bias32" else dtype).to(device)
+    if operands == "mask_bias":
+        mask = (torch.rand(B, 1, SQ, SK, generator=gen) < 0.8).to(device)
     elif operands == "mask_bias32":
         mask = (torch.rand(B, 1, SQ, SK, generator=gen) < 0.8).to(device)
         bias = torch.randn(1, H, 1, SK, generator=gen).to(device)
@@ -207,7 +211,7 @@ def _check_dense(res, ref, low, nan):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("operands", ["none", "bias", "mask_bias32"])
+@pytest.mark.parametrize("operands", ["none", "bias", "bias32", "mask_bias", "mask_bias32"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @HEAD_DIMS
@@ -237,7 +241,7 @@ def test_nan_in_q_row(device, dtype, d, causal, operands, nan_poison):
 
 
 @pytest.mark.parametrize("which", ["k", "v"])
-@pytest.mark.parametrize("operands", ["none", "bias", "mask_bias32"])
+@pytest.mark.parametrize("operands", ["none", "bias", "bias32", "mask_bias", "mask_bias32"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @HEAD_DIMS
@@ -279,18 +283,18 @@ def test_nan_in_k_or_v_row(device, dtype, d, which, causal, operands, nan_poison
     _check_dense(res, ref, low, nan)
 
 
-@pytest.mark.parametrize("shape", ["element", "key"])
+@pytest.mark.parametrize("shape", ["element", "element32", "key"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @HEAD_DIMS
 def test_nan_in_bias(device, dtype, d, shape, causal, nan_poison):
-    """A NaN bias element (i, j) (full (B, H, Sq, Sk) bias, q's dtype) or a NaN in a key-side
-    (B, H, 1, Sk) fp32 bias at key j."""
+    """A NaN bias element (i, j) (full (B, H, Sq, Sk) bias, q's dtype or fp32) or a NaN in a
+    key-side (B, H, 1, Sk) fp32 bias at key j."""
     _skip_unsupported(device, dtype)
     gen = torch.Generator().manual_seed(3)
     q, k, v, dout, _, _ = _dense_case(device, dtype, "none", gen, d)
-    if shape == "element":
-        bias = torch.randn(B, H, SQ, SK, generator=gen).to(dtype).to(device)
+    if shape in ("element", "element32"):
+        bias = torch.randn(B, H, SQ, SK, generator=gen).to(dtype if shape == "element" else torch.float32).to(device)
         where = (1, 3, ROW, 60)
     else:
         bias = torch.randn(B, H, 1, SK, generator=gen).to(device)
@@ -303,7 +307,7 @@ def test_nan_in_bias(device, dtype, d, shape, causal, nan_poison):
     allowed = _allowed(None, bias, causal)
     head = torch.zeros(B, H, SQ, dtype=torch.bool)
     head[1, 3] = True
-    if shape == "element":
+    if shape != "key":
         rows = torch.zeros(B, H, SQ, dtype=torch.bool)
         rows[1, 3, ROW] = True
         open_rows = None

@@ -41,13 +41,13 @@ inline FwdWsScores fwd_ws_scores(const FwdArgs& a) {
 
 // The problems the warp-specialized kernel takes, at every head dim: dense or packed batches
 // with plain scores, softcap, a query-broadcast bias (any dtype) or mask, and gathered keys with
-// key ends; dense batches with a full bias (tma_bias_tiles_ok: 16-bit, or fp32 up to head dim
-// 128), alone or with a query-broadcast mask and / or softcap; dense batches with a full mask
+// key ends; dense batches with a full bias (tma_bias_tiles_ok: 16-bit or fp32), alone or with a
+// query-broadcast mask and / or softcap; dense batches with a full mask
 // (tma_mask_tiles_ok), alone or with a query-broadcast bias and / or softcap; up to head dim
-// 128, dense batches with a full 16-bit bias and a full mask (and softcap). The others (a full
-// bias or mask with gathered keys or key ends, an fp32 full bias with a full mask, a full bias
-// and mask at 256, packed batches with a full mask, operands whose strides TMA cannot take) run
-// the sm90 kernel of fwd_kernel_sm90.h up to head dim 128, the sm80-class general kernel above.
+// 128, dense batches with a full bias and a full mask (and softcap). The others (a full bias or
+// mask with gathered keys or key ends, a full bias and mask at 256, operands whose strides TMA
+// cannot take; packed batches take key-side masks and biases only) run the sm90 kernel of
+// fwd_kernel_sm90.h up to head dim 128, the sm80-class general kernel above.
 template <int kHeadDim>
 bool fwd_ws_supports(const FwdArgs& a) {
   static const bool off = env_switched_off("DMATTN_FWD_SM90_WS");  // (comparisons)
@@ -60,13 +60,13 @@ bool fwd_ws_supports(const FwdArgs& a) {
       if (full_mask) return false;
       break;
     case FwdWsScores::kFullBias:
-      if (!tma_bias_tiles_ok(a.bias, kHeadDim <= 128) || a.seqlen_k == 0) return false;
+      if (!tma_bias_tiles_ok(a.bias, true) || a.seqlen_k == 0) return false;
       break;
     case FwdWsScores::kFullBiasKeyRows:
-      if (!tma_bias_tiles_ok(a.bias, kHeadDim <= 128) || full_mask || a.kpos.ptr || a.seqlen_k == 0) return false;
+      if (!tma_bias_tiles_ok(a.bias, true) || full_mask || a.kpos.ptr || a.seqlen_k == 0) return false;
       break;
     case FwdWsScores::kFullBiasMask:
-      if (kHeadDim > 128 || !tma_bias_tiles_ok(a.bias) || !tma_mask_tiles_ok(a.mask) || a.cu_seqlens_q != nullptr ||
+      if (kHeadDim > 128 || !tma_bias_tiles_ok(a.bias, true) || !tma_mask_tiles_ok(a.mask) || a.cu_seqlens_q != nullptr ||
           a.seqlen_k == 0)
         return false;
       break;

@@ -25,7 +25,7 @@
 //   kFullMaskKeyRows: a full mask with softcap and / or a query-broadcast bias: the mask tiles
 //              as kFullMask's, the key rows as kKeyRows's (their bias; no query bounds but the
 //              keys' end), the mask applied to the final scores;
-//   kFullBiasMask: a full 16-bit bias with a full mask (and softcap): both tile streams, each
+//   kFullBiasMask: a full bias with a full mask (and softcap): both tile streams, each
 //              through a pipeline of its own, the mask applied to the final scores.
 // A full bias in fp32 (kBiasBytes = 4: a learnable bias kept in fp32 beside 16-bit q, k, v) comes
 // as fp32 tiles in the 128-byte swizzle of 4-byte elements (32-key column blocks).
@@ -225,8 +225,10 @@ struct FwdWsTile {
 // producer's TMA issue of K and the bias or mask tile spilled a register, and for key rows the
 // scheduler warp's scan of a key mask for its first and last true key, mask_tile_sm90.h); a key
 // block of 64 for both tile streams (Q, K and V of 128 keys take 160 KB, the bias's two stages
-// 64 KB) and for fp32 bias tiles. kBiasBytes: the bias tiles' element size (4: fp32, head dims 64
-// and 128; at 256 Q, K and V leave room for 16-bit tiles only). A full bias with a full mask
+// 64 KB) and for fp32 bias tiles; at 64 too for fp32 bias tiles beside mask tiles (128 keys:
+// 240 KB). kBiasBytes: the bias tiles' element size (4: fp32). At 256 fp32 bias tiles take key
+// blocks of 32 (one swizzle atom of floats a row; Q, two K and two V stages and two bias stages
+// 160 KB; 64 keys would need 256 KB). A full bias with a full mask
 // has no tile at 256 (their stages do not fit beside Q, K and V). A full mask alone at 256: 48 /
 // 224 (at 40 the producer's issue of K and the mask tile spilled 68 bytes).
 template <typename Element, int kHeadDim, FwdWsScores kScores, int kBiasBytes = 2> struct FwdWsConfig;
@@ -234,7 +236,8 @@ template <typename Element> struct FwdWsConfig<Element, 64, FwdWsScores::kPlain,
   using Tile = FwdWsTile<Element, 64, 192, 128, 2, FwdWsScores::kPlain, 32, 160>;
 };
 template <typename Element, FwdWsScores kScores, int kBiasBytes> struct FwdWsConfig<Element, 64, kScores, kBiasBytes> {
-  using Tile = FwdWsTile<Element, 64, 128, 128, 2, kScores, 40, 232, false, kBiasBytes>;
+  static constexpr int kBlockN = kBiasBytes == 4 && kScores == FwdWsScores::kFullBiasMask ? 64 : 128;
+  using Tile = FwdWsTile<Element, 64, 128, kBlockN, 2, kScores, 40, 232, false, kBiasBytes>;
 };
 template <typename Element, FwdWsScores kScores, int kBiasBytes> struct FwdWsConfig<Element, 128, kScores, kBiasBytes> {
   static constexpr bool kPlain = kScores == FwdWsScores::kPlain;
@@ -245,6 +248,11 @@ template <typename Element, FwdWsScores kScores> struct FwdWsConfig<Element, 256
   static_assert(kScores != FwdWsScores::kFullBiasMask, "no room for both tile streams at head dim 256");
   static constexpr bool kMaskAlone = kScores == FwdWsScores::kFullMask;
   using Tile = FwdWsTile<Element, 256, 128, 64, 2, kScores, kMaskAlone ? 48 : 40, kMaskAlone ? 224 : 232>;
+};
+template <typename Element, FwdWsScores kScores> struct FwdWsConfig<Element, 256, kScores, 4> {
+  static_assert(kScores == FwdWsScores::kFullBias || kScores == FwdWsScores::kFullBiasKeyRows,
+                "fp32 bias tiles at head dim 256: alone or beside key rows");
+  using Tile = FwdWsTile<Element, 256, 128, 32, 2, kScores, 40, 232, false, 4>;
 };
 template <typename Element> struct FwdWsConfig<Element, 256, FwdWsScores::kPlain, 2> {
   using Tile = FwdWsTile<Element, 256, 128, 80, 2, FwdWsScores::kPlain, 40, 232>;
