@@ -25,9 +25,11 @@
 // its tile of block n is loaded with K[n] and s = scale * qk + bias before the test, the softmax
 // then on final scores (scale 1; the safe subtraction, under which a finfo.min bias stays
 // finite, only in warps with a row max beyond OnlineSoftmax::kFmaMaxAbs; O's rescale skipped
-// when no row's max moved). The tile reaches the accumulators by ldmatrix. With a full mask
-// (Tile::kMask), its byte tile of block n comes the same way, a false element makes the raw
-// score -inf before the test (mask_tile_sm90.h), and the softmax is the plain one. Rows past
+// when no row's max moved). A 16-bit tile reaches the accumulators by ldmatrix, an fp32 one by
+// 8-byte shared loads. With a full mask (Tile::kMask), its byte tile of block n comes the same
+// way through a pipeline of its own, a false element makes the score -inf before the test
+// (mask_tile_sm90.h; after the bias where both come), and the softmax is the plain one on raw
+// scores, the biased one beside a bias. Rows past
 // the sequence and columns past head_dim or the keys arrive as zeros (TMA's out-of-bounds fill:
 // a mask of false there).
 // With per-key rows (Tile::kKeyRows: gathered keys, key ends, a query-broadcast bias or mask,
