@@ -79,6 +79,41 @@ def varlen_case(lens, h, hkv, d, dtype, key_bias=False, **kw):
 
 
 @announced
+def gathered_full_case(b, sq, h, hkv, d, dtype, width, scores, indexed=False, ends=False, **kw):
+    """The raw forward with gathered keys (key_positions, 2 * width original keys, half of each
+    row padding) and a full bias and / or mask over the gathered rows (scores: "bias", "bias32",
+    "mask"); the rows indexed in place (key_rows) or copied; key ends."""
+    from dmattn.ops import attention_forward
+    g = torch.Generator().manual_seed(width * 3 + d)
+    dev = "cuda"
+    q = torch.randn(b, sq, h, d, generator=g).to(dev, dtype)
+    k, v = (torch.randn(b, width, hkv, d, generator=g).to(dev, dtype) for _ in range(2))
+    positions = torch.full((b, hkv, width), -1, dtype=torch.int32)
+    positions[..., : width // 2] = torch.arange(0, width, 2, dtype=torch.int32)
+    index = torch.randint(0, width, (b, hkv, width), generator=g, dtype=torch.int32).to(dev) if indexed else None
+    key_ends = torch.randint(0, sq + 1, (b, hkv, width), generator=g, dtype=torch.int32).to(dev) if ends else None
+    bias = torch.randn(b, h, sq, width, generator=g).to(dev, torch.float32 if scores == "bias32" else dtype)
+    mask = (torch.rand(b, h, sq, width, generator=g) > 0.3).to(dev)
+    out, _ = attention_forward(q, k, v, mask if scores == "mask" else None, None if scores == "mask" else bias,
+                               kw.get("causal", False), -1, -1, None, kw.get("softcap", 0.0), False, positions.to(dev),
+                               2 * width, key_ends, *((index,) if indexed else ()))
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all(), "non-finite value"
+
+
+@announced
+def expanded_case(b, sq, sk, h, hkv, d, dtype, **kw):
+    """dmattn.attention's forward with q expanded over the batch and k, v over the heads (stride 0)."""
+    g = torch.Generator().manual_seed(sq + sk + d)
+    dev = "cuda"
+    q = torch.randn(1, sq, h, d, generator=g).to(dev, dtype).expand(b, sq, h, d)
+    k, v = (torch.randn(b, sk, 1, d, generator=g).to(dev, dtype).expand(b, sk, hkv, d) for _ in range(2))
+    out = dmattn.attention(q, k, v, **kw)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all(), "non-finite value"
+
+
+@announced
 def kvcache_case(b, sq, h, hkv, d, dtype, capacity, page_size=None, bias=False, mask=False):
     """dmattn.attention_with_kvcache (the split-KV decode kernel and its combine kernel): ragged
     lengths, a partial last key tile, several warps and splits, optional pages (capacity a
@@ -262,4 +297,10 @@ for dtype in (torch.bfloat16, torch.float16):
     del os.environ["DMATTN_FWD_PERSISTENT"], os.environ["DMATTN_FWD_PERSISTENT_CTAS"]
     varlen_case([7, 0, 130, 33], 8, 2, 128, dtype, causal=True)
     del os.environ["DMATTN_FWD_PACK_GQA"]
+    # Gathered keys with a full bias or mask (the Hopper forward's tiles beside its key rows;
+    # indexed rows: the bias / mask tiles by TMA, K and V by the gather warps), broadcast q, k, v.
+    gathered_full_case(2, 200, 4, 2, 128, dtype, 304, "bias", indexed=True, ends=True, causal=True)
+    gathered_full_case(1, 129, 2, 2, 64, dtype, 256, "mask", indexed=True, softcap=20.0)
+    gathered_full_case(1, 200, 2, 1, 256, dtype, 320, "bias32", ends=True, causal=True)
+    expanded_case(2, 200, 300, 4, 2, 128, dtype, causal=True)
 print("sanitizer cases done")

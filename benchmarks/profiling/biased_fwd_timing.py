@@ -5,11 +5,13 @@ padding mask (B,1,1,S; the second sequence's last 1536 keys padding), and a full
 softcap; the
 mask and the bias with rows that are not 16-byte multiples (S - 8 and S - 4 keys: the backend's
 padded copy, src/cuda/aligned_operand.h); a key mask (2048 of S) with a per-key bias, causal, and
-`attention_topk` 2048 with the selection, causal. Median of three medians of
+`attention_topk` 2048 with the selection, causal; the raw forward over 2048 gathered keys
+(key_positions, the rows read in place) with a full bias or a full mask over them (B, H, S,
+2048), causal. Median of three medians of
 CUDA-event timings. Run it once per kernel selection to compare paths, e.g. the
-warp-specialized Hopper kernel against the kernels that serve the same problems without it:
+Hopper kernel against the sm80-class kernels that serve the same problems without it:
     python benchmarks/profiling/biased_fwd_timing.py --head-dim 128
-    DMATTN_FWD_SM90_WS=0 python benchmarks/profiling/biased_fwd_timing.py --head-dim 128
+    DMATTN_FWD_SM90=0 python benchmarks/profiling/biased_fwd_timing.py --head-dim 128
 """
 
 import argparse
@@ -19,6 +21,7 @@ import torch
 
 import dmattn
 from dmattn.bench import time_ms
+from dmattn.ops import attention_forward
 
 
 def main():
@@ -44,6 +47,14 @@ def main():
     mask_rows = full_mask[..., : S - 8].contiguous()
     k_bias_rows, v_bias_rows = k[:, : S - 4], v[:, : S - 4]
     bias_rows = bias[..., : S - 4].contiguous()
+    # 2048 gathered keys of each (batch, head): sorted positions, the rows read in place.
+    positions = keep.view(B, H, 2048).sort(-1).values.to(torch.int32)
+    gathered_bias = torch.randn(B, H, S, 2048, device=dev, dtype=dt, generator=g)
+    gathered_mask = torch.randint(0, 2, (B, H, S, 2048), device=dev, dtype=torch.uint8, generator=g).bool()
+
+    def gathered(mask, bias):
+        return attention_forward(q, k, v, mask, bias, True, -1, -1, None, 0.0, False, positions, S, None, positions)
+
     # Clocks settle before the first row: about a second of bf16 GEMMs.
     warm = torch.randn(8192, 8192, device=dev, dtype=dt, generator=g)
     for _ in range(500):
@@ -70,12 +81,14 @@ def main():
         "full bias, rows of S - 4 keys": lambda: dmattn.attention(q, k_bias_rows, v_bias_rows, bias=bias_rows),
         "key mask + per-key bias, causal": lambda: dmattn.attention(q, k, v, key_mask, key_bias, causal=True),
         "attention_topk 2048, causal": lambda: dmattn.attention_topk(q, k, v, key_bias, 2048, causal=True),
+        "2048 gathered keys + full bias, causal": lambda: gathered(None, gathered_bias),
+        "2048 gathered keys + full mask, causal": lambda: gathered(gathered_mask, None),
     }
     print(f"B={B} H={H} S={S} D={D} bf16")
     with torch.no_grad():
         for name, fn in cases.items():
             ms = statistics.median(time_ms(fn, dev, 3, 10) for _ in range(3))
-            print(f"{args.tag} {name:<34} {ms:8.3f} ms", flush=True)
+            print(f"{args.tag} {name:<40} {ms:8.3f} ms", flush=True)
 
 
 if __name__ == "__main__":

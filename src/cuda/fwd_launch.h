@@ -22,7 +22,6 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream);
 #include "cuda/fwd_kernel.h"
 #include "cuda/indexed_rows.h"
 #include "cuda/sm90/enabled.h"
-#include "cuda/sm90/fwd_kernel_sm90.h"
 #include "cuda/sm90/fwd_ws_launch_sm90.h"
 #include "dmattn/error.h"
 
@@ -33,27 +32,22 @@ inline int fwd_round_up(int x, int a) { return (x + a - 1) / a * a; }
 // CTAs per SM that `smem` bytes of dynamic shared memory per CTA allow (1 KB reserved per CTA).
 inline int fwd_ctas_by_smem(int smem, int smem_per_sm) { return smem_per_sm / (smem + 1024); }
 
-// One launch of `kernel` (a forward kernel built on Tile) with the mask / bias buffers placed
-// for Tile. kInit: the init kernel's buffers (three mask tiles, double-buffered bias);
-// kBiasDb: whether the kernel can double buffer the bias at all; kPosTiles: key-positions tiles
-// of gathered keys (the sm90 plain kernel keeps one per K buffer); kMaskTiles: mask tiles (two:
-// current and look-ahead; three where the look-ahead is decided a block earlier: the init
-// kernel and the sm90 mask / bias kernel); kBiasDbAlways: two bias tiles whatever the fit test
-// says (kernels that load the next block's bias before this block's products: the init kernel
-// and the sm90 plain kernel's bias path; a size beyond the device's limit is then an error).
-template <class Tile, bool kInit, bool kBiasDb = true, int kPosTiles = 1, int kMaskTiles = (kInit ? 3 : 2),
-          bool kBiasDbAlways = kInit, class Kernel>
+// One launch of `kernel` (an sm80-class forward kernel built on Tile) with the mask / bias
+// buffers placed for Tile. kInit: the init kernel's buffers (three mask tiles: its look-ahead is
+// decided a block earlier; a double-buffered bias always: it loads the next block's bias before
+// this block's products, so a size beyond the device's limit is then an error); the others keep
+// two mask tiles (current and look-ahead) and double buffer the bias where the fit test says so.
+template <class Tile, bool kInit, class Kernel>
 void launch_fwd_kernel(const FwdArgs& args, cudaStream_t stream, Kernel kernel) {
+  constexpr int kMaskTiles = kInit ? 3 : 2;
   FwdArgs a = args;
   const int dev = current_device();
   const int max_smem = max_shared_memory_optin(dev), smem_per_sm = shared_memory_per_multiprocessor(dev);
 
   // Shared memory: Q, K, V, then kMaskTiles mask tiles (look-ahead for block skipping), then one
-  // or two bias tiles, then the positions tiles. A query-broadcast operand needs one row per tile.
-  static_assert(kMaskTiles == 2 || kMaskTiles == 3);
-  // Behind the positions tile(s), as many key ends tiles (key_positions.h; read by the mask /
-  // bias kernels, which have one positions tile: at kBlockN entries from it).
-  const int kpos_bytes = a.kpos.ptr ? 2 * kPosTiles * Tile::kBlockN * 4 : 0;
+  // or two bias tiles, then the positions tile. A query-broadcast operand needs one row per tile.
+  // Behind the positions tile, a key ends tile (key_positions.h: at kBlockN entries from it).
+  const int kpos_bytes = a.kpos.ptr ? 2 * Tile::kBlockN * 4 : 0;
   int smem = Tile::kOffBias;
   if (a.mask.ptr) {
     const int bytes = fwd_round_up((a.mask.row_bcast ? 1 : Tile::kBlockM) * Tile::kMaskPitch, 128);
@@ -71,9 +65,7 @@ void launch_fwd_kernel(const FwdArgs& args, cudaStream_t stream, Kernel kernel) 
     const int ctas_single = std::min(Tile::kCtasPerSm, fwd_ctas_by_smem(single, smem_per_sm));
     const int ctas_dbl = std::min(Tile::kCtasPerSm, fwd_ctas_by_smem(dbl, smem_per_sm));
     const int mode = DMATTN_FWD_BIAS_DB;
-    // The init kernel and the sm90 plain kernel's bias path always double buffer (they load the
-    // next block's bias before this block's products).
-    a.bias_db = kBiasDbAlways || (kBiasDb && dbl <= max_smem && (mode == 2 || (mode == 1 && ctas_dbl >= ctas_single)));
+    a.bias_db = kInit || (dbl <= max_smem && (mode == 2 || (mode == 1 && ctas_dbl >= ctas_single)));
     smem += (a.bias_db ? 2 : 1) * bytes;
   }
   if (a.kpos.ptr) {  // gathered keys: the key block's positions (kBlockN int32 per tile)
@@ -106,17 +98,11 @@ void launch_fwd_for_device(const FwdArgs& a, cudaStream_t stream) {
     launch_fwd<FwdTile<Element, kHeadDim, kKind, false>, kMaskBias, kInit>(a, stream);
 }
 
-// The Hopper kernels are the forward on compute capability 9.0 (faster than the sm80-class
-// kernels there: docs/perf.md): the warp-specialized one (sm90/fwd_ws_kernel_sm90.h, every head
-// dim) for what fwd_ws_supports takes (plain scores, full biases (16-bit or fp32) alone or with
-// a query-broadcast mask or softcap, full masks alone or with a query-broadcast bias or
-// softcap, a full bias with a full mask up to 128, query-broadcast biases and masks,
-// softcap, gathered keys and key ends; plain scores with the query heads of each KV head packed
-// into the tiles where fwd_ws_packs_gqa says so), the general one (sm90/fwd_kernel_sm90.h, head
-// dims up to 128) for the rest (a full bias or mask with gathered keys or key ends, operands
-// whose strides TMA cannot take; above 128 the sm80-class general kernel). DMATTN_FWD_SM90=0 turns both off (the
-// sm80-class kernels, which run everywhere), DMATTN_FWD_SM90_WS=0 the first alone, for
-// comparisons.
+// The warp-specialized Hopper kernel (sm90/fwd_ws_kernel_sm90.h, every head dim) is the forward
+// on compute capability 9.0 for what fwd_ws_supports takes: every option but a full bias with a
+// full mask at head dim 256 or with gathered keys, which run the sm80-class general kernel (in
+// its configuration for the device). DMATTN_FWD_SM90=0 turns it off: the sm80-class kernels,
+// which run everywhere (comparisons, a fallback).
 // (sm90/enabled.h: never in a build without sm_90a code)
 inline bool fwd_sm90_enabled() {
   static const bool off = sm90::env_switched_off("DMATTN_FWD_SM90");
@@ -131,86 +117,69 @@ inline bool fwd_sm90_enabled() {
 #define DMATTN_FWD_INIT_KERNEL 0
 #endif
 
-// Compute capability 9.0, head dims <= 128: the Hopper kernel (plain or mask / bias variant).
-// Otherwise plain scores go to the lean kernel, a mask / bias without softcap to the init kernel
-// (when enabled), everything else to the general one.
+// The warp-specialized kernel of a bias-tile policy, its tiles in the bias's dtype (fp32 or q's).
+template <typename Element, int kHeadDim, sm90::FwdWsScores kScores>
+void launch_fwd_ws_bias_tiles(const FwdArgs& a, cudaStream_t stream) {
+  if (a.bias.esize == 4)
+    sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, kScores, 4>::Tile>(a, stream);
+  else
+    sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, kScores>::Tile>(a, stream);
+}
+
+// The warp-specialized kernel of the problem's score policy (fwd_ws_scores); plain scores with
+// the query heads of each KV head packed into the tiles where fwd_ws_packs_gqa says so.
+template <typename Element, int kHeadDim>
+void run_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
+  using sm90::FwdWsScores;
+  switch (sm90::fwd_ws_scores(a)) {
+    case FwdWsScores::kKeyRows:
+      sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kKeyRows>::Tile>(a, stream);
+      return;
+    case FwdWsScores::kFullBias:
+      launch_fwd_ws_bias_tiles<Element, kHeadDim, FwdWsScores::kFullBias>(a, stream);
+      return;
+    case FwdWsScores::kFullBiasKeyRows:
+      launch_fwd_ws_bias_tiles<Element, kHeadDim, FwdWsScores::kFullBiasKeyRows>(a, stream);
+      return;
+    case FwdWsScores::kFullBiasMask:  // (up to head dim 128, fwd_ws_supports)
+      if constexpr (kHeadDim <= 128) launch_fwd_ws_bias_tiles<Element, kHeadDim, FwdWsScores::kFullBiasMask>(a, stream);
+      return;
+    case FwdWsScores::kFullMask:
+      sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullMask>::Tile>(a, stream);
+      return;
+    case FwdWsScores::kFullMaskKeyRows:
+      sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullMaskKeyRows>::Tile>(a, stream);
+      return;
+    case FwdWsScores::kPlain: {
+      using PlainTile = typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kPlain>::Tile;
+      if (sm90::fwd_ws_packs_gqa(a, PlainTile::kBlockM))
+        sm90::launch_fwd_ws<typename PlainTile::template WithPackGqa<true>>(a, stream);
+      else
+        sm90::launch_fwd_ws<PlainTile>(a, stream);
+      return;
+    }
+  }
+}
+
+// The Hopper kernel where it takes the problem; otherwise plain scores go to the lean kernel, a
+// mask / bias without softcap to the init kernel (when enabled), everything else to the general
+// one.
 template <typename Element, int kHeadDim>
 void run_fwd(const FwdArgs& a, cudaStream_t stream) {
+  const bool hopper = fwd_sm90_enabled() && sm90::fwd_ws_supports<kHeadDim>(a);
   // Indexed keys: read in place by the warp-specialized kernel, gathered into a copy for the others.
-  if (a.kpos.rows != nullptr && !(fwd_sm90_enabled() && sm90::fwd_ws_supports<kHeadDim>(a))) {
+  if (a.kpos.rows != nullptr && !hopper) {
     FwdArgs gathered = a;
     const GatheredRowsCopy rows(gathered, int(sizeof(Element)), stream);
     run_fwd<Element, kHeadDim>(gathered, stream);
     return;
   }
-  // Key ends are tested only by the mask / bias kernels (score_mask.h).
-  const bool mask_or_bias = a.mask.ptr != nullptr || a.bias.ptr != nullptr || a.kpos.ends != nullptr;
-  // The warp-specialized Hopper kernel (TMA producer, pingpong consumers) for what it covers.
-  if (fwd_sm90_enabled() && sm90::fwd_ws_supports<kHeadDim>(a)) {
-    using sm90::FwdWsScores;
-    switch (sm90::fwd_ws_scores(a)) {
-      case FwdWsScores::kKeyRows:
-        sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kKeyRows>::Tile>(a, stream);
-        return;
-      case FwdWsScores::kFullBias:  // (the bias tiles in fp32 or q's dtype)
-        if (a.bias.esize == 4)
-          sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullBias, 4>::Tile>(a, stream);
-        else
-          sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullBias>::Tile>(a, stream);
-        return;
-      case FwdWsScores::kFullBiasKeyRows:
-        if (a.bias.esize == 4)
-          sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullBiasKeyRows, 4>::Tile>(
-              a, stream);
-        else
-          sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullBiasKeyRows>::Tile>(a,
-                                                                                                                 stream);
-        return;
-      case FwdWsScores::kFullBiasMask:  // (up to head dim 128, fwd_ws_supports)
-        if constexpr (kHeadDim <= 128) {
-          if (a.bias.esize == 4)
-            sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullBiasMask, 4>::Tile>(a,
-                                                                                                                 stream);
-          else
-            sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullBiasMask>::Tile>(a, stream);
-        }
-        return;
-      case FwdWsScores::kFullMask:
-        sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullMask>::Tile>(a, stream);
-        return;
-      case FwdWsScores::kFullMaskKeyRows:
-        sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullMaskKeyRows>::Tile>(a, stream);
-        return;
-      case FwdWsScores::kPlain:
-        break;
-    }
-    using PlainTile = typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kPlain>::Tile;
-    if (sm90::fwd_ws_packs_gqa(a, PlainTile::kBlockM))
-      sm90::launch_fwd_ws<typename PlainTile::template WithPackGqa<true>>(a, stream);
-    else
-      sm90::launch_fwd_ws<PlainTile>(a, stream);
+  if (hopper) {
+    run_fwd_ws<Element, kHeadDim>(a, stream);
     return;
   }
-  if constexpr (kHeadDim <= 128) {
-    if (fwd_sm90_enabled()) {  // every option, packed batches and gathered keys included
-      // A 16-bit bias alone (no mask, no softcap) takes the plain kernel's bias fast path: its
-      // pipelined loop (P V of the previous block overlapping this block's S and softmax), the
-      // bias tiles double buffered with K (sm90/bias_tile_sm90.h).
-      static const bool bias_path_off = sm90::env_switched_off("DMATTN_FWD_SM90_BIAS");  // (comparisons)
-      const bool plain_bias = a.bias.ptr != nullptr && a.bias.esize == 2 && a.mask.ptr == nullptr && a.softcap == 0.f &&
-                              a.kpos.ends == nullptr && !bias_path_off;
-      if ((mask_or_bias || a.softcap != 0.f) && !plain_bias) {
-        // Three mask tiles (the look-ahead decided a block early), the bias double buffered
-        // where two tiles fit (16-bit or query-broadcast bias; a full fp32 bias keeps one).
-        using Tile = sm90::FwdTileSm90<Element, kHeadDim, 1>;
-        launch_fwd_kernel<Tile, false, true, 1, 3>(a, stream, sm90::fwd_kernel_sm90<Tile, true>);
-      } else {
-        using Tile = sm90::FwdTileSm90<Element, kHeadDim, 2>;
-        launch_fwd_kernel<Tile, false, true, 2, 2, /*kBiasDbAlways=*/true>(a, stream, sm90::fwd_kernel_sm90<Tile, false>);
-      }
-      return;
-    }
-  }
+  // Key ends are tested only by the mask / bias kernels (score_mask.h).
+  const bool mask_or_bias = a.mask.ptr != nullptr || a.bias.ptr != nullptr || a.kpos.ends != nullptr;
 #if DMATTN_FWD_INIT_KERNEL  // (not instantiated at all when off: compile time)
   if (mask_or_bias && a.softcap == 0.f && !a.kpos.ptr)  // no key positions in the init kernel
     launch_fwd_for_device<Element, kHeadDim, kFwdInit, true, true>(a, stream);

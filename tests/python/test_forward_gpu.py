@@ -232,6 +232,117 @@ def test_full_bias_with_full_mask_forward(dtype, case, bias_fp32, nan_poison):
     _attend_and_check(q, k, v, mask, bias, causal, window, softcap, case)
 
 
+def _scatter_keys(x, positions, heads, width):
+    """x (..., K) with a head dim at -3 (1 or ``heads``) and one column per gathered row -> (...,
+    width) with each column at its original position (positions (B, 1 or Hkv, K), -1 for
+    padding, which goes nowhere); the other columns 0 / False."""
+    b = positions.shape[0]
+    pos = positions.long().repeat_interleave(heads // positions.shape[1], dim=1)  # (B, H, K)
+    pos = torch.where(pos < 0, width, pos)[:, :, None, :].expand(b, heads, x.shape[-2], -1)
+    out = torch.zeros(b, heads, x.shape[-2], width + 1, dtype=x.dtype, device=x.device)
+    return out.scatter_(-1, pos, x.expand(b, heads, -1, -1))[..., :width]
+
+
+@pytest.mark.parametrize("case", [
+    # (D, scores, indexed rows, key ends, causal, softcap)
+    (64, "bias", False, False, True, 0.0),
+    (128, "bias", True, True, True, 0.0),
+    (256, "bias32", True, False, False, 0.0),
+    (128, "bias32", False, True, True, 0.0),
+    (64, "bias", True, False, False, 20.0),
+    (128, "bias_key_mask", True, False, True, 0.0),
+    (64, "mask", True, False, False, 0.0),
+    (128, "mask", False, True, True, 0.0),
+    (256, "mask", True, True, True, 0.0),
+    (128, "mask_key_bias", True, False, True, 30.0),
+    (128, "bias_mask", True, True, True, 0.0),
+    (256, "bias_mask", False, False, False, 0.0),
+], ids=lambda c: f"d{c[0]}_{c[1]}{'_indexed' if c[2] else ''}{'_ends' if c[3] else ''}"
+                 f"{'_causal' if c[4] else ''}_cap{c[5]:g}")
+def test_gathered_keys_with_full_operands_forward(case, nan_poison):
+    """Gathered keys (key_positions, with key ends, the rows copied or indexed in place) with a
+    full bias (q's dtype or fp32) and / or a full mask over the gathered rows (B, H, Sq, K),
+    beside a key-side mask or bias and softcap: on Hopper the warp-specialized forward's bias or
+    mask tiles beside its key rows (a full bias with a full mask: the sm80-class general kernel);
+    against the float64 reference of the same problem over the original keys, the gathered rows
+    scattered back to their positions. Indexed rows equal the gathered copy bit for bit."""
+    from reference import check_against_reference
+    from test_indexed_keys import _gathered
+    from dmattn.ops import attention_forward
+    d, scores, indexed, ends, causal, softcap = case
+    b, sq, h, hkv, width, original, source = 2, 200, 4, 2, 304, 520, 400
+    g = torch.Generator(device="cpu").manual_seed(d + len(scores) + 2 * indexed + ends)
+    q = torch.randn(b, sq, h, d, generator=g).to("cuda", torch.bfloat16)
+    k_src, v_src = (torch.randn(b, source, hkv, d, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    index = torch.randint(0, source, (b, hkv, width), generator=g, dtype=torch.int32).to("cuda")
+    k, v = _gathered(k_src, index, 1), _gathered(v_src, index, 1)
+    positions = torch.full((b, hkv, width), -1, dtype=torch.int32)
+    for bi in range(b):
+        for hi in range(hkv):
+            n = [width, 250, 131, 0][bi * hkv + hi]  # (one row of padding only)
+            positions[bi, hi, :n] = torch.randperm(original, generator=g)[:n].sort().values.to(torch.int32)
+    positions = positions.to("cuda")
+    key_ends = torch.randint(0, sq + 8, (b, hkv, width), generator=g, dtype=torch.int32).to("cuda") if ends else None
+    bias = mask = None
+    if scores.startswith("bias"):
+        bias = (2 * torch.randn(b, h, sq, width, generator=g)).to("cuda", torch.float32 if scores == "bias32"
+                                                                   else torch.bfloat16)
+    if "mask" in scores:
+        mask = (torch.rand(b, h if "key" not in scores else 1, sq if "key" not in scores else 1, width,
+                           generator=g) < 0.7).to("cuda")
+    if scores == "mask_key_bias":
+        bias = torch.randn(b, h, 1, width, generator=g).to("cuda", torch.bfloat16)
+    out, lse = attention_forward(q, k, v, mask, bias, causal, -1, -1, None, softcap, False, positions, original,
+                                 key_ends)
+    if indexed:
+        out1, lse1 = attention_forward(q, k_src, v_src, mask, bias, causal, -1, -1, None, softcap, False, positions,
+                                       original, key_ends, index)
+        assert torch.equal(out1, out) and torch.equal(lse1, lse), "indexed rows differ from the gathered copy"
+    # The same problem over the original keys: each gathered row at its position, allowed where
+    # its mask is true and (key ends) below its end; the other positions never allowed.
+    allowed = _scatter_keys(torch.ones(1, 1, sq, width, dtype=torch.bool, device="cuda"), positions, h, original)
+    if mask is not None:
+        allowed &= _scatter_keys(mask, positions, h, original)
+    if key_ends is not None:
+        below_end = torch.arange(sq, device="cuda")[:, None] < key_ends[:, :, None, :]  # (B, Hkv, Sq, K)
+        allowed &= _scatter_keys(below_end.repeat_interleave(h // hkv, 1), positions, h, original)
+    bias_dense = None if bias is None else _scatter_keys(bias, positions, h, original)
+    k_dense, v_dense = (_scatter_keys(x.permute(0, 2, 3, 1), positions, hkv, original).permute(0, 3, 1, 2)
+                        for x in (k, v))
+    check_against_reference(q, k_dense, v_dense, allowed, bias_dense, out, lse, causal=causal, softcap=softcap,
+                            context=str(case))
+
+
+@pytest.mark.parametrize("expanded", ["q_batch", "kv_heads", "k_batch_v_heads", "all"])
+@pytest.mark.parametrize("scores", ["plain", "full_bias", "full_mask", "key_bias"])
+def test_broadcast_qkv_forward(expanded, scores, nan_poison):
+    """q, k, v expanded over the batch or the heads (stride 0 there; on Hopper the
+    warp-specialized forward reads them through views of one batch / head, and k and v expanded
+    differently run the sm80-class kernels), with plain scores, a full bias, a full mask or a
+    per-key bias; against the float64 reference."""
+    b, sq, sk, h, hkv = 2, 300, 320, 4, 2
+    d = {"plain": 64, "full_bias": 128, "full_mask": 256, "key_bias": 96}[scores]
+    g = torch.Generator(device="cpu").manual_seed(len(expanded) + 7 * len(scores))
+    dtype = torch.bfloat16
+
+    def operand(heads, seq, over_batch, over_heads):
+        x = torch.randn(1 if over_batch else b, seq, 1 if over_heads else heads, d, generator=g).to("cuda", dtype)
+        return x.expand(b, seq, heads, d)
+
+    all_ = expanded == "all"
+    q = operand(h, sq, expanded == "q_batch" or all_, all_)
+    k = operand(hkv, sk, expanded == "k_batch_v_heads" or all_, expanded == "kv_heads" or all_)
+    v = operand(hkv, sk, all_, expanded in ("kv_heads", "k_batch_v_heads") or all_)
+    mask = bias = None
+    if scores == "full_bias":
+        bias = torch.randn(b, h, sq, sk, generator=g).to("cuda", dtype)
+    elif scores == "full_mask":
+        mask = (torch.rand(b, h, sq, sk, generator=g) < 0.7).to("cuda")
+    elif scores == "key_bias":
+        bias = torch.randn(b, h, 1, sk, generator=g).to("cuda", dtype)
+    _attend_and_check(q, k, v, mask, bias, True, (-1, -1), 0.0, (expanded, scores))
+
+
 @pytest.mark.parametrize("case", [
     # (B, Sq, Sk, H, D, bias, causal, window, key mask layout)
     (3, 300, 1024, 4, 128, "full", False, (-1, -1), "contiguous"),

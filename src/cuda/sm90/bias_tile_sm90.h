@@ -1,6 +1,6 @@
 // Bias tiles in shared memory and their addition to the scores.
-// The cp.async tile of the general Hopper kernels (fwd_kernel_sm90.h / bwd_kernel_sm90.h, bias
-// fast path: a 16-bit bias, no mask, no softcap): unpadded rows of kBlockN elements, so that two
+// The cp.async tile of the general Hopper backward (bwd_kernel_sm90.h, bias fast path: a 16-bit
+// bias, no mask, no softcap): unpadded rows of kBlockN elements, so that two
 // tiles (the current key block's and the next one's, loaded with K) fit beside double-buffered K
 // and V (160 + 2 x 32 KB at D = 128). Without padding, the accumulator-layout reads would hit one
 // bank group 8 times (a warp reads one 16-byte chunk from each of 8 rows 256 bytes apart), so the

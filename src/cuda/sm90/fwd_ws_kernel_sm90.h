@@ -68,6 +68,7 @@
 #include "cuda/sm90/mask_tile_sm90.h"
 #include "cuda/sm90/pack_gqa_sm90.h"
 #include "cuda/sm90/pipeline_params_sm90.h"
+#include "cuda/sm90/tma_views.h"
 #include "cuda/fwd_kernel.h"
 
 namespace dmattn::cuda::sm90 {
@@ -88,9 +89,10 @@ struct FwdWsParams {
   typename Tile::TmaKV tma_k, tma_v;
   typename Tile::TmaBias tma_bias;  // (Tile::kBias only)
   typename Tile::TmaMask tma_mask;  // (Tile::kMask only)
-  int bias_heads, bias_batch;       // extents of the bias's head / batch dims (1: broadcast)
-  int mask_heads, mask_batch;       // and of the mask's
-  int rows_q, rows_k, batch;        // the q / k tensors as TMA sees them (packed: all rows, batch 1)
+  // The operands' head / batch extents as their TMA views have them (1: broadcast), and the
+  // rows of q and k (packed: all rows, batch 1).
+  TmaExtents q_ext, kv_ext, bias_ext, mask_ext;  // (k and v: alike, fwd_ws_supports)
+  int rows_q, rows_k;
   FwdWsTiles schedule;              // the launch's tiles (fwd_ws_tile_coords)
 };
 
@@ -355,19 +357,20 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
     // first (K[n - 1] before V[n]), the bias tile with each K, Q once the consumers are done with
     // the previous tile's (its buffer stages their output).
     auto load_tile = [&](const FwdWsTileInfo& tile, uint32_t i) {
-      Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.rows_q, a.head_dim, a.num_heads, p.batch));
-      Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.rows_k, a.head_dim, a.num_heads / a.group, p.batch));
-      Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.rows_k, a.head_dim, a.num_heads / a.group, p.batch));
-      Tensor mB = p.tma_bias.get_tma_tensor(make_shape(a.seqlen_q, a.seqlen_k, p.bias_heads, p.bias_batch));
+      Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.rows_q, a.head_dim, p.q_ext.heads, p.q_ext.batch));
+      Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.rows_k, a.head_dim, p.kv_ext.heads, p.kv_ext.batch));
+      Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.rows_k, a.head_dim, p.kv_ext.heads, p.kv_ext.batch));
+      Tensor mB = p.tma_bias.get_tma_tensor(make_shape(a.seqlen_q, a.seqlen_k, p.bias_ext.heads, p.bias_ext.batch));
       Tensor sBias = make_tensor(make_smem_ptr(reinterpret_cast<typename Tile::BiasElement*>(ss.bias_tiles.data())),
                                  typename Tile::SmemLayoutBias{});
-      Tensor mM = p.tma_mask.get_tma_tensor(make_shape(a.seqlen_q, a.seqlen_k, p.mask_heads, p.mask_batch));
+      Tensor mM = p.tma_mask.get_tma_tensor(make_shape(a.seqlen_q, a.seqlen_k, p.mask_ext.heads, p.mask_ext.batch));
       Tensor sMask = make_tensor(make_smem_ptr(ss.mask_tiles.data()), typename Tile::SmemLayoutMask{});
       const SeqBounds seq(a, tile.b);
-      const int tb = packed ? 0 : tile.b;  // (packed: the sequence's rows from its first, in batch 0)
-      const int h_kv = Tile::kPackGqa ? tile.h : tile.h / a.group;  // (packed heads: the tile's head is the KV head)
-      Tensor gQ = local_tile(domain_offset(make_coord(seq.q0(), 0), mQ(_, _, tile.h, tb)),
-                             Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(tile.m_block, 0));
+      // (packed heads: the tile's head is the KV head)
+      const int h_kv = p.kv_ext.head_at(Tile::kPackGqa ? tile.h : tile.h / a.group), b_kv = p.kv_ext.batch_at(tile.b);
+      Tensor gQ = local_tile(
+          domain_offset(make_coord(seq.q0(), 0), mQ(_, _, p.q_ext.head_at(tile.h), p.q_ext.batch_at(tile.b))),
+          Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(tile.m_block, 0));
       // (tuples, not structured bindings: the lambdas below capture them, which C++17 does not allow)
       auto tQ = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto load_q = [&]() {
@@ -377,22 +380,25 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           copy(p.tma_q.with(ss.q_full), get<0>(tQ), get<1>(tQ));
         }
       };
-      if (indexed || tile.n_max <= tile.n_min) {  // (indexed keys: K and V from the gather warps)
+      // (indexed keys: K and V from the gather warps, the bias and mask tiles from here)
+      if (tile.n_max <= tile.n_min || (indexed && !Tile::kBias && !Tile::kMask)) {
         load_q();
         return;
       }
-      Tensor gK = local_tile(domain_offset(make_coord(seq.k0(), 0), mK(_, _, h_kv, tb)),
-                             Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
-      Tensor gV = local_tile(domain_offset(make_coord(seq.k0(), 0), mV(_, _, h_kv, tb)),
-                             Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
+      Tensor gK = local_tile(
+          domain_offset(make_coord(seq.k0(), 0), mK(_, _, h_kv, b_kv)),
+          Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
+      Tensor gV = local_tile(
+          domain_offset(make_coord(seq.k0(), 0), mV(_, _, h_kv, b_kv)),
+          Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
       auto tK = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
       auto tV = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
       // The bias of this query block: (kBlockM, kBlockN, key blocks) of its (head, batch) slice.
-      Tensor gB = local_tile(mB(_, _, p.bias_heads == 1 ? 0 : tile.h / a.bias.head_div, p.bias_batch == 1 ? 0 : tile.b),
+      Tensor gB = local_tile(mB(_, _, p.bias_ext.head_at(tile.h / a.bias.head_div), p.bias_ext.batch_at(tile.b)),
                              Shape<Int<kBlockM>, Int<Tile::kBiasN>>{}, make_coord(tile.m_block, _));
       const auto tB = tma_partition(p.tma_bias, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sBias), group_modes<0, 2>(gB));
       // The mask's likewise.
-      Tensor gM = local_tile(mM(_, _, p.mask_heads == 1 ? 0 : tile.h / a.mask.head_div, p.mask_batch == 1 ? 0 : tile.b),
+      Tensor gM = local_tile(mM(_, _, p.mask_ext.head_at(tile.h / a.mask.head_div), p.mask_ext.batch_at(tile.b)),
                              Shape<Int<Tile::kMaskM>, Int<Tile::kMaskN>>{}, make_coord(tile.m_block, _));
       const auto tM = tma_partition(p.tma_mask, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sMask), group_modes<0, 2>(gM));
       // With K[nb]. The bias streams from HBM (no other CTA reads it) and the two stages give it
@@ -406,8 +412,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       };
       auto load_k_and_bias = [&](int nb) {
         const PipelineState write_k = state_of(nb);
-        pipe_k.producer_acquire(write_k);
-        copy(p.tma_k.with(*pipe_k.producer_get_barrier(write_k)), get<0>(tK)(_, nb), get<1>(tK)(_, write_k.index()));
+        if (!indexed) {
+          pipe_k.producer_acquire(write_k);
+          copy(p.tma_k.with(*pipe_k.producer_get_barrier(write_k)), get<0>(tK)(_, nb), get<1>(tK)(_, write_k.index()));
+        }
         if constexpr (Tile::kBias) {
           pipe_bias.producer_acquire(write_k);
           copy(p.tma_bias.with(*pipe_bias.producer_get_barrier(write_k)), get<0>(tB)(_, nb), get<1>(tB)(_, write_k.index()));
@@ -424,9 +432,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       load_q();
       for (; n >= tile.n_min; --n) {
         if (n > tile.n_min) load_k_and_bias(n - 1);
-        const PipelineState write_v = state_of(n);
-        pipe_v.producer_acquire(write_v);
-        copy(p.tma_v.with(*pipe_v.producer_get_barrier(write_v)), get<0>(tV)(_, n), get<1>(tV)(_, write_v.index()));
+        if (!indexed) {
+          const PipelineState write_v = state_of(n);
+          pipe_v.producer_acquire(write_v);
+          copy(p.tma_v.with(*pipe_v.producer_get_barrier(write_v)), get<0>(tV)(_, n), get<1>(tV)(_, write_v.index()));
+        }
       }
     };
 

@@ -19,70 +19,65 @@
 
 namespace dmattn::cuda::sm90 {
 
-// The score policy a problem needs: the bias tiles for a full bias alone, with the mask tiles
-// beside them for a full mask (and softcap), with key rows beside them where a query-broadcast
-// mask or softcap comes with it; the mask tiles for a full mask alone, with key rows beside them
-// where softcap or a query-broadcast bias comes with it; per-key rows for everything else the
-// kernel takes (gathered keys and key ends, query-broadcast biases and masks, softcap); plain
-// scores without any of them.
+// The score policy a problem needs: the bias tiles for a full bias, with the mask tiles beside
+// them for a full mask (and softcap), else with key rows beside them where gathered keys, a
+// query-broadcast mask or softcap come with it; the mask tiles for a full mask, with key rows
+// beside them where gathered keys, softcap or a query-broadcast bias come with it; per-key rows
+// for everything else the kernel takes (gathered keys and key ends, query-broadcast biases and
+// masks, softcap); plain scores without any of them. (Under gathered keys a full bias's or
+// mask's columns are the gathered rows, tiled by TMA like any other.)
 inline FwdWsScores fwd_ws_scores(const FwdArgs& a) {
+  const bool full_bias = a.bias.ptr != nullptr && !a.bias.row_bcast;
   const bool full_mask = a.mask.ptr != nullptr && !a.mask.row_bcast;
-  if (a.bias.ptr != nullptr && !a.bias.row_bcast) {
-    if (full_mask && a.kpos.ptr == nullptr && a.kpos.ends == nullptr) return FwdWsScores::kFullBiasMask;
+  if (full_bias && full_mask) return FwdWsScores::kFullBiasMask;
+  if (full_bias)
     return a.mask.ptr != nullptr || a.softcap != 0.f || a.kpos.ptr != nullptr ? FwdWsScores::kFullBiasKeyRows
                                                                                : FwdWsScores::kFullBias;
-  }
-  if (a.mask.ptr != nullptr && !a.mask.row_bcast && a.kpos.ptr == nullptr && a.kpos.ends == nullptr)
-    return a.bias.ptr != nullptr || a.softcap != 0.f ? FwdWsScores::kFullMaskKeyRows : FwdWsScores::kFullMask;
+  if (full_mask)
+    return a.bias.ptr != nullptr || a.softcap != 0.f || a.kpos.ptr != nullptr ? FwdWsScores::kFullMaskKeyRows
+                                                                               : FwdWsScores::kFullMask;
   if (a.kpos.ptr != nullptr || a.bias.ptr != nullptr || a.mask.ptr != nullptr || a.softcap != 0.f)
     return FwdWsScores::kKeyRows;
   return FwdWsScores::kPlain;
 }
 
 // The problems the warp-specialized kernel takes, at every head dim: dense or packed batches
-// with plain scores, softcap, a query-broadcast bias (any dtype) or mask, and gathered keys with
-// key ends; dense batches with a full bias (tma_bias_tiles_ok: 16-bit or fp32), alone or with a
-// query-broadcast mask and / or softcap; dense batches with a full mask
-// (tma_mask_tiles_ok), alone or with a query-broadcast bias and / or softcap; up to head dim
-// 128, dense batches with a full bias and a full mask (and softcap). The others (a full bias or
-// mask with gathered keys or key ends, a full bias and mask at 256, operands whose strides TMA
-// cannot take; packed batches take key-side masks and biases only) run the sm90 kernel of
-// fwd_kernel_sm90.h up to head dim 128, the sm80-class general kernel above.
+// with plain scores, softcap, a query-broadcast bias (any dtype) or mask, gathered keys with
+// key ends; dense batches with a full bias (tma_bias_tiles_ok: 16-bit or fp32) or a full mask
+// (tma_mask_tiles_ok), each alone or with any of those; up to head dim 128, dense batches with a
+// full bias and a full mask (and softcap). Operands that broadcast over heads or batch (stride
+// 0; k and v alike) are read through views of one head / batch (TmaExtents). The others (a full
+// bias with a full mask at 256 or with gathered keys, rows of stride 0, k and v broadcast
+// differently, bias / mask rows TMA cannot tile) run the sm80-class kernels.
 template <int kHeadDim>
 bool fwd_ws_supports(const FwdArgs& a) {
-  static const bool off = env_switched_off("DMATTN_FWD_SM90_WS");  // (comparisons)
-  if (off) return false;
   if (a.kpos.ends && !a.kpos.ptr) return false;
-  const bool full_mask = a.mask.ptr && !a.mask.row_bcast;
+  // (a stride of 0 along the rows, every query or key the same row: no TMA view of it)
+  const bool packed = a.cu_seqlens_q != nullptr;
+  const int64_t rows_q = packed ? a.q_rows : a.seqlen_q, rows_k = packed ? a.k_rows : a.seqlen_k;
+  if ((rows_q > 1 && a.q_rs == 0) || (a.kpos.rows == nullptr && rows_k > 1 && (a.k_rs == 0 || a.v_rs == 0)))
+    return false;
+  // (k and v share one head / batch coordinate: the producer's registers; alike in practice)
+  const int batch = packed ? 1 : a.batch, heads_kv = a.num_heads / a.group;
+  const TmaExtents k_ext = TmaExtents::of(a.k_hs, heads_kv, a.k_bs, batch);
+  const TmaExtents v_ext = TmaExtents::of(a.v_hs, heads_kv, a.v_bs, batch);
+  if (a.kpos.rows == nullptr && (k_ext.heads != v_ext.heads || k_ext.batch != v_ext.batch)) return false;
   // (the bias or mask tiles: no key, nothing for their TMA descriptor to describe)
   switch (fwd_ws_scores(a)) {
+    case FwdWsScores::kPlain:
     case FwdWsScores::kKeyRows:
-      if (full_mask) return false;
-      break;
+      return true;
     case FwdWsScores::kFullBias:
-      if (!tma_bias_tiles_ok(a.bias, true) || a.seqlen_k == 0) return false;
-      break;
     case FwdWsScores::kFullBiasKeyRows:
-      if (!tma_bias_tiles_ok(a.bias, true) || full_mask || a.kpos.ptr || a.seqlen_k == 0) return false;
-      break;
+      return tma_bias_tiles_ok(a.bias, true) && a.seqlen_k > 0;
     case FwdWsScores::kFullBiasMask:
-      if (kHeadDim > 128 || !tma_bias_tiles_ok(a.bias, true) || !tma_mask_tiles_ok(a.mask) || a.cu_seqlens_q != nullptr ||
-          a.seqlen_k == 0)
-        return false;
-      break;
+      return kHeadDim <= 128 && a.kpos.ptr == nullptr && tma_bias_tiles_ok(a.bias, true) &&
+             tma_mask_tiles_ok(a.mask) && a.cu_seqlens_q == nullptr && a.seqlen_k > 0;
     case FwdWsScores::kFullMask:
     case FwdWsScores::kFullMaskKeyRows:
-      if (!tma_mask_tiles_ok(a.mask) || a.cu_seqlens_q != nullptr || a.seqlen_k == 0) return false;
-      break;
-    case FwdWsScores::kPlain:
-      break;
+      return tma_mask_tiles_ok(a.mask) && a.cu_seqlens_q == nullptr && a.seqlen_k > 0;
   }
-  const int heads_kv = a.num_heads / a.group;
-  const int batch = a.cu_seqlens_q ? 1 : a.batch;  // a packed batch is one sequence to TMA
-  // (indexed keys: k and v are read by cp.async, not TMA)
-  return tma_strides_ok(a.q_bs, a.q_hs, batch, a.num_heads) &&
-         (a.kpos.rows != nullptr ||
-          (tma_strides_ok(a.k_bs, a.k_hs, batch, heads_kv) && tma_strides_ok(a.v_bs, a.v_hs, batch, heads_kv)));
+  return false;
 }
 
 // Whether a forward of plain scores packs the query heads of each KV head into its tiles
@@ -119,17 +114,16 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
   const bool packed = a.cu_seqlens_q != nullptr;
   const int rows_q = packed ? int(a.q_rows) : a.seqlen_q, rows_k = packed ? int(a.k_rows) : a.seqlen_k;
   const int batch = packed ? 1 : a.batch;
-  const auto q = gmem(a.q, rows_q, a.head_dim, a.num_heads, batch, a.q_rs, a.q_hs, a.q_bs);
+  const TmaExtents q_ext = TmaExtents::of(a.q_hs, a.num_heads, a.q_bs, batch);
+  const auto q = gmem(a.q, rows_q, a.head_dim, q_ext.heads, q_ext.batch, a.q_rs, a.q_hs, a.q_bs);
   // Indexed keys: the producer's warps gather K and V by cp.async; descriptors over q stand in
   // for theirs (never used).
   const bool indexed = Tile::kKeyRows && a.kpos.rows != nullptr;
-  const auto k = indexed ? q : gmem(a.k, rows_k, a.head_dim, heads_kv, batch, a.k_rs, a.k_hs, a.k_bs);
-  const auto v = indexed ? q : gmem(a.v, rows_k, a.head_dim, heads_kv, batch, a.v_rs, a.v_hs, a.v_bs);
-  // The bias's head and batch extents: 1 where it broadcasts (stride 0), else its own.
-  const int bias_heads = a.bias.stride_h == 0 ? 1 : a.num_heads / a.bias.head_div;
-  const int bias_batch = a.bias.stride_b == 0 ? 1 : a.batch;
-  const int mask_heads = a.mask.stride_h == 0 ? 1 : a.num_heads / a.mask.head_div;
-  const int mask_batch = a.mask.stride_b == 0 ? 1 : a.batch;
+  const TmaExtents kv_ext = indexed ? q_ext : TmaExtents::of(a.k_hs, heads_kv, a.k_bs, batch);
+  const auto k = indexed ? q : gmem(a.k, rows_k, a.head_dim, kv_ext.heads, kv_ext.batch, a.k_rs, a.k_hs, a.k_bs);
+  const auto v = indexed ? q : gmem(a.v, rows_k, a.head_dim, kv_ext.heads, kv_ext.batch, a.v_rs, a.v_hs, a.v_bs);
+  const TmaExtents bias_ext = TmaExtents::of(a.bias.stride_h, a.num_heads / a.bias.head_div, a.bias.stride_b, a.batch);
+  const TmaExtents mask_ext = TmaExtents::of(a.mask.stride_h, a.num_heads / a.mask.head_div, a.mask.stride_b, a.batch);
   // Packed query heads (Tile::kPackGqa): a tile per KV head, over seqlen_q * group rows.
   const int tile_heads = Tile::kPackGqa ? heads_kv : a.num_heads;
   const int64_t tile_rows = int64_t(a.seqlen_q) * (Tile::kPackGqa ? a.group : 1);
@@ -165,7 +159,7 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
   if constexpr (Tile::kBias)
     tma_bias = make_tma_copy(SM90_TMA_LOAD{},
                              tma_gmem_view(reinterpret_cast<const typename Tile::BiasElement*>(a.bias.ptr), a.seqlen_q,
-                                           a.seqlen_k, bias_heads, bias_batch, a.bias.stride_q, a.bias.stride_h,
+                                           a.seqlen_k, bias_ext.heads, bias_ext.batch, a.bias.stride_q, a.bias.stride_h,
                                            a.bias.stride_b),
                              take<0, 2>(typename Tile::SmemLayoutBias{}));
   // The mask tiles' likewise.
@@ -173,7 +167,8 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
   if constexpr (Tile::kMask)
     tma_mask = make_tma_copy(SM90_TMA_LOAD{},
                              tma_gmem_view(reinterpret_cast<const uint8_t*>(a.mask.ptr), a.seqlen_q, a.seqlen_k,
-                                           mask_heads, mask_batch, a.mask.stride_q, a.mask.stride_h, a.mask.stride_b),
+                                           mask_ext.heads, mask_ext.batch, a.mask.stride_q, a.mask.stride_h,
+                                           a.mask.stride_b),
                              take<0, 2>(typename Tile::SmemLayoutMask{}));
   FwdWsParams<Tile> p{
       a,
@@ -182,13 +177,12 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Tile::SmemLayoutKV{})),
       tma_bias,
       tma_mask,
-      bias_heads,
-      bias_batch,
-      mask_heads,
-      mask_batch,
+      q_ext,
+      kv_ext,
+      bias_ext,
+      mask_ext,
       rows_q,
       rows_k,
-      batch,
       FwdWsTiles{num_m_blocks, num_hb, tile_heads, paired, units},
   };
   auto kernel = fwd_ws_kernel_sm90<Tile>;

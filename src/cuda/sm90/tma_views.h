@@ -17,6 +17,18 @@ inline bool tma_strides_ok(int64_t bs, int64_t hs, int batch, int heads) {
   return (batch == 1 || bs != 0) && (heads == 1 || hs != 0);
 }
 
+// The head and batch extents a TMA view of a sequence operand takes: 1 along a dimension the
+// operand broadcasts (stride 0, which no TMA descriptor takes), whose coordinate is then 0 for
+// every head / batch (at), else the dimension's own.
+struct TmaExtents {
+  int heads = 1, batch = 1;
+  static TmaExtents of(int64_t hs, int heads, int64_t bs, int batch) {
+    return {hs == 0 ? 1 : heads, bs == 0 ? 1 : batch};
+  }
+  __host__ __device__ int head_at(int h) const { return heads == 1 ? 0 : h; }
+  __host__ __device__ int batch_at(int b) const { return batch == 1 ? 0 : b; }
+};
+
 // A stride TMA accepts for a dimension of one index (its value is never used).
 inline int64_t tma_stride(int64_t stride, int extent, int64_t fallback) { return extent == 1 ? fallback : stride; }
 
