@@ -6,7 +6,8 @@
 CASE: plain (no mask / bias), bias (dense (B,H,S,S) bf16 bias with gradient), topk
 (attention_topk, per-key bias with gradient, keep = S / 4, causal), perquery (the same with
 per_query=True: Doge's per-query causal top-k). bf16, H=16, D=128 unless told (--h, --d);
---fwd profiles the forward alone. Random
+--fwd profiles the forward alone; with the bias case, --bias-fp32 keeps the bias in fp32 and
+--key-padding adds a key padding mask (B,1,1,S; the second sequence's last S / 5 keys). Random
 inputs; one warm-up step (so that ncu's first captured launches are not the first ever), then
 the profiled step.
 """
@@ -27,6 +28,8 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--fwd", action="store_true", help="the forward alone (no gradients)")
+    ap.add_argument("--bias-fp32", action="store_true", help="bias case: the bias in fp32")
+    ap.add_argument("--key-padding", action="store_true", help="bias case: with a key padding mask")
     args = ap.parse_args()
     B, S, H, D = args.b, args.s, args.h, args.d
     dev, dt = "cuda", torch.bfloat16
@@ -34,16 +37,20 @@ def main() -> None:
     q, k, v, dout = (torch.randn(B, S, H, D, device=dev, dtype=dt, generator=g) for _ in range(4))
     bias = None
     if args.case == "bias":
-        bias = torch.randn(B, H, S, S, device=dev, dtype=dt, generator=g)
+        bias = torch.randn(B, H, S, S, device=dev, dtype=torch.float32 if args.bias_fp32 else dt, generator=g)
     elif args.case in ("topk", "perquery"):
         bias = torch.randn(B, H, 1, S, device=dev, dtype=dt, generator=g)
+    mask = None
+    if args.key_padding:
+        lens = torch.tensor([S, S - S // 5] * B, device=dev)[:B]
+        mask = (torch.arange(S, device=dev) < lens[:, None]).view(B, 1, 1, S)
     leaves = [t.requires_grad_(not args.fwd) for t in (q, k, v) + ((bias,) if bias is not None else ())]
 
     def step():
         if args.case in ("topk", "perquery"):
             out = dmattn.attention_topk(q, k, v, bias, S // 4, causal=True, per_query=args.case == "perquery")
         else:
-            out = dmattn.attention(q, k, v, bias=bias, causal=args.causal)
+            out = dmattn.attention(q, k, v, mask, bias, causal=args.causal)
         if not args.fwd:
             torch.autograd.grad(out, leaves, dout)
 
