@@ -20,7 +20,7 @@
 //     (intra-warpgroup overlap: the softmax of block n runs while P V of block n + 1 does).
 //     Across warpgroups, named barriers hand the tensor cores round-robin from one consumer's
 //     GEMM pair to the next (pingpong: one warpgroup's softmax overlaps another's GEMMs).
-// Scores as the sm90 plain kernel's: scale folded into the softmax's exponent, the window /
+// Scores: the scale folded into the softmax's exponent, the window /
 // causal / tail test only on the key blocks that need it (mask.h). With a bias (Tile::kBias),
 // its tile of block n is loaded with K[n] and s = scale * qk + bias before the test, the softmax
 // then on final scores (scale 1; the safe subtraction, under which a finfo.min bias stays
@@ -33,8 +33,10 @@
 // the sequence and columns past head_dim or the keys arrive as zeros (TMA's out-of-bounds fill:
 // a mask of false there).
 // With per-key rows (Tile::kKeyRows: gathered keys, key ends, a query-broadcast bias or mask,
-// softcap; beside a full bias's tiles, a query-broadcast mask and softcap; beside a full mask's
-// tiles, a query-broadcast bias and softcap, the mask then applied to the final scores), warp 1
+// softcap; beside a full bias's tiles, gathered keys, a query-broadcast mask and softcap; beside
+// a full mask's tiles, gathered keys, a query-broadcast bias and softcap, the mask then applied
+// to the final scores; with indexed keys, warps 2 and 3 gather K and V by cp.async while warp 0
+// issues Q and the bias / mask tiles), warp 1
 // of the producer warpgroup loads block n's positions, query bounds and bias (load_key_rows)
 // into a stage of their own pipeline; s = scale * qk + bias (softcap: softcap * tanh(scale * qk
 // / softcap) + bias), then on the blocks that need it
