@@ -282,9 +282,38 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           KeyRowSources src = key_row_sources(a, tile.b, tile.h, seq.k0());
           if constexpr (Tile::kMask) src.mask = nullptr;  // (a full mask comes by its tiles)
           const int count = seq.len_k();
+          // Whether a block's scores need the test on positions and bounds is decided here, not
+          // on the consumers' path between their products: the block needs none when every
+          // query of the tile sees each of its positions (the window of the tile's first query
+          // ends past the last, that of its last begins at or before the first; padding rows,
+          // -1, and positions past the keys never qualify) and no query bound falls below the
+          // tile's queries. The tile's part (volatile shared values: not held in the loader's
+          // registers through the loop), from its first and last query's windows:
+          volatile int32_t& lo = ss.key_rows_lo;
+          volatile int32_t& hi = ss.key_rows_hi;
+          volatile int32_t& m_end = ss.key_rows_m_end;
+          const bool first_lane = (threadIdx.x & 31) == 0;
+          if (first_lane) {
+            const WindowMask pwin = a.kpos.ptr != nullptr ? position_window(a) : seq.window();
+            const int m0 = tile.m_block * kBlockM;
+            const int end = int(min(int64_t(m0 + kBlockM), pwin.seqlen_q));
+            int lo_first, hi_first, lo_last, hi_last;
+            position_range(pwin, m0, lo_first, hi_first);
+            position_range(pwin, end - 1, lo_last, hi_last);
+            lo = lo_last;
+            hi = hi_first;
+            m_end = end;
+          }
           for (int n = tile.n_max - 1; n >= tile.n_min; --n) {
             pipe_key_rows.producer_acquire(write_r);
-            load_key_rows<Element, typename Tile::KeyRowStage, kBlockN>(ss.key_rows[write_r.index()], n, count, src);
+            auto& st = ss.key_rows[write_r.index()];
+            load_key_rows<Element, typename Tile::KeyRowStage, kBlockN>(st, n, count, src);
+            // The block's part (the first lane: it wrote end_min, and the other lanes' rows are
+            // visible after load_key_rows's __syncwarp; positions sorted).
+            if (first_lane) {
+              const int first = st.pos[0], last = st.pos[kBlockN - 1];
+              st.needs_test = st.end_min < m_end || first < lo || last < lo || last >= hi;
+            }
             pipe_key_rows.producer_commit(write_r);
             ++write_r;
           }
@@ -622,12 +651,14 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           // (beside bias tiles: the score is final, the rows carry no bias)
           if constexpr (!Tile::kBias) add_key_bias(s_rc, tScS_rc, st.bias, scale);
           if constexpr (Tile::kMask) apply_mask_tile();
-          // The test on positions: gathered keys' window on original positions, else the plain
-          // window (positions are indices); query bounds (key ends, a mask) on every block.
-          const PositionTest pt{st.pos, a.kpos.ptr != nullptr ? position_window(a) : win, Tile::kKeyRowEndDelta};
-          if (bounded_block_needs_mask<kBlockN>(pt.win, st.pos, m0, kBlockM, st.end_min))
+          // The test on positions (the blocks the loader marked): gathered keys' window on
+          // original positions, else the plain window (positions are indices); query bounds
+          // (key ends, a mask).
+          if (st.needs_test) {
+            const PositionTest pt{st.pos, a.kpos.ptr != nullptr ? position_window(a) : win, Tile::kKeyRowEndDelta};
             mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(s_rc, tScS_rc, m0, n * kBlockN, win,
                                                                                      nullptr, 0, nullptr, 0, &pt);
+          }
           pipe_key_rows.consumer_release(read_r);
           ++read_r;
         } else if constexpr (Tile::kPackGqa) {  // (the test on each row's own query)

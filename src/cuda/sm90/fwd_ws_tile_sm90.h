@@ -178,6 +178,7 @@ struct FwdWsTile {
     int32_t end[kBlockN];  // queries i < end may see it (INT_MAX: no bound; 0 past the keys)
     float bias[kBias ? 1 : kBlockN];
     alignas(16) int32_t end_min;  // the smallest of end[] (16-byte aligned: the next stage's rows are read as float2)
+    int32_t needs_test;           // whether the block's scores need the per-element test (the loader decides)
   };
   static constexpr int kKeyRowEndDelta = kBlockN;  // end[] behind pos[] (PositionTest::end_delta)
   using KeyRowPipeline = cutlass::PipelineAsync<kStages>;
@@ -207,6 +208,9 @@ struct FwdWsTile {
     int32_t first_alive[kNThreads / 32];  // per warp: the first row a query of the block may keep
     uint32_t sched_tiles, sched_blocks;   // the scheduler's counters (fwd_ws_kernel_sm90.h)
     int32_t sched_next;                   // and its next step
+    // The key rows' loader's summary of its tile's window (fwd_ws_kernel_sm90.h): the positions
+    // every query of the tile sees, [lo, hi), and the end of its queries.
+    int32_t key_rows_lo, key_rows_hi, key_rows_m_end;
   };
   static_assert(!kBias || cute::cosize_v<SmemLayoutBias> * kBiasBytes == kStages * kBiasStageBytes);
   static_assert(!kMask || cute::cosize_v<SmemLayoutMask> == kStages * kMaskStageBytes);
