@@ -39,7 +39,7 @@
 // issues Q and the bias / mask tiles), warp 1
 // of the producer warpgroup loads block n's positions, query bounds and bias (load_key_rows)
 // into a stage of their own pipeline; s = scale * qk + bias (softcap: softcap * tanh(scale * qk
-// / softcap) + bias), then on the blocks that need it
+// / softcap) + bias), then on the blocks that need it (the loader marks them in the stage)
 // the test on positions and bounds (score_mask.h), the softmax on final scores. Gathered keys
 // take the key-block range of their positions (KeyPositionRow): blocks of padding rows only,
 // or of positions no query of the block sees, are never loaded.
