@@ -303,4 +303,10 @@ for dtype in (torch.bfloat16, torch.float16):
     gathered_full_case(1, 129, 2, 2, 64, dtype, 256, "mask", indexed=True, softcap=20.0)
     gathered_full_case(1, 200, 2, 1, 256, dtype, 320, "bias32", ends=True, causal=True)
     expanded_case(2, 200, 300, 4, 2, 128, dtype, causal=True)
+    # A full bias with a full mask at head dim 256 (one stage of each tile stream, issued after
+    # the next V), several tiles a CTA.
+    os.environ["DMATTN_FWD_PERSISTENT"] = "1"
+    os.environ["DMATTN_FWD_PERSISTENT_CTAS"] = "2"
+    case(2, 300, 512, 4, 2, 256, dtype, mask_shape=(2, 4, 300, 512), bias_shape=(2, 4, 300, 512), causal=True)
+    del os.environ["DMATTN_FWD_PERSISTENT"], os.environ["DMATTN_FWD_PERSISTENT_CTAS"]
 print("sanitizer cases done")

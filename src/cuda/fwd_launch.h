@@ -100,9 +100,8 @@ void launch_fwd_for_device(const FwdArgs& a, cudaStream_t stream) {
 
 // The warp-specialized Hopper kernel (sm90/fwd_ws_kernel_sm90.h, every head dim) is the forward
 // on compute capability 9.0 for what fwd_ws_supports takes: every option, but for a few
-// combinations and layouts it lists (a full bias with a full mask at head dim 256 or with
-// gathered keys, among them), which run the sm80-class kernels in their configuration for the
-// device. DMATTN_FWD_SM90=0 turns it off: the sm80-class kernels, which run everywhere
+// combinations and layouts it lists (a full bias with a full mask with gathered keys, among
+// them), which run the sm80-class kernels in their configuration for the device. DMATTN_FWD_SM90=0 turns it off: the sm80-class kernels, which run everywhere
 // (comparisons, a fallback).
 // (sm90/enabled.h: never in a build without sm_90a code)
 inline bool fwd_sm90_enabled() {
@@ -142,8 +141,11 @@ void run_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
     case FwdWsScores::kFullBiasKeyRows:
       launch_fwd_ws_bias_tiles<Element, kHeadDim, FwdWsScores::kFullBiasKeyRows>(a, stream);
       return;
-    case FwdWsScores::kFullBiasMask:  // (up to head dim 128, fwd_ws_supports)
-      if constexpr (kHeadDim <= 128) launch_fwd_ws_bias_tiles<Element, kHeadDim, FwdWsScores::kFullBiasMask>(a, stream);
+    case FwdWsScores::kFullBiasMask:  // (at head dim 256 a 16-bit bias only, fwd_ws_supports)
+      if constexpr (kHeadDim <= 128)
+        launch_fwd_ws_bias_tiles<Element, kHeadDim, FwdWsScores::kFullBiasMask>(a, stream);
+      else
+        sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullBiasMask>::Tile>(a, stream);
       return;
     case FwdWsScores::kFullMask:
       sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kFullMask>::Tile>(a, stream);

@@ -160,6 +160,45 @@ struct KeyPositionRow {
   }
 };
 
+// The positions every query of [m0, m0 + block_m) may see, [lo, hi) (the window of the last
+// query begins at lo, that of the first ends at hi: positions grow along a row; 0 <= lo and hi
+// <= seqlen_k, so that padding, -1, and positions past the keys fall outside), and the end of
+// those queries, m_end. The one rule for "does a key block need the per-element test": not when
+// each of its rows lies inside [lo, hi) and no query bound of the block falls below m_end.
+// Kernels that test many key blocks against one query block (the Hopper forward's key-row
+// loader) build it once and keep it; the others call the *_block_needs_mask forms below.
+struct QueryBlockWindow {
+  int lo, hi, m_end;
+
+  // (as position_range of the first and last query, without the clamps the test does not need:
+  // lean, for the kernels that call it per block)
+  __device__ __forceinline__ static QueryBlockWindow of(const WindowMask& pwin, int m0, int block_m) {
+    const int64_t off = pwin.seqlen_k - pwin.seqlen_q;
+    const int64_t m_end = min(int64_t(m0) + block_m, pwin.seqlen_q);
+    QueryBlockWindow w{0, int(pwin.seqlen_k), int(m_end)};
+    if (pwin.left >= 0) w.lo = int(max(int64_t(0), m_end - 1 + off - pwin.left));
+    if (pwin.right >= 0) w.hi = int(min(pwin.seqlen_k, int64_t(m0) + off + pwin.right + 1));
+    return w;
+  }
+
+  // A key block of sorted positions first .. last (-1: padding rows, which come last; a position
+  // past the keys, >= hi) whose smallest query bound is end_min (INT_MAX: none).
+  __device__ __forceinline__ bool block_needs_test(int first, int last, int end_min) const {
+    return needs_test(*this, first, last, end_min);
+  }
+  // The same on a window kept in shared memory as volatile (read field by field as the test
+  // needs them: a loader that keeps it there has no registers to hold it through its loop).
+  __device__ __forceinline__ bool block_needs_test(int first, int last, int end_min) const volatile {
+    return needs_test(*this, first, last, end_min);
+  }
+
+ private:
+  template <class Window>
+  __device__ __forceinline__ static bool needs_test(Window& w, int first, int last, int end_min) {
+    return end_min < w.m_end || first < w.lo || last < w.lo || last >= w.hi;
+  }
+};
+
 // Does the key block whose positions tile is s_pos (kBlockN entries, -1 past the gathered
 // rows) need the per-element test for queries [m0, m0 + block_m)? Not when every row is valid
 // and inside the window of every query of the block. Reads two shared entries (broadcast).
@@ -167,13 +206,7 @@ template <int kBlockN>
 __device__ __forceinline__ bool positions_block_needs_mask(const WindowMask& pwin, const int32_t* s_pos, int m0,
                                                            int block_m, bool has_ends) {
   if (has_ends) return true;  // (the per-row query bounds are not summarized per block)
-  const int first = s_pos[0], last = s_pos[kBlockN - 1];
-  if (first < 0 || last < 0 || last >= pwin.seqlen_k) return true;  // padding inside (sorted)
-  const int64_t m_last = (m0 + block_m < pwin.seqlen_q ? m0 + block_m : pwin.seqlen_q) - 1;
-  const int64_t off = pwin.seqlen_k - pwin.seqlen_q;
-  if (pwin.right >= 0 && last > int64_t(m0) + off + pwin.right) return true;
-  if (pwin.left >= 0 && first < m_last + off - pwin.left) return true;
-  return false;
+  return QueryBlockWindow::of(pwin, m0, block_m).block_needs_test(s_pos[0], s_pos[kBlockN - 1], INT_MAX);
 }
 
 // As positions_block_needs_mask, for a block whose query bounds (key ends, a query-broadcast
@@ -182,8 +215,7 @@ __device__ __forceinline__ bool positions_block_needs_mask(const WindowMask& pwi
 template <int kBlockN>
 __device__ __forceinline__ bool bounded_block_needs_mask(const WindowMask& pwin, const int32_t* s_pos, int m0,
                                                          int block_m, int end_min) {
-  const int m_end = m0 + block_m < pwin.seqlen_q ? m0 + block_m : int(pwin.seqlen_q);
-  return end_min < m_end || positions_block_needs_mask<kBlockN>(pwin, s_pos, m0, block_m, false);
+  return QueryBlockWindow::of(pwin, m0, block_m).block_needs_test(s_pos[0], s_pos[kBlockN - 1], end_min);
 }
 
 // Stores the positions of rows [n0, n0 + kBlockN) into s_pos, -1 past the `count` gathered

@@ -202,13 +202,15 @@ def test_full_bias_with_key_mask_forward(dtype, case, bias_fp32, nan_poison):
     (1, 256, 784, 2, 1, 96, "expand", "h", 30.0, True, (-1, -1)),
     (2, 130, 144, 4, 4, 64, "h", "expand", 0.0, False, (-1, -1)),
     (1, 200, 320, 2, 2, 256, "h", "h", 25.0, True, (-1, -1)),
+    (2, 384, 1000, 4, 2, 256, "hkv", "expand", 0.0, False, (-1, -1)),
+    (1, 300, 600, 4, 4, 192, "1", "h", 0.0, False, (128, 64)),
 ], ids=lambda c: (f"{c[0]}x{c[1]}x{c[2]}_h{c[3]}_{c[4]}_d{c[5]}_bias{c[6]}_mask{c[7]}_cap{c[8]:g}"
                   f"{'_causal' if c[9] else ''}_w{c[10][0]}"))
 @pytest.mark.parametrize("bias_fp32", [False, True], ids=["bias_q_dtype", "bias_fp32"])
 def test_full_bias_with_full_mask_forward(dtype, case, bias_fp32, nan_poison):
     """A full bias (q's dtype or fp32) and a full mask together (rows of 16-byte multiples: on
-    Hopper the warp-specialized forward's two tile streams up to head dim 128, the general
-    kernel at 256), with softcap: each per head, broadcast (a size-1 dim and an expanded one) or
+    Hopper the warp-specialized forward's two tile streams, at head dims 192 and 256 with one
+    stage each and a 16-bit bias, the general kernel there for an fp32 one), with softcap: each per head, broadcast (a size-1 dim and an expanded one) or
     per kv head (GQA); finfo.min and -inf bias entries, a bias of -inf where the mask is true and
     a large one where it is false, a row and a query block without any true element; causal and
     window bounds; against the float64 reference."""

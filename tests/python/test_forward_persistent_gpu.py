@@ -49,6 +49,9 @@ def _inputs(seed, b=2, s=704, h=4, hkv=2, d=128, dtype=torch.bfloat16):
 CALLS = {
     "plain": lambda q, k, v, kb, fb, causal: dmattn.attention(q, k, v, causal=causal, return_lse=True),
     "full_bias": lambda q, k, v, kb, fb, causal: dmattn.attention(q, k, v, bias=fb, causal=causal, return_lse=True),
+    # (at head dim 256: one stage of each tile stream, fwd_ws_tile_sm90.h)
+    "full_bias_mask": lambda q, k, v, kb, fb, causal: dmattn.attention(q, k, v, fb > -0.5, fb, causal=causal,
+                                                                       return_lse=True),
     "key_bias": lambda q, k, v, kb, fb, causal: dmattn.attention(q, k, v, bias=kb, causal=causal, return_lse=True),
     "window": lambda q, k, v, kb, fb, causal: dmattn.attention(q, k, v, window=(100, 0 if causal else 50),
                                                                return_lse=True),
@@ -65,7 +68,7 @@ CALLS = {
 def test_bitwise_equal_to_one_tile_per_cta(call, causal, ctas, monkeypatch, nan_poison):
     """Each tile is computed the same way whichever CTA takes it: the persistent outputs equal
     one tile a CTA's bit for bit (every element written: the outputs start as NaN)."""
-    args = _inputs(len(call) + int(ctas), d=64 if call == "key_bias" else 128)
+    args = _inputs(len(call) + int(ctas), d={"key_bias": 64, "full_bias_mask": 256}.get(call, 128))
     monkeypatch.setenv("DMATTN_FWD_PERSISTENT", "0")
     out0, lse0 = CALLS[call](*args, causal)
     monkeypatch.setenv("DMATTN_FWD_PERSISTENT", "1")

@@ -29,7 +29,8 @@
 // 8-byte shared loads. With a full mask (Tile::kMask), its byte tile of block n comes the same
 // way through a pipeline of its own, a false element makes the score -inf before the test
 // (mask_tile_sm90.h; after the bias where both come), and the softmax is the plain one on raw
-// scores, the biased one beside a bias. Rows past
+// scores, the biased one beside a bias. (Both tile streams at head dim 256 have one stage each,
+// Tile::kOperandStages: block n's tiles then follow V[n + 1].) Rows past
 // the sequence and columns past head_dim or the keys arrive as zeros (TMA's out-of-bounds fill:
 // a mask of false there).
 // With per-key rows (Tile::kKeyRows: gathered keys, key ends, a query-broadcast bias or mask,
@@ -243,12 +244,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
                                  : tma_pipeline_params<Pipeline>(Tile::kKVStageBytes, warp_group == 0, kConsumerThreads);
   Pipeline pipe_k(ss.pipe_k, kv_params, Shape<_1, _1, _1>{});
   Pipeline pipe_v(ss.pipe_v, kv_params, Shape<_1, _1, _1>{});
-  // The bias tiles and the mask tiles (their pipelines advance with K's: block n's stage of each
-  // is K[n]'s).
-  Pipeline pipe_bias(ss.pipe_bias, tma_pipeline_params<Pipeline>(Tile::kBiasStageBytes, warp_group == 0, kConsumerThreads),
-                     Shape<_1, _1, _1>{});
-  Pipeline pipe_mask(ss.pipe_mask, tma_pipeline_params<Pipeline>(Tile::kMaskStageBytes, warp_group == 0, kConsumerThreads),
-                     Shape<_1, _1, _1>{});
+  // The bias tiles and the mask tiles (their pipelines advance with K's, one block each, over
+  // Tile::kOperandStages stages).
+  using OperandPipeline = typename Tile::OperandPipeline;
+  OperandPipeline pipe_bias(ss.pipe_bias,
+                            tma_pipeline_params<OperandPipeline>(Tile::kBiasStageBytes, warp_group == 0, kConsumerThreads),
+                            Shape<_1, _1, _1>{});
+  OperandPipeline pipe_mask(ss.pipe_mask,
+                            tma_pipeline_params<OperandPipeline>(Tile::kMaskStageBytes, warp_group == 0, kConsumerThreads),
+                            Shape<_1, _1, _1>{});
   using KeyRowPipeline = typename Tile::KeyRowPipeline;
   KeyRowPipeline pipe_key_rows(ss.pipe_key_rows, loader_pipeline_params<KeyRowPipeline>(warp_group == 0, kConsumerThreads));
   // The tiles' readers: the consumers, the key rows' or packed Q's loader and the gather warps.
@@ -283,26 +287,17 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           if constexpr (Tile::kMask) src.mask = nullptr;  // (a full mask comes by its tiles)
           const int count = seq.len_k();
           // Whether a block's scores need the test on positions and bounds is decided here, not
-          // on the consumers' path between their products: the block needs none when every
-          // query of the tile sees each of its positions (the window of the tile's first query
-          // ends past the last, that of its last begins at or before the first; padding rows,
-          // -1, and positions past the keys never qualify) and no query bound falls below the
-          // tile's queries. The tile's part (volatile shared values: not held in the loader's
-          // registers through the loop), from its first and last query's windows:
-          volatile int32_t& lo = ss.key_rows_lo;
-          volatile int32_t& hi = ss.key_rows_hi;
-          volatile int32_t& m_end = ss.key_rows_m_end;
+          // on the consumers' path between their products (QueryBlockWindow, key_positions.h).
+          // The tile's window, once (volatile shared values: not held in the loader's registers
+          // through the loop):
+          volatile QueryBlockWindow& win = ss.key_rows_window;
           const bool first_lane = (threadIdx.x & 31) == 0;
           if (first_lane) {
             const WindowMask pwin = a.kpos.ptr != nullptr ? position_window(a) : seq.window();
-            const int m0 = tile.m_block * kBlockM;
-            const int end = int(min(int64_t(m0 + kBlockM), pwin.seqlen_q));
-            int lo_first, hi_first, lo_last, hi_last;
-            position_range(pwin, m0, lo_first, hi_first);
-            position_range(pwin, end - 1, lo_last, hi_last);
-            lo = lo_last;
-            hi = hi_first;
-            m_end = end;
+            const QueryBlockWindow w = QueryBlockWindow::of(pwin, tile.m_block * kBlockM, kBlockM);
+            win.lo = w.lo;
+            win.hi = w.hi;
+            win.m_end = w.m_end;
           }
           for (int n = tile.n_max - 1; n >= tile.n_min; --n) {
             pipe_key_rows.producer_acquire(write_r);
@@ -310,10 +305,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
             load_key_rows<Element, typename Tile::KeyRowStage, kBlockN>(st, n, count, src);
             // The block's part (the first lane: it wrote end_min, and the other lanes' rows are
             // visible after load_key_rows's __syncwarp; positions sorted).
-            if (first_lane) {
-              const int first = st.pos[0], last = st.pos[kBlockN - 1];
-              st.needs_test = st.end_min < m_end || first < lo || last < lo || last >= hi;
-            }
+            if (first_lane)
+              st.needs_test = win.block_needs_test(st.pos[0], st.pos[kBlockN - 1], st.end_min);
             pipe_key_rows.producer_commit(write_r);
             ++write_r;
           }
@@ -441,32 +434,47 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       auto state_of = [&](int nb) {
         return pipeline_state_at<Tile::kStages>(tile.blocks_before + uint32_t(tile.n_max - 1 - nb), true);
       };
-      auto load_k_and_bias = [&](int nb) {
+      auto load_k = [&](int nb) {
+        if (indexed) return;
         const PipelineState write_k = state_of(nb);
-        if (!indexed) {
-          pipe_k.producer_acquire(write_k);
-          copy(p.tma_k.with(*pipe_k.producer_get_barrier(write_k)), get<0>(tK)(_, nb), get<1>(tK)(_, write_k.index()));
-        }
+        pipe_k.producer_acquire(write_k);
+        copy(p.tma_k.with(*pipe_k.producer_get_barrier(write_k)), get<0>(tK)(_, nb), get<1>(tK)(_, write_k.index()));
+      };
+      // Block nb's bias and mask tiles (their stages: as K's, over Tile::kOperandStages).
+      auto load_operand_tiles = [&](int nb) {
+        const auto write_b =
+            pipeline_state_at<Tile::kOperandStages>(tile.blocks_before + uint32_t(tile.n_max - 1 - nb), true);
         if constexpr (Tile::kBias) {
-          pipe_bias.producer_acquire(write_k);
-          copy(p.tma_bias.with(*pipe_bias.producer_get_barrier(write_k)), get<0>(tB)(_, nb), get<1>(tB)(_, write_k.index()));
+          pipe_bias.producer_acquire(write_b);
+          copy(p.tma_bias.with(*pipe_bias.producer_get_barrier(write_b)), get<0>(tB)(_, nb), get<1>(tB)(_, write_b.index()));
           if (nb - kBiasPrefetch >= tile.n_min) prefetch(p.tma_bias, get<0>(tB)(_, nb - kBiasPrefetch));
         }
         if constexpr (Tile::kMask) {
-          pipe_mask.producer_acquire(write_k);
-          copy(p.tma_mask.with(*pipe_mask.producer_get_barrier(write_k)), get<0>(tM)(_, nb), get<1>(tM)(_, write_k.index()));
+          pipe_mask.producer_acquire(write_b);
+          copy(p.tma_mask.with(*pipe_mask.producer_get_barrier(write_b)), get<0>(tM)(_, nb), get<1>(tM)(_, write_b.index()));
           if (nb - kBiasPrefetch >= tile.n_min) prefetch(p.tma_mask, get<0>(tM)(_, nb - kBiasPrefetch));
         }
       };
+      // With fewer operand stages than K's, block nb's tiles wait until the consumers are done
+      // with those of nb + 1 (after their S product of it): V[nb + 1] goes first, so that its
+      // P V product does not wait behind them.
+      constexpr bool kOperandsAfterV = Tile::kOperandStages < Tile::kStages;
       int n = tile.n_max - 1;
-      load_k_and_bias(n);
+      load_k(n);
+      load_operand_tiles(n);
       load_q();
       for (; n >= tile.n_min; --n) {
-        if (n > tile.n_min) load_k_and_bias(n - 1);
+        if (n > tile.n_min) {
+          load_k(n - 1);
+          if constexpr (!kOperandsAfterV) load_operand_tiles(n - 1);
+        }
         if (!indexed) {
           const PipelineState write_v = state_of(n);
           pipe_v.producer_acquire(write_v);
           copy(p.tma_v.with(*pipe_v.producer_get_barrier(write_v)), get<0>(tV)(_, n), get<1>(tV)(_, write_v.index()));
+        }
+        if constexpr (kOperandsAfterV) {
+          if (n > tile.n_min) load_operand_tiles(n - 1);
         }
       }
     };
@@ -523,8 +531,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       const PipelineState write = pipeline_state_at<Tile::kStages>(uint32_t(blocks), true);
       pipe_k.producer_tail(write);
       pipe_v.producer_tail(write);
-      if constexpr (Tile::kBias) pipe_bias.producer_tail(write);
-      if constexpr (Tile::kMask) pipe_mask.producer_tail(write);
+      const auto write_b = pipeline_state_at<Tile::kOperandStages>(uint32_t(blocks), true);
+      if constexpr (Tile::kBias) pipe_bias.producer_tail(write_b);
+      if constexpr (Tile::kMask) pipe_mask.producer_tail(write_b);
     }
     return;
   }
@@ -585,7 +594,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       // buffer was released after them).
       if (consumer == kConsumers - 1) NamedBarrier::arrive(kSchedThreads, kSchedBarrier + 0);
       PipelineState read_k = pipeline_state_at<Tile::kStages>(tile.blocks_before, false), read_v = read_k,
-                    read_b = read_k, read_r = read_k;
+                    read_r = read_k;
+      auto read_b = pipeline_state_at<Tile::kOperandStages>(tile.blocks_before, false);  // (bias and mask tiles)
       Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
       Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
       Tensor rP = make_tensor<Element>(acc_s.layout());

@@ -41,27 +41,39 @@ inline FwdWsScores fwd_ws_scores(const FwdArgs& a) {
   return FwdWsScores::kPlain;
 }
 
+// How the kernel's TMA descriptors see q, k and v: a packed batch as one sequence of all its rows
+// (batch 1; the kernel offsets each sequence's rows), and an operand that broadcasts over heads
+// or batch (stride 0) through a view of one head / batch (TmaExtents).
+struct FwdWsQkvViews {
+  int64_t rows_q, rows_k;
+  TmaExtents q, k, v;
+
+  static FwdWsQkvViews of(const FwdArgs& a) {
+    const bool packed = a.cu_seqlens_q != nullptr;
+    const int batch = packed ? 1 : a.batch, heads_kv = a.num_heads / a.group;
+    return {packed ? a.q_rows : a.seqlen_q, packed ? a.k_rows : a.seqlen_k,
+            TmaExtents::of(a.q_hs, a.num_heads, a.q_bs, batch), TmaExtents::of(a.k_hs, heads_kv, a.k_bs, batch),
+            TmaExtents::of(a.v_hs, heads_kv, a.v_bs, batch)};
+  }
+};
+
 // The problems the warp-specialized kernel takes, at every head dim: dense or packed batches
 // with plain scores, softcap, a query-broadcast bias (any dtype) or mask, gathered keys with
 // key ends; dense batches with a full bias (tma_bias_tiles_ok: 16-bit or fp32) or a full mask
-// (tma_mask_tiles_ok), each alone or with any of those; up to head dim 128, dense batches with a
-// full bias and a full mask (and softcap). Operands that broadcast over heads or batch (stride
-// 0; k and v alike) are read through views of one head / batch (TmaExtents). The others (a full
-// bias with a full mask at 256 or with gathered keys, rows of stride 0, k and v broadcast
-// differently, bias / mask rows TMA cannot tile) run the sm80-class kernels.
+// (tma_mask_tiles_ok), each alone or with any of those; dense batches with a full bias and a
+// full mask (and softcap; at head dim 256 a 16-bit bias). Operands that broadcast over heads or
+// batch (stride 0; k and v alike) are read through views of one head / batch (TmaExtents). The
+// others (a full bias with a full mask with gathered keys, or at 256 in fp32; rows of stride 0,
+// k and v broadcast differently, bias / mask rows TMA cannot tile) run the sm80-class kernels.
 template <int kHeadDim>
 bool fwd_ws_supports(const FwdArgs& a) {
   if (a.kpos.ends && !a.kpos.ptr) return false;
   // (a stride of 0 along the rows, every query or key the same row: no TMA view of it)
-  const bool packed = a.cu_seqlens_q != nullptr;
-  const int64_t rows_q = packed ? a.q_rows : a.seqlen_q, rows_k = packed ? a.k_rows : a.seqlen_k;
-  if ((rows_q > 1 && a.q_rs == 0) || (a.kpos.rows == nullptr && rows_k > 1 && (a.k_rs == 0 || a.v_rs == 0)))
+  const FwdWsQkvViews views = FwdWsQkvViews::of(a);
+  if ((views.rows_q > 1 && a.q_rs == 0) || (a.kpos.rows == nullptr && views.rows_k > 1 && (a.k_rs == 0 || a.v_rs == 0)))
     return false;
   // (k and v share one head / batch coordinate: the producer's registers; alike in practice)
-  const int batch = packed ? 1 : a.batch, heads_kv = a.num_heads / a.group;
-  const TmaExtents k_ext = TmaExtents::of(a.k_hs, heads_kv, a.k_bs, batch);
-  const TmaExtents v_ext = TmaExtents::of(a.v_hs, heads_kv, a.v_bs, batch);
-  if (a.kpos.rows == nullptr && (k_ext.heads != v_ext.heads || k_ext.batch != v_ext.batch)) return false;
+  if (a.kpos.rows == nullptr && (views.k.heads != views.v.heads || views.k.batch != views.v.batch)) return false;
   // (the bias or mask tiles: no key, nothing for their TMA descriptor to describe)
   switch (fwd_ws_scores(a)) {
     case FwdWsScores::kPlain:
@@ -70,8 +82,8 @@ bool fwd_ws_supports(const FwdArgs& a) {
     case FwdWsScores::kFullBias:
     case FwdWsScores::kFullBiasKeyRows:
       return tma_bias_tiles_ok(a.bias, true) && a.seqlen_k > 0;
-    case FwdWsScores::kFullBiasMask:
-      return kHeadDim <= 128 && a.kpos.ptr == nullptr && tma_bias_tiles_ok(a.bias, true) &&
+    case FwdWsScores::kFullBiasMask:  // (at head dim 256 a 16-bit bias: FwdWsConfig)
+      return (kHeadDim <= 128 || a.bias.esize == 2) && a.kpos.ptr == nullptr && tma_bias_tiles_ok(a.bias, true) &&
              tma_mask_tiles_ok(a.mask) && a.cu_seqlens_q == nullptr && a.seqlen_k > 0;
     case FwdWsScores::kFullMask:
     case FwdWsScores::kFullMaskKeyRows:
@@ -110,16 +122,14 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
   auto gmem = [&](const void* ptr, int rows, int cols, int heads, int batch, int64_t rs, int64_t hs, int64_t bs) {
     return tma_gmem_view(static_cast<const Element*>(ptr), rows, cols, heads, batch, rs, hs, bs);
   };
-  // A packed batch is one sequence of all rows (batch 1); the kernel offsets each sequence's rows.
-  const bool packed = a.cu_seqlens_q != nullptr;
-  const int rows_q = packed ? int(a.q_rows) : a.seqlen_q, rows_k = packed ? int(a.k_rows) : a.seqlen_k;
-  const int batch = packed ? 1 : a.batch;
-  const TmaExtents q_ext = TmaExtents::of(a.q_hs, a.num_heads, a.q_bs, batch);
+  const FwdWsQkvViews views = FwdWsQkvViews::of(a);
+  const int rows_q = int(views.rows_q), rows_k = int(views.rows_k);
+  const TmaExtents q_ext = views.q;
   const auto q = gmem(a.q, rows_q, a.head_dim, q_ext.heads, q_ext.batch, a.q_rs, a.q_hs, a.q_bs);
   // Indexed keys: the producer's warps gather K and V by cp.async; descriptors over q stand in
-  // for theirs (never used).
+  // for theirs (never used). (k and v broadcast alike: fwd_ws_supports)
   const bool indexed = Tile::kKeyRows && a.kpos.rows != nullptr;
-  const TmaExtents kv_ext = indexed ? q_ext : TmaExtents::of(a.k_hs, heads_kv, a.k_bs, batch);
+  const TmaExtents kv_ext = indexed ? q_ext : views.k;
   const auto k = indexed ? q : gmem(a.k, rows_k, a.head_dim, kv_ext.heads, kv_ext.batch, a.k_rs, a.k_hs, a.k_bs);
   const auto v = indexed ? q : gmem(a.v, rows_k, a.head_dim, kv_ext.heads, kv_ext.batch, a.v_rs, a.v_hs, a.v_bs);
   const TmaExtents bias_ext = TmaExtents::of(a.bias.stride_h, a.num_heads / a.bias.head_div, a.bias.stride_b, a.batch);

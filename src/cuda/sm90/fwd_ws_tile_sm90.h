@@ -7,9 +7,9 @@
 // The score policy (FwdWsScores):
 //   kPlain:    scale * q k^T, the window / causal / tail test;
 //   kFullBias: a 16-bit bias with one row per query, (kBlockM, kBlockN) tiles loaded by TMA with
-//              K into kStages stages of its own, in the same 128-byte swizzle (chunk c of a
-//              64-key half-row at c ^ (row % 8): the accumulator-layout reads of a warp hit 8
-//              different bank groups);
+//              K into stages of its own (kOperandStages: kStages, one beside the mask tiles at
+//              head dim 256), in the same 128-byte swizzle (chunk c of a 64-key half-row at
+//              c ^ (row % 8): the accumulator-layout reads of a warp hit 8 different bank groups);
 //   kFullMask: a boolean mask with one row per query (one byte an element), (kBlockM, kBlockN)
 //              tiles loaded by TMA with K as the bias tiles are, in the 8-bit 128-byte swizzle
 //              (chunk c of a row at c ^ (row % 8)); a false element gives a -inf score, the
@@ -51,6 +51,8 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
+#include "cuda/key_positions.h"
+
 namespace dmattn::cuda::sm90 {
 
 enum class FwdWsScores { kPlain, kFullBias, kKeyRows, kFullMask, kFullBiasKeyRows, kFullMaskKeyRows, kFullBiasMask };
@@ -65,7 +67,8 @@ struct FwdWsTileInfo {
 };
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, FwdWsScores kScores_,
-          int kProducerRegs_, int kConsumerRegs_, bool kPackGqa_ = false, int kBiasBytes_ = 2>
+          int kProducerRegs_, int kConsumerRegs_, bool kPackGqa_ = false, int kBiasBytes_ = 2,
+          int kOperandStages_ = kStages_>
 struct FwdWsTile {
   static constexpr FwdWsScores kScores = kScores_;
   // The query heads of a KV head packed into the tile's rows (pack_gqa_sm90.h): plain scores
@@ -75,7 +78,7 @@ struct FwdWsTile {
   // The same tile with the heads packed or not.
   template <bool kPack>
   using WithPackGqa = FwdWsTile<Element_, kHeadDim_, kBlockM_, kBlockN_, kStages_, kScores_, kProducerRegs_,
-                                kConsumerRegs_, kPack, kBiasBytes_>;
+                                kConsumerRegs_, kPack, kBiasBytes_, kOperandStages_>;
   // the (kBlockM, kBlockN) bias tiles
   static constexpr bool kBias = kScores == FwdWsScores::kFullBias || kScores == FwdWsScores::kFullBiasKeyRows ||
                                 kScores == FwdWsScores::kFullBiasMask;
@@ -101,6 +104,10 @@ struct FwdWsTile {
   static constexpr int kBlockN = kBlockN_;
   static_assert(!kMask || kBlockN == 128 || kBlockN == 64, "mask tiles: one 128- or 64-byte swizzle atom a row");
   static constexpr int kStages = kStages_;
+  // The bias and mask tiles' stages: K's and V's, or one where both streams would not fit beside
+  // them otherwise (the producer then issues block n's tiles after V[n + 1], fwd_ws_kernel_sm90.h).
+  static constexpr int kOperandStages = kOperandStages_;
+  static_assert(kOperandStages >= 1 && kOperandStages <= kStages);
   static constexpr int kConsumers = kBlockM / 64;  // consumer warpgroups
   static constexpr int kConsumerThreads = kConsumers * 128;
   static constexpr int kNThreads = kConsumerThreads + 128;  // + the producer warpgroup
@@ -152,7 +159,7 @@ struct FwdWsTile {
   // (without a bias, a placeholder tile of 64 keys: kBlockN need not be a multiple of the atom's)
   static constexpr int kBiasN = kBias ? kBlockN : 64;
   using SmemLayoutBias = decltype(cute::tile_to_shape(
-      cute::GMMA::Layout_K_SW128_Atom<BiasElement>{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBiasN>, cute::Int<kStages>>{}));
+      cute::GMMA::Layout_K_SW128_Atom<BiasElement>{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBiasN>, cute::Int<kOperandStages>>{}));
   using GmemTensorBias =
       decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<const BiasElement*>(nullptr)), GmemLayout{}));
   using TmaBias = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensorBias{},
@@ -163,13 +170,14 @@ struct FwdWsTile {
   using MaskAtom = std::conditional_t<kMaskN == 128, cute::GMMA::Layout_K_SW128_Atom<uint8_t>,
                                       cute::GMMA::Layout_K_SW64_Atom<uint8_t>>;
   using SmemLayoutMask = decltype(cute::tile_to_shape(
-      MaskAtom{}, cute::Shape<cute::Int<kMaskM>, cute::Int<kMaskN>, cute::Int<kStages>>{}));
+      MaskAtom{}, cute::Shape<cute::Int<kMaskM>, cute::Int<kMaskN>, cute::Int<kOperandStages>>{}));
   using GmemTensorMask =
       decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<const uint8_t*>(nullptr)), GmemLayout{}));
   using TmaMask = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensorMask{},
                                                cute::take<0, 2>(SmemLayoutMask{})));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using OperandPipeline = cutlass::PipelineTmaAsync<kOperandStages>;
   // Per-key rows of one key block (kKeyRows): written by the loader warp's plain stores. Beside
   // the bias tiles no key bias (one placeholder entry: at head dim 128 the two stages of the
   // bias tiles leave no room for it).
@@ -196,10 +204,11 @@ struct FwdWsTile {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> k;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> v;
     // The bias's tiles (kBiasStageBytes a stage) and the mask's (kMaskStageBytes), as bytes.
-    alignas(kBias ? 1024 : 16) cute::array_aligned<uint8_t, kBias ? kStages * kBiasStageBytes : 16, 16> bias_tiles;
-    alignas(kMask ? 1024 : 16) cute::array_aligned<uint8_t, kMask ? kStages * kMaskStageBytes : 16, 16> mask_tiles;
+    alignas(kBias ? 1024 : 16) cute::array_aligned<uint8_t, kBias ? kOperandStages * kBiasStageBytes : 16, 16> bias_tiles;
+    alignas(kMask ? 1024 : 16) cute::array_aligned<uint8_t, kMask ? kOperandStages * kMaskStageBytes : 16, 16> mask_tiles;
     cute::array_aligned<KeyRowStage, kKeyRows ? kStages : 1, 16> key_rows;
-    typename Pipeline::SharedStorage pipe_k, pipe_v, pipe_bias, pipe_mask;
+    typename Pipeline::SharedStorage pipe_k, pipe_v;
+    typename OperandPipeline::SharedStorage pipe_bias, pipe_mask;
     typename KeyRowPipeline::SharedStorage pipe_key_rows;
     typename TilePipeline::SharedStorage pipe_tile;
     FwdWsTileInfo tiles[kTileSlots];
@@ -208,12 +217,11 @@ struct FwdWsTile {
     int32_t first_alive[kNThreads / 32];  // per warp: the first row a query of the block may keep
     uint32_t sched_tiles, sched_blocks;   // the scheduler's counters (fwd_ws_kernel_sm90.h)
     int32_t sched_next;                   // and its next step
-    // The key rows' loader's summary of its tile's window (fwd_ws_kernel_sm90.h): the positions
-    // every query of the tile sees, [lo, hi), and the end of its queries.
-    int32_t key_rows_lo, key_rows_hi, key_rows_m_end;
+    // The key rows' loader's summary of its tile's window (fwd_ws_kernel_sm90.h).
+    QueryBlockWindow key_rows_window;
   };
-  static_assert(!kBias || cute::cosize_v<SmemLayoutBias> * kBiasBytes == kStages * kBiasStageBytes);
-  static_assert(!kMask || cute::cosize_v<SmemLayoutMask> == kStages * kMaskStageBytes);
+  static_assert(!kBias || cute::cosize_v<SmemLayoutBias> * kBiasBytes == kOperandStages * kBiasStageBytes);
+  static_assert(!kMask || cute::cosize_v<SmemLayoutMask> == kOperandStages * kMaskStageBytes);
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "beyond the shared memory of one CTA");
 };
@@ -232,9 +240,10 @@ struct FwdWsTile {
 // 64 KB) and for fp32 bias tiles; at 64 too for fp32 bias tiles beside mask tiles (128 keys:
 // 240 KB). kBiasBytes: the bias tiles' element size (4: fp32). At 256 fp32 bias tiles take key
 // blocks of 32 (one swizzle atom of floats a row; Q, two K and two V stages and two bias stages
-// 160 KB; 64 keys would need 256 KB). A full bias with a full mask
-// has no tile at 256 (their stages do not fit beside Q, K and V). A full mask alone at 256: 48 /
-// 224 (at 40 the producer's issue of K and the mask tile spilled 68 bytes).
+// 160 KB; 64 keys would need 256 KB). A full bias (16-bit) with a full mask at 256: key blocks of
+// 64 with one stage of each tile stream (two stages of both do not fit beside Q, K and V: 240
+// KB; one, 216 KB), 48 / 224 as the mask alone. A full mask alone at 256: 48 / 224 (at 40 the
+// producer's issue of K and the mask tile spilled 68 bytes).
 template <typename Element, int kHeadDim, FwdWsScores kScores, int kBiasBytes = 2> struct FwdWsConfig;
 template <typename Element> struct FwdWsConfig<Element, 64, FwdWsScores::kPlain, 2> {
   using Tile = FwdWsTile<Element, 64, 192, 128, 2, FwdWsScores::kPlain, 32, 160>;
@@ -249,9 +258,10 @@ template <typename Element, FwdWsScores kScores, int kBiasBytes> struct FwdWsCon
   using Tile = FwdWsTile<Element, 128, 128, kBlockN, 2, kScores, kPlain ? 40 : 48, kPlain ? 232 : 224, false, kBiasBytes>;
 };
 template <typename Element, FwdWsScores kScores> struct FwdWsConfig<Element, 256, kScores, 2> {
-  static_assert(kScores != FwdWsScores::kFullBiasMask, "no room for both tile streams at head dim 256");
-  static constexpr bool kMaskAlone = kScores == FwdWsScores::kFullMask;
-  using Tile = FwdWsTile<Element, 256, 128, 64, 2, kScores, kMaskAlone ? 48 : 40, kMaskAlone ? 224 : 232>;
+  static constexpr bool kBothStreams = kScores == FwdWsScores::kFullBiasMask;
+  static constexpr bool kMaskTiles = kScores == FwdWsScores::kFullMask || kBothStreams;
+  using Tile = FwdWsTile<Element, 256, 128, 64, 2, kScores, kMaskTiles ? 48 : 40, kMaskTiles ? 224 : 232, false, 2,
+                         kBothStreams ? 1 : 2>;
 };
 template <typename Element, FwdWsScores kScores> struct FwdWsConfig<Element, 256, kScores, 4> {
   static_assert(kScores == FwdWsScores::kFullBias || kScores == FwdWsScores::kFullBiasKeyRows,
