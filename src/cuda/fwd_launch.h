@@ -101,8 +101,9 @@ void launch_fwd_for_device(const FwdArgs& a, cudaStream_t stream) {
 // The warp-specialized Hopper kernel (sm90/fwd_ws_kernel_sm90.h, every head dim) is the forward
 // on compute capability 9.0 for what fwd_ws_supports takes: every option, but for a few
 // combinations and layouts it lists (a full bias with a full mask with gathered keys, among
-// them), which run the sm80-class kernels in their configuration for the device. DMATTN_FWD_SM90=0 turns it off: the sm80-class kernels, which run everywhere
-// (comparisons, a fallback).
+// them), which run the sm80-class kernels in their configuration for the device.
+// DMATTN_FWD_SM90=0 turns it off: the sm80-class kernels, which run everywhere (comparisons, a
+// fallback).
 // (sm90/enabled.h: never in a build without sm_90a code)
 inline bool fwd_sm90_enabled() {
   static const bool off = sm90::env_switched_off("DMATTN_FWD_SM90");
