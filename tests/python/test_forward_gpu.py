@@ -211,9 +211,10 @@ def test_full_bias_with_full_mask_forward(dtype, case, bias_fp32, nan_poison):
     """A full bias (q's dtype or fp32) and a full mask together (rows of 16-byte multiples: on
     Hopper the warp-specialized forward's two tile streams, at head dims 192 and 256 with one
     stage each and a 16-bit bias, the general kernel there for an fp32 one), with softcap: each
-    per head, broadcast (a size-1 dim and an expanded one) or per kv head (GQA); finfo.min and -inf bias entries, a bias of -inf where the mask is true and
-    a large one where it is false, a row and a query block without any true element; causal and
-    window bounds; against the float64 reference."""
+    per head, broadcast (a size-1 dim and an expanded one) or per kv head (GQA); finfo.min and
+    -inf bias entries, a bias of -inf where the mask is true and a large one where it is false,
+    a row and a query block without any true element; causal and window bounds; against the
+    float64 reference."""
     b, sq, sk, h, hkv, d, bias_heads, mask_heads, softcap, causal, window = case
     g = torch.Generator(device="cpu").manual_seed(sq + 3 * sk + d + int(softcap) + (dtype == torch.float16))
     q, k, v = _random_qkv(g, b, sq, sk, h, hkv, d, dtype)
