@@ -92,6 +92,28 @@ BackwardParams make_varlen_backward_params(
     const TensorDesc* dbias, const TensorDesc* softmax_delta, const TensorDesc* dq_accum,
     const TensorDesc* dbias_accum, const AttentionOptions& options);
 
+// ---- Gated attention and windows with sinks (docs/semantics.md, "Gated attention" and
+// "Windows with sinks"), on top of params made by the functions above (dense or varlen).
+struct ScoreTerms {
+  // alpha (B, Sq, H) and delta (B, Sk, Hkv) -- varlen: (total_q, H), (total_k, Hkv) --, any
+  // strides, dtype q's or float32, both or neither.
+  const TensorDesc* alpha = nullptr;
+  const TensorDesc* delta = nullptr;
+  GateFn gate_fn = GateFn::kLogSigmoid;
+  // int32 (Hw, 4), Hw in {1, Hkv, H}, rows [sink, near, gap, far], entries >= 0 (checked when
+  // on the host), contiguous rows.
+  const TensorDesc* windows = nullptr;
+};
+
+// Validates `terms` against the problem `params` describes (q's device, sizes, varlen or not)
+// and fills params.gate / params.windows. Throws dmattn::Error naming the argument.
+void set_score_terms(const ScoreTerms& terms, ForwardParams& params);
+
+// The backward's counterpart: set_score_terms on params.fwd, then the gradients dalpha / ddelta
+// (each optional, only with a gate: exactly alpha's / delta's shape and dtype, any strides).
+void set_score_terms(const ScoreTerms& terms, const TensorDesc* dalpha, const TensorDesc* ddelta,
+                     BackwardParams& params);
+
 // ---- Decode (docs/decode.md): the split-KV kernel for short query lengths, CUDA only.
 
 // The key-side inputs of a decode call: per-batch key lengths, paged keys, the split-KV

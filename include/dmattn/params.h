@@ -42,6 +42,41 @@ struct SeqTensor {
   }
 };
 
+// The gate of gated attention (docs/semantics.md, "Gated attention"): a per-query alpha and a
+// per-key delta whose product, through gate_fn, joins the scores:
+//   s_ij += scale * g(alpha[b, i, h] * delta[b, j, h / (H / Hkv)])
+// g = logsigmoid (log(sigmoid(x)), always <= 0: a soft key gate) or the identity.
+enum class GateFn : int32_t { kLogSigmoid = 0, kLinear = 1 };
+
+struct GateOperand {
+  // alpha (B, Sq, H), delta (B, Sk, Hkv): any strides (offset(b, row, head) of SeqTensor);
+  // dtype q's or float32. Varlen: (total_q, H) and (total_k, Hkv), batch stride 0, the rows of
+  // sequence b at cu_seqlens offsets like q's and k's. alpha == null = no gate.
+  const void* alpha = nullptr;
+  DType alpha_dtype = DType::kOther;
+  SeqTensor alpha_strides;
+  const void* delta = nullptr;
+  DType delta_dtype = DType::kOther;
+  SeqTensor delta_strides;
+  GateFn fn = GateFn::kLogSigmoid;
+
+  bool present() const { return alpha != nullptr; }
+};
+
+// Windows with sinks, per head (docs/semantics.md, "Windows with sinks"): int32 (Hw, 4),
+// Hw in {1, Hkv, H}, rows [sink, near, gap, far], the row of query head h at
+//   ptr + (h / head_div) * stride_h   (stride_h = 0 when Hw = 1).
+// With d = i + offset - j (offset = Sk - Sq, bottom-right aligned like causal), key j is
+// visible to query i iff d >= 0 and (j < sink or d < near or near + gap <= d < near + gap + far).
+// Same device as q. ptr == null = off.
+struct LocalWindows {
+  const int32_t* ptr = nullptr;
+  int64_t stride_h = 0, head_div = 1;
+
+  bool present() const { return ptr != nullptr; }
+  const int32_t* row(int64_t h) const { return ptr + (h / head_div) * stride_h; }
+};
+
 struct ForwardParams {
   DType dtype = DType::kOther;  // element type of q, k, v and out
   DeviceKind device = DeviceKind::kCPU;
@@ -64,6 +99,8 @@ struct ForwardParams {
 
   BroadcastOperand mask;  // dtype kBool: true = may attend
   BroadcastOperand bias;  // dtype == dtype or kFloat32: added to the (scaled, capped) scores
+  GateOperand gate;       // gated attention: scale * g(alpha_i delta_j) added like the bias
+  LocalWindows windows;   // windows with sinks, on top of mask / causal / window
 
   double scale = 1.0;
   double softcap = 0.0;  // 0 = off
@@ -164,6 +201,11 @@ struct BackwardParams {
   // nothing is allowed).
   void* dbias = nullptr;
   int64_t dbias_stride_b = 0, dbias_stride_h = 0, dbias_stride_q = 0, dbias_stride_k = 0;
+
+  // Gradients of the gate's alpha and delta (their shapes, dtypes and layouts; null = not
+  // wanted). Every element is written (0 where nothing is allowed).
+  void* dalpha = nullptr;  SeqTensor dalpha_strides;
+  void* ddelta = nullptr;  SeqTensor ddelta_strides;
 
   // Optional scratch provided by the caller (CUDA backend): null on CPU, which keeps its own.
   // Varlen: softmax_delta is (H, total_q) and dq_accum (total_q, H, D), laid out like lse and

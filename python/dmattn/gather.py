@@ -376,7 +376,7 @@ class _DistinctRowsAttention(torch.autograd.Function):
         # With key_rows (read in place) dk / dv come back one row per kept row, as from a copy.
         dq, dk_rows, dv_rows, dbias_rows = _call_op(
             attention_backward, dout, q, k_rows, v_rows, out, lse, None, bias_rows, want_dbias, *ctx.options,
-            positions, ctx.num_keys, None, False, key_rows)
+            positions, ctx.num_keys, None, False, key_rows)[:4]
         k_shape, v_shape, bias_shape = ctx.shapes
         needs = ctx.needs_input_grad
         if ctx.mode != "torch":  # CUDA: one kernel writes dK, dV (and dbias) at full size

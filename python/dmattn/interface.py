@@ -77,6 +77,28 @@ def _parse_options(window, scale, softcap) -> Tuple[int, int, Optional[float], f
     return left, right, scale, softcap
 
 
+_GATE_FNS = {"logsigmoid": 0, "linear": 1}
+
+
+def _parse_score_terms(gate, gate_fn, windows) -> Tuple[Optional[Tensor], Optional[Tensor], int, Optional[Tensor]]:
+    """(alpha, delta, gate_fn code, windows), checked for what the native validation cannot see:
+    Python types and the gate_fn name. Shapes, dtypes and devices are checked natively."""
+    alpha = delta = None
+    if gate is not None:
+        if not isinstance(gate, (tuple, list)) or len(gate) != 2:
+            raise TypeError(f"gate: expected a pair of tensors (alpha, delta), got {type(gate).__name__}")
+        alpha, delta = gate
+        _require_tensor(alpha, "gate[0] (alpha)")
+        _require_tensor(delta, "gate[1] (delta)")
+    if gate_fn not in _GATE_FNS:
+        raise ValueError(f"gate_fn: expected one of {sorted(_GATE_FNS)}, got {gate_fn!r}")
+    _require_tensor(windows, "windows", optional=True)
+    if windows is not None and windows.dtype != torch.int32:
+        # (checked natively too; here the message can name torch's dtype)
+        raise TypeError(f"windows: expected dtype int32, got {windows.dtype}; use .to(torch.int32)")
+    return alpha, delta, _GATE_FNS[gate_fn], windows
+
+
 def _parse_int(x, name: str) -> int:
     if isinstance(x, bool) or not isinstance(x, (numbers.Integral, torch.SymInt)):
         raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
@@ -98,6 +120,9 @@ def attention(
     softcap: float = 0.0,
     deterministic: bool = False,
     return_lse: bool = False,
+    gate: Optional[Tuple[Tensor, Tensor]] = None,
+    gate_fn: str = "logsigmoid",
+    windows: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention with an optional boolean mask and an optional learnable additive bias.
 
@@ -110,6 +135,12 @@ def attention(
     window: (left, right), -1 = unbounded, aligned like causal.
     scale: softmax scale, default 1/sqrt(D).  softcap: 0 = off, else softcap*tanh(s/softcap).
     deterministic: bitwise-reproducible gradients.
+    gate: (alpha, delta), alpha (B, Sq, H) and delta (B, Sk, Hkv) in q's dtype or float32:
+        gated attention, scores += scale * gate_fn(alpha_i * delta_j) (after softcap, before
+        the bias); both may require grad. gate_fn: "logsigmoid" (default) or "linear".
+    windows: int32 (1, 4), (Hkv, 4) or (H, 4), rows [sink, near, gap, far]: windows with sinks
+        (implies causal): with d = i + Sk - Sq - j, key j is visible iff d >= 0 and (j < sink or
+        d < near or near + gap <= d < near + gap + far).
     Returns out (B, Sq, H, D), plus lse (B, H, Sq) when return_lse (rows with no allowed key:
     out 0, lse -inf). See docs/semantics.md.
 
@@ -117,8 +148,31 @@ def attention(
     of Sk >= 128 keys runs on the gathered kept keys only (same results; one host sync to
     count them; not under torch.compile): docs/semantics.md, "Gather path".
     """
+    if gate is not None or windows is not None:
+        return _attention_with_terms(q, k, v, mask, bias, causal=causal, window=window, scale=scale,
+                                     softcap=softcap, deterministic=deterministic, return_lse=return_lse,
+                                     gate=gate, gate_fn=gate_fn, windows=windows)
+    if gate_fn not in _GATE_FNS:
+        raise ValueError(f"gate_fn: expected one of {sorted(_GATE_FNS)}, got {gate_fn!r}")
     return attention_on(q, k, v, mask, bias, None, causal=causal, window=window, scale=scale,
                         softcap=softcap, deterministic=deterministic, return_lse=return_lse)
+
+
+def _attention_with_terms(q, k, v, mask, bias, *, causal, window, scale, softcap, deterministic, return_lse,
+                          gate, gate_fn, windows):
+    """`attention` with a gate and / or windows with sinks: the dense kernels with those score terms
+    (never the gather path, whose kernels do not read them)."""
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        _require_tensor(x, name)
+    _require_tensor(mask, "mask", optional=True)
+    _require_tensor(bias, "bias", optional=True)
+    alpha, delta, fn, windows = _parse_score_terms(gate, gate_fn, windows)
+    check_devices(q=q, k=k, v=v, mask=mask, bias=bias, alpha=alpha, delta=delta, windows=windows)
+    left, right, scale, softcap = _parse_options(window, scale, softcap)
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    out, lse = forward_with_grad(q, k, v, mask, bias, bool(causal), left, right, scale, softcap,
+                                 bool(deterministic), None, 0, None, None, alpha, delta, fn, windows)
+    return (out, lse) if return_lse else out
 
 
 def attention_on(
@@ -175,6 +229,9 @@ def attention_varlen(
     softcap: float = 0.0,
     deterministic: bool = False,
     return_lse: bool = False,
+    gate: Optional[Tuple[Tensor, Tensor]] = None,
+    gate_fn: str = "logsigmoid",
+    windows: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention over a packed batch of variable-length sequences (FlashAttention's varlen).
 
@@ -184,7 +241,8 @@ def attention_varlen(
     max_seqlen_q / max_seqlen_k: ints >= every sequence's length. Lengths may be 0.
     mask (bool) / bias: key-side, (Hb, total_k) with Hb in {1, Hkv, H}, shared by all the
     queries of each sequence (a padding mask, a per-key learnable bias); dbias has that shape.
-    causal / window: bottom-right aligned per sequence. Other arguments as in `attention`.
+    causal / window: bottom-right aligned per sequence. gate: (alpha, delta) packed like q and k,
+    alpha (total_q, H) and delta (total_k, Hkv). Other arguments as in `attention`.
     Returns out (total_q, H, D), plus lse (H, total_q) when return_lse. See docs/semantics.md.
     """
     for x, name in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"),
@@ -200,10 +258,11 @@ def attention_varlen(
     max_seqlen_q = _parse_int(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = _parse_int(max_seqlen_k, "max_seqlen_k")
     left, right, scale, softcap = _parse_options(window, scale, softcap)
+    alpha, delta, fn, windows = _parse_score_terms(gate, gate_fn, windows)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     out, lse = varlen_forward_with_grad(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                         max_seqlen_k, mask, bias, bool(causal), left, right,
-                                        scale, softcap, bool(deterministic))
+                                        scale, softcap, bool(deterministic), alpha, delta, fn, windows)
     return (out, lse) if return_lse else out
 
 

@@ -328,28 +328,36 @@ def attention_forward(
     seqlen_k_original: int = 0,
     key_ends: Optional[Tensor] = None,
     key_rows: Optional[Tensor] = None,
+    alpha: Optional[Tensor] = None,
+    delta: Optional[Tensor] = None,
+    gate_fn: int = 0,
+    windows: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Returns (out, lse): out like q, lse (B, H, Sq) float32 (float64 for float64 inputs).
+
+    alpha (B, Sq, H), delta (B, Sk, Hkv), gate_fn (0 logsigmoid, 1 linear): gated attention;
+    windows int32 (1 / Hkv / H, 4) [sink, near, gap, far]: windows with sinks (docs/semantics.md).
 
     key_rows (CUDA, with key_positions): indexed keys. k, v are then the source (B / r, S, Hkv,
     D) for some r dividing B, and gathered row j of (b, h) is their row key_rows[b, h', j] of
     batch b // r (int32 of key_positions' shape; outside [0, S): a zero row), read in place."""
     check_devices(q=q, k=k, v=v, mask=mask, bias=bias, key_positions=key_positions, key_ends=key_ends,
-                  key_rows=key_rows)
+                  key_rows=key_rows, alpha=alpha, delta=delta, windows=windows)
     _check_rank(q, "q", "(batch, seqlen_q, num_heads, head_dim)")
     # Short Sq, with DMATTN_DECODE=1: the split-KV kernel (decode.py; imported here, which costs
     # host time, only when asked for).
-    if key_positions is None and q.is_cuda and os.environ.get("DMATTN_DECODE", "0") == "1":
+    if key_positions is None and alpha is None and windows is None and q.is_cuda and os.environ.get("DMATTN_DECODE", "0") == "1":
         from .decode import maybe_decode_forward
         decoded = maybe_decode_forward(q, k, v, mask, bias, causal, window_left, window_right, scale, softcap)
         if decoded is not None:
             return decoded
     return native_forward(q, k, v, mask, bias, causal, window_left, window_right, scale, softcap, key_positions,
-                          seqlen_k_original, key_ends, key_rows)
+                          seqlen_k_original, key_ends, key_rows, alpha, delta, gate_fn, windows)
 
 
 def native_forward(q, k, v, mask, bias, causal, window_left, window_right, scale, softcap, key_positions,
-                   seqlen_k_original, key_ends, key_rows) -> Tuple[Tensor, Tensor]:
+                   seqlen_k_original, key_ends, key_rows, alpha=None, delta=None, gate_fn=0,
+                   windows=None) -> Tuple[Tensor, Tensor]:
     """dmattn::fwd's body past its checks and the decode kernel's choice: the outputs allocated
     and the native forward called. Also for callers that made those checks themselves
     (topk._inference_forward)."""
@@ -358,13 +366,15 @@ def native_forward(q, k, v, mask, bias, causal, window_left, window_right, scale
     lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q))
     q, k, v = _cuda_layout(q), _cuda_layout(k), _cuda_layout(v)
     lib().forward(q, k, v, out, lse, mask, bias, causal, window_left, window_right,
-                  _scale_arg(scale), softcap, key_positions, seqlen_k_original, key_ends, key_rows)
+                  _scale_arg(scale), softcap, key_positions, seqlen_k_original, key_ends, key_rows,
+                  alpha, delta, gate_fn, windows)
     return out, lse
 
 
 @attention_forward.register_fake
 def _(q, k, v, mask, bias, causal, window_left, window_right, scale, softcap, deterministic,
-      key_positions=None, seqlen_k_original=0, key_ends=None, key_rows=None):
+      key_positions=None, seqlen_k_original=0, key_ends=None, key_rows=None, alpha=None, delta=None,
+      gate_fn=0, windows=None):
     _check_rank(q, "q", "(batch, seqlen_q, num_heads, head_dim)")
     out = q.new_empty(q.shape)
     lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q))
@@ -393,8 +403,14 @@ def attention_backward(
     key_ends: Optional[Tensor] = None,
     forward_stats: bool = False,
     key_rows: Optional[Tensor] = None,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns (dq, dk, dv, dbias); dbias is an empty tensor unless bias_requires_grad.
+    alpha: Optional[Tensor] = None,
+    delta: Optional[Tensor] = None,
+    gate_fn: int = 0,
+    windows: Optional[Tensor] = None,
+    gate_requires_grad: bool = False,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (dq, dk, dv, dbias, dalpha, ddelta); dbias is an empty tensor unless
+    bias_requires_grad, dalpha and ddelta unless gate_requires_grad (with a gate).
 
     forward_stats=False (the default): the softmax statistics and Delta are recomputed from the
     keys of this call; ``out`` and ``lse`` are not read on the CPU (and the CUDA exact path).
@@ -406,36 +422,54 @@ def attention_backward(
     key_rows (indexed keys, as in dmattn::fwd): dk and dv are then one row per gathered row,
     (B, K, Hkv, D) with K = key_positions.shape[-1] (not summed onto the source rows)."""
     check_devices(dout=dout, q=q, k=k, v=v, out=out, lse=lse, mask=mask, bias=bias,
-                   key_positions=key_positions, key_ends=key_ends, key_rows=key_rows)
+                   key_positions=key_positions, key_ends=key_ends, key_rows=key_rows, alpha=alpha, delta=delta,
+                   windows=windows)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(_key_grad_shape(q, k, key_positions, key_rows), dtype=k.dtype, device=k.device)
     dv = torch.empty(_key_grad_shape(q, v, key_positions, key_rows), dtype=v.dtype, device=v.device)
     dbias = None
     if bias_requires_grad and bias is not None:
         dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device)
-    delta = dq_accum = dbias_accum = None
+    softmax_delta = dq_accum = dbias_accum = None
     if q.device.type == "cuda":
         b, sq, h, d = q.shape
-        delta = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+        softmax_delta = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
         dq_accum = torch.empty((b, sq, h, d), dtype=torch.float32, device=q.device)
         if dbias is not None and _dbias_needs_accum(q, bias):
             dbias_accum = torch.empty(_bias_shape4(bias), dtype=torch.float32, device=q.device)
+    dalpha, ddelta = _gate_grads(alpha, delta, gate_requires_grad)
     dout, q, k, v, out = (_cuda_layout(t) for t in (dout, q, k, v, out))
-    lib().backward(q, k, v, out, lse, mask, bias, dout, dq, dk, dv, dbias, delta, dq_accum,
+    lib().backward(q, k, v, out, lse, mask, bias, dout, dq, dk, dv, dbias, softmax_delta, dq_accum,
                    dbias_accum, causal, window_left, window_right, _scale_arg(scale), softcap,
-                   deterministic, key_positions, seqlen_k_original, key_ends, bool(forward_stats), key_rows)
+                   deterministic, key_positions, seqlen_k_original, key_ends, bool(forward_stats), key_rows,
+                   alpha, delta, gate_fn, windows, dalpha, ddelta)
     if dbias is None:
         dbias = q.new_empty((0,))
-    return dq, dk, dv, dbias
+    return (dq, dk, dv, dbias, *_gate_grads_or_empty(q, dalpha, ddelta))
 
 
 @attention_backward.register_fake
 def _(dout, q, k, v, out, lse, mask, bias, bias_requires_grad, causal, window_left,
       window_right, scale, softcap, deterministic, key_positions=None, seqlen_k_original=0, key_ends=None,
-      forward_stats=False, key_rows=None):
+      forward_stats=False, key_rows=None, alpha=None, delta=None, gate_fn=0, windows=None,
+      gate_requires_grad=False):
     dbias = bias.new_empty(bias.shape) if (bias_requires_grad and bias is not None) else q.new_empty((0,))
     return (q.new_empty(q.shape), k.new_empty(_key_grad_shape(q, k, key_positions, key_rows)),
-            v.new_empty(_key_grad_shape(q, v, key_positions, key_rows)), dbias)
+            v.new_empty(_key_grad_shape(q, v, key_positions, key_rows)), dbias,
+            *_gate_grads_or_empty(q, *_gate_grads(alpha, delta, gate_requires_grad)))
+
+
+def _gate_grads(alpha: Optional[Tensor], delta: Optional[Tensor], wanted: bool):
+    """(dalpha, ddelta) buffers like alpha and delta when the gate's gradients are wanted."""
+    if not wanted or alpha is None or delta is None:
+        return None, None
+    return alpha.new_empty(alpha.shape), delta.new_empty(delta.shape)
+
+
+def _gate_grads_or_empty(q: Tensor, dalpha: Optional[Tensor], ddelta: Optional[Tensor]):
+    # (custom ops return tensors, never None: an empty one stands for "not computed")
+    empty = q.new_empty((0,))
+    return (empty if dalpha is None else dalpha, empty if ddelta is None else ddelta)
 
 
 def _key_grad_shape(q: Tensor, k: Tensor, key_positions: Optional[Tensor], key_rows: Optional[Tensor]):
@@ -465,12 +499,14 @@ def sum_indexed_rows(rows: Tensor, key_rows: Tensor, source_shape) -> Tensor:
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, mask, bias, causal, window_left, window_right, scale, softcap, deterministic,
-     key_positions, seqlen_k_original, key_ends, key_rows) = inputs
+     key_positions, seqlen_k_original, key_ends, key_rows, alpha, delta, gate_fn, windows) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, mask, bias, out, lse, key_positions, key_ends, key_rows)
+    ctx.save_for_backward(q, k, v, mask, bias, out, lse, key_positions, key_ends, key_rows, alpha, delta, windows)
     ctx.options = (causal, window_left, window_right, scale, softcap, deterministic)
     ctx.seqlen_k_original = seqlen_k_original
+    ctx.gate_fn = gate_fn
     ctx.bias_requires_grad = bias is not None and ctx.needs_input_grad[4]
+    ctx.gate_requires_grad = alpha is not None and (ctx.needs_input_grad[15] or ctx.needs_input_grad[16])
     # lse is returned for inspection (as in FlashAttention); it carries no gradient.
     ctx.mark_non_differentiable(lse)
     # No zero-filled gradient for lse (never read) or for an unused out: one kernel fewer.
@@ -480,20 +516,23 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, _dlse):
     if dout is None:  # out did not reach the loss
         return (None,) * len(ctx.needs_input_grad)
-    q, k, v, mask, bias, out, lse, key_positions, key_ends, key_rows = ctx.saved_tensors
+    q, k, v, mask, bias, out, lse, key_positions, key_ends, key_rows, alpha, delta, windows = ctx.saved_tensors
     causal, window_left, window_right, scale, softcap, deterministic = ctx.options
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    dq, dk, dv, dbias = _call_op(
+    dq, dk, dv, dbias, dalpha, ddelta = _call_op(
         attention_backward,
         dout, q, k, v, out, lse, mask, bias, ctx.bias_requires_grad, causal, window_left,
         window_right, scale, softcap, deterministic, key_positions, ctx.seqlen_k_original, key_ends,
-        False, key_rows)
+        False, key_rows, alpha, delta, ctx.gate_fn, windows, ctx.gate_requires_grad)
     if key_rows is not None:  # one row per gathered row: summed onto the source rows
         dk, dv = sum_indexed_rows(dk, key_rows, k.shape), sum_indexed_rows(dv, key_rows, v.shape)
-    # Mask, options, key positions, ends and rows receive no gradient.
+    gate = ctx.gate_requires_grad
+    # Mask, options, key positions, ends, rows and windows receive no gradient.
     return (dq, dk, dv, None, dbias if ctx.bias_requires_grad else None,
-            None, None, None, None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None, None, None,
+            dalpha if gate and ctx.needs_input_grad[15] else None,
+            ddelta if gate and ctx.needs_input_grad[16] else None, None, None)
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -533,12 +572,13 @@ def _call_op(op, *args):
     return op._init_fn(*args) if _plain_eager(args) else op(*args)
 
 
-def _eager_autograd(op, setup, backward_fn, num_differentiable: int, defaults: tuple = ()):
+def _eager_autograd(op, setup, backward_fn, differentiable: Tuple[int, ...], defaults: tuple = ()):
     """``op`` (a custom op with registered autograd), called in eager mode through a plain
     torch.autograd.Function with the same setup context and backward: the same results and
     graph, without torch.library's per-call binding of the arguments to the schema (it lists
     the 13 to 15 schema arguments once per argument: ~25 us of host time a call with torch
     2.13). Under torch.compile, and when no gradient is needed, the op is called as is.
+    ``differentiable``: the positions of the inputs that may require grad.
     ``defaults``: the values of the op's trailing optional arguments (setup gets them all)."""
     num_args = len(op._opoverload._schema.arguments)
 
@@ -554,7 +594,7 @@ def _eager_autograd(op, setup, backward_fn, num_differentiable: int, defaults: t
         backward = staticmethod(backward_fn)
 
     def call(*inputs):
-        if not records_no_gradient(*inputs[:num_differentiable]) and not _is_compiling():
+        if not _is_compiling() and not records_no_gradient(*(inputs[i] for i in differentiable if i < len(inputs))):
             missing = num_args - len(inputs)
             return Function.apply(*inputs, *(defaults[len(defaults) - missing:] if missing else ()))
         return _call_op(op, *inputs)
@@ -564,7 +604,8 @@ def _eager_autograd(op, setup, backward_fn, num_differentiable: int, defaults: t
 
 # dmattn::fwd with autograd, for the Python API (same arguments); q, k, v, mask, bias may
 # require grad.
-forward_with_grad = _eager_autograd(attention_forward, _setup_context, _backward, 5, (None, 0, None, None))
+forward_with_grad = _eager_autograd(attention_forward, _setup_context, _backward, (0, 1, 2, 3, 4, 15, 16),
+                                    (None, 0, None, None, None, None, 0, None))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -640,10 +681,15 @@ def attention_varlen_forward(
     scale: Optional[float],
     softcap: float,
     deterministic: bool,
+    alpha: Optional[Tensor] = None,
+    delta: Optional[Tensor] = None,
+    gate_fn: int = 0,
+    windows: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Returns (out, lse): out like q, lse (H, total_q) float32 (float64 for float64 inputs)."""
+    """Returns (out, lse): out like q, lse (H, total_q) float32 (float64 for float64 inputs).
+    The gate's alpha (total_q, H) and delta (total_k, Hkv), gate_fn and windows as in dmattn::fwd."""
     check_devices(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, mask=mask,
-                   bias=bias)
+                   bias=bias, alpha=alpha, delta=delta, windows=windows)
     _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     # (new_empty: less host time than torch.empty with a shape, dtype and device to parse)
     out = q.new_empty(q.shape)
@@ -651,13 +697,14 @@ def attention_varlen_forward(
     q, k, v = _cuda_layout(q), _cuda_layout(k), _cuda_layout(v)
     lib().forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
                          lse, mask, bias, causal, window_left, window_right, _scale_arg(scale),
-                         softcap)
+                         softcap, alpha, delta, gate_fn, windows)
     return out, lse
 
 
 @attention_varlen_forward.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias, causal,
-      window_left, window_right, scale, softcap, deterministic):
+      window_left, window_right, scale, softcap, deterministic, alpha=None, delta=None, gate_fn=0,
+      windows=None):
     return q.new_empty(q.shape), q.new_empty(_varlen_lse_shape(q), dtype=_lse_dtype(q))
 
 
@@ -682,10 +729,15 @@ def attention_varlen_backward(
     scale: Optional[float],
     softcap: float,
     deterministic: bool,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns (dq, dk, dv, dbias); dbias is an empty tensor unless bias_requires_grad."""
+    alpha: Optional[Tensor] = None,
+    delta: Optional[Tensor] = None,
+    gate_fn: int = 0,
+    windows: Optional[Tensor] = None,
+    gate_requires_grad: bool = False,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (dq, dk, dv, dbias, dalpha, ddelta), as dmattn::bwd."""
     check_devices(dout=dout, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                   out=out, lse=lse, mask=mask, bias=bias)
+                   out=out, lse=lse, mask=mask, bias=bias, alpha=alpha, delta=delta, windows=windows)
     _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -693,38 +745,43 @@ def attention_varlen_backward(
     dbias = None
     if bias_requires_grad and bias is not None:
         dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device)
-    delta = dq_accum = dbias_accum = None
+    softmax_delta = dq_accum = dbias_accum = None
     if q.device.type == "cuda":
-        delta = torch.empty(_varlen_lse_shape(q), dtype=torch.float32, device=q.device)
+        softmax_delta = torch.empty(_varlen_lse_shape(q), dtype=torch.float32, device=q.device)
         dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         # A key-side dbias is reduced across the query heads that share a bias head.
         if dbias is not None and bias.dim() == 2 and bias.shape[0] < q.shape[1]:
             dbias_accum = torch.empty(bias.shape, dtype=torch.float32, device=q.device)
+    dalpha, ddelta = _gate_grads(alpha, delta, gate_requires_grad)
     dout, q, k, v, out = (_cuda_layout(t) for t in (dout, q, k, v, out))
     lib().backward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
-                          lse, mask, bias, dout, dq, dk, dv, dbias, delta, dq_accum, dbias_accum,
+                          lse, mask, bias, dout, dq, dk, dv, dbias, softmax_delta, dq_accum, dbias_accum,
                           causal, window_left, window_right, _scale_arg(scale), softcap,
-                          deterministic)
+                          deterministic, alpha, delta, gate_fn, windows, dalpha, ddelta)
     if dbias is None:
         dbias = q.new_empty((0,))
-    return dq, dk, dv, dbias
+    return (dq, dk, dv, dbias, *_gate_grads_or_empty(q, dalpha, ddelta))
 
 
 @attention_varlen_backward.register_fake
 def _(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, mask,
-      bias, bias_requires_grad, causal, window_left, window_right, scale, softcap, deterministic):
+      bias, bias_requires_grad, causal, window_left, window_right, scale, softcap, deterministic,
+      alpha=None, delta=None, gate_fn=0, windows=None, gate_requires_grad=False):
     dbias = bias.new_empty(bias.shape) if (bias_requires_grad and bias is not None) else q.new_empty((0,))
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias,
+            *_gate_grads_or_empty(q, *_gate_grads(alpha, delta, gate_requires_grad)))
 
 
 def _setup_varlen_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias, causal,
-     window_left, window_right, scale, softcap, deterministic) = inputs
+     window_left, window_right, scale, softcap, deterministic, alpha, delta, gate_fn, windows) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, mask, bias, out, lse)
+    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, mask, bias, out, lse, alpha, delta, windows)
     ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
     ctx.options = (causal, window_left, window_right, scale, softcap, deterministic)
+    ctx.gate_fn = gate_fn
     ctx.bias_requires_grad = bias is not None and ctx.needs_input_grad[8]
+    ctx.gate_requires_grad = alpha is not None and (ctx.needs_input_grad[15] or ctx.needs_input_grad[16])
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)  # as _setup_context
 
@@ -732,19 +789,22 @@ def _setup_varlen_context(ctx, inputs, output):
 def _varlen_backward(ctx, dout, _dlse):
     if dout is None:  # as _backward
         return (None,) * len(ctx.needs_input_grad)
-    q, k, v, cu_seqlens_q, cu_seqlens_k, mask, bias, out, lse = ctx.saved_tensors
+    q, k, v, cu_seqlens_q, cu_seqlens_k, mask, bias, out, lse, alpha, delta, windows = ctx.saved_tensors
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    dq, dk, dv, dbias = _call_op(
+    dq, dk, dv, dbias, dalpha, ddelta = _call_op(
         attention_varlen_backward,
         dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, out, lse, mask, bias,
-        ctx.bias_requires_grad, *ctx.options)
-    # cu_seqlens, max_seqlen, mask and the options receive no gradient.
+        ctx.bias_requires_grad, *ctx.options, alpha, delta, ctx.gate_fn, windows, ctx.gate_requires_grad)
+    gate = ctx.gate_requires_grad
+    # cu_seqlens, max_seqlen, mask, windows and the options receive no gradient.
     return (dq, dk, dv, None, None, None, None, None,
-            dbias if ctx.bias_requires_grad else None, None, None, None, None, None, None)
+            dbias if ctx.bias_requires_grad else None, None, None, None, None, None, None,
+            dalpha if gate and ctx.needs_input_grad[15] else None,
+            ddelta if gate and ctx.needs_input_grad[16] else None, None, None)
 
 
 attention_varlen_forward.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)
-# dmattn::fwd_varlen with autograd, as forward_with_grad (q, k, v, .., mask, bias: the first 9).
+# dmattn::fwd_varlen with autograd, as forward_with_grad (q, k, v, mask, bias, alpha, delta).
 varlen_forward_with_grad = _eager_autograd(attention_varlen_forward, _setup_varlen_context,
-                                           _varlen_backward, 9)
+                                           _varlen_backward, (0, 1, 2, 7, 8, 15, 16), (None, None, 0, None))

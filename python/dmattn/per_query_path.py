@@ -184,7 +184,7 @@ class _IndexedSegments(torch.autograd.Function):
         want_dbias = ctx.needs_input_grad[3]
         dq, dk_rows, dv_rows, dbias = _call_op(
             attention_backward, dout, q_seg, k, v, out, lse, None, bias_rows, want_dbias, True, -1, -1, scale,
-            softcap, False, positions, original, key_ends, False, index)
+            softcap, False, positions, original, key_ends, False, index)[:4]
         dk, dv = _call_op(sum_segment_rows, dk_rows, dv_rows, slots, k.shape[2])
         return (dq, dk, dv, dbias if want_dbias else None) + (None,) * 7
 

@@ -100,6 +100,18 @@ struct GatheredKeysArg {
   dmattn::GatheredKeys get() const { return {positions.get(), seqlen_k_original, ends.get(), rows.get()}; }
 };
 
+// The gate (alpha, delta, gate_fn: 0 logsigmoid, 1 linear) and windows with sinks: optional.
+struct ScoreTermsArg {
+  OptionalDesc alpha, delta, windows;
+  int64_t gate_fn;
+  ScoreTermsArg(const Optional<TensorView>& a, const Optional<TensorView>& d, int64_t fn,
+                const Optional<TensorView>& w)
+      : alpha(a), delta(d), windows(w), gate_fn(fn) {}
+  dmattn::ScoreTerms get() const {
+    return {alpha.get(), delta.get(), static_cast<dmattn::GateFn>(gate_fn), windows.get()};
+  }
+};
+
 void* current_stream(const dmattn::ForwardParams& p) {
   if (p.device != dmattn::DeviceKind::kCUDA) return nullptr;
   return TVMFFIEnvGetStream(kDLCUDA, p.device_id);
@@ -119,14 +131,17 @@ void forward(TensorView q, TensorView k, TensorView v, TensorView out, TensorVie
              Optional<TensorView> mask, Optional<TensorView> bias, bool causal,
              int64_t window_left, int64_t window_right, double scale, double softcap,
              Optional<TensorView> key_positions, int64_t seqlen_k_original, Optional<TensorView> key_ends,
-             Optional<TensorView> key_rows) {
+             Optional<TensorView> key_rows, Optional<TensorView> alpha, Optional<TensorView> delta,
+             int64_t gate_fn, Optional<TensorView> windows) {
   translate_errors([&] {
     const OptionalDesc mask_d(mask), bias_d(bias);
     const GatheredKeysArg gathered(key_positions, seqlen_k_original, key_ends, key_rows);
+    const ScoreTermsArg terms(alpha, delta, gate_fn, windows);
     dmattn::ForwardParams p = dmattn::make_forward_params(
         to_desc(q), to_desc(k), to_desc(v), to_desc(out), to_desc(lse), mask_d.get(),
         bias_d.get(), make_options(causal, window_left, window_right, scale, softcap, false),
         gathered.get());
+    dmattn::set_score_terms(terms.get(), p);
     p.stream = current_stream(p);
     dmattn::run_forward(p);
   });
@@ -139,17 +154,21 @@ void backward(TensorView q, TensorView k, TensorView v, TensorView out, TensorVi
               Optional<TensorView> dbias_accum, bool causal, int64_t window_left,
               int64_t window_right, double scale, double softcap, bool deterministic,
               Optional<TensorView> key_positions, int64_t seqlen_k_original, Optional<TensorView> key_ends,
-              bool forward_stats, Optional<TensorView> key_rows) {
+              bool forward_stats, Optional<TensorView> key_rows, Optional<TensorView> alpha,
+              Optional<TensorView> delta, int64_t gate_fn, Optional<TensorView> windows,
+              Optional<TensorView> dalpha, Optional<TensorView> ddelta) {
   translate_errors([&] {
     const OptionalDesc mask_d(mask), bias_d(bias), dbias_d(dbias), delta_d(softmax_delta),
-        dq_accum_d(dq_accum), dbias_accum_d(dbias_accum);
+        dq_accum_d(dq_accum), dbias_accum_d(dbias_accum), dalpha_d(dalpha), ddelta_d(ddelta);
     const GatheredKeysArg gathered(key_positions, seqlen_k_original, key_ends, key_rows);
+    const ScoreTermsArg terms(alpha, delta, gate_fn, windows);
     dmattn::BackwardParams p = dmattn::make_backward_params(
         to_desc(q), to_desc(k), to_desc(v), to_desc(out), to_desc(lse), mask_d.get(),
         bias_d.get(), to_desc(dout), to_desc(dq), to_desc(dk), to_desc(dv), dbias_d.get(),
         delta_d.get(), dq_accum_d.get(), dbias_accum_d.get(),
         make_options(causal, window_left, window_right, scale, softcap, deterministic),
         gathered.get());
+    dmattn::set_score_terms(terms.get(), dalpha_d.get(), ddelta_d.get(), p);
     p.forward_stats = forward_stats;
     p.fwd.stream = current_stream(p.fwd);
     dmattn::run_backward(p);
@@ -173,14 +192,17 @@ void forward_varlen(TensorView q, TensorView k, TensorView v, TensorView cu_seql
                     TensorView cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
                     TensorView out, TensorView lse, Optional<TensorView> mask,
                     Optional<TensorView> bias, bool causal, int64_t window_left,
-                    int64_t window_right, double scale, double softcap) {
+                    int64_t window_right, double scale, double softcap, Optional<TensorView> alpha,
+                    Optional<TensorView> delta, int64_t gate_fn, Optional<TensorView> windows) {
   translate_errors([&] {
     const OptionalDesc mask_d(mask), bias_d(bias);
+    const ScoreTermsArg terms(alpha, delta, gate_fn, windows);
     dmattn::ForwardParams p = dmattn::make_varlen_forward_params(
         to_desc(q), to_desc(k), to_desc(v),
         make_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), to_desc(out),
         to_desc(lse), mask_d.get(), bias_d.get(),
         make_options(causal, window_left, window_right, scale, softcap, false));
+    dmattn::set_score_terms(terms.get(), p);
     p.stream = current_stream(p);
     dmattn::run_forward(p);
   });
@@ -193,16 +215,20 @@ void backward_varlen(TensorView q, TensorView k, TensorView v, TensorView cu_seq
                      TensorView dv, Optional<TensorView> dbias, Optional<TensorView> softmax_delta,
                      Optional<TensorView> dq_accum, Optional<TensorView> dbias_accum, bool causal,
                      int64_t window_left, int64_t window_right, double scale, double softcap,
-                     bool deterministic) {
+                     bool deterministic, Optional<TensorView> alpha, Optional<TensorView> delta,
+                     int64_t gate_fn, Optional<TensorView> windows, Optional<TensorView> dalpha,
+                     Optional<TensorView> ddelta) {
   translate_errors([&] {
     const OptionalDesc mask_d(mask), bias_d(bias), dbias_d(dbias), delta_d(softmax_delta),
-        dq_accum_d(dq_accum), dbias_accum_d(dbias_accum);
+        dq_accum_d(dq_accum), dbias_accum_d(dbias_accum), dalpha_d(dalpha), ddelta_d(ddelta);
+    const ScoreTermsArg terms(alpha, delta, gate_fn, windows);
     dmattn::BackwardParams p = dmattn::make_varlen_backward_params(
         to_desc(q), to_desc(k), to_desc(v),
         make_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), to_desc(out),
         to_desc(lse), mask_d.get(), bias_d.get(), to_desc(dout), to_desc(dq), to_desc(dk),
         to_desc(dv), dbias_d.get(), delta_d.get(), dq_accum_d.get(), dbias_accum_d.get(),
         make_options(causal, window_left, window_right, scale, softcap, deterministic));
+    dmattn::set_score_terms(terms.get(), dalpha_d.get(), ddelta_d.get(), p);
     p.fwd.stream = current_stream(p.fwd);
     dmattn::run_backward(p);
   });

@@ -36,6 +36,7 @@
 
 #include "cpu/cpu_backend.h"
 #include "cpu/element_types.h"
+#include "cpu/gate.h"
 #include "cpu/online_softmax.h"
 #include "cpu/score_cache.h"
 #include "cpu/score_mod.h"
@@ -62,11 +63,13 @@ struct BackwardTiles {
   std::vector<OnlineSoftmaxRow<Acc>> online;  // pass 0's running statistics
   std::vector<Acc> grad_a, grad_b;            // dK and dV (pass 1) or dQ (pass 2)
   std::vector<Acc> dbias;                     // the dbias slab a pass-1 task owns
+  std::vector<Acc> dalpha, ddelta;            // the gate's gradients of a query / key block
   explicit BackwardTiles(int64_t dim)
       : q(kBlockQ * dim), dout(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim),
         probs(kBlockQ * kBlockK), dprobs(kBlockQ * kBlockK), cap_grad(kBlockQ * kBlockK),
         row_max(kBlockQ), inv_sum(kBlockQ), delta(kBlockQ), online(kBlockQ),
-        grad_a(std::max(kBlockQ, kBlockK) * dim), grad_b(kBlockK * dim) {}
+        grad_a(std::max(kBlockQ, kBlockK) * dim), grad_b(kBlockK * dim), dalpha(kBlockQ),
+        ddelta(kBlockK) {}
 };
 
 // Everything a task needs besides its indices.
@@ -198,6 +201,37 @@ struct BackwardContext {
   void apply_softcap_grad(int64_t rows, int64_t cols, BackwardTiles<Acc>& t) const {
     apply_softcap_grad(rows, cols, t.cap_grad.data(), t.dprobs.data());
   }
+
+  // The gate's share of one tile's gradient, from dS before softcap' (the gate is added after
+  // the cap, like the bias): with G_ij = scale * g'(alpha_i delta_j) * dS_ij,
+  // dalpha_i += G_ij delta_j (into dalpha[r], when given) and ddelta_j += G_ij alpha_i (into
+  // ddelta[c], when given). Positions with dS = 0 (disallowed ones among them) add nothing.
+  void accumulate_gate_grads(int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
+                             const Acc* ds_tile, Acc* dalpha, Acc* ddelta) const {
+    const GateTerm<Acc>& gate = mod.gate;
+    Acc delta[kBlockK];
+    for (int64_t c = 0; c < cols; ++c) delta[c] = gate.delta(b, j0 + c, h);
+    for (int64_t r = 0; r < rows; ++r) {
+      const Acc alpha = gate.alpha(b, i0 + r, h);
+      const Acc* ds = ds_tile + r * kBlockK;
+      Acc row_sum = 0;
+      for (int64_t c = 0; c < cols; ++c) {
+        if (ds[c] == Acc(0)) continue;
+        const Acc g = mod.scale * gate.derivative(alpha * delta[c]) * ds[c];
+        row_sum += g * delta[c];
+        if (ddelta) ddelta[c] += g * alpha;
+      }
+      if (dalpha) dalpha[r] += row_sum;
+    }
+  }
+
+  // dalpha of rows [i0, i0 + rows) of head h, from the accumulator (when wanted).
+  void store_dalpha(int64_t b, int64_t h, int64_t i0, int64_t rows, const Acc* dalpha) const {
+    if (p.dalpha == nullptr) return;
+    for (int64_t r = 0; r < rows; ++r) {
+      store_scalar(p.dalpha, f.gate.alpha_dtype, p.dalpha_strides.offset(b, i0 + r, h), dalpha[r]);
+    }
+  }
 };
 
 // Pass 0: softmax statistics and Delta_i = sum_j P_ij dP_ij for the rows of one query block,
@@ -308,9 +342,11 @@ void query_row_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int64_
   }
   ctx.store_row_stats(b, h, i0, rows, t);
 
-  // P, dS and dQ = scale * (dS * softcap') K.
+  // P, dS, dQ = scale * (dS * softcap') K and the gate's dalpha.
   Acc* dq = t.grad_a.data();
   std::fill(dq, dq + kBlockQ * dim, Acc(0));
+  const bool want_dalpha = ctx.p.dalpha != nullptr;
+  std::fill(t.dalpha.begin(), t.dalpha.end(), Acc(0));
   for (int64_t kb = first_block; kb < end_block; ++kb) {
     const int64_t j0 = kb * kBlockK, cols = key_cols(kb);
     const TilePointers<Acc> tile = tiles_of(kb);
@@ -320,12 +356,14 @@ void query_row_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int64_
       for (int64_t c = 0; c < cols; ++c) prob[c] *= factor;
     }
     ctx.compute_ds(rows, cols, tile.probs, t.delta.data(), tile.dprobs);
+    if (want_dalpha) ctx.accumulate_gate_grads(b, h, i0, rows, j0, cols, tile.dprobs, t.dalpha.data(), nullptr);
     ctx.apply_softcap_grad(rows, cols, tile.cap_grad, tile.dprobs);
     const T* k = static_cast<const T*>(f.k) + f.k_strides.offset(b, j0, kv_head);
     load_rows(k, f.k_strides.row_stride, cols, dim, t.k.data(), kBlockK);
     accumulate_product(tile.dprobs, t.k.data(), dim, dq);
   }
   ctx.store_dq(b, h, i0, rows, dq);
+  ctx.store_dalpha(b, h, i0, rows, t.dalpha.data());
 }
 
 // How pass-1 tasks are laid out. A task covers a range of batches, kv heads and key blocks:
@@ -412,6 +450,8 @@ void key_block_task(const BackwardContext<T, Acc, BiasT>& ctx, const KeyTaskGrid
         Acc* dv = t.grad_b.data();
         std::fill(dk, dk + kBlockK * dim, Acc(0));
         std::fill(dv, dv + kBlockK * dim, Acc(0));
+        const bool want_ddelta = p.ddelta != nullptr;
+        std::fill(t.ddelta.begin(), t.ddelta.end(), Acc(0));
 
         for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
           // Per query head: with gathered keys each head may read the rows as other positions.
@@ -449,6 +489,7 @@ void key_block_task(const BackwardContext<T, Acc, BiasT>& ctx, const KeyTaskGrid
                 }
               }
             }
+            if (want_ddelta) ctx.accumulate_gate_grads(b, h, i0, rows, j0, cols, ds_tile, nullptr, t.ddelta.data());
             if (!store.enabled()) ctx.apply_softcap_grad(rows, cols, t);
             accumulate_transposed_product(ds_tile, t.q.data(), dim, dk);
           }
@@ -457,6 +498,11 @@ void key_block_task(const BackwardContext<T, Acc, BiasT>& ctx, const KeyTaskGrid
         T* dv_out = static_cast<T*>(p.dv) + p.dv_strides.offset(b, j0, kv_head);
         store_rows(dk, cols, dim, ctx.mod.scale, dk_out, p.dk_strides.row_stride);
         store_rows(dv, cols, dim, Acc(1), dv_out, p.dv_strides.row_stride);
+        if (want_ddelta) {  // every key of the block, 0 where nothing reached it
+          for (int64_t c = 0; c < cols; ++c) {
+            store_scalar(p.ddelta, f.gate.delta_dtype, p.ddelta_strides.offset(b, j0 + c, kv_head), t.ddelta[c]);
+          }
+        }
       }
     }
   }
@@ -485,16 +531,20 @@ void query_block_task(const BackwardContext<T, Acc, BiasT>& ctx, int64_t b, int6
   Acc* dq = t.grad_a.data();
   std::fill(dq, dq + kBlockQ * dim, Acc(0));
 
+  const bool want_dalpha = ctx.p.dalpha != nullptr;
+  std::fill(t.dalpha.begin(), t.dalpha.end(), Acc(0));
   const IndexRange keys = ctx.mod.keys.for_queries(b, h, {i0, i0 + rows});
   for (int64_t j0 = aligned_block_start(keys.begin, kBlockK); j0 < keys.end; j0 += kBlockK) {
     const int64_t cols = std::min(kBlockK, f.seqlen_k - j0);
     ctx.load_key_side(b, kv_head, j0, cols, t);
     ctx.compute_p_and_dp(b, h, i0, rows, j0, cols, t);
     ctx.compute_ds(rows, cols, t);
+    if (want_dalpha) ctx.accumulate_gate_grads(b, h, i0, rows, j0, cols, t.dprobs.data(), t.dalpha.data(), nullptr);
     ctx.apply_softcap_grad(rows, cols, t);
     accumulate_product(t.dprobs.data(), t.k.data(), dim, dq);
   }
   ctx.store_dq(b, h, i0, rows, dq);
+  ctx.store_dalpha(b, h, i0, rows, t.dalpha.data());
 }
 
 template <typename T, typename BiasT>

@@ -4,7 +4,7 @@
 // q/out/dout/dq rows [cu_seqlens_q[b], cu_seqlens_q[b+1]), k/v/dk/dv rows
 // [cu_seqlens_k[b], cu_seqlens_k[b+1]), lse columns like q's rows, and the key-side mask, bias
 // and dbias restricted to the sequence's keys (a (1, Hb, 1, len_k) operand broadcast over the
-// queries). So varlen reuses the dense forward and backward unchanged, including the per-
+// queries), the gate's alpha / delta (and their gradients) to the sequence's query / key rows. So varlen reuses the dense forward and backward unchanged, including the per-
 // sequence bottom-right alignment of causal/window (the dense rule with the sequence's lengths).
 //
 // The sequences own disjoint parts of every output -- including dbias, whose key range is the
@@ -60,6 +60,10 @@ ForwardParams sequence_params(const ForwardParams& p, const SequenceRows& s) {
   seq.lse = advance(p.lse, s.first_q, lse_dtype);
   seq.mask = key_slice(p.mask, s.first_k, s.len_k);
   seq.bias = key_slice(p.bias, s.first_k, s.len_k);
+  if (p.gate.present()) {  // alpha (total_q, H) and delta (total_k, Hkv): the sequence's rows
+    seq.gate.alpha = advance(p.gate.alpha, s.first_q * p.gate.alpha_strides.row_stride, p.gate.alpha_dtype);
+    seq.gate.delta = advance(p.gate.delta, s.first_k * p.gate.delta_strides.row_stride, p.gate.delta_dtype);
+  }
   return seq;
 }
 
@@ -80,6 +84,8 @@ void backward_varlen(const BackwardParams& p) {
     seq.dk = advance(p.dk, s.first_k * p.dk_strides.row_stride, f.dtype);
     seq.dv = advance(p.dv, s.first_k * p.dv_strides.row_stride, f.dtype);
     if (p.dbias != nullptr) seq.dbias = advance(p.dbias, s.first_k * p.dbias_stride_k, f.bias.dtype);
+    if (p.dalpha != nullptr) seq.dalpha = advance(p.dalpha, s.first_q * p.dalpha_strides.row_stride, f.gate.alpha_dtype);
+    if (p.ddelta != nullptr) seq.ddelta = advance(p.ddelta, s.first_k * p.ddelta_strides.row_stride, f.gate.delta_dtype);
     // CUDA scratch, laid out for the whole packed batch; the CPU backend keeps its own.
     seq.softmax_delta = seq.dq_accum = seq.dbias_accum = nullptr;
     backward(seq);

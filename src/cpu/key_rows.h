@@ -20,34 +20,64 @@ struct IndexRange {
   bool empty() const { return begin >= end; }
 };
 
+// One head's window with sinks (ForwardParams::windows): with d = i + offset - j, key j is
+// visible to query i iff d >= 0 and (j < sink or d < near or near + gap <= d < reach), where
+// reach = near + gap + far (or near when far = 0).
+struct SinkWindow {
+  int64_t sink = 0, near = 0, gap = 0, far = 0;
+
+  static SinkWindow of(const LocalWindows& w, int64_t h) {
+    const int32_t* row = w.row(h);
+    return {row[0], row[1], row[2], row[3]};
+  }
+  // One past the largest visible distance d (sinks aside).
+  int64_t reach() const { return far > 0 ? near + gap + far : near; }
+  bool allows(int64_t d, int64_t j) const {
+    return d >= 0 && (j < sink || d < near || (d >= near + gap && d < near + gap + far));
+  }
+};
+
 // The causal/sliding-window rule on key positions, bottom-right aligned (see ForwardParams):
 // key position j is allowed for query i iff  i + offset - left <= j <= i + offset + right,
 // offset = Sk - Sq (Sk = the original key length with gathered keys), and a negative
-// left/right means unbounded on that side.
+// left/right means unbounded on that side. With windows (sinks), each head's SinkWindow
+// applies on top: the ranges below are then the hull of what it lets through, and
+// SinkWindow::allows decides per element.
 struct WindowRule {
   int64_t seqlen_q = 0, seqlen_k = 0, offset = 0, left = -1, right = -1;
+  LocalWindows windows;
 
   explicit WindowRule(const ForwardParams& p)
       : seqlen_q(p.seqlen_q), seqlen_k(p.window_seqlen_k()), offset(seqlen_k - p.seqlen_q),
-        left(p.window_left), right(p.window_right) {}
+        left(p.window_left), right(p.window_right), windows(p.windows) {}
 
-  // Key positions that at least one query in [rows.begin, rows.end) may attend to ({0, 0} if
-  // none).
-  IndexRange keys_for_queries(IndexRange rows) const {
+  // Key positions that at least one query in [rows.begin, rows.end) of head h may attend to
+  // ({0, 0} if none).
+  IndexRange keys_for_queries(IndexRange rows, int64_t h) const {
     if (rows.empty()) return {0, 0};
     IndexRange keys{0, seqlen_k};
     if (left >= 0) keys.begin = std::max<int64_t>(0, rows.begin + offset - left);
     if (right >= 0) keys.end = std::min<int64_t>(seqlen_k, rows.end - 1 + offset + right + 1);
+    if (windows.present()) {
+      const SinkWindow w = SinkWindow::of(windows, h);
+      keys.end = std::min<int64_t>(keys.end, rows.end + offset);  // d >= 0
+      if (w.sink == 0) keys.begin = std::max<int64_t>(keys.begin, rows.begin + offset - w.reach() + 1);
+    }
     return keys.empty() ? IndexRange{0, 0} : keys;
   }
 
-  // Queries that may attend to at least one key position in [keys.begin, keys.end) ({0, 0} if
-  // none).
-  IndexRange queries_for_keys(IndexRange keys) const {
+  // Queries of head h that may attend to at least one key position in [keys.begin, keys.end)
+  // ({0, 0} if none).
+  IndexRange queries_for_keys(IndexRange keys, int64_t h) const {
     if (keys.empty()) return {0, 0};
     IndexRange rows{0, seqlen_q};
     if (right >= 0) rows.begin = std::max<int64_t>(0, keys.begin - offset - right);
     if (left >= 0) rows.end = std::min<int64_t>(seqlen_q, keys.end - 1 - offset + left + 1);
+    if (windows.present()) {
+      const SinkWindow w = SinkWindow::of(windows, h);
+      rows.begin = std::max<int64_t>(rows.begin, keys.begin - offset);  // d >= 0
+      if (keys.begin >= w.sink) rows.end = std::min<int64_t>(rows.end, keys.end - 1 - offset + w.reach());
+    }
     return rows.empty() ? IndexRange{0, 0} : rows;
   }
 };
@@ -62,7 +92,7 @@ class KeyRows {
 
   // Rows of k/v that at least one query in `queries` of (b, h) may attend to.
   IndexRange for_queries(int64_t b, int64_t h, IndexRange queries) const {
-    const IndexRange positions = window_.keys_for_queries(queries);
+    const IndexRange positions = window_.keys_for_queries(queries, h);
     if (positions_ == nullptr) return positions;
     const int32_t* row = positions_row(b, h);
     const int32_t* valid_end = row + valid_count(row);
@@ -72,6 +102,11 @@ class KeyRows {
     return {first - row, last - row};
   }
 
+  // The windows with sinks of head h, or null without them (SinkWindow::allows then decides
+  // per element inside for_queries' hull).
+  const LocalWindows* windows() const { return window_.windows.present() ? &window_.windows : nullptr; }
+  int64_t offset() const { return window_.offset; }
+
   // key_ends[b, h', :] (ForwardParams::key_ends): row j is allowed only for queries i < the
   // entry j; null without key ends.
   const int32_t* ends_row(int64_t b, int64_t h) const {
@@ -80,11 +115,11 @@ class KeyRows {
 
   // Queries of (b, h) that may attend to at least one of the rows `keys`.
   IndexRange queries_for(int64_t b, int64_t h, IndexRange keys) const {
-    if (positions_ == nullptr) return window_.queries_for_keys(keys);
+    if (positions_ == nullptr) return window_.queries_for_keys(keys, h);
     const int32_t* row = positions_row(b, h);
     const int64_t end = std::min(keys.end, valid_count(row));
     if (keys.begin >= end) return {0, 0};  // padding rows only
-    return window_.queries_for_keys({row[keys.begin], int64_t{row[end - 1]} + 1});
+    return window_.queries_for_keys({row[keys.begin], int64_t{row[end - 1]} + 1}, h);
   }
 
  private:

@@ -1,6 +1,6 @@
-// Per-element score modification: scale, softcap, bias, and which positions are allowed
-// (mask, causal/sliding window on the key positions (key_rows.h), the gathered rows' query
-// bound key_ends, bias != -inf).
+// Per-element score modification: scale, softcap, the gate of gated attention (gate.h), bias,
+// and which positions are allowed (mask, causal/sliding window and windows with sinks on the
+// key positions (key_rows.h), the gathered rows' query bound key_ends, bias != -inf).
 //
 // A disallowed position is *replaced* by -inf, never offset by a sentinel, so a finite score
 // can never overflow and a disallowed position contributes nothing whatever its bias holds.
@@ -12,6 +12,7 @@
 #include <limits>
 
 #include "cpu/element_types.h"
+#include "cpu/gate.h"
 #include "cpu/key_rows.h"
 #include "cpu/tile_math.h"
 #include "dmattn/params.h"
@@ -28,10 +29,11 @@ struct ScoreMod {
   KeyRows keys;  // the causal/window rule on rows of k/v
   BroadcastOperand mask;  // mask.ptr: bool bytes, or null
   BroadcastOperand bias;  // bias.ptr: BiasT, or null
+  GateTerm<Acc> gate;     // gated attention's scale * g(alpha_i delta_j), or absent
 
   explicit ScoreMod(const ForwardParams& p)
       : scale(static_cast<Acc>(p.scale)), softcap(static_cast<Acc>(p.softcap)), keys(p),
-        mask(p.mask), bias(p.bias) {}
+        mask(p.mask), bias(p.bias), gate(p) {}
 
   // Turns one tile of raw dot products <q_i, k_j> (rows x cols at query i0, key j0, leading
   // dimension kBlockK) into final scores in place; disallowed positions become -inf.
@@ -42,6 +44,12 @@ struct ScoreMod {
     constexpr Acc kNegInf = -std::numeric_limits<Acc>::infinity();
     const auto* mask_base = static_cast<const uint8_t*>(mask.ptr);
     const auto* bias_base = static_cast<const BiasT*>(bias.ptr);
+    Acc delta[kBlockK];  // the gate's delta of this block's keys
+    if (gate.present()) {
+      for (int64_t c = 0; c < cols; ++c) delta[c] = gate.delta(b, j0 + c, h);
+    }
+    const LocalWindows* windows = keys.windows();
+    const SinkWindow sink_window = windows ? SinkWindow::of(*windows, h) : SinkWindow{};
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = i0 + r;
       Acc* s = tile + r * kBlockK;
@@ -68,6 +76,10 @@ struct ScoreMod {
         for (int64_t c = allowed_begin; c < allowed_end; ++c) s[c] *= scale;
       }
 
+      if (gate.present()) {  // after the cap, like the bias; scaled like the dot product
+        const Acc alpha = gate.alpha(b, i, h);
+        for (int64_t c = allowed_begin; c < allowed_end; ++c) s[c] += scale * gate.value(alpha * delta[c]);
+      }
       if (bias_base) {
         const BiasT* bias_row = bias_base + bias.offset(b, h, i, j0);
         for (int64_t c = allowed_begin; c < allowed_end; ++c) {
@@ -88,6 +100,11 @@ struct ScoreMod {
         const uint8_t* m = mask_base + mask.offset(b, h, i, j0);
         for (int64_t c = allowed_begin; c < allowed_end; ++c) {
           if (!m[c * mask.stride_k]) s[c] = kNegInf;
+        }
+      }
+      if (windows) {
+        for (int64_t c = allowed_begin; c < allowed_end; ++c) {
+          if (!sink_window.allows(i + keys.offset() - (j0 + c), j0 + c)) s[c] = kNegInf;
         }
       }
     }

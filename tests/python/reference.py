@@ -3,8 +3,9 @@
 ``reference_attention`` implements the contract (docs/semantics.md)
 literally, on a materialized (B, H, Sq, Sk) score matrix:
 
-    s = scale * q k^T ; s = softcap * tanh(s / softcap) if softcap > 0 ; s = s + bias
-    allowed = mask & causal_ok & window_ok & (bias != -inf)          (bottom-right aligned)
+    s = scale * q k^T ; s = softcap * tanh(s / softcap) if softcap > 0
+    s = s + scale * gate_fn(alpha_i * delta_j)  (gated attention) ; s = s + bias
+    allowed = mask & causal_ok & window_ok & windows_ok & (bias != -inf)  (bottom-right aligned)
     p = softmax over the allowed keys ; out = p v ; lse = logsumexp over the allowed keys
     rows without an allowed key: out = 0, lse = -inf, every gradient contribution exactly 0
 
@@ -41,6 +42,7 @@ from torch import Tensor
 
 __all__ = [
     "allowed_window",
+    "allowed_windows",
     "expand_operand",
     "reference_attention",
     "RefResult",
@@ -79,6 +81,29 @@ def allowed_window(sq: int, sk: int, causal: bool, window: Sequence[int], device
     return ok
 
 
+def allowed_windows(sq: int, sk: int, windows: Tensor, h: int, device=None) -> Tensor:
+    """Bool (H, Sq, Sk): windows with sinks, rows [sink, near, gap, far] of (1 / Hkv / H, 4):
+    with d = i + Sk - Sq - j, key j is visible iff d >= 0 and (j < sink or d < near or
+    near + gap <= d < near + gap + far)."""
+    w = windows.detach().cpu().long()
+    w = w.repeat_interleave(h // w.shape[0], dim=0) if w.shape[0] != h else w
+    i = torch.arange(sq).view(1, -1, 1)
+    j = torch.arange(sk).view(1, 1, -1)
+    d = i + (sk - sq) - j
+    sink, near, gap, far = (w[:, c].view(-1, 1, 1) for c in range(4))
+    ok = (d >= 0) & ((j < sink) | (d < near) | ((d >= near + gap) & (d < near + gap + far)))
+    return ok.to(device)
+
+
+def gate_term(alpha: Tensor, delta: Tensor, gate_fn: str, h: int) -> Tensor:
+    """g(alpha_i * delta_j) as (B, H, Sq, Sk): alpha (B, Sq, H), delta (B, Sk, Hkv)."""
+    hkv = delta.shape[2]
+    a = alpha.transpose(1, 2).unsqueeze(-1)  # (B, H, Sq, 1)
+    d = delta.transpose(1, 2).repeat_interleave(h // hkv, dim=1).unsqueeze(-2)  # (B, H, 1, Sk)
+    x = a * d
+    return torch.nn.functional.logsigmoid(x) if gate_fn == "logsigmoid" else x
+
+
 def expand_operand(t: Optional[Tensor], b: int, h: int, hkv: int, sq: int, sk: int) -> Optional[Tensor]:
     """Right-align a mask/bias of rank <= 4 to (B, H, Sq, Sk) following the dmattn rule.
 
@@ -107,8 +132,12 @@ def reference_attention(
     softcap: float = 0.0,
     *,
     upcast: bool = True,
+    gate: Optional[Tuple[Tensor, Tensor]] = None,
+    gate_fn: str = "logsigmoid",
+    windows: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Materialized attention following the dmattn contract. Returns (out, lse).
+    gate (alpha, delta) / gate_fn / windows: gated attention and windows with sinks.
 
     q (B, Sq, H, D), k/v (B, Sk, Hkv, D), layout like dmattn. upcast=True: float64
     throughout (out float64, lse float64). upcast=False: input-dtype math with a float32
@@ -122,6 +151,7 @@ def reference_attention(
     if upcast:
         q, k, v = q.double(), k.double(), v.double()
         bias = bias.double() if bias is not None else None
+        gate = None if gate is None else (gate[0].double(), gate[1].double())
         soft_dtype = torch.float64
     else:
         soft_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -133,7 +163,11 @@ def reference_attention(
     s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
     if softcap and softcap > 0:
         s = torch.tanh(s / softcap) * softcap
+    if gate is not None:
+        s = s + scale * gate_term(gate[0], gate[1], gate_fn, h).to(s.dtype)
     allowed = allowed_window(sq, sk, causal, window, device=q.device).expand(b, h, sq, sk)
+    if windows is not None:
+        allowed = allowed & allowed_windows(sq, sk, windows, h, device=q.device)
     if mask is not None:
         allowed = allowed & expand_operand(mask, b, h, hkv, sq, sk)
     if bias is not None:
@@ -176,29 +210,33 @@ class RefResult:
 
 
 def run_reference(q, k, v, mask=None, bias=None, *, causal=False, window=(-1, -1), scale=None,
-                  softcap=0.0, dout=None, bias_grad=False, upcast=True) -> RefResult:
-    """Forward (and backward with ``dout`` when given) of the reference on detached copies."""
+                  softcap=0.0, dout=None, bias_grad=False, upcast=True, gate=None, gate_fn="logsigmoid",
+                  windows=None) -> RefResult:
+    """Forward (and backward with ``dout`` when given) of the reference on detached copies.
+    With a gate (alpha, delta) and ``dout``, grads also holds "alpha" and "delta"."""
     conv = (lambda t: t.detach().double()) if upcast else (lambda t: t.detach().clone())
     want_grad = dout is not None
     qr, kr, vr = (conv(t).requires_grad_(want_grad) for t in (q, k, v))
     br = None
     if bias is not None:
         br = conv(bias).requires_grad_(want_grad and bias_grad)
+    gr_ = None if gate is None else tuple(conv(t).requires_grad_(want_grad) for t in gate)
     with torch.enable_grad():
         out, lse = reference_attention(qr, kr, vr, mask, br, causal, window, scale, softcap,
-                                       upcast=upcast)
+                                       upcast=upcast, gate=gr_, gate_fn=gate_fn, windows=windows)
         res = RefResult(out.detach(), lse.detach())
+        named = [("q", qr), ("k", kr), ("v", vr)]
+        if br is not None and bias_grad:
+            named.append(("bias", br))
+        if gr_ is not None:
+            named += [("alpha", gr_[0]), ("delta", gr_[1])]
         if want_grad and out.numel() > 0:
-            inputs = [qr, kr, vr] + ([br] if br is not None and bias_grad else [])
             d = dout.detach().double() if upcast else dout.detach().to(out.dtype)
-            grads = torch.autograd.grad(out, inputs, d, allow_unused=True)
-            names = ["q", "k", "v", "bias"]
-            for n, gr, inp in zip(names, grads, inputs):
+            grads = torch.autograd.grad(out, [t for _, t in named], d, allow_unused=True)
+            for (n, inp), gr in zip(named, grads):
                 res.grads[n] = torch.zeros_like(inp) if gr is None else gr
         elif want_grad:
-            res.grads = {"q": torch.zeros_like(qr), "k": torch.zeros_like(kr), "v": torch.zeros_like(vr)}
-            if br is not None and bias_grad:
-                res.grads["bias"] = torch.zeros_like(br)
+            res.grads = {n: torch.zeros_like(t) for n, t in named}
     return res
 
 

@@ -354,7 +354,8 @@ def test_native_layer_nan_poisoned_destinations(device, shape):
     for fill in (0.0, float("nan"), 0.0, float("nan")):
         out = torch.full((b, sq, h, d), fill, dtype=dtype, device=device)
         lse = torch.full((b, h, sq), fill, dtype=torch.float32, device=device)
-        lib().forward(q, k, v, out, lse, mask, bias, True, 7, -1, scale, 0.0, None, 0, None, None)
+        lib().forward(q, k, v, out, lse, mask, bias, True, 7, -1, scale, 0.0, None, 0, None, None,
+                      None, None, 0, None)
         dq, dk, dv = (torch.full_like(t, fill) for t in (q, k, v))
         dbias = torch.full_like(bias, fill)
         delta = dq_acc = dbias_acc = None
@@ -363,7 +364,8 @@ def test_native_layer_nan_poisoned_destinations(device, shape):
             dq_acc = torch.full((b, sq, h, d), fill, dtype=torch.float32, device=device)
             dbias_acc = torch.full(bias.shape, fill, dtype=torch.float32, device=device)
         lib().backward(q, k, v, out, lse, mask, bias, dout, dq, dk, dv, dbias, delta, dq_acc,
-                       dbias_acc, True, 7, -1, scale, 0.0, True, None, 0, None, False, None)
+                       dbias_acc, True, 7, -1, scale, 0.0, True, None, 0, None, False, None,
+                       None, None, 0, None, None, None)
         res = [out, lse, dq, dk, dv, dbias]
         for name, t in zip(["out", "lse", "dq", "dk", "dv", "dbias"], res):
             assert not torch.isnan(t).any(), f"{name}: NaN left from the poisoned buffer"

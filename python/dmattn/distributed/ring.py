@@ -202,7 +202,7 @@ class RingAttention(torch.autograd.Function):
             dq, dk, dv, dbias = _call_op(
                 attention_backward, dout, q, k, v, out, lse,
                 *operands.for_call(call, 0, operands.key_bias, operands.key_mask),
-                bias_grad, call.causal, -1, -1, spec.scale, spec.softcap, spec.deterministic)
+                bias_grad, call.causal, -1, -1, spec.scale, spec.softcap, spec.deterministic)[:4]
             if ctx.needs_input_grad[3]:
                 dbias = dbias.reshape(bias.shape) if bias_grad else torch.zeros_like(bias)
             return dq, dk, dv, dbias if ctx.needs_input_grad[3] else None, None, None
@@ -224,7 +224,7 @@ class RingAttention(torch.autograd.Function):
                 dq, dk, dv, dbias = _call_op(
                     attention_backward, dout[:, rows], q[:, rows], k_blk[:, :call.k_end], v_blk[:, :call.k_end],
                     out[:, rows], lse[:, :, rows].contiguous(), *operands.for_call(call, source, kb_blk, km_blk),
-                    bias_grad, call.causal, -1, -1, spec.scale, spec.softcap, spec.deterministic, None, 0, None, True)
+                    bias_grad, call.causal, -1, -1, spec.scale, spec.softcap, spec.deterministic, None, 0, None, True)[:4]
                 dq_acc[:, rows] += dq
                 if share is None:
                     share = [torch.zeros(k_blk.shape, dtype=acc, device=q.device),

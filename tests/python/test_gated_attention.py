@@ -1,0 +1,254 @@
+"""Gated attention (``gate=(alpha, delta)``) and windows with sinks (``windows=``) against the
+float64 reference (reference.py), forward and every gradient, with the FlashAttention tolerance
+rule; edge cases of docs/semantics.md ("Gated attention", "Windows with sinks"); errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dmattn
+from reference import BWD_FACTOR, FWD_FACTOR, check_close, run_reference
+
+GATE_FNS = ["logsigmoid", "linear"]
+
+
+def _inputs(b, sq, sk, h, hkv, d, dtype, device, gate_dtype=None, gate_range=4.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *shape, s=1.0: (torch.randn(*shape, generator=g) * s).to(dtype).to(device)  # noqa: E731
+    q, k, v = mk(b, sq, h, d), mk(b, sk, hkv, d), mk(b, sk, hkv, d)
+    gd = gate_dtype or dtype
+    # alpha * delta spans +-gate_range^2 / 2: large products too (logsigmoid saturates there)
+    alpha = (torch.randn(b, sq, h, generator=g) * gate_range).to(gd).to(device)
+    delta = (torch.randn(b, sk, hkv, generator=g) * gate_range / 2).to(gd).to(device)
+    dout = mk(b, sq, h, d)
+    return q, k, v, alpha, delta, dout
+
+
+def _run(q, k, v, dout, *, gate=None, bias=None, backward=True, **kw):
+    leaves = [t.detach().clone().requires_grad_(backward) for t in (q, k, v)]
+    gate_l = None if gate is None else tuple(t.detach().clone().requires_grad_(backward) for t in gate)
+    bias_l = None if bias is None else bias.detach().clone().requires_grad_(backward)
+    out, lse = dmattn.attention(*leaves, bias=bias_l, gate=gate_l, return_lse=True, **kw)
+    grads = {}
+    if backward:
+        out.backward(dout)
+        grads = dict(zip("qkv", (t.grad for t in leaves)))
+        if gate_l is not None:
+            grads["alpha"], grads["delta"] = gate_l[0].grad, gate_l[1].grad
+        if bias_l is not None:
+            grads["bias"] = bias_l.grad
+    return out, lse, grads
+
+
+def _check(q, k, v, dout, out, lse, grads, *, gate=None, gate_fn="logsigmoid", windows=None, bias=None,
+           context="", **kw):
+    cpu = lambda t: None if t is None else t.detach().cpu()  # noqa: E731
+    args = dict(gate=None if gate is None else tuple(map(cpu, gate)), gate_fn=gate_fn,
+                windows=cpu(windows), dout=cpu(dout) if grads else None, bias_grad=bias is not None, **kw)
+    ref = run_reference(cpu(q), cpu(k), cpu(v), None, cpu(bias), upcast=True, **args)
+    low = run_reference(cpu(q), cpu(k), cpu(v), None, cpu(bias), upcast=False, **args)
+    check_close("out", out, ref.out, low.out, FWD_FACTOR, context=context)
+    check_close("lse", lse, ref.lse, low.lse, FWD_FACTOR, context=context)
+    for name, grad in grads.items():
+        assert grad is not None, f"d{name}: no gradient {context}"
+        check_close(f"d{name}", grad, ref.grads[name], low.grads.get(name), BWD_FACTOR, context=context)
+
+
+@pytest.mark.parametrize("gate_fn", GATE_FNS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(2, 37, 53, 4, 2, 24), (1, 70, 70, 2, 1, 64), (2, 65, 129, 3, 3, 16)])
+def test_gate_matches_reference(device, nan_poison, gate_fn, causal, dtype, shape):
+    if device == "cuda" and dtype == torch.float32:
+        pytest.skip("float32 inputs are CPU only")
+    b, sq, sk, h, hkv, d = shape
+    q, k, v, alpha, delta, dout = _inputs(b, sq, sk, h, hkv, d, dtype, device)
+    out, lse, grads = _run(q, k, v, dout, gate=(alpha, delta), gate_fn=gate_fn, causal=causal)
+    assert grads["alpha"].dtype == alpha.dtype and grads["delta"].shape == delta.shape
+    _check(q, k, v, dout, out, lse, grads, gate=(alpha, delta), gate_fn=gate_fn, causal=causal,
+           context=f"{gate_fn} causal={causal} {dtype} {shape}")
+
+
+def test_gate_float64_matches_reference_tightly():
+    q, k, v, alpha, delta, dout = _inputs(2, 19, 23, 4, 2, 8, torch.float64, "cpu", gate_range=6.0)
+    out, lse, grads = _run(q, k, v, dout, gate=(alpha, delta), causal=True, softcap=3.0)
+    _check(q, k, v, dout, out, lse, grads, gate=(alpha, delta), causal=True, softcap=3.0)
+
+
+def test_gate_gradcheck_float64():
+    q, k, v, alpha, delta, _ = _inputs(1, 5, 7, 2, 1, 4, torch.float64, "cpu", gate_range=2.0)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, alpha, delta)]
+    fn = lambda q_, k_, v_, a_, d_: dmattn.attention(q_, k_, v_, gate=(a_, d_), causal=True)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("gate_dtype", [torch.float32, torch.bfloat16])
+def test_gate_with_bias_mask_softcap_and_float32_gate(device, nan_poison, gate_dtype):
+    b, sq, sk, h, hkv, d = 2, 33, 47, 4, 2, 32
+    q, k, v, alpha, delta, dout = _inputs(b, sq, sk, h, hkv, d, torch.bfloat16, device, gate_dtype=gate_dtype)
+    bias = torch.randn(b, h, 1, sk).to(torch.bfloat16).to(device)
+    mask = (torch.rand(b, 1, sq, sk) > 0.3).to(device)
+    mask[0, 0, 3] = False  # a fully masked row: out 0, lse -inf, zero gradients
+    out, lse, grads = _run(q, k, v, dout, gate=(alpha, delta), bias=bias, causal=True, softcap=5.0,
+                           **{"mask": None})
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, alpha, delta, bias)]
+    out, lse = dmattn.attention(*leaves[:3], mask, leaves[5], gate=(leaves[3], leaves[4]), causal=True,
+                                softcap=5.0, return_lse=True)
+    out.backward(dout)
+    assert lse[0, 0, 3].item() == float("-inf") and (out[0, 3] == 0).all()
+    assert (leaves[3].grad[0, 3] == 0).all(), "dalpha of an empty row must be exactly 0"
+    cpu = lambda t: t.detach().cpu()  # noqa: E731
+    args = dict(gate=(cpu(alpha), cpu(delta)), causal=True, softcap=5.0, dout=cpu(dout), bias_grad=True)
+    ref = run_reference(cpu(q), cpu(k), cpu(v), cpu(mask), cpu(bias), upcast=True, **args)
+    low = run_reference(cpu(q), cpu(k), cpu(v), cpu(mask), cpu(bias), upcast=False, **args)
+    check_close("out", out, ref.out, low.out, FWD_FACTOR)
+    for name, leaf in zip(["q", "k", "v", "alpha", "delta", "bias"], leaves):
+        assert leaf.grad.dtype == leaf.dtype
+        check_close(f"d{name}", leaf.grad, ref.grads[name], low.grads[name], BWD_FACTOR)
+
+
+def test_gate_gradients_only_where_required():
+    q, k, v, alpha, delta, dout = _inputs(1, 9, 9, 2, 2, 8, torch.float32, "cpu")
+    a = alpha.clone().requires_grad_()
+    out = dmattn.attention(q, k, v, gate=(a, delta))
+    out.backward(dout)
+    assert a.grad is not None and delta.grad is None
+    ref = run_reference(q, k, v, gate=(alpha, delta), dout=dout)
+    check_close("dalpha", a.grad, ref.grads["alpha"], None, BWD_FACTOR)
+
+
+def test_logsigmoid_gate_saturates_without_overflow():
+    """Products far beyond exp's range: logsigmoid(x) = x for x << 0 (a hard gate, finite), 0 for
+    x >> 0 (no gate); never Inf or NaN."""
+    q, k, v, _, _, dout = _inputs(1, 16, 16, 1, 1, 8, torch.float32, "cpu")
+    alpha = torch.full((1, 16, 1), 100.0)
+    delta = torch.linspace(-30, 30, 16).view(1, 16, 1)
+    out, lse, grads = _run(q, k, v, dout, gate=(alpha, delta))
+    for name, t in [("out", out), ("lse", lse), *grads.items()]:
+        assert torch.isfinite(t).all(), name
+    _check(q, k, v, dout, out, lse, grads, gate=(alpha, delta))
+
+
+def _windows(rows, device):
+    return torch.tensor(rows, dtype=torch.int32, device=device)
+
+
+WINDOW_CASES = [
+    # (Sq, Sk, H, Hkv, rows [sink, near, gap, far] per (1 | Hkv | H))
+    (64, 64, 2, 2, [[4, 8, 16, 8], [0, 16, 0, 0]]),
+    (40, 90, 4, 2, [[3, 5, 7, 11]]),
+    (90, 40, 2, 1, [[100, 0, 0, 0]]),            # sink > Sk: plain causal; queries before the keys: empty
+    (33, 33, 2, 2, [[0, 0, 3, 5], [2, 0, 0, 4]]),  # near = 0: only the band (and sinks)
+    (50, 70, 4, 4, [[1, 2, 3, 4], [0, 70, 0, 0], [5, 0, 0, 0], [0, 0, 0, 0]]),  # the last: all rows empty
+]
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"{c[0]}x{c[1]}-h{c[2]}-{len(c[4])}rows")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_windows_with_sinks_match_reference(device, nan_poison, case, dtype):
+    if device == "cuda" and dtype == torch.float32:
+        pytest.skip("float32 inputs are CPU only")
+    sq, sk, h, hkv, rows = case
+    q, k, v, alpha, delta, dout = _inputs(2, sq, sk, h, hkv, 16, dtype, device)
+    w = _windows(rows, device)
+    out, lse, grads = _run(q, k, v, dout, windows=w)
+    _check(q, k, v, dout, out, lse, grads, windows=w, context=str(case))
+    # with the gate on top
+    out, lse, grads = _run(q, k, v, dout, gate=(alpha, delta), windows=w)
+    _check(q, k, v, dout, out, lse, grads, gate=(alpha, delta), windows=w, context=f"gated {case}")
+
+
+def test_windows_intersect_with_window_and_causal():
+    q, k, v, _, _, dout = _inputs(1, 48, 48, 2, 1, 8, torch.float32, "cpu")
+    w = _windows([[2, 4, 4, 30]], "cpu")
+    out, lse, grads = _run(q, k, v, dout, windows=w, window=(20, -1), causal=True)
+    _check(q, k, v, dout, out, lse, grads, windows=w, window=(20, -1), causal=True)
+
+
+def test_empty_row_gradients_are_zero():
+    """All four window entries 0: every row is empty -> out 0, lse -inf, gradients exactly 0."""
+    q, k, v, alpha, delta, dout = _inputs(1, 8, 8, 1, 1, 8, torch.float32, "cpu")
+    out, lse, grads = _run(q, k, v, dout, gate=(alpha, delta), windows=_windows([[0, 0, 0, 0]], "cpu"))
+    assert (out == 0).all() and (lse == float("-inf")).all()
+    for name, g in grads.items():
+        assert (g == 0).all(), name
+
+
+@pytest.mark.parametrize("gate_fn", GATE_FNS)
+def test_varlen_gate_and_windows_match_each_sequence(gate_fn):
+    torch.manual_seed(1)
+    lens_q, lens_k = [5, 0, 17, 9], [7, 3, 17, 0]
+    h, hkv, d = 4, 2, 16
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32)
+    tq, tk = sum(lens_q), sum(lens_k)
+    q, k, v = torch.randn(tq, h, d), torch.randn(tk, hkv, d), torch.randn(tk, hkv, d)
+    alpha, delta = torch.randn(tq, h) * 3, torch.randn(tk, hkv) * 3
+    w = _windows([[1, 3, 2, 4], [0, 5, 0, 0]], "cpu")
+    dout = torch.randn(tq, h, d)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, alpha, delta)]
+    out = dmattn.attention_varlen(*leaves[:3], cu_q, cu_k, max(lens_q), max(lens_k), gate=leaves[3:],
+                                  gate_fn=gate_fn, windows=w, causal=True)
+    out.backward(dout)
+    for bi in range(len(lens_q)):
+        rq, rk = slice(int(cu_q[bi]), int(cu_q[bi + 1])), slice(int(cu_k[bi]), int(cu_k[bi + 1]))
+        if lens_q[bi] == 0:
+            continue
+        sub = [t[None, r].clone().requires_grad_() for t, r in zip((q, k, v, alpha, delta), (rq, rk, rk, rq, rk))]
+        ref = dmattn.attention(*sub[:3], gate=(sub[3], sub[4]), gate_fn=gate_fn, windows=w, causal=True)
+        ref.backward(dout[None, rq])
+        torch.testing.assert_close(out[rq], ref[0], rtol=1e-5, atol=1e-6)
+        for leaf, s, r in zip(leaves, sub, (rq, rk, rk, rq, rk)):
+            torch.testing.assert_close(leaf.grad[r], s.grad[0], rtol=1e-5, atol=1e-6)
+    assert (leaves[4].grad[int(cu_k[3]):] == 0).all() if lens_k[3] else True
+
+
+def test_nan_in_alpha_reaches_its_row_only():
+    q, k, v, alpha, delta, _ = _inputs(1, 12, 12, 2, 2, 8, torch.float32, "cpu")
+    alpha[0, 4, 1] = float("nan")
+    out, lse = dmattn.attention(q, k, v, gate=(alpha, delta), causal=True, return_lse=True)
+    assert torch.isnan(out[0, 4, 1]).all() and torch.isnan(lse[0, 1, 4])
+    rest = torch.ones_like(lse, dtype=torch.bool)
+    rest[0, 1, 4] = False
+    assert torch.isfinite(lse[rest]).all()
+
+
+def test_nan_in_delta_reaches_the_rows_that_see_the_key():
+    q, k, v, alpha, delta, _ = _inputs(1, 12, 12, 1, 1, 8, torch.float32, "cpu")
+    delta[0, 6, 0] = float("nan")
+    out, lse = dmattn.attention(q, k, v, gate=(alpha, delta), causal=True, return_lse=True)
+    assert torch.isfinite(lse[0, 0, :6]).all(), "rows before key 6 do not see it"
+    assert torch.isnan(lse[0, 0, 6:]).all()
+
+
+def test_errors_name_the_argument():
+    q, k, v, alpha, delta, _ = _inputs(2, 8, 10, 4, 2, 8, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="alpha"):
+        dmattn.attention(q, k, v, gate=(alpha[:, :5], delta))
+    with pytest.raises(ValueError, match="delta"):
+        dmattn.attention(q, k, v, gate=(alpha, delta.expand(2, 10, 2)[:, :9]))
+    with pytest.raises(ValueError, match="delta"):
+        dmattn.attention(q, k, v, gate=(alpha, torch.randn(2, 10, 4)))
+    with pytest.raises(TypeError, match="alpha"):
+        dmattn.attention(q, k, v, gate=(alpha.double(), delta))
+    with pytest.raises(TypeError, match="gate"):
+        dmattn.attention(q, k, v, gate=alpha)
+    with pytest.raises(ValueError, match="gate_fn"):
+        dmattn.attention(q, k, v, gate=(alpha, delta), gate_fn="sigmoid")
+    with pytest.raises(TypeError, match="windows"):
+        dmattn.attention(q, k, v, windows=torch.zeros(1, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="windows"):
+        dmattn.attention(q, k, v, windows=torch.zeros(3, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="windows.*near = -1"):
+        dmattn.attention(q, k, v, windows=torch.tensor([[0, -1, 0, 0]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="windows"):
+        dmattn.attention(q, k, v, windows=torch.zeros(1, 5, dtype=torch.int32))
+
+
+def test_gate_under_torch_compile():
+    q, k, v, alpha, delta, dout = _inputs(1, 16, 16, 2, 2, 8, torch.float32, "cpu")
+    eager = dmattn.attention(q, k, v, gate=(alpha, delta), causal=True)
+    compiled = torch.compile(lambda *t: dmattn.attention(*t[:3], gate=t[3:], causal=True), fullgraph=True,
+                             backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v, alpha, delta), eager)
