@@ -467,9 +467,9 @@ def _gate_grads(alpha: Optional[Tensor], delta: Optional[Tensor], wanted: bool):
 
 
 def _gate_grads_or_empty(q: Tensor, dalpha: Optional[Tensor], ddelta: Optional[Tensor]):
-    # (custom ops return tensors, never None: an empty one stands for "not computed")
-    empty = q.new_empty((0,))
-    return (empty if dalpha is None else dalpha, empty if ddelta is None else ddelta)
+    # (custom ops return tensors, never None: an empty one stands for "not computed"; one each,
+    # since the outputs of a custom op may not alias one another)
+    return (q.new_empty((0,)) if dalpha is None else dalpha, q.new_empty((0,)) if ddelta is None else ddelta)
 
 
 def _key_grad_shape(q: Tensor, k: Tensor, key_positions: Optional[Tensor], key_rows: Optional[Tensor]):
