@@ -18,9 +18,9 @@
 #   ARCHS    machine code beside the PTX (default empty: a PTX-only library, whose kernels the
 #            driver must JIT-compile on any GPU, as on a GPU newer than every arch of the build;
 #            its PTX is the release build's: the same compute_80 pass of the same sources).
-#            With machine code for this GPU ("80;90a", or WHEEL), the steps set
-#            CUDA_FORCE_PTX_JIT=1, which also makes the driver ignore torch's machine code: this
-#            script first checks that torch still runs so.
+#            With machine code that runs on this GPU ("80;90a" on a Hopper one, or such a
+#            WHEEL), the steps set CUDA_FORCE_PTX_JIT=1, which makes the driver ignore torch's
+#            machine code too: this script first checks that torch still runs so.
 #   WHEEL    a built dmattn wheel to test instead of a build (installed with --no-deps into a
 #            folder of its own; the tests import it from there)
 #   CACHE    the driver's JIT cache for these steps (default /tmp/dmattn-ptx-jit-cache; the jit
@@ -89,7 +89,7 @@ if [[ " $STEPS " == *" list "* ]]; then
 fi
 
 # The driver's switch only where the library holds machine code this GPU would otherwise run.
-python3 -c "import dmattn._lib as l; raise SystemExit(0 if l.build_info()['archs'] else 1)" &&
+python3 -c "import dmattn._lib as l; raise SystemExit(0 if l.device_kernel_path(0).startswith('native') else 1)" &&
   export CUDA_FORCE_PTX_JIT=1
 if [ "${CUDA_FORCE_PTX_JIT:-0}" = 1 ]; then
   step "torch under CUDA_FORCE_PTX_JIT=1"
