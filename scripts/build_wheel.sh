@@ -5,8 +5,10 @@
 # every CPython >= 3.9 (the native library talks to Python only through tvm-ffi's C ABI, never
 # through Python's C API, so it is tagged py3-none). It contains libdmattn_ffi.so with
 #   * the CUDA kernels for DMATTN_CUDA_ARCHS (default "80;90a": A100/A10/RTX 30xx/40xx and
-#     H100/H200), the CUDA runtime linked in statically: the user needs only the NVIDIA
-#     driver (one recent enough for the toolkit that built it), no CUDA toolkit;
+#     H100/H200) and their compute_80 PTX (DMATTN_CUDA_PTX=ON), which the driver JIT-compiles
+#     on newer GPUs (Blackwell: 10.x, 12.x), the CUDA runtime linked in statically: the user
+#     needs only the NVIDIA driver (one recent enough for the toolkit that built it), no CUDA
+#     toolkit;
 #   * the CPU backend, on OpenBLAS when DMATTN_USE_BLAS=ON (auditwheel copies libopenblas and
 #     its dependencies into dmattn.libs/);
 # libtvm_ffi.so is not copied: it comes from the apache-tvm-ffi dependency.
@@ -25,6 +27,7 @@
 # Environment:
 #   DMATTN_BUILD_CUDA=OFF    a CPU-only wheel (minutes; for testing the packaging)
 #   DMATTN_CUDA_ARCHS="80;90a"   the architectures (CMake list; "90a" = Hopper kernels)
+#   DMATTN_CUDA_PTX=ON       compute_80 PTX beside them (no extra compilation; OFF leaves it out)
 #   DMATTN_USE_BLAS=ON|OFF   the CPU backend on OpenBLAS (libopenblas-dev) or plain loops
 #   CUTLASS_INCLUDE_DIR      CUTLASS/CuTe headers (default: the nvidia-cutlass package)
 #   DMATTN_PLAT=auto         the auditwheel --plat (e.g. manylinux_2_28_x86_64)
@@ -47,7 +50,8 @@ if [ "$DMATTN_BUILD_CUDA" != OFF ]; then
   command -v nvcc >/dev/null 2>&1 ||
     { say "nvcc not found: put the CUDA toolkit on PATH, or DMATTN_BUILD_CUDA=OFF for a CPU-only wheel"; exit 1; }
   flavor=cuda
-  say "CUDA $(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'), kernels for sm_${DMATTN_CUDA_ARCHS//;/, sm_}, $JOBS jobs"
+  ptx=$([ "${DMATTN_CUDA_PTX:-ON}" = OFF ] && echo "" || echo " + compute_80 PTX")
+  say "CUDA $(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'), kernels for sm_${DMATTN_CUDA_ARCHS//;/, sm_}$ptx, $JOBS jobs"
 else
   flavor=cpu
   say "CPU-only wheel (DMATTN_BUILD_CUDA=OFF), $JOBS jobs"
@@ -90,3 +94,14 @@ else
   say "         refuses; it installs only where its shared libraries are present)."
 fi
 say "wheel: $out ($(du -h "$out" | cut -f1)), $(( $(date +%s) - start )) s in all"
+# The device code the wheel's library carries, as the CUDA toolkit lists it (PTX and machine code
+# per architecture).
+if [ "$DMATTN_BUILD_CUDA" != OFF ] && command -v cuobjdump >/dev/null 2>&1; then
+  tmp=$(mktemp -d)
+  "$PYTHON" -m zipfile -e "$out" "$tmp"
+  for kind in ptx elf; do
+    say "$kind images: $(cuobjdump --list-$kind "$tmp"/dmattn/libdmattn_ffi.so |
+      grep -oE 'sm_[0-9]+[af]?\.(ptx|cubin)' | sed 's/\..*//' | sort | uniq -c | tr -s ' \n' ' ')"
+  done
+  rm -rf "$tmp"
+fi

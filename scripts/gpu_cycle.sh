@@ -16,6 +16,7 @@
 #          timings with it and with the general Hopper kernel, DMATTN_BWD_SM90_WS=0; multigpu:
 #          context parallelism on every visible GPU, the NCCL tests of dmattn.distributed and
 #          the scaling table of benchmarks/profiling/ring_scaling.py)
+#   (the PTX path that GPUs newer than the build's archs take: scripts/ptx_jit_check.sh)
 #   env:   OUT (default /tmp/dmattn-out), ARCHS (default 90a), PYTEST_ARGS, BENCH_ARGS,
 #          CARRY_ROOT (folder holding .whl/ and .devcarry/, default the repo root; lets a copy of
 #          a work tree staged inside the checkout reuse the checkout's carried folders)

@@ -242,6 +242,17 @@ void sum_segment_rows(const TensorDesc& dk_rows, const TensorDesc& dv_rows, cons
 // Is the CUDA backend compiled in?
 bool cuda_available();
 
+// The device code of this build that CUDA device `device_id` runs: binary_arch, the
+// architecture of the machine code the driver loaded (90 on an H100), and ptx_arch, the virtual
+// architecture it was compiled from: the same number for the build's own machine code (sm_80,
+// sm_90a), 80 where the driver JIT-compiled the compute_80 PTX (a GPU with no machine code in
+// the build, or CUDA_FORCE_PTX_JIT=1). Both 0 when none runs there, and without CUDA.
+struct CudaKernelCode {
+  int binary_arch = 0;
+  int ptx_arch = 0;
+};
+CudaKernelCode cuda_kernel_code(int32_t device_id);
+
 // Whether the calls of this thread may launch persistent kernels (the Hopper forward's grid of one
 // CTA per multiprocessor, each taking tiles in turn; the default), or must launch one CTA per tile
 // instead: then multiprocessors free up as tiles finish, and kernels of other streams (NCCL's

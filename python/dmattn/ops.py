@@ -75,8 +75,9 @@ def check_devices(**tensors: Optional[Tensor]) -> None:
     other than cpu / cuda (meta, mps, xpu, ...) or on a ROCm GPU (torch's "cuda" on HIP
     builds). Without this the DLPack hand-over fails with a C++ stack trace. Same-device and
     every other rule are the native validation's. The first CUDA tensor's GPU must be one the
-    kernels run on (compute capability 8.0 or newer, and an architecture this build has
-    kernels for): an older one is refused by name here rather than failing a kernel launch."""
+    kernels run on (compute capability 8.0 or newer, with machine code of this build for it or
+    its PTX, which the driver compiles for newer GPUs): an older one is refused by name here
+    rather than failing a kernel launch."""
     gpu_checked = False
     for name, t in tensors.items():
         if t is None or not isinstance(t, Tensor):

@@ -4,6 +4,7 @@
 #ifdef DMATTN_WITH_CUDA
 #include "cuda/cuda_backend.h"
 #include "cuda/decode_backend.h"
+#include "cuda/kernel_code.h"
 #endif
 
 namespace dmattn {
@@ -13,6 +14,16 @@ bool cuda_available() {
   return true;
 #else
   return false;
+#endif
+}
+
+CudaKernelCode cuda_kernel_code(int32_t device_id) {
+#ifdef DMATTN_WITH_CUDA
+  const cuda::KernelCode code = cuda::kernel_code(device_id);
+  return {code.binary_arch, code.ptx_arch};
+#else
+  (void)device_id;
+  return {};
 #endif
 }
 

@@ -659,8 +659,16 @@ bool cuda_available() { return dmattn::cuda_available(); }
 #ifndef DMATTN_BUILD_INFO
 #define DMATTN_BUILD_INFO ""
 #endif
-// What this build contains: "cuda=1 archs=80,90a cuda_version=13.0.88 blas=1" (CMakeLists.txt).
+// What this build contains: "cuda=1 archs=80,90a ptx=80 cuda_version=13.0.88 blas=1"
+// (CMakeLists.txt).
 std::string build_info() { return DMATTN_BUILD_INFO; }
+
+// The code CUDA device `device_id` runs (dmattn::cuda_kernel_code): "binary=90 ptx=80".
+std::string kernel_code(int64_t device_id) {
+  dmattn::CudaKernelCode code;
+  translate_errors([&] { code = dmattn::cuda_kernel_code(static_cast<int32_t>(device_id)); });
+  return "binary=" + std::to_string(code.binary_arch) + " ptx=" + std::to_string(code.ptx_arch);
+}
 
 // dmattn::set_persistent_kernels for the calling thread; returns the previous setting.
 bool set_persistent_kernels(bool allowed) { return dmattn::set_persistent_kernels(allowed); }
@@ -688,6 +696,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(topk_attention_training, topk_attention_training);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(topk_attention_backward, topk_attention_backward);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(has_env_allocator, has_env_allocator);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(build_info, build_info);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(kernel_code, kernel_code);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(set_persistent_kernels, set_persistent_kernels);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(supports_key_positions, supports_key_positions);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(select_topk_positions, select_topk_positions);
