@@ -110,9 +110,11 @@ struct ScoreTerms {
 void set_score_terms(const ScoreTerms& terms, ForwardParams& params);
 
 // The backward's counterpart: set_score_terms on params.fwd, then the gradients dalpha / ddelta
-// (each optional, only with a gate: exactly alpha's / delta's shape and dtype, any strides).
+// (each optional, only with a gate: exactly alpha's / delta's shape and dtype, any strides) and
+// dalpha's CUDA scratch dalpha_accum (BackwardParams::dalpha_accum: float32, contiguous, a
+// multiple of H * total query rows elements; the CPU backend ignores it).
 void set_score_terms(const ScoreTerms& terms, const TensorDesc* dalpha, const TensorDesc* ddelta,
-                     BackwardParams& params);
+                     const TensorDesc* dalpha_accum, BackwardParams& params);
 
 // ---- Decode (docs/decode.md): the split-KV kernel for short query lengths, CUDA only.
 

@@ -206,6 +206,11 @@ struct BackwardParams {
   // wanted). Every element is written (0 where nothing is allowed).
   void* dalpha = nullptr;  SeqTensor dalpha_strides;
   void* ddelta = nullptr;  SeqTensor ddelta_strides;
+  // CUDA scratch for dalpha (null on CPU): float32, dalpha_accum_slices slices laid out like lse
+  // (H * total query rows each): one slice (atomic adds), or in deterministic mode one per key
+  // block (at least ceil(Sk / 64)).
+  void* dalpha_accum = nullptr;
+  int64_t dalpha_accum_slices = 0;
 
   // Optional scratch provided by the caller (CUDA backend): null on CPU, which keeps its own.
   // Varlen: softmax_delta is (H, total_q) and dq_accum (total_q, H, D), laid out like lse and

@@ -439,11 +439,12 @@ def attention_backward(
         if dbias is not None and _dbias_needs_accum(q, bias):
             dbias_accum = torch.empty(_bias_shape4(bias), dtype=torch.float32, device=q.device)
     dalpha, ddelta = _gate_grads(alpha, delta, gate_requires_grad)
+    dalpha_accum = _dalpha_accum(q, k.shape[1], q.shape[0] * q.shape[1], dalpha, deterministic)
     dout, q, k, v, out = (_cuda_layout(t) for t in (dout, q, k, v, out))
     lib().backward(q, k, v, out, lse, mask, bias, dout, dq, dk, dv, dbias, softmax_delta, dq_accum,
                    dbias_accum, causal, window_left, window_right, _scale_arg(scale), softcap,
                    deterministic, key_positions, seqlen_k_original, key_ends, bool(forward_stats), key_rows,
-                   alpha, delta, gate_fn, windows, dalpha, ddelta)
+                   alpha, delta, gate_fn, windows, dalpha, ddelta, dalpha_accum)
     if dbias is None:
         dbias = q.new_empty((0,))
     return (dq, dk, dv, dbias, *_gate_grads_or_empty(q, dalpha, ddelta))
@@ -465,6 +466,17 @@ def _gate_grads(alpha: Optional[Tensor], delta: Optional[Tensor], wanted: bool):
     if not wanted or alpha is None or delta is None:
         return None, None
     return alpha.new_empty(alpha.shape), delta.new_empty(delta.shape)
+
+
+def _dalpha_accum(q: Tensor, seqlen_k: int, query_rows: int, dalpha: Optional[Tensor],
+                  deterministic: bool) -> Optional[Tensor]:
+    """The CUDA backward's float32 scratch for dalpha, laid out like lse: one slice (atomic adds),
+    or in deterministic mode one per key block of the kernels (64 keys or more: ceil(Sk / 64)
+    slices suffice). None on the CPU or without dalpha."""
+    if dalpha is None or q.device.type != "cuda":
+        return None
+    slices = max(1, -(-seqlen_k // 64)) if deterministic else 1
+    return torch.empty((slices, q.shape[-2] * query_rows), dtype=torch.float32, device=q.device)
 
 
 def _gate_grads_or_empty(q: Tensor, dalpha: Optional[Tensor], ddelta: Optional[Tensor]):
@@ -754,11 +766,12 @@ def attention_varlen_backward(
         if dbias is not None and bias.dim() == 2 and bias.shape[0] < q.shape[1]:
             dbias_accum = torch.empty(bias.shape, dtype=torch.float32, device=q.device)
     dalpha, ddelta = _gate_grads(alpha, delta, gate_requires_grad)
+    dalpha_accum = _dalpha_accum(q, max_seqlen_k, q.shape[0], dalpha, deterministic)
     dout, q, k, v, out = (_cuda_layout(t) for t in (dout, q, k, v, out))
     lib().backward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
                           lse, mask, bias, dout, dq, dk, dv, dbias, softmax_delta, dq_accum, dbias_accum,
                           causal, window_left, window_right, _scale_arg(scale), softcap,
-                          deterministic, alpha, delta, gate_fn, windows, dalpha, ddelta)
+                          deterministic, alpha, delta, gate_fn, windows, dalpha, ddelta, dalpha_accum)
     if dbias is None:
         dbias = q.new_empty((0,))
     return (dq, dk, dv, dbias, *_gate_grads_or_empty(q, dalpha, ddelta))

@@ -53,13 +53,6 @@ void reject_unsupported_key_positions(const ForwardParams& params) {
         device_name(params.device), " yet; use the dense path (k, v with every key and a mask)");
 }
 
-// The gate and windows with sinks run on the CPU backend; the CUDA kernels do not read them yet.
-void reject_unsupported_score_terms(const ForwardParams& params) {
-  check(!params.gate.present(), ErrorKind::kNotImplemented, "gate: gated attention is not implemented on ",
-        device_name(params.device), " yet; run it on CPU tensors");
-  check(!params.windows.present(), ErrorKind::kNotImplemented, "windows: windows with sinks are not implemented on ",
-        device_name(params.device), " yet; run them on CPU tensors");
-}
 }  // namespace
 
 bool key_positions_supported(DeviceKind device) {
@@ -73,7 +66,6 @@ void run_forward(const ForwardParams& params) {
     return params.is_varlen() ? cpu::forward_varlen(params) : cpu::forward(params);
   }
   reject_unsupported_key_positions(params);
-  reject_unsupported_score_terms(params);
 #ifdef DMATTN_WITH_CUDA
   if (params.decode_splits > 0) return cuda::decode_forward(params);  // docs/decode.md
   return cuda::forward(params);
@@ -87,7 +79,6 @@ void run_backward(const BackwardParams& params) {
     return params.fwd.is_varlen() ? cpu::backward_varlen(params) : cpu::backward(params);
   }
   reject_unsupported_key_positions(params.fwd);
-  reject_unsupported_score_terms(params.fwd);
 #ifdef DMATTN_WITH_CUDA
   return cuda::backward(params);
 #else

@@ -99,7 +99,7 @@ void set_score_terms(const ScoreTerms& terms, ForwardParams& params) {
 }
 
 void set_score_terms(const ScoreTerms& terms, const TensorDesc* dalpha, const TensorDesc* ddelta,
-                     BackwardParams& params) {
+                     const TensorDesc* dalpha_accum, BackwardParams& params) {
   set_score_terms(terms, params.fwd);
   const ForwardParams& f = params.fwd;
   if (dalpha != nullptr) {
@@ -111,6 +111,18 @@ void set_score_terms(const ScoreTerms& terms, const TensorDesc* dalpha, const Te
     check(f.gate.present(), ErrorKind::kValue, "ddelta: given without a gate");
     params.ddelta_strides = gate_grad_rows(f, *ddelta, *terms.delta, f.gate.delta_dtype, "ddelta");
     params.ddelta = ddelta->data;
+  }
+  if (dalpha_accum != nullptr) {
+    check(dalpha != nullptr, ErrorKind::kValue, "dalpha_accum: given without dalpha");
+    check_on_device(f, *dalpha_accum, "dalpha_accum");
+    check_dtype(*dalpha_accum, DType::kFloat32, "dalpha_accum");
+    check_contiguous(*dalpha_accum, "dalpha_accum");
+    const int64_t rows = f.num_heads * (f.is_varlen() ? f.total_q : f.batch * f.seqlen_q);
+    check(rows == 0 || (dalpha_accum->numel() >= rows && dalpha_accum->numel() % rows == 0), ErrorKind::kValue,
+          "dalpha_accum: expected a positive multiple of H * query rows = ", rows, " float32 elements, got ",
+          dalpha_accum->numel());
+    params.dalpha_accum = dalpha_accum->data;
+    params.dalpha_accum_slices = rows == 0 ? 1 : dalpha_accum->numel() / rows;
   }
 }
 

@@ -156,10 +156,11 @@ void backward(TensorView q, TensorView k, TensorView v, TensorView out, TensorVi
               Optional<TensorView> key_positions, int64_t seqlen_k_original, Optional<TensorView> key_ends,
               bool forward_stats, Optional<TensorView> key_rows, Optional<TensorView> alpha,
               Optional<TensorView> delta, int64_t gate_fn, Optional<TensorView> windows,
-              Optional<TensorView> dalpha, Optional<TensorView> ddelta) {
+              Optional<TensorView> dalpha, Optional<TensorView> ddelta, Optional<TensorView> dalpha_accum) {
   translate_errors([&] {
     const OptionalDesc mask_d(mask), bias_d(bias), dbias_d(dbias), delta_d(softmax_delta),
-        dq_accum_d(dq_accum), dbias_accum_d(dbias_accum), dalpha_d(dalpha), ddelta_d(ddelta);
+        dq_accum_d(dq_accum), dbias_accum_d(dbias_accum), dalpha_d(dalpha), ddelta_d(ddelta),
+        dalpha_accum_d(dalpha_accum);
     const GatheredKeysArg gathered(key_positions, seqlen_k_original, key_ends, key_rows);
     const ScoreTermsArg terms(alpha, delta, gate_fn, windows);
     dmattn::BackwardParams p = dmattn::make_backward_params(
@@ -168,7 +169,7 @@ void backward(TensorView q, TensorView k, TensorView v, TensorView out, TensorVi
         delta_d.get(), dq_accum_d.get(), dbias_accum_d.get(),
         make_options(causal, window_left, window_right, scale, softcap, deterministic),
         gathered.get());
-    dmattn::set_score_terms(terms.get(), dalpha_d.get(), ddelta_d.get(), p);
+    dmattn::set_score_terms(terms.get(), dalpha_d.get(), ddelta_d.get(), dalpha_accum_d.get(), p);
     p.forward_stats = forward_stats;
     p.fwd.stream = current_stream(p.fwd);
     dmattn::run_backward(p);
@@ -217,10 +218,11 @@ void backward_varlen(TensorView q, TensorView k, TensorView v, TensorView cu_seq
                      int64_t window_left, int64_t window_right, double scale, double softcap,
                      bool deterministic, Optional<TensorView> alpha, Optional<TensorView> delta,
                      int64_t gate_fn, Optional<TensorView> windows, Optional<TensorView> dalpha,
-                     Optional<TensorView> ddelta) {
+                     Optional<TensorView> ddelta, Optional<TensorView> dalpha_accum) {
   translate_errors([&] {
     const OptionalDesc mask_d(mask), bias_d(bias), dbias_d(dbias), delta_d(softmax_delta),
-        dq_accum_d(dq_accum), dbias_accum_d(dbias_accum), dalpha_d(dalpha), ddelta_d(ddelta);
+        dq_accum_d(dq_accum), dbias_accum_d(dbias_accum), dalpha_d(dalpha), ddelta_d(ddelta),
+        dalpha_accum_d(dalpha_accum);
     const ScoreTermsArg terms(alpha, delta, gate_fn, windows);
     dmattn::BackwardParams p = dmattn::make_varlen_backward_params(
         to_desc(q), to_desc(k), to_desc(v),
@@ -228,7 +230,7 @@ void backward_varlen(TensorView q, TensorView k, TensorView v, TensorView cu_seq
         to_desc(lse), mask_d.get(), bias_d.get(), to_desc(dout), to_desc(dq), to_desc(dk),
         to_desc(dv), dbias_d.get(), delta_d.get(), dq_accum_d.get(), dbias_accum_d.get(),
         make_options(causal, window_left, window_right, scale, softcap, deterministic));
-    dmattn::set_score_terms(terms.get(), dalpha_d.get(), ddelta_d.get(), p);
+    dmattn::set_score_terms(terms.get(), dalpha_d.get(), ddelta_d.get(), dalpha_accum_d.get(), p);
     p.fwd.stream = current_stream(p.fwd);
     dmattn::run_backward(p);
   });

@@ -54,6 +54,18 @@ struct BwdArgs {
   bool db_colsum_to_accum = false;  // kDbColSum: flush into dbias_accum instead of dbias
   bool db_vec = false;            // dbias rows 16-byte aligned with unit key stride
 
+  // The gate's gradients (score_terms.h). dalpha_accum: fp32, laid out like lse, dalpha_slices
+  // slices of H * q_rows floats: one per key block (each key block's CTA stores its rows' sums
+  // in its own slice: deterministic) or one (atomic adds); zeroed before the kernel, summed and
+  // converted into dalpha (alpha's layout, dtype Element or fp32) after it. ddelta: written by
+  // the key block's CTA (it owns its keys across the GQA group), delta's layout and dtype.
+  float* dalpha_accum = nullptr;
+  int64_t dalpha_slices = 0;
+  void* dalpha = nullptr;
+  int64_t dalpha_bs = 0, dalpha_rs = 0, dalpha_hs = 0;
+  void* ddelta = nullptr;
+  int64_t ddelta_bs = 0, ddelta_rs = 0, ddelta_hs = 0;
+
   // Deterministic mode with a dbias reduced over batch / kv heads: one CTA per key block
   // walks these dimensions itself (so that it owns its dbias elements).
   bool fold_batch = false, fold_heads = false;

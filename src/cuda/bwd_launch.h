@@ -16,6 +16,7 @@
 
 #include "cuda/bwd_args.h"
 #include "cuda/check.h"
+#include "dmattn/error.h"
 
 namespace dmattn::cuda {
 
@@ -199,7 +200,9 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
   // The warp-specialized Hopper kernel (sm90/bwd_ws_launch_sm90.h) where it takes the problem; in
   // deterministic mode where it can order its dQ adds (bwd_ws_orders_dq_adds), else the general
   // kernels with dQ from the query-major kernel.
-  const bool ws = bwd_sm90_enabled() && sm90::bwd_ws_supports(a) &&
+  // The gate and windows with sinks run on the sm80-class kernels only (score_terms.h).
+  const bool terms = f.gate.alpha != nullptr || f.windows != nullptr;
+  const bool ws = !terms && bwd_sm90_enabled() && sm90::bwd_ws_supports(a) &&
                   (!deterministic || (!exact && a.dq_accum != nullptr && sm90::bwd_ws_orders_dq_adds(a)));
   const bool ordered_dq = ws && deterministic;
   if (ordered_dq) deterministic = false;  // dQ through dq_accum, the adds in key block order
@@ -243,9 +246,9 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
   if (dbias_all_zero) write_dbias(false);
 
   // Key ends are tested only by the mask / bias kernels (score_mask.h).
-  const bool mask_or_bias = f.mask.ptr != nullptr || f.bias.ptr != nullptr || f.kpos.ends != nullptr;
+  const bool mask_or_bias = f.mask.ptr != nullptr || f.bias.ptr != nullptr || f.kpos.ends != nullptr || terms;
   bool sm90 = false;
-  if constexpr (kHeadDim == 128) sm90 = bwd_sm90_enabled();
+  if constexpr (kHeadDim == 128) sm90 = !terms && bwd_sm90_enabled();
   const bool softcap = f.softcap != 0.f;
   // The Hopper kernel's bias fast path (bwd_kernel_sm90's kBiasPath): a 16-bit bias alone, its
   // rows on the 16-byte cp.async path (unit key stride, aligned rows; a dense batch, whose key
@@ -288,6 +291,16 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
     }
   }
   const int64_t n_blocks = (Sk + Tile::kBlockN - 1) / Tile::kBlockN;
+  // The gate's dalpha accumulator: zeroed (every slice; a key block that reaches no row of a
+  // query block leaves it 0), then summed into dalpha after the kernels (bwd_parts.h).
+  const int64_t dalpha_n = H * q_rows;
+  if (a.dalpha != nullptr && dalpha_n > 0) {
+    check(a.dalpha_slices == 1 || a.dalpha_slices >= n_blocks, ErrorKind::kValue,
+          "dalpha_accum: deterministic mode needs a slice per key block of ", Tile::kBlockN, " (", n_blocks,
+          "), got ", a.dalpha_slices);
+    check_cuda(cudaMemsetAsync(a.dalpha_accum, 0, size_t(a.dalpha_slices * dalpha_n) * sizeof(float), stream),
+               "cudaMemsetAsync(dalpha_accum)");
+  }
   if (n_blocks > 0 && B > 0) {
     const dim3 grid(unsigned(n_blocks), a.fold_heads ? 1u : unsigned(a.num_heads_kv), a.fold_batch ? 1u : unsigned(B));
     // The Hopper kernel's CTA order (cta_order.h): (kv head, batch) pairs G at a time, key blocks
@@ -354,6 +367,12 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
     }
   }
   if (accum_used && !dbias_all_zero) write_dbias(true);
+  if (a.dalpha != nullptr && dalpha_n > 0) {
+    store_dalpha<Element><<<bwd_grid_stride_blocks(dalpha_n, 256), 256, 0, stream>>>(
+        a.dalpha_accum, a.dalpha_slices, dalpha_n, f.lse_bs, f.lse_hs, a.dalpha, a.dalpha_bs, a.dalpha_rs, a.dalpha_hs,
+        f.gate.alpha_fp32);
+    check_cuda(cudaGetLastError(), "backward dalpha store launch");
+  }
 }
 
 }  // namespace dmattn::cuda

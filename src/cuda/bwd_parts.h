@@ -191,12 +191,13 @@ __device__ __forceinline__ void bwd_dbias_from_tile(const BwdArgs& a, SdS const&
 // write their own row of s_col ([kWarpsPerCol][kBlockN] floats), summed in a fixed order:
 // deterministic. coord: the (row, col) view of one slice of kHalfN columns; colsum holds
 // kN / kCols slices. Clears colsum.
-template <typename Element, int kBlockN, int kHalfN, int kWarpsPerCol, int kThreads, int kN, class C>
-__device__ __forceinline__ void bwd_colsum_flush(const BwdArgs& a, float (&colsum)[kN], C const& coord, float* s_col,
-                                                 int b, int h, int n0, int cols, int tid) {
+// The first half of a column-sum flush: each thread's column sums reduced over its warp's rows
+// (lanes 4 apart share columns), one row of s_col per warp of the kWarpsPerCol that share the
+// columns; visible after the barrier.
+template <int kBlockN, int kHalfN, int kWarpsPerCol, int kN, class C>
+__device__ __forceinline__ void bwd_colsum_to_smem(float (&colsum)[kN], C const& coord, float* s_col, int tid) {
   using namespace cute;
   constexpr int kCols = decltype(size<1>(coord))::value;
-  const FwdArgs& f = a.f;
   CUTE_UNROLL
   for (int c = 0; c < kN; ++c) {
     float v = colsum[c];
@@ -211,6 +212,13 @@ __device__ __forceinline__ void bwd_colsum_flush(const BwdArgs& a, float (&colsu
     for (int c = 0; c < kN; ++c) row[(c / kCols) * kHalfN + get<1>(coord(0, c % kCols))] = colsum[c];
   }
   __syncthreads();
+}
+
+template <typename Element, int kBlockN, int kHalfN, int kWarpsPerCol, int kThreads, int kN, class C>
+__device__ __forceinline__ void bwd_colsum_flush(const BwdArgs& a, float (&colsum)[kN], C const& coord, float* s_col,
+                                                 int b, int h, int n0, int cols, int tid) {
+  const FwdArgs& f = a.f;
+  bwd_colsum_to_smem<kBlockN, kHalfN, kWarpsPerCol>(colsum, coord, s_col, tid);
   const int bb = a.bsize_b == 1 ? 0 : b;
   const int hb = a.bsize_h == 1 ? 0 : h / a.bias_head_div;
   const int k0 = SeqBounds(f, b).k0();
@@ -231,6 +239,76 @@ __device__ __forceinline__ void bwd_colsum_flush(const BwdArgs& a, float (&colsu
   CUTE_UNROLL
   for (int c = 0; c < kN; ++c) colsum[c] = 0.f;
   __syncthreads();
+}
+
+// The gate's ddelta of key block n0 of kv head kvh, batch b (score_terms.h): the CTA's column
+// sums of G alpha, reduced as bwd_colsum_flush's, stored into ddelta (every key of the block: the
+// CTA walked every query head of the group and every query block that reaches it; 0 where none
+// did). Clears gcol.
+template <typename Element, int kBlockN, int kHalfN, int kWarpsPerCol, int kThreads, int kN, class C>
+__device__ __forceinline__ void bwd_ddelta_flush(const BwdArgs& a, float (&gcol)[kN], C const& coord, float* s_col,
+                                                 int b, int kvh, int n0, int cols, int tid) {
+  bwd_colsum_to_smem<kBlockN, kHalfN, kWarpsPerCol>(gcol, coord, s_col, tid);
+  const int k0 = SeqBounds(a.f, b).k0();
+  for (int c = tid; c < cols; c += kThreads) {
+    float v = s_col[c];
+    CUTE_UNROLL
+    for (int w = 1; w < kWarpsPerCol; ++w) v += s_col[w * kBlockN + c];
+    const int64_t off = int64_t(b) * a.ddelta_bs + int64_t(k0 + n0 + c) * a.ddelta_rs + int64_t(kvh) * a.ddelta_hs;
+    if (a.f.gate.delta_fp32) static_cast<float*>(a.ddelta)[off] = v;
+    else store_sat(static_cast<Element*>(a.ddelta) + off, v);
+  }
+  CUTE_UNROLL
+  for (int c = 0; c < kN; ++c) gcol[c] = 0.f;
+  __syncthreads();
+}
+
+// The gate's dalpha of one (query block, key block) tile, in two halves around a barrier of the
+// CTA. Stage: each thread's row sums of G delta reduced over its quad (lanes 1 and 2 apart share
+// rows), one row of s_rows ([warps along the columns][kBlockM] floats) per warp sharing the rows.
+template <int kBlockM, int kWarpsPerCol, int kRows, class C>
+__device__ __forceinline__ void bwd_dalpha_stage(float (&grow)[kRows], C const& coord, float* s_rows, int tid) {
+  using namespace cute;
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    float v = grow[r];
+    v += __shfl_xor_sync(0xffffffff, v, 1);
+    v += __shfl_xor_sync(0xffffffff, v, 2);
+    if ((tid & 3) == 0) s_rows[((tid / 32) / kWarpsPerCol) * kBlockM + get<0>(coord(r, 0))] = v;
+  }
+}
+
+// Add: the staged sums of the kWarpsAlongN warps summed in a fixed order per row, then into
+// dalpha_accum (laid out like lse): stored into the key block's own slice (deterministic; the
+// slices are zeroed before the kernel), or added atomically into the one slice.
+template <int kBlockM, int kWarpsAlongN, int kThreads>
+__device__ __forceinline__ void bwd_dalpha_add(const BwdArgs& a, const float* s_rows, const SeqBounds& seq, int h,
+                                               int m0, int rows_valid, int n_block, int tid) {
+  for (int row = tid; row < rows_valid; row += kThreads) {
+    float v = s_rows[row];
+    CUTE_UNROLL
+    for (int w = 1; w < kWarpsAlongN; ++w) v += s_rows[w * kBlockM + row];
+    const int64_t n = int64_t(a.f.num_heads) * a.f.q_rows;
+    float* p = a.dalpha_accum + seq.stat_offset(h) + m0 + row;
+    if (a.dalpha_slices > 1) p[n * n_block] = v;
+    else atomicAdd(p, v);
+  }
+}
+
+// dalpha from its fp32 accumulator (laid out like lse: `slices` slices of H * q_rows, summed in
+// order), converted into alpha's layout and dtype (Element or fp32), one thread per element.
+template <typename Element>
+__global__ void store_dalpha(const float* accum, int64_t slices, int64_t n, int64_t lse_bs, int64_t lse_hs,
+                             void* dalpha, int64_t bs, int64_t rs, int64_t hs, bool fp32) {
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    float v = 0.f;
+    for (int64_t s = 0; s < slices; ++s) v += accum[s * n + e];
+    const int64_t b = lse_bs > 0 ? e / lse_bs : 0, rem = lse_bs > 0 ? e % lse_bs : e;
+    const int64_t h = rem / lse_hs, i = rem % lse_hs;
+    const int64_t off = b * bs + i * rs + h * hs;
+    if (fp32) static_cast<float*>(dalpha)[off] = v;
+    else store_sat(static_cast<Element*>(dalpha) + off, v);
+  }
 }
 
 // kDbDirect: the dbias rows of query blocks outside [m_lo, m_hi) (no query there reaches this

@@ -58,9 +58,11 @@ struct BwdSmemPlan {
 
 // kBlockM = 64 query rows; hd256: 64 keys per block (the dK / dV accumulators stay at 128
 // registers) and one Q / dO buffer (shared memory), else 128 keys, Q / dO double buffered; the
-// column sums have one row per warp sharing score columns (kAtomMSdP).
+// column sums have one row per warp sharing score columns (kAtomMSdP), and the area holds the
+// gate's row sums too (one kBlockM row per warp along the columns: 4 x 64 floats; bwd_parts.h).
 template <typename Element, int kHeadDim>
-using BwdTilePlan = BwdSmemPlan<Element, kHeadDim, 64, kHeadDim <= 128 ? 128 : 64, kHeadDim <= 128 ? 2 : 1, 2>;
+using BwdTilePlan = BwdSmemPlan<Element, kHeadDim, 64, kHeadDim <= 128 ? 128 : 64, kHeadDim <= 128 ? 2 : 1,
+                                kHeadDim <= 128 ? 2 : 4>;
 
 template <typename Element_, int kHeadDim_>
 struct BwdTile : BwdTilePlan<Element_, kHeadDim_> {

@@ -59,6 +59,24 @@ FwdArgs make_fwd_args(const ForwardParams& p) {
     a.bias_fp32 = p.bias.dtype == DType::kFloat32;
     a.bias = make_operand(p.bias, a.bias_fp32 ? 4 : 2);
   }
+  if (p.gate.present()) {  // (score_terms.h)
+    const GateOperand& g = p.gate;
+    a.gate.alpha = static_cast<const char*>(g.alpha);
+    a.gate.delta = static_cast<const char*>(g.delta);
+    a.gate.alpha_bs = g.alpha_strides.batch_stride, a.gate.alpha_rs = g.alpha_strides.row_stride;
+    a.gate.alpha_hs = g.alpha_strides.head_stride;
+    a.gate.delta_bs = g.delta_strides.batch_stride, a.gate.delta_rs = g.delta_strides.row_stride;
+    a.gate.delta_hs = g.delta_strides.head_stride;
+    a.gate.alpha_fp32 = g.alpha_dtype == DType::kFloat32;
+    a.gate.delta_fp32 = g.delta_dtype == DType::kFloat32;
+    a.gate.linear = g.fn == GateFn::kLinear;
+  }
+  if (p.windows.present()) {  // windows with sinks imply causal: the kernels' key range is causal's
+    a.windows = p.windows.ptr;
+    a.windows_hs = p.windows.stride_h;
+    a.windows_head_div = static_cast<int>(p.windows.head_div);
+    a.window_right = 0;
+  }
   if (p.has_key_positions()) {
     a.kpos.ptr = p.key_positions;
     a.kpos.stride_b = p.key_positions_stride_b;
@@ -242,6 +260,18 @@ void backward(const BackwardParams& p) {
   a.dq_accum = static_cast<float*>(p.dq_accum);
   a.num_heads_kv = static_cast<int>(f.num_heads_kv);
   if (p.dbias != nullptr) set_dbias_mode(p, a);
+  if (p.dalpha != nullptr || p.ddelta != nullptr) {  // the gate's gradients (score_terms.h)
+    check(p.dalpha == nullptr || p.dalpha_accum != nullptr || query_rows(f) * f.num_heads == 0, ErrorKind::kValue,
+          "dalpha_accum: the CUDA backend needs a float32 scratch buffer for dalpha, got none");
+    a.dalpha = p.dalpha;
+    a.dalpha_bs = p.dalpha_strides.batch_stride, a.dalpha_rs = p.dalpha_strides.row_stride;
+    a.dalpha_hs = p.dalpha_strides.head_stride;
+    a.dalpha_accum = static_cast<float*>(p.dalpha_accum);
+    a.dalpha_slices = p.deterministic ? p.dalpha_accum_slices : 1;
+    a.ddelta = p.ddelta;
+    a.ddelta_bs = p.ddelta_strides.batch_stride, a.ddelta_rs = p.ddelta_strides.row_stride;
+    a.ddelta_hs = p.ddelta_strides.head_stride;
+  }
 
   // Problems up to kExactMaxScores score elements take the exact three-pass path (Delta and the
   // softmax statistics recomputed in fp32, as the CPU backend: the extra pass costs little

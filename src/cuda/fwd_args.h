@@ -18,6 +18,18 @@ struct OperandArgs {
   bool row_bcast = false;  // stride_q == 0: one row serves the whole query block
 };
 
+// The gate of gated attention (docs/semantics.md): alpha (B, Sq, H) per query, delta (B, Sk,
+// Hkv) per key, element strides (batch stride 0 in a packed batch, whose rows are offset by the
+// sequence's first row like q's and k's), q's element type or fp32. alpha null = no gate.
+struct GateArgs {
+  const char* alpha = nullptr;
+  const char* delta = nullptr;
+  int64_t alpha_bs = 0, alpha_rs = 0, alpha_hs = 0;
+  int64_t delta_bs = 0, delta_rs = 0, delta_hs = 0;
+  bool alpha_fp32 = false, delta_fp32 = false;
+  bool linear = false;  // g = identity, else logsigmoid
+};
+
 struct FwdArgs {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -44,6 +56,12 @@ struct FwdArgs {
   OperandArgs mask, bias;
   bool bias_fp32 = false;  // else bias has the element type of q
   KeyPositionsArgs kpos;   // gathered keys (key_positions.h); kpos.ptr null = off
+  GateArgs gate;           // gated attention (score_terms.h); gate.alpha null = off
+  // Windows with sinks (score_terms.h): int32 rows [sink, near, gap, far] of query head h at
+  // windows + (h / windows_head_div) * windows_hs; null = off (causal is then folded in).
+  const int32_t* windows = nullptr;
+  int64_t windows_hs = 0;
+  int windows_head_div = 1;
   // Shared-memory placement of the mask / bias tiles (bytes from the start of dynamic smem),
   // filled by run_fwd for its tile: two mask buffers (the next key block's tile is read one
   // block ahead, for block skipping; three in the init and sm90 mask / bias kernels, which

@@ -17,6 +17,7 @@
 // whose mask tile is all false are skipped too (block_skip.h): no K, V or bias load, no MMA.
 // Gathered keys (a.kpos, key_positions.h; the plain and general kernels): the range comes from
 // a binary search over the positions, and each block's positions tile lands with its V.
+// The gate and windows with sinks (score_terms.h): the general kernel, after its transform.
 #pragma once
 
 #include <cfloat>
@@ -32,6 +33,7 @@
 #include "cuda/mask.h"
 #include "cuda/operand_tile.h"
 #include "cuda/score_mask.h"
+#include "cuda/score_terms.h"
 #include "cuda/seq_bounds.h"
 #include "cuda/softmax.h"
 
@@ -369,6 +371,10 @@ __device__ __forceinline__ void fwd_block(const FwdArgs& a) {
             const char* sm = has_mask ? s_mask_base + mbuf * a.smem_mask_stride : nullptr;
             transform_general_scores<Element, kBlockN>(s_rc, tScS_rc, a, m0, n0, pos_mask, win, sb, bias_tile.pitch, sm,
                                                        mask_tile.pitch, pt);
+            if (a.gate.alpha != nullptr || a.windows != nullptr) {  // (score_terms.h; built per block: no registers held)
+              const ScoreTermsRow terms = score_terms_row(a, b, h, seq.q0(), seq.k0(), seq.len_q(), seq.len_k());
+              apply_score_terms<Element>(s_rc, tScS_rc, a, terms, m0, n0, seq.len_q() - m0, seq.len_k() - n0);
+            }
             softmax.template update<true>(s_rc, acc_o_rc);
           } else {
             if (pos_mask) transform_scores_ex<false, true, Element, kBlockN, false>(s_rc, tScS_rc, a, m0, n0, win, nullptr, 0, nullptr, 0, pt);

@@ -170,7 +170,9 @@ void run_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
 // one.
 template <typename Element, int kHeadDim>
 void run_fwd(const FwdArgs& a, cudaStream_t stream) {
-  const bool hopper = fwd_sm90_enabled() && sm90::fwd_ws_supports<kHeadDim>(a);
+  // The gate and windows with sinks run on the general kernel only (score_terms.h).
+  const bool terms = a.gate.alpha != nullptr || a.windows != nullptr;
+  const bool hopper = !terms && fwd_sm90_enabled() && sm90::fwd_ws_supports<kHeadDim>(a);
   // Indexed keys: read in place by the warp-specialized kernel, gathered into a copy for the others.
   if (a.kpos.rows != nullptr && !hopper) {
     FwdArgs gathered = a;
@@ -185,11 +187,11 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream) {
   // Key ends are tested only by the mask / bias kernels (score_mask.h).
   const bool mask_or_bias = a.mask.ptr != nullptr || a.bias.ptr != nullptr || a.kpos.ends != nullptr;
 #if DMATTN_FWD_INIT_KERNEL  // (not instantiated at all when off: compile time)
-  if (mask_or_bias && a.softcap == 0.f && !a.kpos.ptr)  // no key positions in the init kernel
+  if (mask_or_bias && a.softcap == 0.f && !a.kpos.ptr && !terms)  // no key positions in the init kernel
     launch_fwd_for_device<Element, kHeadDim, kFwdInit, true, true>(a, stream);
   else
 #endif
-  if (mask_or_bias || a.softcap != 0.f)
+  if (mask_or_bias || a.softcap != 0.f || terms)
     launch_fwd_for_device<Element, kHeadDim, kFwdGeneral, true, false>(a, stream);
   else
     launch_fwd_for_device<Element, kHeadDim, kFwdPlain, false, false>(a, stream);

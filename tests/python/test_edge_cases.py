@@ -365,7 +365,7 @@ def test_native_layer_nan_poisoned_destinations(device, shape):
             dbias_acc = torch.full(bias.shape, fill, dtype=torch.float32, device=device)
         lib().backward(q, k, v, out, lse, mask, bias, dout, dq, dk, dv, dbias, delta, dq_acc,
                        dbias_acc, True, 7, -1, scale, 0.0, True, None, 0, None, False, None,
-                       None, None, 0, None, None, None)
+                       None, None, 0, None, None, None, None)
         res = [out, lse, dq, dk, dv, dbias]
         for name, t in zip(["out", "lse", "dq", "dk", "dv", "dbias"], res):
             assert not torch.isnan(t).any(), f"{name}: NaN left from the poisoned buffer"

@@ -198,7 +198,7 @@ def test_poisoned_scratch_changes_nothing():
             dbias_acc = torch.full(bias.shape, fill, device=DEV)
             lib().backward(q, k, v, out, lse, mask, bias, dout, dq, dk, dv, dbias, delta, dq_acc,
                            dbias_acc, True, 100, -1, 1 / math.sqrt(d), 0.0, True, None, 0, None, False, None,
-                           None, None, 0, None, None, None)
+                           None, None, 0, None, None, None, None)
             for name, t in zip(["dq", "dk", "dv", "dbias"], [dq, dk, dv, dbias]):
                 assert not torch.isnan(t).any(), f"{name} {bias_shape}: NaN left from the poisoned buffer"
             results.append([dq, dk, dv, dbias])
@@ -319,7 +319,7 @@ def test_misaligned_dout_is_a_clear_error():
     with pytest.raises(ValueError, match="dout"):
         lib().backward(q, k, v, out, lse, None, None, dout, dq, dk, dv, None, delta, dq_acc, None,
                        False, -1, -1, 0.125, 0.0, False, None, 0, None, False, None,
-                       None, None, 0, None, None, None)
+                       None, None, 0, None, None, None, None)
 
 
 # --------------------------------------------------------------------------- FlashAttention-2 path
