@@ -314,7 +314,8 @@ def _decode(query, key, value, alpha, delta, gate_fn, softmax_scale, window_size
         if delta is not None:
             _check_shape(delta, key.shape[:2], "delta", "(total_k, num_heads_kv)")
             delta = delta.unsqueeze(1)
-        positions = cu[:-1].long().view(-1, 1) + torch.arange(max_seqlen_k, device=cu.device)
+        width = max_seqlen_k if key.shape[0] else 0  # (no keys at all: no page to point at)
+        positions = cu[:-1].long().view(-1, 1) + torch.arange(width, device=cu.device)
         page_table = positions.clamp(max=max(key.shape[0] - 1, 0)).to(torch.int32)
         if seqused_k is None:
             seqused_k = cu[1:] - cu[:-1]
