@@ -1,7 +1,7 @@
 """The main job: dmattn beside its peers on the same device.
 
     python -m dmattn.bench                         # every suite; or: dmattn-bench
-    python -m dmattn.bench --suite dense,topk      # suites: dense, bias, topk, varlen, gqa, long
+    python -m dmattn.bench --suite dense,topk      # suites: dense, bias, topk, varlen, gqa, long, fsa
     python -m dmattn.bench --quick --out results/  # fewer, smaller configurations
 
 Every row runs the same inputs through each provider that supports the configuration,
@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -46,6 +46,8 @@ class Config:
     heads_kv: int = 0         # 0 = heads
     dtype: str = "bfloat16"
     packed: bool = False      # dmattn only: the batch as one packed varlen batch (B sequences of S)
+    variant: str = ""         # suite fsa: "gated" | "threshold" (flash-sparse-attn's sparse softmax)
+                              # | "windows" (windows with sinks, fsa_window_sizes)
     suite: str = ""           # the --suite name that selects it
     series: str = ""          # configurations of one series are plotted as time vs seqlen
 
@@ -67,6 +69,9 @@ class Inputs:
     mask: Optional[torch.Tensor]
     bias: Optional[torch.Tensor]
     dout: torch.Tensor
+    alpha: Optional[torch.Tensor] = None    # variant "gated": (B, S, H) and (B, S, Hkv)
+    delta: Optional[torch.Tensor] = None
+    windows: Optional[torch.Tensor] = None  # variant "windows": dmattn's rows [sink, near, gap, far]
 
 
 @dataclass
@@ -82,7 +87,33 @@ class Row:
     note: str = ""
 
 
-SUITES = ("dense", "bias", "topk", "varlen", "gqa", "long")
+SUITES = ("dense", "bias", "topk", "varlen", "gqa", "long", "fsa")
+
+
+def fsa_window_sizes(seqlen: int) -> Tuple[int, int, int, int]:
+    """The fsa suite's windows in flash-sparse-attn's convention (sink, left, right, near): at
+    S=8192 sink 128, left 1024 (the distant band), right 2048 (the gap before it), near 1024;
+    the same fractions of S at other lengths."""
+    return seqlen // 64, seqlen // 8, seqlen // 4, seqlen // 8
+
+
+def fsa_configs(batch: int, seqlen: int, heads: int, head_dim: int, dtype: str) -> List[Config]:
+    """flash-sparse-attn's workloads: gated attention, its threshold-sparse softmax (threshold
+    1.0; dmattn computes exactly), windows with sinks and dense causal."""
+    tail = f"S={seqlen} B={batch}"
+    sink, left, right, near = fsa_window_sizes(seqlen)
+    rows = []
+    for causal in (False, True):
+        c = " causal" if causal else ""
+        rows.append(Config(f"gated {tail}{c}", batch, seqlen, heads, head_dim, causal, dtype=dtype,
+                           variant="gated", suite="fsa"))
+        rows.append(Config(f"sparse softmax threshold 1.0 (dmattn exact) {tail}{c}", batch, seqlen, heads,
+                           head_dim, causal, dtype=dtype, variant="threshold", suite="fsa"))
+    rows.append(Config(f"windows sink {sink} near {near} left {left} right {right} {tail}", batch, seqlen, heads,
+                       head_dim, True, dtype=dtype, variant="windows", suite="fsa"))
+    rows.append(Config(f"dense causal {tail} (fsa)", batch, seqlen, heads, head_dim, True, dtype=dtype,
+                       suite="fsa"))
+    return rows
 
 
 def cpu_configs(quick: bool) -> List[Config]:
@@ -113,7 +144,7 @@ def cpu_configs(quick: bool) -> List[Config]:
                packed=True, suite="varlen"),
         Config(f"GQA 8/2 bias (B,H,S,S) S={s}", 1, s, 8, 64, bias="dense", heads_kv=2,
                dtype="float32", suite="gqa"),
-    ] + [dense_causal(n) for n in longer] + [topk(n) for n in longer]
+    ] + [dense_causal(n) for n in longer] + [topk(n) for n in longer] + fsa_configs(1, s // 2, 8, 64, "float32")
 
 
 def gpu_configs() -> List[Config]:
@@ -144,7 +175,7 @@ def gpu_configs() -> List[Config]:
         rows.append(Config(f"scaling per-key top-2048 S={s} B=1 causal", 1, s, 16, 128, True,
                            bias="per_key", keep=2048, suite="long",
                            series="per-key bias + top-2048 causal (B=1)"))
-    return rows
+    return rows + fsa_configs(2, 8192, 16, 128, "bfloat16")
 
 
 def select_configs(configs: List[Config], suites: Optional[str], pattern: Optional[str]) -> List[Config]:
@@ -181,11 +212,16 @@ def make_inputs(cfg: Config, device: str, seed: int = 0) -> Inputs:
             # for the peers and the reference (dmattn's rows select inside the timed call, with
             # the same tie rule, so they attend to the same keys).
             mask = dynamic_mask(bias, cfg.keep)
-    if bias is not None:
-        bias.requires_grad_(True)
-    for t in (q, k, v):
-        t.requires_grad_(True)
-    return Inputs(q, k, v, mask, bias, dout)
+    alpha = delta = windows = None
+    if cfg.variant == "gated":
+        alpha, delta = randn(cfg.batch, cfg.seqlen, cfg.heads), randn(cfg.batch, cfg.seqlen, cfg.hkv)
+    elif cfg.variant == "windows":
+        sink, left, right, near = fsa_window_sizes(cfg.seqlen)
+        windows = torch.tensor([[sink, near, right, left]] * cfg.hkv, dtype=torch.int32, device=device)
+    for t in (q, k, v, bias, alpha, delta):
+        if t is not None:
+            t.requires_grad_(True)
+    return Inputs(q, k, v, mask, bias, dout, alpha, delta, windows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,7 +279,7 @@ def time_ms(fn: Callable[[], object], device: str, warmup: int, iters: int,
 
 
 def _grads(x: Inputs) -> List[torch.Tensor]:
-    return [t for t in (x.q, x.k, x.v, x.bias) if t is not None]
+    return [t for t in (x.q, x.k, x.v, x.bias, x.alpha, x.delta) if t is not None]
 
 
 def _fwd_bwd(run: Callable, x: Inputs) -> Callable[[], List[torch.Tensor]]:
@@ -271,6 +307,16 @@ def _reference_rows(cfg: Config, x: Inputs, rows: torch.Tensor) -> torch.Tensor:
     if x.mask is not None:
         m = x.mask.cpu()
         allowed = allowed & (m[:, :, rows] if m.shape[2] > 1 else m)
+    if x.alpha is not None:  # scale * logsigmoid(alpha_i * delta_j)
+        a = x.alpha.detach()[:, rows].double().cpu().transpose(1, 2).unsqueeze(-1)
+        d = x.delta.detach().double().cpu().repeat_interleave(h // hkv, dim=2).transpose(1, 2).unsqueeze(2)
+        s = s + torch.nn.functional.logsigmoid(a * d) / math.sqrt(cfg.head_dim)
+    if x.windows is not None:  # the same row for every head; implies causal
+        sink, near, gap, far = x.windows[0].tolist()
+        j = torch.arange(cfg.seqlen)
+        dist = rows[:, None] - j[None, :]
+        band = (dist >= near + gap) & (dist < near + gap + far)
+        allowed = allowed & (dist >= 0) & ((j < sink) | (dist < near) | band)
     if cfg.causal:
         j = torch.arange(cfg.seqlen)
         allowed = allowed & (j[None, :] <= rows[:, None])
@@ -335,8 +381,8 @@ def run_config(cfg: Config, device: str, warmup: int, iters: int, providers: Opt
             if name == "dmattn":
                 dm_grads = step()
                 dm_row = (row, run)
-            elif peer_grads is None:
-                peer_grads = step()
+            elif peer_grads is None and not getattr(run, "approximate", False):
+                peer_grads = step()  # (not from a peer that skips blocks: its gradients differ by design)
         except Exception as e:  # a peer that fails is reported, not fatal
             row.note = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:80]}"
             if name == "dmattn" and row.fwd_ms == row.fwd_ms:

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 def _dmattn(cfg: Config, x: Inputs):
     if cfg.packed:
         return _dmattn_packed(cfg, x)
+    if cfg.variant:  # suite fsa; the "threshold" rows compute exactly (dmattn skips no block yet)
+        gate = None if x.alpha is None else (x.alpha, x.delta)
+        return lambda: attention(x.q, x.k, x.v, causal=cfg.causal, gate=gate, windows=x.windows)
     if cfg.bias == "per_key" and 0 < cfg.keep < cfg.seqlen:
         # The whole Doge step: top-k selection from the bias (mask construction) included in
         # the timed call, on the gather path (only the kept keys are read).
@@ -153,20 +156,57 @@ def _flash_dmattn(cfg: Config, x: Inputs):
     return lambda: peer(x.q, x.k, x.v, attn_mask=mask, attn_bias=x.bias, is_causal=cfg.causal)
 
 
+FSA_TILES = (128, 64)
+
+
+def _flash_sparse_attn(cfg: Config, x: Inputs):
+    """flash-sparse-attn's Triton functions, when that package is importable, with a fixed launch
+    configuration (no autotuning inside the timed calls). Gated and windowed rows run it exactly
+    (thresholds 0.0), like dmattn; the threshold rows let it skip blocks (softmax_threshold=1.0),
+    so its gradients are not the check's reference there."""
+    try:
+        import flash_sparse_attn as peer  # type: ignore
+    except Exception:
+        return None
+    if x.mask is not None or x.bias is not None:
+        return None
+    tuning = dict(is_causal=cfg.causal, is_autotune=False, tile_mn=FSA_TILES)
+    if cfg.variant == "gated":
+        return lambda: peer.flash_gated_attn_func(x.q, x.k, x.v, x.alpha, x.delta, softmax_threshold=0.0,
+                                                  gate_threshold=0.0, **tuning)
+    if cfg.variant == "threshold":
+        def run():
+            return peer.flash_sparse_attn_func(x.q, x.k, x.v, softmax_threshold=1.0, **tuning)
+
+        run.approximate = True
+        return run
+    window_sizes = None
+    if x.windows is not None:  # dmattn's [sink, near, gap, far] as flash-sparse-attn's [sink, left, right, near]
+        window_sizes = x.windows[:, [0, 3, 2, 1]].contiguous()
+    return lambda: peer.flash_dense_attn_func(x.q, x.k, x.v, window_sizes=window_sizes, **tuning)
+
+
+def _plain(provider: Callable) -> Callable:
+    """A peer without gated attention, windows with sinks or a sparse softmax: not the fsa suite's
+    variants."""
+    return lambda cfg, x: None if cfg.variant else provider(cfg, x)
+
+
 _MAX_FLOAT_MASK_BYTES = 24 * 2**30  # SDPA's only bias path materializes (B, H, S, S)
 
 
 def providers_for(device: str) -> Dict[str, Callable]:
     if device == "cpu":
-        return {"dmattn": _dmattn, "sdpa (cpu, float mask)": lambda c, x: _sdpa_float_mask(x, c.causal)}
+        return {"dmattn": _dmattn, "sdpa (cpu, float mask)": _plain(lambda c, x: _sdpa_float_mask(x, c.causal))}
     table = {}
     if cuda_available():
         table["dmattn"] = _dmattn
-    table["sdpa flash (FA2)"] = _sdpa_backend("FLASH_ATTENTION")
-    table["sdpa cudnn"] = _sdpa_backend("CUDNN_ATTENTION")
-    table["sdpa mem-efficient"] = _sdpa_backend("EFFICIENT_ATTENTION")
-    table["flex (compiled)"] = _flex
-    table["flash-dmattn"] = _flash_dmattn
+    table["sdpa flash (FA2)"] = _plain(_sdpa_backend("FLASH_ATTENTION"))
+    table["sdpa cudnn"] = _plain(_sdpa_backend("CUDNN_ATTENTION"))
+    table["sdpa mem-efficient"] = _plain(_sdpa_backend("EFFICIENT_ATTENTION"))
+    table["flex (compiled)"] = _plain(_flex)
+    table["flash-dmattn"] = _plain(_flash_dmattn)
+    table[f"flash-sparse-attn (is_autotune=False, tile_mn={FSA_TILES})"] = _flash_sparse_attn
     return table
 
 
