@@ -17,7 +17,8 @@
 #          context parallelism on every visible GPU, the NCCL tests of dmattn.distributed and
 #          the scaling table of benchmarks/profiling/ring_scaling.py)
 #   (the PTX path that GPUs newer than the build's archs take: scripts/ptx_jit_check.sh)
-#   env:   OUT (default /tmp/dmattn-out), ARCHS (default 90a), PYTEST_ARGS, BENCH_ARGS,
+#   env:   OUT (default /tmp/dmattn-out), ARCHS (default 90a), PTX (default OFF: DMATTN_CUDA_PTX),
+#          PYTEST_ARGS, BENCH_ARGS,
 #          CARRY_ROOT (folder holding .whl/ and .devcarry/, default the repo root; lets a copy of
 #          a work tree staged inside the checkout reuse the checkout's carried folders)
 set -uo pipefail
@@ -55,7 +56,9 @@ if [[ " $STEPS " == *" build "* ]]; then
   mkdir -p "$CUTLASS_DIR" && tar xzf "$CARRY_ROOT"/.devcarry/cutlass_include.tgz -C "$CUTLASS_DIR" || exit 1
   step "build (archs $ARCHS)"
   start=$(date +%s)
-  cmake -S . -B /tmp/dmattn-build -G Ninja -DDMATTN_CUDA_ARCHS="$ARCHS" \
+  # (no compute_80 PTX unless PTX=ON: beside sm_90a alone it is a second device compilation of
+  # every translation unit, which the release build's sm_80 pass makes for free)
+  cmake -S . -B /tmp/dmattn-build -G Ninja -DDMATTN_CUDA_ARCHS="$ARCHS" -DDMATTN_CUDA_PTX="${PTX:-OFF}" \
     -DCUTLASS_INCLUDE_DIR="$CUTLASS_DIR" -DPython_EXECUTABLE="$(command -v python3)" \
     > "$OUT/build.log" 2>&1 &&
   cmake --build /tmp/dmattn-build -j "$(nproc)" >> "$OUT/build.log" 2>&1

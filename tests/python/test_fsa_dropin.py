@@ -545,8 +545,7 @@ PEER_CASES = [
     ("dense", False, None),
     ("dense", True, None),
     ("sparse", True, None),
-    # dmattn's CUDA kernels do not read windows with sinks and the gate yet: the cases below raise
-    # NotImplementedError on our side and fail until they do (never skipped).
+    # windows with sinks and the gate (dmattn's sm80-class CUDA kernels):
     ("dense", True, [[16, 64, 128, 64], [0, 128, 32, 96]]),
     ("gated", True, None),
     ("gated", False, None),
