@@ -26,7 +26,7 @@
 
 namespace dmattn::cuda {
 
-template <class Tile, bool kMaskBias, bool kSoftcap, bool kStats>
+template <class Tile, bool kMaskBias, bool kSoftcap, bool kStats, bool kTerms = false>
 __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_dq_kernel(const __grid_constant__ BwdArgs a) {
   using namespace cute;
   using Element = typename Tile::Element;
@@ -154,11 +154,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_dq_kernel(const __grid
                                                         f.bias.ptr ? s_bias : nullptr, bias_tile.pitch,
                                                         f.mask.ptr ? s_mask : nullptr, mask_tile.pitch,
                                                         gathered ? &kp_test : nullptr);
-      if constexpr (kMaskBias) {  // the gate and windows with sinks (score_terms.h)
-        if (f.gate.alpha != nullptr || f.windows != nullptr) {
-          const ScoreTermsRow terms = score_terms_row(f, b, h, seq.q0(), seq.k0(), seq.len_q(), seq.len_k());
-          apply_score_terms<Element>(s_rc, tScS_rc, f, terms, m0, n0, seq.len_q() - m0, seq.len_k() - n0);
-        }
+      if constexpr (kTerms) {  // the gate and windows with sinks (score_terms.h)
+        static_assert(kMaskBias);
+        const ScoreTermsRow terms = score_terms_row(f, b, h, seq.q0(), seq.k0(), seq.len_q(), seq.len_k());
+        apply_score_terms<Element>(s_rc, tScS_rc, f, terms, m0, n0, seq.len_q() - m0, seq.len_k() - n0);
       }
       if constexpr (kStats) {
         constexpr float kLog2e = 1.4426950408889634f;

@@ -15,8 +15,8 @@
 // (batch, kv head), and the query blocks walked follow from its first and last valid positions
 // (none for a block of padding rows). Every query head of the group reads the same positions
 // (the host refuses one positions row per query head when the group is larger than 1).
-// The gate and windows with sinks (score_terms.h; kMaskBias variants): applied after the
-// transform; the gate's dalpha row sums of each tile go to dalpha_accum (bwd_dalpha_add), its
+// The gate and windows with sinks (score_terms.h; the kTerms variants, with kMaskBias: the others
+// keep their registers): applied after the transform; the gate's dalpha row sums of each tile go to dalpha_accum (bwd_dalpha_add), its
 // ddelta column sums stay in registers over the (batch, kv head) and are stored at its end.
 #pragma once
 
@@ -33,8 +33,9 @@
 
 namespace dmattn::cuda {
 
-template <class Tile, bool kMaskBias, bool kSoftcap>
+template <class Tile, bool kMaskBias, bool kSoftcap, bool kTerms = false>
 __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_constant__ BwdArgs a) {
+  static_assert(!kTerms || kMaskBias);
   using namespace cute;
   using Element = typename Tile::Element;
   constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN, kHeadDim = Tile::kHeadDim;
@@ -149,8 +150,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
   const bool direct_from_smem = mode == kDbDirect && !kSoftcap && !f.bias_fp32;
   float colsum[Tile::kHalves * kCols];
   // The gate (score_terms.h): its window / gate terms, and its gradients when wanted.
-  const bool has_terms = kMaskBias && (f.gate.alpha != nullptr || f.windows != nullptr);
-  const bool gate_grads = kMaskBias && (a.dalpha != nullptr || a.ddelta != nullptr);
+  const bool gate_grads = kTerms && (a.dalpha != nullptr || a.ddelta != nullptr);
   float gcol[Tile::kHalves * kCols];
   static_assert(Tile::kColSumBytes >= (kThreads / 32 / Tile::kAtomMSdP) * kBlockM * 4, "s_col holds the gate's row sums");
 
@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
         const bool pos_mask = gathered ? positions_block_needs_mask<kBlockN>(position_window(f), s_pos, m0, kBlockM, kMaskBias && f.kpos.ends != nullptr)
                                        : seq.window().block_needs_mask(m0, kBlockM, kBlockN, n_block);
         ScoreTermsRow terms;
-        if (has_terms) terms = score_terms_row(f, b, h, seq.q0(), seq.k0(), seq.len_q(), seq.len_k());
+        if constexpr (kTerms) terms = score_terms_row(f, b, h, seq.q0(), seq.k0(), seq.len_q(), seq.len_k());
         float grow[kRows];
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) grow[r] = 0.f;
@@ -282,7 +282,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
           bwd_scores<kMaskBias, kSoftcap, Element, kHalfN>(s_rc, tScS_rc, tt_rc, f, m0, n0 + c_off, pos_mask, seq.window(),
                                                            sb, bias_tile.pitch, sm, mask_tile.pitch,
                                                            gathered ? &half_test : nullptr);
-          if (has_terms)
+          if constexpr (kTerms)
             apply_score_terms<Element>(s_rc, tScS_rc, f, terms, m0, n0 + c_off, rows_valid, cols_valid() - c_off);
           bwd_p_ds(s_rc, dp_rc, row_m, row_log2l, delta);
 
@@ -290,7 +290,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
           bwd_dbias_from_scores<Element, Tile::kHalves>(a, direct_from_smem, b, h, m0, n0, c_off, j, rows_valid,
                                                         cols_valid(), dp_rc, tScS_rc, colsum);
           // ---- the gate's gradients (dS before the softcap chain too: the gate is added after it)
-          if (gate_grads && terms.alpha != nullptr)
+          if (kTerms && gate_grads && terms.alpha != nullptr)
             accumulate_gate_grads<Element, Tile::kHalves>(dp_rc, tScS_rc, f, terms, m0, n0 + c_off, rows_valid,
                                                           cols_valid() - c_off, j, grow, gcol);
           if constexpr (kSoftcap) bwd_softcap_chain(acc_dp, tt);
@@ -304,9 +304,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
           copy(store_pds, thr_store_pds.retile_S(rP), thr_store_pds.partition_D(sP_j));
           copy(store_pds, thr_store_pds.retile_S(rdS), thr_store_pds.partition_D(sdS_j));
         }
-        if (gate_grads) bwd_dalpha_stage<kBlockM, Tile::kAtomMSdP>(grow, tScS_rc, s_col, tid);
+        if (kTerms && gate_grads) bwd_dalpha_stage<kBlockM, Tile::kAtomMSdP>(grow, tScS_rc, s_col, tid);
         __syncthreads();  // sP, sdS visible; the mask / bias tiles are free
-        if (gate_grads) {  // (s_col free again before the column-sum flushes below, which reuse it)
+        if (kTerms && gate_grads) {  // (s_col free again before the column-sum flushes below, which reuse it)
           if (a.dalpha != nullptr)
             bwd_dalpha_add<kBlockM, kThreads / 32 / Tile::kAtomMSdP, kThreads>(a, s_col, seq, h, m0, rows_valid, n_block, tid);
           __syncthreads();
@@ -358,7 +358,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
       } else if (mode == kDbDirect) {
         bwd_dbias_zero_unreached<Element, kBlockM, kThreads>(a, seq, b, kvh, m_lo, m_hi, n0, cols_valid(), tid);
       }
-      if (gate_grads && a.ddelta != nullptr)
+      if (kTerms && gate_grads && a.ddelta != nullptr)
         bwd_ddelta_flush<Element, kBlockN, kHalfN, Tile::kAtomMSdP, kThreads>(a, gcol, tScS_rc, s_col, b, kvh, n0,
                                                                              cols_valid(), tid);
 

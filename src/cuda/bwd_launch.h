@@ -282,7 +282,10 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
   auto launch = [&](auto kernel, dim3 grid, const char* what) { launch_with(kernel, grid, Tile::kNThreads, smem, what); };
   const dim3 q_grid(unsigned((Sq + Tile::kBlockM - 1) / Tile::kBlockM), unsigned(H), unsigned(B));
   if (exact && q_rows * H > 0) {
-    if (mask_or_bias) {
+    if (terms) {  // (the variant that reads the gate and windows with sinks; score_terms.h)
+      if (softcap) launch(bwd_dq_kernel<Tile, true, true, true, true>, q_grid, "backward stats kernel (gate / windows)");
+      else launch(bwd_dq_kernel<Tile, true, false, true, true>, q_grid, "backward stats kernel (gate / windows)");
+    } else if (mask_or_bias) {
       if (softcap) launch(bwd_dq_kernel<Tile, true, true, true>, q_grid, "backward stats kernel");
       else launch(bwd_dq_kernel<Tile, true, false, true>, q_grid, "backward stats kernel");
     } else {
@@ -337,6 +340,10 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
           return;
         }
       }
+      if (terms) {  // (the variant that reads the gate and windows with sinks; score_terms.h)
+        if constexpr (kMB) launch(bwd_kernel<Tile, true, kSC, true>, grid, "backward kernel (gate / windows)");
+        return;
+      }
       launch(bwd_kernel<Tile, kMB, kSC>, grid, "backward kernel");
     };
     using T = std::true_type;
@@ -352,7 +359,10 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
     }
   }
   if (q_rows * H > 0) {
-    if (deterministic) {
+    if (deterministic && terms) {
+      if (softcap) launch(bwd_dq_kernel<Tile, true, true, false, true>, q_grid, "backward dq kernel (gate / windows)");
+      else launch(bwd_dq_kernel<Tile, true, false, false, true>, q_grid, "backward dq kernel (gate / windows)");
+    } else if (deterministic) {
       if (mask_or_bias) {
         if (softcap) launch(bwd_dq_kernel<Tile, true, true, false>, q_grid, "backward dq kernel");
         else launch(bwd_dq_kernel<Tile, true, false, false>, q_grid, "backward dq kernel");

@@ -17,7 +17,8 @@
 // whose mask tile is all false are skipped too (block_skip.h): no K, V or bias load, no MMA.
 // Gathered keys (a.kpos, key_positions.h; the plain and general kernels): the range comes from
 // a binary search over the positions, and each block's positions tile lands with its V.
-// The gate and windows with sinks (score_terms.h): the general kernel, after its transform.
+// The gate and windows with sinks (score_terms.h): the general kernel's kTerms variant, after its
+// transform (a variant of its own: the other variants keep their registers).
 #pragma once
 
 #include <cfloat>
@@ -132,9 +133,10 @@ __device__ __forceinline__ void init_scores(S& s, C const& coord, const char* s_
 }
 
 // One CTA of the forward (fwd_kernel's body).
-template <class Tile, bool kMaskBias, bool kInit>
+template <class Tile, bool kMaskBias, bool kInit, bool kTerms>
 __device__ __forceinline__ void fwd_block(const FwdArgs& a) {
   static_assert(!kInit || kMaskBias);
+  static_assert(!kTerms || (kMaskBias && !kInit));
   using namespace cute;
   using Element = typename Tile::Element;
   constexpr int kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN, kHeadDim = Tile::kHeadDim;
@@ -371,7 +373,7 @@ __device__ __forceinline__ void fwd_block(const FwdArgs& a) {
             const char* sm = has_mask ? s_mask_base + mbuf * a.smem_mask_stride : nullptr;
             transform_general_scores<Element, kBlockN>(s_rc, tScS_rc, a, m0, n0, pos_mask, win, sb, bias_tile.pitch, sm,
                                                        mask_tile.pitch, pt);
-            if (a.gate.alpha != nullptr || a.windows != nullptr) {  // (score_terms.h; built per block: no registers held)
+            if constexpr (kTerms) {  // (score_terms.h; built per block: no registers held)
               const ScoreTermsRow terms = score_terms_row(a, b, h, seq.q0(), seq.k0(), seq.len_q(), seq.len_k());
               apply_score_terms<Element>(s_rc, tScS_rc, a, terms, m0, n0, seq.len_q() - m0, seq.len_k() - n0);
             }
@@ -410,9 +412,9 @@ __device__ __forceinline__ void fwd_block(const FwdArgs& a) {
 
 // The kernel, with a body only in the device code its tile's configuration is for
 // (fwd_tile_compiled_here: the kHopper tiles in the sm_90a code, the others elsewhere).
-template <class Tile, bool kMaskBias, bool kInit = false>
+template <class Tile, bool kMaskBias, bool kInit = false, bool kTerms = false>
 __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_kernel(const __grid_constant__ FwdArgs a) {
-  if constexpr (fwd_tile_compiled_here<Tile>()) fwd_block<Tile, kMaskBias, kInit>(a);
+  if constexpr (fwd_tile_compiled_here<Tile>()) fwd_block<Tile, kMaskBias, kInit, kTerms>(a);
 }
 
 }  // namespace dmattn::cuda

@@ -83,19 +83,24 @@ void launch_fwd_kernel(const FwdArgs& args, cudaStream_t stream, Kernel kernel) 
   check_cuda(cudaGetLastError(), "forward kernel launch");
 }
 
-template <class Tile, bool kMaskBias, bool kInit>
+// kTerms: the general kernel's variant with the gate and windows with sinks (score_terms.h), the
+// only one that reads them: a problem with them reaching another variant would lose them, so the
+// launch checks that they match.
+template <class Tile, bool kMaskBias, bool kInit, bool kTerms = false>
 void launch_fwd(const FwdArgs& args, cudaStream_t stream) {
-  launch_fwd_kernel<Tile, kInit>(args, stream, fwd_kernel<Tile, kMaskBias, kInit>);
+  check((args.gate.alpha != nullptr || args.windows != nullptr) == kTerms, ErrorKind::kRuntime,
+        "CUDA backend: the gate / windows went to a forward kernel variant that does not match them");
+  launch_fwd_kernel<Tile, kInit>(args, stream, fwd_kernel<Tile, kMaskBias, kInit, kTerms>);
 }
 
 // An sm80-class kernel in the configuration of the device's code (FwdTile's kHopper: the sm_90a
 // one on compute capability 9.0 when the build has sm_90a code).
-template <typename Element, int kHeadDim, int kKind, bool kMaskBias, bool kInit>
+template <typename Element, int kHeadDim, int kKind, bool kMaskBias, bool kInit, bool kTerms = false>
 void launch_fwd_for_device(const FwdArgs& a, cudaStream_t stream) {
   if (sm90::device_runs_sm90_kernels())
-    launch_fwd<FwdTile<Element, kHeadDim, kKind, true>, kMaskBias, kInit>(a, stream);
+    launch_fwd<FwdTile<Element, kHeadDim, kKind, true>, kMaskBias, kInit, kTerms>(a, stream);
   else
-    launch_fwd<FwdTile<Element, kHeadDim, kKind, false>, kMaskBias, kInit>(a, stream);
+    launch_fwd<FwdTile<Element, kHeadDim, kKind, false>, kMaskBias, kInit, kTerms>(a, stream);
 }
 
 // The warp-specialized Hopper kernel (sm90/fwd_ws_kernel_sm90.h, every head dim) is the forward
@@ -191,7 +196,9 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream) {
     launch_fwd_for_device<Element, kHeadDim, kFwdInit, true, true>(a, stream);
   else
 #endif
-  if (mask_or_bias || a.softcap != 0.f || terms)
+  if (terms)
+    launch_fwd_for_device<Element, kHeadDim, kFwdGeneral, true, false, true>(a, stream);
+  else if (mask_or_bias || a.softcap != 0.f)
     launch_fwd_for_device<Element, kHeadDim, kFwdGeneral, true, false>(a, stream);
   else
     launch_fwd_for_device<Element, kHeadDim, kFwdPlain, false, false>(a, stream);
