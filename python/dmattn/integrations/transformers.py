@@ -28,8 +28,8 @@ What the attention function accepts (HF layout (B, H, S, D), GQA through the k/v
   (B, H, Sq, Sk)) and keep_window_size (keep only that many keys per row, selected from
   attention_bias by dmattn.dynamic_mask, as flash-dmattn's integration does).
 
-A decoding step (no gradient to record, at most decode.AUTO_MAX_ROWS query rows per kv head, on
-CUDA; eager, or compiled as transformers compiles a StaticCache's steps) runs on the split-KV
+A decoding step (no gradient to record, at most decode_kernel.AUTO_MAX_ROWS query rows per kv
+head, on CUDA; eager, or compiled as transformers compiles a StaticCache's steps) runs on the split-KV
 decode kernels (decode.decode_step, docs/decode.md): the same attention, the cache read in place.
 """
 
