@@ -16,8 +16,8 @@ import statistics
 
 import torch
 
-from dmattn.bench import Config, _fwd_bwd, make_inputs, time_ms
-from dmattn.bench_providers import _dmattn
+from dmattn.bench import Config, fwd_bwd, make_inputs, time_ms
+from dmattn.bench.providers import _dmattn
 
 ROWS = [
     Config("dense causal", 2, 8192, 16, 128, True),
@@ -40,7 +40,7 @@ def main() -> None:
     print("|---|" + "---|" * len(groups))
     for cfg in ROWS:
         x = make_inputs(cfg, "cuda")
-        step = _fwd_bwd(_dmattn(cfg, x), x)
+        step = fwd_bwd(_dmattn(cfg, x), x)
         times = {g: [] for g in groups}
         for _ in range(args.rounds):
             for g in groups:

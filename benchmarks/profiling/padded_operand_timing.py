@@ -18,8 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import dmattn
-from dmattn.bench import time_ms
-from dmattn.bench_doge import back_to_back_ms
+from dmattn.bench import back_to_back_ms, time_ms
 
 dev, dt = "cuda", torch.bfloat16
 B, S, H, D = 2, 8192, 16, 128

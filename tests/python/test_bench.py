@@ -10,7 +10,8 @@ import os
 
 import pytest
 
-from dmattn import bench, bench_report
+from dmattn import bench
+from dmattn.bench import report
 
 
 def _row(config, provider, fwdbwd_ms, note=""):
@@ -29,14 +30,14 @@ def _results():
 
 
 def test_speed_is_against_the_best_peer():
-    ratios = bench_report.speedups(_results())
+    ratios = report.speedups(_results())
     assert ratios["a"] == (1.5, "p2")  # p2's 3.0 ms is the best peer; dmattn 2.0
     assert ratios["b"] == (0.5, "p1")
     assert "c" not in ratios  # no peer time
 
 
 def test_table_has_the_speed_column_and_a_summary():
-    table = bench_report.format_table(_results())
+    table = report.format_table(_results())
     assert "vs best peer" in table.splitlines()[2]
     assert "**1.50x** (p2)" in table
     summary = table.splitlines()[-1]
