@@ -1,4 +1,6 @@
-"""Host time of one decoding call, layer by layer, against SDPA: where an eager decode step's
+"""Figures: host time per decoding call, docs/perf.md "Decode", docs/decode.md "Host time".
+
+Host time of one decoding call, layer by layer, against SDPA: where an eager decode step's
 time goes before the GPU starts.
 
 B=8 H=32 Hkv=8, a 32k cache, one query, bf16, D=128. For each layer of the call
