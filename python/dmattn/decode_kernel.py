@@ -6,7 +6,7 @@ AUTO_MAX_ROWS`` (``maybe_decode_forward``, called by ops.py); attention_with_kvc
 call reads a tensor value on the host: the split count comes from the shapes and the GPU only,
 and the split-KV workspace is allocated here with torch (caching allocator, CUDA graphs).
 
-Below ops.py: it imports the library and the per-call helpers only (_op_utils.py).
+Below ops.py: it imports only the library and the per-call checks of _op_utils.py.
 """
 
 from __future__ import annotations
