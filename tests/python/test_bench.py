@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -71,3 +73,10 @@ def test_cuda_graph_of_refuses_no_repeat():
     from dmattn.bench import cuda_graph_of
     with pytest.raises(ValueError, match="repeat"):
         cuda_graph_of(lambda: None, repeat=0)
+
+
+@pytest.mark.parametrize("module", ["dmattn.bench", "dmattn.bench.plots", "dmattn.bench.doge"])
+def test_command_lines_run_as_modules(module):
+    """python -m for each command line of the benchmark (--help: no run, any machine)."""
+    result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.startswith("usage:"), result.stderr[-2000:]
