@@ -8,10 +8,10 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 echo "[run] benchmarking dmattn against its peers on this machine"
 python -m dmattn.bench "$@"
 # On a GPU with transformers installed: Doge's per-query top-k and the transformers Doge
-# training step beside sdpa / eager (dmattn.bench_doge).
+# training step beside sdpa / eager (dmattn.bench.doge).
 if python -c "import torch, transformers; raise SystemExit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  echo "[run] Doge: per-query causal top-k and one DogeForCausalLM training step (dmattn.bench_doge)"
+  echo "[run] Doge: per-query causal top-k and one DogeForCausalLM training step (dmattn.bench.doge)"
   mkdir -p bench-results
-  python -m dmattn.bench_doge --json bench-results/doge.json
+  python -m dmattn.bench.doge --json bench-results/doge.json
   echo "[run] Doge figures in bench-results/doge.json"
 fi

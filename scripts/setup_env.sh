@@ -58,13 +58,17 @@ else
   say "building dmattn: C++ core and CPU backend (no nvcc, or DMATTN_BUILD_CUDA=OFF): about a minute"
 fi
 
-# pip -v passes the build's output through; only ninja's progress lines, dmattn's CMake
-# messages and errors reach the terminal, the whole log goes to build/setup-build.log.
+# pip -v passes the build's output through; only ninja's progress lines ("[n/N] ..."), dmattn's
+# own CMake messages ("dmattn: ..." at the line's start or after CMake's "-- ", never the
+# "dmattn::" of a compiler's template notes), errors (compiler, CMake, ninja, pip) and the final
+# install line reach the terminal; the whole log goes to build/setup-build.log.
 mkdir -p build
 start=$(date +%s)
 set +e
 python -m pip install -v --no-build-isolation ".[test]" 2>&1 | tee build/setup-build.log |
-  awk '/^ *\[[0-9]+\/[0-9]+\]|dmattn:|[Ee]rror|CMake Warning|Successfully installed dmattn/ { print "  " $0; fflush() }'
+  awk '/^ *\[[0-9]+\/[0-9]+\] / || /^ *(-- )?dmattn: / ||
+       /(^|[ :])(fatal )?error( #[0-9]+-D)?:|^ *CMake Error|^ *FAILED:|^ *ERROR/ ||
+       /^Successfully installed .*dmattn-/ { print "  " $0; fflush() }'
 rc=${PIPESTATUS[0]}
 set -e
 if [ "$rc" -ne 0 ]; then

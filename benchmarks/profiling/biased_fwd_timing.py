@@ -1,4 +1,6 @@
-"""Forward timings of dmattn's biased and masked problems at one head dim (CUDA, bf16, B=2, S=8192,
+"""Figures: docs/perf.md, "Biased and masked forward" (H200, D = 128, 64 and 256).
+
+Forward timings of dmattn's biased and masked problems at one head dim (CUDA, bf16, B=2, S=8192,
 H=16 up to head dim 128, H=8 above): a full bias (B,H,S,S), in bf16 or fp32, alone or with a key
 padding mask (B,1,1,S; the second sequence's last 1536 keys padding), and a full boolean mask
 (half true at random), causal or not, with the full bias, with a per-key bias (B,H,1,S) or with

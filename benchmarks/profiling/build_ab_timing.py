@@ -1,4 +1,6 @@
-"""Fwd+bwd times of the backward's headline rows, with SDPA cuDNN in the same process, for
+"""Figures: docs/design.md, builds against each other (the clamp; "CUDA backward").
+
+Fwd+bwd times of the backward's headline rows, with SDPA cuDNN in the same process, for
 comparing two builds of the library: run it once per build (each on its own PYTHONPATH), the
 builds alternated, two rounds or more, on one GPU, one process after another.
 

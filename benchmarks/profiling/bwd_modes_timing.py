@@ -1,4 +1,6 @@
-"""Forward + backward times of the backward's other modes, on one CUDA GPU: deterministic mode
+"""Figures: docs/perf.md, the backward's other modes (deterministic, packed, long top-k).
+
+Forward + backward times of the backward's other modes, on one CUDA GPU: deterministic mode
 against the default one (dense, causal, full bias (B, H, S, S) with its gradient; and whether
 deterministic gradients are bitwise equal over repeated runs), a packed batch of 4 x 4096
 tokens with a key bias (H, total_k) and its gradient against the same tokens as a dense batch

@@ -1,4 +1,6 @@
-"""Forward + backward timings of dmattn (CUDA) against SDPA cuDNN and SDPA flash (FA2) in one
+"""Figures: docs/perf.md, "Forward + backward" and "Backward (Hopper, warp-specialized kernel)".
+
+Forward + backward timings of dmattn (CUDA) against SDPA cuDNN and SDPA flash (FA2) in one
 process, on the rows of the Hopper backward: dense and causal, a per-key bias (B, H, 1, S) with
 its gradient, attention_topk's shared key set and Doge's per-query selection (selection
 included), GQA, a full bias (B, H, S, S) with its gradient (and GQA 32 / 8 with one, with the

@@ -1,4 +1,6 @@
-"""The Hopper backward's CTA order (src/cuda/cta_order.h) timed in one process: fwd+bwd of a few
+"""Figures: docs/design.md, "CUDA backward", "CTA order".
+
+The Hopper backward's CTA order (src/cuda/cta_order.h) timed in one process: fwd+bwd of a few
 bf16 D=128 H=16 B=2 S=8192 rows for each DMATTN_BWD_CTA_GROUP value (1 = key block fastest; G =
 (kv head, batch) pairs G at a time, key blocks slowest inside a group; 32 = all pairs here), in
 interleaved rounds so that drift hits every order alike.
@@ -16,8 +18,8 @@ import statistics
 
 import torch
 
-from dmattn.bench import Config, _fwd_bwd, make_inputs, time_ms
-from dmattn.bench_providers import _dmattn
+from dmattn.bench import Config, fwd_bwd, make_inputs, time_ms
+from dmattn.bench.providers import _dmattn
 
 ROWS = [
     Config("dense causal", 2, 8192, 16, 128, True),
@@ -40,7 +42,7 @@ def main() -> None:
     print("|---|" + "---|" * len(groups))
     for cfg in ROWS:
         x = make_inputs(cfg, "cuda")
-        step = _fwd_bwd(_dmattn(cfg, x), x)
+        step = fwd_bwd(_dmattn(cfg, x), x)
         times = {g: [] for g in groups}
         for _ in range(args.rounds):
             for g in groups:

@@ -1,4 +1,6 @@
-"""Host time of one decoding call, layer by layer, against SDPA: where an eager decode step's
+"""Figures: host time per decoding call, docs/perf.md "Decode", docs/decode.md "Host time".
+
+Host time of one decoding call, layer by layer, against SDPA: where an eager decode step's
 time goes before the GPU starts.
 
 B=8 H=32 Hkv=8, a 32k cache, one query, bf16, D=128. For each layer of the call
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import dmattn
-from dmattn import decode
+from dmattn import decode, decode_kernel
 from dmattn._lib import lib
 from dmattn.bench import cuda_graph_of
 
@@ -53,7 +55,7 @@ def main():
     k = torch.randn(B, Sk, Hkv, D, device=dev, dtype=dt, generator=g)
     v = torch.randn(B, Sk, Hkv, D, device=dev, dtype=dt, generator=g)
     lengths = torch.full((B,), Sk, dtype=torch.int32, device=dev)
-    splits = decode._decode_splits(q, Hkv, Sk, decode.KVCACHE_MAX_ROWS)
+    splits = decode_kernel._decode_splits(q, Hkv, Sk, decode_kernel.KVCACHE_MAX_ROWS)
     out, lse = torch.empty_like(q), torch.empty(B, H, 1, device=dev)
     workspace = torch.empty(splits * B * H * (D + 1), device=dev)
     nan = float("nan")

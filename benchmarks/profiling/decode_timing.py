@@ -1,4 +1,6 @@
-"""Decode timings (one short query block against a long KV cache) of dmattn against SDPA
+"""Figures: docs/perf.md, "Decode (one short query block against a KV cache)".
+
+Decode timings (one short query block against a long KV cache) of dmattn against SDPA
 (enable_gqa, PyTorch's own kernel choice) in one process.
 
 bf16, D=128; median of CUDA-event timings after warm-up. Rows: B=8 H=32 Hkv=8 with a full 32k

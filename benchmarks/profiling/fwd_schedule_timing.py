@@ -1,4 +1,6 @@
-"""The warp-specialized Hopper forward with its persistent CTAs (DMATTN_FWD_PERSISTENT=1) against
+"""Figures: docs/design.md, "CUDA forward": persistent CTAs against one tile a CTA.
+
+The warp-specialized Hopper forward with its persistent CTAs (DMATTN_FWD_PERSISTENT=1) against
 one tile per CTA (=0), paired in one process: the two alternate, five rounds of a median of
 CUDA-event timings each, and the medians of the rounds are reported. bf16, B=2, H=16, S=8192,
 D=128 unless a row says otherwise.

@@ -1,4 +1,6 @@
-"""Forward timings of dmattn (CUDA) against SDPA cuDNN, SDPA flash (FA2) and FlexAttention in one
+"""Figures: docs/perf.md, "Forward" (H200) and "Forward (Hopper, warp-specialized kernel)".
+
+Forward timings of dmattn (CUDA) against SDPA cuDNN, SDPA flash (FA2) and FlexAttention in one
 process.
 
 bf16, B=2, H=16, S=8192, D=128 unless told otherwise (--head-dims adds rows at other head dims,

@@ -1,4 +1,6 @@
-"""Greedy generate() throughput of transformers models with attn_implementation "dmattn" beside
+"""Figures: docs/perf.md, "Decode": transformers generate() with dmattn beside sdpa.
+
+Greedy generate() throughput of transformers models with attn_implementation "dmattn" beside
 "sdpa" (and "eager" with --eager), in one process.
 
 Models (random weights, bf16, DynamicCache, or with --cache static a StaticCache, whose

@@ -1,4 +1,6 @@
-"""attention_topk's cost beside the same work without the top-k path and beside cuDNN: how much
+"""Figures: docs/perf.md, "The top-k step beside the same keys taken directly"; design.md.
+
+attention_topk's cost beside the same work without the top-k path and beside cuDNN: how much
 of a step is the kept-key count itself and how much the gather, the per-key bias and the glue.
 
 bf16, B=2, H=16, Sq=8192, D=128, keep 2048: the top-k call (per-key bias (B, H, 1, S), S=8192)

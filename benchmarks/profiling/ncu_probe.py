@@ -1,4 +1,6 @@
-"""One forward + backward step of a chosen case, for Nsight Compute (ncu) on a GPU machine.
+"""Figures: the Nsight Compute counts of docs/perf.md, "Biased and masked forward".
+
+One forward + backward step of a chosen case, for Nsight Compute (ncu) on a GPU machine.
 
     ncu --clock-control none --set full -k regex:sm90 -c 2 -o OUT/case \
         python3 benchmarks/profiling/ncu_probe.py CASE [--s 4096 --b 1]

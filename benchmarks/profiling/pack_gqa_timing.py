@@ -1,4 +1,6 @@
-"""Forward timings of short query chunks against a long cache with grouped-query heads (chunked
+"""Figures: docs/perf.md, "Short query chunks with grouped-query heads".
+
+Forward timings of short query chunks against a long cache with grouped-query heads (chunked
 prefill, speculative decoding): dmattn as it chooses, then with the query heads of each KV head
 packed into its tiles (DMATTN_FWD_PACK_GQA=1) and unpacked (=0), dmattn's decode kernel
 (DMATTN_DECODE=1, up to 64 rows of a group), and SDPA: its FlashAttention-2 backend given the

@@ -1,4 +1,6 @@
-"""Forward timings of a full mask (B,H,S,S) and a full bias whose rows are not 16-byte multiples
+"""Figures: the padded copy, docs/perf.md "Biased and masked forward", design.md "CUDA forward".
+
+Forward timings of a full mask (B,H,S,S) and a full bias whose rows are not 16-byte multiples
 (S - 8 keys of a bool mask, S - 4 of a bf16 bias), which the CUDA backend gives its kernels as a
 padded copy (src/cuda/aligned_operand.h), beside the same operands with aligned rows (CUDA,
 bf16, B=2, H=16, S=8192, D=128). Each row: the median of CUDA-event timings with a
@@ -18,8 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import dmattn
-from dmattn.bench import time_ms
-from dmattn.bench_doge import back_to_back_ms
+from dmattn.bench import back_to_back_ms, time_ms
 
 dev, dt = "cuda", torch.bfloat16
 B, S, H, D = 2, 8192, 16, 128

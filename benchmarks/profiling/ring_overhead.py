@@ -1,4 +1,6 @@
-"""What dmattn.distributed.ring_attention costs over dmattn.attention when there is nothing to
+"""Figures: docs/perf.md, "Context parallelism at one rank" (and docs/design.md's).
+
+What dmattn.distributed.ring_attention costs over dmattn.attention when there is nothing to
 communicate: a process group of one rank (file:// rendezvous in a temporary folder; NCCL on CUDA,
 gloo on the CPU), forward and forward + backward, median of CUDA events (dmattn.bench.time_ms).
 

@@ -1,4 +1,6 @@
-"""Scaling of dmattn.distributed.ring_attention over 1, 2, 4 and 8 GPUs (those visible) at a fixed
+"""Figures: docs/perf.md, "Context parallelism on two and four GPUs".
+
+Scaling of dmattn.distributed.ring_attention over 1, 2, 4 and 8 GPUs (those visible) at a fixed
 number of tokens per GPU: fwd+bwd time per rank of the ring and of the all-gather exchange,
 against one GPU doing one rank's share of the work alone, and how much of the ring's
 communication its computation hides.

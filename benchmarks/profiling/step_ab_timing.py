@@ -1,4 +1,6 @@
-"""Times of the key-bias and top-k calls, forward alone and training step, for comparing two
+"""Figures: docs/perf.md, "Forward + backward": top-k rows in place against a copy.
+
+Times of the key-bias and top-k calls, forward alone and training step, for comparing two
 builds of the library (the companion of build_ab_timing.py, whose rows are dense): run it once
 per build (each on its own PYTHONPATH), the builds alternated, on one GPU, one process after
 another.

@@ -1,4 +1,6 @@
-"""Where the time of dmattn.attention_topk (the gather path) goes on the GPU.
+"""Figures: docs/perf.md, "Doge, one key set per (batch, head)": where the time goes.
+
+Where the time of dmattn.attention_topk (the gather path) goes on the GPU.
 
     PYTHONPATH=python python3 benchmarks/profiling/topk_gather_timing.py [--profile]
 

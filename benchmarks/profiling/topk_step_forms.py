@@ -1,4 +1,6 @@
-"""attention_topk's training step (per-key bias, top-2048, forward + backward with every gradient)
+"""Figures: docs/perf.md, "The top-k step's forms"; docs/design.md, "Gather path" (its gaps).
+
+attention_topk's training step (per-key bias, top-2048, forward + backward with every gradient)
 in its forms, on CUDA: eager as a user calls it (the training form where the call has its form),
 eager through the general path (gather.force_path("gather"): the same kernels, more host layers),
 and replayed from a CUDA graph (the GPU's time alone; the difference to eager is the time the GPU

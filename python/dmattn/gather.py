@@ -29,9 +29,9 @@ from torch import Tensor
 
 from .masks import (bias_over_keys, cached_index_tensor, dynamic_mask, host_reads_allowed, selection_key,
                     selection_shape)
+from ._op_utils import records_no_gradient
 from .ops import (_GLUE_DTYPES, _call_op, attention_backward, attention_forward, forward_with_grad, gather_key_rows,
-                  native_glue_available, records_no_gradient, scatter_key_rows, select_topk_positions,
-                  supports_key_positions)
+                  native_glue_available, scatter_key_rows, select_topk_positions, supports_key_positions)
 
 __all__ = ["KeySet", "mask_key_set", "topk_key_set", "attention_over_key_set", "force_path"]
 

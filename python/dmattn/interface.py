@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from . import gather
-from .ops import check_devices, forward_with_grad, varlen_forward_with_grad
+from ._op_utils import check_devices
+from .ops import forward_with_grad, varlen_forward_with_grad
 
 __all__ = ["attention", "attention_varlen", "flash_dmattn_func"]
 

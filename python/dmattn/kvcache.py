@@ -11,10 +11,10 @@ import torch
 from torch import Tensor
 
 from ._lib import check_cuda_index
-from .decode import (KERNEL_DTYPES, KVCACHE_MAX_ROWS, _append, _run_decode, _splits, cache_attention,
-                     kvcache_forward, native_allocates)
+from ._op_utils import _cuda_layout, _plain_eager, records_no_gradient
+from .decode import _append, cache_attention, kvcache_forward
+from .decode_kernel import KERNEL_DTYPES, KVCACHE_MAX_ROWS, _run_decode, _splits, native_allocates
 from .interface import _parse_options, _require_tensor
-from .ops import _cuda_layout, _plain_eager, records_no_gradient
 
 __all__ = ["attention_with_kvcache"]
 

@@ -9,11 +9,11 @@ from torch import Tensor
 
 from . import gather, per_query_path
 from ._lib import lib
-from .decode import gathered_decode, gathered_decode_splits, native_allocates
+from ._op_utils import _cuda_layout, _plain_eager, _scale_arg, check_devices, records_no_gradient
+from .decode_kernel import gathered_decode, gathered_decode_splits, native_allocates
 from .interface import _parse_options, attention_on
 from .masks import bias_over_keys, check_keep, dynamic_mask
-from .ops import (_cuda_layout, _native_supports_key_positions, _plain_eager, _scale_arg, check_devices, native_forward,
-                  native_glue_available, records_no_gradient, select_topk_positions)
+from .ops import _native_supports_key_positions, native_forward, native_glue_available, select_topk_positions
 
 __all__ = ["attention_topk"]
 
@@ -102,13 +102,13 @@ def _inference_forward(q, k, v, bias, keep: int, causal, window, scale, softcap,
     forward kernel reading the kept K / V rows in place: gather._distinct_rows_forward's
     "indexed" mode), with the same arguments, so the results are the same bits; what is left out
     are the general path's layers of checks and dispatch, host time that an idle GPU waits on at
-    these sizes. Where torch lends its allocator to the native side (decode.native_allocates)
+    these sizes. Where torch lends its allocator to the native side (decode_kernel.native_allocates)
     and q / k / v need no copy for the kernels, both calls and every allocation are one native
     call (``topk_attention``, which reads the kept rows from a gathered copy instead where every
     query tile reads all of them: the same bits, docs/design.md "Indexed keys"). One query (a
     decoding step) without a left window runs on the decode kernel instead, reading the kept K / V
     rows in place once per kv head, not once per query head (in one native call too, or
-    decode.gathered_decode); results equal to floating-point summation order."""
+    decode_kernel.gathered_decode); results equal to floating-point summation order."""
     # (the gradient test first: a training call leaves at once for _training_forward)
     if not records_no_gradient(q, k, v, bias) or not _native_form(q, k, v, bias, keep):
         return None
@@ -173,7 +173,7 @@ def _training_forward(q, k, v, bias, keep: int, causal, window, scale,
     general path then runs, and reports any error).
 
     The form: a gradient to record, _native_form, torch lending its allocator to the native side
-    (decode.native_allocates) and q / k / v needing no copy for the kernels. The forward is
+    (decode_kernel.native_allocates) and q / k / v needing no copy for the kernels. The forward is
     ``topk_attention_training`` (the selection, then the forward over the kept rows), the
     backward ``topk_attention_backward`` (the backward over the kept rows, then dK, dV and dbias
     written at full size by one kernel), with the arguments the general path's autograd node

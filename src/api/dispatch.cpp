@@ -40,11 +40,15 @@ bool set_persistent_kernels(bool allowed) {
 bool persistent_kernels_allowed() { return persistent_kernels; }
 
 namespace {
+#ifndef DMATTN_WITH_CUDA
+// (Only where the calls below have no CUDA backend to take: defined in a CUDA build it would be
+// an unused function, which gcc warns about.)
 [[noreturn]] void no_cuda() {
   fail(ErrorKind::kRuntime,
        "q: got a CUDA tensor, but this build of dmattn has no CUDA backend (it was built without "
        "nvcc or with DMATTN_BUILD_CUDA=OFF); rebuild with CUDA or move the tensors to the CPU");
 }
+#endif
 
 // Gathered keys on a backend whose kernels do not read key_positions.
 void reject_unsupported_key_positions(const ForwardParams& params) {

@@ -293,7 +293,7 @@ void sum_segment_rows(const TensorDesc& dk_rows, const TensorDesc& dv_rows, cons
   check_float_16_or_32(dk_rows, "dk_rows");
   checks::check_rank(dk, 4, "dk", "(B, Sk, Hkv, D)");
   checks::check_rank(slots, 4, "slots", "(B, segments, 1 or G, Sk)");
-  const int64_t rows_b = dk_rows.shape[0], width = dk_rows.shape[1], heads = dk_rows.shape[2], head_dim = dk_rows.shape[3];
+  const int64_t rows_b = dk_rows.shape[0], heads = dk_rows.shape[2], head_dim = dk_rows.shape[3];
   const int64_t batch = dk.shape[0], num_keys = dk.shape[1], heads_kv = dk.shape[2];
   const int64_t segments = slots.shape[1];
   check(batch > 0 && slots.shape[0] == batch && rows_b == batch * segments && heads_kv > 0 && heads % heads_kv == 0 &&
@@ -319,7 +319,7 @@ void sum_segment_rows(const TensorDesc& dk_rows, const TensorDesc& dv_rows, cons
   a.num_segments = segments;
   a.slot_heads = slots.shape[2];
   a.num_keys = num_keys;
-  a.width = width;
+  a.width = dk_rows.shape[1];  // (read here: a CPU build never uses it, and gcc warns of unused variables)
   a.heads = heads;
   a.heads_kv = heads_kv;
   a.head_dim = head_dim;

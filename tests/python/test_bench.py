@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 
-from dmattn import bench, bench_report
+from dmattn import bench
+from dmattn.bench import report
 
 
 def _row(config, provider, fwdbwd_ms, note=""):
@@ -29,14 +32,14 @@ def _results():
 
 
 def test_speed_is_against_the_best_peer():
-    ratios = bench_report.speedups(_results())
+    ratios = report.speedups(_results())
     assert ratios["a"] == (1.5, "p2")  # p2's 3.0 ms is the best peer; dmattn 2.0
     assert ratios["b"] == (0.5, "p1")
     assert "c" not in ratios  # no peer time
 
 
 def test_table_has_the_speed_column_and_a_summary():
-    table = bench_report.format_table(_results())
+    table = report.format_table(_results())
     assert "vs best peer" in table.splitlines()[2]
     assert "**1.50x** (p2)" in table
     summary = table.splitlines()[-1]
@@ -70,3 +73,10 @@ def test_cuda_graph_of_refuses_no_repeat():
     from dmattn.bench import cuda_graph_of
     with pytest.raises(ValueError, match="repeat"):
         cuda_graph_of(lambda: None, repeat=0)
+
+
+@pytest.mark.parametrize("module", ["dmattn.bench", "dmattn.bench.plots", "dmattn.bench.doge"])
+def test_command_lines_run_as_modules(module):
+    """python -m for each command line of the benchmark (--help: no run, any machine)."""
+    result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.startswith("usage:"), result.stderr[-2000:]

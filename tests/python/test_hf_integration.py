@@ -82,7 +82,7 @@ def test_register():
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from dmattn.integrations import doge, hf_mask
+    from dmattn.integrations import hf_common, hf_mask
 
     hf_dmattn.register()
     assert AttentionInterface()["dmattn"] is hf_dmattn.attention_forward
@@ -92,7 +92,7 @@ def test_register():
     assert getattr(forward, "_dmattn_doge_hook", False)
     hf_dmattn.register()  # idempotent: the hook wraps once
     assert transformers.models.doge.modeling_doge.DogeAttention.forward is forward
-    assert "dmattn" in doge._NAMES
+    assert "dmattn" in hf_common.DOGE_NAMES
 
 
 # --------------------------------------------------------------------------- masks and flags

@@ -148,12 +148,12 @@ def test_decode_kernel_reads_indexed_rows_in_place(rows_heads, native_allocates,
     against source rows picked anywhere (unsorted, repeated), a row outside the source read as
     zeros, equal (float64 reference) to attention on the gathered copy with the kept bias; both
     native calls (decode_attention allocating its outputs, forward_decode given them)."""
-    from dmattn import decode
+    from dmattn import decode_kernel
     from reference import check_against_reference
 
-    if native_allocates and not decode.native_allocates():
+    if native_allocates and not decode_kernel.native_allocates():
         pytest.skip("this torch lends no allocator to the native side")
-    monkeypatch.setattr(decode, "native_allocates", lambda: native_allocates)
+    monkeypatch.setattr(decode_kernel, "native_allocates", lambda: native_allocates)
     gen = torch.Generator().manual_seed(11)
     batch, seq, heads, heads_kv, d, width = 2, 500, 8, 2, 128, 300
     hr = {"1": 1, "hkv": heads_kv}[rows_heads]
@@ -163,9 +163,9 @@ def test_decode_kernel_reads_indexed_rows_in_place(rows_heads, native_allocates,
     positions[:, :, 5], positions[:, :, 17] = -1, seq  # outside the source: zero rows
     positions = positions.cuda()
     bias = torch.randn(batch, hr, 1, width, generator=gen).to("cuda", torch.bfloat16)
-    splits = decode.gathered_decode_splits(q, k, width)
+    splits = decode_kernel.gathered_decode_splits(q, k, width)
     assert splits > 0
-    out, lse = decode.gathered_decode(q, k, v, positions, bias, None, 0.0, splits)
+    out, lse = decode_kernel.gathered_decode(q, k, v, positions, bias, None, 0.0, splits)
     check_against_reference(q, _gathered(k, positions, 1), _gathered(v, positions, 1), None, bias, out, lse,
                             context=f"rows_heads={rows_heads}")
     assert torch.isfinite(out).all()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dmattn
-from dmattn.decode import AUTO_MAX_ROWS, KVCACHE_MAX_ROWS
+from dmattn.decode_kernel import AUTO_MAX_ROWS, KVCACHE_MAX_ROWS
 from reference import check_against_reference
 
 NAN = float("nan")
@@ -185,7 +185,7 @@ def test_gpu_few_splits(batch, seqlen_q, head_dim, page_size, operands):
     """2 to 8 key splits of up to 16 rows (the decoding batches of serving: B=4 to 16 with 8 kv
     heads): ragged lengths (a row whose keys end inside the first split, so that later splits
     are empty), pages, a mask and bias, softcap, a left window; out and lse against float64."""
-    from dmattn.decode import KVCACHE_MAX_ROWS, _decode_splits
+    from dmattn.decode_kernel import KVCACHE_MAX_ROWS, _decode_splits
 
     heads_kv = 8
     lens = [4096 - 3 * seqlen_q - 7 * b for b in range(batch)]
@@ -434,7 +434,7 @@ def test_gpu_direct_route_equals_checked_route(monkeypatch, page_size):
     """The usual call (no append, no gradient) takes the direct route onto the decode kernel
     (outputs allocated by the native call); the checked route, and the outputs allocated in
     Python (a torch without tvm-ffi's environment allocator), give the same bits."""
-    import dmattn.decode
+    import dmattn.decode_kernel
     import dmattn.kvcache
 
     case = _make_case("cuda", torch.bfloat16, batch=3, seqlen_q=2, heads=8, heads_kv=2, head_dim=128,
@@ -454,7 +454,7 @@ def test_gpu_direct_route_equals_checked_route(monkeypatch, page_size):
     torch.testing.assert_close(out_only, out, rtol=0, atol=0)
     monkeypatch.setattr(dmattn.kvcache, "_direct_decode", lambda *args: None)
     checked_out, checked_lse = _run(case, softcap=20.0)
-    monkeypatch.setattr(dmattn.decode, "native_allocates", lambda: False)
+    monkeypatch.setattr(dmattn.decode_kernel, "native_allocates", lambda: False)
     python_out, python_lse = _run(case, softcap=20.0)
     for o, l in ((checked_out, checked_lse), (python_out, python_lse)):
         torch.testing.assert_close(o, out, rtol=0, atol=0)

@@ -125,10 +125,10 @@ def test_one_query_runs_on_the_decode_kernel(form, nan_poison, monkeypatch):
     """One query (a decoding step) in the inference form: the kept keys read in place by the
     decode kernel (the query heads of a kv head in one tile), against the float64 reference of
     attention with the selection as a mask; through both routes: the selection and the decode
-    kernel called in turn from Python (decode.gathered_decode) and, where torch lends its
+    kernel called in turn from Python (decode_kernel.gathered_decode) and, where torch lends its
     allocator to the native side, one native call (topk_attention), whose result must be the
     other's bit for bit (the same kernels, the same split count)."""
-    from dmattn import decode
+    from dmattn import decode_kernel
 
     gen = torch.Generator().manual_seed(len(form))
     kw = dict(causal=True)
@@ -156,13 +156,13 @@ def test_one_query_runs_on_the_decode_kernel(form, nan_poison, monkeypatch):
         k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
     keep = 700
     calls = []
-    run_decode = decode._run_decode
+    run_decode = decode_kernel._run_decode
 
     def counted(*a, **kwargs):
         calls.append(kwargs.get("key_positions"))
         return run_decode(*a, **kwargs)
 
-    monkeypatch.setattr(decode, "_run_decode", counted)
+    monkeypatch.setattr(decode_kernel, "_run_decode", counted)
     monkeypatch.setattr(topk, "native_allocates", lambda: False)
     with torch.no_grad():
         out, lse = dmattn.attention_topk(q, k, v, bias, keep, return_lse=True, **kw)
@@ -187,10 +187,10 @@ def test_one_query_runs_on_the_decode_kernel(form, nan_poison, monkeypatch):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_one_query_with_a_left_window_takes_the_general_kernels(monkeypatch):
     """A left window makes the kept keys' positions matter: not the decode kernel's case."""
-    from dmattn import decode
+    from dmattn import decode_kernel
 
     q, k, v, bias = _inputs(torch.Generator().manual_seed(3), sq=1, sk=2000)
-    monkeypatch.setattr(decode, "_run_decode", lambda *a: pytest.fail("the decode kernel ran"))
+    monkeypatch.setattr(decode_kernel, "_run_decode", lambda *a: pytest.fail("the decode kernel ran"))
     with torch.no_grad():
         out, lse = dmattn.attention_topk(q, k, v, bias, 300, causal=True, window=(900, 0), return_lse=True)
     check_against_reference(q, k, v, dmattn.dynamic_mask(bias, 300), bias, out, lse, causal=True, window=(900, 0))

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..interface import _parse_options, _parse_window
 from ..masks import check_keep
-from ..ops import check_devices
+from .._op_utils import check_devices
 from . import layout as lay
 from .allgather import allgather_attention
 from .comm import GatherSequence, RingExchange, all_gather_sequence, resolve_group

@@ -32,41 +32,31 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Optional, Set
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ..topk import attention_topk
-from .transformers import _cuda_dtypes
+from .hf_common import DOGE_NAMES, _cuda_dtypes
 
 try:
     from transformers.models.doge import modeling_doge
 except ImportError:  # a transformers without Doge: nothing to hook
     modeling_doge = None
 
-__all__ = ["install", "runs_compact"]
+__all__ = ["install"]
 
-# Names under which dmattn's attention function is registered (register() adds to it).
-_NAMES: Set[str] = set()
 _HOOK_FLAG = "_dmattn_doge_hook"
 _warned = False
-
-
-def runs_compact(config) -> bool:
-    """Whether the hook runs a model with this config from a compact (None / 2D) mask, i.e. it
-    is installed and config is a Doge config (the mask function then returns the compact form
-    although Doge asks for a materialized mask)."""
-    return (modeling_doge is not None and getattr(config, "model_type", None) == "doge"
-            and getattr(config, "_attn_implementation", None) in _NAMES)
 
 
 def install(name: str) -> None:
     """Wraps DogeAttention.forward once; ``name`` is a dmattn attention implementation name."""
     if modeling_doge is None:
-        return
-    _NAMES.add(name)
+        return  # (before adding the name: runs_compact reads a name there as "the hook is installed")
+    DOGE_NAMES.add(name)
     cls = modeling_doge.DogeAttention
     if getattr(cls.forward, _HOOK_FLAG, False):
         return
@@ -74,7 +64,7 @@ def install(name: str) -> None:
 
     @functools.wraps(original)
     def forward(self, hidden_states, position_embeddings, attention_mask=None, *args, **kwargs):
-        if self.config._attn_implementation not in _NAMES:
+        if self.config._attn_implementation not in DOGE_NAMES:
             return original(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
         if attention_mask is not None and (not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2):
             _warn_fallback(attention_mask)

@@ -35,7 +35,7 @@ from torch import Tensor
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 from ..masks import host_reads_allowed
-from . import doge
+from .hf_common import runs_compact
 
 __all__ = ["compact_causal_mask"]
 
@@ -44,7 +44,7 @@ def _is_plain_causal(q_length: int, kv_length: int, q_offset, kv_offset, mask_fu
                      attention_mask: Optional[Tensor], allow_skip: bool, config) -> bool:
     if mask_function is not causal_mask_function:
         return False
-    if not (allow_skip or doge.runs_compact(config)):
+    if not (allow_skip or runs_compact(config)):
         return False  # the caller post-processes a materialized mask
     # Tensor offsets (static caches) mean empty slots past the queries: not bottom-right.
     if isinstance(q_offset, Tensor) or isinstance(kv_offset, Tensor):

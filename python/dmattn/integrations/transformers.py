@@ -28,8 +28,8 @@ What the attention function accepts (HF layout (B, H, S, D), GQA through the k/v
   (B, H, Sq, Sk)) and keep_window_size (keep only that many keys per row, selected from
   attention_bias by dmattn.dynamic_mask, as flash-dmattn's integration does).
 
-A decoding step (no gradient to record, at most decode.AUTO_MAX_ROWS query rows per kv head, on
-CUDA; eager, or compiled as transformers compiles a StaticCache's steps) runs on the split-KV
+A decoding step (no gradient to record, at most decode_kernel.AUTO_MAX_ROWS query rows per kv
+head, on CUDA; eager, or compiled as transformers compiles a StaticCache's steps) runs on the split-KV
 decode kernels (decode.decode_step, docs/decode.md): the same attention, the cache read in place.
 """
 
@@ -43,6 +43,7 @@ from torch import Tensor
 from ..decode import decode_step
 from ..interface import attention
 from ..masks import bias_over_keys, dynamic_mask, host_reads_allowed
+from .hf_common import _cuda_dtypes
 from .padding import key_side_bias, padded_attention
 
 __all__ = ["register", "attention_forward"]
@@ -87,33 +88,6 @@ def _is_paged_cache(cache) -> bool:
     except ImportError:
         return False
     return isinstance(cache, PagedAttentionCache)
-
-
-def _weight_dtype(module: torch.nn.Module) -> Optional[torch.dtype]:
-    for layer in module.modules():
-        if isinstance(layer, torch.nn.Linear):
-            return layer.weight.dtype
-    for p in module.parameters():
-        if p.dtype.is_floating_point:
-            return p.dtype
-    return None
-
-
-def _cuda_dtypes(module: torch.nn.Module, query: Tensor) -> Optional[Tuple[torch.dtype, torch.dtype]]:
-    """(compute dtype, output dtype) when fp32 q/k/v on CUDA must be cast (the CUDA kernels take
-    fp16/bf16 only); None when no cast is needed. fp32 on CPU is computed as is."""
-    if query.device.type != "cuda" or query.dtype != torch.float32:
-        return None
-    if torch.is_autocast_enabled("cuda"):
-        dtype = torch.get_autocast_dtype("cuda")
-        return dtype, dtype
-    weights = _weight_dtype(module)
-    if weights in (torch.bfloat16, torch.float16):
-        # fp32 activations around half-precision weights (e.g. layer norms kept in fp32):
-        # the output goes back into the module's half-precision projections, as with HF's FA.
-        return weights, weights
-    # An fp32 model on CUDA: compute in bf16, hand fp32 back to the fp32 projections.
-    return torch.bfloat16, torch.float32
 
 
 def _float_mask_bias(mask: Tensor) -> Tensor:

@@ -1,18 +1,16 @@
-"""The benchmark's providers: for a configuration and its inputs (bench.Config, bench.Inputs),
+"""The benchmark's providers: for a configuration and its inputs (config.Config, config.Inputs),
 each returns a function computing out (B, S, H, D), or None when it cannot run the configuration
 (the table then says "not supported")."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict
+from typing import Callable, Dict
 
 import torch
 
-from . import attention, attention_topk, attention_varlen
-from ._lib import cuda_available
-
-if TYPE_CHECKING:
-    from .bench import Config, Inputs
+from .. import attention, attention_topk, attention_varlen
+from .._lib import cuda_available
+from .config import Config, Inputs
 
 
 def _dmattn(cfg: Config, x: Inputs):

@@ -20,7 +20,7 @@ DMATTN = "dmattn"
 def results_dict(device_name: str, configs: List[dict], rows: List[dict], command: str = "") -> dict:
     import torch
 
-    from . import __version__
+    from .. import __version__
 
     return {
         "device": device_name,

@@ -13,7 +13,7 @@ same run:
   that every projection's gradient is still computed), the time and memory of the rest of the
   model.
 
-    python -m dmattn.bench_doge [--suite kernel,hf] [--seq 8192,32768] [--json out.json]
+    python -m dmattn.bench.doge [--suite kernel,hf] [--seq 8192,32768] [--json out.json]
 
 CUDA only. Times: median of CUDA-event timings, each run started on an idle GPU (host launch
 latency included), and beside it for the kernel rows the mean of runs issued back to back; TFLOP/s for the kernel rows count the work of
@@ -29,8 +29,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from . import per_query_path
-from .bench import time_ms
+from .. import per_query_path
+from .timing import back_to_back_ms, time_ms
 
 KEEP = 2048
 
@@ -42,25 +42,10 @@ def _kept_pairs(num_queries: int, keep: int) -> int:
     return ramp * (ramp + 1) // 2 + full * keep
 
 
-def back_to_back_ms(fn: Callable[[], object], iters: int) -> float:
-    """Mean time of fn over `iters` runs issued back to back between two CUDA events (the host
-    runs ahead while the GPU is busy: launch latency hidden, as in FlashAttention's and Triton's
-    timing loops); time_ms, the headline figure, waits for the GPU before each run instead."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def _kernel_rows(batch: int, heads: int, seq: int, head_dim: int, segments: List[int], warmup: int,
                  iters: int) -> List[Dict]:
-    from .interface import attention
-    from .topk import attention_topk
+    from ..interface import attention
+    from ..topk import attention_topk
 
     gen = torch.Generator(device="cuda").manual_seed(0)
 
@@ -135,8 +120,8 @@ def _values_only(q, k, v, bias, *args, **kwargs):
 def _hf_rows(seq: int, implementations: List[str], warmup: int, iters: int) -> List[Dict]:
     from transformers import DogeForCausalLM
 
-    from .integrations import doge
-    from .integrations.transformers import register
+    from ..integrations import doge as hf_doge
+    from ..integrations.transformers import register
 
     register()
     rows = []
@@ -149,9 +134,9 @@ def _hf_rows(seq: int, implementations: List[str], warmup: int, iters: int) -> L
         # floor: the dmattn model with its attention call returning the value rows (and zero
         # times q, k and the bias), i.e. what the rest of the step costs (projections, norms,
         # rotary embedding, dt_states, MLP, output layer, loss, and all their gradients).
-        saved_attention = doge.attention_topk
+        saved_attention = hf_doge.attention_topk
         if impl == "floor":
-            doge.attention_topk = _values_only
+            hf_doge.attention_topk = _values_only
         try:
             config = _doge_config(seq)
             config._attn_implementation = "dmattn" if impl == "floor" else impl
@@ -175,7 +160,7 @@ def _hf_rows(seq: int, implementations: List[str], warmup: int, iters: int) -> L
             row["error"] = "out of memory"
             print(f"  S={seq:<6} {impl:<8} out of memory", flush=True)
         finally:
-            doge.attention_topk = saved_attention
+            hf_doge.attention_topk = saved_attention
             del model
             torch.cuda.empty_cache()
         rows.append(row)
@@ -196,7 +181,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--json", help="write the rows to this JSON file")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("dmattn.bench_doge: needs a CUDA GPU", file=sys.stderr)
+        print("dmattn.bench.doge: needs a CUDA GPU", file=sys.stderr)
         return 2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     suites = args.suite.split(",")

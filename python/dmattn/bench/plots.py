@@ -1,11 +1,11 @@
-"""PNG plots of a benchmark run (matplotlib), from the results dict of bench_report:
+"""PNG plots of a benchmark run (matplotlib), from the results dict of report.py:
 
 * ``speedup.png``: per configuration, dmattn's speed against each peer (the peer's time /
   dmattn's; right of 1 = dmattn faster), fwd+bwd (forward in a --fwd-only run).
 * ``scaling.png``: time against sequence length for each series of configurations (the dense
   and the Doge top-k rows at growing S), one line per provider.
 
-    python -m dmattn.bench_plots results.json --out DIR [--prefix h100-]
+    python -m dmattn.bench.plots results.json --out DIR [--prefix h100-]
 
 regenerates them from a saved run (docs/ holds the README's plots, made this way).
 """
@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Dict, List, Optional
 
-from .bench_report import DMATTN, _fwd_only, _time
+from .report import DMATTN, _fwd_only, _time
 
 
 def _pyplot():
