@@ -149,31 +149,9 @@ def attention(
     of Sk >= 128 keys runs on the gathered kept keys only (same results; one host sync to
     count them; not under torch.compile): docs/semantics.md, "Gather path".
     """
-    if gate is not None or windows is not None:
-        return _attention_with_terms(q, k, v, mask, bias, causal=causal, window=window, scale=scale,
-                                     softcap=softcap, deterministic=deterministic, return_lse=return_lse,
-                                     gate=gate, gate_fn=gate_fn, windows=windows)
-    if gate_fn not in _GATE_FNS:
-        raise ValueError(f"gate_fn: expected one of {sorted(_GATE_FNS)}, got {gate_fn!r}")
     return attention_on(q, k, v, mask, bias, None, causal=causal, window=window, scale=scale,
-                        softcap=softcap, deterministic=deterministic, return_lse=return_lse)
-
-
-def _attention_with_terms(q, k, v, mask, bias, *, causal, window, scale, softcap, deterministic, return_lse,
-                          gate, gate_fn, windows):
-    """`attention` with a gate and / or windows with sinks: the dense kernels with those score terms
-    (never the gather path, whose kernels do not read them)."""
-    for x, name in ((q, "q"), (k, "k"), (v, "v")):
-        _require_tensor(x, name)
-    _require_tensor(mask, "mask", optional=True)
-    _require_tensor(bias, "bias", optional=True)
-    alpha, delta, fn, windows = _parse_score_terms(gate, gate_fn, windows)
-    check_devices(q=q, k=k, v=v, mask=mask, bias=bias, alpha=alpha, delta=delta, windows=windows)
-    left, right, scale, softcap = _parse_options(window, scale, softcap)
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    out, lse = forward_with_grad(q, k, v, mask, bias, bool(causal), left, right, scale, softcap,
-                                 bool(deterministic), None, 0, None, None, alpha, delta, fn, windows)
-    return (out, lse) if return_lse else out
+                        softcap=softcap, deterministic=deterministic, return_lse=return_lse, gate=gate,
+                        gate_fn=gate_fn, windows=windows)
 
 
 def attention_on(
@@ -190,23 +168,36 @@ def attention_on(
     softcap: float,
     deterministic: bool,
     return_lse: bool,
+    gate: Optional[Tuple[Tensor, Tensor]] = None,
+    gate_fn: str = "logsigmoid",
+    windows: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """`attention`, on the keys of ``key_set`` (gather path; ``mask`` is then ignored) when
-    given, else on the path `gather.mask_key_set` chooses. For attention_topk."""
+    given, else on the path `gather.mask_key_set` chooses. For attention_topk. A gate or windows
+    with sinks take the dense kernels (the gather path's kernels do not read them; callers that
+    pass a key_set pass neither)."""
     _require_tensor(q, "q")
     _require_tensor(k, "k")
     _require_tensor(v, "v")
     _require_tensor(mask, "mask", optional=True)
     _require_tensor(bias, "bias", optional=True)
-    check_devices(q=q, k=k, v=v, mask=mask, bias=bias)
+    alpha = delta = None
+    fn = 0
+    if gate is not None or windows is not None or gate_fn != "logsigmoid":
+        alpha, delta, fn, windows = _parse_score_terms(gate, gate_fn, windows)
+    check_devices(q=q, k=k, v=v, mask=mask, bias=bias, alpha=alpha, delta=delta, windows=windows)
     left, right, scale, softcap = _parse_options(window, scale, softcap)
     causal, deterministic = bool(causal), bool(deterministic)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    if key_set is None:
+    terms = alpha is not None or windows is not None
+    if key_set is None and not terms:
         key_set = gather.mask_key_set(q, k, mask, bias, deterministic)
     if key_set is not None:
         out, lse = gather.attention_over_key_set(q, k, v, key_set, bias, causal, left, right,
                                                  scale, softcap, deterministic)
+    elif terms:
+        out, lse = forward_with_grad(q, k, v, mask, bias, causal, left, right, scale, softcap,
+                                     deterministic, None, 0, None, None, alpha, delta, fn, windows)
     else:
         out, lse = forward_with_grad(q, k, v, mask, bias, causal, left, right, scale, softcap,
                                      deterministic)

@@ -2,8 +2,6 @@
 // on top of params that make_forward_params / make_varlen_forward_params have filled: the
 // problem's sizes, device and layout come from there, so the rules stay those of the one
 // validation routine.
-#include <string>
-
 #include "api/tensor_checks.h"
 #include "dmattn/api.h"
 
@@ -13,28 +11,29 @@ namespace {
 using namespace checks;  // NOLINT: the shared argument checks
 
 void check_on_device(const ForwardParams& p, const TensorDesc& t, const char* name) {
-  check(t.device == p.device && t.device_id == p.device_id, ErrorKind::kValue, name,
-        ": expected a tensor on the same device as q (", device_name(p.device), ":", p.device_id, "), got ",
-        device_name(t.device), ":", t.device_id);
+  check_same_device(p.device, p.device_id, t, name);
 }
 
-// alpha / delta: (B, S, heads), or (total, heads) in a packed batch, as a SeqTensor.
-SeqTensor gate_rows(const ForwardParams& p, const TensorDesc& t, int64_t rows, int64_t heads, const char* name,
-                    DType dtype) {
-  check_on_device(p, t, name);
-  check(t.dtype == dtype || t.dtype == DType::kFloat32, ErrorKind::kType, name, ": expected dtype ",
-        dtype_name(dtype), " (like q) or float32, got ", dtype_name(t.dtype));
-  if (p.is_varlen()) {
-    const char* layout = std::string(name) == "alpha" ? "(total_q, num_heads)" : "(total_k, num_heads_kv)";
-    check_rank(t, 2, name, layout);
-    check_shape(t, {rows, heads}, name);
-    return {0, t.strides[0], t.strides[1]};
-  }
-  const char* layout =
-      std::string(name) == "alpha" ? "(batch, seqlen_q, num_heads)" : "(batch, seqlen_k, num_heads_kv)";
-  check_rank(t, 3, name, layout);
-  check_shape(t, {p.batch, rows, heads}, name);
+// The strides of a (B, S, heads) tensor, or of a packed batch's (total, heads) (batch stride 0).
+SeqTensor row_strides(const TensorDesc& t) {
+  if (t.rank() == 2) return {0, t.strides[0], t.strides[1]};
   return {t.strides[0], t.strides[1], t.strides[2]};
+}
+
+// alpha / delta: (B, S, heads), or (total, heads) in a packed batch (the layouts as error text).
+SeqTensor gate_rows(const ForwardParams& p, const TensorDesc& t, int64_t rows, int64_t heads, const char* name,
+                    const char* dense_layout, const char* packed_layout) {
+  check_on_device(p, t, name);
+  check(t.dtype == p.dtype || t.dtype == DType::kFloat32, ErrorKind::kType, name, ": expected dtype ",
+        dtype_name(p.dtype), " (like q) or float32, got ", dtype_name(t.dtype));
+  if (p.is_varlen()) {
+    check_rank(t, 2, name, packed_layout);
+    check_shape(t, {rows, heads}, name);
+  } else {
+    check_rank(t, 3, name, dense_layout);
+    check_shape(t, {p.batch, rows, heads}, name);
+  }
+  return row_strides(t);
 }
 
 void set_gate(const ScoreTerms& terms, ForwardParams& p) {
@@ -43,8 +42,10 @@ void set_gate(const ScoreTerms& terms, ForwardParams& p) {
         "gate: gated attention does not take gathered keys (attention_topk) yet");
   const int64_t rows_q = p.is_varlen() ? p.total_q : p.seqlen_q;
   const int64_t rows_k = p.is_varlen() ? p.total_k : p.seqlen_k;
-  p.gate.alpha_strides = gate_rows(p, *terms.alpha, rows_q, p.num_heads, "alpha", p.dtype);
-  p.gate.delta_strides = gate_rows(p, *terms.delta, rows_k, p.num_heads_kv, "delta", p.dtype);
+  p.gate.alpha_strides = gate_rows(p, *terms.alpha, rows_q, p.num_heads, "alpha", "(batch, seqlen_q, num_heads)",
+                                   "(total_q, num_heads)");
+  p.gate.delta_strides = gate_rows(p, *terms.delta, rows_k, p.num_heads_kv, "delta",
+                                   "(batch, seqlen_k, num_heads_kv)", "(total_k, num_heads_kv)");
   p.gate.alpha = terms.alpha->data, p.gate.alpha_dtype = terms.alpha->dtype;
   p.gate.delta = terms.delta->data, p.gate.delta_dtype = terms.delta->dtype;
   check(terms.gate_fn == GateFn::kLogSigmoid || terms.gate_fn == GateFn::kLinear, ErrorKind::kValue,
@@ -86,8 +87,7 @@ SeqTensor gate_grad_rows(const ForwardParams& p, const TensorDesc& grad, const T
   check_on_device(p, grad, name);
   check_dtype(grad, dtype, name);
   check_shape(grad, input.shape, name);
-  if (grad.rank() == 2) return {0, grad.strides[0], grad.strides[1]};
-  return {grad.strides[0], grad.strides[1], grad.strides[2]};
+  return row_strides(grad);
 }
 
 }  // namespace

@@ -12,10 +12,15 @@ namespace dmattn::checks {
 // The dtype lse (and the CPU backend's accumulator) uses for inputs of dtype `d`.
 inline DType stat_dtype(DType d) { return d == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32; }
 
+// q's device given as (device, device_id): the checks made on filled params.
+inline void check_same_device(DeviceKind device, int32_t device_id, const TensorDesc& t, const char* name) {
+  check(t.device == device && t.device_id == device_id, ErrorKind::kValue, name,
+        ": expected a tensor on the same device as q (", device_name(device), ":",
+        device_id, "), got ", device_name(t.device), ":", t.device_id);
+}
+
 inline void check_same_device(const TensorDesc& ref, const TensorDesc& t, const char* name) {
-  check(t.device == ref.device && t.device_id == ref.device_id, ErrorKind::kValue, name,
-        ": expected a tensor on the same device as q (", device_name(ref.device), ":",
-        ref.device_id, "), got ", device_name(t.device), ":", t.device_id);
+  check_same_device(ref.device, ref.device_id, t, name);
 }
 
 inline void check_rank(const TensorDesc& t, int64_t rank, const char* name, const char* layout) {
