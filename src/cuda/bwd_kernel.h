@@ -16,8 +16,9 @@
 // (none for a block of padding rows). Every query head of the group reads the same positions
 // (the host refuses one positions row per query head when the group is larger than 1).
 // The gate and windows with sinks (score_terms.h; the kTerms variants, with kMaskBias: the others
-// keep their registers): applied after the transform; the gate's dalpha row sums of each tile go to dalpha_accum (bwd_dalpha_add), its
-// ddelta column sums stay in registers over the (batch, kv head) and are stored at its end.
+// keep their registers): applied after the transform; the gate's dalpha row sums of each tile go
+// to dalpha_accum (bwd_dalpha_add), its ddelta column sums stay in registers over the (batch, kv
+// head) and are stored at its end.
 #pragma once
 
 #include "cuda/bwd_args.h"
@@ -149,7 +150,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
   // dbias from the bf16/fp16 dS tile in shared memory (coalesced) instead of registers.
   const bool direct_from_smem = mode == kDbDirect && !kSoftcap && !f.bias_fp32;
   float colsum[Tile::kHalves * kCols];
-  // The gate (score_terms.h): its window / gate terms, and its gradients when wanted.
+  // The gate (score_terms.h): its window / gate terms, and its gradients when wanted (dalpha /
+  // ddelta come only with a gate: set_score_terms).
   const bool gate_grads = kTerms && (a.dalpha != nullptr || a.ddelta != nullptr);
   float gcol[Tile::kHalves * kCols];
   static_assert(Tile::kColSumBytes >= (kThreads / 32 / Tile::kAtomMSdP) * kBlockM * 4, "s_col holds the gate's row sums");
@@ -290,7 +292,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
           bwd_dbias_from_scores<Element, Tile::kHalves>(a, direct_from_smem, b, h, m0, n0, c_off, j, rows_valid,
                                                         cols_valid(), dp_rc, tScS_rc, colsum);
           // ---- the gate's gradients (dS before the softcap chain too: the gate is added after it)
-          if (kTerms && gate_grads && terms.alpha != nullptr)
+          if (gate_grads)
             accumulate_gate_grads<Element, Tile::kHalves>(dp_rc, tScS_rc, f, terms, m0, n0 + c_off, rows_valid,
                                                           cols_valid() - c_off, j, grow, gcol);
           if constexpr (kSoftcap) bwd_softcap_chain(acc_dp, tt);
@@ -304,9 +306,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
           copy(store_pds, thr_store_pds.retile_S(rP), thr_store_pds.partition_D(sP_j));
           copy(store_pds, thr_store_pds.retile_S(rdS), thr_store_pds.partition_D(sdS_j));
         }
-        if (kTerms && gate_grads) bwd_dalpha_stage<kBlockM, Tile::kAtomMSdP>(grow, tScS_rc, s_col, tid);
+        if (gate_grads) bwd_dalpha_stage<kBlockM, Tile::kAtomMSdP>(grow, tScS_rc, s_col, tid);
         __syncthreads();  // sP, sdS visible; the mask / bias tiles are free
-        if (kTerms && gate_grads) {  // (s_col free again before the column-sum flushes below, which reuse it)
+        if (gate_grads) {  // (s_col free again before the column-sum flushes below, which reuse it)
           if (a.dalpha != nullptr)
             bwd_dalpha_add<kBlockM, kThreads / 32 / Tile::kAtomMSdP, kThreads>(a, s_col, seq, h, m0, rows_valid, n_block, tid);
           __syncthreads();
@@ -358,7 +360,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_kernel(const __grid_co
       } else if (mode == kDbDirect) {
         bwd_dbias_zero_unreached<Element, kBlockM, kThreads>(a, seq, b, kvh, m_lo, m_hi, n0, cols_valid(), tid);
       }
-      if (kTerms && gate_grads && a.ddelta != nullptr)
+      if (gate_grads && a.ddelta != nullptr)
         bwd_ddelta_flush<Element, kBlockN, kHalfN, Tile::kAtomMSdP, kThreads>(a, gcol, tScS_rc, s_col, b, kvh, n0,
                                                                              cols_valid(), tid);
 

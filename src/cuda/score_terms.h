@@ -39,7 +39,6 @@ struct ScoreTermsRow {
   int sink = 0, near = 0, gap = 0, far = 0;
   int offset = 0;  // len_k - len_q: causal alignment (bottom-right)
 
-  __device__ __forceinline__ bool any() const { return alpha != nullptr || windows; }
   // Key j (index in the sequence) visible to query i under the window with sinks.
   __device__ __forceinline__ bool visible(int i, int j) const {
     const int d = i + offset - j;
