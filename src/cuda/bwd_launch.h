@@ -200,9 +200,10 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
   // The warp-specialized Hopper kernel (sm90/bwd_ws_launch_sm90.h) where it takes the problem; in
   // deterministic mode where it can order its dQ adds (bwd_ws_orders_dq_adds), else the general
   // kernels with dQ from the query-major kernel.
-  // The gate and windows with sinks run on the sm80-class kernels only (score_terms.h).
+  // The gate and windows with sinks (score_terms.h): on the sm80-class kernels, and the gate
+  // with key rows on the warp-specialized kernel (bwd_ws_supports).
   const bool terms = f.gate.alpha != nullptr || f.windows != nullptr;
-  const bool ws = !terms && bwd_sm90_enabled() && sm90::bwd_ws_supports(a) &&
+  const bool ws = bwd_sm90_enabled() && sm90::bwd_ws_supports(a) &&
                   (!deterministic || (!exact && a.dq_accum != nullptr && sm90::bwd_ws_orders_dq_adds(a)));
   const bool ordered_dq = ws && deterministic;
   if (ordered_dq) deterministic = false;  // dQ through dq_accum, the adds in key block order

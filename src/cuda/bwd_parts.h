@@ -245,6 +245,15 @@ __device__ __forceinline__ void bwd_colsum_flush(const BwdArgs& a, float (&colsu
 // sums of G alpha, reduced as bwd_colsum_flush's, stored into ddelta (every key of the block: the
 // CTA walked every query head of the group and every query block that reaches it; 0 where none
 // did). Clears gcol.
+// One key's ddelta (key: its row from the batch slice's first, kv head kvh, batch b), in delta's
+// dtype.
+template <typename Element>
+__device__ __forceinline__ void store_ddelta(const BwdArgs& a, int b, int key, int kvh, float v) {
+  const int64_t off = int64_t(b) * a.ddelta_bs + int64_t(key) * a.ddelta_rs + int64_t(kvh) * a.ddelta_hs;
+  if (a.f.gate.delta_fp32) static_cast<float*>(a.ddelta)[off] = v;
+  else store_sat(static_cast<Element*>(a.ddelta) + off, v);
+}
+
 template <typename Element, int kBlockN, int kHalfN, int kWarpsPerCol, int kThreads, int kN, class C>
 __device__ __forceinline__ void bwd_ddelta_flush(const BwdArgs& a, float (&gcol)[kN], C const& coord, float* s_col,
                                                  int b, int kvh, int n0, int cols, int tid) {
@@ -254,9 +263,7 @@ __device__ __forceinline__ void bwd_ddelta_flush(const BwdArgs& a, float (&gcol)
     float v = s_col[c];
     CUTE_UNROLL
     for (int w = 1; w < kWarpsPerCol; ++w) v += s_col[w * kBlockN + c];
-    const int64_t off = int64_t(b) * a.ddelta_bs + int64_t(k0 + n0 + c) * a.ddelta_rs + int64_t(kvh) * a.ddelta_hs;
-    if (a.f.gate.delta_fp32) static_cast<float*>(a.ddelta)[off] = v;
-    else store_sat(static_cast<Element*>(a.ddelta) + off, v);
+    store_ddelta<Element>(a, b, k0 + n0 + c, kvh, v);
   }
   CUTE_UNROLL
   for (int c = 0; c < kN; ++c) gcol[c] = 0.f;

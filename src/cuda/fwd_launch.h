@@ -141,6 +141,9 @@ void run_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
     case FwdWsScores::kKeyRows:
       sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kKeyRows>::Tile>(a, stream);
       return;
+    case FwdWsScores::kKeyRowsGate:
+      sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kKeyRowsGate>::Tile>(a, stream);
+      return;
     case FwdWsScores::kFullBias:
       launch_fwd_ws_bias_tiles<Element, kHeadDim, FwdWsScores::kFullBias>(a, stream);
       return;
@@ -175,9 +178,10 @@ void run_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
 // one.
 template <typename Element, int kHeadDim>
 void run_fwd(const FwdArgs& a, cudaStream_t stream) {
-  // The gate and windows with sinks run on the general kernel only (score_terms.h).
+  // The gate and windows with sinks (score_terms.h): on the general kernel, and the gate alone
+  // with key rows on the Hopper kernel (fwd_ws_supports).
   const bool terms = a.gate.alpha != nullptr || a.windows != nullptr;
-  const bool hopper = !terms && fwd_sm90_enabled() && sm90::fwd_ws_supports<kHeadDim>(a);
+  const bool hopper = fwd_sm90_enabled() && sm90::fwd_ws_supports<kHeadDim>(a);
   // Indexed keys: read in place by the warp-specialized kernel, gathered into a copy for the others.
   if (a.kpos.rows != nullptr && !hopper) {
     FwdArgs gathered = a;

@@ -30,6 +30,17 @@ __device__ __forceinline__ float gate_value(float x, bool linear) {
 // g'(x): sigmoid(-x) = 1 / (1 + exp(x)) (exp overflowing to inf gives 0), or 1.
 __device__ __forceinline__ float gate_slope(float x, bool linear) { return linear ? 1.f : 1.f / (1.f + __expf(x)); }
 
+// The same with `linear` chosen per element by a select (both values computed): one code path
+// for both functions where the caller's code size matters (the Hopper kernels, gate_sm90.h).
+__device__ __forceinline__ float gate_value_select(float x, bool linear) {
+  const float ls = fminf(x, 0.f) - __logf(1.f + __expf(-fabsf(x)));
+  return linear ? x : ls;
+}
+__device__ __forceinline__ float gate_slope_select(float x, bool linear) {
+  const float sl = __fdividef(1.f, 1.f + __expf(x));
+  return linear ? 1.f : sl;
+}
+
 // One (batch, query head)'s gate rows and window, from the sequence's first query / key row.
 struct ScoreTermsRow {
   const char* alpha = nullptr;  // null: no gate

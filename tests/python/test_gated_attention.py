@@ -25,10 +25,10 @@ def _inputs(b, sq, sk, h, hkv, d, dtype, device, gate_dtype=None, gate_range=4.0
     return q, k, v, alpha, delta, dout
 
 
-def _run(q, k, v, dout, *, gate=None, bias=None, backward=True, **kw):
+def _run(q, k, v, dout, *, gate=None, bias=None, backward=True, bias_grad=True, **kw):
     leaves = [t.detach().clone().requires_grad_(backward) for t in (q, k, v)]
     gate_l = None if gate is None else tuple(t.detach().clone().requires_grad_(backward) for t in gate)
-    bias_l = None if bias is None else bias.detach().clone().requires_grad_(backward)
+    bias_l = None if bias is None else bias.detach().clone().requires_grad_(backward and bias_grad)
     out, lse = dmattn.attention(*leaves, bias=bias_l, gate=gate_l, return_lse=True, **kw)
     grads = {}
     if backward:
@@ -36,7 +36,7 @@ def _run(q, k, v, dout, *, gate=None, bias=None, backward=True, **kw):
         grads = dict(zip("qkv", (t.grad for t in leaves)))
         if gate_l is not None:
             grads["alpha"], grads["delta"] = gate_l[0].grad, gate_l[1].grad
-        if bias_l is not None:
+        if bias_l is not None and bias_grad:
             grads["bias"] = bias_l.grad
     return out, lse, grads
 
@@ -45,7 +45,7 @@ def _check(q, k, v, dout, out, lse, grads, *, gate=None, gate_fn="logsigmoid", w
            context="", **kw):
     cpu = lambda t: None if t is None else t.detach().cpu()  # noqa: E731
     args = dict(gate=None if gate is None else tuple(map(cpu, gate)), gate_fn=gate_fn,
-                windows=cpu(windows), dout=cpu(dout) if grads else None, bias_grad=bias is not None, **kw)
+                windows=cpu(windows), dout=cpu(dout) if grads else None, bias_grad="bias" in grads, **kw)
     ref = run_reference(cpu(q), cpu(k), cpu(v), None, cpu(bias), upcast=True, **args)
     low = run_reference(cpu(q), cpu(k), cpu(v), None, cpu(bias), upcast=False, **args)
     check_close("out", out, ref.out, low.out, FWD_FACTOR, context=context)
@@ -68,6 +68,56 @@ def test_gate_matches_reference(device, nan_poison, gate_fn, causal, dtype, shap
     assert grads["alpha"].dtype == alpha.dtype and grads["delta"].shape == delta.shape
     _check(q, k, v, dout, out, lse, grads, gate=(alpha, delta), gate_fn=gate_fn, causal=causal,
            context=f"{gate_fn} causal={causal} {dtype} {shape}")
+
+
+# Sequences of several query and key blocks of the CUDA kernels (the Hopper ones take the gate with
+# key rows at head dims 64 and 128, each backward path, deterministic mode, a key bias beside it).
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mode", ["fa2_bwd", "exact_bwd", "deterministic", "key_bias", "fp16_fp32_gate"])
+def test_gate_on_long_sequences_matches_reference(monkeypatch, nan_poison, d, causal, mode):
+    b, sq, sk, h, hkv = 2, 300, 517, 4, 2
+    dtype = torch.float16 if mode == "fp16_fp32_gate" else torch.bfloat16
+    gate_dtype = torch.float32 if mode == "fp16_fp32_gate" else None
+    q, k, v, alpha, delta, dout = _inputs(b, sq, sk, h, hkv, d, dtype, "cuda", gate_dtype=gate_dtype, seed=d)
+    monkeypatch.setenv("DMATTN_BWD_EXACT", "1" if mode == "exact_bwd" else "0")
+    bias = torch.randn(b, h, 1, sk).to(dtype).cuda() if mode == "key_bias" else None
+    out, lse, grads = _run(q, k, v, dout, gate=(alpha, delta), bias=bias, bias_grad=False, causal=causal,
+                           deterministic=mode == "deterministic")
+    _check(q, k, v, dout, out, lse, grads, gate=(alpha, delta), bias=bias, causal=causal, context=f"d={d} {mode}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate_fn", GATE_FNS)
+def test_packed_gate_matches_reference_per_sequence(nan_poison, gate_fn):
+    """A packed batch with the gate alone (no windows: the Hopper kernels' packed path), sequences
+    of several blocks, one of no keys and one of no queries, each against the float64 reference."""
+    torch.manual_seed(2)
+    lens_q, lens_k = [130, 0, 257, 64, 5], [200, 9, 257, 0, 300]
+    h, hkv, d = 4, 2, 128
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    mk = lambda *shape, s=1.0: (torch.randn(*shape) * s).to(torch.bfloat16).cuda()  # noqa: E731
+    q, k, v = mk(sum(lens_q), h, d), mk(sum(lens_k), hkv, d), mk(sum(lens_k), hkv, d)
+    alpha, delta, dout = mk(sum(lens_q), h, s=3.0), mk(sum(lens_k), hkv, s=1.5), mk(sum(lens_q), h, d)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, alpha, delta)]
+    out, lse = dmattn.attention_varlen(*leaves[:3], cu_q, cu_k, max(lens_q), max(lens_k), gate=leaves[3:],
+                                       gate_fn=gate_fn, causal=True, return_lse=True)
+    out.backward(dout)
+    for bi in range(len(lens_q)):
+        rq, rk = slice(int(cu_q[bi]), int(cu_q[bi + 1])), slice(int(cu_k[bi]), int(cu_k[bi + 1]))
+        if lens_q[bi] == 0:
+            assert (leaves[4].grad[rk] == 0).all(), "keys of a sequence without queries: ddelta 0"
+            continue
+        if lens_k[bi] == 0:
+            assert (out[rq] == 0).all() and (leaves[3].grad[rq] == 0).all()
+            continue
+        grads = {n: t.grad[r][None] for n, t, r in zip("qkv", leaves, (rq, rk, rk))}
+        grads["alpha"], grads["delta"] = leaves[3].grad[rq][None], leaves[4].grad[rk][None]
+        sub = [t[r][None] for t, r in zip((q, k, v, alpha, delta, dout), (rq, rk, rk, rq, rk, rq))]
+        _check(*sub[:3], sub[5], out[rq][None], lse[:, rq][None], grads, gate=tuple(sub[3:5]), gate_fn=gate_fn,
+               causal=True, context=f"sequence {bi}")
 
 
 def test_gate_float64_matches_reference_tightly():

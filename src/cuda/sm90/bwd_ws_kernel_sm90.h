@@ -28,6 +28,11 @@
 //       dQ -> shared memory (fp32) for the writer (head dim 256: the consumers in turns on one
 //       buffer, bwd_ws_tile_sm90.h).
 //     dK and dV stay in registers across the loop and are stored at the end (scale applied).
+// With the gate (the variant Tile::kGate, key rows), the loader adds the query block's alpha rows
+// and the key block's delta rows to the stages, the transform adds scale * g(alpha delta) to the
+// scores, and once P is stored the gate's gradients of the block go from dS into dalpha's
+// accumulator (row sums) and shared memory (column sums, flushed into ddelta at the end;
+// gate_grads_sm90.h).
 // The score transform and P / dS are the general Hopper kernel's (bwd_common.h): the same
 // numerics, exactly. A query-broadcast dbias's column sums (the variant Tile::kColSum) are one
 // more product, dS^T times a tile of ones (as the general kernel's bias fast path), issued before
@@ -58,6 +63,8 @@
 #include "cuda/sm90/bias_tile_sm90.h"
 #include "cuda/sm90/bwd_ws_tile_sm90.h"
 #include "cuda/sm90/dbias_colsum_sm90.h"
+#include "cuda/sm90/gate_grads_sm90.h"
+#include "cuda/sm90/gate_sm90.h"
 #include "cuda/sm90/gmma.h"
 #include "cuda/sm90/key_rows_sm90.h"
 #include "cuda/sm90/ordered_adds_sm90.h"
@@ -166,6 +173,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     } else {
       bwd_query_block_range(seq.window(), n0, kBlockN, kBlockM, m_lo, m_hi);
     }
+    if constexpr (Tile::kGate)
+      for (int i = threadIdx.x; i < 4 * kBlockN; i += Tile::kNThreads) ss.gate_col[i] = 0.f;
     if constexpr (colsum) {
       for (int i = threadIdx.x; i < kBlockN; i += Tile::kNThreads) ss.colsum[i] = 0.f;
       // (the column-sum product's B operand, published to wgmma by this fence and the barriers
@@ -247,6 +256,14 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
           if (t < Tile::kStages || head_of(t - Tile::kStages) != h)
             load_key_rows<Element, typename Tile::KeyRows, kBlockN>(st.keys, n_block, len_k,
                                                                     key_row_sources(f, b, h, k0));
+        }
+        // The gate's rows: the key block's delta (the kv head's: once per stage), the query
+        // block's alpha (its source from an opaque batch index: the invariant part hoisted out of
+        // the loop took the 40-register loader's registers).
+        if constexpr (Tile::kGate) {
+          if (t < Tile::kStages)
+            load_gate_rows<Element, kBlockN>(st.keys.delta, gate_delta_source(f, b, h, k0), n0, len_k - n0);
+          load_gate_rows<Element, kBlockM>(st.alpha, gate_alpha_source(f, opaque_int(b), h, q0), m0, rows_valid);
         }
         pipe_rows.producer_commit(write);
         ++write;
@@ -579,6 +596,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         CUTE_UNROLL
         for (int i = 0; i < size(acc_s); ++i) acc_s(i) *= f.scale;
         add_key_bias(s_rc, tScS_rc, kr.bias, 1.f);
+        if constexpr (Tile::kGate) add_gate_scores(s_rc, tScS_rc, st.alpha, kr.delta, f.scale, f.gate.linear);
         const PositionTest pt{kr.pos, win, Tile::kKeyRowEndDelta};
         if (bounded_block_needs_mask<kBlockN>(pt.win, kr.pos, m0, kBlockM, kr.end_min))
           mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(s_rc, tScS_rc, m0, n0, win, nullptr, 0,
@@ -601,7 +619,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       }
       gemm_wait<0>(acc_dp);
       bwd_p_ds(s_rc, dp_rc, row_m, row_log2l, delta);
-      pipe_rows.consumer_release(read);
+      // (the gate's gradients read the stage's rows after P is stored)
+      if constexpr (!Tile::kGate) pipe_rows.consumer_release(read);
 
       {  // P, dS -> shared memory (stmatrix). P's buffer is free: this consumer's dV product of
          // t - 1 is complete (its wait). dS[t % 2] was last read by the dQ products of t - 2,
@@ -616,6 +635,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         Tensor rP = make_tensor<Element>(acc_s.layout());
         convert_fragment<Element, false>(acc_s, rP);
         copy(r2s, thr_r2s.retile_S(rP), thr_r2s.partition_D(as_position_independent_swizzle_tensor(sP_at(pbuf))));
+        // The gate's gradients from dS in fp32, once P's registers are free: this consumer's 64
+        // keys of the block (its dalpha slice), its warp's row of the column sums.
+        if constexpr (Tile::kGate) {
+          gate_grads_sm90<kBlockN, 4>(a, dp_rc, tScS_rc, st.alpha, st.keys.delta, ss.gate_col.data(),
+                                      seq.stat_offset(h) + m0, rows_valid, n0 + 64 * consumer, ctid);
+          pipe_rows.consumer_release(read);
+        }
         Tensor rdS = make_tensor<Element>(acc_dp.layout());
         convert_fragment<Element, true>(acc_dp, rdS);
         copy(r2s, thr_r2s.retile_S(rdS), thr_r2s.partition_D(as_position_independent_swizzle_tensor(sdS_at(buf))));
@@ -747,6 +773,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         colsum_flush(kvh * group);
       }
     }
+  }
+  // The gate's ddelta: every key of the block (0 where no query reached it).
+  if constexpr (Tile::kGate) {
+    if (a.ddelta != nullptr)
+      ddelta_flush_sm90<Element, kBlockN, 4, kConsumerThreads>(a, ss.gate_col.data(), b, kvh, n0, cols_valid, ctid,
+                                                               consumers_sync);
   }
   Element* gdK = static_cast<Element*>(a.dk) + int64_t(b) * a.dk_bs + int64_t(seq.k0() + n0) * a.dk_rs + int64_t(kvh) * a.dk_hs;
   Element* gdV = static_cast<Element*>(a.dv) + int64_t(b) * a.dv_bs + int64_t(seq.k0() + n0) * a.dv_rs + int64_t(kvh) * a.dv_hs;

@@ -21,8 +21,9 @@ namespace dmattn::cuda::sm90 {
 // for gathered keys / key ends, a query-broadcast bias or mask; plain scores without any of them.
 inline BwdWsScores bwd_ws_scores(const FwdArgs& f) {
   if (f.bias.ptr != nullptr && !f.bias.row_bcast) return BwdWsScores::kFullBias;
-  return f.kpos.ptr != nullptr || f.bias.ptr != nullptr || f.mask.ptr != nullptr ? BwdWsScores::kKeyRows
-                                                                                 : BwdWsScores::kPlain;
+  return f.kpos.ptr != nullptr || f.bias.ptr != nullptr || f.mask.ptr != nullptr || f.gate.alpha != nullptr
+             ? BwdWsScores::kKeyRows
+             : BwdWsScores::kPlain;
 }
 
 // A full bias's gradient the kernel stores by TMA from its dS tiles: one element per dS element
@@ -38,8 +39,8 @@ inline bool bwd_ws_dbias_tiles_ok(const BwdArgs& a) {
 // key-side bias with its column-sum gradient or without one, a query-broadcast or key-side
 // mask; dense batches also gathered keys and key ends), dense batches at 64 and 128 with a full
 // 16-bit bias alone whose tiles TMA loads (tma_bias_tiles_ok), with its gradient where every dS element has its own
-// (bwd_ws_dbias_tiles_ok) or without one; the lse or the exact path's statistics (dQ then by the
-// query-major kernel). The others (full masks, fp32 full biases, a full bias's gradient reduced
+// (bwd_ws_dbias_tiles_ok) or without one; the gate with key rows (no column-sum dbias beside it);
+// the lse or the exact path's statistics (dQ then by the query-major kernel). The others (full masks, fp32 full biases, a full bias's gradient reduced
 // over batch / heads, softcap, a dbias reduced by folding batch / heads into a CTA) run the
 // general kernels; in deterministic mode also the problems whose dQ adds it cannot order
 // (bwd_ws_orders_dq_adds). DMATTN_BWD_SM90_WS=0 switches it off.
@@ -55,6 +56,12 @@ inline bool bwd_ws_supports(const BwdArgs& a) {
   // pointer; the general kernels write the zeros)
   if (f.seqlen_q <= 0 || f.seqlen_k <= 0 || f.batch <= 0) return false;
   if ((f.mask.ptr && !f.mask.row_bcast) || (f.kpos.ends && !f.kpos.ptr)) return false;
+  // (the gate: key rows without a full bias or dbias column sums; windows with sinks: the
+  // sm80-class kernels)
+  if (f.windows != nullptr) return false;
+  if (f.gate.alpha != nullptr &&
+      (bwd_ws_scores(f) != BwdWsScores::kKeyRows || (a.dbias != nullptr && a.dbias_mode == kDbColSum)))
+    return false;
   const bool packed = f.cu_seqlens_q != nullptr;
   if (packed && (f.kpos.ptr != nullptr || f.q_rows <= 0 || f.k_rows <= 0)) return false;
   if (bwd_ws_scores(f) == BwdWsScores::kFullBias) {
@@ -171,13 +178,18 @@ void launch_bwd_ws(const BwdArgs& args, dim3 grid, bool ordered_dq, cudaStream_t
   } else {
     using KeyRows = BwdWsTile<Element, kHeadDim, BwdWsScores::kKeyRows>;
     using KeyRowsColSum = BwdWsTile<Element, kHeadDim, BwdWsScores::kKeyRows, /*kColSum=*/true>;
+    using KeyRowsGate = BwdWsTile<Element, kHeadDim, BwdWsScores::kKeyRows, /*kColSum=*/false, /*kGate=*/true>;
     switch (bwd_ws_scores(a.f)) {
       case BwdWsScores::kFullBias:
         launch_bwd_ws_tile<BwdWsTile<Element, kHeadDim, BwdWsScores::kFullBias>, false>(a, grid, stream);
         break;
       case BwdWsScores::kKeyRows:
-        // (bwd_ws_supports: a key-row problem's dbias is its column sums, or none)
-        if (a.dbias != nullptr && a.dbias_mode == kDbColSum)
+        // (bwd_ws_supports: a key-row problem's dbias is its column sums, or none; none with
+        // the gate)
+        if (a.f.gate.alpha != nullptr)
+          packed ? launch_bwd_ws_tile<KeyRowsGate, true>(a, grid, stream)
+                 : launch_bwd_ws_tile<KeyRowsGate, false>(a, grid, stream);
+        else if (a.dbias != nullptr && a.dbias_mode == kDbColSum)
           packed ? launch_bwd_ws_tile<KeyRowsColSum, true>(a, grid, stream)
                  : launch_bwd_ws_tile<KeyRowsColSum, false>(a, grid, stream);
         else

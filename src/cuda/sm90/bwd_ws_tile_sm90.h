@@ -55,7 +55,7 @@ namespace dmattn::cuda::sm90 {
 
 enum class BwdWsScores { kPlain, kKeyRows, kFullBias };
 
-template <typename Element_, int kHeadDim_, BwdWsScores kScores_, bool kColSum_ = false>
+template <typename Element_, int kHeadDim_, BwdWsScores kScores_, bool kColSum_ = false, bool kGate_ = false>
 struct BwdWsTile {
   using Element = Element_;
   static constexpr BwdWsScores kScores = kScores_;
@@ -66,6 +66,12 @@ struct BwdWsTile {
   // around the product and its accumulator cost 4 % (registers the loop had used otherwise).
   static constexpr bool kColSum = kColSum_;
   static_assert(!kColSum || kKeyRows, "column sums: key rows only");
+  // Key rows with gated attention's gate (gate_sm90.h, gate_grads_sm90.h): the key block's delta
+  // rows with the key rows, each query block's alpha rows with its statistics, the gradients'
+  // column sums in shared memory. A variant of its own, as kColSum (the key-row consumers have
+  // no registers to spare for a run-time test around it).
+  static constexpr bool kGate = kGate_;
+  static_assert(!kGate || (kKeyRows && !kColSum), "the gate: key rows without column sums");
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = kHeadDim == 256 ? 64 : 128;
@@ -186,6 +192,7 @@ struct BwdWsTile {
     int32_t pos[kBlockN];  // position (-1: a padding row past the keys)
     int32_t end[kBlockN];  // queries i < end may see the key (INT_MAX: no bound; 0: none)
     float bias[kBlockN];
+    alignas(16) float delta[kGate ? kBlockN : 1];  // the gate's delta rows
     alignas(16) int32_t end_min;  // the smallest of end[] (16-byte aligned: the next stage's rows are read as float2)
   };
   static constexpr int kKeyRowEndDelta = kBlockN;  // end[] behind pos[] (PositionTest::end_delta)
@@ -194,6 +201,7 @@ struct BwdWsTile {
     float m[kBlockM];      // lse (or the exact path's m); rows past the sequence unwritten
     float log2l[kBlockM];  // exact path only
     float delta[kBlockM];
+    float alpha[kGate ? kBlockM : 1];  // the gate's alpha rows (0 past the sequence)
     int32_t seq_len[2];  // packed batches: the sequence's query and key counts
     std::conditional_t<kKeyRows, KeyRows, NoKeyRows> keys;
   };
@@ -213,6 +221,9 @@ struct BwdWsTile {
     alignas(kFullBias ? 1024 : 16) cute::array_aligned<Element, kBiasElems, kFullBias ? 1024 : 16> bias;
     RowStage rows[kStages];
     cute::array_aligned<float, kColSum ? kBlockN : 4, 16> colsum;
+    // The gate's column sums of G alpha: one row per warp of a consumer (its 16 query rows),
+    // the consumers' key halves side by side (gate_grads_sm90).
+    cute::array_aligned<float, kGate ? 4 * kBlockN : 4, 16> gate_col;
     alignas(kColSum ? 1024 : 16)
         cute::array_aligned<Element, kColSum ? cute::cosize_v<SmemLayoutOnes> : 8, kColSum ? 1024 : 16> ones;
     cute::array_aligned<int32_t, kKeyRows ? kBlockN : 4, 16> pos;  // the CTA's positions (query range)

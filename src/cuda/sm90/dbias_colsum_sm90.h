@@ -29,20 +29,12 @@ __device__ __forceinline__ float select_f32(bool p, float x, float y) {
 // lane ending with kCols / 8 of them, which it adds into its warp's row: every s_col element has
 // one owner thread, the order of the adds is fixed (deterministic), no barrier is needed between
 // query blocks. The pairs (c, c + 1) of the accumulator layout are adjacent columns.
-template <int kBlockN, int kWarpsPerCol, class DP, class C>
-__device__ __forceinline__ void colsum_add_smem(DP const& dp, C const& coord, float* s_col, int tid) {
+// colsum_scatter_add takes the thread's values already summed over its rows (v[c]: column c of
+// the row/col view; also the gate's terms, gate_sm90.h); colsum_add_smem sums dS's rows first.
+template <int kBlockN, int kWarpsPerCol, int kCols, class C>
+__device__ __forceinline__ void colsum_scatter_add(const float (&v)[kCols], C const& coord, float* s_col, int tid) {
   using namespace cute;
-  constexpr int kRows = decltype(size<0>(dp))::value;
-  constexpr int kCols = decltype(size<1>(dp))::value;
   static_assert(kCols % 16 == 0);  // 8 lanes share columns; each ends with an even count
-  float v[kCols];
-  CUTE_UNROLL
-  for (int c = 0; c < kCols; ++c) {
-    float x = dp(0, c);
-    CUTE_UNROLL
-    for (int r = 1; r < kRows; ++r) x += dp(r, c);
-    v[c] = x;
-  }
   const int lane = tid & 31;
   // One halving step: the lane whose bit `mask` is set keeps the upper half of `in` and sends
   // the lower half to its partner, which keeps the lower half. (Three separate arrays with
@@ -77,6 +69,22 @@ __device__ __forceinline__ void colsum_add_smem(DP const& dp, C const& coord, fl
     acc.y += v8[i + 1];
     *p = acc;
   }
+}
+
+template <int kBlockN, int kWarpsPerCol, class DP, class C>
+__device__ __forceinline__ void colsum_add_smem(DP const& dp, C const& coord, float* s_col, int tid) {
+  using namespace cute;
+  constexpr int kRows = decltype(size<0>(dp))::value;
+  constexpr int kCols = decltype(size<1>(dp))::value;
+  float v[kCols];
+  CUTE_UNROLL
+  for (int c = 0; c < kCols; ++c) {
+    float x = dp(0, c);
+    CUTE_UNROLL
+    for (int r = 1; r < kRows; ++r) x += dp(r, c);
+    v[c] = x;
+  }
+  colsum_scatter_add<kBlockN, kWarpsPerCol>(v, coord, s_col, tid);
 }
 
 // Adds the column sums of one query block, from a column-sum product (dS^T times a tile of ones:

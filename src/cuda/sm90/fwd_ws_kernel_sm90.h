@@ -39,8 +39,10 @@
 // to the final scores; with indexed keys, warps 2 and 3 gather K and V by cp.async while warp 0
 // issues Q and the bias / mask tiles), warp 1
 // of the producer warpgroup loads block n's positions, query bounds and bias (load_key_rows)
-// into a stage of their own pipeline; s = scale * qk + bias (softcap: softcap * tanh(scale * qk
-// / softcap) + bias), then on the blocks that need it (the loader marks them in the stage)
+// into a stage of their own pipeline (the gate's variant, Tile::kGate: also block n's delta rows
+// and the tile's alpha rows, gate_sm90.h); s = scale * qk + bias (softcap: softcap * tanh(scale * qk
+// / softcap) + bias; then + scale * g(alpha delta)), then on the blocks that need it (the loader
+// marks them in the stage)
 // the test on positions and bounds (score_mask.h), the softmax on final scores. Gathered keys
 // take the key-block range of their positions (KeyPositionRow): blocks of padding rows only,
 // or of positions no query of the block sees, are never loaded.
@@ -66,6 +68,7 @@
 #include "cuda/softmax.h"
 #include "cuda/sm90/bias_tile_sm90.h"
 #include "cuda/sm90/fwd_ws_tile_sm90.h"
+#include "cuda/sm90/gate_sm90.h"
 #include "cuda/sm90/gmma.h"
 #include "cuda/sm90/key_rows_sm90.h"
 #include "cuda/sm90/mask_tile_sm90.h"
@@ -303,6 +306,17 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
             pipe_key_rows.producer_acquire(write_r);
             auto& st = ss.key_rows[write_r.index()];
             load_key_rows<Element, typename Tile::KeyRowStage, kBlockN>(st, n, count, src);
+            // The gate's rows: the block's delta, the tile's alpha (their sources derived afresh
+            // in each block from opaque coordinates: hoisted out of the loop and held through it,
+            // they made the loader spill).
+            if constexpr (Tile::kGate) {
+              const int gb = opaque_int(tile.b), gh = opaque_int(tile.h), m0 = opaque_int(tile.m_block) * kBlockM;
+              const SeqBounds gseq(a, gb);
+              load_gate_rows<Element, kBlockN>(st.delta, gate_delta_source(a, gb, gh, gseq.k0()), n * kBlockN,
+                                               count - n * kBlockN);
+              load_gate_rows<Element, kBlockM>(st.alpha, gate_alpha_source(a, gb, gh, gseq.q0()), m0,
+                                               gseq.len_q() - m0);
+            }
             // The block's part (the first lane: it wrote end_min, and the other lanes' rows are
             // visible after load_key_rows's __syncwarp; positions sorted).
             if (first_lane)
@@ -660,6 +674,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           const auto& st = ss.key_rows[read_r.index()];
           // (beside bias tiles: the score is final, the rows carry no bias)
           if constexpr (!Tile::kBias) add_key_bias(s_rc, tScS_rc, st.bias, scale);
+          // The gate on the final scores (its scale the softmax scale, after any softcap).
+          if constexpr (Tile::kGate) add_gate_scores(s_rc, tScS_rc, st.alpha, st.delta, a.scale, a.gate.linear);
           if constexpr (Tile::kMask) apply_mask_tile();
           // The test on positions (the blocks the loader marked): gathered keys' window on
           // original positions, else the plain window (positions are indices); query bounds

@@ -24,8 +24,9 @@ namespace dmattn::cuda::sm90 {
 // query-broadcast mask or softcap come with it; the mask tiles for a full mask, with key rows
 // beside them where gathered keys, softcap or a query-broadcast bias come with it; per-key rows
 // for everything else the kernel takes (gathered keys and key ends, query-broadcast biases and
-// masks, softcap); plain scores without any of them. (Under gathered keys a full bias's or
-// mask's columns are the gathered rows, tiled by TMA like any other.)
+// masks, softcap), their variant kKeyRowsGate with the gate; plain scores without any of them.
+// (Under gathered keys a full bias's or mask's columns are the gathered rows, tiled by TMA like
+// any other.)
 inline FwdWsScores fwd_ws_scores(const FwdArgs& a) {
   const bool full_bias = a.bias.ptr != nullptr && !a.bias.row_bcast;
   const bool full_mask = a.mask.ptr != nullptr && !a.mask.row_bcast;
@@ -36,6 +37,7 @@ inline FwdWsScores fwd_ws_scores(const FwdArgs& a) {
   if (full_mask)
     return a.bias.ptr != nullptr || a.softcap != 0.f || a.kpos.ptr != nullptr ? FwdWsScores::kFullMaskKeyRows
                                                                                : FwdWsScores::kFullMask;
+  if (a.gate.alpha != nullptr) return FwdWsScores::kKeyRowsGate;
   if (a.kpos.ptr != nullptr || a.bias.ptr != nullptr || a.mask.ptr != nullptr || a.softcap != 0.f)
     return FwdWsScores::kKeyRows;
   return FwdWsScores::kPlain;
@@ -57,17 +59,24 @@ struct FwdWsQkvViews {
   }
 };
 
-// The problems the warp-specialized kernel takes, at every head dim: dense or packed batches
-// with plain scores, softcap, a query-broadcast bias (any dtype) or mask, gathered keys with
-// key ends; dense batches with a full bias (tma_bias_tiles_ok: 16-bit or fp32) or a full mask
-// (tma_mask_tiles_ok), each alone or with any of those; dense batches with a full bias and a
-// full mask (and softcap; at head dim 256 a 16-bit bias). Operands that broadcast over heads or
-// batch (stride 0; k and v alike) are read through views of one head / batch (TmaExtents). The
-// others (a full bias with a full mask with gathered keys, or at 256 in fp32; rows of stride 0,
-// k and v broadcast differently, bias / mask rows TMA cannot tile) run the sm80-class kernels.
+// The problems the warp-specialized kernel takes, at every head dim: dense or packed batches with
+// plain scores, softcap, a query-broadcast bias (any dtype) or mask, gathered keys with key ends,
+// the gate (without bias or mask tiles, at head dims 64 and 128); dense batches with a full bias
+// (tma_bias_tiles_ok: 16-bit or fp32) or a full mask (tma_mask_tiles_ok), each alone or with any of
+// those; dense batches with a full bias and a full mask (and softcap; at head dim 256 a 16-bit
+// bias). Operands that broadcast over heads or batch (stride 0; k and v alike) are read through
+// views of one head / batch (TmaExtents). The others (a full bias with a full mask with gathered
+// keys, or at 256 in fp32; rows of stride 0, k and v broadcast differently, bias / mask rows TMA
+// cannot tile; windows with sinks) run the sm80-class kernels.
 template <int kHeadDim>
 bool fwd_ws_supports(const FwdArgs& a) {
   if (a.kpos.ends && !a.kpos.ptr) return false;
+  // (the gate comes with key rows alone, at head dims 64 and 128: beside bias or mask tiles, at
+  // 256 -- where its code spilled the consumers --, and windows with sinks, the sm80-class
+  // kernel's score terms)
+  if (a.windows != nullptr ||
+      (a.gate.alpha != nullptr && (kHeadDim == 256 || fwd_ws_scores(a) != FwdWsScores::kKeyRowsGate)))
+    return false;
   // (a stride of 0 along the rows, every query or key the same row: no TMA view of it)
   const FwdWsQkvViews views = FwdWsQkvViews::of(a);
   if ((views.rows_q > 1 && a.q_rs == 0) || (a.kpos.rows == nullptr && views.rows_k > 1 && (a.k_rs == 0 || a.v_rs == 0)))
@@ -78,6 +87,7 @@ bool fwd_ws_supports(const FwdArgs& a) {
   switch (fwd_ws_scores(a)) {
     case FwdWsScores::kPlain:
     case FwdWsScores::kKeyRows:
+    case FwdWsScores::kKeyRowsGate:
       return true;
     case FwdWsScores::kFullBias:
     case FwdWsScores::kFullBiasKeyRows:

@@ -15,10 +15,13 @@
 //              (chunk c of a row at c ^ (row % 8)); a false element gives a -inf score, the
 //              softmax then on raw scores as kPlain's (mask_tile_sm90.h);
 //   kKeyRows:  per-key operands, one kBlockN row of each per key block: the key's position
-//              (gathered keys; else its index), its query bound (key ends; else none) and its
+//              (gathered keys; else its index), its query bound (key ends; else none), its
 //              bias (a query-broadcast bias in any of its dtypes, converted to fp32; else 0).
 //              A producer warp loads them into kStages KeyRowStage buffers (a PipelineAsync);
 //              the test runs on positions (key_positions.h);
+//   kKeyRowsGate: kKeyRows with gated attention's gate (gate_sm90.h): the stages also carry the
+//              block's delta rows and the tile's alpha rows (a variant of its own: the gate's
+//              code in the key-row kernel cost it spills);
 //   kFullBiasKeyRows: both, for a full bias with a query-broadcast mask (a key padding mask)
 //              and / or softcap: the bias tiles as kFullBias's, the key rows as kKeyRows's
 //              without their bias (the mask's rows give the query bounds);
@@ -55,7 +58,16 @@
 
 namespace dmattn::cuda::sm90 {
 
-enum class FwdWsScores { kPlain, kFullBias, kKeyRows, kFullMask, kFullBiasKeyRows, kFullMaskKeyRows, kFullBiasMask };
+enum class FwdWsScores {
+  kPlain,
+  kFullBias,
+  kKeyRows,
+  kFullMask,
+  kFullBiasKeyRows,
+  kFullMaskKeyRows,
+  kFullBiasMask,
+  kKeyRowsGate
+};
 
 // One tile of the forward (a query block of one head and batch) as the scheduler warp hands it
 // to the other roles: the key blocks [n_min, n_max) it reads (empty: its rows see no key), and
@@ -84,7 +96,9 @@ struct FwdWsTile {
                                 kScores == FwdWsScores::kFullBiasMask;
   // the per-key rows
   static constexpr bool kKeyRows = kScores == FwdWsScores::kKeyRows || kScores == FwdWsScores::kFullBiasKeyRows ||
-                                   kScores == FwdWsScores::kFullMaskKeyRows;
+                                   kScores == FwdWsScores::kFullMaskKeyRows || kScores == FwdWsScores::kKeyRowsGate;
+  // gated attention's gate (gate_sm90.h), with key rows alone
+  static constexpr bool kGate = kScores == FwdWsScores::kKeyRowsGate;
   // the (kBlockM, kBlockN) mask tiles
   static constexpr bool kMask = kScores == FwdWsScores::kFullMask || kScores == FwdWsScores::kFullMaskKeyRows ||
                                 kScores == FwdWsScores::kFullBiasMask;
@@ -181,10 +195,13 @@ struct FwdWsTile {
   // Per-key rows of one key block (kKeyRows): written by the loader warp's plain stores. Beside
   // the bias tiles no key bias (one placeholder entry: at head dim 128 the two stages of the
   // bias tiles leave no room for it).
+  // (kGate: the block's delta rows and the tile's alpha rows)
   struct KeyRowStage {
     int32_t pos[kBlockN];  // position of the key (-1: a padding row past the keys)
     int32_t end[kBlockN];  // queries i < end may see it (INT_MAX: no bound; 0 past the keys)
     float bias[kBias ? 1 : kBlockN];
+    alignas(16) float delta[kGate ? kBlockN : 1];
+    float alpha[kGate ? kBlockM : 1];
     alignas(16) int32_t end_min;  // the smallest of end[] (16-byte aligned: the next stage's rows are read as float2)
     int32_t needs_test;           // whether the block's scores need the per-element test (the loader decides)
   };
@@ -226,36 +243,39 @@ struct FwdWsTile {
   static_assert(kSmemBytes <= 227 * 1024, "beyond the shared memory of one CTA");
 };
 
-// The tile of each head dim (a dim below it runs zero-filled by TMA: 96 on 128), with the
-// register budgets that keep both roles free of spills (ptxas -v). Two consumers: the producer at
-// 40 and the consumers at 232 (24 / 240 spilled the producer's TMA coordinates and
-// descriptors; at D = 256 the consumers fit 232 only with the GEMM descriptors rebuilt per
-// issue, fwd_ws_kernel_sm90.h). At 256 with a bias, a mask or key rows, a key block of 64: the
-// bias or mask stages fit beside Q, K and V (those of 80 take the whole shared memory), and the
-// gather warps take whole groups of 32 rows. With a bias or key rows at 64, two consumers (three
-// spilled at 160 registers). At 128 every policy but plain scores: 48 / 224 (at 40 the
-// producer's TMA issue of K and the bias or mask tile spilled a register, and for key rows the
-// scheduler warp's scan of a key mask for its first and last true key, mask_tile_sm90.h); a key
-// block of 64 for both tile streams (Q, K and V of 128 keys take 160 KB, the bias's two stages
-// 64 KB) and for fp32 bias tiles; at 64 too for fp32 bias tiles beside mask tiles (128 keys:
-// 240 KB). kBiasBytes: the bias tiles' element size (4: fp32). At 256 fp32 bias tiles take key
-// blocks of 32 (one swizzle atom of floats a row; Q, two K and two V stages and two bias stages
-// 160 KB; 64 keys would need 256 KB). A full bias (16-bit) with a full mask at 256: key blocks of
-// 64 with one stage of each tile stream (two stages of both do not fit beside Q, K and V: 240
-// KB; one, 216 KB), 48 / 224 as the mask alone. A full mask alone at 256: 48 / 224 (at 40 the
-// producer's issue of K and the mask tile spilled 68 bytes).
+// The tile of each head dim (a dim below it runs zero-filled by TMA: 96 on 128), with the register
+// budgets that keep both roles free of spills (ptxas -v). Two consumers: the producer at 40 and the
+// consumers at 232 (24 / 240 spilled the producer's TMA coordinates and descriptors; at D = 256 the
+// consumers fit 232 only with the GEMM descriptors rebuilt per issue, fwd_ws_kernel_sm90.h). At 256
+// with a bias, a mask or key rows, a key block of 64: the bias or mask stages fit beside Q, K and V
+// (those of 80 take the whole shared memory), and the gather warps take whole groups of 32 rows.
+// With a bias or key rows at 64, two consumers (three spilled at 160 registers); with the gate 56 /
+// 224 (its rows' loads spilled the loader at 40). At 128 every policy but plain scores: 48 / 224
+// (56 / 224 with the gate, whose rows' loads spilled the key-row loader at 48; at 40 the producer's
+// TMA issue of K and the bias or mask tile spilled a register, and for key rows the scheduler
+// warp's scan of a key mask for its first and last true key, mask_tile_sm90.h); a key block of 64
+// for both tile streams (Q, K and V of 128 keys take 160 KB, the bias's two stages 64 KB) and for
+// fp32 bias tiles; at 64 too for fp32 bias tiles beside mask tiles (128 keys: 240 KB). kBiasBytes:
+// the bias tiles' element size (4: fp32). At 256 fp32 bias tiles take key blocks of 32 (one swizzle
+// atom of floats a row; Q, two K and two V stages and two bias stages 160 KB; 64 keys would need
+// 256 KB). A full bias (16-bit) with a full mask at 256: key blocks of 64 with one stage of each
+// tile stream (two stages of both do not fit beside Q, K and V: 240 KB; one, 216 KB), 48 / 224 as
+// the mask alone. A full mask alone at 256: 48 / 224 (at 40 the producer's issue of K and the mask
+// tile spilled 68 bytes).
 template <typename Element, int kHeadDim, FwdWsScores kScores, int kBiasBytes = 2> struct FwdWsConfig;
 template <typename Element> struct FwdWsConfig<Element, 64, FwdWsScores::kPlain, 2> {
   using Tile = FwdWsTile<Element, 64, 192, 128, 2, FwdWsScores::kPlain, 32, 160>;
 };
 template <typename Element, FwdWsScores kScores, int kBiasBytes> struct FwdWsConfig<Element, 64, kScores, kBiasBytes> {
   static constexpr int kBlockN = kBiasBytes == 4 && kScores == FwdWsScores::kFullBiasMask ? 64 : 128;
-  using Tile = FwdWsTile<Element, 64, 128, kBlockN, 2, kScores, 40, 232, false, kBiasBytes>;
+  static constexpr bool kGate = kScores == FwdWsScores::kKeyRowsGate;
+  using Tile = FwdWsTile<Element, 64, 128, kBlockN, 2, kScores, kGate ? 56 : 40, kGate ? 224 : 232, false, kBiasBytes>;
 };
 template <typename Element, FwdWsScores kScores, int kBiasBytes> struct FwdWsConfig<Element, 128, kScores, kBiasBytes> {
   static constexpr bool kPlain = kScores == FwdWsScores::kPlain;
   static constexpr int kBlockN = kBiasBytes == 4 || kScores == FwdWsScores::kFullBiasMask ? 64 : 128;
-  using Tile = FwdWsTile<Element, 128, 128, kBlockN, 2, kScores, kPlain ? 40 : 48, kPlain ? 232 : 224, false, kBiasBytes>;
+  static constexpr int kProducerRegs = kPlain ? 40 : kScores == FwdWsScores::kKeyRowsGate ? 56 : 48;
+  using Tile = FwdWsTile<Element, 128, 128, kBlockN, 2, kScores, kProducerRegs, kPlain ? 232 : 224, false, kBiasBytes>;
 };
 template <typename Element, FwdWsScores kScores> struct FwdWsConfig<Element, 256, kScores, 2> {
   static constexpr bool kBothStreams = kScores == FwdWsScores::kFullBiasMask;

@@ -1,0 +1,80 @@
+// Gated attention's gate in the warp-specialized Hopper kernels (docs/semantics.md, "Gated
+// attention"; the math of the sm80-class kernels' score_terms.h): the alpha rows of a query
+// block and the delta rows of a key block come through the key rows' pipeline stages (one
+// producer warp loads them, load_gate_rows), and
+//   forward and backward:  s += scale * g(alpha_i delta_j) where s is not -inf (add_gate_scores),
+//                          on the final scores (after the scale, softcap and key bias), before
+//                          the tests on positions and bounds;
+//   backward:              the gradients, gate_grads_sm90.h.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+
+#include "cuda/fwd_args.h"
+#include "cuda/score_terms.h"
+
+namespace dmattn::cuda::sm90 {
+
+// One (batch, head)'s alpha or delta from a sequence's first row: element j at base + j * step
+// (elements of q's type or fp32). base null: no gate.
+struct GateRowSource {
+  const char* base = nullptr;
+  int64_t step = 0;
+  bool fp32 = false;
+};
+
+// alpha of query head h, batch b, rows from the sequence's first query row q0.
+__device__ __forceinline__ GateRowSource gate_alpha_source(const FwdArgs& a, int b, int h, int q0) {
+  const GateArgs& g = a.gate;
+  if (g.alpha == nullptr) return {};
+  const int64_t off = int64_t(b) * g.alpha_bs + int64_t(q0) * g.alpha_rs + int64_t(h) * g.alpha_hs;
+  return {g.alpha + off * (g.alpha_fp32 ? 4 : 2), g.alpha_rs, g.alpha_fp32};
+}
+
+// delta of query head h's kv head, batch b, rows from the sequence's first key row k0.
+__device__ __forceinline__ GateRowSource gate_delta_source(const FwdArgs& a, int b, int h, int k0) {
+  const GateArgs& g = a.gate;
+  if (g.alpha == nullptr) return {};
+  const int64_t off = int64_t(b) * g.delta_bs + int64_t(k0) * g.delta_rs + int64_t(h / a.group) * g.delta_hs;
+  return {g.delta + off * (g.delta_fp32 ? 4 : 2), g.delta_rs, g.delta_fp32};
+}
+
+// Rows [first, first + kRows) of a source into dst (fp32), by the 32 lanes of one warp; 0 from
+// `count` rows on (past the sequence: never NaN, so that a zero G times them stays zero).
+template <typename Element, int kRows>
+__device__ __forceinline__ void load_gate_rows(float* dst, const GateRowSource& src, int first, int count) {
+  for (int r = threadIdx.x & 31; r < kRows; r += 32)
+    dst[r] = r < count ? gate_load<Element>(src.base, int64_t(first + r) * src.step, src.fp32) : 0.f;
+}
+
+// s += scale * g(alpha_row delta_col) where s is not -inf, on the accumulator's row/col view
+// (coord: (row, col) within the tile), alpha from a kBlockM row of the stage and delta from a
+// kBlockN row (column pairs adjacent: read as float2). One code path for both gate functions
+// (the linear one selected per element): the callers' score lambdas stay small enough to be
+// inlined (two unrolled copies kept them out of line, their accumulators in local memory).
+template <class S, class C>
+__device__ __forceinline__ void add_gate_scores(S& s, C const& coord, const float* s_alpha, const float* s_delta,
+                                                float scale, bool linear) {
+  using namespace cute;
+  constexpr int kRows = decltype(size<0>(s))::value;
+  float alpha[kRows];
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) alpha[r] = s_alpha[get<0>(coord(r, 0))];
+  CUTE_UNROLL
+  for (int c = 0; c < size<1>(s); c += 2) {
+    const float2 d = *reinterpret_cast<const float2*>(s_delta + get<1>(coord(0, c)));
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const float x0 = s(r, c), x1 = s(r, c + 1);
+      const float g0 = fmaf(scale, gate_value_select(alpha[r] * d.x, linear), x0);
+      const float g1 = fmaf(scale, gate_value_select(alpha[r] * d.y, linear), x1);
+      s(r, c) = x0 == -INFINITY ? x0 : g0;
+      s(r, c + 1) = x1 == -INFINITY ? x1 : g1;
+    }
+  }
+}
+
+}  // namespace dmattn::cuda::sm90
