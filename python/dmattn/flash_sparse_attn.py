@@ -50,8 +50,8 @@ query_scale / key_scale / value_scale), ``gather_kv_indices`` (dmattn.attention_
 and gathers keys itself), ``seqused_q`` and ``seqused_k`` in the varlen functions, and a
 gradient through ``page_table`` / ``seqused_k`` in the batched functions.
 
-Backends: the gate and windows run on every backend (on CUDA, the sm80-class kernels, on Hopper
-too). The kvcache functions pass them to attention_with_kvcache as an fp32 bias (B, H, Sq, Sk)
+Backends: the gate and windows run on every backend (on Hopper the gate on the warp-specialized
+kernels, the windows on the sm80-class ones). The kvcache functions pass them to attention_with_kvcache as an fp32 bias (B, H, Sq, Sk)
 and a bool mask. Gradients reach query, key, value, alpha and delta through dmattn's autograd
 (the kvcache functions are inference only, like flash-sparse-attn's).
 """

@@ -141,8 +141,9 @@ void run_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
     case FwdWsScores::kKeyRows:
       sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kKeyRows>::Tile>(a, stream);
       return;
-    case FwdWsScores::kKeyRowsGate:
-      sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kKeyRowsGate>::Tile>(a, stream);
+    case FwdWsScores::kKeyRowsGate:  // (head dims 64 and 128: fwd_ws_supports)
+      if constexpr (kHeadDim != 256)
+        sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kKeyRowsGate>::Tile>(a, stream);
       return;
     case FwdWsScores::kFullBias:
       launch_fwd_ws_bias_tiles<Element, kHeadDim, FwdWsScores::kFullBias>(a, stream);
