@@ -245,26 +245,28 @@ __device__ __forceinline__ void bwd_colsum_flush(const BwdArgs& a, float (&colsu
 // sums of G alpha, reduced as bwd_colsum_flush's, stored into ddelta (every key of the block: the
 // CTA walked every query head of the group and every query block that reaches it; 0 where none
 // did). Clears gcol.
-// One key's ddelta (key: its row from the batch slice's first, kv head kvh, batch b), in delta's
-// dtype.
-template <typename Element>
-__device__ __forceinline__ void store_ddelta(const BwdArgs& a, int b, int key, int kvh, float v) {
-  const int64_t off = int64_t(b) * a.ddelta_bs + int64_t(key) * a.ddelta_rs + int64_t(kvh) * a.ddelta_hs;
-  if (a.f.gate.delta_fp32) static_cast<float*>(a.ddelta)[off] = v;
-  else store_sat(static_cast<Element*>(a.ddelta) + off, v);
+// ddelta of keys [n0, n0 + cols) of batch b's sequence, kv head kvh, from column sums staged in
+// shared memory (s_col: kWarpsPerCol rows of kBlockN floats, summed in a fixed order), in
+// delta's layout and dtype; thread tid of kThreads.
+template <typename Element, int kBlockN, int kWarpsPerCol, int kThreads>
+__device__ __forceinline__ void store_ddelta_sums(const BwdArgs& a, const float* s_col, int b, int kvh, int n0,
+                                                  int cols, int tid) {
+  const int k0 = SeqBounds(a.f, b).k0();
+  for (int c = tid; c < cols; c += kThreads) {
+    float v = s_col[c];
+    CUTE_UNROLL
+    for (int w = 1; w < kWarpsPerCol; ++w) v += s_col[w * kBlockN + c];
+    const int64_t off = int64_t(b) * a.ddelta_bs + int64_t(k0 + n0 + c) * a.ddelta_rs + int64_t(kvh) * a.ddelta_hs;
+    if (a.f.gate.delta_fp32) static_cast<float*>(a.ddelta)[off] = v;
+    else store_sat(static_cast<Element*>(a.ddelta) + off, v);
+  }
 }
 
 template <typename Element, int kBlockN, int kHalfN, int kWarpsPerCol, int kThreads, int kN, class C>
 __device__ __forceinline__ void bwd_ddelta_flush(const BwdArgs& a, float (&gcol)[kN], C const& coord, float* s_col,
                                                  int b, int kvh, int n0, int cols, int tid) {
   bwd_colsum_to_smem<kBlockN, kHalfN, kWarpsPerCol>(gcol, coord, s_col, tid);
-  const int k0 = SeqBounds(a.f, b).k0();
-  for (int c = tid; c < cols; c += kThreads) {
-    float v = s_col[c];
-    CUTE_UNROLL
-    for (int w = 1; w < kWarpsPerCol; ++w) v += s_col[w * kBlockN + c];
-    store_ddelta<Element>(a, b, k0 + n0 + c, kvh, v);
-  }
+  store_ddelta_sums<Element, kBlockN, kWarpsPerCol, kThreads>(a, s_col, b, kvh, n0, cols, tid);
   CUTE_UNROLL
   for (int c = 0; c < kN; ++c) gcol[c] = 0.f;
   __syncthreads();

@@ -776,9 +776,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   }
   // The gate's ddelta: every key of the block (0 where no query reached it).
   if constexpr (Tile::kGate) {
-    if (a.ddelta != nullptr)
-      ddelta_flush_sm90<Element, kBlockN, 4, kConsumerThreads>(a, ss.gate_col.data(), b, kvh, n0, cols_valid, ctid,
-                                                               consumers_sync);
+    if (a.ddelta != nullptr) {
+      consumers_sync();  // (every warp's last column sums added)
+      store_ddelta_sums<Element, kBlockN, 4, kConsumerThreads>(a, ss.gate_col.data(), b, kvh, n0, cols_valid, ctid);
+    }
   }
   Element* gdK = static_cast<Element*>(a.dk) + int64_t(b) * a.dk_bs + int64_t(seq.k0() + n0) * a.dk_rs + int64_t(kvh) * a.dk_hs;
   Element* gdV = static_cast<Element*>(a.dv) + int64_t(b) * a.dv_bs + int64_t(seq.k0() + n0) * a.dv_rs + int64_t(kvh) * a.dv_hs;

@@ -1,7 +1,7 @@
 // The gradients of gated attention's gate in the warp-specialized Hopper backward (gate_sm90.h
 // adds the gate to the scores): G = scale * g'(alpha_i delta_j) dS (0 where dS is 0); its row
 // sums times delta go into dalpha's fp32 accumulator, its column sums times alpha into shared
-// memory (gate_grads_sm90), flushed into ddelta once per CTA (ddelta_flush_sm90: the CTA walks
+// memory (gate_grads_sm90), stored into ddelta once per CTA (store_ddelta_sums: the CTA walks
 // every query head of its kv head and every query block that reaches its key block).
 #pragma once
 
@@ -10,9 +10,7 @@
 #include <cute/tensor.hpp>
 
 #include "cuda/bwd_args.h"
-#include "cuda/bwd_parts.h"
 #include "cuda/score_terms.h"
-#include "cuda/seq_bounds.h"
 #include "cuda/sm90/dbias_colsum_sm90.h"
 
 namespace dmattn::cuda::sm90 {
@@ -84,22 +82,6 @@ __device__ __forceinline__ void gate_grads_sm90(const BwdArgs& a, DS const& ds, 
     if (row >= rows_valid) continue;
     if (a.dalpha_slices > 1) accum[row] = row_sum[r];
     else atomicAdd(accum + row, row_sum[r]);
-  }
-}
-
-// ddelta of the CTA's key block (keys [n0, n0 + cols) of its sequence, kv head kvh, batch b):
-// the kWarpsPerCol rows of s_col summed in a fixed order, stored in delta's layout and dtype.
-// `sync`: a barrier of every thread that added (its last adds visible before the reads).
-template <typename Element, int kBlockN, int kWarpsPerCol, int kThreads, class Sync>
-__device__ __forceinline__ void ddelta_flush_sm90(const BwdArgs& a, const float* s_col, int b, int kvh, int n0,
-                                                  int cols, int tid, Sync&& sync) {
-  sync();
-  const int k0 = SeqBounds(a.f, b).k0();
-  for (int c = tid; c < cols; c += kThreads) {
-    float v = s_col[c];
-    CUTE_UNROLL
-    for (int w = 1; w < kWarpsPerCol; ++w) v += s_col[w * kBlockN + c];
-    store_ddelta<Element>(a, b, k0 + n0 + c, kvh, v);
   }
 }
 
