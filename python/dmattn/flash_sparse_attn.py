@@ -51,7 +51,7 @@ and gathers keys itself), ``seqused_q`` and ``seqused_k`` in the varlen function
 gradient through ``page_table`` / ``seqused_k`` in the batched functions.
 
 Backends: the gate and windows run on every backend (on Hopper the gate on the warp-specialized
-kernels, the windows on the sm80-class ones). The kvcache functions pass them to attention_with_kvcache as an fp32 bias (B, H, Sq, Sk)
+kernels, windows the same for every head as sliding-window calls, dmattn.window_parts). The kvcache functions pass them to attention_with_kvcache as an fp32 bias (B, H, Sq, Sk)
 and a bool mask. Gradients reach query, key, value, alpha and delta through dmattn's autograd
 (the kvcache functions are inference only, like flash-sparse-attn's).
 """

@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import gather
+from . import gather, window_parts
 from ._op_utils import check_devices
 from .ops import forward_with_grad, varlen_forward_with_grad
 
@@ -196,8 +196,13 @@ def attention_on(
         out, lse = gather.attention_over_key_set(q, k, v, key_set, bias, causal, left, right,
                                                  scale, softcap, deterministic)
     elif terms:
-        out, lse = forward_with_grad(q, k, v, mask, bias, causal, left, right, scale, softcap,
-                                     deterministic, None, 0, None, None, alpha, delta, fn, windows)
+        row = window_parts.use_parts(q, k, v, mask, bias, windows, (left, right))
+        if row is not None:  # windows with sinks as sliding-window calls (window_parts.py)
+            out, lse = window_parts.attention_by_parts(q, k, v, bias, alpha, delta, row, scale, softcap,
+                                                       deterministic, fn)
+        else:
+            out, lse = forward_with_grad(q, k, v, mask, bias, causal, left, right, scale, softcap,
+                                         deterministic, None, 0, None, None, alpha, delta, fn, windows)
     else:
         out, lse = forward_with_grad(q, k, v, mask, bias, causal, left, right, scale, softcap,
                                      deterministic)

@@ -209,6 +209,57 @@ def test_windows_with_sinks_match_reference(device, nan_poison, case, dtype):
     _check(q, k, v, dout, out, lse, grads, gate=(alpha, delta), windows=w, context=f"gated {case}")
 
 
+# Windows with sinks by parts (window_parts.py: up to three sliding-window calls merged by their
+# lse), the CUDA path wherever every head has the same row: against the float64 reference, and
+# on the CPU in float64 against the per-element native path (which it must equal to rounding).
+PARTS_ROWS = [(5, 9, 7, 13), (0, 9, 7, 13), (5, 0, 3, 13), (5, 9, 7, 0), (200, 9, 7, 13), (3, 1, 0, 1),
+              (0, 4, 100, 20), (0, 0, 0, 0)]
+
+
+@pytest.mark.parametrize("row", PARTS_ROWS, ids=lambda r: "-".join(map(str, r)))
+@pytest.mark.parametrize("shape", [(70, 90), (90, 70), (1, 90)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_windows_by_parts_equal_the_native_path(monkeypatch, row, shape):
+    sq, sk = shape
+    q, k, v, alpha, delta, dout = _inputs(2, sq, sk, 4, 2, 16, torch.float64, "cpu")
+    bias = torch.randn(2, 4, 1, sk, dtype=torch.float64)
+    w = _windows([row], "cpu")
+    results = []
+    for mode in ("0", "1"):
+        monkeypatch.setenv("DMATTN_WINDOW_PARTS", mode)
+        results.append(_run(q, k, v, dout, gate=(alpha, delta), bias=bias, windows=w))
+    (out0, lse0, g0), (out1, lse1, g1) = results
+    torch.testing.assert_close(out1, out0, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse1, lse0, rtol=1e-12, atol=1e-12)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-12, atol=1e-12, msg=lambda m: f"d{name}: {m}")
+
+
+def test_windows_by_parts_take_the_native_path_elsewhere(monkeypatch):
+    """Rows that differ between heads, a mask, another window or torch.compile: the native path."""
+    from dmattn import window_parts
+    monkeypatch.setenv("DMATTN_WINDOW_PARTS", "1")
+    q, k, v = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 2, 8), torch.randn(1, 8, 2, 8)
+    same, mixed = _windows([[1, 2, 0, 3]] * 2, "cpu"), _windows([[1, 2, 0, 3], [0, 2, 0, 3]], "cpu")
+    assert window_parts.use_parts(q, k, v, None, None, same, (-1, -1)) == (1, 2, 0, 3)
+    assert window_parts.use_parts(q, k, v, None, None, mixed, (-1, -1)) is None
+    assert window_parts.use_parts(q, k, v, torch.ones(1, 1, 8, 8, dtype=torch.bool), None, same, (-1, -1)) is None
+    assert window_parts.use_parts(q, k, v, None, None, same, (3, 0)) is None
+    assert window_parts.use_parts(q, k, v, None, None, _windows([[1, -2, 0, 3]], "cpu"), (-1, -1)) is None
+    monkeypatch.setenv("DMATTN_WINDOW_PARTS", "0")
+    assert window_parts.use_parts(q, k, v, None, None, same, (-1, -1)) is None
+
+
+@pytest.mark.parametrize("row", [(128, 300, 200, 250), (3, 64, 0, 64), (0, 1, 5, 700)],
+                         ids=lambda r: "-".join(map(str, r)))
+def test_windows_by_parts_match_reference(device, nan_poison, monkeypatch, row):
+    monkeypatch.setenv("DMATTN_WINDOW_PARTS", "1")
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v, alpha, delta, dout = _inputs(2, 700, 900, 4, 2, 64, dtype, device)
+    w = _windows([row], device)
+    out, lse, grads = _run(q, k, v, dout, gate=(alpha, delta), windows=w)
+    _check(q, k, v, dout, out, lse, grads, gate=(alpha, delta), windows=w, context=f"row {row}")
+
+
 def test_windows_intersect_with_window_and_causal():
     q, k, v, _, _, dout = _inputs(1, 48, 48, 2, 1, 8, torch.float32, "cpu")
     w = _windows([[2, 4, 4, 30]], "cpu")

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .._lib import persistent_kernels
+from ..lse_merge import merge_into
 from ..ops import _call_op, attention_backward, attention_forward
 from .comm import RingExchange
 from .layout import Call, global_from_rank_major, rank_major_from_global
@@ -86,16 +87,6 @@ def _slice(x4: Optional[Tensor], op: Optional[Operand], call: Call, source: int,
     if op.key_global:
         x4 = x4[..., source * local_len:source * local_len + call.k_end]
     return x4
-
-
-def _merge(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> None:
-    """(out_acc, lse_acc) <- the softmax merge of itself with (out, lse), in place (acc dtype)."""
-    new = torch.logaddexp(lse_acc, lse)
-    empty = new == NEG_INF  # both -inf: weights 0 (not exp(-inf - -inf) = NaN); NaN stays NaN
-    w_acc = torch.exp(lse_acc - new).masked_fill_(empty, 0.0).transpose(1, 2).unsqueeze(-1)
-    w_new = torch.exp(lse - new).masked_fill_(empty, 0.0).transpose(1, 2).unsqueeze(-1)
-    out_acc.mul_(w_acc).add_(out.to(out_acc.dtype) * w_new)
-    lse_acc.copy_(new)
 
 
 class _Operands:
@@ -178,7 +169,7 @@ class RingAttention(torch.autograd.Function):
                         out_acc[:, rows].copy_(out)
                         lse_acc[:, :, rows].copy_(lse)
                     else:
-                        _merge(out_acc[:, rows], lse_acc[:, :, rows], out, lse)
+                        merge_into(out_acc[:, rows], lse_acc[:, :, rows], out, lse)
             if pending is not None:
                 blocks = pending.wait()
 
