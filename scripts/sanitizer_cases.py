@@ -233,7 +233,7 @@ for dtype in (torch.bfloat16, torch.float16):
     case(1, 200, 456, 2, 1, 256, dtype, mask_shape=(1, 1, 1, 456), bias_shape=(1, 2, 200, 456),
          bias_dtype=torch.float32, causal=True)
     # Rows that are not 16-byte multiples (1001 keys) and a key dimension of size 1: the padded
-    # copies of the mask and the bias (src/cuda/aligned_operand.h).
+    # copies of the mask and the bias (src/cuda/host/aligned_operand.h).
     case(1, 130, 1001, 2, 2, 128, dtype, mask_shape=(1, 1, 130, 1001))
     case(1, 130, 1001, 2, 1, 64, dtype, bias_shape=(1, 2, 130, 1001), causal=True)
     case(1, 130, 300, 2, 1, 128, dtype, mask_shape=(1, 2, 130, 1), bias_shape=(1, 1, 130, 1))

@@ -1,4 +1,4 @@
-// Exhaustive check of pack_saturated (src/cuda/utils.h) over every fp32 bit pattern:
+// Exhaustive check of pack_saturated (src/cuda/common/utils.h) over every fp32 bit pattern:
 // cvt.rn.satfinite.{bf16x2,f16x2}.f32 against the clamp it replaces (max.NaN / min.NaN to the
 // largest finite value, then cvt.rn); a NaN result counts as equal to a NaN result. A second
 // or two on an sm_80+ GPU:

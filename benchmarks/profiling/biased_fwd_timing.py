@@ -6,7 +6,7 @@ padding mask (B,1,1,S; the second sequence's last 1536 keys padding), and a full
 (half true at random), causal or not, with the full bias, with a per-key bias (B,H,1,S) or with
 softcap; the
 mask and the bias with rows that are not 16-byte multiples (S - 8 and S - 4 keys: the backend's
-padded copy, src/cuda/aligned_operand.h); a key mask (2048 of S) with a per-key bias, causal, and
+padded copy, src/cuda/host/aligned_operand.h); a key mask (2048 of S) with a per-key bias, causal, and
 `attention_topk` 2048 with the selection, causal; the raw forward over 2048 gathered keys
 (key_positions, the rows read in place) with a full bias or a full mask over them (B, H, S,
 2048), causal. Median of three medians of

@@ -1,6 +1,6 @@
 """Figures: docs/design.md, "CUDA backward", "CTA order".
 
-The Hopper backward's CTA order (src/cuda/cta_order.h) timed in one process: fwd+bwd of a few
+The Hopper backward's CTA order (src/cuda/common/cta_order.h) timed in one process: fwd+bwd of a few
 bf16 D=128 H=16 B=2 S=8192 rows for each DMATTN_BWD_CTA_GROUP value (1 = key block fastest; G =
 (kv head, batch) pairs G at a time, key blocks slowest inside a group; 32 = all pairs here), in
 interleaved rounds so that drift hits every order alike.

@@ -2,7 +2,7 @@
 
 Forward timings of a full mask (B,H,S,S) and a full bias whose rows are not 16-byte multiples
 (S - 8 keys of a bool mask, S - 4 of a bf16 bias), which the CUDA backend gives its kernels as a
-padded copy (src/cuda/aligned_operand.h), beside the same operands with aligned rows (CUDA,
+padded copy (src/cuda/host/aligned_operand.h), beside the same operands with aligned rows (CUDA,
 bf16, B=2, H=16, S=8192, D=128). Each row: the median of CUDA-event timings with a
 synchronization after every call (the benchmarks' method), and the mean of ten calls back to
 back; then the kernels of one call of each copied case (torch profiler), and both timings again

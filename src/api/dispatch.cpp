@@ -2,9 +2,9 @@
 #include "dmattn/api.h"
 #include "cpu/cpu_backend.h"
 #ifdef DMATTN_WITH_CUDA
-#include "cuda/cuda_backend.h"
-#include "cuda/decode_backend.h"
-#include "cuda/kernel_code.h"
+#include "cuda/host/cuda_backend.h"
+#include "cuda/host/decode_backend.h"
+#include "cuda/common/kernel_code.h"
 #endif
 
 namespace dmattn {

@@ -6,7 +6,7 @@
 #include "api/tensor_checks.h"
 #include "dmattn/api.h"
 #ifdef DMATTN_WITH_CUDA
-#include "cuda/key_glue.h"
+#include "cuda/indexed/key_glue.h"
 #endif
 
 namespace dmattn {

@@ -5,7 +5,7 @@
 #include "api/tensor_checks.h"
 #include "dmattn/api.h"
 #ifdef DMATTN_WITH_CUDA
-#include "cuda/decode_backend.h"
+#include "cuda/host/decode_backend.h"
 #endif
 
 namespace dmattn {

@@ -7,7 +7,7 @@
 #include "cpu/per_query_glue.h"
 #include "dmattn/api.h"
 #ifdef DMATTN_WITH_CUDA
-#include "cuda/per_query_glue.h"
+#include "cuda/indexed/per_query_glue.h"
 #endif
 
 namespace dmattn {

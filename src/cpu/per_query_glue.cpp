@@ -1,5 +1,5 @@
 // The per-query causal top-k glue on the CPU: one row at a time, the sequential form of what the
-// CUDA kernels do warp- or block-wide (src/cuda/per_query_glue.cu).
+// CUDA kernels do warp- or block-wide (src/cuda/indexed/per_query_glue.cu).
 #include "cpu/per_query_glue.h"
 
 #include <algorithm>

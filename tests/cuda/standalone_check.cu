@@ -2,7 +2,7 @@
 // outputs (plus a guard region after out), a naive fp32 reference kernel, a table of configs,
 // and one timed large config.
 //   nvcc -std=c++17 --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a \
-//        -I include -I src -I $CUTLASS tests/cuda/standalone_check.cu src/cuda/cuda_backend.cu \
+//        -I include -I src -I $CUTLASS tests/cuda/standalone_check.cu src/cuda/host/cuda_backend.cu \
 //        src/cuda/inst/fwd_*.cu -o standalone_check
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/cuda_backend.h"
+#include "cuda/host/cuda_backend.h"
 #include "dmattn/error.h"
 #include "dmattn/params.h"
 

@@ -1,6 +1,6 @@
 """Forward-only checks of the CUDA backend against the float64 reference: the random draws of
 test_forward_backward.py (small and large shapes, fixed cases) without the backward, plus masks
-whose tiles are entirely false (key-block skipping, src/cuda/block_skip.h). Runs where the
+whose tiles are entirely false (key-block skipping, src/cuda/sm80/block_skip.h). Runs where the
 CUDA backward is not available yet, and isolates forward failures where it is."""
 
 import random
@@ -446,7 +446,7 @@ def test_random_forward_large(seed, nan_poison):
 def test_large_bias_offsets_forward(kind, d, nan_poison):
     """Biased scores far from zero: rows whose maximum lies between -1e5 and 3e4 (where an
     exponent computed as s * log2e - m * log2e in one FMA would be off by the rounding of
-    m * log2e, src/cuda/softmax.h), against the float64 reference (softmax is shift-invariant,
+    m * log2e, src/cuda/common/softmax.h), against the float64 reference (softmax is shift-invariant,
     so the offsets change nothing but the rounding). Full biases, per-key biases and the top-k
     gather path (per-key rows with gathered keys). "full" varies the offset from row to row, so
     that every 16-row group (a warp's rows in the Hopper kernel) holds some beyond 4096 and takes

@@ -1,6 +1,6 @@
 """Masks and biases with a row per query whose rows the CUDA kernels cannot load by 16-byte
 vectors or TMA (a row length that is not a 16-byte multiple, a key stride other than 1, a key
-dimension of size 1): the backend reads them through a padded copy (src/cuda/aligned_operand.h).
+dimension of size 1): the backend reads them through a padded copy (src/cuda/host/aligned_operand.h).
 Forward and backward against the float64 reference, and the forward bitwise against the same
 values in rows the kernels read directly."""
 

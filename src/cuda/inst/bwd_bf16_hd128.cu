@@ -1,5 +1,5 @@
 // Backward kernels for bf16, head dims up to 128.
 #define DMATTN_BWD_LAUNCH_IMPL
-#include "cuda/bwd_launch.h"
+#include "cuda/host/bwd_launch.h"
 
 DMATTN_INSTANTIATE_BWD(cutlass::bfloat16_t, 128)

@@ -1,5 +1,5 @@
 // Decode kernels for bf16 (every head-dim bucket and row count: one translation unit).
 #define DMATTN_DECODE_LAUNCH_IMPL
-#include "cuda/decode_launch.h"
+#include "cuda/host/decode_launch.h"
 
 DMATTN_INSTANTIATE_DECODE(cutlass::bfloat16_t)

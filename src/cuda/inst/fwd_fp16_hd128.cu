@@ -1,5 +1,5 @@
 // Forward kernels for fp16, head dims up to 128.
 #define DMATTN_FWD_LAUNCH_IMPL
-#include "cuda/fwd_launch.h"
+#include "cuda/host/fwd_launch.h"
 
 DMATTN_INSTANTIATE_FWD(cutlass::half_t, 128)

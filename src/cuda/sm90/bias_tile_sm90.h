@@ -13,8 +13,8 @@
 
 #include <cute/tensor.hpp>
 
-#include "cuda/operand_tile.h"
-#include "cuda/utils.h"
+#include "cuda/common/operand_tile.h"
+#include "cuda/common/utils.h"
 
 namespace dmattn::cuda::sm90 {
 

@@ -22,14 +22,14 @@
 // capability 9.0 devices.
 #pragma once
 
-#include "cuda/bwd_args.h"
-#include "cuda/bwd_common.h"
-#include "cuda/bwd_parts.h"
-#include "cuda/copy.h"
-#include "cuda/cta_order.h"
-#include "cuda/key_positions.h"
-#include "cuda/operand_tile.h"
-#include "cuda/seq_bounds.h"
+#include "cuda/common/bwd_args.h"
+#include "cuda/common/bwd_common.h"
+#include "cuda/common/bwd_parts.h"
+#include "cuda/common/copy.h"
+#include "cuda/common/cta_order.h"
+#include "cuda/common/key_positions.h"
+#include "cuda/common/operand_tile.h"
+#include "cuda/common/seq_bounds.h"
 #include "cuda/sm90/bias_tile_sm90.h"
 #include "cuda/sm90/dbias_colsum_sm90.h"
 #include "cuda/sm90/bwd_tile_sm90.h"

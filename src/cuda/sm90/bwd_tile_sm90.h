@@ -15,7 +15,7 @@
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cutlass/numeric_types.h>
 
-#include "cuda/bwd_tile.h"
+#include "cuda/sm80/bwd_tile.h"
 #include "cuda/sm90/bwd_mmas_sm90.h"
 
 namespace dmattn::cuda::sm90 {

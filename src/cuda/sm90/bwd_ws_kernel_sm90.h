@@ -51,14 +51,14 @@
 
 #include <cutlass/arch/reg_reconfig.h>
 
-#include "cuda/bwd_args.h"
-#include "cuda/bwd_common.h"
-#include "cuda/copy.h"
-#include "cuda/bwd_parts.h"
-#include "cuda/cta_order.h"
-#include "cuda/key_positions.h"
-#include "cuda/score_mask.h"
-#include "cuda/seq_bounds.h"
+#include "cuda/common/bwd_args.h"
+#include "cuda/common/bwd_common.h"
+#include "cuda/common/copy.h"
+#include "cuda/common/bwd_parts.h"
+#include "cuda/common/cta_order.h"
+#include "cuda/common/key_positions.h"
+#include "cuda/common/score_mask.h"
+#include "cuda/common/seq_bounds.h"
 #include "cuda/sm90/acc_store_sm90.h"
 #include "cuda/sm90/bias_tile_sm90.h"
 #include "cuda/sm90/bwd_ws_tile_sm90.h"

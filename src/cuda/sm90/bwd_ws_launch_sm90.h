@@ -6,14 +6,14 @@
 
 #include <optional>
 
-#include "cuda/bwd_args.h"
-#include "cuda/check.h"
-#include "cuda/cta_order.h"
-#include "cuda/device_info.h"
+#include "cuda/common/bwd_args.h"
+#include "cuda/common/check.h"
+#include "cuda/common/cta_order.h"
+#include "cuda/common/device_info.h"
 #include "cuda/sm90/bwd_ws_kernel_sm90.h"
 #include "cuda/sm90/enabled.h"
 #include "cuda/sm90/tma_views.h"
-#include "cuda/stream_buffer.h"
+#include "cuda/common/stream_buffer.h"
 
 namespace dmattn::cuda::sm90 {
 

@@ -6,9 +6,9 @@
 
 #include <cute/tensor.hpp>
 
-#include "cuda/bwd_args.h"
-#include "cuda/bwd_common.h"
-#include "cuda/seq_bounds.h"
+#include "cuda/common/bwd_args.h"
+#include "cuda/common/bwd_common.h"
+#include "cuda/common/seq_bounds.h"
 
 namespace dmattn::cuda::sm90 {
 

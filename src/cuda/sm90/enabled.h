@@ -10,9 +10,9 @@
 
 #include <cuda_runtime.h>
 
-#include "cuda/check.h"
-#include "cuda/device_info.h"
-#include "cuda/kernel_code.h"
+#include "cuda/common/check.h"
+#include "cuda/common/device_info.h"
+#include "cuda/common/kernel_code.h"
 
 #ifndef DMATTN_HAS_SM90A
 #define DMATTN_HAS_SM90A 0

@@ -59,13 +59,13 @@
 
 #include <climits>
 
-#include "cuda/copy.h"
-#include "cuda/fwd_args.h"
-#include "cuda/key_positions.h"
-#include "cuda/mask.h"
-#include "cuda/score_mask.h"
-#include "cuda/seq_bounds.h"
-#include "cuda/softmax.h"
+#include "cuda/common/copy.h"
+#include "cuda/common/fwd_args.h"
+#include "cuda/common/key_positions.h"
+#include "cuda/common/mask.h"
+#include "cuda/common/score_mask.h"
+#include "cuda/common/seq_bounds.h"
+#include "cuda/common/softmax.h"
 #include "cuda/sm90/bias_tile_sm90.h"
 #include "cuda/sm90/fwd_ws_tile_sm90.h"
 #include "cuda/sm90/gate_sm90.h"
@@ -75,7 +75,7 @@
 #include "cuda/sm90/pack_gqa_sm90.h"
 #include "cuda/sm90/pipeline_params_sm90.h"
 #include "cuda/sm90/tma_views.h"
-#include "cuda/fwd_kernel.h"
+#include "cuda/sm80/fwd_kernel.h"
 
 namespace dmattn::cuda::sm90 {
 

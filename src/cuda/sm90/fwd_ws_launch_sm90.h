@@ -9,9 +9,9 @@
 #include <cuda_runtime.h>
 
 #include "dmattn/api.h"
-#include "cuda/check.h"
-#include "cuda/device_info.h"
-#include "cuda/fwd_args.h"
+#include "cuda/common/check.h"
+#include "cuda/common/device_info.h"
+#include "cuda/common/fwd_args.h"
 #include "cuda/sm90/enabled.h"
 #include "cuda/sm90/fwd_ws_kernel_sm90.h"
 #include "cuda/sm90/mask_tile_sm90.h"

@@ -54,7 +54,7 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
-#include "cuda/key_positions.h"
+#include "cuda/common/key_positions.h"
 
 namespace dmattn::cuda::sm90 {
 

@@ -9,8 +9,8 @@
 
 #include <cute/tensor.hpp>
 
-#include "cuda/bwd_args.h"
-#include "cuda/score_terms.h"
+#include "cuda/common/bwd_args.h"
+#include "cuda/common/score_terms.h"
 #include "cuda/sm90/dbias_colsum_sm90.h"
 
 namespace dmattn::cuda::sm90 {

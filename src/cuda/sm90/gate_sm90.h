@@ -13,8 +13,8 @@
 
 #include <cute/tensor.hpp>
 
-#include "cuda/fwd_args.h"
-#include "cuda/score_terms.h"
+#include "cuda/common/fwd_args.h"
+#include "cuda/common/score_terms.h"
 
 namespace dmattn::cuda::sm90 {
 

@@ -9,9 +9,9 @@
 
 #include <cute/tensor.hpp>
 
-#include "cuda/fwd_args.h"
-#include "cuda/key_positions.h"
-#include "cuda/utils.h"
+#include "cuda/common/fwd_args.h"
+#include "cuda/common/key_positions.h"
+#include "cuda/common/utils.h"
 
 namespace dmattn::cuda::sm90 {
 

@@ -14,7 +14,7 @@
 
 #include <cute/tensor.hpp>
 
-#include "cuda/fwd_args.h"
+#include "cuda/common/fwd_args.h"
 
 namespace dmattn::cuda::sm90 {
 

@@ -16,8 +16,8 @@
 
 #include <cute/tensor.hpp>
 
-#include "cuda/copy.h"
-#include "cuda/mask.h"
+#include "cuda/common/copy.h"
+#include "cuda/common/mask.h"
 
 namespace dmattn::cuda::sm90 {
 

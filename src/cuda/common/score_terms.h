@@ -1,0 +1,151 @@
+// Gated attention's gate and windows with sinks on the sm80-class kernels (docs/semantics.md,
+// "Gated attention", "Windows with sinks"), on one key block's scores in the accumulator's
+// row/col view, after the scale, softcap, bias and the position tests of the kernel:
+//   s += scale * g(alpha_i * delta_j)  where s is not -inf (a masked score stays masked)
+//   s  = -inf                          where the window with sinks hides key j from query i
+// and, in the backward, the gate's gradient from dS (before softcap's chain: the gate is added
+// after the cap): with G = scale * g'(alpha_i delta_j) dS_ij, dalpha_i = sum_j G delta_j and
+// ddelta_j = sum_i G alpha_i. alpha and delta are read through the L1 cache (a row or a column
+// value per thread and block: tiny next to the K / V traffic).
+#pragma once
+
+#include <cmath>
+
+#include "cuda/common/fwd_args.h"
+#include "cuda/common/utils.h"
+
+namespace dmattn::cuda {
+
+template <typename Element>
+__device__ __forceinline__ float gate_load(const char* base, int64_t off, bool fp32) {
+  return fp32 ? __ldg(reinterpret_cast<const float*>(base) + off)
+              : ElemInfo<Element>::to_float(reinterpret_cast<const Element*>(base) + off);
+}
+
+// g(x): logsigmoid(x) = min(x, 0) - log(1 + exp(-|x|)) (no overflow for any x), or x.
+__device__ __forceinline__ float gate_value(float x, bool linear) {
+  return linear ? x : fminf(x, 0.f) - __logf(1.f + __expf(-fabsf(x)));
+}
+
+// g'(x): sigmoid(-x) = 1 / (1 + exp(x)) (exp overflowing to inf gives 0), or 1.
+__device__ __forceinline__ float gate_slope(float x, bool linear) { return linear ? 1.f : 1.f / (1.f + __expf(x)); }
+
+// The same with `linear` chosen per element by a select (both values computed): one code path
+// for both functions where the caller's code size matters (the Hopper kernels, gate_sm90.h).
+__device__ __forceinline__ float gate_value_select(float x, bool linear) {
+  const float ls = fminf(x, 0.f) - __logf(1.f + __expf(-fabsf(x)));
+  return linear ? x : ls;
+}
+__device__ __forceinline__ float gate_slope_select(float x, bool linear) {
+  const float sl = __fdividef(1.f, 1.f + __expf(x));
+  return linear ? 1.f : sl;
+}
+
+// One (batch, query head)'s gate rows and window, from the sequence's first query / key row.
+struct ScoreTermsRow {
+  const char* alpha = nullptr;  // null: no gate
+  const char* delta = nullptr;
+  int64_t alpha_rs = 0, delta_rs = 0;
+  bool windows = false;
+  int sink = 0, near = 0, gap = 0, far = 0;
+  int offset = 0;  // len_k - len_q: causal alignment (bottom-right)
+
+  // Key j (index in the sequence) visible to query i under the window with sinks.
+  __device__ __forceinline__ bool visible(int i, int j) const {
+    const int d = i + offset - j;
+    return d >= 0 && (j < sink || d < near || (d >= near + gap && d - near - gap < far));
+  }
+};
+
+// q0 / k0: the sequence's first rows (packed batches), len_q / len_k its lengths.
+__device__ __forceinline__ ScoreTermsRow score_terms_row(const FwdArgs& a, int b, int h, int q0, int k0, int len_q,
+                                                         int len_k) {
+  ScoreTermsRow t;
+  const GateArgs& g = a.gate;
+  if (g.alpha != nullptr) {
+    const int esize_a = g.alpha_fp32 ? 4 : 2, esize_d = g.delta_fp32 ? 4 : 2;
+    t.alpha = g.alpha + (int64_t(b) * g.alpha_bs + int64_t(q0) * g.alpha_rs + int64_t(h) * g.alpha_hs) * esize_a;
+    t.delta = g.delta + (int64_t(b) * g.delta_bs + int64_t(k0) * g.delta_rs + int64_t(h / a.group) * g.delta_hs) * esize_d;
+    t.alpha_rs = g.alpha_rs;
+    t.delta_rs = g.delta_rs;
+  }
+  if (a.windows != nullptr) {
+    const int32_t* w = a.windows + int64_t(h / a.windows_head_div) * a.windows_hs;
+    // (a negative entry, which only a CUDA tensor can carry past the validation, counts as 0)
+    t.windows = true;
+    t.sink = max(__ldg(w), 0), t.near = max(__ldg(w + 1), 0), t.gap = max(__ldg(w + 2), 0), t.far = max(__ldg(w + 3), 0);
+  }
+  t.offset = len_k - len_q;
+  return t;
+}
+
+// The gate and the window on scores s (row/col view, coord: (row, col) within the view), whose
+// row 0 is query i0 and column 0 key j0 of the sequence; rows_valid / cols_valid: how many rows /
+// columns from there lie inside it (the others are -inf already, and their alpha / delta are
+// not read).
+template <typename Element, class S, class C>
+__device__ __forceinline__ void apply_score_terms(S& s, C const& coord, const FwdArgs& a, const ScoreTermsRow& t,
+                                                  int i0, int j0, int rows_valid, int cols_valid) {
+  using namespace cute;
+  constexpr int kRows = decltype(size<0>(s))::value;
+  float alpha[kRows];
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    const int row = get<0>(coord(r, 0));
+    alpha[r] = t.alpha != nullptr && row < rows_valid ? gate_load<Element>(t.alpha, (i0 + row) * t.alpha_rs, a.gate.alpha_fp32) : 0.f;
+  }
+  CUTE_UNROLL
+  for (int c = 0; c < size<1>(s); ++c) {
+    const int col = get<1>(coord(0, c));
+    const float delta =
+        t.alpha != nullptr && col < cols_valid ? gate_load<Element>(t.delta, (j0 + col) * t.delta_rs, a.gate.delta_fp32) : 0.f;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float x = s(r, c);
+      if (t.alpha != nullptr && x != -INFINITY) x = fmaf(a.scale, gate_value(alpha[r] * delta, a.gate.linear), x);
+      if (t.windows && !t.visible(i0 + get<0>(coord(r, 0)), j0 + col)) x = -INFINITY;
+      s(r, c) = x;
+    }
+  }
+}
+
+// The gate's gradient from dS (row/col view like apply_score_terms's): row_sum[r] += sum_c G
+// delta_c, and col_sum[slice * kCols + c] += sum_r G alpha_r for the view's columns (the view is
+// slice `slice` of the key block: the array is indexed at compile-time offsets, the loop over the
+// slices picking the live one, so that it stays in registers), G = scale * g'(alpha_r delta_c)
+// dS (0 where dS is 0).
+template <typename Element, int kSlices, int kRows, int kN, class DS, class C>
+__device__ __forceinline__ void accumulate_gate_grads(const DS& ds, C const& coord, const FwdArgs& a,
+                                                      const ScoreTermsRow& t, int i0, int j0, int rows_valid,
+                                                      int cols_valid, int slice, float (&row_sum)[kRows],
+                                                      float (&col_sum)[kN]) {
+  using namespace cute;
+  constexpr int kCols = decltype(size<1>(ds))::value;
+  static_assert(kN == kSlices * kCols);
+  float alpha[kRows];
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    const int row = get<0>(coord(r, 0));
+    alpha[r] = row < rows_valid ? gate_load<Element>(t.alpha, (i0 + row) * t.alpha_rs, a.gate.alpha_fp32) : 0.f;
+  }
+  CUTE_UNROLL
+  for (int s = 0; s < kSlices; ++s) {
+    if (slice != s) continue;
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) {
+      const int col = get<1>(coord(0, c));
+      const float delta = col < cols_valid ? gate_load<Element>(t.delta, (j0 + col) * t.delta_rs, a.gate.delta_fp32) : 0.f;
+      float cs = 0.f;
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const float d = ds(r, c);
+        const float g = d != 0.f ? a.scale * gate_slope(alpha[r] * delta, a.gate.linear) * d : 0.f;
+        row_sum[r] = fmaf(g, delta, row_sum[r]);
+        cs = fmaf(g, alpha[r], cs);
+      }
+      col_sum[s * kCols + c] += cs;
+    }
+  }
+}
+
+}  // namespace dmattn::cuda

@@ -1,0 +1,208 @@
+// Split-KV decode for more packed query rows than one 16-row tile (speculative decoding: a few
+// queries times the query heads of a kv head; docs/decode.md). One CTA per (64-row chunk, key
+// split, kv head, batch): each warp owns one 16-row tile, and every warp reads every key of the
+// split from one CTA-wide cp.async ring, so that a K / V row crosses from memory to the SM once
+// for the 64 rows (decode_kernel.h, one tile per CTA, would read it once per 16-row chunk).
+// The per-tile work is decode_kernel.h's, split in two (tile_scores: q K^T; tile_update: the
+// softmax and P V) on tiles of 32 keys, twice the keys of decode_kernel.h's steps, so that a
+// warp can start the next tile's products before this tile's softmax (software pipelining).
+#pragma once
+
+#include "cuda/decode/decode_kernel.h"
+
+namespace dmattn::cuda {
+
+namespace decode_detail {
+
+// Geometry per head-dim bucket kD (64 / 128; at 256 the accumulators of a 16-row tile and the
+// ring's addressing spill, so those rows take decode_kernel.h's 16-row chunks): four warps, 64
+// rows, q in registers; three stages of 64 keys of K and V: 48 / 96 KB, two CTAs an SM.
+template <int kD>
+struct DecodeRowsTile {
+  static_assert(kD <= kDecodeRowsMaxHeadDim, "decode_rows_kernel: head dims up to 128");
+  static constexpr int kWarps = 4;
+  static constexpr int kRows = kWarps * kDecodeRows;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kStageKeys = 64;
+  static constexpr int kStages = 3;
+  static constexpr int kChunks = kD / 8;  // 16-byte chunks of a K / V row
+  static constexpr int kStageBytes = 2 * kStageKeys * kD * 2;
+  static constexpr int kSmemBytes = kStages * kStageBytes;
+};
+
+}  // namespace decode_detail
+
+// Grid (row_chunks * num_splits, heads_kv, batch) with 64-row chunks,
+// DecodeRowsTile<kD>::kThreads threads and kSmemBytes of dynamic shared memory. kOperands: mask
+// / bias entries read from global memory at each 32-key tile (any layout).
+template <typename Element, int kD, bool kOperands>
+__global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2)
+    decode_rows_kernel(const DecodeArgs a) {
+  using namespace decode_detail;
+  using Tile = DecodeRowsTile<kD>;
+  constexpr int kStageKeys = Tile::kStageKeys, kStages = Tile::kStages, kChunks = Tile::kChunks;
+  constexpr int kNd = kD / 8;
+
+  const int chunk = blockIdx.x % a.row_chunks, split = blockIdx.x / a.row_chunks;
+  const int kvh = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int total_rows = a.seqlen_q * a.group;
+  const int c0 = chunk * Tile::kRows;
+  const int cta_rows = min(Tile::kRows, total_rows - c0);
+  // The warp's tile; a warp past the chunk's rows only helps with the copies.
+  const int r0 = c0 + warp * kDecodeRows;
+  const int nrows = min(kDecodeRows, total_rows - r0);
+  const bool computes = nrows > 0;
+
+  // Splits on whole stages, so that a stage never straddles two.
+  const SplitKeys keys = split_keys(a, b, c0, cta_rows, split, kStageKeys);
+  const int kb = keys.begin, ke = keys.end;
+
+  int row_i[2], row_h[2];
+  accumulator_rows(a, kvh, computes ? r0 : c0, computes ? nrows : 1, lane, row_i, row_h);
+  const int i_first = r0 / a.group, i_last = (r0 + max(nrows, 1) - 1) / a.group;  // the warp's queries
+
+  // q's A fragments of the warp's tile in registers (decode_kernel.h's layout; 0 past its rows).
+  extern __shared__ __align__(16) char decode_smem[];
+  uint32_t qa[kD / 16][4];
+  load_q_fragments<Element>(a, b, kvh, r0, nrows, lane, qa);
+  const auto q_fragment = [&](int ks, uint32_t (&f)[4]) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) f[e] = qa[ks][e];
+  };
+
+  float o[kNd][4], m[2], l[2];
+  start_rows(o, m, l);
+
+  // The CTA's threads copy stage it (keys kb + it * kStageKeys onwards) together; keys past the
+  // split's end are zero-filled, never read (their rows may lie behind the batch's length).
+  const auto stage_k = [&](int it) {
+    return reinterpret_cast<Element*>(decode_smem + (it % kStages) * Tile::kStageBytes);
+  };
+  const int stages = ke > kb ? (ke - kb + kStageKeys - 1) / kStageKeys : 0;
+  const Element* kbase = static_cast<const Element*>(a.k);
+  const Element* vbase = static_cast<const Element*>(a.v);
+  // A thread copies one 16-byte chunk column c_t of rows r_t, r_t + kPassRows, ... of a stage:
+  // kPassRows is a multiple of 8, so the rows' swizzle is the same and the destination moves
+  // by whole rows; in a contiguous cache the source moves by one row stride per pass.
+  constexpr int kPassRows = Tile::kThreads / kChunks, kPasses = kStageKeys / kPassRows;
+  static_assert(Tile::kThreads % kChunks == 0 && kPassRows % 8 == 0 && kStageKeys % kPassRows == 0,
+                "whole rows a pass, whole swizzle periods a pass, whole passes a stage");
+  const int c_t = threadIdx.x % kChunks, r_t = threadIdx.x / kChunks;
+  const bool c_in = c_t * 8 < a.head_dim;
+  const int so_t = tile_offset<kD>(r_t, c_t);
+  const auto issue = [&](int it) {
+    if (it < stages) {
+      const int jt = kb + it * kStageKeys;
+      Element* dk = stage_k(it) + so_t;
+      Element* dv = dk + kStageKeys * kD;
+      if (a.block_table == nullptr && a.key_rows == nullptr) {
+        KeyRow at = key_row_at(a, b, jt + r_t, kvh);
+        const int64_t step_k = int64_t(kPassRows) * a.k_st.row_stride, step_v = int64_t(kPassRows) * a.v_st.row_stride;
+#pragma unroll
+        for (int u = 0; u < kPasses; ++u) {
+          const bool ok = c_in && jt + r_t + u * kPassRows < ke;
+          cp_async_16(dk + u * kPassRows * kD, kbase + (ok ? at.k + c_t * 8 : 0), ok ? 16 : 0);
+          cp_async_16(dv + u * kPassRows * kD, vbase + (ok ? at.v + c_t * 8 : 0), ok ? 16 : 0);
+          at.k += step_k, at.v += step_v;
+        }
+      } else {
+#pragma unroll 2
+        for (int u = 0; u < kPasses; ++u) {
+          const int j = jt + r_t + u * kPassRows;
+          KeyRow at{0, 0};
+          const bool ok = c_in && j < ke && key_row(a, b, kvh, j, at);
+          cp_async_16(dk + u * kPassRows * kD, kbase + at.k + c_t * 8, ok ? 16 : 0);
+          cp_async_16(dv + u * kPassRows * kD, vbase + at.v + c_t * 8, ok ? 16 : 0);
+        }
+      }
+    }
+    cp_async_commit();
+  };
+
+  // Tiles of 32 keys, two a stage, software-pipelined: the scores of tile t + 1 are computed
+  // before tile t's softmax and values, so that the tensor cores work while the softmax waits on
+  // its dependencies (with two warps a scheduler, the other warp alone cannot cover it). A stage
+  // is waited for when its first tile's scores start; its slot is then refilled with the next
+  // stage, the slot of two stages back (every warp has passed its last use: the values of that
+  // stage's second tile, before this barrier).
+  constexpr int kTileKeys = 32;
+  const int tiles = ke > kb ? (ke - kb + kTileKeys - 1) / kTileKeys : 0;
+  const OperandRows op_rows = operand_rows(a, b, row_h, row_i);
+  StepOperandsOf<kTileKeys> op_a, op_b;
+  float s_a[kTileKeys / 8][4], s_b[kTileKeys / 8][4];
+  const auto tile_keys = [&](int t) {
+    return reinterpret_cast<const Element*>(stage_k(t / 2)) + (t % 2) * kTileKeys * kD;
+  };
+  const auto tile_start = [&](int t) { return kb + t * kTileKeys; };
+  // The scores (and the mask / bias entries) of tile t: t even begins a stage.
+  const auto begin_tile = [&](int t, float (&s)[kTileKeys / 8][4], StepOperandsOf<kTileKeys>& op) {
+    if (t % 2 == 0) {
+      cp_async_wait<0>();  // the stage's copies (the only ones in flight) have landed ...
+      __syncthreads();     // ... everyone's; every warp is done with the slot refilled next
+      issue(t / 2 + 1);
+    }
+    if (!computes) return;
+    if constexpr (kOperands) load_step_operands(a, op_rows, tile_start(t), ke, lane, op);
+    tile_scores<Element, kD, kTileKeys>(tile_keys(t), q_fragment, s, lane);
+  };
+  const auto end_tile = [&](int t, float (&s)[kTileKeys / 8][4], const StepOperandsOf<kTileKeys>& op) {
+    if (!computes) return;
+    const int jt = tile_start(t);
+    const bool inside = tile_inside(a, keys.off, i_first, i_last, jt, kTileKeys, ke);
+    tile_update<Element, kD, kOperands, kTileKeys>(a, s, tile_keys(t) + kStageKeys * kD, jt, ke, keys.off, row_i,
+                                                   op, m, l, o, lane, inside);
+  };
+  issue(0);
+  if constexpr (kOperands) {  // one tile at a time: a second set of scores and entries spilled
+    for (int t = 0; t < tiles; ++t) {
+      begin_tile(t, s_a, op_a);
+      end_tile(t, s_a, op_a);
+    }
+  } else {
+    if (tiles > 0) begin_tile(0, s_a, op_a);
+    for (int t = 0; t < tiles; t += 2) {  // tile t's scores are in s_a
+      if (t + 1 < tiles) begin_tile(t + 1, s_b, op_b);
+      end_tile(t, s_a, op_a);
+      if (t + 1 < tiles) {
+        if (t + 2 < tiles) begin_tile(t + 2, s_a, op_a);
+        end_tile(t + 1, s_b, op_b);
+      }
+    }
+  }
+  cp_async_wait<0>();
+  if (!computes) return;
+
+  // The warp's rows are complete over the split: normalized here (no merge across warps).
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int r = lane / 4 + 8 * hf;
+    const float sum = quad_sum(l[hf]);
+    if (r >= nrows) continue;
+    // An empty row (no allowed key in this split) is 0 with lse -inf; a NaN sum stays NaN.
+    const bool empty = sum == 0.f;
+    const float mu = m[hf] == -INFINITY ? 0.f : m[hf];
+    const float lse = empty ? -INFINITY : (mu + __log2f(sum)) * 0.6931471805599453f;
+    const int row = r0 + r, qi = row / a.group, h = kvh * a.group + row % a.group;
+    const int64_t prow = ((int64_t(split) * a.batch + b) * a.num_heads + h) * a.seqlen_q + qi;
+    Element* dst =
+        static_cast<Element*>(a.out) + b * a.o_st.batch_stride + qi * a.o_st.row_stride + h * a.o_st.head_stride;
+#pragma unroll
+    for (int dn = 0; dn < kNd; ++dn) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int d = dn * 8 + (lane % 4) * 2 + e;
+        if (d >= a.head_dim) continue;
+        const float out = empty ? 0.f : o[dn][2 * hf + e] / sum;
+        if (a.num_splits == 1) dst[d] = Element(saturate_keep_nan<Element>(out));
+        else a.part_out[prow * a.head_dim + d] = out;
+      }
+    }
+    if (lane % 4 == 0) {
+      if (a.num_splits == 1) a.lse[b * a.lse_bs + h * a.lse_hs + qi] = lse;
+      else a.part_lse[prow] = lse;
+    }
+  }
+}
+
+}  // namespace dmattn::cuda

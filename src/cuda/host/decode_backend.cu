@@ -1,0 +1,164 @@
+// Host side of the decode path: the split-count heuristic, the checks only these kernels
+// need, DecodeArgs filled in one place, and the dispatch to the instantiation per dtype.
+#include "cuda/host/decode_backend.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include <cutlass/numeric_types.h>
+
+#include "cuda/common/check.h"
+#include "cuda/decode/decode_args.h"
+#include "cuda/host/decode_launch.h"
+#include "cuda/common/device_info.h"
+#include "cuda/host/host_operands.h"
+#include "dmattn/error.h"
+
+namespace dmattn::cuda {
+namespace {
+
+// Resident decode CTAs per SM (decode_kernel.h's launch bounds).
+constexpr int64_t kCtasPerSm = 2;
+// A split reads at least this many keys: below it the partial rows' write and the combine
+// kernel cost more than the parallelism gains.
+constexpr int64_t kMinKeysPerSplit = 256;
+
+int sm_count(int device_id) {
+  const int n = multiprocessor_count(device_id);
+  return n > 0 ? n : 108;
+}
+
+// The decode kernel's operand: the shared broadcast rule (host_operands.h), its strides only.
+DecodeOperand make_decode_operand(const BroadcastOperand& op) {
+  const OperandArgs o = make_operand(op, 1);
+  DecodeOperand d;
+  d.ptr = o.ptr;
+  d.sb = o.stride_b, d.sh = o.stride_h, d.sq = o.stride_q, d.sk = o.stride_k;
+  d.head_div = o.head_div;
+  return d;
+}
+
+// Whether the mask and bias (those present) can travel in the kernel's cp.async ring
+// (DecodeOperands::kRing): 16-byte chunks of a row's keys, so stride 1 along the keys, every row
+// start 16-byte aligned, and a 16-bit bias (the ring holds 16 x 16 entries of each a stage).
+bool operands_fit_ring(const DecodeArgs& a) {
+  if (a.mask.ptr == nullptr && a.bias.ptr == nullptr) return false;
+  const auto rows_aligned = [](const DecodeOperand& op, int64_t elems_per_16_bytes) {
+    return reinterpret_cast<uintptr_t>(op.ptr) % 16 == 0 && op.sk == 1 && op.sb % elems_per_16_bytes == 0 &&
+           op.sh % elems_per_16_bytes == 0 && op.sq % elems_per_16_bytes == 0;
+  };
+  if (a.mask.ptr != nullptr && !rows_aligned(a.mask, 16)) return false;
+  if (a.bias.ptr != nullptr && (a.bias_fp32 || !rows_aligned(a.bias, 8))) return false;
+  return true;
+}
+
+}  // namespace
+
+int64_t decode_row_chunks(int64_t seqlen_q, int64_t group, int64_t head_dim) {
+  const int64_t rows = seqlen_q * group;
+  const int64_t chunk = decode_rows_chunked(rows, static_cast<int>(head_dim)) ? kDecodeChunkRows : kDecodeRows;
+  return (rows + chunk - 1) / chunk;
+}
+
+// FlashAttention's num_splits heuristic, with this kernel's occupancy: a wave is
+// sm_count * kCtasPerSm CTAs; among 1..max splits, the fewest whose last wave is at least 95%
+// as full as the best possible, so that few splits are used when they already fill the GPU.
+// (FlashAttention accepts 85%; a memory-bound kernel in a single wave gains in proportion to
+// the SMs it keeps streaming: B=1, 8 kv heads, 128k keys on an H100 take 32 splits, 2.53 TB/s,
+// where 85% would take 29, 2.47 TB/s.)
+int64_t decode_num_splits(int64_t ctas, int64_t seqlen_k, int device_id) {
+  if (ctas <= 0) return 1;
+  const double wave = double(sm_count(device_id)) * kCtasPerSm;
+  const int64_t max_splits = std::min<int64_t>(kDecodeMaxSplits, std::max<int64_t>(1, seqlen_k / kMinKeysPerSplit));
+  if (double(ctas) >= 0.8 * wave || max_splits == 1) return 1;
+  const auto efficiency = [&](int64_t s) {
+    const double waves = double(ctas) * double(s) / wave;
+    return waves / std::ceil(waves);
+  };
+  double best = 0;
+  for (int64_t s = 1; s <= max_splits; ++s) best = std::max(best, efficiency(s));
+  for (int64_t s = 1; s <= max_splits; ++s) {
+    if (efficiency(s) >= 0.95 * best) return s;
+  }
+  return 1;
+}
+
+void decode_forward(const ForwardParams& p) {
+  check(p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16, ErrorKind::kType,
+        "q: the CUDA backend supports float16 and bfloat16, got ", dtype_name(p.dtype));
+  check(p.head_dim % 8 == 0 && p.head_dim >= 8 && p.head_dim <= 256, ErrorKind::kValue, "q: head_dim ",
+        p.head_dim, " is not supported by the CUDA backend (expected a multiple of 8 up to 256)");
+  check(!p.mask.present() || p.mask.dtype == DType::kBool, ErrorKind::kType, "mask: expected dtype bool");
+  check(!p.bias.present() || p.bias.dtype == DType::kFloat32 || p.bias.dtype == p.dtype, ErrorKind::kType,
+        "bias: expected q's dtype or float32");
+  check(p.seqlen_k < (int64_t(1) << 31) && p.seqlen_q < (int64_t(1) << 31) &&
+            p.key_rows_source_len < (int64_t(1) << 31) && p.batch <= 65535 &&
+            p.num_heads_kv <= 65535,
+        ErrorKind::kValue, "q/k: the CUDA decode path supports lengths below 2^31 and at most 65535 batches ",
+        "and kv heads");
+  if (p.batch == 0 || p.seqlen_q == 0 || p.num_heads == 0) return;
+  check_seq_tensor("q", p.q, p.q_strides);
+  check_seq_tensor("out", p.out, p.out_strides);
+  if (p.seqlen_k > 0) {
+    check_seq_tensor("k", p.k, p.k_strides);
+    check_seq_tensor("v", p.v, p.v_strides);
+  }
+  check(p.decode_splits <= kDecodeMaxSplits, ErrorKind::kValue, "num_splits: expected at most ", kDecodeMaxSplits,
+        ", got ", p.decode_splits);
+  check(p.decode_splits == 1 || p.split_workspace != nullptr, ErrorKind::kValue,
+        "workspace: ", p.decode_splits, " key splits need a float32 workspace, got none");
+
+  DecodeArgs a;
+  a.q = p.q; a.k = p.k; a.v = p.v; a.out = p.out;
+  a.lse = static_cast<float*>(p.lse);
+  a.lse_bs = p.lse_batch_stride; a.lse_hs = p.lse_head_stride;
+  a.q_st = p.q_strides; a.k_st = p.k_strides; a.v_st = p.v_strides; a.o_st = p.out_strides;
+  a.batch = static_cast<int>(p.batch);
+  a.seqlen_q = static_cast<int>(p.seqlen_q);
+  a.seqlen_k = static_cast<int>(p.seqlen_k);
+  a.num_heads = static_cast<int>(p.num_heads);
+  a.heads_kv = static_cast<int>(p.num_heads_kv);
+  a.group = static_cast<int>(p.group_size());
+  a.head_dim = static_cast<int>(p.head_dim);
+  a.seqused_k = p.seqused_k;
+  a.block_table = p.block_table;
+  a.bt_stride = p.block_table_stride;
+  a.page_size = p.block_table != nullptr ? static_cast<int>(p.page_size) : 1;
+  if (p.has_key_rows()) {  // (make_decode_forward_params: key_rows are the positions, one set per kv head)
+    a.key_rows = p.key_rows;
+    a.kr_sb = p.key_positions_stride_b;
+    a.kr_sh = p.key_positions_stride_h;
+    a.kr_rows = static_cast<int>(p.key_rows_source_len);
+  }
+  a.softcap = p.softcap > 0 ? static_cast<float>(p.softcap) : 0.f;
+  a.q_scale = static_cast<float>(p.softcap > 0 ? p.scale / p.softcap : p.scale);
+  a.window_left = p.window_left;
+  a.window_right = p.window_right;
+  a.mask = make_decode_operand(p.mask);
+  a.bias = make_decode_operand(p.bias);
+  a.bias_fp32 = p.bias.present() && p.bias.dtype == DType::kFloat32;
+  a.operands_in_ring = operands_fit_ring(a);
+  a.row_chunks = static_cast<int>(decode_row_chunks(p.seqlen_q, p.group_size(), p.head_dim));
+  a.num_splits = static_cast<int>(std::max<int64_t>(1, p.decode_splits));
+  if (a.num_splits > 1) {
+    a.part_out = p.split_workspace;
+    a.part_lse = p.split_workspace + int64_t(a.num_splits) * p.batch * p.num_heads * p.seqlen_q * p.head_dim;
+  }
+
+  int prev = -1;
+  check_cuda(cudaGetDevice(&prev), "cudaGetDevice");
+  if (prev != p.device_id) check_cuda(cudaSetDevice(p.device_id), "cudaSetDevice");
+  auto stream = static_cast<cudaStream_t>(p.stream);
+  try {
+    if (p.dtype == DType::kBFloat16) run_decode<cutlass::bfloat16_t>(a, stream);
+    else run_decode<cutlass::half_t>(a, stream);
+  } catch (...) {
+    if (prev != p.device_id) cudaSetDevice(prev);
+    throw;
+  }
+  if (prev != p.device_id) cudaSetDevice(prev);
+}
+
+}  // namespace dmattn::cuda

@@ -1,0 +1,94 @@
+// Launcher of the decode kernels for one element type (docs/decode.md); instantiated once per
+// type in src/cuda/inst/decode_<dtype>.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/decode/decode_args.h"
+
+namespace dmattn::cuda {
+
+// The head-dim bucket run_decode picks: 64 / 128 / 256.
+inline constexpr int decode_max_head_dim(int d) { return d <= 64 ? 64 : d <= 128 ? 128 : 256; }
+
+// Whether `rows` packed query rows at head dim d run on the 64-row kernel (decode_rows_kernel.h,
+// chunks of kDecodeChunkRows) rather than the one-tile kernel (chunks of kDecodeRows): the grid's
+// row chunks (decode_row_chunks) and the launch follow this one answer.
+inline constexpr bool decode_rows_chunked(int64_t rows, int d) {
+  return rows > kDecodeRows && decode_max_head_dim(d) <= kDecodeRowsMaxHeadDim;
+}
+
+template <typename Element>
+void run_decode(const DecodeArgs& a, cudaStream_t stream);
+
+}  // namespace dmattn::cuda
+
+#ifdef DMATTN_DECODE_LAUNCH_IMPL
+#include "cuda/common/check.h"
+#include "cuda/decode/decode_kernel.h"
+#include "cuda/decode/decode_rows_kernel.h"
+#include "cuda/common/device_info.h"
+
+namespace dmattn::cuda {
+
+// Launches kernel on the decode grid (row_chunks * num_splits, heads_kv, batch).
+template <typename Kernel>
+void launch_on_decode_grid(Kernel kernel, int threads, int smem, const DecodeArgs& a, cudaStream_t stream) {
+  allow_dynamic_shared_memory(kernel, smem, "cudaFuncSetAttribute(decode smem)");
+  const dim3 grid(a.row_chunks * a.num_splits, a.heads_kv, a.batch);
+  kernel<<<grid, threads, smem, stream>>>(a);
+  check_cuda(cudaGetLastError(), "decode kernel launch");
+}
+
+template <typename Element, int kD, DecodeOperands kOps>
+void launch_decode_kernel(const DecodeArgs& a, cudaStream_t stream) {
+  using Tile = decode_detail::DecodeTile<kD>;
+  launch_on_decode_grid(decode_kernel<Element, kD, kOps>, Tile::kThreads,
+                        Tile::smem_bytes(kOps == DecodeOperands::kRing), a, stream);
+}
+
+template <typename Element, int kD, bool kOperands>
+void launch_decode_rows_kernel(const DecodeArgs& a, cudaStream_t stream) {
+  using Tile = decode_detail::DecodeRowsTile<kD>;
+  launch_on_decode_grid(decode_rows_kernel<Element, kD, kOperands>, Tile::kThreads, Tile::kSmemBytes, a, stream);
+}
+
+template <typename Element, int kD>
+void launch_decode(const DecodeArgs& a, cudaStream_t stream) {
+  const bool operands = a.mask.ptr != nullptr || a.bias.ptr != nullptr;
+  if constexpr (kD <= kDecodeRowsMaxHeadDim) {  // (the 64-row kernel exists up to that bucket)
+    if (decode_rows_chunked(int64_t(a.seqlen_q) * a.group, a.head_dim)) {  // 64-row chunks, one ring
+      if (operands) launch_decode_rows_kernel<Element, kD, true>(a, stream);
+      else launch_decode_rows_kernel<Element, kD, false>(a, stream);
+      return;
+    }
+  }
+  if (!operands) {
+    launch_decode_kernel<Element, kD, DecodeOperands::kNone>(a, stream);
+  } else if (a.operands_in_ring &&
+             decode_detail::DecodeTile<kD>::smem_bytes(true) <= max_shared_memory_optin(current_device())) {
+    launch_decode_kernel<Element, kD, DecodeOperands::kRing>(a, stream);
+  } else {  // any layout, or a GPU whose blocks cannot hold the larger ring (sm_86 / sm_89)
+    launch_decode_kernel<Element, kD, DecodeOperands::kRegisters>(a, stream);
+  }
+}
+
+template <typename Element>
+void run_decode(const DecodeArgs& a, cudaStream_t stream) {
+  switch (decode_max_head_dim(a.head_dim)) {
+    case 64: launch_decode<Element, 64>(a, stream); break;
+    case 128: launch_decode<Element, 128>(a, stream); break;
+    default: launch_decode<Element, 256>(a, stream); break;
+  }
+  if (a.num_splits > 1) {
+    const int64_t rows = int64_t(a.batch) * a.num_heads * a.seqlen_q;
+    decode_combine_kernel<Element><<<static_cast<unsigned>(rows), kDecodeCombineThreads, 0, stream>>>(a);
+    check_cuda(cudaGetLastError(), "decode combine kernel launch");
+  }
+}
+
+}  // namespace dmattn::cuda
+
+#define DMATTN_INSTANTIATE_DECODE(Element) \
+  template void dmattn::cuda::run_decode<Element>(const dmattn::cuda::DecodeArgs&, cudaStream_t);
+#endif
