@@ -74,20 +74,29 @@ DMATTN_VECTOR_CLONES void exp_shifted(float* x, int64_t n, float shift) {
 
 DMATTN_VECTOR_CLONES float row_max(const float* x, int64_t n) {
   const float kNegInf = -std::numeric_limits<float>::infinity();
-  // Per lane: v where v > m or v is NaN, so a NaN lane stays NaN (NaN < v is false).
+  // Per lane the max of the non-NaN values, and apart from it whether a NaN came (a NaN makes
+  // the result NaN). The two plain selects vectorize; a select on (m < v) | (v != v) in one went
+  // lane by lane through scalar compares (gcc 12: 40 % of a CPU forward's time in this loop).
   Vec m = splat(kNegInf);
+  IVec nan = IVec{};
   int64_t c = 0;
   for (; c + kLanes <= n; c += kLanes) {
     const Vec v = load(x + c);
-    m = (m < v) | (v != v) ? v : m;
+    m = m < v ? v : m;
+    nan |= v != v;
   }
   if (c < n) {
     const Vec v = load_partial(x + c, n - c, kNegInf);
-    m = (m < v) | (v != v) ? v : m;
+    m = m < v ? v : m;
+    nan |= v != v;
   }
   float result = kNegInf;
-  for (int l = 0; l < kLanes; ++l) result = max_keep_nan(result, m[l]);
-  return result;
+  int any_nan = 0;
+  for (int l = 0; l < kLanes; ++l) {
+    result = result < m[l] ? m[l] : result;
+    any_nan |= nan[l];
+  }
+  return any_nan ? std::numeric_limits<float>::quiet_NaN() : result;
 }
 
 DMATTN_VECTOR_CLONES float row_dot(const float* a, const float* b, int64_t n) {

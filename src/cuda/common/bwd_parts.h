@@ -214,6 +214,22 @@ __device__ __forceinline__ void bwd_colsum_to_smem(float (&colsum)[kN], C const&
   __syncthreads();
 }
 
+// One key's column sum of a query-broadcast dbias (key: its row from the batch slice's first; bb,
+// hb: the bias's batch and head), stored into dbias (its dtype) or added into its fp32
+// accumulator (atomically where several CTAs add into it).
+template <typename Element>
+__device__ __forceinline__ void store_dbias_colsum(const BwdArgs& a, int bb, int hb, int key, float v) {
+  if (a.db_colsum_to_accum) {
+    float* p = a.dbias_accum + (int64_t(bb) * a.bsize_h + hb) * a.bsize_k + key;
+    if (a.db_atomic) atomicAdd(p, v);
+    else *p += v;
+  } else {
+    const int64_t off = int64_t(bb) * a.db_sb + int64_t(hb) * a.db_sh + int64_t(key) * a.db_sk;
+    if (a.f.bias_fp32) store_sat(static_cast<float*>(a.dbias) + off, v);
+    else store_sat(static_cast<Element*>(a.dbias) + off, v);
+  }
+}
+
 template <typename Element, int kBlockN, int kHalfN, int kWarpsPerCol, int kThreads, int kN, class C>
 __device__ __forceinline__ void bwd_colsum_flush(const BwdArgs& a, float (&colsum)[kN], C const& coord, float* s_col,
                                                  int b, int h, int n0, int cols, int tid) {
@@ -226,15 +242,7 @@ __device__ __forceinline__ void bwd_colsum_flush(const BwdArgs& a, float (&colsu
     float v = s_col[c];
     CUTE_UNROLL
     for (int w = 1; w < kWarpsPerCol; ++w) v += s_col[w * kBlockN + c];
-    if (a.db_colsum_to_accum) {
-      float* p = a.dbias_accum + (int64_t(bb) * a.bsize_h + hb) * a.bsize_k + k0 + n0 + c;
-      if (a.db_atomic) atomicAdd(p, v);
-      else *p += v;
-    } else {
-      const int64_t off = int64_t(bb) * a.db_sb + int64_t(hb) * a.db_sh + int64_t(k0 + n0 + c) * a.db_sk;
-      if (f.bias_fp32) store_sat(static_cast<float*>(a.dbias) + off, v);
-      else store_sat(static_cast<Element*>(a.dbias) + off, v);
-    }
+    store_dbias_colsum<Element>(a, bb, hb, k0 + n0 + c, v);
   }
   CUTE_UNROLL
   for (int c = 0; c < kN; ++c) colsum[c] = 0.f;

@@ -8,6 +8,7 @@
 
 #include "cuda/common/bwd_args.h"
 #include "cuda/common/bwd_common.h"
+#include "cuda/common/bwd_parts.h"
 #include "cuda/common/seq_bounds.h"
 
 namespace dmattn::cuda::sm90 {
@@ -125,15 +126,7 @@ __device__ __forceinline__ void colsum_flush_smem(const BwdArgs& a, float* s_col
       s_col[w * kBlockN + c] = 0.f;
     }
     if (c >= cols) continue;  // (columns past Sk: only zeros were added, cleared all the same)
-    if (a.db_colsum_to_accum) {
-      float* p = a.dbias_accum + (int64_t(bb) * a.bsize_h + hb) * a.bsize_k + k0 + n0 + c;
-      if (a.db_atomic) atomicAdd(p, v);
-      else *p += v;
-    } else {
-      const int64_t off = int64_t(bb) * a.db_sb + int64_t(hb) * a.db_sh + int64_t(k0 + n0 + c) * a.db_sk;
-      if (f.bias_fp32) store_sat(static_cast<float*>(a.dbias) + off, v);
-      else store_sat(static_cast<Element*>(a.dbias) + off, v);
-    }
+    store_dbias_colsum<Element>(a, bb, hb, k0 + n0 + c, v);
   }
   sync();
 }
