@@ -44,6 +44,37 @@ PositionsShape check_key_positions(const TensorDesc& positions, int64_t batch, i
 [[noreturn]] void no_cuda_glue() {
   fail(ErrorKind::kRuntime, "bias: this build of dmattn has no CUDA backend");
 }
+#else
+// The arguments of a row gather from k and v into k_rows and v_rows (the top-k and the per-query
+// paths'): operands, positions (pos_batch x pos_heads rows of `width`, contiguous), the rows'
+// shape, and whether every address and stride allows 16-byte copies.
+cuda::GatherRowsArgs gather_rows_args(const TensorDesc& k, const TensorDesc& v, const TensorDesc& k_rows,
+                                      const TensorDesc& v_rows, const void* positions, int64_t pos_batch,
+                                      int64_t pos_heads, int64_t batch, int64_t width, int64_t heads,
+                                      int64_t head_dim, bool& vec16) {
+  cuda::GatherRowsArgs a;
+  const int64_t elem = int64_t(dtype_size(k.dtype));
+  vec16 = (head_dim * elem) % 16 == 0;
+  const TensorDesc* srcs[2] = {&k, &v};
+  const TensorDesc* dsts[2] = {&k_rows, &v_rows};
+  for (int i = 0; i < 2; ++i) {
+    const TensorDesc& s = *srcs[i];
+    a.operand[i] = {s.data, s.strides[0], s.strides[1], s.strides[2], dsts[i]->data};
+    vec16 = vec16 && reinterpret_cast<uintptr_t>(s.data) % 16 == 0 && reinterpret_cast<uintptr_t>(dsts[i]->data) % 16 == 0;
+    for (int d = 0; d < 3; ++d) vec16 = vec16 && (s.strides[d] * elem) % 16 == 0;
+  }
+  a.positions = static_cast<const int32_t*>(positions);
+  a.pos_batch = pos_batch;
+  a.pos_heads = pos_heads;
+  a.pos_sb = pos_heads * width;
+  a.pos_sh = width;
+  a.batch = batch;
+  a.width = width;
+  a.heads = heads;
+  a.row_bytes = head_dim * elem;
+  a.elem_bytes = int(elem);
+  return a;
+}
 #endif
 
 }  // namespace
@@ -123,27 +154,9 @@ void gather_key_rows(const TensorDesc& k, const TensorDesc& v, const TensorDesc&
     checks::check_contiguous(*bias_rows, "bias_rows");
   }
 #ifdef DMATTN_WITH_CUDA
-  cuda::GatherRowsArgs a;
-  const int64_t elem = int64_t(dtype_size(k.dtype));
-  bool vec16 = (head_dim * elem) % 16 == 0;
-  const TensorDesc* srcs[2] = {&k, &v};
-  const TensorDesc* dsts[2] = {&k_rows, &v_rows};
-  for (int i = 0; i < 2; ++i) {
-    const TensorDesc& s = *srcs[i];
-    a.operand[i] = {s.data, s.strides[0], s.strides[1], s.strides[2], dsts[i]->data};
-    vec16 = vec16 && reinterpret_cast<uintptr_t>(s.data) % 16 == 0 && reinterpret_cast<uintptr_t>(dsts[i]->data) % 16 == 0;
-    for (int d = 0; d < 3; ++d) vec16 = vec16 && (s.strides[d] * elem) % 16 == 0;
-  }
-  a.positions = static_cast<const int32_t*>(positions.data);
-  a.pos_batch = pos_batch;
-  a.pos_heads = pos_heads;
-  a.pos_sb = pos_heads * width;
-  a.pos_sh = width;
-  a.batch = batch;
-  a.width = width;
-  a.heads = heads;
-  a.row_bytes = head_dim * elem;
-  a.elem_bytes = int(elem);
+  bool vec16 = false;
+  const cuda::GatherRowsArgs a = gather_rows_args(k, v, k_rows, v_rows, positions.data, pos_batch, pos_heads, batch,
+                                                  width, heads, head_dim, vec16);
   cuda::gather_rows(a, vec16, stream);
   if (bias != nullptr) {
     cuda::GatherBiasArgs g;
@@ -254,27 +267,9 @@ void gather_segment_rows(const TensorDesc& k, const TensorDesc& v, const TensorD
     checks::check_contiguous(*t, name);
   }
 #ifdef DMATTN_WITH_CUDA
-  cuda::GatherRowsArgs a;
-  const int64_t elem = int64_t(dtype_size(k.dtype));
-  bool vec16 = (head_dim * elem) % 16 == 0;
-  const TensorDesc* srcs[2] = {&k, &v};
-  const TensorDesc* dsts[2] = {&k_rows, &v_rows};
-  for (int i = 0; i < 2; ++i) {
-    const TensorDesc& s = *srcs[i];
-    a.operand[i] = {s.data, s.strides[0], s.strides[1], s.strides[2], dsts[i]->data};
-    vec16 = vec16 && reinterpret_cast<uintptr_t>(s.data) % 16 == 0 && reinterpret_cast<uintptr_t>(dsts[i]->data) % 16 == 0;
-    for (int d = 0; d < 3; ++d) vec16 = vec16 && (s.strides[d] * elem) % 16 == 0;
-  }
-  a.positions = static_cast<const int32_t*>(index.data);
-  a.pos_batch = rows_b;
-  a.pos_heads = index.shape[1];
-  a.pos_sb = index.shape[1] * width;
-  a.pos_sh = width;
-  a.batch = rows_b;
-  a.width = width;
-  a.heads = heads;
-  a.row_bytes = head_dim * elem;
-  a.elem_bytes = int(elem);
+  bool vec16 = false;
+  cuda::GatherRowsArgs a = gather_rows_args(k, v, k_rows, v_rows, index.data, rows_b, index.shape[1], rows_b, width,
+                                            heads, head_dim, vec16);
   a.src_batch_div = rows_b / batch;
   a.src_head_div = heads / heads_kv;
   cuda::gather_rows(a, vec16, stream);

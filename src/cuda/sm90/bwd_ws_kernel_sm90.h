@@ -385,8 +385,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     PipelineState write = cutlass::make_producer_start_state<Pipeline>();  // (Q's, and dO's at the same depth)
     // dO's state at block t: Q's, or at head dim 256 its one stage's, derived from t (a second
     // state held took the producer warps' registers).
-    auto write_do_at = [&](int t) -> decltype(auto) {
-      if constexpr (Tile::kStagesDo == Tile::kStages) return (write);
+    // (a copy of Q's state: the callers copy it anyway)
+    auto write_do_at = [&](int t) {
+      if constexpr (Tile::kStagesDo == Tile::kStages) return write;
       else return one_stage_producer_state(t);
     };
     auto write_bias = cutlass::make_producer_start_state<BiasPipeline>();
@@ -526,8 +527,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     // pipelines (three held across the loop took registers the key-row consumers lack).
     PipelineState read;
     // dO's state at block t: Q's, or at head dim 256 its one stage's, derived from t.
-    auto read_do_at = [&](int t) -> decltype(auto) {
-      if constexpr (Tile::kStagesDo == Tile::kStages) return (read);
+    auto read_do_at = [&](int t) {
+      if constexpr (Tile::kStagesDo == Tile::kStages) return read;
       else return one_stage_consumer_state(t);
     };
     // (h, mb) = (head_of(t), m_block_of(t)), stepped rather than divided out of t.
