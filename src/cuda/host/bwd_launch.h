@@ -1,5 +1,6 @@
 // Launcher of the backward pass for one (element type, instantiated head dim); explicitly
-// instantiated once per pair in src/cuda/inst/bwd_<dtype>_hd<D>.cu. Sequence on the stream:
+// instantiated once per pair in src/cuda/inst/bwd_<dtype>_hd<D>.cu, the warp-specialized
+// kernel's launcher in src/cuda/inst/bwd_ws_<dtype>_hd<D>.cu. Sequence on the stream:
 //   1. zero the fp32 accumulators (dq_accum unless dQ comes from the query-major kernel -- in a
 //      dense batch by bwd_preprocess instead --, dbias_accum when used);
 //   2. bwd_preprocess: Delta = rowsum(dO * O) for every row (0 for empty rows), or (exact path)
@@ -39,6 +40,18 @@ void run_bwd(const BwdArgs& a, bool deterministic, bool exact, cudaStream_t stre
 #include "cuda/sm90/bwd_kernel_sm90.h"
 #include "cuda/sm90/bwd_ws_launch_sm90.h"
 #include "cuda/sm90/enabled.h"
+
+namespace dmattn::cuda::sm90 {
+// The warp-specialized backward's variants are compiled in translation units of their own
+// (inst/bwd_ws_<dtype>_hd<D>.cu, DMATTN_INSTANTIATE_BWD_WS), beside the other backward kernels'
+// rather than after them in one: the longest units of the build, split in two.
+extern template void launch_bwd_ws<cutlass::half_t, 64>(const BwdArgs&, dim3, bool, cudaStream_t);
+extern template void launch_bwd_ws<cutlass::half_t, 128>(const BwdArgs&, dim3, bool, cudaStream_t);
+extern template void launch_bwd_ws<cutlass::half_t, 256>(const BwdArgs&, dim3, bool, cudaStream_t);
+extern template void launch_bwd_ws<cutlass::bfloat16_t, 64>(const BwdArgs&, dim3, bool, cudaStream_t);
+extern template void launch_bwd_ws<cutlass::bfloat16_t, 128>(const BwdArgs&, dim3, bool, cudaStream_t);
+extern template void launch_bwd_ws<cutlass::bfloat16_t, 256>(const BwdArgs&, dim3, bool, cudaStream_t);
+}  // namespace dmattn::cuda::sm90
 
 namespace dmattn::cuda {
 
@@ -390,4 +403,6 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
 
 #define DMATTN_INSTANTIATE_BWD(Element, HD) \
   template void dmattn::cuda::run_bwd<Element, HD>(const dmattn::cuda::BwdArgs&, bool, bool, cudaStream_t);
+#define DMATTN_INSTANTIATE_BWD_WS(Element, HD) \
+  template void dmattn::cuda::sm90::launch_bwd_ws<Element, HD>(const dmattn::cuda::BwdArgs&, dim3, bool, cudaStream_t);
 #endif

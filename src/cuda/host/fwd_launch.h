@@ -1,5 +1,6 @@
 // Launcher of the forward kernel for one (element type, instantiated head dim); explicitly
-// instantiated once per pair in src/cuda/inst/fwd_<dtype>_hd<D>.cu.
+// instantiated once per pair in src/cuda/inst/fwd_<dtype>_hd<D>.cu, its Hopper part in
+// src/cuda/inst/fwd_ws_<dtype>_hd<D>.cu.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -174,6 +175,16 @@ void run_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
   }
 }
 
+// The Hopper forward's variants are compiled in translation units of their own
+// (inst/fwd_ws_<dtype>_hd<D>.cu, DMATTN_INSTANTIATE_FWD_WS), beside the sm80-class kernels'
+// rather than after them in one: the longest units of the build, split in two.
+extern template void run_fwd_ws<cutlass::half_t, 64>(const FwdArgs&, cudaStream_t);
+extern template void run_fwd_ws<cutlass::half_t, 128>(const FwdArgs&, cudaStream_t);
+extern template void run_fwd_ws<cutlass::half_t, 256>(const FwdArgs&, cudaStream_t);
+extern template void run_fwd_ws<cutlass::bfloat16_t, 64>(const FwdArgs&, cudaStream_t);
+extern template void run_fwd_ws<cutlass::bfloat16_t, 128>(const FwdArgs&, cudaStream_t);
+extern template void run_fwd_ws<cutlass::bfloat16_t, 256>(const FwdArgs&, cudaStream_t);
+
 // The Hopper kernel where it takes the problem; otherwise plain scores go to the lean kernel, a
 // mask / bias without softcap to the init kernel (when enabled), everything else to the general
 // one.
@@ -213,4 +224,6 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream) {
 
 #define DMATTN_INSTANTIATE_FWD(Element, HD) \
   template void dmattn::cuda::run_fwd<Element, HD>(const dmattn::cuda::FwdArgs&, cudaStream_t);
+#define DMATTN_INSTANTIATE_FWD_WS(Element, HD) \
+  template void dmattn::cuda::run_fwd_ws<Element, HD>(const dmattn::cuda::FwdArgs&, cudaStream_t);
 #endif

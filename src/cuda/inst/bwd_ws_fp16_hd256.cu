@@ -1,0 +1,5 @@
+// The warp-specialized Hopper backward for fp16, head dims up to 256 (bwd_launch.h).
+#define DMATTN_BWD_LAUNCH_IMPL
+#include "cuda/host/bwd_launch.h"
+
+DMATTN_INSTANTIATE_BWD_WS(cutlass::half_t, 256)
