@@ -49,9 +49,9 @@ if [ "$DMATTN_BUILD_CUDA" != OFF ] && command -v nvcc >/dev/null 2>&1; then
   fi
   archs=${DMATTN_CUDA_ARCHS:-80;90a}
   n_archs=$(awk -F';' '{ print NF }' <<<"$archs")
-  # Measured: ~31 minutes for two architectures on 2 cores (a fresh clone, 1891 s), ~4-6 for one
+  # Measured: ~48 minutes for two architectures on 2 cores (a fresh clone, 2876 s), ~4-7 for one
   # on 16 (the largest translation units set a floor whatever the core count).
-  minutes=$(( 31 * n_archs / $(nproc) )); [ "$minutes" -ge 4 ] || minutes=4
+  minutes=$(( 48 * n_archs / $(nproc) )); [ "$minutes" -ge 4 ] || minutes=4
   say "building dmattn: C++ core, CPU backend and CUDA kernels for sm_${archs//;/, sm_}"
   say "this is the long step: roughly $minutes-$(( minutes * 3 / 2 + 1 )) minutes on $(nproc) cores (ninja's [done/total] lines below; DMATTN_CUDA_ARCHS picks the architectures)"
 else
