@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ._op_utils import _is_compiling
 from .lse_merge import NEG_INF, merge_into
-from .ops import _call_op, attention_backward, attention_forward
+from .ops import _call_op, _lse_dtype, attention_backward, attention_forward
 
 
 class Part(NamedTuple):
@@ -113,7 +113,7 @@ class WindowParts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, alpha, delta, parts, scale, softcap, deterministic, gate_fn):
         sk = k.shape[1]
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc = _lse_dtype(q)  # (float32, float64 for float64 inputs)
         out_acc = lse_acc = None
         for part in parts:
             out, lse = _call_op(attention_forward, q, _keys(k, part, sk, 1), _keys(v, part, sk, 1), None,
@@ -126,8 +126,7 @@ class WindowParts(torch.autograd.Function):
         if out_acc is None:  # no part: every row empty
             out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
             lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), NEG_INF, dtype=acc, device=q.device)
-        out = out_acc.to(q.dtype)
-        lse = lse_acc.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        out, lse = out_acc.to(q.dtype), lse_acc  # (lse in the accumulators' dtype: dmattn::fwd's)
         ctx.save_for_backward(q, k, v, bias, alpha, delta, out, lse)
         ctx.options = (parts, scale, softcap, deterministic, gate_fn)
         ctx.mark_non_differentiable(lse)
@@ -143,7 +142,7 @@ class WindowParts(torch.autograd.Function):
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         sk = k.shape[1]
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc = _lse_dtype(q)
         bias_grad = bias is not None and ctx.needs_input_grad[3]
         gate_grad = alpha is not None and (ctx.needs_input_grad[4] or ctx.needs_input_grad[5])
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)

@@ -41,6 +41,30 @@ __device__ __forceinline__ float gate_slope_select(float x, bool linear) {
   return linear ? 1.f : sl;
 }
 
+// One (batch, head)'s alpha or delta from a sequence's first row: element j at base + j * step
+// (elements of q's type or fp32). base null: no gate.
+struct GateRowSource {
+  const char* base = nullptr;
+  int64_t step = 0;
+  bool fp32 = false;
+};
+
+// alpha of query head h, batch b, rows from the sequence's first query row q0.
+__device__ __forceinline__ GateRowSource gate_alpha_source(const FwdArgs& a, int b, int h, int q0) {
+  const GateArgs& g = a.gate;
+  if (g.alpha == nullptr) return {};
+  const int64_t off = int64_t(b) * g.alpha_bs + int64_t(q0) * g.alpha_rs + int64_t(h) * g.alpha_hs;
+  return {g.alpha + off * (g.alpha_fp32 ? 4 : 2), g.alpha_rs, g.alpha_fp32};
+}
+
+// delta of query head h's kv head, batch b, rows from the sequence's first key row k0.
+__device__ __forceinline__ GateRowSource gate_delta_source(const FwdArgs& a, int b, int h, int k0) {
+  const GateArgs& g = a.gate;
+  if (g.alpha == nullptr) return {};
+  const int64_t off = int64_t(b) * g.delta_bs + int64_t(k0) * g.delta_rs + int64_t(h / a.group) * g.delta_hs;
+  return {g.delta + off * (g.delta_fp32 ? 4 : 2), g.delta_rs, g.delta_fp32};
+}
+
 // One (batch, query head)'s gate rows and window, from the sequence's first query / key row.
 struct ScoreTermsRow {
   const char* alpha = nullptr;  // null: no gate
@@ -61,13 +85,12 @@ struct ScoreTermsRow {
 __device__ __forceinline__ ScoreTermsRow score_terms_row(const FwdArgs& a, int b, int h, int q0, int k0, int len_q,
                                                          int len_k) {
   ScoreTermsRow t;
-  const GateArgs& g = a.gate;
-  if (g.alpha != nullptr) {
-    const int esize_a = g.alpha_fp32 ? 4 : 2, esize_d = g.delta_fp32 ? 4 : 2;
-    t.alpha = g.alpha + (int64_t(b) * g.alpha_bs + int64_t(q0) * g.alpha_rs + int64_t(h) * g.alpha_hs) * esize_a;
-    t.delta = g.delta + (int64_t(b) * g.delta_bs + int64_t(k0) * g.delta_rs + int64_t(h / a.group) * g.delta_hs) * esize_d;
-    t.alpha_rs = g.alpha_rs;
-    t.delta_rs = g.delta_rs;
+  if (a.gate.alpha != nullptr) {
+    const GateRowSource alpha = gate_alpha_source(a, b, h, q0), delta = gate_delta_source(a, b, h, k0);
+    t.alpha = alpha.base;
+    t.delta = delta.base;
+    t.alpha_rs = alpha.step;
+    t.delta_rs = delta.step;
   }
   if (a.windows != nullptr) {
     const int32_t* w = a.windows + int64_t(h / a.windows_head_div) * a.windows_hs;

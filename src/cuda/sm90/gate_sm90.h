@@ -6,6 +6,7 @@
 //                          on the final scores (after the scale, softcap and key bias), before
 //                          the tests on positions and bounds;
 //   backward:              the gradients, gate_grads_sm90.h.
+// (The rows' sources, gate_alpha_source / gate_delta_source: score_terms.h.)
 #pragma once
 
 #include <cmath>
@@ -17,30 +18,6 @@
 #include "cuda/common/score_terms.h"
 
 namespace dmattn::cuda::sm90 {
-
-// One (batch, head)'s alpha or delta from a sequence's first row: element j at base + j * step
-// (elements of q's type or fp32). base null: no gate.
-struct GateRowSource {
-  const char* base = nullptr;
-  int64_t step = 0;
-  bool fp32 = false;
-};
-
-// alpha of query head h, batch b, rows from the sequence's first query row q0.
-__device__ __forceinline__ GateRowSource gate_alpha_source(const FwdArgs& a, int b, int h, int q0) {
-  const GateArgs& g = a.gate;
-  if (g.alpha == nullptr) return {};
-  const int64_t off = int64_t(b) * g.alpha_bs + int64_t(q0) * g.alpha_rs + int64_t(h) * g.alpha_hs;
-  return {g.alpha + off * (g.alpha_fp32 ? 4 : 2), g.alpha_rs, g.alpha_fp32};
-}
-
-// delta of query head h's kv head, batch b, rows from the sequence's first key row k0.
-__device__ __forceinline__ GateRowSource gate_delta_source(const FwdArgs& a, int b, int h, int k0) {
-  const GateArgs& g = a.gate;
-  if (g.alpha == nullptr) return {};
-  const int64_t off = int64_t(b) * g.delta_bs + int64_t(k0) * g.delta_rs + int64_t(h / a.group) * g.delta_hs;
-  return {g.delta + off * (g.delta_fp32 ? 4 : 2), g.delta_rs, g.delta_fp32};
-}
 
 // Rows [first, first + kRows) of a source into dst (fp32), by the 32 lanes of one warp; 0 from
 // `count` rows on (past the sequence: never NaN, so that a zero G times them stays zero).
