@@ -620,7 +620,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       }
       gemm_wait<0>(acc_dp);
       bwd_p_ds(s_rc, dp_rc, row_m, row_log2l, delta);
-      // (the gate's gradients read the stage's rows after P is stored)
+      // (the gate's gradients read the stage's rows once the products are issued)
       if constexpr (!Tile::kGate) pipe_rows.consumer_release(read);
 
       {  // P, dS -> shared memory (stmatrix). P's buffer is free: this consumer's dV product of
@@ -636,13 +636,6 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         Tensor rP = make_tensor<Element>(acc_s.layout());
         convert_fragment<Element, false>(acc_s, rP);
         copy(r2s, thr_r2s.retile_S(rP), thr_r2s.partition_D(as_position_independent_swizzle_tensor(sP_at(pbuf))));
-        // The gate's gradients from dS in fp32, once P's registers are free: this consumer's 64
-        // keys of the block (its dalpha slice), its warp's row of the column sums.
-        if constexpr (Tile::kGate) {
-          gate_grads_sm90<kBlockN, 4>(a, dp_rc, tScS_rc, st.alpha, st.keys.delta, ss.gate_col.data(),
-                                      seq.stat_offset(h) + m0, rows_valid, n0 + 64 * consumer, ctid);
-          pipe_rows.consumer_release(read);
-        }
         Tensor rdS = make_tensor<Element>(acc_dp.layout());
         convert_fragment<Element, true>(acc_dp, rdS);
         copy(r2s, thr_r2s.retile_S(rdS), thr_r2s.partition_D(as_position_independent_swizzle_tensor(sdS_at(buf))));
@@ -744,6 +737,14 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
           NamedBarrier::sync(Bar::kDqThreads, Bar::kDqEmpty + consumer);
           NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqFull + consumer);
         }
+      }
+      // The gate's gradients from dS in fp32 while the dK product runs (off the path from dS to
+      // the products; dQ's registers are free by now): this consumer's 64 keys of the block (its
+      // dalpha slice), its warp's row of the column sums.
+      if constexpr (Tile::kGate) {
+        gate_grads_sm90<kBlockN, 4>(a, dp_rc, tScS_rc, st.alpha, st.keys.delta, ss.gate_col.data(),
+                                    seq.stat_offset(h) + m0, rows_valid, n0 + 64 * consumer, ctid);
+        pipe_rows.consumer_release(read);
       }
       gemm_wait<0>(acc_dk);
       warpgroup_fence_operand(acc_dv);
