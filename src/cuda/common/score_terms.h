@@ -22,51 +22,54 @@ __device__ __forceinline__ float gate_load(const char* base, int64_t off, bool f
               : ElemInfo<Element>::to_float(reinterpret_cast<const Element*>(base) + off);
 }
 
-// g(x): logsigmoid(x) = min(x, 0) - log(1 + exp(-|x|)) (no overflow for any x), or x.
-__device__ __forceinline__ float gate_value(float x, bool linear) {
-  return linear ? x : fminf(x, 0.f) - __logf(1.f + __expf(-fabsf(x)));
-}
-
-// g'(x): sigmoid(-x) = 1 / (1 + exp(x)) (exp overflowing to inf gives 0), or 1.
-__device__ __forceinline__ float gate_slope(float x, bool linear) { return linear ? 1.f : 1.f / (1.f + __expf(x)); }
-
-// log(1 + t) for t in [0, 1] on the FMA pipes: t * q(t), q a degree-7 polynomial fit to
-// log(1 + t) / t (|error| < 5e-7 over the range, exactly 0 at t = 0).
-__device__ __forceinline__ float log1p_unit(float t) {
-  float q = -8.466244675e-03f;
-  q = fmaf(q, t, 4.365847260e-02f);
-  q = fmaf(q, t, -1.067977920e-01f);
-  q = fmaf(q, t, 1.765972525e-01f);
-  q = fmaf(q, t, -2.445332110e-01f);
-  q = fmaf(q, t, 3.326523900e-01f);
-  q = fmaf(q, t, -4.999635518e-01f);
-  q = fmaf(q, t, 9.999995232e-01f);
+#ifndef DMATTN_GATE_LOG_POLY
+#define DMATTN_GATE_LOG_POLY 0
+#endif
+// log2(1 + t) for t in [0, 1] on the FMA pipes: t times a degree-7 polynomial fit to
+// log(1 + t) / t, times log2(e) (|error| < 8e-7, exactly 0 at t = 0).
+__device__ __forceinline__ float log2_1p_unit(float t) {
+  constexpr float c = 1.4426950408889634f;
+  float q = -8.466244675e-03f * c;
+  q = fmaf(q, t, 4.365847260e-02f * c);
+  q = fmaf(q, t, -1.067977920e-01f * c);
+  q = fmaf(q, t, 1.765972525e-01f * c);
+  q = fmaf(q, t, -2.445332110e-01f * c);
+  q = fmaf(q, t, 3.326523900e-01f * c);
+  q = fmaf(q, t, -4.999635518e-01f * c);
+  q = fmaf(q, t, 9.999995232e-01f * c);
   return q * t;
 }
 
-// 1 / u for u in [1, 2] on the FMA pipes: a linear estimate (relative error < 1/17), then three
-// Newton steps (< 1e-7).
-__device__ __forceinline__ float rcp_unit2(float u) {
-  float r = fmaf(-8.f / 17.f, u, 24.f / 17.f);
-  CUTE_UNROLL
-  for (int i = 0; i < 3; ++i) r = fmaf(r, fmaf(-u, r, 1.f), r);
-  return r;
-}
+// The gate's function as numbers of the launch, so that one code path serves both functions
+// without a select or a branch per element (the Hopper kernels, gate_sm90.h and
+// gate_grads_sm90.h, whose score code must stay small enough to be inlined):
+//   g(x)  = min(x, cap) - k log(1 + exp(-|x|))    logsigmoid: cap 0, k 1; linear: cap +inf, k 0
+//   g'(x) = k sigmoid(-x) + (1 - k)
+// (the logarithm and the sigmoid are finite for every x but NaN: k = 0 removes them, and a NaN x
+// stays NaN either way). The product comes in log2 units, x2 = x log2(e) (the row's alpha
+// pre-scaled once), so that each exponential, logarithm and reciprocal is one MUFU op: the
+// element's cost on the issue slots, which the gate shares with the products' and softmax's
+// instructions, is five instructions for g and four for g' beside two MUFU ops each (the MUFU
+// units' rate, 16 a cycle, leaves room for them next to the softmax's one exponential).
+struct GateMath {
+  float cap, k, one_minus_k;
 
-// g and g' with `linear` chosen per element by a select (both values computed): one code path
-// for both functions where the caller's code size matters (the Hopper kernels, gate_sm90.h).
-// One MUFU op each (t = exp(-|x|)); the logarithm and the reciprocal on the FMA pipes, which the
-// softmax leaves idle while its exponentials occupy the MUFU units.
-__device__ __forceinline__ float gate_value_select(float x, bool linear) {
-  const float ls = fminf(x, 0.f) - log1p_unit(__expf(-fabsf(x)));
-  return linear ? x : ls;
-}
-// sigmoid(-x) = 1 / (1 + exp(x)): t / (1 + t) for x >= 0, 1 / (1 + t) below.
-__device__ __forceinline__ float gate_slope_select(float x, bool linear) {
-  const float t = __expf(-fabsf(x)), r = rcp_unit2(1.f + t);
-  const float sl = x >= 0.f ? t * r : r;
-  return linear ? 1.f : sl;
-}
+  static __device__ __forceinline__ GateMath of(bool linear) {
+    return linear ? GateMath{INFINITY, 0.f, 1.f} : GateMath{0.f, 1.f, 0.f};
+  }
+  // g(x) log2(e) from x2 = x log2(e): min(x2, cap) - k log2(1 + 2^-|x2|).
+  __device__ __forceinline__ float value_log2(float x2) const {
+#if DMATTN_GATE_LOG_POLY
+    return fmaf(-k, log2_1p_unit(fast_exp2(-fabsf(x2))), fminf(x2, cap));
+#else
+    return fmaf(-k, fast_log2(1.f + fast_exp2(-fabsf(x2))), fminf(x2, cap));
+#endif
+  }
+  // g'(x) from x2 = x log2(e): sigmoid(-x) = 1 / (1 + 2^x2) (2^x2 overflowing to inf gives 0).
+  __device__ __forceinline__ float slope_log2(float x2) const {
+    return fmaf(k, fast_rcp(1.f + fast_exp2(x2)), one_minus_k);
+  }
+};
 
 // One (batch, head)'s alpha or delta from a sequence's first row: element j at base + j * step
 // (elements of q's type or fp32). base null: no gate.
@@ -138,11 +141,15 @@ __device__ __forceinline__ void apply_score_terms(S& s, C const& coord, const Fw
                                                   int i0, int j0, int rows_valid, int cols_valid) {
   using namespace cute;
   constexpr int kRows = decltype(size<0>(s))::value;
-  float alpha[kRows];
+  const GateMath gm = GateMath::of(a.gate.linear);
+  const float scale_ln2 = a.scale * 0.69314718055994531f;  // (g in log2 units)
+  float alpha2[kRows];
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     const int row = get<0>(coord(r, 0));
-    alpha[r] = t.alpha != nullptr && row < rows_valid ? gate_load<Element>(t.alpha, (i0 + row) * t.alpha_rs, a.gate.alpha_fp32) : 0.f;
+    alpha2[r] = t.alpha != nullptr && row < rows_valid
+                    ? gate_load<Element>(t.alpha, (i0 + row) * t.alpha_rs, a.gate.alpha_fp32) * 1.4426950408889634f
+                    : 0.f;
   }
   CUTE_UNROLL
   for (int c = 0; c < size<1>(s); ++c) {
@@ -152,7 +159,7 @@ __device__ __forceinline__ void apply_score_terms(S& s, C const& coord, const Fw
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       float x = s(r, c);
-      if (t.alpha != nullptr && x != -INFINITY) x = fmaf(a.scale, gate_value(alpha[r] * delta, a.gate.linear), x);
+      if (t.alpha != nullptr && x != -INFINITY) x = fmaf(scale_ln2, gm.value_log2(alpha2[r] * delta), x);
       if (t.windows && !t.visible(i0 + get<0>(coord(r, 0)), j0 + col)) x = -INFINITY;
       s(r, c) = x;
     }
@@ -172,11 +179,13 @@ __device__ __forceinline__ void accumulate_gate_grads(const DS& ds, C const& coo
   using namespace cute;
   constexpr int kCols = decltype(size<1>(ds))::value;
   static_assert(kN == kSlices * kCols);
-  float alpha[kRows];
+  const GateMath gm = GateMath::of(a.gate.linear);
+  float alpha[kRows], alpha2[kRows];
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     const int row = get<0>(coord(r, 0));
     alpha[r] = row < rows_valid ? gate_load<Element>(t.alpha, (i0 + row) * t.alpha_rs, a.gate.alpha_fp32) : 0.f;
+    alpha2[r] = alpha[r] * 1.4426950408889634f;
   }
   CUTE_UNROLL
   for (int s = 0; s < kSlices; ++s) {
@@ -189,7 +198,7 @@ __device__ __forceinline__ void accumulate_gate_grads(const DS& ds, C const& coo
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         const float d = ds(r, c);
-        const float g = d != 0.f ? a.scale * gate_slope(alpha[r] * delta, a.gate.linear) * d : 0.f;
+        const float g = d != 0.f ? a.scale * gm.slope_log2(alpha2[r] * delta) * d : 0.f;
         row_sum[r] = fmaf(g, delta, row_sum[r]);
         cs = fmaf(g, alpha[r], cs);
       }

@@ -38,6 +38,21 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// log2(x) with one MUFU.LG2 (lg2.approx.ftz: absolute error below 2^-22 on [1, 2], the gate's
+// range; 0 -> -inf, inf -> inf, NaN -> NaN).
+__device__ __forceinline__ float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// 1 / x with one MUFU.RCP (rcp.approx.ftz: <= 1 ulp; inf -> 0, NaN -> NaN).
+__device__ __forceinline__ float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // min / max that keep a NaN (min / max.NaN, sm_80+, one instruction each; fminf / fmaxf return
 // the other operand).
 __device__ __forceinline__ float min_keep_nan(float x, float y) {

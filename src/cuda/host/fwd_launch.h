@@ -133,6 +133,20 @@ void launch_fwd_ws_bias_tiles(const FwdArgs& a, cudaStream_t stream) {
     sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, kScores>::Tile>(a, stream);
 }
 
+// The gate's variant (head dims 64 and 128) in translation units of its own
+// (inst/fwd_ws_gate_<dtype>.cu, DMATTN_INSTANTIATE_FWD_WS_GATE): its score code is the part of
+// the Hopper forward that changes most, rebuilt alone.
+#define DMATTN_FWD_WS_GATE_LAUNCH(Element, HD)                                                                  \
+  void dmattn::cuda::sm90::launch_fwd_ws<                                                                     \
+      dmattn::cuda::sm90::FwdWsConfig<Element, HD, dmattn::cuda::sm90::FwdWsScores::kKeyRowsGate>::Tile>( \
+      const dmattn::cuda::FwdArgs&, cudaStream_t)
+}  // namespace dmattn::cuda
+extern template DMATTN_FWD_WS_GATE_LAUNCH(cutlass::half_t, 64);
+extern template DMATTN_FWD_WS_GATE_LAUNCH(cutlass::half_t, 128);
+extern template DMATTN_FWD_WS_GATE_LAUNCH(cutlass::bfloat16_t, 64);
+extern template DMATTN_FWD_WS_GATE_LAUNCH(cutlass::bfloat16_t, 128);
+namespace dmattn::cuda {
+
 // The warp-specialized kernel of the problem's score policy (fwd_ws_scores); plain scores with
 // the query heads of each KV head packed into the tiles where fwd_ws_packs_gqa says so.
 template <typename Element, int kHeadDim>
@@ -226,4 +240,7 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream) {
   template void dmattn::cuda::run_fwd<Element, HD>(const dmattn::cuda::FwdArgs&, cudaStream_t);
 #define DMATTN_INSTANTIATE_FWD_WS(Element, HD) \
   template void dmattn::cuda::run_fwd_ws<Element, HD>(const dmattn::cuda::FwdArgs&, cudaStream_t);
+#define DMATTN_INSTANTIATE_FWD_WS_GATE(Element) \
+  template DMATTN_FWD_WS_GATE_LAUNCH(Element, 64);  \
+  template DMATTN_FWD_WS_GATE_LAUNCH(Element, 128);
 #endif

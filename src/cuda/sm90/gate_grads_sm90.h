@@ -19,17 +19,22 @@ namespace dmattn::cuda::sm90 {
 // row_sum[r] = sum over the thread's columns of G delta, reduced over its quad (lanes 1 and 2
 // apart share rows); the column sums of G alpha added into s_col's row of this warp
 // (colsum_scatter_add: one owner per element, deterministic). One code path for both gate
-// functions, as add_gate_scores.
+// functions (GateMath), as add_gate_scores. G's factor `scale` is applied to the sums, once per
+// row and column. Where dS is 0 (a masked score) G is 0: g' lies in [0, 1] for every product
+// but NaN, and min(g', 1) turns a NaN (alpha or delta NaN or infinite beside a 0) into 1 -- a
+// visible score with such a product is NaN itself, and so is its dS.
 template <int kBlockN, int kWarpsPerCol, class DS, class C, int kRows>
 __device__ __forceinline__ void gate_grads_impl(DS const& ds, C const& coord, const float* s_alpha,
                                                 const float* s_delta, float scale, bool linear, float* s_col,
                                                 int tid, float (&row_sum)[kRows]) {
   using namespace cute;
   constexpr int kCols = decltype(size<1>(ds))::value;
-  float alpha[kRows];
+  const GateMath gm = GateMath::of(linear);
+  float alpha[kRows], alpha2[kRows];
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     alpha[r] = s_alpha[get<0>(coord(r, 0))];
+    alpha2[r] = alpha[r] * 1.4426950408889634f;
     row_sum[r] = 0.f;
   }
   float col[kCols];
@@ -39,21 +44,21 @@ __device__ __forceinline__ void gate_grads_impl(DS const& ds, C const& coord, co
     float c0 = 0.f, c1 = 0.f;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      const float ds0 = ds(r, c), ds1 = ds(r, c + 1);
-      const float g0 = ds0 != 0.f ? scale * gate_slope_select(alpha[r] * d.x, linear) * ds0 : 0.f;
-      const float g1 = ds1 != 0.f ? scale * gate_slope_select(alpha[r] * d.y, linear) * ds1 : 0.f;
+      const float g0 = ds(r, c) * fminf(gm.slope_log2(alpha2[r] * d.x), 1.f);
+      const float g1 = ds(r, c + 1) * fminf(gm.slope_log2(alpha2[r] * d.y), 1.f);
       row_sum[r] = fmaf(g0, d.x, fmaf(g1, d.y, row_sum[r]));
       c0 = fmaf(g0, alpha[r], c0);
       c1 = fmaf(g1, alpha[r], c1);
     }
-    col[c] = c0;
-    col[c + 1] = c1;
+    col[c] = c0 * scale;
+    col[c + 1] = c1 * scale;
   }
   colsum_scatter_add<kBlockN, kWarpsPerCol>(col, coord, s_col, tid);
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     row_sum[r] += __shfl_xor_sync(0xffffffff, row_sum[r], 1);
     row_sum[r] += __shfl_xor_sync(0xffffffff, row_sum[r], 2);
+    row_sum[r] *= scale;
   }
 }
 

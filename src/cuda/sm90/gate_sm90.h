@@ -30,24 +30,26 @@ __device__ __forceinline__ void load_gate_rows(float* dst, const GateRowSource& 
 // s += scale * g(alpha_row delta_col) where s is not -inf, on the accumulator's row/col view
 // (coord: (row, col) within the tile), alpha from a kBlockM row of the stage and delta from a
 // kBlockN row (column pairs adjacent: read as float2). One code path for both gate functions
-// (the linear one selected per element): the callers' score lambdas stay small enough to be
-// inlined (two unrolled copies kept them out of line, their accumulators in local memory).
+// (GateMath's numbers): the callers' score lambdas stay small enough to be inlined (two unrolled
+// copies kept them out of line, their accumulators in local memory).
 template <class S, class C>
 __device__ __forceinline__ void add_gate_scores(S& s, C const& coord, const float* s_alpha, const float* s_delta,
                                                 float scale, bool linear) {
   using namespace cute;
   constexpr int kRows = decltype(size<0>(s))::value;
-  float alpha[kRows];
+  const GateMath gm = GateMath::of(linear);
+  const float scale_ln2 = scale * 0.69314718055994531f;  // (g in log2 units)
+  float alpha2[kRows];
   CUTE_UNROLL
-  for (int r = 0; r < kRows; ++r) alpha[r] = s_alpha[get<0>(coord(r, 0))];
+  for (int r = 0; r < kRows; ++r) alpha2[r] = s_alpha[get<0>(coord(r, 0))] * 1.4426950408889634f;
   CUTE_UNROLL
   for (int c = 0; c < size<1>(s); c += 2) {
     const float2 d = *reinterpret_cast<const float2*>(s_delta + get<1>(coord(0, c)));
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const float x0 = s(r, c), x1 = s(r, c + 1);
-      const float g0 = fmaf(scale, gate_value_select(alpha[r] * d.x, linear), x0);
-      const float g1 = fmaf(scale, gate_value_select(alpha[r] * d.y, linear), x1);
+      const float g0 = fmaf(scale_ln2, gm.value_log2(alpha2[r] * d.x), x0);
+      const float g1 = fmaf(scale_ln2, gm.value_log2(alpha2[r] * d.y), x1);
       s(r, c) = x0 == -INFINITY ? x0 : g0;
       s(r, c + 1) = x1 == -INFINITY ? x1 : g1;
     }
