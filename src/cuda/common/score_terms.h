@@ -44,30 +44,28 @@ __device__ __forceinline__ float log2_1p_unit(float t) {
 // without a select or a branch per element (the Hopper kernels, gate_sm90.h and
 // gate_grads_sm90.h, whose score code must stay small enough to be inlined):
 //   g(x)  = min(x, cap) - k log(1 + exp(-|x|))    logsigmoid: cap 0, k 1; linear: cap +inf, k 0
-//   g'(x) = k sigmoid(-x) + (1 - k)
-// (the logarithm and the sigmoid are finite for every x but NaN: k = 0 removes them, and a NaN x
-// stays NaN either way). The product comes in log2 units, x2 = x log2(e) (the row's alpha
-// pre-scaled once), so that each exponential, logarithm and reciprocal is one MUFU op: the
-// element's cost on the issue slots, which the gate shares with the products' and softmax's
-// instructions, is five instructions for g and four for g' beside two MUFU ops each (the MUFU
-// units' rate, 16 a cycle, leaves room for them next to the softmax's one exponential).
+//   g'(x) = 1 - k / 2 - (k / 2) tanh(x / 2)       (sigmoid(-x) = (1 - tanh(x / 2)) / 2)
+// (the logarithm and the tanh are finite for every x but NaN: k = 0 removes them, and a NaN x
+// stays NaN either way). g takes the product in log2 units, x2 = x log2(e), and g' half the
+// product, x / 2 (the row's alpha pre-scaled once), so that each exponential, logarithm and tanh
+// is one MUFU op: g costs five other instructions a score beside two MUFU ops, g' two beside one
+// (the MUFU units' rate, 16 a cycle per multiprocessor, is what the gate's scores are short of:
+// the softmax's one exponential a score already takes a fifth of the cycles of the products).
+// g' through tanh.approx (relative error about 2^-11): an absolute error below 2.5e-4 in g',
+// which lies in [0, 1]; bf16's own rounding of G is 2^-9 relative.
 struct GateMath {
-  float cap, k, one_minus_k;
+  float cap, k, half_k, one_minus_half_k;
 
   static __device__ __forceinline__ GateMath of(bool linear) {
-    return linear ? GateMath{INFINITY, 0.f, 1.f} : GateMath{0.f, 1.f, 0.f};
+    return linear ? GateMath{INFINITY, 0.f, 0.f, 1.f} : GateMath{0.f, 1.f, 0.5f, 0.5f};
   }
   // g(x) log2(e) from x2 = x log2(e): min(x2, cap) - k log2(1 + 2^-|x2|).
   __device__ __forceinline__ float value_log2(float x2) const {
-#if DMATTN_GATE_LOG_POLY
-    return fmaf(-k, log2_1p_unit(fast_exp2(-fabsf(x2))), fminf(x2, cap));
-#else
     return fmaf(-k, fast_log2(1.f + fast_exp2(-fabsf(x2))), fminf(x2, cap));
-#endif
   }
-  // g'(x) from x2 = x log2(e): sigmoid(-x) = 1 / (1 + 2^x2) (2^x2 overflowing to inf gives 0).
-  __device__ __forceinline__ float slope_log2(float x2) const {
-    return fmaf(k, fast_rcp(1.f + fast_exp2(x2)), one_minus_k);
+  // g'(x) from xh = x / 2.
+  __device__ __forceinline__ float slope_half(float xh) const {
+    return fmaf(-half_k, fast_tanh(xh), one_minus_half_k);
   }
 };
 
@@ -180,12 +178,11 @@ __device__ __forceinline__ void accumulate_gate_grads(const DS& ds, C const& coo
   constexpr int kCols = decltype(size<1>(ds))::value;
   static_assert(kN == kSlices * kCols);
   const GateMath gm = GateMath::of(a.gate.linear);
-  float alpha[kRows], alpha2[kRows];
+  float alpha[kRows];
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     const int row = get<0>(coord(r, 0));
     alpha[r] = row < rows_valid ? gate_load<Element>(t.alpha, (i0 + row) * t.alpha_rs, a.gate.alpha_fp32) : 0.f;
-    alpha2[r] = alpha[r] * 1.4426950408889634f;
   }
   CUTE_UNROLL
   for (int s = 0; s < kSlices; ++s) {
@@ -198,7 +195,7 @@ __device__ __forceinline__ void accumulate_gate_grads(const DS& ds, C const& coo
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         const float d = ds(r, c);
-        const float g = d != 0.f ? a.scale * gm.slope_log2(alpha2[r] * delta) * d : 0.f;
+        const float g = d != 0.f ? a.scale * gm.slope_half(0.5f * alpha[r] * delta) * d : 0.f;
         row_sum[r] = fmaf(g, delta, row_sum[r]);
         cs = fmaf(g, alpha[r], cs);
       }

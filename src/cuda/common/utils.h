@@ -46,6 +46,13 @@ __device__ __forceinline__ float fast_log2(float x) {
   return y;
 }
 
+// tanh(x) with one MUFU.TANH (tanh.approx: relative error about 2^-11; +-inf -> +-1, NaN -> NaN).
+__device__ __forceinline__ float fast_tanh(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // 1 / x with one MUFU.RCP (rcp.approx.ftz: <= 1 ulp; inf -> 0, NaN -> NaN).
 __device__ __forceinline__ float fast_rcp(float x) {
   float y;

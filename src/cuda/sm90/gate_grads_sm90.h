@@ -30,11 +30,10 @@ __device__ __forceinline__ void gate_grads_impl(DS const& ds, C const& coord, co
   using namespace cute;
   constexpr int kCols = decltype(size<1>(ds))::value;
   const GateMath gm = GateMath::of(linear);
-  float alpha[kRows], alpha2[kRows];
+  float alpha_h[kRows];  // alpha / 2: g' from the half product; the column sums doubled at the end
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
-    alpha[r] = s_alpha[get<0>(coord(r, 0))];
-    alpha2[r] = alpha[r] * 1.4426950408889634f;
+    alpha_h[r] = 0.5f * s_alpha[get<0>(coord(r, 0))];
     row_sum[r] = 0.f;
   }
   float col[kCols];
@@ -44,14 +43,14 @@ __device__ __forceinline__ void gate_grads_impl(DS const& ds, C const& coord, co
     float c0 = 0.f, c1 = 0.f;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      const float g0 = ds(r, c) * fminf(gm.slope_log2(alpha2[r] * d.x), 1.f);
-      const float g1 = ds(r, c + 1) * fminf(gm.slope_log2(alpha2[r] * d.y), 1.f);
+      const float g0 = ds(r, c) * fminf(gm.slope_half(alpha_h[r] * d.x), 1.f);
+      const float g1 = ds(r, c + 1) * fminf(gm.slope_half(alpha_h[r] * d.y), 1.f);
       row_sum[r] = fmaf(g0, d.x, fmaf(g1, d.y, row_sum[r]));
-      c0 = fmaf(g0, alpha[r], c0);
-      c1 = fmaf(g1, alpha[r], c1);
+      c0 = fmaf(g0, alpha_h[r], c0);
+      c1 = fmaf(g1, alpha_h[r], c1);
     }
-    col[c] = c0 * scale;
-    col[c + 1] = c1 * scale;
+    col[c] = c0 * (2.f * scale);
+    col[c + 1] = c1 * (2.f * scale);
   }
   colsum_scatter_add<kBlockN, kWarpsPerCol>(col, coord, s_col, tid);
   CUTE_UNROLL
