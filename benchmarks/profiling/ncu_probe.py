@@ -7,7 +7,10 @@ One forward + backward step of a chosen case, for Nsight Compute (ncu) on a GPU 
 
 CASE: plain (no mask / bias), bias (dense (B,H,S,S) bf16 bias with gradient), topk
 (attention_topk, per-key bias with gradient, keep = S / 4, causal), perquery (the same with
-per_query=True: Doge's per-query causal top-k). bf16, H=16, D=128 unless told (--h, --d);
+per_query=True: Doge's per-query causal top-k), gate (gated attention, logsigmoid, alpha and delta
+(B,S,H) with gradients; docs/design.md's figures: --b 2 --s 8192 --causal, with ncu's
+`--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats`
+`-k regex:ws_kernel`). bf16, H=16, D=128 unless told (--h, --d);
 --fwd profiles the forward alone; with the bias case, --bias-fp32 keeps the bias in fp32 and
 --key-padding adds a key padding mask (B,1,1,S; the second sequence's last S / 5 keys). Random
 inputs; one warm-up step (so that ncu's first captured launches are not the first ever), then
@@ -23,7 +26,7 @@ import dmattn
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("case", choices=["plain", "bias", "topk", "perquery"])
+    ap.add_argument("case", choices=["plain", "bias", "topk", "perquery", "gate"])
     ap.add_argument("--b", type=int, default=1)
     ap.add_argument("--s", type=int, default=4096)
     ap.add_argument("--h", type=int, default=16)
@@ -42,17 +45,20 @@ def main() -> None:
         bias = torch.randn(B, H, S, S, device=dev, dtype=torch.float32 if args.bias_fp32 else dt, generator=g)
     elif args.case in ("topk", "perquery"):
         bias = torch.randn(B, H, 1, S, device=dev, dtype=dt, generator=g)
+    gate = None
+    if args.case == "gate":
+        gate = tuple(torch.randn(B, S, H, device=dev, dtype=dt, generator=g) for _ in range(2))
     mask = None
     if args.key_padding:
         lens = torch.tensor([S, S - S // 5] * B, device=dev)[:B]
         mask = (torch.arange(S, device=dev) < lens[:, None]).view(B, 1, 1, S)
-    leaves = [t.requires_grad_(not args.fwd) for t in (q, k, v) + ((bias,) if bias is not None else ())]
+    leaves = [t.requires_grad_(not args.fwd) for t in (q, k, v) + ((bias,) if bias is not None else ()) + (gate or ())]
 
     def step():
         if args.case in ("topk", "perquery"):
             out = dmattn.attention_topk(q, k, v, bias, S // 4, causal=True, per_query=args.case == "perquery")
         else:
-            out = dmattn.attention(q, k, v, mask, bias, causal=args.causal)
+            out = dmattn.attention(q, k, v, mask, bias, causal=args.causal, gate=gate)
         if not args.fwd:
             torch.autograd.grad(out, leaves, dout)
 
