@@ -1,6 +1,6 @@
 """A small set of CUDA calls for compute-sanitizer (memcheck / racecheck), run by
 scripts/gpu_cycle.sh with the step `sanitize`. Tails, broadcast mask/bias, GQA, causal and
-window, forward and backward; each call is checked for finiteness so a failing launch shows."""
+window, the gate and windows with sinks, forward and backward; each call is checked for finiteness so a failing launch shows."""
 
 import functools
 import os
@@ -75,6 +75,35 @@ def varlen_case(lens, h, hkv, d, dtype, key_bias=False, **kw):
     out.backward(torch.randn_like(out))
     torch.cuda.synchronize()
     for t in (out, q.grad, k.grad, v.grad) + ((bias.grad,) if bias is not None else ()):
+        assert torch.isfinite(t).all(), "non-finite value"
+
+
+@announced
+def gate_case(lens, h, hkv, d, dtype, windows=None, **kw):
+    """Gated attention (alpha, delta with gradients), dense (lens: (B, Sq, Sk)) or packed (lens: a
+    list of sequence lengths, attention_varlen), optionally with windows with sinks (a row
+    [sink, near, gap, far] for every head)."""
+    g = torch.Generator().manual_seed(d * 31 + h)
+    dev = "cuda"
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=g).to(dev, dtype).requires_grad_()
+
+    w = torch.tensor([windows], dtype=torch.int32, device=dev) if windows is not None else None
+    if isinstance(lens, list):
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+        total = sum(lens)
+        q, k, v = leaf(total, h, d), leaf(total, hkv, d), leaf(total, hkv, d)
+        alpha, delta = leaf(total, h), leaf(total, hkv)
+        out = dmattn.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), gate=(alpha, delta), windows=w, **kw)
+    else:
+        b, sq, sk = lens
+        q, k, v = leaf(b, sq, h, d), leaf(b, sk, hkv, d), leaf(b, sk, hkv, d)
+        alpha, delta = leaf(b, sq, h), leaf(b, sk, hkv)
+        out = dmattn.attention(q, k, v, gate=(alpha, delta), windows=w, **kw)
+    out.backward(torch.randn_like(out))
+    torch.cuda.synchronize()
+    for t in (out, q.grad, k.grad, v.grad, alpha.grad, delta.grad):
         assert torch.isfinite(t).all(), "non-finite value"
 
 
@@ -303,6 +332,18 @@ for dtype in (torch.bfloat16, torch.float16):
     gathered_full_case(1, 129, 2, 2, 64, dtype, 256, "mask", indexed=True, softcap=20.0)
     gathered_full_case(1, 200, 2, 1, 256, dtype, 320, "bias32", ends=True, causal=True)
     expanded_case(2, 200, 300, 4, 2, 128, dtype, causal=True)
+    # Gated attention on the warp-specialized kernels (the alpha / delta rows in the key-row and
+    # row-statistics stages, dalpha's slices, ddelta's column sums in shared memory): D 64 and
+    # 128, causal with Sq < Sk, GQA, deterministic, a packed batch with an empty sequence, the
+    # linear gate; windows with sinks on the sm80-class kernels' per-element path and by parts.
+    gate_case((2, 200, 333), 4, 2, 128, dtype, causal=True)
+    gate_case((1, 130, 257), 4, 4, 64, dtype, deterministic=True)
+    gate_case([130, 0, 257, 64], 4, 2, 128, dtype, causal=True, gate_fn="linear")
+    os.environ["DMATTN_WINDOW_PARTS"] = "0"
+    gate_case((1, 300, 300), 4, 2, 128, dtype, windows=[16, 64, 32, 64])
+    os.environ["DMATTN_WINDOW_PARTS"] = "1"
+    gate_case((1, 300, 300), 4, 2, 128, dtype, windows=[16, 64, 32, 64])
+    del os.environ["DMATTN_WINDOW_PARTS"]
     # A full bias with a full mask at head dim 256 (one stage of each tile stream, issued after
     # the next V), several tiles a CTA.
     os.environ["DMATTN_FWD_PERSISTENT"] = "1"
