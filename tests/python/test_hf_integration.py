@@ -150,15 +150,17 @@ def _real_queries(pad, sq):
 @pytest.mark.parametrize("sq", [SK, 5, 1], ids=["prefill", "chunk", "decode"])
 @pytest.mark.parametrize("mask_dtype", [torch.long, torch.bool])
 def test_padding_2d_runs_packed(device, side, sq, mask_dtype):
-    """A 2D padding mask runs the real tokens through attention_varlen: the real query rows equal
-    the dense key-masked causal call (same gradients for a loss over real rows), padded query
-    rows are 0, and the key-side bias gets its gradient back at the real keys."""
+    """A 2D padding mask runs the real tokens through attention_varlen (and the padded rows after
+    a sequence's last token through a second call): every query row equals the dense key-masked
+    causal call, as transformers' eager and sdpa attention give it -- a right-padded row sees
+    the whole sequence, a left-padded one nothing (0) -- with the same gradients, and the
+    key-side bias gets its gradient back at the real keys."""
     pad = _padding(side, device).to(mask_dtype)
     q, k, v = _hf_qkv(B, H, HKV, sq, SK, D, _dtype(device), device)
     bias = (torch.randn(B, H, 1, SK) * 0.5).to(_dtype(device)).to(device)
     module = TinyAttention(H, HKV, dtype=_dtype(device)).to(device)
     real_q = _real_queries(pad, sq)
-    weight = torch.randn(B, sq, H, D).to(_dtype(device)).to(device) * real_q[:, :, None, None]
+    weight = torch.randn(B, sq, H, D).to(_dtype(device)).to(device)
 
     def run(fn):
         inputs = [t.clone().requires_grad_(True) for t in (q, k, v, bias)]
@@ -170,8 +172,12 @@ def test_padding_2d_runs_packed(device, side, sq, mask_dtype):
         module, q_, k_, v_, pad, scaling=0.3, attention_bias=b_)[0])
     want, want_grads = run(lambda q_, k_, v_, b_: _direct(
         q_, k_, v_, mask=pad.bool()[:, None, None, :], bias=b_, causal=True, scale=0.3))
-    assert torch.equal(got[~real_q], torch.zeros_like(got[~real_q]))
-    torch.testing.assert_close(got[real_q], want[real_q], **_tol(device))
+    torch.testing.assert_close(got, want, **_tol(device))
+    padded = got[~real_q]
+    if side == "left":  # (no key before a left-padded row)
+        assert torch.equal(padded, torch.zeros_like(padded))
+    elif padded.numel():  # a right-padded row sees the sequence: not 0
+        assert padded.abs().amax() > 0
     for name, g, w in zip(("dq", "dk", "dv", "dbias"), got_grads, want_grads):
         torch.testing.assert_close(g, w, **_tol(device), msg=name)
         assert torch.isfinite(g).all(), name
@@ -455,6 +461,31 @@ def test_padded_attention_refuses_a_bias_with_a_query_dimension(device):
     bias = torch.zeros(B, H, SQ, SK, dtype=_dtype(device), device=device)
     with pytest.raises(ValueError, match=r"bias: expected a bias without a query dimension"):
         padded_attention(q, k, v, real, bias, causal=True)
+
+
+@needs_transformers
+def test_right_padded_prompt_same_on_both_caches():
+    """A right-padded prompt (the case transformers warns about): the next token comes from the
+    last padded row, which attends to the whole prompt under eager's and sdpa's 4D mask. The
+    dynamic cache's 2D padding mask (packed rows) and the static cache's 4D mask (dense path)
+    give it the same logits as sdpa, and the same tokens."""
+    hf_dmattn.register()
+    model = _tiny_model("llama", "cpu")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)
+    ids = torch.stack([torch.randperm(64, generator=torch.Generator().manual_seed(s))[:12] for s in range(2)])
+    pad = torch.ones(2, 12, dtype=torch.long)
+    pad[1, -3:] = 0
+    runs = {}
+    for impl, cache in (("sdpa", "dynamic"), ("dmattn", "dynamic"), ("dmattn", "static")):
+        model.set_attn_implementation(impl)
+        extra = dict(cache_implementation="static", disable_compile=True) if cache == "static" else {}
+        runs[impl, cache] = model.generate(input_ids=ids, attention_mask=pad, max_new_tokens=6, do_sample=False,
+                                           pad_token_id=0, output_scores=True, return_dict_in_generate=True, **extra)
+    reference = runs["sdpa", "dynamic"]
+    for key in (("dmattn", "dynamic"), ("dmattn", "static")):
+        torch.testing.assert_close(runs[key].scores[0], reference.scores[0], atol=1e-4, rtol=1e-4, msg=str(key))
+        _assert_same_tokens_but_near_ties(reference, runs[key], prompt=12)
 
 
 @needs_transformers

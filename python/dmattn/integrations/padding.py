@@ -1,8 +1,13 @@
 """Padded batches as packed variable-length batches: a 2D padding mask (B, Sk) (True = a real
 token) turns q/k/v in (B, S, H, D) layout into dmattn.attention_varlen's packed layout, and the
-packed output back into (B, Sq, H, D) with zeros at the padded query rows. The padding then
-costs no work at all (the dense path with a key mask still computes the padded queries and the
-key blocks that hold both padding and tokens).
+packed output back into (B, Sq, H, D). Padded query rows get what the dense key-masked call
+(and transformers' eager and sdpa attention) gives them: a padded row after a sequence's last
+token sees every token of it (causal or not; right padding: a generation step after a
+right-padded prompt reads the last such row's output), one before its first token sees none
+and gives 0 (left padding). Those after the last token cost their count times the sequence's
+tokens (a second packed call, without a causal mask); left padding costs no work at all (the
+dense path with a key mask still computes the padded queries and the key blocks that hold both
+padding and tokens).
 
 Which query rows are real, for Sq query rows against Sk keys (as HF's FlashAttention
 integration decides):
@@ -66,9 +71,12 @@ def padded_attention(q: Tensor, k: Tensor, v: Tensor, key_real: Tensor, bias: Op
                      **varlen_kwargs) -> Tensor:
     """dmattn.attention_varlen over the real rows of a padded batch.
 
-    q (B, Sq, H, D), k / v (B, Sk, Hkv, D), key_real bool (B, Sk), bias None or (1 or B, Hb,
-    1, Sk) (see key_side_bias). Returns out (B, Sq, H, D); padded query rows are 0. Gradients
-    flow to q, k, v and bias (zero at the padded rows).
+    q (B, Sq, H, D), k / v (B, Sk, Hkv, D), key_real bool (B, Sk) (each sequence's tokens
+    contiguous), bias None or (1 or B, Hb, 1, Sk) (see key_side_bias). Returns out (B, Sq, H,
+    D), equal on every row to the dense call with the key mask: the padded query rows after a
+    sequence's last token (without causal: all its padded rows) attend to all of its tokens,
+    those before its first token are 0 (see the module's docstring; with a window in
+    varlen_kwargs, every padded row is 0). Gradients flow to q, k, v and bias.
     """
     batch, num_queries, heads, head_dim = q.shape
     num_keys = k.shape[1]
@@ -88,4 +96,31 @@ def padded_attention(q: Tensor, k: Tensor, v: Tensor, key_real: Tensor, bias: Op
                                   rows_q.max_seqlen, rows_k.max_seqlen, bias=bias_packed, **varlen_kwargs)
     out = out_packed.new_zeros(batch * num_queries, heads, head_dim)
     out = out.index_copy(0, rows_q.indices, out_packed)
+    late = _late_padded_rows(key_real, num_queries, varlen_kwargs)
+    if late is not None:
+        # Every token of the sequence lies before these rows: one call without a causal mask.
+        rows_l = unpad_rows(late)
+        if rows_l.indices.numel() > 0:
+            q_late = q.reshape(batch * num_queries, heads, head_dim).index_select(0, rows_l.indices)
+            kwargs = {name: value for name, value in varlen_kwargs.items() if name != "causal"}
+            out_late = attention_varlen(q_late, k_packed, v_packed, rows_l.cu_seqlens, rows_k.cu_seqlens,
+                                        rows_l.max_seqlen, rows_k.max_seqlen, bias=bias_packed, **kwargs)
+            out = out.index_copy(0, rows_l.indices, out_late)
     return out.reshape(batch, num_queries, heads, head_dim)
+
+
+def _late_padded_rows(key_real: Tensor, num_queries: int, varlen_kwargs: dict) -> Optional[Tensor]:
+    """bool (B, Sq): the padded query rows that see every token of their sequence -- under causal
+    those after its last token (query row r at key column Sk - Sq + r, as _query_rows places it),
+    without it every padded row of a sequence with tokens; None where there are none to compute
+    (one query per row, always real; a window, which would see part of the tokens)."""
+    num_keys = key_real.shape[1]
+    window = varlen_kwargs.get("window", (-1, -1))
+    if num_queries == 1 or num_queries > num_keys or num_keys == 0 or tuple(window) != (-1, -1):
+        return None
+    columns = torch.arange(1, num_keys + 1, device=key_real.device)
+    end = (key_real * columns).amax(dim=-1, keepdim=True)  # one past the last token; 0: no token
+    late = ~_query_rows(key_real, num_queries) & (end > 0)
+    if varlen_kwargs.get("causal", False):
+        late &= columns[None, num_keys - num_queries:] > end  # (column + 1 > end: column >= end)
+    return late

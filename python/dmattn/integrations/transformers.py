@@ -21,7 +21,8 @@ What the attention function accepts (HF layout (B, H, S, D), GQA through the k/v
   used as an additive bias with values <= finfo.min / 2 made -inf (= masked), decided without
   reading it on the host; each (B, 1 or H, Sq, Sk); or a 2D padding mask (B, Sk) (nonzero =
   attend) with causal: the real tokens run packed through dmattn.attention_varlen
-  (padding.py; padded query rows give 0), or, for one query per row (a decoding step), with
+  (padding.py; padded query rows as the dense key-masked call gives them: after the last token
+  the whole sequence, before the first token 0), or, for one query per row (a decoding step), with
   keep_window_size, a bias that has a query dimension, or under torch.compile (packing reads
   the lengths on the host), it is a key mask (B, 1, 1, Sk) on the dense path.
 * kwargs: is_causal, softcap, attention_bias (an additive, learnable bias broadcastable to
@@ -203,8 +204,7 @@ def attention_forward(
     padding_2d = attention_mask is not None and attention_mask.dim() == 2
     # Packing needs the real lengths on the host (two synchronizations), which torch.compile
     # cannot trace without a graph break and a CUDA graph's capture does not allow: there the key
-    # mask runs on the dense path instead (same real rows; padded query rows then hold whatever
-    # their causal keys give).
+    # mask runs on the dense path instead (the same values on every row).
     # A decode step (one query per row) stays dense with the key mask: the one query of every row
     # is real and no lengths are read on the host.
     packs = padding_2d and not selects and num_queries > 1 and host_reads_allowed(q)
