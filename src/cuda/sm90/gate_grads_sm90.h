@@ -20,7 +20,7 @@ namespace dmattn::cuda::sm90 {
 // apart share rows); the column sums of G alpha added into s_col's row of this warp
 // (colsum_scatter_add: one owner per element, deterministic). One code path for both gate
 // functions (GateMath), as add_gate_scores. G's factor `scale` is applied to the sums, once per
-// row and column. Where dS is 0 (a masked score) G is 0: g' lies in [0, 1] for every product
+// row and column. Where dS is 0 (a masked score) G is 0: g' is finite (in [0, 1] to rounding) for every product
 // but NaN, and min(g', 1) turns a NaN (alpha or delta NaN or infinite beside a 0) into 1 -- a
 // visible score with such a product is NaN itself, and so is its dS.
 template <int kBlockN, int kWarpsPerCol, class DS, class C, int kRows>
