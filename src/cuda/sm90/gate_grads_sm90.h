@@ -20,9 +20,9 @@ namespace dmattn::cuda::sm90 {
 // apart share rows); the column sums of G alpha added into s_col's row of this warp
 // (colsum_scatter_add: one owner per element, deterministic). One code path for both gate
 // functions (GateMath), as add_gate_scores. G's factor `scale` is applied to the sums, once per
-// row and column. Where dS is 0 (a masked score) G is 0: g' is finite (in [0, 1] to rounding) for every product
-// but NaN, and min(g', 1) turns a NaN (alpha or delta NaN or infinite beside a 0) into 1 -- a
-// visible score with such a product is NaN itself, and so is its dS.
+// row and column. Where dS is 0 (a masked score) G is 0: g' is finite (in [0, 1] to rounding)
+// for every product but NaN, and min(g', 1) turns a NaN (alpha or delta NaN or infinite beside
+// a 0) into 1 -- a visible score with such a product is NaN itself, and so is its dS.
 template <int kBlockN, int kWarpsPerCol, class DS, class C, int kRows>
 __device__ __forceinline__ void gate_grads_impl(DS const& ds, C const& coord, const float* s_alpha,
                                                 const float* s_delta, float scale, bool linear, float* s_col,
