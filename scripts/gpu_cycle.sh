@@ -18,7 +18,8 @@
 #          the scaling table of benchmarks/profiling/ring_scaling.py)
 #   (the PTX path that GPUs newer than the build's archs take: scripts/ptx_jit_check.sh)
 #   env:   OUT (default /tmp/dmattn-out), ARCHS (default 90a), PTX (default OFF: DMATTN_CUDA_PTX),
-#          PYTEST_ARGS, BENCH_ARGS,
+#          PYTEST_ARGS, BENCH_ARGS, SANITIZE_CASES (a regex: the sanitizer cases to run, all
+#          unless set; scripts/sanitizer_cases.py),
 #          CARRY_ROOT (folder holding .whl/ and .devcarry/, default the repo root; lets a copy of
 #          a work tree staged inside the checkout reuse the checkout's carried folders)
 set -uo pipefail
@@ -131,7 +132,8 @@ fi
 if [[ " $STEPS " == *" sanitize "* ]]; then
   step "compute-sanitizer (memcheck, racecheck, synccheck) on a small configuration set"
   for tool in memcheck racecheck synccheck; do
-    compute-sanitizer --tool "$tool" --error-exitcode 9 python3 scripts/sanitizer_cases.py \
+    # shellcheck disable=SC2086
+    compute-sanitizer --tool "$tool" --error-exitcode 9 python3 scripts/sanitizer_cases.py ${SANITIZE_CASES:-} \
       > "$OUT/sanitize_$tool.log" 2>&1
     rc=$?
     echo "$tool rc=$rc"; tail -5 "$OUT/sanitize_$tool.log"

@@ -1,14 +1,26 @@
 """A small set of CUDA calls for compute-sanitizer (memcheck / racecheck), run by
 scripts/gpu_cycle.sh with the step `sanitize`. Tails, broadcast mask/bias, GQA, causal and
-window, the gate and windows with sinks, forward and backward; each call is checked for finiteness so a failing launch shows."""
+window, the gate and windows with sinks, forward and backward; each call is checked for
+finiteness so a failing launch shows.
+
+    python3 scripts/sanitizer_cases.py [REGEX]
+
+REGEX (optional): only the calls whose announced line (name, arguments, keywords) it matches
+(re.search), e.g. "gate_case" or "bfloat16": racecheck over every case takes longer than one
+command may (its slowest, the D=256 bias + mask case, alone takes minutes)."""
 
 import functools
 import os
+import re
+import sys
 import time
 
 import torch
 
 import dmattn
+
+
+_ONLY = re.compile(sys.argv[1]) if len(sys.argv) > 1 else None
 
 
 def announced(fn):
@@ -17,8 +29,11 @@ def announced(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kw):
+        line = f"{fn.__name__}{args} {kw or ''}"
+        if _ONLY is not None and not _ONLY.search(line):
+            return
         t0 = time.perf_counter()
-        print(f"{fn.__name__}{args} {kw or ''}", end=" ", flush=True)
+        print(line, end=" ", flush=True)
         fn(*args, **kw)
         print(f"{time.perf_counter() - t0:.1f} s", flush=True)
 
