@@ -80,9 +80,11 @@ def padded_attention(q: Tensor, k: Tensor, v: Tensor, key_real: Tensor, bias: Op
     """
     batch, num_queries, heads, head_dim = q.shape
     num_keys = k.shape[1]
-    rows_q = unpad_rows(_query_rows(key_real, num_queries))
+    real_q = _query_rows(key_real, num_queries)
+    rows_q = unpad_rows(real_q)
     rows_k = unpad_rows(key_real)
-    q_packed = q.reshape(batch * num_queries, heads, head_dim).index_select(0, rows_q.indices)
+    q_rows = q.reshape(batch * num_queries, heads, head_dim)
+    q_packed = q_rows.index_select(0, rows_q.indices)
     k_packed = k.reshape(batch * num_keys, *k.shape[2:]).index_select(0, rows_k.indices)
     v_packed = v.reshape(batch * num_keys, *v.shape[2:]).index_select(0, rows_k.indices)
     bias_packed = None
@@ -96,12 +98,12 @@ def padded_attention(q: Tensor, k: Tensor, v: Tensor, key_real: Tensor, bias: Op
                                   rows_q.max_seqlen, rows_k.max_seqlen, bias=bias_packed, **varlen_kwargs)
     out = out_packed.new_zeros(batch * num_queries, heads, head_dim)
     out = out.index_copy(0, rows_q.indices, out_packed)
-    late = _late_padded_rows(key_real, num_queries, varlen_kwargs)
+    late = _late_padded_rows(key_real, real_q, varlen_kwargs)
     if late is not None:
         # Every token of the sequence lies before these rows: one call without a causal mask.
         rows_l = unpad_rows(late)
         if rows_l.indices.numel() > 0:
-            q_late = q.reshape(batch * num_queries, heads, head_dim).index_select(0, rows_l.indices)
+            q_late = q_rows.index_select(0, rows_l.indices)
             kwargs = {name: value for name, value in varlen_kwargs.items() if name != "causal"}
             out_late = attention_varlen(q_late, k_packed, v_packed, rows_l.cu_seqlens, rows_k.cu_seqlens,
                                         rows_l.max_seqlen, rows_k.max_seqlen, bias=bias_packed, **kwargs)
@@ -109,18 +111,19 @@ def padded_attention(q: Tensor, k: Tensor, v: Tensor, key_real: Tensor, bias: Op
     return out.reshape(batch, num_queries, heads, head_dim)
 
 
-def _late_padded_rows(key_real: Tensor, num_queries: int, varlen_kwargs: dict) -> Optional[Tensor]:
-    """bool (B, Sq): the padded query rows that see every token of their sequence -- under causal
-    those after its last token (query row r at key column Sk - Sq + r, as _query_rows places it),
-    without it every padded row of a sequence with tokens; None where there are none to compute
-    (one query per row, always real; a window, which would see part of the tokens)."""
-    num_keys = key_real.shape[1]
+def _late_padded_rows(key_real: Tensor, real_q: Tensor, varlen_kwargs: dict) -> Optional[Tensor]:
+    """bool (B, Sq): the padded query rows (not real_q, _query_rows's) that see every token of
+    their sequence -- under causal those after its last token (query row r at key column
+    Sk - Sq + r, as _query_rows places it), without it every padded row of a sequence with
+    tokens; None where there are none to compute (one query per row, always real; a window,
+    which would see part of the tokens)."""
+    num_keys, num_queries = key_real.shape[1], real_q.shape[1]
     window = varlen_kwargs.get("window", (-1, -1))
     if num_queries == 1 or num_queries > num_keys or num_keys == 0 or tuple(window) != (-1, -1):
         return None
     columns = torch.arange(1, num_keys + 1, device=key_real.device)
     end = (key_real * columns).amax(dim=-1, keepdim=True)  # one past the last token; 0: no token
-    late = ~_query_rows(key_real, num_queries) & (end > 0)
+    late = ~real_q & (end > 0)
     if varlen_kwargs.get("causal", False):
         late &= columns[None, num_keys - num_queries:] > end  # (column + 1 > end: column >= end)
     return late

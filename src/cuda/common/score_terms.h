@@ -22,24 +22,6 @@ __device__ __forceinline__ float gate_load(const char* base, int64_t off, bool f
               : ElemInfo<Element>::to_float(reinterpret_cast<const Element*>(base) + off);
 }
 
-#ifndef DMATTN_GATE_LOG_POLY
-#define DMATTN_GATE_LOG_POLY 0
-#endif
-// log2(1 + t) for t in [0, 1] on the FMA pipes: t times a degree-7 polynomial fit to
-// log(1 + t) / t, times log2(e) (|error| < 8e-7, exactly 0 at t = 0).
-__device__ __forceinline__ float log2_1p_unit(float t) {
-  constexpr float c = 1.4426950408889634f;
-  float q = -8.466244675e-03f * c;
-  q = fmaf(q, t, 4.365847260e-02f * c);
-  q = fmaf(q, t, -1.067977920e-01f * c);
-  q = fmaf(q, t, 1.765972525e-01f * c);
-  q = fmaf(q, t, -2.445332110e-01f * c);
-  q = fmaf(q, t, 3.326523900e-01f * c);
-  q = fmaf(q, t, -4.999635518e-01f * c);
-  q = fmaf(q, t, 9.999995232e-01f * c);
-  return q * t;
-}
-
 // The gate's function as numbers of the launch, so that one code path serves both functions
 // without a select or a branch per element (the Hopper kernels, gate_sm90.h and
 // gate_grads_sm90.h, whose score code must stay small enough to be inlined):
@@ -54,6 +36,8 @@ __device__ __forceinline__ float log2_1p_unit(float t) {
 // g' through tanh.approx (relative error about 2^-11): an absolute error below 2.5e-4 in g',
 // which lies in [0, 1]; bf16's own rounding of G is 2^-9 relative.
 struct GateMath {
+  static constexpr float kLog2e = 1.4426950408889634f;  // the product's factor into log2 units
+  static constexpr float kLn2 = 0.69314718055994531f;   // g's factor out of them
   float cap, k, half_k, one_minus_half_k;
 
   static __device__ __forceinline__ GateMath of(bool linear) {
@@ -140,13 +124,13 @@ __device__ __forceinline__ void apply_score_terms(S& s, C const& coord, const Fw
   using namespace cute;
   constexpr int kRows = decltype(size<0>(s))::value;
   const GateMath gm = GateMath::of(a.gate.linear);
-  const float scale_ln2 = a.scale * 0.69314718055994531f;  // (g in log2 units)
+  const float scale_ln2 = a.scale * GateMath::kLn2;  // (g in log2 units)
   float alpha2[kRows];
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     const int row = get<0>(coord(r, 0));
     alpha2[r] = t.alpha != nullptr && row < rows_valid
-                    ? gate_load<Element>(t.alpha, (i0 + row) * t.alpha_rs, a.gate.alpha_fp32) * 1.4426950408889634f
+                    ? gate_load<Element>(t.alpha, (i0 + row) * t.alpha_rs, a.gate.alpha_fp32) * GateMath::kLog2e
                     : 0.f;
   }
   CUTE_UNROLL

@@ -53,13 +53,6 @@ __device__ __forceinline__ float fast_tanh(float x) {
   return y;
 }
 
-// 1 / x with one MUFU.RCP (rcp.approx.ftz: <= 1 ulp; inf -> 0, NaN -> NaN).
-__device__ __forceinline__ float fast_rcp(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // min / max that keep a NaN (min / max.NaN, sm_80+, one instruction each; fminf / fmaxf return
 // the other operand).
 __device__ __forceinline__ float min_keep_nan(float x, float y) {

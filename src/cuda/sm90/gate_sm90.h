@@ -38,10 +38,10 @@ __device__ __forceinline__ void add_gate_scores(S& s, C const& coord, const floa
   using namespace cute;
   constexpr int kRows = decltype(size<0>(s))::value;
   const GateMath gm = GateMath::of(linear);
-  const float scale_ln2 = scale * 0.69314718055994531f;  // (g in log2 units)
+  const float scale_ln2 = scale * GateMath::kLn2;  // (g in log2 units)
   float alpha2[kRows];
   CUTE_UNROLL
-  for (int r = 0; r < kRows; ++r) alpha2[r] = s_alpha[get<0>(coord(r, 0))] * 1.4426950408889634f;
+  for (int r = 0; r < kRows; ++r) alpha2[r] = s_alpha[get<0>(coord(r, 0))] * GateMath::kLog2e;
   CUTE_UNROLL
   for (int c = 0; c < size<1>(s); c += 2) {
     const float2 d = *reinterpret_cast<const float2*>(s_delta + get<1>(coord(0, c)));
