@@ -15,13 +15,17 @@ dmattn::bwd with ``forward_stats=True`` on the merged out and lse, which yields 
 of the gradients; dk, dv, ddelta (and a key-wise dbias) add up on the parts' key ranges.
 
 On CUDA this replaces the sm80-class kernels' per-element windows (every causal key block
-visited) with the warp-specialized kernels' window sweeps wherever every head has the same row,
-the other window arguments are unset and there is no mask (``use_parts``); DMATTN_WINDOW_PARTS=0
-turns it off, =1 takes it wherever it applies, the CPU too (tests, comparisons).
+visited) with the dense kernels' window sweeps wherever every head has the same row, the other
+window arguments are unset and there is no mask (``use_parts``), except where the
+warp-specialized Hopper kernels take the windows themselves, forward and backward (their walk
+over the key blocks of the sinks and bands: one launch each way, no merge; ``_native_on_device``).
+DMATTN_WINDOW_PARTS=0 turns it off, =1 takes it wherever it applies, the CPU and Hopper too
+(tests, comparisons).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from typing import List, NamedTuple, Optional, Tuple
@@ -62,12 +66,35 @@ def _mode() -> str:
     return os.environ.get("DMATTN_WINDOW_PARTS", "")
 
 
+@functools.lru_cache(maxsize=None)
+def _runs_hopper_kernels(index: int) -> bool:
+    from ._lib import device_kernel_path
+
+    return device_kernel_path(index) == "native sm_90a"
+
+
+def _native_on_device(q: Tensor, bias: Optional[Tensor], softcap: float, deterministic: bool) -> bool:
+    """Whether the warp-specialized Hopper kernels take the windows themselves, forward and
+    backward (as fwd_ws_supports / bwd_ws_supports decide in the library: head dims 64 and 128,
+    16-bit inputs, no full bias, no softcap in the backward, dQ's adds unordered)."""
+    if not q.is_cuda or q.shape[-1] not in (64, 128) or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if deterministic or softcap or (bias is not None and bias.shape[-2] != 1):
+        return False
+    if any(os.environ.get(name, "").startswith("0") for name in ("DMATTN_FWD_SM90", "DMATTN_BWD_SM90_WS")):
+        return False
+    return _runs_hopper_kernels(q.device.index if q.device.index is not None else torch.cuda.current_device())
+
+
 def use_parts(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
-              windows: Optional[Tensor], window: Tuple[int, int]) -> Optional[Tuple[int, int, int, int]]:
+              windows: Optional[Tensor], window: Tuple[int, int], softcap: float = 0.0,
+              deterministic: bool = False) -> Optional[Tuple[int, int, int, int]]:
     """The window row to take by parts, or None for the native path (which also reports every
     argument error: a problem with a questionable argument never comes here)."""
     mode = _mode()
     if windows is None or mode == "0" or (mode != "1" and not q.is_cuda) or _is_compiling():
+        return None
+    if mode != "1" and _native_on_device(q, bias, softcap, deterministic):
         return None
     if mask is not None or window != (-1, -1) or q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         return None

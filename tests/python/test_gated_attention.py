@@ -260,6 +260,65 @@ def test_windows_by_parts_match_reference(device, nan_poison, monkeypatch, row):
     _check(q, k, v, dout, out, lse, grads, gate=(alpha, delta), windows=w, context=f"row {row}")
 
 
+# Windows on the warp-specialized Hopper kernels (head dims 64 and 128; elsewhere the sm80-class
+# kernels): each query tile walks the key blocks of its sinks and bands, each key block the query
+# blocks it meets, with gaps between the runs at these lengths. Rows per KV head, a key-side
+# bias, the gate; a packed batch; the mode by parts is not taken there.
+HOPPER_WINDOW_CASES = [
+    # (Sq, Sk, D, rows [sink, near, gap, far] per (1 | Hkv))
+    (1000, 1000, 64, [[64, 128, 256, 128]]),                    # block-aligned runs, two gaps
+    (700, 900, 128, [[128, 300, 200, 250], [0, 129, 0, 0]]),    # three runs / one band
+    (900, 700, 64, [[1000, 50, 60, 70], [3, 0, 400, 90]]),      # sink > Sk (causal); near = 0
+    (257, 1100, 128, [[5, 1, 700, 64], [0, 0, 0, 0]]),          # the second: every row empty
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", HOPPER_WINDOW_CASES, ids=lambda c: f"{c[0]}x{c[1]}-d{c[2]}-{len(c[3])}rows")
+@pytest.mark.parametrize("terms", ["plain", "gate", "key_bias"])
+def test_windows_on_long_sequences_match_reference(nan_poison, case, terms):
+    from dmattn import window_parts
+    sq, sk, d, rows = case
+    q, k, v, alpha, delta, dout = _inputs(2, sq, sk, 4, 2, d, torch.bfloat16, "cuda", seed=sq)
+    w = _windows(rows, "cuda")
+    gate = (alpha, delta) if terms == "gate" else None
+    bias = torch.randn(2, 4, 1, sk).to(torch.bfloat16).cuda() if terms == "key_bias" else None
+    if torch.cuda.get_device_capability() == (9, 0) and len(rows) == 1:  # (the native walk, not parts)
+        assert window_parts.use_parts(q, k, v, None, bias, w, (-1, -1)) is None
+    out, lse, grads = _run(q, k, v, dout, gate=gate, bias=bias, windows=w)
+    _check(q, k, v, dout, out, lse, grads, gate=gate, bias=bias, windows=w, context=f"{case[:3]} {terms}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_packed_windows_on_long_sequences_match_reference_per_sequence(nan_poison, d):
+    lens_q, lens_k = [300, 0, 517, 64], [450, 200, 517, 1]
+    h, hkv = 4, 2
+    g = torch.Generator().manual_seed(d)
+    mk = lambda *shape: torch.randn(*shape, generator=g).to(torch.bfloat16).cuda()  # noqa: E731
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q, k, v, dout = mk(sum(lens_q), h, d), mk(sum(lens_k), hkv, d), mk(sum(lens_k), hkv, d), mk(sum(lens_q), h, d)
+    w = _windows([[16, 100, 150, 90], [0, 200, 0, 0]], "cuda")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = dmattn.attention_varlen(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), windows=w)
+    out.backward(dout)
+    for bi in range(len(lens_q)):
+        rq, rk = slice(int(cu_q[bi]), int(cu_q[bi + 1])), slice(int(cu_k[bi]), int(cu_k[bi + 1]))
+        if lens_q[bi] == 0:
+            assert (leaves[1].grad[rk] == 0).all() and (leaves[2].grad[rk] == 0).all()
+            continue
+        sub = [t[None, r].cpu() for t, r in zip((q, k, v), (rq, rk, rk))]
+        args = dict(windows=w.cpu(), dout=dout[None, rq].cpu())
+        ref = run_reference(*sub, None, None, upcast=True, **args)
+        low = run_reference(*sub, None, None, upcast=False, **args)
+        context = f"d={d} sequence {bi}"
+        check_close("out", out[None, rq], ref.out, low.out, FWD_FACTOR, context=context)
+        for name, leaf, r in zip("qkv", leaves, (rq, rk, rk)):
+            check_close(f"d{name}", leaf.grad[r][None], ref.grads[name], low.grads.get(name), BWD_FACTOR,
+                        context=context)
+
+
 def test_windows_intersect_with_window_and_causal():
     q, k, v, _, _, dout = _inputs(1, 48, 48, 2, 1, 8, torch.float32, "cpu")
     w = _windows([[2, 4, 4, 30]], "cpu")

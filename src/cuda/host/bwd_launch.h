@@ -228,8 +228,8 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
   // The warp-specialized Hopper kernel (sm90/bwd_ws_launch_sm90.h) where it takes the problem; in
   // deterministic mode where it can order its dQ adds (bwd_ws_orders_dq_adds), else the general
   // kernels with dQ from the query-major kernel.
-  // The gate and windows with sinks (score_terms.h): on the sm80-class kernels, and the gate
-  // with key rows on the warp-specialized kernel (bwd_ws_supports).
+  // The gate and windows with sinks (score_terms.h): on the sm80-class kernels, and with key
+  // rows on the warp-specialized kernel (bwd_ws_supports).
   const bool terms = f.gate.alpha != nullptr || f.windows != nullptr;
   const bool ws = bwd_sm90_enabled() && sm90::bwd_ws_supports(a) &&
                   (!deterministic || (!exact && a.dq_accum != nullptr && sm90::bwd_ws_orders_dq_adds(a)));

@@ -204,8 +204,8 @@ extern template void run_fwd_ws<cutlass::bfloat16_t, 256>(const FwdArgs&, cudaSt
 // one.
 template <typename Element, int kHeadDim>
 void run_fwd(const FwdArgs& a, cudaStream_t stream) {
-  // The gate and windows with sinks (score_terms.h): on the general kernel, and the gate alone
-  // with key rows on the Hopper kernel (fwd_ws_supports).
+  // The gate and windows with sinks (score_terms.h): on the general kernel, and either with key
+  // rows alone on the Hopper kernel (fwd_ws_supports).
   const bool terms = a.gate.alpha != nullptr || a.windows != nullptr;
   const bool hopper = fwd_sm90_enabled() && sm90::fwd_ws_supports<kHeadDim>(a);
   // Indexed keys: read in place by the warp-specialized kernel, gathered into a copy for the others.

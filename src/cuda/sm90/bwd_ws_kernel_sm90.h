@@ -156,8 +156,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   // The query blocks [m_lo, m_hi) that meet this key block (gathered keys: from its positions,
   // which every thread reads after the counting barrier).
   int m_lo, m_hi;
+  BlockWalk m_walk;  // (windows with sinks: [m_lo, m_hi) are virtual blocks of the walk)
   if constexpr (Tile::kKeyRows) {
-    if (f.kpos.ptr != nullptr) {
+    if (f.windows != nullptr) {  // (without gathered keys; one row for the KV head: bwd_ws_supports)
+      const SinkWindow w = SinkWindow::of(f, kvh * group, seq.len_q(), seq.len_k());
+      m_walk = w.query_blocks(n0, kBlockN, kBlockM, m_lo, m_hi);
+      if (threadIdx.x == 0) ss.window = SinkWindowTest::of(w);
+    } else if (f.kpos.ptr != nullptr) {
       const KeyPositionRow kp_row(f, b, kvh * group);
       load_positions_tile<kBlockN, Tile::kNThreads, false>(ss.pos.data(), kp_row.row, kp_row.count, n0, threadIdx.x,
                                                            nullptr, 0);
@@ -202,6 +207,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   auto& kv_full = *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&ss.kv_full);
   // (indexed keys: the producers' copies, issued above, arrive once they land: 128 arrivals)
   if (threadIdx.x == 0) {
+    ss.m_walk = m_walk;
     kv_full.init(indexed ? 128 : 1);
     if constexpr (Tile::kDqTurns)
       for (int w = 0; w < Tile::kConsumers; ++w) cutlass::arch::ClusterBarrier::init(&ss.dq_turn[w], 128 + 1);
@@ -212,8 +218,20 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   // Query block t: query head kvh * group + t / n_m, block m_lo + t % n_m. (A walk starting at a
   // block that depends on the key block, so that neighbouring CTAs add into different dQ rows,
   // measured no faster: 7.83 against 7.81 ms dense, 4.29 against 4.15 causal, docs/design.md.)
+  // The query block of virtual block v (read from shared memory where used: not held in the
+  // roles' registers through their loops; plain scores and a full bias have no windows). A key
+  // block's query runs are two at most -- the sinks' run and the near band's start together,
+  // the far band's lies in the sinks' or after the near band's --, so one gap (split1, gap1).
+  auto m_at = [&](int v) {
+    if constexpr (Tile::kKeyRows) {
+      const volatile BlockWalk& w = ss.m_walk;
+      return v - (v < w.split1 ? w.gap1 : 0);
+    } else {
+      return v;
+    }
+  };
   auto head_of = [&](int t) { return kvh * group + t / n_m; };
-  auto m_block_of = [&](int t) { return m_lo + t % n_m; };
+  auto m_block_of = [&](int t) { return m_at(m_lo + t % n_m); };
 
   if (warp_group == 0) {  // ---------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<Tile::kProducerRegs>();
@@ -249,6 +267,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
           st.m[r] = a.row_m[row_stat + r];
           if (a.row_log2l != nullptr) st.log2l[r] = a.row_log2l[row_stat + r];
           st.delta[r] = a.delta[row_stat + r];
+        }
+        // Windows with sinks: the tile's test of the window (by the first lane, as the lengths).
+        if constexpr (Tile::kKeyRows) {
+          if (f.windows != nullptr && lane == 0)
+            st.window_on = !const_cast<const volatile SinkWindowTest&>(ss.window).all_visible(
+                m0, m0 + rows_valid, n0, min(n0 + kBlockN, len_k));
         }
         // The key rows depend on the head only (the key block is the CTA's): a stage keeps
         // them from its previous use, kStages blocks back, while the head is the same.
@@ -404,10 +428,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     // registers of a 40-register TMA thread at head dim 256)
     int h = head_of(0), mb = m_lo;
     for (int t = 0; t < n_iter; ++t) {
+      const int m_block = m_at(mb);
       Tensor gQ = local_tile(domain_offset(make_coord(q0, 0), mQ(_, _, h, tb)), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                             make_coord(mb, 0));
+                             make_coord(m_block, 0));
       Tensor gdO = local_tile(domain_offset(make_coord(q0, 0), mdO(_, _, h, tb)), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                              make_coord(mb, 0));
+                              make_coord(m_block, 0));
       auto [tQgQ, tQsQ] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto [tdOgdO, tdOsdO] =
           tma_partition(p.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
@@ -537,7 +562,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     if (Tile::kDqTurns && consumer == 1) cutlass::arch::ClusterBarrier::arrive(&ss.dq_turn[0]);
     for (int t = 0; t < n_iter; ++t) {
       const auto read_do = read_do_at(t);
-      const int m0 = mb * kBlockM;
+      const int m0 = m_at(mb) * kBlockM;
       const int buf = Tile::kDsBuffers == 2 ? t & 1 : 0;
       const int pbuf = Tile::kPBuffers == 2 ? t & 1 : 0;
 
@@ -602,6 +627,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         if (bounded_block_needs_mask<kBlockN>(pt.win, kr.pos, m0, kBlockM, kr.end_min))
           mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(s_rc, tScS_rc, m0, n0, win, nullptr, 0,
                                                                                    nullptr, 0, &pt);
+        if (f.windows != nullptr && st.window_on) apply_sink_window(s_rc, tScS_rc, SinkWindowTest::load(ss.window), m0, n0);
         issue_dp();
       } else {
         CUTE_UNROLL

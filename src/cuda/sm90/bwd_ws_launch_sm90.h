@@ -21,7 +21,8 @@ namespace dmattn::cuda::sm90 {
 // for gathered keys / key ends, a query-broadcast bias or mask; plain scores without any of them.
 inline BwdWsScores bwd_ws_scores(const FwdArgs& f) {
   if (f.bias.ptr != nullptr && !f.bias.row_bcast) return BwdWsScores::kFullBias;
-  return f.kpos.ptr != nullptr || f.bias.ptr != nullptr || f.mask.ptr != nullptr || f.gate.alpha != nullptr
+  return f.kpos.ptr != nullptr || f.bias.ptr != nullptr || f.mask.ptr != nullptr || f.gate.alpha != nullptr ||
+                 f.windows != nullptr
              ? BwdWsScores::kKeyRows
              : BwdWsScores::kPlain;
 }
@@ -56,9 +57,13 @@ inline bool bwd_ws_supports(const BwdArgs& a) {
   // pointer; the general kernels write the zeros)
   if (f.seqlen_q <= 0 || f.seqlen_k <= 0 || f.batch <= 0) return false;
   if ((f.mask.ptr && !f.mask.row_bcast) || (f.kpos.ends && !f.kpos.ptr)) return false;
-  // (the gate: key rows without a full bias or dbias column sums; windows with sinks: the
-  // sm80-class kernels)
-  if (f.windows != nullptr) return false;
+  // (the gate: key rows without a full bias or dbias column sums; windows with sinks: key rows
+  // without gathered keys or a full bias, one row for the query heads of a KV head -- a CTA walks
+  // them all over one run of query blocks --, window_runs.h)
+  if (f.windows != nullptr &&
+      (bwd_ws_scores(f) != BwdWsScores::kKeyRows || f.kpos.ptr != nullptr ||
+       (f.windows_hs != 0 && f.windows_head_div % f.group != 0)))
+    return false;
   if (f.gate.alpha != nullptr &&
       (bwd_ws_scores(f) != BwdWsScores::kKeyRows || (a.dbias != nullptr && a.dbias_mode == kDbColSum)))
     return false;
@@ -81,8 +86,9 @@ inline bool bwd_ws_supports(const BwdArgs& a) {
 
 // Deterministic mode: the kernel adds each query block's dQ in key block order, which needs the
 // key blocks that meet a query block to be consecutive: true of the query block range of a
-// window (bwd_query_block_range), not of gathered keys' positions.
-inline bool bwd_ws_orders_dq_adds(const BwdArgs& a) { return a.f.kpos.ptr == nullptr; }
+// window (bwd_query_block_range), not of gathered keys' positions or of windows with sinks'
+// bands.
+inline bool bwd_ws_orders_dq_adds(const BwdArgs& a) { return a.f.kpos.ptr == nullptr && a.f.windows == nullptr; }
 
 template <class Tile, bool kPacked>
 void launch_bwd_ws_tile(const BwdArgs& a, dim3 grid, cudaStream_t stream) {

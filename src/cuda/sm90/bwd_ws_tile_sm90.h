@@ -49,6 +49,7 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
+#include "cuda/common/window_runs.h"
 #include "cuda/sm90/bwd_mmas_sm90.h"
 
 namespace dmattn::cuda::sm90 {
@@ -203,6 +204,7 @@ struct BwdWsTile {
     float delta[kBlockM];
     float alpha[kGate ? kBlockM : 1];  // the gate's alpha rows (0 past the sequence)
     int32_t seq_len[2];  // packed batches: the sequence's query and key counts
+    int32_t window_on;  // windows with sinks (key rows): the window hides part of the tile (the test)
     std::conditional_t<kKeyRows, KeyRows, NoKeyRows> keys;
   };
   // kColSum: the column sums as one more product (bwd_mmas_sm90.h), one per consumer.
@@ -228,6 +230,8 @@ struct BwdWsTile {
         cute::array_aligned<Element, kColSum ? cute::cosize_v<SmemLayoutOnes> : 8, kColSum ? 1024 : 16> ones;
     cute::array_aligned<int32_t, kKeyRows ? kBlockN : 4, 16> pos;  // the CTA's positions (query range)
     int32_t end_max[kNThreads / 32];  // key_block_end_max's per-warp maxima
+    BlockWalk m_walk;  // the query blocks' walk (windows with sinks; else the identity)
+    SinkWindowTest window;  // windows with sinks: the KV head's element test
     typename Pipeline::SharedStorage pipe_q;
     typename PipelineDo::SharedStorage pipe_do;
     typename RowPipeline::SharedStorage pipe_rows;

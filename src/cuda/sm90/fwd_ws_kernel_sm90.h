@@ -164,10 +164,21 @@ __device__ __forceinline__ bool fwd_ws_tile_coords(int u, int half, const FwdWsT
 
 // The key blocks a tile of queries [q_first, q_first + q_count) reads (warp-cooperative: every
 // lane of the warp calls it, every warp finds the same range): those of its gathered keys'
-// range, else of its window, narrowed to the first and last true key of a query-broadcast mask.
+// range, else of its window, narrowed to the first and last true key of a query-broadcast mask;
+// under windows with sinks (key rows only: fwd_ws_supports) the runs of its sinks and bands, as
+// virtual blocks [n_min, n_max) of `walk` (else the identity), and the head's element test.
 template <class Tile>
 __device__ __forceinline__ void fwd_ws_key_range(const FwdArgs& a, const SeqBounds& seq, int b, int h, int q_first,
-                                                 int q_count, int& n_min, int& n_max) {
+                                                 int q_count, int& n_min, int& n_max, BlockWalk& walk,
+                                                 SinkWindowTest& window) {
+  walk = BlockWalk{};
+  window = SinkWindowTest{};
+  if (Tile::kWindows && a.windows != nullptr) {
+    const SinkWindow w = SinkWindow::of(a, h, seq.len_q(), seq.len_k());
+    walk = w.key_blocks(q_first, q_count, Tile::kBlockN, n_min, n_max);
+    window = SinkWindowTest::of(w);
+    return;
+  }
   if (Tile::kKeyRows && a.kpos.ptr != nullptr) {
     KeyPositionRow(a, b, h).key_block_range(q_first, q_count, Tile::kBlockN, n_min, n_max);
     return;
@@ -225,11 +236,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
   const bool skip_dead = Tile::kKeyRows && a.kpos.ends != nullptr;
   if (skip_dead) {
     int m_block, h, b, n_min, n_max;
+    BlockWalk walk;
+    SinkWindowTest window;
     fwd_ws_tile_coords(blockIdx.x, 0, p.schedule, m_block, h, b);  // (unpaired: one tile a unit)
     const SeqBounds seq(a, b);
     const int m0 = m_block * kBlockM;
     if (m0 < seq.len_q()) {
-      fwd_ws_key_range<Tile>(a, seq, b, h, m0, kBlockM, n_min, n_max);
+      fwd_ws_key_range<Tile>(a, seq, b, h, m0, kBlockM, n_min, n_max, walk, window);  // (no windows here)
       const int32_t* ends = ends_row(a.kpos, b, h);
       const int lo = n_min * kBlockN, hi = min(a.seqlen_k, n_max * kBlockN);
       int first = hi;
@@ -302,7 +315,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
             win.hi = w.hi;
             win.m_end = w.m_end;
           }
-          for (int n = tile.n_max - 1; n >= tile.n_min; --n) {
+          // (the walk read from the tile's slot, which the consumers hold until their epilogue, so
+          // past this loop: held in registers through it, it made the loader spill)
+          const volatile FwdWsTileInfo& slot = ss.tiles[(taken - 1) % Tile::kTileSlots];
+          for (int v = tile.n_max - 1; v >= tile.n_min; --v) {
+            const int n = Tile::kWindows ? slot.walk.at(v) : v;
             pipe_key_rows.producer_acquire(write_r);
             auto& st = ss.key_rows[write_r.index()];
             load_key_rows<Element, typename Tile::KeyRowStage, kBlockN>(st, n, count, src);
@@ -319,8 +336,20 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
             }
             // The block's part (the first lane: it wrote end_min, and the other lanes' rows are
             // visible after load_key_rows's __syncwarp; positions sorted).
-            if (first_lane)
-              st.needs_test = win.block_needs_test(st.pos[0], st.pos[kBlockN - 1], st.end_min);
+            // Windows with sinks: also a block that the window does not show whole to every query.
+            if (first_lane) {
+              bool test = win.block_needs_test(st.pos[0], st.pos[kBlockN - 1], st.end_min);
+              if constexpr (Tile::kWindows) {
+                st.window_on = 0;
+                if (a.windows != nullptr) {
+                  const int m0 = tile.m_block * kBlockM, len_q = SeqBounds(a, opaque_int(tile.b)).len_q();
+                  st.window_on = !slot.window.all_visible(m0, min(m0 + kBlockM, len_q), n * kBlockN,
+                                                          min(n * kBlockN + kBlockN, count));
+                  test = test || st.window_on;
+                }
+              }
+              st.needs_test = test;
+            }
             pipe_key_rows.producer_commit(write_r);
             ++write_r;
           }
@@ -404,6 +433,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       Tensor mM = p.tma_mask.get_tma_tensor(make_shape(a.seqlen_q, a.seqlen_k, p.mask_ext.heads, p.mask_ext.batch));
       Tensor sMask = make_tensor(make_smem_ptr(ss.mask_tiles.data()), typename Tile::SmemLayoutMask{});
       const SeqBounds seq(a, tile.b);
+      // Block nb of the walk (windows with sinks): from the tile's slot, which the consumers hold
+      // until these loads are long issued (not held in the producer's registers).
+      auto key_block = [&](int nb) {
+        if constexpr (Tile::kWindows)
+          return const_cast<const volatile BlockWalk&>(ss.tiles[i % Tile::kTileSlots].walk).at(nb);
+        else return nb;
+      };
       // (packed heads: the tile's head is the KV head)
       const int h_kv = p.kv_ext.head_at(Tile::kPackGqa ? tile.h : tile.h / a.group), b_kv = p.kv_ext.batch_at(tile.b);
       Tensor gQ = local_tile(
@@ -452,7 +488,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         if (indexed) return;
         const PipelineState write_k = state_of(nb);
         pipe_k.producer_acquire(write_k);
-        copy(p.tma_k.with(*pipe_k.producer_get_barrier(write_k)), get<0>(tK)(_, nb), get<1>(tK)(_, write_k.index()));
+        copy(p.tma_k.with(*pipe_k.producer_get_barrier(write_k)), get<0>(tK)(_, key_block(nb)),
+             get<1>(tK)(_, write_k.index()));
       };
       // Block nb's bias and mask tiles (their stages: as K's, over Tile::kOperandStages).
       auto load_operand_tiles = [&](int nb) {
@@ -485,7 +522,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         if (!indexed) {
           const PipelineState write_v = state_of(n);
           pipe_v.producer_acquire(write_v);
-          copy(p.tma_v.with(*pipe_v.producer_get_barrier(write_v)), get<0>(tV)(_, n), get<1>(tV)(_, write_v.index()));
+          copy(p.tma_v.with(*pipe_v.producer_get_barrier(write_v)), get<0>(tV)(_, key_block(n)),
+               get<1>(tV)(_, write_v.index()));
         }
         if constexpr (kOperandsAfterV) {
           if (n > tile.n_min) load_operand_tiles(n - 1);
@@ -504,6 +542,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       bool skip = false;
       if (u < p.schedule.units) {
         int m_block, h, b, n_min, n_max;
+        BlockWalk walk;
+        SinkWindowTest window;
         // (packed batches: past the end of a shorter sequence)
         skip = !fwd_ws_tile_coords(u, half, p.schedule, m_block, h, b) ||
                m_block * kBlockM >= tile_rows_of<Tile::kPackGqa>(SeqBounds(a, b).len_q(), a.group);
@@ -511,13 +551,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           const SeqBounds seq(a, b);
           int q_first = m_block * kBlockM, q_count = kBlockM;
           if constexpr (Tile::kPackGqa) packed_query_span(m_block * kBlockM, kBlockM, a.group, q_first, q_count);
-          fwd_ws_key_range<Tile>(a, seq, b, h, q_first, q_count, n_min, n_max);
+          fwd_ws_key_range<Tile>(a, seq, b, h, q_first, q_count, n_min, n_max, walk, window);
           if (skip_dead && n_max > n_min) {
             int first = INT_MAX;
             for (int w = 0; w < Tile::kNThreads / 32; ++w) first = min(first, ss.first_alive[w]);
             n_min = min(n_max, max(n_min, first / kBlockN));
           }
-          tile = FwdWsTileInfo{m_block, h, b, n_min, n_max, 0};
+          tile = FwdWsTileInfo{m_block, h, b, n_min, n_max, 0, walk, window};
         }
       }
       if (first_lane()) {
@@ -636,8 +676,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       };
       const WindowMask win = SeqBounds(a, tile.b).window();
       // The bias and the window / tail test of block n, then the softmax; alpha: O's rescale
-      // factors.
-      auto scores_to_probs = [&](int n, float (&alpha)[kRows]) {
+      // factors. (Inlined by force: a call takes the accumulators' address, which puts them in
+      // local memory, and the windows' test made the lambda big enough to be called.)
+      auto scores_to_probs = [&](int n, float (&alpha)[kRows]) __attribute__((always_inline)) {
         // Softcap before any bias: s = softcap * tanh(scale * qk / softcap) + bias, the bias then
         // added to scores scaled already.
         float scale = a.scale;
@@ -681,9 +722,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           // original positions, else the plain window (positions are indices); query bounds
           // (key ends, a mask).
           if (st.needs_test) {
+            const int n0 = (Tile::kWindows ? tile.walk.at(n) : n) * kBlockN;
             const PositionTest pt{st.pos, a.kpos.ptr != nullptr ? position_window(a) : win, Tile::kKeyRowEndDelta};
-            mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(s_rc, tScS_rc, m0, n * kBlockN, win,
+            mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(s_rc, tScS_rc, m0, n0, win,
                                                                                      nullptr, 0, nullptr, 0, &pt);
+            if constexpr (Tile::kWindows)
+              if (st.window_on) apply_sink_window(s_rc, tScS_rc, SinkWindowTest::load(tile.window), m0, n0);
           }
           pipe_key_rows.consumer_release(read_r);
           ++read_r;
@@ -708,7 +752,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       // outside the tensor-core turns (every consumer takes part in the barrier).
       const int len_k = SeqBounds(a, tile.b).len_k();  // (read once: packed lengths come from memory)
       auto clear_v_tail = [&](int nv) {
-        const int valid = len_k - nv * kBlockN;
+        const int valid = len_k - (Tile::kWindows ? tile.walk.at(nv) : nv) * kBlockN;
         if (!packed || valid >= kBlockN) return;
         pipe_v.consumer_wait(read_v);
         // (its addresses from the index afresh: derived from tid, they were held through the loop)

@@ -38,7 +38,8 @@ inline FwdWsScores fwd_ws_scores(const FwdArgs& a) {
     return a.bias.ptr != nullptr || a.softcap != 0.f || a.kpos.ptr != nullptr ? FwdWsScores::kFullMaskKeyRows
                                                                                : FwdWsScores::kFullMask;
   if (a.gate.alpha != nullptr) return FwdWsScores::kKeyRowsGate;
-  if (a.kpos.ptr != nullptr || a.bias.ptr != nullptr || a.mask.ptr != nullptr || a.softcap != 0.f)
+  if (a.kpos.ptr != nullptr || a.bias.ptr != nullptr || a.mask.ptr != nullptr || a.softcap != 0.f ||
+      a.windows != nullptr)
     return FwdWsScores::kKeyRows;
   return FwdWsScores::kPlain;
 }
@@ -61,22 +62,25 @@ struct FwdWsQkvViews {
 
 // The problems the warp-specialized kernel takes, at every head dim: dense or packed batches with
 // plain scores, softcap, a query-broadcast bias (any dtype) or mask, gathered keys with key ends,
-// the gate (without bias or mask tiles, at head dims 64 and 128); dense batches with a full bias
+// the gate (without bias or mask tiles, at head dims 64 and 128), windows with sinks (key rows
+// without gathered keys, bias or mask tiles, at head dims 64 and 128: the key blocks of the
+// sinks and bands, window_runs.h); dense batches with a full bias
 // (tma_bias_tiles_ok: 16-bit or fp32) or a full mask (tma_mask_tiles_ok), each alone or with any of
 // those; dense batches with a full bias and a full mask (and softcap; at head dim 256 a 16-bit
 // bias). Operands that broadcast over heads or batch (stride 0; k and v alike) are read through
 // views of one head / batch (TmaExtents). The others (a full bias with a full mask with gathered
 // keys, or at 256 in fp32; rows of stride 0, k and v broadcast differently, bias / mask rows TMA
-// cannot tile; windows with sinks) run the sm80-class kernels.
+// cannot tile; the gate and windows with sinks elsewhere) run the sm80-class kernels.
 template <int kHeadDim>
 bool fwd_ws_supports(const FwdArgs& a) {
   if (a.kpos.ends && !a.kpos.ptr) return false;
-  // (the gate comes with key rows alone, at head dims 64 and 128: beside bias or mask tiles, at
-  // 256 -- where its code spilled the consumers --, and windows with sinks, the sm80-class
-  // kernel's score terms)
-  if (a.windows != nullptr ||
-      (a.gate.alpha != nullptr && (kHeadDim == 256 || fwd_ws_scores(a) != FwdWsScores::kKeyRowsGate)))
-    return false;
+  // (the gate and windows with sinks come with key rows alone, at head dims 64 and 128: beside
+  // bias or mask tiles, at 256 -- where the gate's code spilled the consumers --, and windows
+  // beside gathered keys, the sm80-class kernel's score terms)
+  const FwdWsScores scores = fwd_ws_scores(a);
+  const bool key_rows_alone = scores == FwdWsScores::kKeyRows || scores == FwdWsScores::kKeyRowsGate;
+  if ((a.gate.alpha != nullptr || a.windows != nullptr) && (kHeadDim == 256 || !key_rows_alone)) return false;
+  if (a.windows != nullptr && a.kpos.ptr != nullptr) return false;
   // (a stride of 0 along the rows, every query or key the same row: no TMA view of it)
   const FwdWsQkvViews views = FwdWsQkvViews::of(a);
   if ((views.rows_q > 1 && a.q_rs == 0) || (a.kpos.rows == nullptr && views.rows_k > 1 && (a.k_rs == 0 || a.v_rs == 0)))

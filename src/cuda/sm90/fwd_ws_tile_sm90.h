@@ -55,6 +55,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "cuda/common/key_positions.h"
+#include "cuda/common/window_runs.h"
 
 namespace dmattn::cuda::sm90 {
 
@@ -74,8 +75,10 @@ enum class FwdWsScores {
 // how many key blocks the CTA's earlier tiles read (where the K / V / bias / key-row pipelines
 // stand when it starts). m_block < 0: no tile left.
 struct FwdWsTileInfo {
-  int m_block, h, b, n_min, n_max;
+  int m_block, h, b, n_min, n_max;  // (windows with sinks: [n_min, n_max) virtual blocks of walk)
   uint32_t blocks_before;
+  BlockWalk walk;          // (windows with sinks: the tile's blocks, and the head's test below)
+  SinkWindowTest window;
 };
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, FwdWsScores kScores_,
@@ -99,6 +102,10 @@ struct FwdWsTile {
                                    kScores == FwdWsScores::kFullMaskKeyRows || kScores == FwdWsScores::kKeyRowsGate;
   // gated attention's gate (gate_sm90.h), with key rows alone
   static constexpr bool kGate = kScores == FwdWsScores::kKeyRowsGate;
+  // windows with sinks (window_runs.h: the tile's key blocks as a walk), with key rows alone, at
+  // head dims 64 and 128 (fwd_ws_supports)
+  static constexpr bool kWindows =
+      (kScores == FwdWsScores::kKeyRows || kScores == FwdWsScores::kKeyRowsGate) && kHeadDim_ <= 128;
   // the (kBlockM, kBlockN) mask tiles
   static constexpr bool kMask = kScores == FwdWsScores::kFullMask || kScores == FwdWsScores::kFullMaskKeyRows ||
                                 kScores == FwdWsScores::kFullBiasMask;
@@ -204,6 +211,7 @@ struct FwdWsTile {
     float alpha[kGate ? kBlockM : 1];
     alignas(16) int32_t end_min;  // the smallest of end[] (16-byte aligned: the next stage's rows are read as float2)
     int32_t needs_test;           // whether the block's scores need the per-element test (the loader decides)
+    int32_t window_on;            // windows with sinks: the window hides part of the block (the test)
   };
   static constexpr int kKeyRowEndDelta = kBlockN;  // end[] behind pos[] (PositionTest::end_delta)
   using KeyRowPipeline = cutlass::PipelineAsync<kStages>;
