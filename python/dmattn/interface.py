@@ -196,7 +196,8 @@ def attention_on(
         out, lse = gather.attention_over_key_set(q, k, v, key_set, bias, causal, left, right,
                                                  scale, softcap, deterministic)
     elif terms:
-        row = window_parts.use_parts(q, k, v, mask, bias, windows, (left, right), softcap, deterministic)
+        row = window_parts.use_parts(q, k, v, mask, bias, windows, (left, right), softcap, deterministic,
+                                     alpha is not None)
         if row is not None:  # windows with sinks as sliding-window calls (window_parts.py)
             out, lse = window_parts.attention_by_parts(q, k, v, bias, alpha, delta, row, scale, softcap,
                                                        deterministic, fn)

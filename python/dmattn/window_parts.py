@@ -73,13 +73,14 @@ def _runs_hopper_kernels(index: int) -> bool:
     return device_kernel_path(index) == "native sm_90a"
 
 
-def _native_on_device(q: Tensor, bias: Optional[Tensor], softcap: float, deterministic: bool) -> bool:
+def _native_on_device(q: Tensor, bias: Optional[Tensor], softcap: float, deterministic: bool,
+                      gated: bool) -> bool:
     """Whether the warp-specialized Hopper kernels take the windows themselves, forward and
     backward (as fwd_ws_supports / bwd_ws_supports decide in the library: head dims 64 and 128,
-    16-bit inputs, no full bias, no softcap in the backward, dQ's adds unordered)."""
+    16-bit inputs, no gate, no full bias, no softcap in the backward, dQ's adds unordered)."""
     if not q.is_cuda or q.shape[-1] not in (64, 128) or q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if deterministic or softcap or (bias is not None and bias.shape[-2] != 1):
+    if gated or deterministic or softcap or (bias is not None and bias.shape[-2] != 1):
         return False
     if any(os.environ.get(name, "").startswith("0") for name in ("DMATTN_FWD_SM90", "DMATTN_BWD_SM90_WS")):
         return False
@@ -88,13 +89,13 @@ def _native_on_device(q: Tensor, bias: Optional[Tensor], softcap: float, determi
 
 def use_parts(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
               windows: Optional[Tensor], window: Tuple[int, int], softcap: float = 0.0,
-              deterministic: bool = False) -> Optional[Tuple[int, int, int, int]]:
+              deterministic: bool = False, gated: bool = False) -> Optional[Tuple[int, int, int, int]]:
     """The window row to take by parts, or None for the native path (which also reports every
     argument error: a problem with a questionable argument never comes here)."""
     mode = _mode()
     if windows is None or mode == "0" or (mode != "1" and not q.is_cuda) or _is_compiling():
         return None
-    if mode != "1" and _native_on_device(q, bias, softcap, deterministic):
+    if mode != "1" and _native_on_device(q, bias, softcap, deterministic, gated):
         return None
     if mask is not None or window != (-1, -1) or q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         return None

@@ -263,7 +263,8 @@ def test_windows_by_parts_match_reference(device, nan_poison, monkeypatch, row):
 # Windows on the warp-specialized Hopper kernels (head dims 64 and 128; elsewhere the sm80-class
 # kernels): each query tile walks the key blocks of its sinks and bands, each key block the query
 # blocks it meets, with gaps between the runs at these lengths. Rows per KV head, a key-side
-# bias, the gate; a packed batch; the mode by parts is not taken there.
+# bias; a packed batch; the mode by parts is not taken there. With the gate: by parts where every
+# head has the same row, else the sm80-class kernels.
 HOPPER_WINDOW_CASES = [
     # (Sq, Sk, D, rows [sink, near, gap, far] per (1 | Hkv))
     (1000, 1000, 64, [[64, 128, 256, 128]]),                    # block-aligned runs, two gaps
@@ -284,7 +285,8 @@ def test_windows_on_long_sequences_match_reference(nan_poison, case, terms):
     gate = (alpha, delta) if terms == "gate" else None
     bias = torch.randn(2, 4, 1, sk).to(torch.bfloat16).cuda() if terms == "key_bias" else None
     if torch.cuda.get_device_capability() == (9, 0) and len(rows) == 1:  # (the native walk, not parts)
-        assert window_parts.use_parts(q, k, v, None, bias, w, (-1, -1)) is None
+        row = window_parts.use_parts(q, k, v, None, bias, w, (-1, -1), gated=gate is not None)
+        assert row == (None if gate is None else tuple(rows[0]))
     out, lse, grads = _run(q, k, v, dout, gate=gate, bias=bias, windows=w)
     _check(q, k, v, dout, out, lse, grads, gate=gate, bias=bias, windows=w, context=f"{case[:3]} {terms}")
 

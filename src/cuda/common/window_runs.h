@@ -77,6 +77,17 @@ struct BlockWalk {
   }
 };
 
+// A query tile's key blocks that the window shows whole: n with n < c[0] and (n < c[1] or
+// n >= c[2] or (n < c[3] and n >= c[4])) (SinkWindow::clear_key_blocks). Read from shared memory
+// (volatile) by the key-row loader, one block at a time.
+struct ClearKeyBlocks {
+  int32_t c[5];
+
+  __device__ __forceinline__ bool has(int n) const volatile {
+    return n < c[0] && (n < c[1] || n >= c[2] || (n < c[3] && n >= c[4]));
+  }
+};
+
 // One head's window with sinks on a sequence of len_q queries and len_k keys (bottom-right
 // aligned: d = i + offset - j).
 struct SinkWindow {
@@ -109,6 +120,50 @@ struct SinkWindow {
     return BlockWalk::of_runs(l0, h0, l1, h1, l2, h2, v_min, v_max);
   }
 
+  // The key blocks (of block_n keys) whose tile with queries [m0, m0 + block_m) the window shows
+  // whole (ClearKeyBlocks; the sequence's last, partial block may be left out: it is then tested,
+  // never wrong).
+  __device__ __forceinline__ ClearKeyBlocks clear_key_blocks(int m0, int block_m, int block_n) const {
+    ClearKeyBlocks k;
+    int32_t* c = k.c;
+    const int64_t m_end = min(int64_t(m0) + block_m, len_q);
+    auto floor_div = [&](int64_t x) {  // (block_n > 0, x of either sign)
+      const int64_t q = x >= 0 ? x / block_n : -((-x + block_n - 1) / block_n);
+      return int32_t(max(int64_t(INT_MIN / 2), min(q, int64_t(INT_MAX / 2))));
+    };
+    // every distance d = i + offset - j of block n's pairs lies in [m0 + offset - (n + 1) bn + 1,
+    // m_end - 1 + offset - n bn]: visible whole where the lower end is >= 0 and the block's keys
+    // are sinks, or both ends lie in the near band, or both in the far band
+    c[0] = floor_div(m0 + offset - block_n + 1) + 1;
+    c[1] = floor_div(sink);
+    c[2] = floor_div(m_end - 1 + offset - near) + 1;
+    c[3] = floor_div(m0 + offset - near - gap - block_n + 1) + 1;
+    c[4] = floor_div(m_end - 1 + offset - near - gap - far) + 1;
+    return k;
+  }
+
+  // The query blocks (of block_m queries) whose tile with keys [n0, n0 + block_n) the window shows
+  // whole: [c0, c1) and [c2, c3) (a sequence's last, partial block may be left out: it is then
+  // tested, which is never wrong).
+  __device__ __forceinline__ void clear_query_blocks(int n0, int block_n, int block_m, int& c0, int& c1, int& c2,
+                                                     int& c3) const {
+    const int64_t n_end = min(int64_t(n0) + block_n, len_k);
+    auto ceil_div = [&](int64_t x) {  // (block_m > 0, x of either sign)
+      const int64_t q = x >= 0 ? (x + block_m - 1) / block_m : -((-x) / block_m);
+      return int(max(int64_t(INT_MIN / 2), min(q, int64_t(INT_MAX / 2))));
+    };
+    // every distance d = i + offset - j of tile m's pairs lies in [m bm + offset - (n_end - 1),
+    // m bm + bm - 1 + offset - n0]: visible whole where the lower end is >= 0 and the tile's keys
+    // are sinks, or both ends lie in the near band, or both in the far band
+    const int first = ceil_div(n_end - 1 - offset);  // (lower end >= 0)
+    if (n_end <= sink) {
+      c0 = first, c1 = INT_MAX, c2 = c3 = 0;
+      return;
+    }
+    c0 = first, c1 = ceil_div(near - block_m + 1 - offset + n0);
+    c2 = max(first, ceil_div(near + gap + n_end - 1 - offset)), c3 = ceil_div(near + gap + far - block_m + 1 - offset + n0);
+  }
+
   // The query blocks (of block_m queries) that keys [n0, n0 + block_n) meet, likewise: two runs
   // at most (the sinks' and the near band's both start at the block's first key's query, and the
   // far band's lies inside the sinks' where those exist), so split2 stays unused.
@@ -132,7 +187,8 @@ struct SinkWindow {
 // One head's window as the element test takes it: int32, each entry capped at len_q + len_k + 1
 // (past every distance: the same rule, and no sum below overflows). The scheduler (forward: in
 // the tile's slot) or the CTA (backward: in shared memory) keeps it; the key-row or statistics
-// loader marks each tile that needs the test (all_visible), and the consumers read it only there.
+// loader marks each tile that needs the test (SinkWindow::clear_key_blocks, clear_query_blocks),
+// and the consumers read it only there.
 struct SinkWindowTest {
   int32_t sink, near, near_gap, far, offset;
 
@@ -149,11 +205,6 @@ struct SinkWindowTest {
   __device__ __forceinline__ bool visible(int i, int j) const {
     const int d = i + offset - j;
     return (d >= 0) & ((j < sink) | (d < near) | (unsigned(d - near_gap) < unsigned(far)));
-  }
-  // Every key of [n0, n_end) visible to every query of [m0, m_end)?
-  __device__ __forceinline__ bool all_visible(int m0, int m_end, int n0, int n_end) const volatile {
-    const int d_min = m0 + offset - (n_end - 1), d_max = m_end - 1 + offset - n0;
-    return d_min >= 0 && (n_end <= sink || d_max < near || (d_min >= near_gap && d_max - near_gap < far));
   }
 };
 

@@ -158,10 +158,14 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   int m_lo, m_hi;
   BlockWalk m_walk;  // (windows with sinks: [m_lo, m_hi) are virtual blocks of the walk)
   if constexpr (Tile::kKeyRows) {
-    if (f.windows != nullptr) {  // (without gathered keys; one row for the KV head: bwd_ws_supports)
+    if constexpr (Tile::kWindows) {  // (without gathered keys; one row for the KV head: bwd_ws_supports)
       const SinkWindow w = SinkWindow::of(f, kvh * group, seq.len_q(), seq.len_k());
       m_walk = w.query_blocks(n0, kBlockN, kBlockM, m_lo, m_hi);
-      if (threadIdx.x == 0) ss.window = SinkWindowTest::of(w);
+      if (threadIdx.x == 0) {
+        ss.window = SinkWindowTest::of(w);
+        w.clear_query_blocks(n0, kBlockN, kBlockM, ss.window_clear[0], ss.window_clear[1], ss.window_clear[2],
+                             ss.window_clear[3]);
+      }
     } else if (f.kpos.ptr != nullptr) {
       const KeyPositionRow kp_row(f, b, kvh * group);
       load_positions_tile<kBlockN, Tile::kNThreads, false>(ss.pos.data(), kp_row.row, kp_row.count, n0, threadIdx.x,
@@ -219,11 +223,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   // block that depends on the key block, so that neighbouring CTAs add into different dQ rows,
   // measured no faster: 7.83 against 7.81 ms dense, 4.29 against 4.15 causal, docs/design.md.)
   // The query block of virtual block v (read from shared memory where used: not held in the
-  // roles' registers through their loops; plain scores and a full bias have no windows). A key
+  // roles' registers through their loops; the identity outside the windows' variant). A key
   // block's query runs are two at most -- the sinks' run and the near band's start together,
   // the far band's lies in the sinks' or after the near band's --, so one gap (split1, gap1).
   auto m_at = [&](int v) {
-    if constexpr (Tile::kKeyRows) {
+    if constexpr (Tile::kWindows) {
       const volatile BlockWalk& w = ss.m_walk;
       return v - (v < w.split1 ? w.gap1 : 0);
     } else {
@@ -263,16 +267,19 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
           st.seq_len[0] = len_q;
           st.seq_len[1] = len_k;
         }
+        // Windows with sinks: whether the window shows the tile in part (the element test; by the
+        // first lane, as the lengths, and first: nothing of it is held through the loads below).
+        if constexpr (Tile::kWindows) {
+          if (lane == 0) {
+            const volatile int32_t* c = ss.window_clear;
+            const int mb = m0 / kBlockM;
+            st.window_on = !((mb >= c[0] && mb < c[1]) || (mb >= c[2] && mb < c[3]));
+          }
+        }
         for (int r = lane; r < rows_valid; r += 32) {
           st.m[r] = a.row_m[row_stat + r];
           if (a.row_log2l != nullptr) st.log2l[r] = a.row_log2l[row_stat + r];
           st.delta[r] = a.delta[row_stat + r];
-        }
-        // Windows with sinks: the tile's test of the window (by the first lane, as the lengths).
-        if constexpr (Tile::kKeyRows) {
-          if (f.windows != nullptr && lane == 0)
-            st.window_on = !const_cast<const volatile SinkWindowTest&>(ss.window).all_visible(
-                m0, m0 + rows_valid, n0, min(n0 + kBlockN, len_k));
         }
         // The key rows depend on the head only (the key block is the CTA's): a stage keeps
         // them from its previous use, kStages blocks back, while the head is the same.
@@ -627,7 +634,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         if (bounded_block_needs_mask<kBlockN>(pt.win, kr.pos, m0, kBlockM, kr.end_min))
           mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(s_rc, tScS_rc, m0, n0, win, nullptr, 0,
                                                                                    nullptr, 0, &pt);
-        if (f.windows != nullptr && st.window_on) apply_sink_window(s_rc, tScS_rc, SinkWindowTest::load(ss.window), m0, n0);
+        if constexpr (Tile::kWindows)
+          if (st.window_on) apply_sink_window(s_rc, tScS_rc, SinkWindowTest::load(ss.window), m0, n0);
         issue_dp();
       } else {
         CUTE_UNROLL

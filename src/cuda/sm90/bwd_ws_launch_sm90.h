@@ -21,8 +21,8 @@ namespace dmattn::cuda::sm90 {
 // for gathered keys / key ends, a query-broadcast bias or mask; plain scores without any of them.
 inline BwdWsScores bwd_ws_scores(const FwdArgs& f) {
   if (f.bias.ptr != nullptr && !f.bias.row_bcast) return BwdWsScores::kFullBias;
-  return f.kpos.ptr != nullptr || f.bias.ptr != nullptr || f.mask.ptr != nullptr || f.gate.alpha != nullptr ||
-                 f.windows != nullptr
+  if (f.windows != nullptr && f.gate.alpha == nullptr) return BwdWsScores::kKeyRowsWindows;
+  return f.kpos.ptr != nullptr || f.bias.ptr != nullptr || f.mask.ptr != nullptr || f.gate.alpha != nullptr
              ? BwdWsScores::kKeyRows
              : BwdWsScores::kPlain;
 }
@@ -58,10 +58,11 @@ inline bool bwd_ws_supports(const BwdArgs& a) {
   if (f.seqlen_q <= 0 || f.seqlen_k <= 0 || f.batch <= 0) return false;
   if ((f.mask.ptr && !f.mask.row_bcast) || (f.kpos.ends && !f.kpos.ptr)) return false;
   // (the gate: key rows without a full bias or dbias column sums; windows with sinks: key rows
-  // without gathered keys or a full bias, one row for the query heads of a KV head -- a CTA walks
-  // them all over one run of query blocks --, window_runs.h)
+  // without the gate, gathered keys, a full bias or dbias column sums, one row for the query heads
+  // of a KV head -- a CTA walks them all over one run of query blocks --, window_runs.h)
   if (f.windows != nullptr &&
-      (bwd_ws_scores(f) != BwdWsScores::kKeyRows || f.kpos.ptr != nullptr ||
+      (bwd_ws_scores(f) != BwdWsScores::kKeyRowsWindows || f.kpos.ptr != nullptr ||
+       (a.dbias != nullptr && a.dbias_mode == kDbColSum) ||
        (f.windows_hs != 0 && f.windows_head_div % f.group != 0)))
     return false;
   if (f.gate.alpha != nullptr &&
@@ -202,6 +203,12 @@ void launch_bwd_ws(const BwdArgs& args, dim3 grid, bool ordered_dq, cudaStream_t
           packed ? launch_bwd_ws_tile<KeyRows, true>(a, grid, stream)
                  : launch_bwd_ws_tile<KeyRows, false>(a, grid, stream);
         break;
+      case BwdWsScores::kKeyRowsWindows: {  // (no dbias column sums: bwd_ws_supports)
+        using KeyRowsWindows = BwdWsTile<Element, kHeadDim, BwdWsScores::kKeyRowsWindows>;
+        packed ? launch_bwd_ws_tile<KeyRowsWindows, true>(a, grid, stream)
+               : launch_bwd_ws_tile<KeyRowsWindows, false>(a, grid, stream);
+        break;
+      }
       case BwdWsScores::kPlain:
         packed ? launch_bwd_ws_tile<Plain, true>(a, grid, stream) : launch_bwd_ws_tile<Plain, false>(a, grid, stream);
         break;

@@ -54,13 +54,16 @@
 
 namespace dmattn::cuda::sm90 {
 
-enum class BwdWsScores { kPlain, kKeyRows, kFullBias };
+enum class BwdWsScores { kPlain, kKeyRows, kFullBias, kKeyRowsWindows };
 
 template <typename Element_, int kHeadDim_, BwdWsScores kScores_, bool kColSum_ = false, bool kGate_ = false>
 struct BwdWsTile {
   using Element = Element_;
   static constexpr BwdWsScores kScores = kScores_;
-  static constexpr bool kKeyRows = kScores == BwdWsScores::kKeyRows;
+  static constexpr bool kKeyRows = kScores == BwdWsScores::kKeyRows || kScores == BwdWsScores::kKeyRowsWindows;
+  // Key rows with windows with sinks (window_runs.h: the key block's query blocks as a walk), a
+  // variant of its own (its code in the key-row kernels spilled their loaders and consumers).
+  static constexpr bool kWindows = kScores == BwdWsScores::kKeyRowsWindows;
   static constexpr bool kFullBias = kScores == BwdWsScores::kFullBias;
   // Key rows with a query-broadcast dbias (kDbColSum): its column sums, by one more product
   // (TiledMmaColSum). A variant of its own: in the kernel without a dbias, a run-time test
@@ -232,6 +235,7 @@ struct BwdWsTile {
     int32_t end_max[kNThreads / 32];  // key_block_end_max's per-warp maxima
     BlockWalk m_walk;  // the query blocks' walk (windows with sinks; else the identity)
     SinkWindowTest window;  // windows with sinks: the KV head's element test
+    int32_t window_clear[4];  // and the query blocks it needs not: [0], [1]) and [2], [3])
     typename Pipeline::SharedStorage pipe_q;
     typename PipelineDo::SharedStorage pipe_do;
     typename RowPipeline::SharedStorage pipe_rows;

@@ -170,13 +170,15 @@ __device__ __forceinline__ bool fwd_ws_tile_coords(int u, int half, const FwdWsT
 template <class Tile>
 __device__ __forceinline__ void fwd_ws_key_range(const FwdArgs& a, const SeqBounds& seq, int b, int h, int q_first,
                                                  int q_count, int& n_min, int& n_max, BlockWalk& walk,
-                                                 SinkWindowTest& window) {
+                                                 SinkWindowTest& window, ClearKeyBlocks& clear) {
   walk = BlockWalk{};
   window = SinkWindowTest{};
+  clear = ClearKeyBlocks{};
   if (Tile::kWindows && a.windows != nullptr) {
     const SinkWindow w = SinkWindow::of(a, h, seq.len_q(), seq.len_k());
     walk = w.key_blocks(q_first, q_count, Tile::kBlockN, n_min, n_max);
     window = SinkWindowTest::of(w);
+    clear = w.clear_key_blocks(q_first, q_count, Tile::kBlockN);
     return;
   }
   if (Tile::kKeyRows && a.kpos.ptr != nullptr) {
@@ -238,11 +240,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
     int m_block, h, b, n_min, n_max;
     BlockWalk walk;
     SinkWindowTest window;
+    ClearKeyBlocks clear;
     fwd_ws_tile_coords(blockIdx.x, 0, p.schedule, m_block, h, b);  // (unpaired: one tile a unit)
     const SeqBounds seq(a, b);
     const int m0 = m_block * kBlockM;
     if (m0 < seq.len_q()) {
-      fwd_ws_key_range<Tile>(a, seq, b, h, m0, kBlockM, n_min, n_max, walk, window);  // (no windows here)
+      fwd_ws_key_range<Tile>(a, seq, b, h, m0, kBlockM, n_min, n_max, walk, window, clear);  // (no windows)
       const int32_t* ends = ends_row(a.kpos, b, h);
       const int lo = n_min * kBlockN, hi = min(a.seqlen_k, n_max * kBlockN);
       int first = hi;
@@ -342,9 +345,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
               if constexpr (Tile::kWindows) {
                 st.window_on = 0;
                 if (a.windows != nullptr) {
-                  const int m0 = tile.m_block * kBlockM, len_q = SeqBounds(a, opaque_int(tile.b)).len_q();
-                  st.window_on = !slot.window.all_visible(m0, min(m0 + kBlockM, len_q), n * kBlockN,
-                                                          min(n * kBlockN + kBlockN, count));
+                  st.window_on = !slot.window_clear.has(n);
                   test = test || st.window_on;
                 }
               }
@@ -544,6 +545,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         int m_block, h, b, n_min, n_max;
         BlockWalk walk;
         SinkWindowTest window;
+        ClearKeyBlocks clear;
         // (packed batches: past the end of a shorter sequence)
         skip = !fwd_ws_tile_coords(u, half, p.schedule, m_block, h, b) ||
                m_block * kBlockM >= tile_rows_of<Tile::kPackGqa>(SeqBounds(a, b).len_q(), a.group);
@@ -551,13 +553,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           const SeqBounds seq(a, b);
           int q_first = m_block * kBlockM, q_count = kBlockM;
           if constexpr (Tile::kPackGqa) packed_query_span(m_block * kBlockM, kBlockM, a.group, q_first, q_count);
-          fwd_ws_key_range<Tile>(a, seq, b, h, q_first, q_count, n_min, n_max, walk, window);
+          fwd_ws_key_range<Tile>(a, seq, b, h, q_first, q_count, n_min, n_max, walk, window, clear);
           if (skip_dead && n_max > n_min) {
             int first = INT_MAX;
             for (int w = 0; w < Tile::kNThreads / 32; ++w) first = min(first, ss.first_alive[w]);
             n_min = min(n_max, max(n_min, first / kBlockN));
           }
-          tile = FwdWsTileInfo{m_block, h, b, n_min, n_max, 0, walk, window};
+          tile = FwdWsTileInfo{m_block, h, b, n_min, n_max, 0, walk, window, clear};
         }
       }
       if (first_lane()) {

@@ -38,8 +38,8 @@ inline FwdWsScores fwd_ws_scores(const FwdArgs& a) {
     return a.bias.ptr != nullptr || a.softcap != 0.f || a.kpos.ptr != nullptr ? FwdWsScores::kFullMaskKeyRows
                                                                                : FwdWsScores::kFullMask;
   if (a.gate.alpha != nullptr) return FwdWsScores::kKeyRowsGate;
-  if (a.kpos.ptr != nullptr || a.bias.ptr != nullptr || a.mask.ptr != nullptr || a.softcap != 0.f ||
-      a.windows != nullptr)
+  if (a.windows != nullptr) return FwdWsScores::kKeyRowsWindows;
+  if (a.kpos.ptr != nullptr || a.bias.ptr != nullptr || a.mask.ptr != nullptr || a.softcap != 0.f)
     return FwdWsScores::kKeyRows;
   return FwdWsScores::kPlain;
 }
@@ -63,8 +63,8 @@ struct FwdWsQkvViews {
 // The problems the warp-specialized kernel takes, at every head dim: dense or packed batches with
 // plain scores, softcap, a query-broadcast bias (any dtype) or mask, gathered keys with key ends,
 // the gate (without bias or mask tiles, at head dims 64 and 128), windows with sinks (key rows
-// without gathered keys, bias or mask tiles, at head dims 64 and 128: the key blocks of the
-// sinks and bands, window_runs.h); dense batches with a full bias
+// without the gate, gathered keys, bias or mask tiles, at head dims 64 and 128: the key blocks of
+// the sinks and bands, window_runs.h); dense batches with a full bias
 // (tma_bias_tiles_ok: 16-bit or fp32) or a full mask (tma_mask_tiles_ok), each alone or with any of
 // those; dense batches with a full bias and a full mask (and softcap; at head dim 256 a 16-bit
 // bias). Operands that broadcast over heads or batch (stride 0; k and v alike) are read through
@@ -74,13 +74,14 @@ struct FwdWsQkvViews {
 template <int kHeadDim>
 bool fwd_ws_supports(const FwdArgs& a) {
   if (a.kpos.ends && !a.kpos.ptr) return false;
-  // (the gate and windows with sinks come with key rows alone, at head dims 64 and 128: beside
-  // bias or mask tiles, at 256 -- where the gate's code spilled the consumers --, and windows
-  // beside gathered keys, the sm80-class kernel's score terms)
+  // (the gate and windows with sinks come with key rows alone, each in a variant of its own, at
+  // head dims 64 and 128: beside bias or mask tiles, at 256 -- where the gate's code spilled the
+  // consumers --, together, and windows beside gathered keys, the sm80-class kernel's score terms)
   const FwdWsScores scores = fwd_ws_scores(a);
-  const bool key_rows_alone = scores == FwdWsScores::kKeyRows || scores == FwdWsScores::kKeyRowsGate;
-  if ((a.gate.alpha != nullptr || a.windows != nullptr) && (kHeadDim == 256 || !key_rows_alone)) return false;
-  if (a.windows != nullptr && a.kpos.ptr != nullptr) return false;
+  if (a.gate.alpha != nullptr && (kHeadDim == 256 || scores != FwdWsScores::kKeyRowsGate || a.windows != nullptr))
+    return false;
+  if (a.windows != nullptr && (kHeadDim == 256 || scores != FwdWsScores::kKeyRowsWindows || a.kpos.ptr != nullptr))
+    return false;
   // (a stride of 0 along the rows, every query or key the same row: no TMA view of it)
   const FwdWsQkvViews views = FwdWsQkvViews::of(a);
   if ((views.rows_q > 1 && a.q_rs == 0) || (a.kpos.rows == nullptr && views.rows_k > 1 && (a.k_rs == 0 || a.v_rs == 0)))
@@ -92,6 +93,7 @@ bool fwd_ws_supports(const FwdArgs& a) {
     case FwdWsScores::kPlain:
     case FwdWsScores::kKeyRows:
     case FwdWsScores::kKeyRowsGate:
+    case FwdWsScores::kKeyRowsWindows:
       return true;
     case FwdWsScores::kFullBias:
     case FwdWsScores::kFullBiasKeyRows:

@@ -67,7 +67,8 @@ enum class FwdWsScores {
   kFullBiasKeyRows,
   kFullMaskKeyRows,
   kFullBiasMask,
-  kKeyRowsGate
+  kKeyRowsGate,
+  kKeyRowsWindows
 };
 
 // One tile of the forward (a query block of one head and batch) as the scheduler warp hands it
@@ -77,8 +78,9 @@ enum class FwdWsScores {
 struct FwdWsTileInfo {
   int m_block, h, b, n_min, n_max;  // (windows with sinks: [n_min, n_max) virtual blocks of walk)
   uint32_t blocks_before;
-  BlockWalk walk;          // (windows with sinks: the tile's blocks, and the head's test below)
-  SinkWindowTest window;
+  BlockWalk walk;          // (windows with sinks: the tile's blocks, the head's test, the blocks
+  SinkWindowTest window;   // that need it not)
+  ClearKeyBlocks window_clear;
 };
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, FwdWsScores kScores_,
@@ -99,13 +101,13 @@ struct FwdWsTile {
                                 kScores == FwdWsScores::kFullBiasMask;
   // the per-key rows
   static constexpr bool kKeyRows = kScores == FwdWsScores::kKeyRows || kScores == FwdWsScores::kFullBiasKeyRows ||
-                                   kScores == FwdWsScores::kFullMaskKeyRows || kScores == FwdWsScores::kKeyRowsGate;
+                                   kScores == FwdWsScores::kFullMaskKeyRows || kScores == FwdWsScores::kKeyRowsGate ||
+                                   kScores == FwdWsScores::kKeyRowsWindows;
   // gated attention's gate (gate_sm90.h), with key rows alone
   static constexpr bool kGate = kScores == FwdWsScores::kKeyRowsGate;
-  // windows with sinks (window_runs.h: the tile's key blocks as a walk), with key rows alone, at
-  // head dims 64 and 128 (fwd_ws_supports)
-  static constexpr bool kWindows =
-      (kScores == FwdWsScores::kKeyRows || kScores == FwdWsScores::kKeyRowsGate) && kHeadDim_ <= 128;
+  // windows with sinks (window_runs.h: the tile's key blocks as a walk), a variant of key rows of
+  // its own (its code in the key-row kernels spilled their loaders and consumers)
+  static constexpr bool kWindows = kScores == FwdWsScores::kKeyRowsWindows;
   // the (kBlockM, kBlockN) mask tiles
   static constexpr bool kMask = kScores == FwdWsScores::kFullMask || kScores == FwdWsScores::kFullMaskKeyRows ||
                                 kScores == FwdWsScores::kFullBiasMask;
