@@ -320,9 +320,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           }
           // (the walk read from the tile's slot, which the consumers hold until their epilogue, so
           // past this loop: held in registers through it, it made the loader spill)
-          const volatile FwdWsTileInfo& slot = ss.tiles[(taken - 1) % Tile::kTileSlots];
+          const volatile FwdWsTileWindows& slot = ss.tile_windows[Tile::kWindows ? (taken - 1) % Tile::kTileSlots : 0];
           for (int v = tile.n_max - 1; v >= tile.n_min; --v) {
-            const int n = Tile::kWindows ? slot.walk.at(v) : v;
+            const int n = Tile::kWindows ? slot.walk.at(v) : v;  // (slot: the tile's FwdWsTileWindows)
             pipe_key_rows.producer_acquire(write_r);
             auto& st = ss.key_rows[write_r.index()];
             load_key_rows<Element, typename Tile::KeyRowStage, kBlockN>(st, n, count, src);
@@ -345,7 +345,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
               if constexpr (Tile::kWindows) {
                 st.window_on = 0;
                 if (a.windows != nullptr) {
-                  st.window_on = !slot.window_clear.has(n);
+                  st.window_on = !slot.clear.has(n);
                   test = test || st.window_on;
                 }
               }
@@ -438,7 +438,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       // until these loads are long issued (not held in the producer's registers).
       auto key_block = [&](int nb) {
         if constexpr (Tile::kWindows)
-          return const_cast<const volatile BlockWalk&>(ss.tiles[i % Tile::kTileSlots].walk).at(nb);
+          return const_cast<const volatile BlockWalk&>(ss.tile_windows[i % Tile::kTileSlots].walk).at(nb);
         else return nb;
       };
       // (packed heads: the tile's head is the KV head)
@@ -540,12 +540,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       const int half = p.schedule.paired ? q & 1 : 0;
       const int u = int(blockIdx.x) + (p.schedule.paired ? q >> 1 : q) * int(gridDim.x);
       FwdWsTileInfo tile{-1, 0, 0, 0, 0, 0};  // (past the last tile: the end)
+      FwdWsTileWindows tile_windows{};
       bool skip = false;
       if (u < p.schedule.units) {
         int m_block, h, b, n_min, n_max;
-        BlockWalk walk;
-        SinkWindowTest window;
-        ClearKeyBlocks clear;
         // (packed batches: past the end of a shorter sequence)
         skip = !fwd_ws_tile_coords(u, half, p.schedule, m_block, h, b) ||
                m_block * kBlockM >= tile_rows_of<Tile::kPackGqa>(SeqBounds(a, b).len_q(), a.group);
@@ -553,13 +551,14 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           const SeqBounds seq(a, b);
           int q_first = m_block * kBlockM, q_count = kBlockM;
           if constexpr (Tile::kPackGqa) packed_query_span(m_block * kBlockM, kBlockM, a.group, q_first, q_count);
-          fwd_ws_key_range<Tile>(a, seq, b, h, q_first, q_count, n_min, n_max, walk, window, clear);
+          fwd_ws_key_range<Tile>(a, seq, b, h, q_first, q_count, n_min, n_max, tile_windows.walk, tile_windows.window,
+                                 tile_windows.clear);
           if (skip_dead && n_max > n_min) {
             int first = INT_MAX;
             for (int w = 0; w < Tile::kNThreads / 32; ++w) first = min(first, ss.first_alive[w]);
             n_min = min(n_max, max(n_min, first / kBlockN));
           }
-          tile = FwdWsTileInfo{m_block, h, b, n_min, n_max, 0, walk, window, clear};
+          tile = FwdWsTileInfo{m_block, h, b, n_min, n_max, 0};
         }
       }
       if (first_lane()) {
@@ -570,6 +569,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           const TileState slot = pipeline_state_at<Tile::kTileSlots>(i, true);
           pipe_tile.producer_acquire(slot);
           ss.tiles[slot.index()] = tile;
+          if constexpr (Tile::kWindows) ss.tile_windows[slot.index()] = tile_windows;
           pipe_tile.producer_commit(slot);
           if (tile.m_block >= 0) {
             blocks = tile.blocks_before + max(tile.n_max - tile.n_min, 0);
@@ -630,6 +630,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
     const TileState slot = pipeline_state_at<Tile::kTileSlots>(tiles, false);
     pipe_tile.consumer_wait(slot);
     const volatile FwdWsTileInfo& tile = ss.tiles[slot.index()];
+    const volatile FwdWsTileWindows& tile_windows = ss.tile_windows[Tile::kWindows ? slot.index() : 0];
     if (tile.m_block < 0) break;
     const int n_min = tile.n_min, n_max = tile.n_max;
     const int m0 = tile.m_block * kBlockM;
@@ -724,12 +725,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           // original positions, else the plain window (positions are indices); query bounds
           // (key ends, a mask).
           if (st.needs_test) {
-            const int n0 = (Tile::kWindows ? tile.walk.at(n) : n) * kBlockN;
+            const int n0 = (Tile::kWindows ? tile_windows.walk.at(n) : n) * kBlockN;
             const PositionTest pt{st.pos, a.kpos.ptr != nullptr ? position_window(a) : win, Tile::kKeyRowEndDelta};
             mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(s_rc, tScS_rc, m0, n0, win,
                                                                                      nullptr, 0, nullptr, 0, &pt);
             if constexpr (Tile::kWindows)
-              if (st.window_on) apply_sink_window(s_rc, tScS_rc, SinkWindowTest::load(tile.window), m0, n0);
+              if (st.window_on) apply_sink_window(s_rc, tScS_rc, SinkWindowTest::load(tile_windows.window), m0, n0);
           }
           pipe_key_rows.consumer_release(read_r);
           ++read_r;
@@ -754,7 +755,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       // outside the tensor-core turns (every consumer takes part in the barrier).
       const int len_k = SeqBounds(a, tile.b).len_k();  // (read once: packed lengths come from memory)
       auto clear_v_tail = [&](int nv) {
-        const int valid = len_k - (Tile::kWindows ? tile.walk.at(nv) : nv) * kBlockN;
+        const int valid = len_k - (Tile::kWindows ? tile_windows.walk.at(nv) : nv) * kBlockN;
         if (!packed || valid >= kBlockN) return;
         pipe_v.consumer_wait(read_v);
         // (its addresses from the index afresh: derived from tid, they were held through the loop)

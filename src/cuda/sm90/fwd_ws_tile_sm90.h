@@ -78,9 +78,15 @@ enum class FwdWsScores {
 struct FwdWsTileInfo {
   int m_block, h, b, n_min, n_max;  // (windows with sinks: [n_min, n_max) virtual blocks of walk)
   uint32_t blocks_before;
-  BlockWalk walk;          // (windows with sinks: the tile's blocks, the head's test, the blocks
-  SinkWindowTest window;   // that need it not)
-  ClearKeyBlocks window_clear;
+};
+
+// Windows with sinks (the kKeyRowsWindows variant): a tile's walk over its key blocks, its head's
+// element test and the blocks that need it not, in a slot beside the tile's (FwdWsTileInfo keeps
+// its size in the other variants: grown, it cost their scheduler and loader warps registers).
+struct FwdWsTileWindows {
+  BlockWalk walk;
+  SinkWindowTest window;
+  ClearKeyBlocks clear;
 };
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, FwdWsScores kScores_,
@@ -239,6 +245,7 @@ struct FwdWsTile {
     typename KeyRowPipeline::SharedStorage pipe_key_rows;
     typename TilePipeline::SharedStorage pipe_tile;
     FwdWsTileInfo tiles[kTileSlots];
+    FwdWsTileWindows tile_windows[kWindows ? kTileSlots : 1];
     alignas(8) cutlass::arch::ClusterTransactionBarrier::ValueType q_full;
     alignas(8) cutlass::arch::ClusterBarrier::ValueType q_empty;  // the consumers are done with Q's buffer
     int32_t first_alive[kNThreads / 32];  // per warp: the first row a query of the block may keep
@@ -279,7 +286,9 @@ template <typename Element> struct FwdWsConfig<Element, 64, FwdWsScores::kPlain,
 template <typename Element, FwdWsScores kScores, int kBiasBytes> struct FwdWsConfig<Element, 64, kScores, kBiasBytes> {
   static constexpr int kBlockN = kBiasBytes == 4 && kScores == FwdWsScores::kFullBiasMask ? 64 : 128;
   static constexpr bool kGate = kScores == FwdWsScores::kKeyRowsGate;
-  using Tile = FwdWsTile<Element, 64, 128, kBlockN, 2, kScores, kGate ? 56 : 40, kGate ? 224 : 232, false, kBiasBytes>;
+  // (the windows' variant: 48 producer registers, whose loader spilled with 40; 48 + 2 x 232)
+  static constexpr int kProducerRegs = kGate ? 56 : kScores == FwdWsScores::kKeyRowsWindows ? 48 : 40;
+  using Tile = FwdWsTile<Element, 64, 128, kBlockN, 2, kScores, kProducerRegs, kGate ? 224 : 232, false, kBiasBytes>;
 };
 template <typename Element, FwdWsScores kScores, int kBiasBytes> struct FwdWsConfig<Element, 128, kScores, kBiasBytes> {
   static constexpr bool kPlain = kScores == FwdWsScores::kPlain;
