@@ -286,9 +286,11 @@ template <typename Element> struct FwdWsConfig<Element, 64, FwdWsScores::kPlain,
 template <typename Element, FwdWsScores kScores, int kBiasBytes> struct FwdWsConfig<Element, 64, kScores, kBiasBytes> {
   static constexpr int kBlockN = kBiasBytes == 4 && kScores == FwdWsScores::kFullBiasMask ? 64 : 128;
   static constexpr bool kGate = kScores == FwdWsScores::kKeyRowsGate;
-  // (the windows' variant: 48 producer registers, whose loader spilled with 40; 48 + 2 x 232)
-  static constexpr int kProducerRegs = kGate ? 56 : kScores == FwdWsScores::kKeyRowsWindows ? 48 : 40;
-  using Tile = FwdWsTile<Element, 64, 128, kBlockN, 2, kScores, kProducerRegs, kGate ? 224 : 232, false, kBiasBytes>;
+  // (the windows' variant: 48 producer registers, whose loader spilled with 40, as at head dim 128)
+  static constexpr bool kWindows = kScores == FwdWsScores::kKeyRowsWindows;
+  static constexpr int kProducerRegs = kGate ? 56 : kWindows ? 48 : 40;
+  using Tile = FwdWsTile<Element, 64, 128, kBlockN, 2, kScores, kProducerRegs, kGate || kWindows ? 224 : 232, false,
+                         kBiasBytes>;
 };
 template <typename Element, FwdWsScores kScores, int kBiasBytes> struct FwdWsConfig<Element, 128, kScores, kBiasBytes> {
   static constexpr bool kPlain = kScores == FwdWsScores::kPlain;
