@@ -161,7 +161,8 @@ struct SinkWindow {
       return;
     }
     c0 = first, c1 = ceil_div(near - block_m + 1 - offset + n0);
-    c2 = max(first, ceil_div(near + gap + n_end - 1 - offset)), c3 = ceil_div(near + gap + far - block_m + 1 - offset + n0);
+    c2 = max(first, ceil_div(near + gap + n_end - 1 - offset));
+    c3 = ceil_div(near + gap + far - block_m + 1 - offset + n0);
   }
 
   // The query blocks (of block_m queries) that keys [n0, n0 + block_n) meet, likewise: two runs
@@ -186,9 +187,9 @@ struct SinkWindow {
 
 // One head's window as the element test takes it: int32, each entry capped at len_q + len_k + 1
 // (past every distance: the same rule, and no sum below overflows). The scheduler (forward: in
-// the tile's slot) or the CTA (backward: in shared memory) keeps it; the key-row or statistics
-// loader marks each tile that needs the test (SinkWindow::clear_key_blocks, clear_query_blocks),
-// and the consumers read it only there.
+// the tile's FwdWsTileWindows) or the CTA (backward: in shared memory) keeps it; the key-row or
+// statistics loader marks each tile that needs the test (SinkWindow::clear_key_blocks,
+// clear_query_blocks), and the consumers read it only there.
 struct SinkWindowTest {
   int32_t sink, near, near_gap, far, offset;
 
