@@ -21,7 +21,7 @@ namespace dmattn::cuda {
 struct BlockWalk {
   int split1 = INT_MIN, gap1 = 0, split2 = INT_MIN, gap2 = 0;
 
-  __device__ __forceinline__ int at(int v) const { return v - (v < split1 ? gap1 : 0) - (v < split2 ? gap2 : 0); }
+  // (volatile: the kernels read a walk where it lies in shared memory, at each use)
   __device__ __forceinline__ int at(int v) const volatile {
     return v - (v < split1 ? gap1 : 0) - (v < split2 ? gap2 : 0);
   }
@@ -88,6 +88,32 @@ struct ClearKeyBlocks {
   }
 };
 
+// A key block's query blocks that the window shows whole: m in [c[0], c[1]) or [c[2], c[3])
+// (SinkWindow::clear_query_blocks), read by the row-statistics loader one block at a time.
+struct ClearQueryBlocks {
+  int32_t c[4];
+
+  __device__ __forceinline__ bool has(int m) const volatile {
+    return (m >= c[0] && m < c[1]) || (m >= c[2] && m < c[3]);
+  }
+};
+
+// floor(x / d) for d > 0 and x of either sign, clamped into half the int range (so that a
+// caller's + 1 does not overflow).
+__device__ __forceinline__ int32_t floor_div_clamped(int64_t x, int d) {
+  const int64_t q = x >= 0 ? x / d : -((-x + d - 1) / d);
+  return int32_t(max(int64_t(INT_MIN / 2), min(q, int64_t(INT_MAX / 2))));
+}
+
+// Positions [first, end) clipped to [0, len), as the blocks of `block` positions that hold them:
+// [lo, hi), empty (lo == hi) where nothing is left.
+__device__ __forceinline__ void block_run(int64_t first, int64_t end, int64_t len, int block, int& lo, int& hi) {
+  first = max(first, int64_t(0));
+  end = min(end, len);
+  lo = int(first / block);
+  hi = end > first ? int((end + block - 1) / block) : lo;
+}
+
 // One head's window with sinks on a sequence of len_q queries and len_k keys (bottom-right
 // aligned: d = i + offset - j).
 struct SinkWindow {
@@ -105,18 +131,11 @@ struct SinkWindow {
   // virtual range [v_min, v_max).
   __device__ __forceinline__ BlockWalk key_blocks(int m0, int block_m, int block_n, int& v_min, int& v_max) const {
     const int64_t m_end = min(int64_t(m0) + block_m, len_q);
-    // keys [first, end) clipped to the sequence, as blocks [lo, hi)
-    auto band = [&](int& lo, int& hi, int64_t first, int64_t end) {
-      first = max(first, int64_t(0));
-      end = min(end, len_k);
-      lo = int(first / block_n);
-      hi = end > first ? int((end + block_n - 1) / block_n) : lo;
-    };
     const int64_t top = m_end + offset;  // (keys below top have d >= 0 for the block's last query)
     int l0, h0, l1, h1, l2, h2;
-    band(l0, h0, near > 0 ? m0 + offset - near + 1 : top, top);                             // near band
-    band(l1, h1, far > 0 ? m0 + offset - near - gap - far + 1 : top, top - near - gap);     // far band
-    band(l2, h2, 0, min(sink, top));                                                       // sinks
+    block_run(near > 0 ? m0 + offset - near + 1 : top, top, len_k, block_n, l0, h0);                      // near
+    block_run(far > 0 ? m0 + offset - near - gap - far + 1 : top, top - near - gap, len_k, block_n, l1, h1);  // far
+    block_run(0, min(sink, top), len_k, block_n, l2, h2);                                                  // sinks
     return BlockWalk::of_runs(l0, h0, l1, h1, l2, h2, v_min, v_max);
   }
 
@@ -127,10 +146,7 @@ struct SinkWindow {
     ClearKeyBlocks k;
     int32_t* c = k.c;
     const int64_t m_end = min(int64_t(m0) + block_m, len_q);
-    auto floor_div = [&](int64_t x) {  // (block_n > 0, x of either sign)
-      const int64_t q = x >= 0 ? x / block_n : -((-x + block_n - 1) / block_n);
-      return int32_t(max(int64_t(INT_MIN / 2), min(q, int64_t(INT_MAX / 2))));
-    };
+    auto floor_div = [&](int64_t x) { return floor_div_clamped(x, block_n); };
     // every distance d = i + offset - j of block n's pairs lies in [m0 + offset - (n + 1) bn + 1,
     // m_end - 1 + offset - n bn]: visible whole where the lower end is >= 0 and the block's keys
     // are sinks, or both ends lie in the near band, or both in the far band
@@ -143,26 +159,25 @@ struct SinkWindow {
   }
 
   // The query blocks (of block_m queries) whose tile with keys [n0, n0 + block_n) the window shows
-  // whole: [c0, c1) and [c2, c3) (a sequence's last, partial block may be left out: it is then
-  // tested, which is never wrong).
-  __device__ __forceinline__ void clear_query_blocks(int n0, int block_n, int block_m, int& c0, int& c1, int& c2,
-                                                     int& c3) const {
+  // whole (ClearQueryBlocks; a sequence's last, partial block may be left out: it is then tested,
+  // which is never wrong).
+  __device__ __forceinline__ ClearQueryBlocks clear_query_blocks(int n0, int block_n, int block_m) const {
+    ClearQueryBlocks k;
+    int32_t &c0 = k.c[0], &c1 = k.c[1], &c2 = k.c[2], &c3 = k.c[3];
     const int64_t n_end = min(int64_t(n0) + block_n, len_k);
-    auto ceil_div = [&](int64_t x) {  // (block_m > 0, x of either sign)
-      const int64_t q = x >= 0 ? (x + block_m - 1) / block_m : -((-x) / block_m);
-      return int(max(int64_t(INT_MIN / 2), min(q, int64_t(INT_MAX / 2))));
-    };
+    auto ceil_div = [&](int64_t x) { return -floor_div_clamped(-x, block_m); };
     // every distance d = i + offset - j of tile m's pairs lies in [m bm + offset - (n_end - 1),
     // m bm + bm - 1 + offset - n0]: visible whole where the lower end is >= 0 and the tile's keys
     // are sinks, or both ends lie in the near band, or both in the far band
-    const int first = ceil_div(n_end - 1 - offset);  // (lower end >= 0)
+    const int32_t first = ceil_div(n_end - 1 - offset);  // (lower end >= 0)
     if (n_end <= sink) {
       c0 = first, c1 = INT_MAX, c2 = c3 = 0;
-      return;
+      return k;
     }
     c0 = first, c1 = ceil_div(near - block_m + 1 - offset + n0);
     c2 = max(first, ceil_div(near + gap + n_end - 1 - offset));
     c3 = ceil_div(near + gap + far - block_m + 1 - offset + n0);
+    return k;
   }
 
   // The query blocks (of block_m queries) that keys [n0, n0 + block_n) meet, likewise: two runs
@@ -170,17 +185,11 @@ struct SinkWindow {
   // far band's lies inside the sinks' where those exist), so split2 stays unused.
   __device__ __forceinline__ BlockWalk query_blocks(int n0, int block_n, int block_m, int& v_min, int& v_max) const {
     const int64_t n_end = min(int64_t(n0) + block_n, len_k);
-    auto band = [&](int& lo, int& hi, int64_t first, int64_t end) {
-      first = max(first, int64_t(0));
-      end = min(end, len_q);
-      lo = int(first / block_m);
-      hi = end > first ? int((end + block_m - 1) / block_m) : lo;
-    };
     const int64_t base = n0 - offset;  // (the block's first key's query at d = 0)
     int l0, h0, l1, h1, l2, h2;
-    band(l0, h0, base, near > 0 ? n_end - offset + near - 1 : base);
-    band(l1, h1, base + near + gap, far > 0 ? n_end - offset + near + gap + far - 1 : base);
-    band(l2, h2, base, n0 < sink && n0 < n_end ? len_q : base);
+    block_run(base, near > 0 ? n_end - offset + near - 1 : base, len_q, block_m, l0, h0);
+    block_run(base + near + gap, far > 0 ? n_end - offset + near + gap + far - 1 : base, len_q, block_m, l1, h1);
+    block_run(base, n0 < sink && n0 < n_end ? len_q : base, len_q, block_m, l2, h2);
     return BlockWalk::of_runs(l0, h0, l1, h1, l2, h2, v_min, v_max);
   }
 };

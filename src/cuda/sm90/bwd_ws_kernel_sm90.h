@@ -163,8 +163,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       m_walk = w.query_blocks(n0, kBlockN, kBlockM, m_lo, m_hi);
       if (threadIdx.x == 0) {
         ss.window = SinkWindowTest::of(w);
-        w.clear_query_blocks(n0, kBlockN, kBlockM, ss.window_clear[0], ss.window_clear[1], ss.window_clear[2],
-                             ss.window_clear[3]);
+        ss.window_clear = w.clear_query_blocks(n0, kBlockN, kBlockM);
       }
     } else if (f.kpos.ptr != nullptr) {
       const KeyPositionRow kp_row(f, b, kvh * group);
@@ -270,11 +269,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         // Windows with sinks: whether the window shows the tile in part (the element test; by the
         // first lane, as the lengths, and first: nothing of it is held through the loads below).
         if constexpr (Tile::kWindows) {
-          if (lane == 0) {
-            const volatile int32_t* c = ss.window_clear;
-            const int mb = m0 / kBlockM;
-            st.window_on = !((mb >= c[0] && mb < c[1]) || (mb >= c[2] && mb < c[3]));
-          }
+          if (lane == 0) st.window_on = !const_cast<const volatile ClearQueryBlocks&>(ss.window_clear).has(m0 / kBlockM);
         }
         for (int r = lane; r < rows_valid; r += 32) {
           st.m[r] = a.row_m[row_stat + r];

@@ -235,7 +235,7 @@ struct BwdWsTile {
     int32_t end_max[kNThreads / 32];  // key_block_end_max's per-warp maxima
     BlockWalk m_walk;  // the query blocks' walk (windows with sinks; else the identity)
     SinkWindowTest window;  // windows with sinks: the KV head's element test
-    int32_t window_clear[4];  // and the query blocks it needs not: [0], [1]) and [2], [3])
+    ClearQueryBlocks window_clear;  // and the query blocks that need it not
     typename Pipeline::SharedStorage pipe_q;
     typename PipelineDo::SharedStorage pipe_do;
     typename RowPipeline::SharedStorage pipe_rows;

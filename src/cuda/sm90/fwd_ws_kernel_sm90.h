@@ -165,20 +165,16 @@ __device__ __forceinline__ bool fwd_ws_tile_coords(int u, int half, const FwdWsT
 // The key blocks a tile of queries [q_first, q_first + q_count) reads (warp-cooperative: every
 // lane of the warp calls it, every warp finds the same range): those of its gathered keys'
 // range, else of its window, narrowed to the first and last true key of a query-broadcast mask;
-// under windows with sinks (key rows only: fwd_ws_supports) the runs of its sinks and bands, as
-// virtual blocks [n_min, n_max) of `walk` (else the identity), and the head's element test.
+// in the variant of windows with sinks the runs of its sinks and bands, as virtual blocks
+// [n_min, n_max) of windows.walk, with the head's element test and the blocks that need it not.
 template <class Tile>
 __device__ __forceinline__ void fwd_ws_key_range(const FwdArgs& a, const SeqBounds& seq, int b, int h, int q_first,
-                                                 int q_count, int& n_min, int& n_max, BlockWalk& walk,
-                                                 SinkWindowTest& window, ClearKeyBlocks& clear) {
-  walk = BlockWalk{};
-  window = SinkWindowTest{};
-  clear = ClearKeyBlocks{};
-  if (Tile::kWindows && a.windows != nullptr) {
+                                                 int q_count, int& n_min, int& n_max, FwdWsTileWindows& windows) {
+  if constexpr (Tile::kWindows) {  // (the variant of windows with sinks alone: fwd_ws_scores)
     const SinkWindow w = SinkWindow::of(a, h, seq.len_q(), seq.len_k());
-    walk = w.key_blocks(q_first, q_count, Tile::kBlockN, n_min, n_max);
-    window = SinkWindowTest::of(w);
-    clear = w.clear_key_blocks(q_first, q_count, Tile::kBlockN);
+    windows.walk = w.key_blocks(q_first, q_count, Tile::kBlockN, n_min, n_max);
+    windows.window = SinkWindowTest::of(w);
+    windows.clear = w.clear_key_blocks(q_first, q_count, Tile::kBlockN);
     return;
   }
   if (Tile::kKeyRows && a.kpos.ptr != nullptr) {
@@ -238,14 +234,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
   const bool skip_dead = Tile::kKeyRows && a.kpos.ends != nullptr;
   if (skip_dead) {
     int m_block, h, b, n_min, n_max;
-    BlockWalk walk;
-    SinkWindowTest window;
-    ClearKeyBlocks clear;
+    FwdWsTileWindows windows;
     fwd_ws_tile_coords(blockIdx.x, 0, p.schedule, m_block, h, b);  // (unpaired: one tile a unit)
     const SeqBounds seq(a, b);
     const int m0 = m_block * kBlockM;
     if (m0 < seq.len_q()) {
-      fwd_ws_key_range<Tile>(a, seq, b, h, m0, kBlockM, n_min, n_max, walk, window, clear);  // (no windows)
+      fwd_ws_key_range<Tile>(a, seq, b, h, m0, kBlockM, n_min, n_max, windows);  // (no windows here)
       const int32_t* ends = ends_row(a.kpos, b, h);
       const int lo = n_min * kBlockN, hi = min(a.seqlen_k, n_max * kBlockN);
       int first = hi;
@@ -343,11 +337,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
             if (first_lane) {
               bool test = win.block_needs_test(st.pos[0], st.pos[kBlockN - 1], st.end_min);
               if constexpr (Tile::kWindows) {
-                st.window_on = 0;
-                if (a.windows != nullptr) {
-                  st.window_on = !slot.clear.has(n);
-                  test = test || st.window_on;
-                }
+                st.window_on = !slot.clear.has(n);
+                test = test || st.window_on;
               }
               st.needs_test = test;
             }
@@ -551,8 +542,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           const SeqBounds seq(a, b);
           int q_first = m_block * kBlockM, q_count = kBlockM;
           if constexpr (Tile::kPackGqa) packed_query_span(m_block * kBlockM, kBlockM, a.group, q_first, q_count);
-          fwd_ws_key_range<Tile>(a, seq, b, h, q_first, q_count, n_min, n_max, tile_windows.walk, tile_windows.window,
-                                 tile_windows.clear);
+          fwd_ws_key_range<Tile>(a, seq, b, h, q_first, q_count, n_min, n_max, tile_windows);
           if (skip_dead && n_max > n_min) {
             int first = INT_MAX;
             for (int w = 0; w < Tile::kNThreads / 32; ++w) first = min(first, ss.first_alive[w]);
