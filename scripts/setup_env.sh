@@ -40,7 +40,11 @@ python -m pip install -q "scikit-build-core>=0.10" "apache-tvm-ffi>=0.1.15,<0.2"
 # where they can run: nvcc present and a GPU visible. Without a GPU they would take well over an
 # hour on 2 cores for code nothing here runs (scripts/test.sh compiles one unit per kernel family
 # there instead); DMATTN_BUILD_CUDA=ON builds them all anyway, OFF never.
-gpu_visible() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; }
+# (nvidia-smi's list, or the driver's own entries where a container has the driver without the tool)
+gpu_visible() {
+  { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; } ||
+    compgen -G "/proc/driver/nvidia/gpus/*" >/dev/null || [ -e /dev/nvidia0 ] || [ -e /dev/dxg ]
+}
 if [ -z "${DMATTN_BUILD_CUDA:-}" ]; then
   if command -v nvcc >/dev/null 2>&1 && ! gpu_visible; then
     say "nvcc found but no GPU visible: the CUDA kernels are left out (DMATTN_BUILD_CUDA=ON builds them)"
