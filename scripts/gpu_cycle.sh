@@ -59,12 +59,15 @@ if [[ " $STEPS " == *" build "* ]]; then
   start=$(date +%s)
   # (no compute_80 PTX unless PTX=ON: beside sm_90a alone it is a second device compilation of
   # every translation unit, which the release build's sm_80 pass makes for free)
+  # (ptxas -v: every kernel's registers, stack frame and spills, in $OUT/spills.md)
   cmake -S . -B /tmp/dmattn-build -G Ninja -DDMATTN_CUDA_ARCHS="$ARCHS" -DDMATTN_CUDA_PTX="${PTX:-OFF}" \
     -DCUTLASS_INCLUDE_DIR="$CUTLASS_DIR" -DPython_EXECUTABLE="$(command -v python3)" \
-    > "$OUT/build.log" 2>&1 &&
+    "-DCMAKE_CUDA_FLAGS=-Xptxas=-v" > "$OUT/build.log" 2>&1 &&
   cmake --build /tmp/dmattn-build -j "$(nproc)" >> "$OUT/build.log" 2>&1
   rc=$?
-  grep -E "error|warning.*spill|Used [0-9]+ registers" "$OUT/build.log" | sort | uniq | head -40
+  grep -E "(^|[ :])(fatal )?error" "$OUT/build.log" | sort | uniq | head -20
+  python3 scripts/spill_report.py "$OUT/build.log" > "$OUT/spills.md"
+  python3 scripts/spill_report.py "$OUT/build.log" --families
   echo "build rc=$rc in $(( $(date +%s) - start )) s"
   [ $rc -eq 0 ] || { tail -60 "$OUT/build.log"; exit 1; }
   cp /tmp/dmattn-build/libdmattn_ffi.so python/dmattn/
