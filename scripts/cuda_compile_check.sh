@@ -4,9 +4,10 @@
 # with nvcc and no GPU (scripts/test.sh runs it there) it shows in ~25 minutes on 2 cores that
 # the kernels still compile, where the full build of every unit takes well over an hour.
 # Head dim 64, bf16: each unit instantiates every score policy of its family (masks, biases,
-# gathered keys, the gate's sm80-class path, windows with sinks), and the gate's Hopper
-# variants (head dims 64 and 128) have units of their own, so a broken policy or a broken shared
-# header fails here; a tile configuration of another head dim or dtype only in a full build.
+# gathered keys, the gate's sm80-class path, windows with sinks); the gate's Hopper variants and
+# the general Hopper backward (head dim 128) have units of their own, so a broken policy or a
+# broken shared header fails here; a tile configuration of another head dim or dtype only in a
+# full build.
 #
 # Usage (repo root, with .venv set up by scripts/setup_env.sh):  bash scripts/cuda_compile_check.sh
 # Environment: JOBS (parallel compilations, default: the core count).
@@ -19,7 +20,7 @@ UNITS=(
   common/kernel_code.cu host/cuda_backend.cu host/decode_backend.cu host/aligned_operand.cu
   indexed/key_glue.cu indexed/per_query_glue.cu
   inst/decode_bf16.cu
-  inst/fwd_bf16_hd64.cu inst/bwd_bf16_hd64.cu
+  inst/fwd_bf16_hd64.cu inst/bwd_bf16_hd64.cu inst/bwd_dq_bf16_hd64.cu inst/bwd_sm90_bf16.cu
   inst/fwd_ws_bf16_hd64.cu inst/bwd_ws_bf16_hd64.cu
   inst/fwd_ws_gate_bf16.cu inst/bwd_ws_gate_bf16.cu
 )

@@ -1,6 +1,8 @@
 // Launcher of the backward pass for one (element type, instantiated head dim); explicitly
-// instantiated once per pair in src/cuda/inst/bwd_<dtype>_hd<D>.cu, the warp-specialized
-// kernel's launcher in src/cuda/inst/bwd_ws_<dtype>_hd<D>.cu. Sequence on the stream:
+// instantiated once per pair in src/cuda/inst/bwd_<dtype>_hd<D>.cu; the warp-specialized
+// kernel's launcher in src/cuda/inst/bwd_ws_<dtype>_hd<D>.cu, the query-major kernel's in
+// bwd_dq_<dtype>_hd<D>.cu (bwd_dq_launch.h), the general Hopper kernel's in bwd_sm90_<dtype>.cu
+// (bwd_sm90_launch.h). Sequence on the stream:
 //   1. zero the fp32 accumulators (dq_accum unless dQ comes from the query-major kernel -- in a
 //      dense batch by bwd_preprocess instead --, dbias_accum when used);
 //   2. bwd_preprocess: Delta = rowsum(dO * O) for every row (0 for empty rows), or (exact path)
@@ -32,12 +34,13 @@ void run_bwd(const BwdArgs& a, bool deterministic, bool exact, cudaStream_t stre
 #ifdef DMATTN_BWD_LAUNCH_IMPL
 #include <cstdlib>
 
-#include "cuda/sm80/bwd_dq_kernel.h"
 #include "cuda/sm80/bwd_kernel.h"
 #include "cuda/common/device_info.h"
+#include "cuda/host/bwd_dq_launch.h"
+#include "cuda/host/bwd_sm90_launch.h"
 #include "cuda/indexed/indexed_rows.h"
 #include "cuda/common/seq_bounds.h"
-#include "cuda/sm90/bwd_kernel_sm90.h"
+#include "cuda/sm90/bwd_tile_sm90.h"
 #include "cuda/sm90/bwd_ws_launch_sm90.h"
 #include "cuda/sm90/enabled.h"
 
@@ -303,25 +306,14 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
     // (and the key ends' tile right after it: key_positions.h)
     smem = smem_main = a.f.smem_kpos_off + 2 * Tile::kBlockN * 4;
   }
-  auto launch_with = [&](auto kernel, dim3 grid, int threads, int bytes, const char* what) {
-    allow_dynamic_shared_memory(kernel, bytes, what);
-    kernel<<<grid, threads, bytes, stream>>>(a);
+  auto launch = [&](auto kernel, dim3 grid, const char* what) {
+    allow_dynamic_shared_memory(kernel, smem, what);
+    kernel<<<grid, Tile::kNThreads, smem, stream>>>(a);
     check_cuda(cudaGetLastError(), what);
   };
-  auto launch = [&](auto kernel, dim3 grid, const char* what) { launch_with(kernel, grid, Tile::kNThreads, smem, what); };
   const dim3 q_grid(unsigned((Sq + Tile::kBlockM - 1) / Tile::kBlockM), unsigned(H), unsigned(B));
-  if (exact && q_rows * H > 0) {
-    if (terms) {  // (the variant that reads the gate and windows with sinks; score_terms.h)
-      if (softcap) launch(bwd_dq_kernel<Tile, true, true, true, true>, q_grid, "backward stats kernel (gate / windows)");
-      else launch(bwd_dq_kernel<Tile, true, false, true, true>, q_grid, "backward stats kernel (gate / windows)");
-    } else if (mask_or_bias) {
-      if (softcap) launch(bwd_dq_kernel<Tile, true, true, true>, q_grid, "backward stats kernel");
-      else launch(bwd_dq_kernel<Tile, true, false, true>, q_grid, "backward stats kernel");
-    } else {
-      if (softcap) launch(bwd_dq_kernel<Tile, false, true, true>, q_grid, "backward stats kernel");
-      else launch(bwd_dq_kernel<Tile, false, false, true>, q_grid, "backward stats kernel");
-    }
-  }
+  if (exact && q_rows * H > 0)
+    launch_bwd_dq<Element, kHeadDim>(a, q_grid, smem, /*stats=*/true, mask_or_bias, terms, softcap, stream);
   const int64_t n_blocks = (Sk + Tile::kBlockN - 1) / Tile::kBlockN;
   // The gate's dalpha accumulator: zeroed (every slice; a key block that reaches no row of a
   // query block leaves it 0), then summed into dalpha after the kernels (bwd_parts.h).
@@ -352,20 +344,8 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
     auto launch_main = [&](auto mask_bias, auto softcap_on) {
       constexpr bool kMB = decltype(mask_bias)::value, kSC = decltype(softcap_on)::value;
       if constexpr (kHeadDim == 128) {
-        if (bias16) {
-          if constexpr (kMB && !kSC) {
-            if (a.dbias_mode == kDbColSum)
-              launch_with(sm90::bwd_kernel_sm90<TileSm90, false, false, sm90::kBiasPathColSum>, grid90,
-                          TileSm90::kNThreads, smem_main, "backward kernel (sm90, bias fast path, column sums)");
-            else
-              launch_with(sm90::bwd_kernel_sm90<TileSm90, false, false, sm90::kBiasPathDirect>, grid90,
-                          TileSm90::kNThreads, smem_main, "backward kernel (sm90, bias fast path)");
-          }
-          return;
-        }
-        if (sm90) {
-          launch_with(sm90::bwd_kernel_sm90<TileSm90, kMB, kSC>, grid90, TileSm90::kNThreads, smem_main,
-                      "backward kernel (sm90)");
+        if (bias16 || sm90) {
+          launch_bwd_sm90<Element>(a, grid90, smem_main, bias16, kMB, kSC, stream);
           return;
         }
       }
@@ -388,17 +368,8 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
     }
   }
   if (q_rows * H > 0) {
-    if (deterministic && terms) {
-      if (softcap) launch(bwd_dq_kernel<Tile, true, true, false, true>, q_grid, "backward dq kernel (gate / windows)");
-      else launch(bwd_dq_kernel<Tile, true, false, false, true>, q_grid, "backward dq kernel (gate / windows)");
-    } else if (deterministic) {
-      if (mask_or_bias) {
-        if (softcap) launch(bwd_dq_kernel<Tile, true, true, false>, q_grid, "backward dq kernel");
-        else launch(bwd_dq_kernel<Tile, true, false, false>, q_grid, "backward dq kernel");
-      } else {
-        if (softcap) launch(bwd_dq_kernel<Tile, false, true, false>, q_grid, "backward dq kernel");
-        else launch(bwd_dq_kernel<Tile, false, false, false>, q_grid, "backward dq kernel");
-      }
+    if (deterministic) {
+      launch_bwd_dq<Element, kHeadDim>(a, q_grid, smem, /*stats=*/false, mask_or_bias, terms, softcap, stream);
     } else {
       const int blocks = bwd_grid_stride_blocks(q_rows * H * (D / 8), 256);
       bwd_convert_dq<Element><<<blocks, 256, 0, stream>>>(a);

@@ -1,0 +1,5 @@
+// The general Hopper backward for bf16, head dim 128 (bwd_sm90_launch.h).
+#define DMATTN_BWD_SM90_LAUNCH_IMPL
+#include "cuda/host/bwd_sm90_launch.h"
+
+DMATTN_INSTANTIATE_BWD_SM90(cutlass::bfloat16_t)
