@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compiles one translation unit of each CUDA kernel family for sm_80 and sm_90a (with the
 # compute_80 PTX), as the full build does, without linking or running anything: on a machine
-# with nvcc and no GPU (scripts/test.sh runs it there) it shows in ~25 minutes on 2 cores that
+# with nvcc and no GPU (scripts/test.sh runs it there) it shows in ~20 minutes on 2 cores that
 # the kernels still compile, where the full build of every unit takes well over an hour.
 # Head dim 64, bf16: each unit instantiates every score policy of its family (masks, biases,
 # gathered keys, the gate's sm80-class path, windows with sinks); the gate's Hopper variants and
@@ -26,7 +26,7 @@ UNITS=(
 )
 dir=build/cuda-compile-check
 echo "[cuda-check] compiling ${#UNITS[@]} CUDA translation units (one per family) for sm_80 and" \
-  "sm_90a: about 25 minutes on 2 cores"
+  "sm_90a: about 20 minutes on 2 cores"
 start=$(date +%s)
 cmake -S . -B "$dir" -G Ninja -DDMATTN_BUILD_CUDA=ON -DDMATTN_CUDA_ARCHS="80;90a" \
   -DDMATTN_CUDA_PTX=ON -DPython_EXECUTABLE="$PYTHON" >"$dir.configure.log" 2>&1 || {
