@@ -97,9 +97,8 @@ def enum_names(src: str = os.path.join(ROOT, "src", "cuda")) -> Dict[str, List[s
             with open(os.path.join(folder, f)) as fh:
                 text = re.sub(r"//[^\n]*", "", fh.read())
             for m in pattern.finditer(text):
-                values = [v.split("=")[0].strip() for v in m.group(2).split(",")]
-                if all("=" not in v for v in m.group(2).split(",")):  # implicit values only
-                    names[m.group(1)] = [v for v in values if v]
+                if "=" not in m.group(2):  # implicit values only: the position is the value
+                    names[m.group(1)] = [v.strip() for v in m.group(2).split(",") if v.strip()]
     return names
 
 
