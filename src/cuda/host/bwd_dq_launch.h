@@ -37,8 +37,7 @@ extern template DMATTN_BWD_DQ_LAUNCH(cutlass::bfloat16_t, 256);
 #ifdef DMATTN_BWD_DQ_LAUNCH_IMPL
 #include <type_traits>
 
-#include "cuda/common/check.h"
-#include "cuda/common/device_info.h"
+#include "cuda/common/launch.h"
 #include "cuda/sm80/bwd_dq_kernel.h"
 
 namespace dmattn::cuda {
@@ -48,9 +47,7 @@ void launch_bwd_dq(const BwdArgs& a, dim3 grid, int smem, bool stats, bool mask_
                    bool softcap, cudaStream_t stream) {
   using Tile = BwdTile<Element, kHeadDim>;
   auto launch = [&](auto kernel, const char* what) {
-    allow_dynamic_shared_memory(kernel, smem, what);
-    kernel<<<grid, Tile::kNThreads, smem, stream>>>(a);
-    check_cuda(cudaGetLastError(), what);
+    launch_kernel(kernel, grid, Tile::kNThreads, smem, stream, a, what);
   };
   auto pass = [&](auto stats_pass) {
     constexpr bool kStats = decltype(stats_pass)::value;

@@ -36,6 +36,7 @@ void run_bwd(const BwdArgs& a, bool deterministic, bool exact, cudaStream_t stre
 
 #include "cuda/sm80/bwd_kernel.h"
 #include "cuda/common/device_info.h"
+#include "cuda/common/launch.h"
 #include "cuda/host/bwd_dq_launch.h"
 #include "cuda/host/bwd_sm90_launch.h"
 #include "cuda/indexed/indexed_rows.h"
@@ -307,9 +308,7 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
     smem = smem_main = a.f.smem_kpos_off + 2 * Tile::kBlockN * 4;
   }
   auto launch = [&](auto kernel, dim3 grid, const char* what) {
-    allow_dynamic_shared_memory(kernel, smem, what);
-    kernel<<<grid, Tile::kNThreads, smem, stream>>>(a);
-    check_cuda(cudaGetLastError(), what);
+    launch_kernel(kernel, grid, Tile::kNThreads, smem, stream, a, what);
   };
   const dim3 q_grid(unsigned((Sq + Tile::kBlockM - 1) / Tile::kBlockM), unsigned(H), unsigned(B));
   if (exact && q_rows * H > 0)

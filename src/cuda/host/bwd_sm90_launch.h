@@ -29,8 +29,7 @@ extern template DMATTN_BWD_SM90_LAUNCH(cutlass::half_t);
 extern template DMATTN_BWD_SM90_LAUNCH(cutlass::bfloat16_t);
 
 #ifdef DMATTN_BWD_SM90_LAUNCH_IMPL
-#include "cuda/common/check.h"
-#include "cuda/common/device_info.h"
+#include "cuda/common/launch.h"
 #include "cuda/sm90/bwd_kernel_sm90.h"
 
 namespace dmattn::cuda {
@@ -40,9 +39,7 @@ void launch_bwd_sm90(const BwdArgs& a, dim3 grid, int smem, bool bias16, bool ma
                      cudaStream_t stream) {
   using Tile = sm90::BwdTileSm90<Element, 128>;
   auto launch = [&](auto kernel, const char* what) {
-    allow_dynamic_shared_memory(kernel, smem, what);
-    kernel<<<grid, Tile::kNThreads, smem, stream>>>(a);
-    check_cuda(cudaGetLastError(), what);
+    launch_kernel(kernel, grid, Tile::kNThreads, smem, stream, a, what);
   };
   if (bias16) {  // (a bias without a mask or softcap: always mask_or_bias and no softcap)
     if (mask_or_bias && !softcap) {

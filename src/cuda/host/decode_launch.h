@@ -28,16 +28,15 @@ void run_decode(const DecodeArgs& a, cudaStream_t stream);
 #include "cuda/decode/decode_kernel.h"
 #include "cuda/decode/decode_rows_kernel.h"
 #include "cuda/common/device_info.h"
+#include "cuda/common/launch.h"
 
 namespace dmattn::cuda {
 
 // Launches kernel on the decode grid (row_chunks * num_splits, heads_kv, batch).
 template <typename Kernel>
 void launch_on_decode_grid(Kernel kernel, int threads, int smem, const DecodeArgs& a, cudaStream_t stream) {
-  allow_dynamic_shared_memory(kernel, smem, "cudaFuncSetAttribute(decode smem)");
   const dim3 grid(a.row_chunks * a.num_splits, a.heads_kv, a.batch);
-  kernel<<<grid, threads, smem, stream>>>(a);
-  check_cuda(cudaGetLastError(), "decode kernel launch");
+  launch_kernel(kernel, grid, threads, smem, stream, a, "decode kernel launch");
 }
 
 template <typename Element, int kD, DecodeOperands kOps>

@@ -5,8 +5,8 @@
 
 #include <cuda_runtime.h>
 
-#include "cuda/common/check.h"
 #include "cuda/common/device_info.h"
+#include "cuda/common/launch.h"
 #include "cuda/common/fwd_args.h"
 
 namespace dmattn::cuda {
@@ -79,9 +79,7 @@ void launch_fwd_kernel(const FwdArgs& args, cudaStream_t stream, Kernel kernel) 
 
   // Query blocks run in reverse order (fwd_kernel): blockIdx.x = 0 is the last query block.
   const dim3 grid((a.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM, a.num_heads, a.batch);
-  allow_dynamic_shared_memory(kernel, smem, "cudaFuncSetAttribute(forward smem)");
-  kernel<<<grid, Tile::kNThreads, smem, stream>>>(a);
-  check_cuda(cudaGetLastError(), "forward kernel launch");
+  launch_kernel(kernel, grid, Tile::kNThreads, smem, stream, a, "forward kernel launch");
 }
 
 // kTerms: the general kernel's variant with the gate and windows with sinks (score_terms.h), the

@@ -7,9 +7,8 @@
 #include <optional>
 
 #include "cuda/common/bwd_args.h"
-#include "cuda/common/check.h"
 #include "cuda/common/cta_order.h"
-#include "cuda/common/device_info.h"
+#include "cuda/common/launch.h"
 #include "cuda/sm90/bwd_ws_kernel_sm90.h"
 #include "cuda/sm90/enabled.h"
 #include "cuda/sm90/tma_views.h"
@@ -157,9 +156,7 @@ void launch_bwd_ws_tile(const BwdArgs& a, dim3 grid, cudaStream_t stream) {
   };
   auto kernel = bwd_ws_kernel_sm90<Tile, kPacked>;
   constexpr int smem = Tile::kSmemBytes;
-  allow_dynamic_shared_memory(kernel, smem, "cudaFuncSetAttribute(backward smem)");
-  kernel<<<grid, Tile::kNThreads, smem, stream>>>(p);
-  check_cuda(cudaGetLastError(), "backward kernel launch (sm90, warp-specialized)");
+  launch_kernel(kernel, grid, Tile::kNThreads, smem, stream, p, "backward kernel launch (sm90, warp-specialized)");
 }
 
 // grid: the general Hopper kernel's (cta_order.h), one CTA per (key block of Tile::kBlockN, kv

@@ -9,8 +9,8 @@
 #include <cuda_runtime.h>
 
 #include "dmattn/api.h"
-#include "cuda/common/check.h"
 #include "cuda/common/device_info.h"
+#include "cuda/common/launch.h"
 #include "cuda/common/fwd_args.h"
 #include "cuda/sm90/enabled.h"
 #include "cuda/sm90/fwd_ws_kernel_sm90.h"
@@ -213,7 +213,6 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
   };
   auto kernel = fwd_ws_kernel_sm90<Tile>;
   constexpr int smem = Tile::kSmemBytes;
-  allow_dynamic_shared_memory(kernel, smem, "cudaFuncSetAttribute(forward smem)");
   int ctas = sms;
   if (mode != nullptr) {
     const char* const cap_env = std::getenv("DMATTN_FWD_PERSISTENT_CTAS");
@@ -222,8 +221,7 @@ void launch_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
   }
   const int grid = persistent && ctas < units ? ctas : units;
   if (grid == 0) return;
-  kernel<<<grid, Tile::kNThreads, smem, stream>>>(p);
-  check_cuda(cudaGetLastError(), "forward kernel launch");
+  launch_kernel(kernel, grid, Tile::kNThreads, smem, stream, p, "forward kernel launch (sm90, warp-specialized)");
 }
 
 }  // namespace dmattn::cuda::sm90
