@@ -26,7 +26,9 @@
 #
 # Environment:
 #   DMATTN_BUILD_CUDA=OFF    a CPU-only wheel (minutes; for testing the packaging)
-#   DMATTN_CUDA_ARCHS="80;90a"   the architectures (CMake list; "90a" = Hopper kernels)
+#   DMATTN_CUDA_ARCHS="80;90a"   the architectures (CMake list; "90a" = Hopper kernels; "" with the
+#                            PTX: a PTX-only wheel, which takes on any GPU the path a GPU newer
+#                            than every arch takes: scripts/ptx_jit_check.sh WHEEL=...)
 #   DMATTN_CUDA_PTX=ON       compute_80 PTX beside them (no extra compilation; OFF leaves it out)
 #   DMATTN_USE_BLAS=ON|OFF   the CPU backend on OpenBLAS (libopenblas-dev) or plain loops
 #   CUTLASS_INCLUDE_DIR      CUTLASS/CuTe headers (default: the nvidia-cutlass package)
@@ -41,7 +43,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 JOBS=${JOBS:-$(nproc)}
 export DMATTN_BUILD_CUDA=${DMATTN_BUILD_CUDA:-ON}
-export DMATTN_CUDA_ARCHS=${DMATTN_CUDA_ARCHS:-80;90a}
+export DMATTN_CUDA_ARCHS=${DMATTN_CUDA_ARCHS-80;90a}  # (set and empty: no machine code)
 DMATTN_USE_BLAS=${DMATTN_USE_BLAS:-ON}
 DMATTN_PLAT=${DMATTN_PLAT:-auto}
 say() { printf '[build_wheel] %s\n' "$*"; }
@@ -49,9 +51,10 @@ say() { printf '[build_wheel] %s\n' "$*"; }
 if [ "$DMATTN_BUILD_CUDA" != OFF ]; then
   command -v nvcc >/dev/null 2>&1 ||
     { say "nvcc not found: put the CUDA toolkit on PATH, or DMATTN_BUILD_CUDA=OFF for a CPU-only wheel"; exit 1; }
-  flavor=cuda
+  flavor=$([ -n "$DMATTN_CUDA_ARCHS" ] && echo cuda || echo cuda-ptx)
   ptx=$([ "${DMATTN_CUDA_PTX:-ON}" = OFF ] && echo "" || echo " + compute_80 PTX")
-  say "CUDA $(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'), kernels for sm_${DMATTN_CUDA_ARCHS//;/, sm_}$ptx, $JOBS jobs"
+  archs=$([ -n "$DMATTN_CUDA_ARCHS" ] && echo "sm_${DMATTN_CUDA_ARCHS//;/, sm_}" || echo "no machine code")
+  say "CUDA $(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'), kernels for $archs$ptx, $JOBS jobs"
 else
   flavor=cpu
   say "CPU-only wheel (DMATTN_BUILD_CUDA=OFF), $JOBS jobs"
@@ -75,6 +78,7 @@ export CMAKE_BUILD_PARALLEL_LEVEL=$JOBS
   --config-settings=wheel.py-api=py3 \
   --config-settings=build-dir="build/wheel-$flavor" \
   --config-settings=cmake.define.DMATTN_USE_BLAS="$DMATTN_USE_BLAS" \
+  --config-settings=cmake.define.DMATTN_CUDA_ARCHS="$DMATTN_CUDA_ARCHS" \
   ${CUTLASS_INCLUDE_DIR:+--config-settings=cmake.define.CUTLASS_INCLUDE_DIR="$CUTLASS_INCLUDE_DIR"}
 wheel=$(ls "$raw"/dmattn-*.whl)
 say "built $(basename "$wheel") in $(( $(date +%s) - start )) s"
