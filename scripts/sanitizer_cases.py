@@ -350,7 +350,8 @@ for dtype in (torch.bfloat16, torch.float16):
     # Gated attention on the warp-specialized kernels (the alpha / delta rows in the key-row and
     # row-statistics stages, dalpha's slices, ddelta's column sums in shared memory): D 64 and
     # 128, causal with Sq < Sk, GQA, deterministic, a packed batch with an empty sequence, the
-    # linear gate; windows with sinks on the sm80-class kernels' per-element path and by parts.
+    # linear gate; windows with sinks on the kernels' own path (the warp-specialized windows variant
+    # on Hopper, the sm80-class per-element test elsewhere) and by parts.
     gate_case((2, 200, 333), 4, 2, 128, dtype, causal=True)
     gate_case((1, 130, 257), 4, 4, 64, dtype, deterministic=True)
     gate_case([130, 0, 257, 64], 4, 2, 128, dtype, causal=True, gate_fn="linear")
