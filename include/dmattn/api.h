@@ -103,6 +103,9 @@ struct ScoreTerms {
   // int32 (Hw, 4), Hw in {1, Hkv, H}, rows [sink, near, gap, far], entries >= 0 (checked when
   // on the host), contiguous rows.
   const TensorDesc* windows = nullptr;
+  // Gate skipping's cells (GateOperand::keep): uint8, contiguous, with a gate, on q's device;
+  // null = exact. Built by dmattn.gate_skip from alpha and delta.
+  const TensorDesc* gate_keep = nullptr;
 };
 
 // Validates `terms` against the problem `params` describes (q's device, sizes, varlen or not)

@@ -59,8 +59,20 @@ struct GateOperand {
   DType delta_dtype = DType::kOther;
   SeqTensor delta_strides;
   GateFn fn = GateFn::kLogSigmoid;
+  // Gate skipping (docs/semantics.md, "Gate skipping"): one byte per cell of kKeepCell queries x
+  // kKeepCell keys of a (batch, head), in the sequence's own positions, 0 where the cell is
+  // skipped (its pairs count as masked). uint8 (B, H, ceil(Sq / cell), ceil(Sk / cell)), varlen
+  // (B, H, ceil(max_seqlen_q / cell), ceil(max_seqlen_k / cell)); contiguous, so the key cells
+  // of a query cell are consecutive. null = exact.
+  static constexpr int64_t kKeepCell = 128;
+  const uint8_t* keep = nullptr;
+  int64_t keep_bs = 0, keep_hs = 0, keep_ms = 0;  // the strides of batch, head and query cell
 
   bool present() const { return alpha != nullptr; }
+  // Whether query i and key j's cell is computed (any i, j inside the sequence).
+  bool keeps(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    return keep == nullptr || keep[b * keep_bs + h * keep_hs + i / kKeepCell * keep_ms + j / kKeepCell] != 0;
+  }
 };
 
 // Windows with sinks, per head (docs/semantics.md, "Windows with sinks"): int32 (Hw, 4),

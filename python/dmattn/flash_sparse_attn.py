@@ -28,8 +28,12 @@ Mapping (flash-sparse-attn argument -> dmattn):
                             rows). Windows imply causal, in both libraries.
     is_local                without window_sizes: `window_sizes_heuristic` (seqlen_k, num_heads_kv),
                             flash-sparse-attn's default bands. With window_sizes: implied.
-    softmax_threshold,      accepted; dmattn computes exactly (see below).
-    gate_threshold, is_adapt_gate
+    softmax_threshold       accepted; dmattn computes exactly (see below).
+    gate_threshold,         gate skipping (dmattn.gate_skip; None: 1 / seqlen_k as flash-sparse-attn,
+    is_adapt_gate           0.0: exact): cells of 128 x 128 whose gates lie more than
+                            -ln(gate_threshold) / scale below the largest gate their query block can
+                            reach count as masked; is_adapt_gate under causal scales the threshold
+                            by the visible fraction of the block's first row (see below).
     page_table, seqused_k   with_kvcache: `dmattn.attention_with_kvcache`'s block_table and
                             cache_seqlens (the varlen cache as pages of one key). In the batched
                             functions: the same route, forward only.
@@ -38,11 +42,18 @@ Mapping (flash-sparse-attn argument -> dmattn):
     is_autotune, tile_mn, skip_checks, is_split_kv, is_split_qo, pack_gqa, num_splits
                             tuning of flash-sparse-attn's kernels: accepted and ignored.
 
-Exact computation: dmattn does not skip blocks yet. ``softmax_threshold`` and ``gate_threshold``
-are accepted and validated, and the result is the exact attention, which is what flash-sparse-attn
-computes with both thresholds 0.0 (the skip tests compare against log2(0) = -inf and never pass).
-flash-sparse-attn's defaults (None: softmax 1.0, gate 1 / seqlen_k) do skip blocks, so the first
-call in a process whose thresholds would have skipped warns once; pass 0.0 to ask for exact
+Thresholds. ``gate_threshold`` skips cells of the gated functions as dmattn's gate skipping does
+(docs/semantics.md, "Gate skipping"): flash-sparse-attn's test with two differences, both so that
+a skip means what the threshold says. The gates are compared (g(ub) - g(R), not the products:
+with the logsigmoid gate and positive products the products' gap overstates the gates' gap, so
+flash-sparse-attn skips blocks whose gates are near the largest), and R is the largest bound over
+the query block's visible key blocks rather than the running one (the rule does not depend on the
+order blocks are visited, so the backward skips exactly the forward's cells; flash-sparse-attn's
+backward re-decides per key block). The kvcache functions and windows compute the gate exactly.
+``softmax_threshold`` is accepted and validated and computed exactly, which is what
+flash-sparse-attn computes with it 0.0 (its skip test compares against log2(0) = -inf and never
+passes). Where flash-sparse-attn would have skipped (a threshold None, its default, or > 0) and
+dmattn computes exactly, the first such call in a process warns once; pass 0.0 to ask for exact
 attention explicitly.
 
 Not supported (NotImplementedError naming the argument): fp8 (``is_quant=True`` or
@@ -66,7 +77,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .interface import _parse_int, _require_tensor, attention, attention_varlen
+from .interface import _parse_int, _require_tensor, attention, attention_on, attention_varlen
 from .kvcache import attention_with_kvcache
 
 __all__ = [
@@ -189,25 +200,40 @@ _warned_exact = False
 
 
 def _thresholds(softmax_threshold, gate_threshold=0.0) -> None:
-    """Checks the thresholds; warns once per process where flash-sparse-attn would have skipped
-    blocks (a threshold None, its default, or > 0) and dmattn computes exactly instead."""
+    """Checks the thresholds that dmattn computes exactly; warns once per process where
+    flash-sparse-attn would have skipped blocks (a threshold None, its default, or > 0)."""
+    if any(_would_skip(x, name) for x, name in ((softmax_threshold, "softmax_threshold"),
+                                                (gate_threshold, "gate_threshold"))):
+        _warn_exact()
+
+
+def _would_skip(x, name: str) -> bool:
+    """Whether flash-sparse-attn skips with threshold x (None: its default, which does), checked."""
+    if x is None:
+        return True
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name}: expected a float or None, got {type(x).__name__}")
+    if x != x:
+        raise ValueError(f"{name}: expected a float or None, got nan")
+    return x > 0
+
+
+def _warn_exact() -> None:
     global _warned_exact
-    would_skip = False
-    for x, name in ((softmax_threshold, "softmax_threshold"), (gate_threshold, "gate_threshold")):
-        if x is None:
-            would_skip = True
-            continue
-        if isinstance(x, bool) or not isinstance(x, numbers.Real):
-            raise TypeError(f"{name}: expected a float or None, got {type(x).__name__}")
-        if x != x:
-            raise ValueError(f"{name}: expected a float or None, got nan")
-        would_skip = would_skip or x > 0
-    if would_skip and not _warned_exact:
+    if not _warned_exact:
         _warned_exact = True
-        warnings.warn("dmattn.flash_sparse_attn computes attention exactly: softmax_threshold / gate_threshold "
-                      "(flash-sparse-attn's block skipping, on by default) are accepted but skip nothing yet. "
-                      "Pass 0.0 to request exact attention explicitly. (Shown once per process.)", UserWarning,
-                      stacklevel=3)
+        warnings.warn("dmattn.flash_sparse_attn computes this call exactly: softmax_threshold (and gate_threshold "
+                      "beside windows or a KV cache) are accepted but skip nothing there. Pass 0.0 to request exact "
+                      "attention explicitly. (Shown once per process.)", UserWarning, stacklevel=4)
+
+
+def _gate_skipping(gate_threshold, is_adapt_gate, seqlen_k: int) -> Tuple[Optional[float], bool]:
+    """(threshold, adaptive) of dmattn's gate skipping from flash-sparse-attn's arguments: None
+    -> 1 / seqlen_k (its default), 0 -> None (exact)."""
+    if not _would_skip(gate_threshold, "gate_threshold"):
+        return None, False
+    threshold = 1.0 / max(seqlen_k, 1) if gate_threshold is None else float(gate_threshold)
+    return threshold, _flag(is_adapt_gate, "is_adapt_gate")
 
 
 def _store(o: Tensor, l: Tensor, out, lse, return_lse) -> Result:
@@ -244,7 +270,7 @@ def _needs_grad(*tensors) -> bool:
 
 
 def _batched(query, key, value, alpha, delta, gate_fn, is_causal, softmax_scale, window_sizes, is_local,
-             page_table, seqused_k, out, lse, return_lse) -> Result:
+             page_table, seqused_k, out, lse, return_lse, gate_threshold=0.0, is_adapt_gate=False) -> Result:
     for t, n in ((query, "query"), (key, "key"), (value, "value")):
         _require_tensor(t, n)
     # (flash-sparse-attn turns causal off for one query: bottom-right aligned, it sees every key anyway)
@@ -254,19 +280,27 @@ def _batched(query, key, value, alpha, delta, gate_fn, is_causal, softmax_scale,
             raise NotImplementedError("page_table / seqused_k: dmattn runs paged or length-limited keys forward "
                                       "only (attention_with_kvcache); call under torch.no_grad(), or pass "
                                       "contiguous keys without seqused_k for a gradient")
+        if alpha is not None and _would_skip(gate_threshold, "gate_threshold"):
+            _warn_exact()
         o, l = _cache(query, key, value, alpha, delta, gate_fn, causal, softmax_scale, window_sizes, is_local,
                       page_table, seqused_k)
     else:
         seqlen_k = key.shape[1] if key.dim() == 4 else 0
         windows = _windows(window_sizes, is_local, seqlen_k, *_heads(query, key), query.device)
         gate = None if alpha is None else (alpha, delta)
-        o, l = attention(query, key, value, causal=causal, scale=softmax_scale, return_lse=True, gate=gate,
-                         gate_fn=gate_fn, windows=windows)
+        threshold, adaptive = _gate_skipping(gate_threshold, is_adapt_gate, seqlen_k)
+        if windows is not None and threshold is not None:
+            _warn_exact()
+            threshold = None
+        o, l = attention_on(query, key, value, None, None, None, causal=causal, window=(-1, -1),
+                            scale=softmax_scale, softcap=0.0, deterministic=False, return_lse=True, gate=gate,
+                            gate_fn=gate_fn, windows=windows, gate_threshold=threshold, gate_adaptive=adaptive)
     return _store(o, l, out, lse, return_lse)
 
 
 def _varlen(query, key, value, alpha, delta, gate_fn, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            is_causal, softmax_scale, window_sizes, is_local, seqused_q, seqused_k, out, lse, return_lse) -> Result:
+            is_causal, softmax_scale, window_sizes, is_local, seqused_q, seqused_k, out, lse, return_lse,
+            gate_threshold=0.0, is_adapt_gate=False) -> Result:
     for t, n in ((query, "query"), (key, "key"), (value, "value")):
         _require_tensor(t, n)
     for t, n in ((seqused_q, "seqused_q"), (seqused_k, "seqused_k")):
@@ -277,9 +311,13 @@ def _varlen(query, key, value, alpha, delta, gate_fn, cu_seqlens_q, cu_seqlens_k
     causal = _flag(is_causal, "is_causal") and max_seqlen_q != 1
     windows = _windows(window_sizes, is_local, max_seqlen_k, *_heads(query, key), query.device)
     gate = None if alpha is None else (alpha, delta)
+    threshold, adaptive = _gate_skipping(gate_threshold, is_adapt_gate, max_seqlen_k)
+    if windows is not None and threshold is not None:
+        _warn_exact()
+        threshold = None
     o, l = attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             causal=causal, scale=softmax_scale, return_lse=True, gate=gate, gate_fn=gate_fn,
-                            windows=windows)
+                            windows=windows, gate_threshold=threshold, gate_adaptive=adaptive)
     return _store(o, l, out, lse, return_lse)
 
 
@@ -519,13 +557,15 @@ def flash_gated_attn_func(
     """Gated attention, alpha (B, Sq, H), delta (B, Sk, Hkv): `dmattn.attention` with
     gate=(alpha, delta) (scores = scale * (q.k + g(alpha_i * delta_j)), g = logsigmoid or identity
     by is_logsigmoid_gate); otherwise as `flash_dense_attn_func`; gradients reach alpha and delta.
-    Exact: softmax_threshold / gate_threshold skip nothing in dmattn yet (warned once per process)."""
+    gate_threshold / is_adapt_gate: dmattn's gate skipping (module docstring); softmax_threshold is
+    computed exactly (warned once per process)."""
     _no_fp8(is_quant, query_scale, key_scale, value_scale)
-    _thresholds(softmax_threshold, gate_threshold)
+    _thresholds(softmax_threshold)
     _require_tensor(alpha, "alpha")
     _require_tensor(delta, "delta")
     return _batched(query, key, value, alpha, delta, _gate_fn(is_logsigmoid_gate), is_causal, softmax_scale,
-                    window_sizes, is_local, page_table, seqused_k, out, lse, return_lse)
+                    window_sizes, is_local, page_table, seqused_k, out, lse, return_lse, gate_threshold,
+                    is_adapt_gate)
 
 
 def flash_gated_attn_with_kvcache_func(
@@ -538,7 +578,7 @@ def flash_gated_attn_with_kvcache_func(
 ) -> Result:
     """`flash_dense_attn_with_kvcache_func` gated: alpha (B, H), delta (B, Sk, Hkv) or, paged,
     (num_pages, page_size, Hkv); the gate reaches attention_with_kvcache as an fp32 bias.
-    Exact: softmax_threshold / gate_threshold skip nothing in dmattn yet (warned once per process)."""
+    softmax_threshold / gate_threshold are computed exactly here (warned once per process)."""
     _no_fp8(is_quant, query_scale, key_scale, value_scale)
     _thresholds(softmax_threshold, gate_threshold)
     _require_tensor(alpha, "alpha")
@@ -558,15 +598,15 @@ def flash_gated_attn_varlen_func(
     tile_mn: _TileMN = None, skip_checks: bool = False, return_lse: bool = False,
 ) -> Result:
     """`flash_dense_attn_varlen_func` gated: alpha (total_q, H), delta (total_k, Hkv), packed like
-    query and key; gradients reach alpha and delta. Exact: softmax_threshold / gate_threshold skip
-    nothing in dmattn yet (warned once per process)."""
+    query and key; gradients reach alpha and delta. gate_threshold / is_adapt_gate: dmattn's gate
+    skipping; softmax_threshold is computed exactly (warned once per process)."""
     _no_fp8(is_quant, query_scale, key_scale, value_scale)
-    _thresholds(softmax_threshold, gate_threshold)
+    _thresholds(softmax_threshold)
     _require_tensor(alpha, "alpha")
     _require_tensor(delta, "delta")
     return _varlen(query, key, value, alpha, delta, _gate_fn(is_logsigmoid_gate), cu_seqlens_q, cu_seqlens_k,
                    max_seqlen_q, max_seqlen_k, is_causal, softmax_scale, window_sizes, is_local, seqused_q, seqused_k,
-                   out, lse, return_lse)
+                   out, lse, return_lse, gate_threshold, is_adapt_gate)
 
 
 def flash_gated_attn_varlen_with_kvcache_func(
@@ -579,8 +619,8 @@ def flash_gated_attn_varlen_with_kvcache_func(
     return_lse: bool = False,
 ) -> Result:
     """`flash_dense_attn_varlen_with_kvcache_func` gated: alpha (B, H), delta (total_k, Hkv); the
-    gate reaches attention_with_kvcache as an fp32 bias. Exact: softmax_threshold /
-    gate_threshold skip nothing in dmattn yet (warned once per process)."""
+    gate reaches attention_with_kvcache as an fp32 bias. softmax_threshold / gate_threshold are
+    computed exactly here (warned once per process)."""
     _no_fp8(is_quant, query_scale, key_scale, value_scale)
     _thresholds(softmax_threshold, gate_threshold)
     _require_tensor(alpha, "alpha")

@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import gather, window_parts
+from . import gate_skip, gather, window_parts
 from ._op_utils import check_devices
 from .ops import forward_with_grad, varlen_forward_with_grad
 
@@ -100,6 +100,18 @@ def _parse_score_terms(gate, gate_fn, windows) -> Tuple[Optional[Tensor], Option
     return alpha, delta, _GATE_FNS[gate_fn], windows
 
 
+def _check_gate_skipping(alpha: Optional[Tensor], windows: Optional[Tensor]) -> None:
+    if alpha is None:
+        raise ValueError("gate_threshold: gate skipping needs a gate (gate=(alpha, delta))")
+    if windows is not None:
+        raise NotImplementedError("gate_threshold: gate skipping does not take windows with sinks yet")
+
+
+def _softmax_scale(q: Tensor, scale: Optional[float]) -> float:
+    """The softmax scale a call uses (its default 1 / sqrt(D))."""
+    return float(scale) if scale is not None else q.shape[-1] ** -0.5
+
+
 def _parse_int(x, name: str) -> int:
     if isinstance(x, bool) or not isinstance(x, (numbers.Integral, torch.SymInt)):
         raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
@@ -124,6 +136,7 @@ def attention(
     gate: Optional[Tuple[Tensor, Tensor]] = None,
     gate_fn: str = "logsigmoid",
     windows: Optional[Tensor] = None,
+    gate_threshold: Optional[float] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention with an optional boolean mask and an optional learnable additive bias.
 
@@ -139,6 +152,10 @@ def attention(
     gate: (alpha, delta), alpha (B, Sq, H) and delta (B, Sk, Hkv) in q's dtype or float32:
         gated attention, scores += scale * gate_fn(alpha_i * delta_j) (after softcap, before
         the bias); both may require grad. gate_fn: "logsigmoid" (default) or "linear".
+    gate_threshold: None or 0 (default): exact. > 0: gate skipping, an approximation: cells of
+        128 queries x 128 keys whose gates all lie more than -ln(gate_threshold) / scale below
+        the largest gate their query block can reach count as masked (docs/semantics.md, "Gate
+        skipping"; dmattn.gate_skip). Needs a gate; not with windows.
     windows: int32 (1, 4), (Hkv, 4) or (H, 4), rows [sink, near, gap, far]: windows with sinks
         (implies causal): with d = i + Sk - Sq - j, key j is visible iff d >= 0 and (j < sink or
         d < near or near + gap <= d < near + gap + far).
@@ -151,7 +168,7 @@ def attention(
     """
     return attention_on(q, k, v, mask, bias, None, causal=causal, window=window, scale=scale,
                         softcap=softcap, deterministic=deterministic, return_lse=return_lse, gate=gate,
-                        gate_fn=gate_fn, windows=windows)
+                        gate_fn=gate_fn, windows=windows, gate_threshold=gate_threshold)
 
 
 def attention_on(
@@ -171,11 +188,14 @@ def attention_on(
     gate: Optional[Tuple[Tensor, Tensor]] = None,
     gate_fn: str = "logsigmoid",
     windows: Optional[Tensor] = None,
+    gate_threshold: Optional[float] = None,
+    gate_adaptive: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """`attention`, on the keys of ``key_set`` (gather path; ``mask`` is then ignored) when
     given, else on the path `gather.mask_key_set` chooses. For attention_topk. A gate or windows
     with sinks take the dense kernels (the gather path's kernels do not read them; callers that
-    pass a key_set pass neither)."""
+    pass a key_set pass neither). gate_adaptive: gate skipping's threshold per query block as
+    flash-sparse-attn's is_adapt_gate (gate_skip.py)."""
     _require_tensor(q, "q")
     _require_tensor(k, "k")
     _require_tensor(v, "v")
@@ -189,6 +209,12 @@ def attention_on(
     left, right, scale, softcap = _parse_options(window, scale, softcap)
     causal, deterministic = bool(causal), bool(deterministic)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    gate_keep = None
+    if gate_skip.skips(gate_threshold):
+        _check_gate_skipping(alpha, windows)
+        gate_keep = gate_skip.gate_keep_cells(alpha, delta, scale=_softmax_scale(q, scale), gate_fn=gate_fn,
+                                              threshold=float(gate_threshold), causal=causal, window=(left, right),
+                                              adaptive=gate_adaptive)
     terms = alpha is not None or windows is not None
     if key_set is None and not terms:
         key_set = gather.mask_key_set(q, k, mask, bias, deterministic)
@@ -203,7 +229,7 @@ def attention_on(
                                                        deterministic, fn)
         else:
             out, lse = forward_with_grad(q, k, v, mask, bias, causal, left, right, scale, softcap,
-                                         deterministic, None, 0, None, None, alpha, delta, fn, windows)
+                                         deterministic, None, 0, None, None, alpha, delta, fn, windows, gate_keep)
     else:
         out, lse = forward_with_grad(q, k, v, mask, bias, causal, left, right, scale, softcap,
                                      deterministic)
@@ -230,6 +256,8 @@ def attention_varlen(
     gate: Optional[Tuple[Tensor, Tensor]] = None,
     gate_fn: str = "logsigmoid",
     windows: Optional[Tensor] = None,
+    gate_threshold: Optional[float] = None,
+    gate_adaptive: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention over a packed batch of variable-length sequences (FlashAttention's varlen).
 
@@ -240,7 +268,9 @@ def attention_varlen(
     mask (bool) / bias: key-side, (Hb, total_k) with Hb in {1, Hkv, H}, shared by all the
     queries of each sequence (a padding mask, a per-key learnable bias); dbias has that shape.
     causal / window: bottom-right aligned per sequence. gate: (alpha, delta) packed like q and k,
-    alpha (total_q, H) and delta (total_k, Hkv). Other arguments as in `attention`.
+    alpha (total_q, H) and delta (total_k, Hkv); gate_threshold's cells in each sequence's own
+    positions (gate_adaptive: flash-sparse-attn's is_adapt_gate). Other arguments as in
+    `attention`.
     Returns out (total_q, H, D), plus lse (H, total_q) when return_lse. See docs/semantics.md.
     """
     for x, name in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"),
@@ -258,9 +288,17 @@ def attention_varlen(
     left, right, scale, softcap = _parse_options(window, scale, softcap)
     alpha, delta, fn, windows = _parse_score_terms(gate, gate_fn, windows)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    gate_keep = None
+    if gate_skip.skips(gate_threshold):
+        _check_gate_skipping(alpha, windows)
+        gate_keep = gate_skip.gate_keep_cells_varlen(alpha, delta, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                     max_seqlen_k, scale=_softmax_scale(q, scale), gate_fn=gate_fn,
+                                                     threshold=float(gate_threshold), causal=bool(causal),
+                                                     window=(left, right), adaptive=gate_adaptive)
     out, lse = varlen_forward_with_grad(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                         max_seqlen_k, mask, bias, bool(causal), left, right,
-                                        scale, softcap, bool(deterministic), alpha, delta, fn, windows)
+                                        scale, softcap, bool(deterministic), alpha, delta, fn, windows,
+                                        gate_keep)
     return (out, lse) if return_lse else out
 
 

@@ -281,17 +281,19 @@ def attention_forward(
     delta: Optional[Tensor] = None,
     gate_fn: int = 0,
     windows: Optional[Tensor] = None,
+    gate_keep: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Returns (out, lse): out like q, lse (B, H, Sq) float32 (float64 for float64 inputs).
 
     alpha (B, Sq, H), delta (B, Sk, Hkv), gate_fn (0 logsigmoid, 1 linear): gated attention;
-    windows int32 (1 / Hkv / H, 4) [sink, near, gap, far]: windows with sinks (docs/semantics.md).
+    windows int32 (1 / Hkv / H, 4) [sink, near, gap, far]: windows with sinks (docs/semantics.md);
+    gate_keep bool (B, H, query cells, key cells): gate skipping's cells (gate_skip.py).
 
     key_rows (CUDA, with key_positions): indexed keys. k, v are then the source (B / r, S, Hkv,
     D) for some r dividing B, and gathered row j of (b, h) is their row key_rows[b, h', j] of
     batch b // r (int32 of key_positions' shape; outside [0, S): a zero row), read in place."""
     check_devices(q=q, k=k, v=v, mask=mask, bias=bias, key_positions=key_positions, key_ends=key_ends,
-                  key_rows=key_rows, alpha=alpha, delta=delta, windows=windows)
+                  key_rows=key_rows, alpha=alpha, delta=delta, windows=windows, gate_keep=gate_keep)
     _check_rank(q, "q", "(batch, seqlen_q, num_heads, head_dim)")
     # Short Sq, with DMATTN_DECODE=1: the split-KV kernel (decode_kernel.py).
     if key_positions is None and alpha is None and windows is None and q.is_cuda and os.environ.get("DMATTN_DECODE", "0") == "1":
@@ -299,12 +301,12 @@ def attention_forward(
         if decoded is not None:
             return decoded
     return native_forward(q, k, v, mask, bias, causal, window_left, window_right, scale, softcap, key_positions,
-                          seqlen_k_original, key_ends, key_rows, alpha, delta, gate_fn, windows)
+                          seqlen_k_original, key_ends, key_rows, alpha, delta, gate_fn, windows, gate_keep)
 
 
 def native_forward(q, k, v, mask, bias, causal, window_left, window_right, scale, softcap, key_positions,
                    seqlen_k_original, key_ends, key_rows, alpha=None, delta=None, gate_fn=0,
-                   windows=None) -> Tuple[Tensor, Tensor]:
+                   windows=None, gate_keep=None) -> Tuple[Tensor, Tensor]:
     """dmattn::fwd's body past its checks and the decode kernel's choice: the outputs allocated
     and the native forward called. Also for callers that made those checks themselves
     (topk._inference_forward)."""
@@ -314,14 +316,14 @@ def native_forward(q, k, v, mask, bias, causal, window_left, window_right, scale
     q, k, v = _cuda_layout(q), _cuda_layout(k), _cuda_layout(v)
     lib().forward(q, k, v, out, lse, mask, bias, causal, window_left, window_right,
                   _scale_arg(scale), softcap, key_positions, seqlen_k_original, key_ends, key_rows,
-                  alpha, delta, gate_fn, windows)
+                  alpha, delta, gate_fn, windows, gate_keep)
     return out, lse
 
 
 @attention_forward.register_fake
 def _(q, k, v, mask, bias, causal, window_left, window_right, scale, softcap, deterministic,
       key_positions=None, seqlen_k_original=0, key_ends=None, key_rows=None, alpha=None, delta=None,
-      gate_fn=0, windows=None):
+      gate_fn=0, windows=None, gate_keep=None):
     _check_rank(q, "q", "(batch, seqlen_q, num_heads, head_dim)")
     out = q.new_empty(q.shape)
     lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q))
@@ -355,6 +357,7 @@ def attention_backward(
     gate_fn: int = 0,
     windows: Optional[Tensor] = None,
     gate_requires_grad: bool = False,
+    gate_keep: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (dq, dk, dv, dbias, dalpha, ddelta); dbias is an empty tensor unless
     bias_requires_grad, dalpha and ddelta unless gate_requires_grad (with a gate).
@@ -370,7 +373,7 @@ def attention_backward(
     (B, K, Hkv, D) with K = key_positions.shape[-1] (not summed onto the source rows)."""
     check_devices(dout=dout, q=q, k=k, v=v, out=out, lse=lse, mask=mask, bias=bias,
                    key_positions=key_positions, key_ends=key_ends, key_rows=key_rows, alpha=alpha, delta=delta,
-                   windows=windows)
+                   windows=windows, gate_keep=gate_keep)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(_key_grad_shape(q, k, key_positions, key_rows), dtype=k.dtype, device=k.device)
     dv = torch.empty(_key_grad_shape(q, v, key_positions, key_rows), dtype=v.dtype, device=v.device)
@@ -390,7 +393,7 @@ def attention_backward(
     lib().backward(q, k, v, out, lse, mask, bias, dout, dq, dk, dv, dbias, softmax_delta, dq_accum,
                    dbias_accum, causal, window_left, window_right, _scale_arg(scale), softcap,
                    deterministic, key_positions, seqlen_k_original, key_ends, bool(forward_stats), key_rows,
-                   alpha, delta, gate_fn, windows, dalpha, ddelta, dalpha_accum)
+                   alpha, delta, gate_fn, windows, dalpha, ddelta, dalpha_accum, gate_keep)
     if dbias is None:
         dbias = q.new_empty((0,))
     return (dq, dk, dv, dbias, *_gate_grads_or_empty(q, dalpha, ddelta))
@@ -400,7 +403,7 @@ def attention_backward(
 def _(dout, q, k, v, out, lse, mask, bias, bias_requires_grad, causal, window_left,
       window_right, scale, softcap, deterministic, key_positions=None, seqlen_k_original=0, key_ends=None,
       forward_stats=False, key_rows=None, alpha=None, delta=None, gate_fn=0, windows=None,
-      gate_requires_grad=False):
+      gate_requires_grad=False, gate_keep=None):
     dbias = bias.new_empty(bias.shape) if (bias_requires_grad and bias is not None) else q.new_empty((0,))
     return (q.new_empty(q.shape), k.new_empty(_key_grad_shape(q, k, key_positions, key_rows)),
             v.new_empty(_key_grad_shape(q, v, key_positions, key_rows)), dbias,
@@ -458,9 +461,10 @@ def sum_indexed_rows(rows: Tensor, key_rows: Tensor, source_shape) -> Tensor:
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, mask, bias, causal, window_left, window_right, scale, softcap, deterministic,
-     key_positions, seqlen_k_original, key_ends, key_rows, alpha, delta, gate_fn, windows) = inputs
+     key_positions, seqlen_k_original, key_ends, key_rows, alpha, delta, gate_fn, windows, gate_keep) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, mask, bias, out, lse, key_positions, key_ends, key_rows, alpha, delta, windows)
+    ctx.save_for_backward(q, k, v, mask, bias, out, lse, key_positions, key_ends, key_rows, alpha, delta, windows,
+                          gate_keep)
     ctx.options = (causal, window_left, window_right, scale, softcap, deterministic)
     ctx.seqlen_k_original = seqlen_k_original
     ctx.gate_fn = gate_fn
@@ -475,7 +479,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, _dlse):
     if dout is None:  # out did not reach the loss
         return (None,) * len(ctx.needs_input_grad)
-    q, k, v, mask, bias, out, lse, key_positions, key_ends, key_rows, alpha, delta, windows = ctx.saved_tensors
+    q, k, v, mask, bias, out, lse, key_positions, key_ends, key_rows, alpha, delta, windows, gate_keep = ctx.saved_tensors
     causal, window_left, window_right, scale, softcap, deterministic = ctx.options
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
@@ -483,15 +487,15 @@ def _backward(ctx, dout, _dlse):
         attention_backward,
         dout, q, k, v, out, lse, mask, bias, ctx.bias_requires_grad, causal, window_left,
         window_right, scale, softcap, deterministic, key_positions, ctx.seqlen_k_original, key_ends,
-        False, key_rows, alpha, delta, ctx.gate_fn, windows, ctx.gate_requires_grad)
+        False, key_rows, alpha, delta, ctx.gate_fn, windows, ctx.gate_requires_grad, gate_keep)
     if key_rows is not None:  # one row per gathered row: summed onto the source rows
         dk, dv = sum_indexed_rows(dk, key_rows, k.shape), sum_indexed_rows(dv, key_rows, v.shape)
     gate = ctx.gate_requires_grad
-    # Mask, options, key positions, ends, rows and windows receive no gradient.
+    # Mask, options, key positions, ends, rows, windows and the gate's cells receive no gradient.
     return (dq, dk, dv, None, dbias if ctx.bias_requires_grad else None,
             None, None, None, None, None, None, None, None, None, None,
             dalpha if gate and ctx.needs_input_grad[15] else None,
-            ddelta if gate and ctx.needs_input_grad[16] else None, None, None)
+            ddelta if gate and ctx.needs_input_grad[16] else None, None, None, None)
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -535,7 +539,7 @@ def _eager_autograd(op, setup, backward_fn, differentiable: Tuple[int, ...], def
 # dmattn::fwd with autograd, for the Python API (same arguments); q, k, v, mask, bias may
 # require grad.
 forward_with_grad = _eager_autograd(attention_forward, _setup_context, _backward, (0, 1, 2, 3, 4, 15, 16),
-                                    (None, 0, None, None, None, None, 0, None))
+                                    (None, 0, None, None, None, None, 0, None, None))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -615,11 +619,13 @@ def attention_varlen_forward(
     delta: Optional[Tensor] = None,
     gate_fn: int = 0,
     windows: Optional[Tensor] = None,
+    gate_keep: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Returns (out, lse): out like q, lse (H, total_q) float32 (float64 for float64 inputs).
-    The gate's alpha (total_q, H) and delta (total_k, Hkv), gate_fn and windows as in dmattn::fwd."""
+    The gate's alpha (total_q, H) and delta (total_k, Hkv), gate_fn, windows and gate_keep (B, H,
+    cells of max_seqlen_q, cells of max_seqlen_k) as in dmattn::fwd."""
     check_devices(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, mask=mask,
-                   bias=bias, alpha=alpha, delta=delta, windows=windows)
+                   bias=bias, alpha=alpha, delta=delta, windows=windows, gate_keep=gate_keep)
     _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     # (new_empty: less host time than torch.empty with a shape, dtype and device to parse)
     out = q.new_empty(q.shape)
@@ -627,14 +633,14 @@ def attention_varlen_forward(
     q, k, v = _cuda_layout(q), _cuda_layout(k), _cuda_layout(v)
     lib().forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
                          lse, mask, bias, causal, window_left, window_right, _scale_arg(scale),
-                         softcap, alpha, delta, gate_fn, windows)
+                         softcap, alpha, delta, gate_fn, windows, gate_keep)
     return out, lse
 
 
 @attention_varlen_forward.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias, causal,
       window_left, window_right, scale, softcap, deterministic, alpha=None, delta=None, gate_fn=0,
-      windows=None):
+      windows=None, gate_keep=None):
     return q.new_empty(q.shape), q.new_empty(_varlen_lse_shape(q), dtype=_lse_dtype(q))
 
 
@@ -664,10 +670,12 @@ def attention_varlen_backward(
     gate_fn: int = 0,
     windows: Optional[Tensor] = None,
     gate_requires_grad: bool = False,
+    gate_keep: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (dq, dk, dv, dbias, dalpha, ddelta), as dmattn::bwd."""
     check_devices(dout=dout, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                   out=out, lse=lse, mask=mask, bias=bias, alpha=alpha, delta=delta, windows=windows)
+                   out=out, lse=lse, mask=mask, bias=bias, alpha=alpha, delta=delta, windows=windows,
+                   gate_keep=gate_keep)
     _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -688,7 +696,8 @@ def attention_varlen_backward(
     lib().backward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
                           lse, mask, bias, dout, dq, dk, dv, dbias, softmax_delta, dq_accum, dbias_accum,
                           causal, window_left, window_right, _scale_arg(scale), softcap,
-                          deterministic, alpha, delta, gate_fn, windows, dalpha, ddelta, dalpha_accum)
+                          deterministic, alpha, delta, gate_fn, windows, dalpha, ddelta, dalpha_accum,
+                          gate_keep)
     if dbias is None:
         dbias = q.new_empty((0,))
     return (dq, dk, dv, dbias, *_gate_grads_or_empty(q, dalpha, ddelta))
@@ -697,7 +706,7 @@ def attention_varlen_backward(
 @attention_varlen_backward.register_fake
 def _(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, mask,
       bias, bias_requires_grad, causal, window_left, window_right, scale, softcap, deterministic,
-      alpha=None, delta=None, gate_fn=0, windows=None, gate_requires_grad=False):
+      alpha=None, delta=None, gate_fn=0, windows=None, gate_requires_grad=False, gate_keep=None):
     dbias = bias.new_empty(bias.shape) if (bias_requires_grad and bias is not None) else q.new_empty((0,))
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias,
             *_gate_grads_or_empty(q, *_gate_grads(alpha, delta, gate_requires_grad)))
@@ -705,9 +714,10 @@ def _(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out
 
 def _setup_varlen_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias, causal,
-     window_left, window_right, scale, softcap, deterministic, alpha, delta, gate_fn, windows) = inputs
+     window_left, window_right, scale, softcap, deterministic, alpha, delta, gate_fn, windows, gate_keep) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, mask, bias, out, lse, alpha, delta, windows)
+    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, mask, bias, out, lse, alpha, delta, windows,
+                          gate_keep)
     ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
     ctx.options = (causal, window_left, window_right, scale, softcap, deterministic)
     ctx.gate_fn = gate_fn
@@ -720,22 +730,22 @@ def _setup_varlen_context(ctx, inputs, output):
 def _varlen_backward(ctx, dout, _dlse):
     if dout is None:  # as _backward
         return (None,) * len(ctx.needs_input_grad)
-    q, k, v, cu_seqlens_q, cu_seqlens_k, mask, bias, out, lse, alpha, delta, windows = ctx.saved_tensors
+    q, k, v, cu_seqlens_q, cu_seqlens_k, mask, bias, out, lse, alpha, delta, windows, gate_keep = ctx.saved_tensors
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     dq, dk, dv, dbias, dalpha, ddelta = _call_op(
         attention_varlen_backward,
         dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, out, lse, mask, bias,
-        ctx.bias_requires_grad, *ctx.options, alpha, delta, ctx.gate_fn, windows, ctx.gate_requires_grad)
+        ctx.bias_requires_grad, *ctx.options, alpha, delta, ctx.gate_fn, windows, ctx.gate_requires_grad, gate_keep)
     gate = ctx.gate_requires_grad
-    # cu_seqlens, max_seqlen, mask, windows and the options receive no gradient.
+    # cu_seqlens, max_seqlen, mask, windows, the gate's cells and the options receive no gradient.
     return (dq, dk, dv, None, None, None, None, None,
             dbias if ctx.bias_requires_grad else None, None, None, None, None, None, None,
             dalpha if gate and ctx.needs_input_grad[15] else None,
-            ddelta if gate and ctx.needs_input_grad[16] else None, None, None)
+            ddelta if gate and ctx.needs_input_grad[16] else None, None, None, None)
 
 
 attention_varlen_forward.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)
 # dmattn::fwd_varlen with autograd, as forward_with_grad (q, k, v, mask, bias, alpha, delta).
 varlen_forward_with_grad = _eager_autograd(attention_varlen_forward, _setup_varlen_context,
-                                           _varlen_backward, (0, 1, 2, 7, 8, 15, 16), (None, None, 0, None))
+                                           _varlen_backward, (0, 1, 2, 7, 8, 15, 16), (None, None, 0, None, None))

@@ -36,6 +36,19 @@ SeqTensor gate_rows(const ForwardParams& p, const TensorDesc& t, int64_t rows, i
   return row_strides(t);
 }
 
+// Gate skipping's cells: bool (B, H, query cells, key cells) over the sequences' (max) lengths.
+void set_gate_keep(const TensorDesc& keep, ForwardParams& p) {
+  constexpr int64_t kCell = GateOperand::kKeepCell;
+  check_on_device(p, keep, "gate_keep");
+  check_dtype(keep, DType::kBool, "gate_keep");
+  check_rank(keep, 4, "gate_keep", "(batch, num_heads, query cells, key cells)");
+  check_shape(keep, {p.batch, p.num_heads, (p.seqlen_q + kCell - 1) / kCell, (p.seqlen_k + kCell - 1) / kCell},
+              "gate_keep");
+  check_contiguous(keep, "gate_keep");
+  p.gate.keep = static_cast<const uint8_t*>(keep.data);
+  p.gate.keep_bs = keep.strides[0], p.gate.keep_hs = keep.strides[1], p.gate.keep_ms = keep.strides[2];
+}
+
 void set_gate(const ScoreTerms& terms, ForwardParams& p) {
   check(terms.delta != nullptr, ErrorKind::kValue, "gate: alpha given without delta");
   check(!p.has_key_positions(), ErrorKind::kNotImplemented,
@@ -51,6 +64,7 @@ void set_gate(const ScoreTerms& terms, ForwardParams& p) {
   check(terms.gate_fn == GateFn::kLogSigmoid || terms.gate_fn == GateFn::kLinear, ErrorKind::kValue,
         "gate_fn: expected logsigmoid (0) or linear (1), got ", static_cast<int>(terms.gate_fn));
   p.gate.fn = terms.gate_fn;
+  if (terms.gate_keep != nullptr) set_gate_keep(*terms.gate_keep, p);
 }
 
 void set_windows(const TensorDesc& w, ForwardParams& p) {
@@ -93,9 +107,15 @@ SeqTensor gate_grad_rows(const ForwardParams& p, const TensorDesc& grad, const T
 }  // namespace
 
 void set_score_terms(const ScoreTerms& terms, ForwardParams& params) {
-  if (terms.alpha != nullptr) set_gate(terms, params);
-  else check(terms.delta == nullptr, ErrorKind::kValue, "gate: delta given without alpha");
+  if (terms.alpha != nullptr) {
+    set_gate(terms, params);
+  } else {
+    check(terms.delta == nullptr, ErrorKind::kValue, "gate: delta given without alpha");
+    check(terms.gate_keep == nullptr, ErrorKind::kValue, "gate_keep: given without a gate");
+  }
   if (terms.windows != nullptr) set_windows(*terms.windows, params);
+  check(terms.gate_keep == nullptr || terms.windows == nullptr, ErrorKind::kNotImplemented,
+        "gate_threshold: gate skipping does not take windows with sinks yet");
 }
 
 void set_score_terms(const ScoreTerms& terms, const TensorDesc* dalpha, const TensorDesc* ddelta,

@@ -101,14 +101,15 @@ struct GatheredKeysArg {
 };
 
 // The gate (alpha, delta, gate_fn: 0 logsigmoid, 1 linear) and windows with sinks: optional.
+// gate_keep: gate skipping's cells (optional).
 struct ScoreTermsArg {
-  OptionalDesc alpha, delta, windows;
+  OptionalDesc alpha, delta, windows, gate_keep;
   int64_t gate_fn;
   ScoreTermsArg(const Optional<TensorView>& a, const Optional<TensorView>& d, int64_t fn,
-                const Optional<TensorView>& w)
-      : alpha(a), delta(d), windows(w), gate_fn(fn) {}
+                const Optional<TensorView>& w, const Optional<TensorView>& keep)
+      : alpha(a), delta(d), windows(w), gate_keep(keep), gate_fn(fn) {}
   dmattn::ScoreTerms get() const {
-    return {alpha.get(), delta.get(), static_cast<dmattn::GateFn>(gate_fn), windows.get()};
+    return {alpha.get(), delta.get(), static_cast<dmattn::GateFn>(gate_fn), windows.get(), gate_keep.get()};
   }
 };
 
@@ -132,11 +133,11 @@ void forward(TensorView q, TensorView k, TensorView v, TensorView out, TensorVie
              int64_t window_left, int64_t window_right, double scale, double softcap,
              Optional<TensorView> key_positions, int64_t seqlen_k_original, Optional<TensorView> key_ends,
              Optional<TensorView> key_rows, Optional<TensorView> alpha, Optional<TensorView> delta,
-             int64_t gate_fn, Optional<TensorView> windows) {
+             int64_t gate_fn, Optional<TensorView> windows, Optional<TensorView> gate_keep) {
   translate_errors([&] {
     const OptionalDesc mask_d(mask), bias_d(bias);
     const GatheredKeysArg gathered(key_positions, seqlen_k_original, key_ends, key_rows);
-    const ScoreTermsArg terms(alpha, delta, gate_fn, windows);
+    const ScoreTermsArg terms(alpha, delta, gate_fn, windows, gate_keep);
     dmattn::ForwardParams p = dmattn::make_forward_params(
         to_desc(q), to_desc(k), to_desc(v), to_desc(out), to_desc(lse), mask_d.get(),
         bias_d.get(), make_options(causal, window_left, window_right, scale, softcap, false),
@@ -156,13 +157,14 @@ void backward(TensorView q, TensorView k, TensorView v, TensorView out, TensorVi
               Optional<TensorView> key_positions, int64_t seqlen_k_original, Optional<TensorView> key_ends,
               bool forward_stats, Optional<TensorView> key_rows, Optional<TensorView> alpha,
               Optional<TensorView> delta, int64_t gate_fn, Optional<TensorView> windows,
-              Optional<TensorView> dalpha, Optional<TensorView> ddelta, Optional<TensorView> dalpha_accum) {
+              Optional<TensorView> dalpha, Optional<TensorView> ddelta, Optional<TensorView> dalpha_accum,
+              Optional<TensorView> gate_keep) {
   translate_errors([&] {
     const OptionalDesc mask_d(mask), bias_d(bias), dbias_d(dbias), delta_d(softmax_delta),
         dq_accum_d(dq_accum), dbias_accum_d(dbias_accum), dalpha_d(dalpha), ddelta_d(ddelta),
         dalpha_accum_d(dalpha_accum);
     const GatheredKeysArg gathered(key_positions, seqlen_k_original, key_ends, key_rows);
-    const ScoreTermsArg terms(alpha, delta, gate_fn, windows);
+    const ScoreTermsArg terms(alpha, delta, gate_fn, windows, gate_keep);
     dmattn::BackwardParams p = dmattn::make_backward_params(
         to_desc(q), to_desc(k), to_desc(v), to_desc(out), to_desc(lse), mask_d.get(),
         bias_d.get(), to_desc(dout), to_desc(dq), to_desc(dk), to_desc(dv), dbias_d.get(),
@@ -194,10 +196,11 @@ void forward_varlen(TensorView q, TensorView k, TensorView v, TensorView cu_seql
                     TensorView out, TensorView lse, Optional<TensorView> mask,
                     Optional<TensorView> bias, bool causal, int64_t window_left,
                     int64_t window_right, double scale, double softcap, Optional<TensorView> alpha,
-                    Optional<TensorView> delta, int64_t gate_fn, Optional<TensorView> windows) {
+                    Optional<TensorView> delta, int64_t gate_fn, Optional<TensorView> windows,
+                    Optional<TensorView> gate_keep) {
   translate_errors([&] {
     const OptionalDesc mask_d(mask), bias_d(bias);
-    const ScoreTermsArg terms(alpha, delta, gate_fn, windows);
+    const ScoreTermsArg terms(alpha, delta, gate_fn, windows, gate_keep);
     dmattn::ForwardParams p = dmattn::make_varlen_forward_params(
         to_desc(q), to_desc(k), to_desc(v),
         make_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), to_desc(out),
@@ -218,12 +221,13 @@ void backward_varlen(TensorView q, TensorView k, TensorView v, TensorView cu_seq
                      int64_t window_left, int64_t window_right, double scale, double softcap,
                      bool deterministic, Optional<TensorView> alpha, Optional<TensorView> delta,
                      int64_t gate_fn, Optional<TensorView> windows, Optional<TensorView> dalpha,
-                     Optional<TensorView> ddelta, Optional<TensorView> dalpha_accum) {
+                     Optional<TensorView> ddelta, Optional<TensorView> dalpha_accum,
+                     Optional<TensorView> gate_keep) {
   translate_errors([&] {
     const OptionalDesc mask_d(mask), bias_d(bias), dbias_d(dbias), delta_d(softmax_delta),
         dq_accum_d(dq_accum), dbias_accum_d(dbias_accum), dalpha_d(dalpha), ddelta_d(ddelta),
         dalpha_accum_d(dalpha_accum);
-    const ScoreTermsArg terms(alpha, delta, gate_fn, windows);
+    const ScoreTermsArg terms(alpha, delta, gate_fn, windows, gate_keep);
     dmattn::BackwardParams p = dmattn::make_varlen_backward_params(
         to_desc(q), to_desc(k), to_desc(v),
         make_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), to_desc(out),

@@ -44,7 +44,7 @@ SequenceRows sequence_rows(const ForwardParams& p, int64_t b) {
   return {first_q, p.cu_seqlens_q[b + 1] - first_q, first_k, p.cu_seqlens_k[b + 1] - first_k};
 }
 
-ForwardParams sequence_params(const ForwardParams& p, const SequenceRows& s) {
+ForwardParams sequence_params(const ForwardParams& p, const SequenceRows& s, int64_t b) {
   ForwardParams seq = p;
   seq.cu_seqlens_q = seq.cu_seqlens_k = nullptr;  // dense, batch 1
   seq.total_q = seq.total_k = 0;
@@ -63,6 +63,7 @@ ForwardParams sequence_params(const ForwardParams& p, const SequenceRows& s) {
   if (p.gate.present()) {  // alpha (total_q, H) and delta (total_k, Hkv): the sequence's rows
     seq.gate.alpha = advance(p.gate.alpha, s.first_q * p.gate.alpha_strides.row_stride, p.gate.alpha_dtype);
     seq.gate.delta = advance(p.gate.delta, s.first_k * p.gate.delta_strides.row_stride, p.gate.delta_dtype);
+    if (p.gate.keep != nullptr) seq.gate.keep = p.gate.keep + b * p.gate.keep_bs;  // (cells per sequence)
   }
   return seq;
 }
@@ -70,7 +71,7 @@ ForwardParams sequence_params(const ForwardParams& p, const SequenceRows& s) {
 }  // namespace
 
 void forward_varlen(const ForwardParams& p) {
-  for (int64_t b = 0; b < p.batch; ++b) forward(sequence_params(p, sequence_rows(p, b)));
+  for (int64_t b = 0; b < p.batch; ++b) forward(sequence_params(p, sequence_rows(p, b), b));
 }
 
 void backward_varlen(const BackwardParams& p) {
@@ -78,7 +79,7 @@ void backward_varlen(const BackwardParams& p) {
   for (int64_t b = 0; b < f.batch; ++b) {
     const SequenceRows s = sequence_rows(f, b);
     BackwardParams seq = p;
-    seq.fwd = sequence_params(f, s);
+    seq.fwd = sequence_params(f, s, b);
     seq.dout = advance(p.dout, s.first_q * p.dout_strides.row_stride, f.dtype);
     seq.dq = advance(p.dq, s.first_q * p.dq_strides.row_stride, f.dtype);
     seq.dk = advance(p.dk, s.first_k * p.dk_strides.row_stride, f.dtype);

@@ -1,6 +1,7 @@
 // Per-element score modification: scale, softcap, the gate of gated attention (gate.h), bias,
 // and which positions are allowed (mask, causal/sliding window and windows with sinks on the
-// key positions (key_rows.h), the gathered rows' query bound key_ends, bias != -inf).
+// key positions (key_rows.h), the gathered rows' query bound key_ends, bias != -inf, the gate's
+// skipped cells).
 //
 // A disallowed position is *replaced* by -inf, never offset by a sentinel, so a finite score
 // can never overflow and a disallowed position contributes nothing whatever its bias holds.
@@ -105,6 +106,11 @@ struct ScoreMod {
       if (windows) {
         for (int64_t c = allowed_begin; c < allowed_end; ++c) {
           if (!sink_window.allows(i + keys.offset() - (j0 + c), j0 + c)) s[c] = kNegInf;
+        }
+      }
+      if (gate.op.keep != nullptr) {  // gate skipping: a skipped cell's pairs count as masked
+        for (int64_t c = allowed_begin; c < allowed_end; ++c) {
+          if (!gate.op.keeps(b, h, i, j0 + c)) s[c] = kNegInf;
         }
       }
     }

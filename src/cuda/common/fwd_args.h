@@ -28,6 +28,9 @@ struct GateArgs {
   int64_t delta_bs = 0, delta_rs = 0, delta_hs = 0;
   bool alpha_fp32 = false, delta_fp32 = false;
   bool linear = false;  // g = identity, else logsigmoid
+  // Gate skipping's cells (GateOperand::keep: 0 = the 128 x 128 cell is skipped), null = exact.
+  const uint8_t* keep = nullptr;
+  int64_t keep_bs = 0, keep_hs = 0, keep_ms = 0;
 };
 
 struct FwdArgs {

@@ -2,7 +2,8 @@
 // "Gated attention", "Windows with sinks"), on one key block's scores in the accumulator's
 // row/col view, after the scale, softcap, bias and the position tests of the kernel:
 //   s += scale * g(alpha_i * delta_j)  where s is not -inf (a masked score stays masked)
-//   s  = -inf                          where the window with sinks hides key j from query i
+//   s  = -inf                          where the window with sinks hides key j from query i, or
+//                                      gate skipping skipped their cell
 // and, in the backward, the gate's gradient from dS (before softcap's chain: the gate is added
 // after the cap): with G = scale * g'(alpha_i delta_j) dS_ij, dalpha_i = sum_j G delta_j and
 // ddelta_j = sum_i G alpha_i. alpha and delta are read through the L1 cache (a row or a column
@@ -35,6 +36,9 @@ __device__ __forceinline__ float gate_load(const char* base, int64_t off, bool f
 // the softmax's one exponential a score already takes a fifth of the cycles of the products).
 // g' through tanh.approx (relative error about 2^-11): an absolute error below 2.5e-4 in g',
 // which lies in [0, 1]; bf16's own rounding of G is 2^-9 relative.
+// Gate skipping's cell: kGateCell queries x kGateCell keys (GateOperand::kKeepCell).
+constexpr int kGateCell = 128;
+
 struct GateMath {
   static constexpr float kLog2e = 1.4426950408889634f;  // the product's factor into log2 units
   static constexpr float kLn2 = 0.69314718055994531f;   // g's factor out of them
@@ -85,6 +89,13 @@ struct ScoreTermsRow {
   bool windows = false;
   int sink = 0, near = 0, gap = 0, far = 0;
   int offset = 0;  // len_k - len_q: causal alignment (bottom-right)
+  const uint8_t* keep = nullptr;  // gate skipping: the (batch, head)'s cells, null = exact
+  int64_t keep_ms = 0;
+
+  // Query i and key j's cell computed (gate skipping; i, j inside the sequence).
+  __device__ __forceinline__ bool keeps(int i, int j) const {
+    return __ldg(keep + (i / kGateCell) * keep_ms + j / kGateCell) != 0;
+  }
 
   // Key j (index in the sequence) visible to query i under the window with sinks.
   __device__ __forceinline__ bool visible(int i, int j) const {
@@ -103,6 +114,10 @@ __device__ __forceinline__ ScoreTermsRow score_terms_row(const FwdArgs& a, int b
     t.delta = delta.base;
     t.alpha_rs = alpha.step;
     t.delta_rs = delta.step;
+    if (a.gate.keep != nullptr) {
+      t.keep = a.gate.keep + int64_t(b) * a.gate.keep_bs + int64_t(h) * a.gate.keep_hs;
+      t.keep_ms = a.gate.keep_ms;
+    }
   }
   if (a.windows != nullptr) {
     const int32_t* w = a.windows + int64_t(h / a.windows_head_div) * a.windows_hs;
@@ -143,6 +158,11 @@ __device__ __forceinline__ void apply_score_terms(S& s, C const& coord, const Fw
       float x = s(r, c);
       if (t.alpha != nullptr && x != -INFINITY) x = fmaf(scale_ln2, gm.value_log2(alpha2[r] * delta), x);
       if (t.windows && !t.visible(i0 + get<0>(coord(r, 0)), j0 + col)) x = -INFINITY;
+      // (a skipped cell's pairs count as masked; rows and columns past the sequence are -inf
+      // already, and their cells lie past the map)
+      if (t.keep != nullptr && get<0>(coord(r, 0)) < rows_valid && col < cols_valid &&
+          !t.keeps(i0 + get<0>(coord(r, 0)), j0 + col))
+        x = -INFINITY;
       s(r, c) = x;
     }
   }

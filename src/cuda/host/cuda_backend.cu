@@ -70,6 +70,8 @@ FwdArgs make_fwd_args(const ForwardParams& p) {
     a.gate.alpha_fp32 = g.alpha_dtype == DType::kFloat32;
     a.gate.delta_fp32 = g.delta_dtype == DType::kFloat32;
     a.gate.linear = g.fn == GateFn::kLinear;
+    a.gate.keep = g.keep;
+    a.gate.keep_bs = g.keep_bs, a.gate.keep_hs = g.keep_hs, a.gate.keep_ms = g.keep_ms;
   }
   if (p.windows.present()) {  // windows with sinks imply causal: the kernels' key range is causal's
     a.windows = p.windows.ptr;

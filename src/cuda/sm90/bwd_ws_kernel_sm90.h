@@ -581,7 +581,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
           consumers_sync();
         }
       }
-      {
+      // Gate skipping: a skipped cell's P and dS are 0 (its pairs count as masked): no S or dP
+      // product and no score math; the dV, dK and dQ products run on the zeros, so that the
+      // turns and the dQ writer's hand-overs stay those of every block. (Uniform over the CTA:
+      // both consumers hold the same query block. Without the gate, false at compile time.)
+      const bool skipped = Tile::kGate && !gate_keeps(gate_keep_row(f.gate, b, h, m0), n_block);
+      if (!skipped) {
         Tensor tSrQ = wg_sdp.partition_fragment_A(sQ)(_, _, _, read.index());
         Tensor tSrK = wg_sdp.partition_fragment_B(sK);
         gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_sdp, tSrQ, tSrK, acc_s);
@@ -616,7 +621,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       gemm_wait<kDpAfterTransform ? 0 : 1>(acc_s);  // S done; dP may still run
       Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
       Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
-      if constexpr (Tile::kKeyRows) {
+      if (skipped) {
+        pipe_do.consumer_wait(read_do);  // (dO's stage: read by the dV product)
+      } else if constexpr (Tile::kKeyRows) {
         // s = scale * qk, then + bias (two roundings, as the general transform: the exact path's
         // statistics kernel computes m and l with it, and a single-key row must give P = 1
         // exactly), then the tests on positions and query bounds.
@@ -648,7 +655,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         if constexpr (kDpAfterTransform) issue_dp();
       }
       gemm_wait<0>(acc_dp);
-      bwd_p_ds(s_rc, dp_rc, row_m, row_log2l, delta);
+      if (skipped) {
+        clear(acc_s);
+        clear(acc_dp);
+      } else {
+        bwd_p_ds(s_rc, dp_rc, row_m, row_log2l, delta);
+      }
       // (the gate's gradients read the stage's rows once the products are issued)
       if constexpr (!Tile::kGate) pipe_rows.consumer_release(read);
 
@@ -771,8 +783,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       // the products; dQ's registers are free by now): this consumer's 64 keys of the block (its
       // dalpha slice), its warp's row of the column sums.
       if constexpr (Tile::kGate) {
-        gate_grads_sm90<kBlockN, 4>(a, dp_rc, tScS_rc, st.alpha, st.keys.delta, ss.gate_col.data(),
-                                    seq.stat_offset(h) + m0, rows_valid, n0 + 64 * consumer, ctid);
+        static_assert(kBlockN == kGateCell && kGateCell % kBlockM == 0, "a block lies in one cell of gate skipping");
+        if (!skipped)  // (G = 0 there)
+          gate_grads_sm90<kBlockN, 4>(a, dp_rc, tScS_rc, st.alpha, st.keys.delta, ss.gate_col.data(),
+                                      seq.stat_offset(h) + m0, rows_valid, n0 + 64 * consumer, ctid);
         pipe_rows.consumer_release(read);
       }
       gemm_wait<0>(acc_dk);

@@ -763,23 +763,24 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       // tensor-core turns and consumes its pipeline stages unread, so that the others' products
       // run back to back. (Its rows are never stored. A branch around the loop, not a flag held
       // through it: the flag cost the loop registers, spills at D=64, 128 and 256.)
+      // A block's score stages (bias, mask tiles, key rows) consumed unread.
+      auto skip_score_stages = [&]() {
+        if constexpr (Tile::kBias) {
+          pipe_bias.consumer_wait(read_b);
+          pipe_bias.consumer_release(read_b);
+        }
+        if constexpr (Tile::kMask) {
+          pipe_mask.consumer_wait(read_b);
+          pipe_mask.consumer_release(read_b);
+        }
+        if constexpr (Tile::kBias || Tile::kMask) ++read_b;
+        if constexpr (Tile::kKeyRows) {
+          pipe_key_rows.consumer_wait(read_r);
+          pipe_key_rows.consumer_release(read_r);
+          ++read_r;
+        }
+      };
       if (consumer * 64 >= tile_rows_of<Tile::kPackGqa>(SeqBounds(a, tile.b).len_q(), a.group) - m0) {
-        auto skip_score_stages = [&]() {
-          if constexpr (Tile::kBias) {
-            pipe_bias.consumer_wait(read_b);
-            pipe_bias.consumer_release(read_b);
-          }
-          if constexpr (Tile::kMask) {
-            pipe_mask.consumer_wait(read_b);
-            pipe_mask.consumer_release(read_b);
-          }
-          if constexpr (Tile::kBias || Tile::kMask) ++read_b;
-          if constexpr (Tile::kKeyRows) {
-            pipe_key_rows.consumer_wait(read_r);
-            pipe_key_rows.consumer_release(read_r);
-            ++read_r;
-          }
-        };
         for (int n = n_max - 1; n >= n_min - 1; --n) {  // (n_min - 1: the last P V turn)
           if (n >= n_min) pipe_k.consumer_wait(read_k);
           if (n < n_max - 1) {
@@ -799,46 +800,66 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           }
         }
       } else {
+        // Gate skipping: a skipped cell's block (P = 0 there) runs neither product nor the score
+        // math; its stages are consumed and its turns taken as any block's. (Without the gate,
+        // `kept` is true at compile time.)
+        const uint8_t* keep_row = Tile::kGate ? gate_keep_row(a.gate, tile.b, tile.h, m0) : nullptr;
+        auto kept = [&](int nb) { return !Tile::kGate || gate_keeps(keep_row, nb); };
         int n = n_max - 1;
+        bool keep_n = kept(n);
         pipe_k.consumer_wait(read_k);
         sched_sync();
-        issue_s(read_k.index());
+        if (keep_n) issue_s(read_k.index());
         sched_pass();
-        gemm_wait<0>(acc_s);
+        if (keep_n) gemm_wait<0>(acc_s);
         pipe_k.consumer_release(read_k);
         ++read_k;
-        {
+        if (keep_n) {
           float alpha[kRows];
           scores_to_probs(n, alpha);  // (alpha = 0: O is still zero)
+          convert_fragment<Element, false>(acc_s, rP);
+        } else {
+          skip_score_stages();
         }
-        convert_fragment<Element, false>(acc_s, rP);
 
         for (--n; n >= n_min; --n) {
+          const bool keep_prev = keep_n;  // (block n + 1's P V)
+          keep_n = kept(n);
           pipe_k.consumer_wait(read_k);
           clear_v_tail(n + 1);
           sched_sync();
-          issue_s(read_k.index());
+          if (keep_n) issue_s(read_k.index());
           pipe_v.consumer_wait(read_v);
-          issue_pv(read_v.index());
+          if (keep_prev) issue_pv(read_v.index());
           sched_pass();
-          gemm_wait<1>(acc_s);
+          if (keep_n) {
+            if (!Tile::kGate || keep_prev) gemm_wait<1>(acc_s);
+            else gemm_wait<0>(acc_s);  // (no P V in flight)
+          }
           pipe_k.consumer_release(read_k);
           ++read_k;
-          float alpha[kRows];
-          scores_to_probs(n, alpha);
-          gemm_wait<0>(acc_o);
-          pipe_v.consumer_release(read_v);
-          ++read_v;
-          // (the skip pays with a bias or key rows; on plain scores its vote sits on the shortest
-          // path between the P V product and the next turn, 2-3 % slower there)
-          if constexpr (Tile::kScaledScores) softmax.rescale_if_needed(acc_o_rc, alpha);
-          else softmax.rescale(acc_o_rc, alpha);
-          convert_fragment<Element, false>(acc_s, rP);
+          if (keep_n) {
+            float alpha[kRows];
+            scores_to_probs(n, alpha);
+            gemm_wait<0>(acc_o);
+            pipe_v.consumer_release(read_v);
+            ++read_v;
+            // (the skip pays with a bias or key rows; on plain scores its vote sits on the shortest
+            // path between the P V product and the next turn, 2-3 % slower there)
+            if constexpr (Tile::kScaledScores) softmax.rescale_if_needed(acc_o_rc, alpha);
+            else softmax.rescale(acc_o_rc, alpha);
+            convert_fragment<Element, false>(acc_s, rP);
+          } else {
+            skip_score_stages();
+            gemm_wait<0>(acc_o);
+            pipe_v.consumer_release(read_v);
+            ++read_v;
+          }
         }
         clear_v_tail(n_min);
         pipe_v.consumer_wait(read_v);
         sched_sync();
-        issue_pv(read_v.index());
+        if (keep_n) issue_pv(read_v.index());
         sched_pass();
         gemm_wait<0>(acc_o);
         pipe_v.consumer_release(read_v);

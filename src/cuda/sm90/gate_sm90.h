@@ -5,7 +5,8 @@
 //   forward and backward:  s += scale * g(alpha_i delta_j) where s is not -inf (add_gate_scores),
 //                          on the final scores (after the scale, softcap and key bias), before
 //                          the tests on positions and bounds;
-//   backward:              the gradients, gate_grads_sm90.h.
+//   backward:              the gradients, gate_grads_sm90.h;
+//   gate skipping:         a skipped cell's blocks run no score math (gate_keep_row).
 // (The rows' sources, gate_alpha_source / gate_delta_source: score_terms.h.)
 #pragma once
 
@@ -54,6 +55,20 @@ __device__ __forceinline__ void add_gate_scores(S& s, C const& coord, const floa
       s(r, c + 1) = x1 == -INFINITY ? x1 : g1;
     }
   }
+}
+
+// Gate skipping (docs/semantics.md, "Gate skipping"): the cells of the query rows [m0, m0 + rows)
+// of (batch b, query head h), rows within one cell (the kernels' query tiles divide it), where
+// cell n is key block n of kGateCell keys; null without skipping. Every consumer of a tile reads
+// the same cells, so that they skip the same blocks and keep their turns on the tensor cores.
+__device__ __forceinline__ const uint8_t* gate_keep_row(const GateArgs& g, int b, int h, int m0) {
+  if (g.keep == nullptr) return nullptr;
+  return g.keep + int64_t(b) * g.keep_bs + int64_t(h) * g.keep_hs + int64_t(m0 / kGateCell) * g.keep_ms;
+}
+
+// Whether key block n (of kGateCell keys) of a keep row is computed.
+__device__ __forceinline__ bool gate_keeps(const uint8_t* keep_row, int n) {
+  return keep_row == nullptr || __ldg(keep_row + n) != 0;
 }
 
 }  // namespace dmattn::cuda::sm90
