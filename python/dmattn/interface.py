@@ -137,6 +137,7 @@ def attention(
     gate_fn: str = "logsigmoid",
     windows: Optional[Tensor] = None,
     gate_threshold: Optional[float] = None,
+    gate_adaptive: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention with an optional boolean mask and an optional learnable additive bias.
 
@@ -155,7 +156,9 @@ def attention(
     gate_threshold: None or 0 (default): exact. > 0: gate skipping, an approximation: cells of
         128 queries x 128 keys whose gates all lie more than -ln(gate_threshold) / scale below
         the largest gate their query block can reach count as masked (docs/semantics.md, "Gate
-        skipping"; dmattn.gate_skip). Needs a gate; not with windows.
+        skipping"; dmattn.gate_skip). Needs a gate; not with windows. gate_adaptive: under
+        causal, a query block's threshold times the visible fraction of its first row's keys
+        (flash-sparse-attn's is_adapt_gate).
     windows: int32 (1, 4), (Hkv, 4) or (H, 4), rows [sink, near, gap, far]: windows with sinks
         (implies causal): with d = i + Sk - Sq - j, key j is visible iff d >= 0 and (j < sink or
         d < near or near + gap <= d < near + gap + far).
@@ -168,7 +171,8 @@ def attention(
     """
     return attention_on(q, k, v, mask, bias, None, causal=causal, window=window, scale=scale,
                         softcap=softcap, deterministic=deterministic, return_lse=return_lse, gate=gate,
-                        gate_fn=gate_fn, windows=windows, gate_threshold=gate_threshold)
+                        gate_fn=gate_fn, windows=windows, gate_threshold=gate_threshold,
+                        gate_adaptive=gate_adaptive)
 
 
 def attention_on(

@@ -45,6 +45,8 @@ void set_gate_keep(const TensorDesc& keep, ForwardParams& p) {
   check_shape(keep, {p.batch, p.num_heads, (p.seqlen_q + kCell - 1) / kCell, (p.seqlen_k + kCell - 1) / kCell},
               "gate_keep");
   check_contiguous(keep, "gate_keep");
+  check(keep.numel() < (int64_t(1) << 31), ErrorKind::kValue, "gate_keep: expected fewer than 2^31 cells, got ",
+        keep.numel(), " (the kernels index the cells with 32 bits)");
   p.gate.keep = static_cast<const uint8_t*>(keep.data);
   p.gate.keep_bs = keep.strides[0], p.gate.keep_hs = keep.strides[1], p.gate.keep_ms = keep.strides[2];
 }

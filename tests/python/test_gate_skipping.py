@@ -221,9 +221,7 @@ def test_dropin_skips_by_default_as_dmattn_with_its_threshold():
     alpha, delta = _gates(1, 384, 384, 2, 2, seed=6, spread=150.0)
     got = fsa.flash_gated_attn_func(q, k, v, alpha, delta, is_causal=True, softmax_threshold=0.0)
     # (flash-sparse-attn's defaults: gate_threshold 1 / Sk, is_adapt_gate)
-    want = dmattn.interface.attention_on(q, k, v, None, None, None, causal=True, window=(-1, -1), scale=None,
-                                         softcap=0.0, deterministic=False, return_lse=False, gate=(alpha, delta),
-                                         gate_threshold=1 / 384, gate_adaptive=True)
+    want = dmattn.attention(q, k, v, causal=True, gate=(alpha, delta), gate_threshold=1 / 384, gate_adaptive=True)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     exact = fsa.flash_gated_attn_func(q, k, v, alpha, delta, is_causal=True, softmax_threshold=0.0,
                                       gate_threshold=0.0)

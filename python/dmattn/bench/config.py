@@ -28,7 +28,9 @@ class Config:
     dtype: str = "bfloat16"
     packed: bool = False      # dmattn only: the batch as one packed varlen batch (B sequences of S)
     variant: str = ""         # suite fsa: "gated" | "threshold" (flash-sparse-attn's sparse softmax)
-                              # | "windows" (windows with sinks, fsa_window_sizes)
+                              # | "windows" (windows with sinks, fsa_window_sizes) | "gated_blocks"
+                              # (gates that close blocks of keys, exact) | "gated_blocks_skip" (the
+                              # same inputs, gate skipping at flash-sparse-attn's default threshold)
     suite: str = ""           # the --suite name that selects it
     series: str = ""          # configurations of one series are plotted as time vs seqlen
 
@@ -68,6 +70,20 @@ class Row:
     note: str = ""
 
 
+def closing_gates(cfg: Config, device: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A logsigmoid gate that closes about half of the key blocks of 128 (per batch and kv head):
+    alpha in [0.5, 2.5], delta ~ N(0, 1) lowered by 1000 on the closed blocks, where the gate is
+    then far below every open block's (products of -500 and less). Seeded: the same blocks in
+    every row of the suite."""
+    g = torch.Generator().manual_seed(7)
+    dtype = getattr(torch, cfg.dtype)
+    alpha = torch.rand(cfg.batch, cfg.seqlen, cfg.heads, generator=g) * 2 + 0.5
+    blocks = -(-cfg.seqlen // 128)
+    closed = (torch.rand(cfg.batch, blocks, cfg.hkv, generator=g) < 0.5).repeat_interleave(128, 1)[:, :cfg.seqlen]
+    delta = torch.randn(cfg.batch, cfg.seqlen, cfg.hkv, generator=g) - 1000.0 * closed
+    return alpha.to(dtype).to(device), delta.to(dtype).to(device)
+
+
 def fsa_window_sizes(seqlen: int) -> Tuple[int, int, int, int]:
     """The fsa suite's windows in flash-sparse-attn's convention (sink, left, right, near): at
     S=8192 sink 128, left 1024 (the distant band), right 2048 (the gap before it), near 1024;
@@ -99,6 +115,8 @@ def make_inputs(cfg: Config, device: str, seed: int = 0) -> Inputs:
     alpha = delta = windows = None
     if cfg.variant == "gated":
         alpha, delta = randn(cfg.batch, cfg.seqlen, cfg.heads), randn(cfg.batch, cfg.seqlen, cfg.hkv)
+    elif cfg.variant.startswith("gated_blocks"):
+        alpha, delta = closing_gates(cfg, device)
     elif cfg.variant == "windows":
         sink, left, right, near = fsa_window_sizes(cfg.seqlen)
         windows = torch.tensor([[sink, near, right, left]] * cfg.hkv, dtype=torch.int32, device=device)

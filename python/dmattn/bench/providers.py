@@ -16,7 +16,11 @@ from .config import Config, Inputs
 def _dmattn(cfg: Config, x: Inputs):
     if cfg.packed:
         return _dmattn_packed(cfg, x)
-    if cfg.variant:  # suite fsa; the "threshold" rows compute exactly (dmattn skips no block yet)
+    if cfg.variant == "gated_blocks_skip":  # the drop-in at flash-sparse-attn's defaults: gate skipping
+        from ..flash_sparse_attn import flash_gated_attn_func
+        return lambda: flash_gated_attn_func(x.q, x.k, x.v, x.alpha, x.delta, is_causal=cfg.causal,
+                                             softmax_threshold=0.0)
+    if cfg.variant:  # suite fsa; the "threshold" rows compute exactly (dmattn skips no such block)
         gate = None if x.alpha is None else (x.alpha, x.delta)
         return lambda: attention(x.q, x.k, x.v, causal=cfg.causal, gate=gate, windows=x.windows)
     if cfg.bias == "per_key" and 0 < cfg.keep < cfg.seqlen:
@@ -169,9 +173,15 @@ def _flash_sparse_attn(cfg: Config, x: Inputs):
     if x.mask is not None or x.bias is not None:
         return None
     tuning = dict(is_causal=cfg.causal, is_autotune=False, tile_mn=FSA_TILES)
-    if cfg.variant == "gated":
+    if cfg.variant in ("gated", "gated_blocks"):
         return lambda: peer.flash_gated_attn_func(x.q, x.k, x.v, x.alpha, x.delta, softmax_threshold=0.0,
                                                   gate_threshold=0.0, **tuning)
+    if cfg.variant == "gated_blocks_skip":  # its default gate_threshold (1 / Sk, adaptive): skipping
+        def run_skip():
+            return peer.flash_gated_attn_func(x.q, x.k, x.v, x.alpha, x.delta, softmax_threshold=0.0, **tuning)
+
+        run_skip.approximate = True
+        return run_skip
     if cfg.variant == "threshold":
         def run():
             return peer.flash_sparse_attn_func(x.q, x.k, x.v, softmax_threshold=1.0, **tuning)

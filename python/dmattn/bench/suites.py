@@ -15,7 +15,8 @@ SUITES = ("dense", "bias", "topk", "varlen", "gqa", "long", "fsa")
 
 def fsa_configs(batch: int, seqlen: int, heads: int, head_dim: int, dtype: str) -> List[Config]:
     """flash-sparse-attn's workloads: gated attention, its threshold-sparse softmax (threshold
-    1.0; dmattn computes exactly), windows with sinks and dense causal."""
+    1.0; dmattn computes exactly), gates that close blocks of keys (exact, and with gate skipping
+    at flash-sparse-attn's default threshold), windows with sinks and dense causal."""
     tail = f"S={seqlen} B={batch}"
     sink, left, right, near = fsa_window_sizes(seqlen)
     rows = []
@@ -25,6 +26,12 @@ def fsa_configs(batch: int, seqlen: int, heads: int, head_dim: int, dtype: str) 
                            variant="gated", suite="fsa"))
         rows.append(Config(f"sparse softmax threshold 1.0 (dmattn exact) {tail}{c}", batch, seqlen, heads,
                            head_dim, causal, dtype=dtype, variant="threshold", suite="fsa"))
+    for causal in (False, True):
+        c = " causal" if causal else ""
+        rows.append(Config(f"gated, closed blocks, exact {tail}{c}", batch, seqlen, heads, head_dim, causal,
+                           dtype=dtype, variant="gated_blocks", suite="fsa"))
+        rows.append(Config(f"gated, closed blocks, gate skipping {tail}{c}", batch, seqlen, heads, head_dim, causal,
+                           dtype=dtype, variant="gated_blocks_skip", suite="fsa"))
     rows.append(Config(f"windows sink {sink} near {near} left {left} right {right} {tail}", batch, seqlen, heads,
                        head_dim, True, dtype=dtype, variant="windows", suite="fsa"))
     rows.append(Config(f"dense causal {tail} (fsa)", batch, seqlen, heads, head_dim, True, dtype=dtype,

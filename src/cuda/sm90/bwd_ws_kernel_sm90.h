@@ -271,8 +271,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         if constexpr (Tile::kWindows) {
           if (lane == 0) st.window_on = !const_cast<const volatile ClearQueryBlocks&>(ss.window_clear).has(m0 / kBlockM);
         }
+        // Gate skipping: a skipped cell's rows get the statistic +inf, so that P = exp(s - inf)
+        // and dS are 0 there (its pairs count as masked) without a test in the consumers, which
+        // skip the gate's math on the stage's flag.
+        const bool gate_skip = Tile::kGate && !gate_keeps(gate_keep_row(f.gate, opaque_int(b), h, m0), n_block);
+        if constexpr (Tile::kGate) {
+          if (lane == 0) st.gate_skip = gate_skip;
+        }
         for (int r = lane; r < rows_valid; r += 32) {
-          st.m[r] = a.row_m[row_stat + r];
+          st.m[r] = gate_skip ? INFINITY : a.row_m[row_stat + r];
           if (a.row_log2l != nullptr) st.log2l[r] = a.row_log2l[row_stat + r];
           st.delta[r] = a.delta[row_stat + r];
         }
@@ -581,12 +588,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
           consumers_sync();
         }
       }
-      // Gate skipping: a skipped cell's P and dS are 0 (its pairs count as masked): no S or dP
-      // product and no score math; the dV, dK and dQ products run on the zeros, so that the
-      // turns and the dQ writer's hand-overs stay those of every block. (Uniform over the CTA:
-      // both consumers hold the same query block. Without the gate, false at compile time.)
-      const bool skipped = Tile::kGate && !gate_keeps(gate_keep_row(f.gate, b, h, m0), n_block);
-      if (!skipped) {
+      {
         Tensor tSrQ = wg_sdp.partition_fragment_A(sQ)(_, _, _, read.index());
         Tensor tSrK = wg_sdp.partition_fragment_B(sK);
         gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_sdp, tSrQ, tSrK, acc_s);
@@ -621,9 +623,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       gemm_wait<kDpAfterTransform ? 0 : 1>(acc_s);  // S done; dP may still run
       Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
       Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
-      if (skipped) {
-        pipe_do.consumer_wait(read_do);  // (dO's stage: read by the dV product)
-      } else if constexpr (Tile::kKeyRows) {
+      if constexpr (Tile::kKeyRows) {
         // s = scale * qk, then + bias (two roundings, as the general transform: the exact path's
         // statistics kernel computes m and l with it, and a single-key row must give P = 1
         // exactly), then the tests on positions and query bounds.
@@ -631,7 +631,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         CUTE_UNROLL
         for (int i = 0; i < size(acc_s); ++i) acc_s(i) *= f.scale;
         add_key_bias(s_rc, tScS_rc, kr.bias, 1.f);
-        if constexpr (Tile::kGate) add_gate_scores(s_rc, tScS_rc, st.alpha, kr.delta, f.scale, f.gate.linear);
+        // Gate skipping: a skipped cell runs without the gate's value (its rows' statistic +inf
+        // makes P and dS 0, so its G too). (The flag of the block's stage, the same for both
+        // consumers: they hold the same query block.)
+        if constexpr (Tile::kGate)
+          if (!st.gate_skip) add_gate_scores(s_rc, tScS_rc, st.alpha, kr.delta, f.scale, f.gate.linear);
         const PositionTest pt{kr.pos, win, Tile::kKeyRowEndDelta};
         if (bounded_block_needs_mask<kBlockN>(pt.win, kr.pos, m0, kBlockM, kr.end_min))
           mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(s_rc, tScS_rc, m0, n0, win, nullptr, 0,
@@ -655,12 +659,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         if constexpr (kDpAfterTransform) issue_dp();
       }
       gemm_wait<0>(acc_dp);
-      if (skipped) {
-        clear(acc_s);
-        clear(acc_dp);
-      } else {
-        bwd_p_ds(s_rc, dp_rc, row_m, row_log2l, delta);
-      }
+      bwd_p_ds(s_rc, dp_rc, row_m, row_log2l, delta);
       // (the gate's gradients read the stage's rows once the products are issued)
       if constexpr (!Tile::kGate) pipe_rows.consumer_release(read);
 
@@ -784,8 +783,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       // dalpha slice), its warp's row of the column sums.
       if constexpr (Tile::kGate) {
         static_assert(kBlockN == kGateCell && kGateCell % kBlockM == 0, "a block lies in one cell of gate skipping");
-        if (!skipped)  // (G = 0 there)
-          gate_grads_sm90<kBlockN, 4>(a, dp_rc, tScS_rc, st.alpha, st.keys.delta, ss.gate_col.data(),
+        // (a skipped cell's G is 0 from its dS: a test here cost the D = 128 consumers spills)
+        gate_grads_sm90<kBlockN, 4>(a, dp_rc, tScS_rc, st.alpha, st.keys.delta, ss.gate_col.data(),
                                       seq.stat_offset(h) + m0, rows_valid, n0 + 64 * consumer, ctid);
         pipe_rows.consumer_release(read);
       }

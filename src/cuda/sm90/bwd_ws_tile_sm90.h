@@ -208,6 +208,7 @@ struct BwdWsTile {
     float alpha[kGate ? kBlockM : 1];  // the gate's alpha rows (0 past the sequence)
     int32_t seq_len[2];  // packed batches: the sequence's query and key counts
     int32_t window_on;  // windows with sinks (key rows): the window hides part of the tile (the test)
+    int32_t gate_skip;  // gate skipping: the tile's cell is skipped (its pairs count as masked)
     std::conditional_t<kKeyRows, KeyRows, NoKeyRows> keys;
   };
   // kColSum: the column sums as one more product (bwd_mmas_sm90.h), one per consumer.

@@ -6,7 +6,8 @@
 //                          on the final scores (after the scale, softcap and key bias), before
 //                          the tests on positions and bounds;
 //   backward:              the gradients, gate_grads_sm90.h;
-//   gate skipping:         a skipped cell's blocks run no score math (gate_keep_row).
+//   gate skipping:         a skipped cell runs without the gate's value (gate_keep_row); the
+//                          forward runs no product there either.
 // (The rows' sources, gate_alpha_source / gate_delta_source: score_terms.h.)
 #pragma once
 
@@ -61,9 +62,10 @@ __device__ __forceinline__ void add_gate_scores(S& s, C const& coord, const floa
 // of (batch b, query head h), rows within one cell (the kernels' query tiles divide it), where
 // cell n is key block n of kGateCell keys; null without skipping. Every consumer of a tile reads
 // the same cells, so that they skip the same blocks and keep their turns on the tensor cores.
+// (32-bit index arithmetic: the map holds fewer than 2^31 cells, set_gate_keep checks it.)
 __device__ __forceinline__ const uint8_t* gate_keep_row(const GateArgs& g, int b, int h, int m0) {
   if (g.keep == nullptr) return nullptr;
-  return g.keep + int64_t(b) * g.keep_bs + int64_t(h) * g.keep_hs + int64_t(m0 / kGateCell) * g.keep_ms;
+  return g.keep + (b * int(g.keep_bs) + h * int(g.keep_hs) + (m0 / kGateCell) * int(g.keep_ms));
 }
 
 // Whether key block n (of kGateCell keys) of a keep row is computed.
