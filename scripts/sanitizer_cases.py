@@ -350,11 +350,14 @@ for dtype in (torch.bfloat16, torch.float16):
     # Gated attention on the warp-specialized kernels (the alpha / delta rows in the key-row and
     # row-statistics stages, dalpha's slices, ddelta's column sums in shared memory): D 64 and
     # 128, causal with Sq < Sk, GQA, deterministic, a packed batch with an empty sequence, the
-    # linear gate; windows with sinks on the kernels' own path (the warp-specialized windows variant
+    # linear gate, gate skipping; windows with sinks on the kernels' own path (the warp-specialized windows variant
     # on Hopper, the sm80-class per-element test elsewhere) and by parts.
     gate_case((2, 200, 333), 4, 2, 128, dtype, causal=True)
     gate_case((1, 130, 257), 4, 4, 64, dtype, deterministic=True)
     gate_case([130, 0, 257, 64], 4, 2, 128, dtype, causal=True, gate_fn="linear")
+    # gate skipping (a threshold near 1: many cells skipped; the skip variants of both kernels)
+    gate_case((2, 400, 520), 4, 2, 128, dtype, causal=True, gate_threshold=0.9)
+    gate_case([130, 0, 300, 257], 4, 2, 64, dtype, causal=True, gate_threshold=0.9)
     os.environ["DMATTN_WINDOW_PARTS"] = "0"
     gate_case((1, 300, 300), 4, 2, 128, dtype, windows=[16, 64, 32, 64])
     os.environ["DMATTN_WINDOW_PARTS"] = "1"

@@ -72,15 +72,15 @@ class Row:
 
 def closing_gates(cfg: Config, device: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """A logsigmoid gate that closes about half of the key blocks of 128 (per batch and kv head):
-    alpha in [0.5, 2.5], delta ~ N(0, 1) lowered by 1000 on the closed blocks, where the gate is
-    then far below every open block's (products of -500 and less). Seeded: the same blocks in
+    alpha in [0.5, 2.5], delta ~ N(0, 1) lowered by 300 on the closed blocks, where the gate is
+    then far below every open block's (products of -150 and less). Seeded: the same blocks in
     every row of the suite."""
     g = torch.Generator().manual_seed(7)
     dtype = getattr(torch, cfg.dtype)
     alpha = torch.rand(cfg.batch, cfg.seqlen, cfg.heads, generator=g) * 2 + 0.5
     blocks = -(-cfg.seqlen // 128)
     closed = (torch.rand(cfg.batch, blocks, cfg.hkv, generator=g) < 0.5).repeat_interleave(128, 1)[:, :cfg.seqlen]
-    delta = torch.randn(cfg.batch, cfg.seqlen, cfg.hkv, generator=g) - 1000.0 * closed
+    delta = torch.randn(cfg.batch, cfg.seqlen, cfg.hkv, generator=g) - 300.0 * closed
     return alpha.to(dtype).to(device), delta.to(dtype).to(device)
 
 

@@ -274,8 +274,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         // Gate skipping: a skipped cell's rows get the statistic +inf, so that P = exp(s - inf)
         // and dS are 0 there (its pairs count as masked) without a test in the consumers, which
         // skip the gate's math on the stage's flag.
-        const bool gate_skip = Tile::kGate && !gate_keeps(gate_keep_row(f.gate, opaque_int(b), h, m0), n_block);
-        if constexpr (Tile::kGate) {
+        const bool gate_skip = Tile::kGateSkip && !gate_keeps(gate_keep_row(f.gate, opaque_int(b), h, m0), n_block);
+        if constexpr (Tile::kGateSkip) {
           if (lane == 0) st.gate_skip = gate_skip;
         }
         for (int r = lane; r < rows_valid; r += 32) {
@@ -635,7 +635,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         // makes P and dS 0, so its G too). (The flag of the block's stage, the same for both
         // consumers: they hold the same query block.)
         if constexpr (Tile::kGate)
-          if (!st.gate_skip) add_gate_scores(s_rc, tScS_rc, st.alpha, kr.delta, f.scale, f.gate.linear);
+          if (!Tile::kGateSkip || !st.gate_skip) add_gate_scores(s_rc, tScS_rc, st.alpha, kr.delta, f.scale, f.gate.linear);
         const PositionTest pt{kr.pos, win, Tile::kKeyRowEndDelta};
         if (bounded_block_needs_mask<kBlockN>(pt.win, kr.pos, m0, kBlockM, kr.end_min))
           mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(s_rc, tScS_rc, m0, n0, win, nullptr, 0,

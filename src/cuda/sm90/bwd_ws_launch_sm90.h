@@ -183,6 +183,7 @@ void launch_bwd_ws(const BwdArgs& args, dim3 grid, bool ordered_dq, cudaStream_t
     using KeyRows = BwdWsTile<Element, kHeadDim, BwdWsScores::kKeyRows>;
     using KeyRowsColSum = BwdWsTile<Element, kHeadDim, BwdWsScores::kKeyRows, /*kColSum=*/true>;
     using KeyRowsGate = BwdWsTile<Element, kHeadDim, BwdWsScores::kKeyRows, /*kColSum=*/false, /*kGate=*/true>;
+    using KeyRowsGateSkip = BwdWsTile<Element, kHeadDim, BwdWsScores::kKeyRows, false, true, /*kGateSkip=*/true>;
     switch (bwd_ws_scores(a.f)) {
       case BwdWsScores::kFullBias:
         launch_bwd_ws_tile<BwdWsTile<Element, kHeadDim, BwdWsScores::kFullBias>, false>(a, grid, stream);
@@ -190,7 +191,10 @@ void launch_bwd_ws(const BwdArgs& args, dim3 grid, bool ordered_dq, cudaStream_t
       case BwdWsScores::kKeyRows:
         // (bwd_ws_supports: a key-row problem's dbias is its column sums, or none; none with
         // the gate)
-        if (a.f.gate.alpha != nullptr)
+        if (a.f.gate.alpha != nullptr && a.f.gate.keep != nullptr)
+          packed ? launch_bwd_ws_tile<KeyRowsGateSkip, true>(a, grid, stream)
+                 : launch_bwd_ws_tile<KeyRowsGateSkip, false>(a, grid, stream);
+        else if (a.f.gate.alpha != nullptr)
           packed ? launch_bwd_ws_tile<KeyRowsGate, true>(a, grid, stream)
                  : launch_bwd_ws_tile<KeyRowsGate, false>(a, grid, stream);
         else if (a.dbias != nullptr && a.dbias_mode == kDbColSum)

@@ -56,7 +56,8 @@ namespace dmattn::cuda::sm90 {
 
 enum class BwdWsScores { kPlain, kKeyRows, kFullBias, kKeyRowsWindows };
 
-template <typename Element_, int kHeadDim_, BwdWsScores kScores_, bool kColSum_ = false, bool kGate_ = false>
+template <typename Element_, int kHeadDim_, BwdWsScores kScores_, bool kColSum_ = false, bool kGate_ = false,
+          bool kGateSkip_ = false>
 struct BwdWsTile {
   using Element = Element_;
   static constexpr BwdWsScores kScores = kScores_;
@@ -76,6 +77,9 @@ struct BwdWsTile {
   // no registers to spare for a run-time test around it).
   static constexpr bool kGate = kGate_;
   static_assert(!kGate || (kKeyRows && !kColSum), "the gate: key rows without column sums");
+  // The gate with gate skipping's cells (a variant of its own: the exact kernel keeps its loop).
+  static constexpr bool kGateSkip = kGateSkip_;
+  static_assert(!kGateSkip || kGate, "gate skipping: with the gate");
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = kHeadDim == 256 ? 64 : 128;

@@ -319,6 +319,16 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
             const int n = Tile::kWindows ? slot.walk.at(v) : v;  // (slot: the tile's FwdWsTileWindows)
             pipe_key_rows.producer_acquire(write_r);
             auto& st = ss.key_rows[write_r.index()];
+            // Gate skipping: a skipped cell's block is not read by the consumers (its stage
+            // committed as it is).
+            if constexpr (Tile::kGateSkip) {
+              const int m0 = opaque_int(tile.m_block) * kBlockM;
+              if (!gate_keeps(gate_keep_row(a.gate, opaque_int(tile.b), opaque_int(tile.h), m0), n)) {
+                pipe_key_rows.producer_commit(write_r);
+                ++write_r;
+                continue;
+              }
+            }
             load_key_rows<Element, typename Tile::KeyRowStage, kBlockN>(st, n, count, src);
             // The gate's rows: the block's delta, the tile's alpha (their sources derived afresh
             // in each block from opaque coordinates: hoisted out of the loop and held through it,
@@ -800,13 +810,14 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           }
         }
       } else {
-        // Gate skipping: a skipped cell's block (P = 0 there) runs neither product nor the score
-        // math; its stages are consumed and its turns taken as any block's. (Without the gate,
-        // `kept` is true at compile time.)
-        const uint8_t* keep_row = Tile::kGate ? gate_keep_row(a.gate, tile.b, tile.h, m0) : nullptr;
-        auto kept = [&](int nb) { return !Tile::kGate || gate_keeps(keep_row, nb); };
+        // Gate skipping (kGateSkip): a skipped cell's block (P = 0 there) runs neither product
+        // nor the score math; its stages are consumed and its turns taken as any block's. A
+        // block's cell is read one block ahead (off the path to its products). (Elsewhere `kept`
+        // is true at compile time: the loop is the exact kernel's.)
+        const uint8_t* keep_row = Tile::kGateSkip ? gate_keep_row(a.gate, tile.b, tile.h, m0) : nullptr;
+        auto kept = [&](int nb) { return !Tile::kGateSkip || nb < n_min || gate_keeps(keep_row, nb); };
         int n = n_max - 1;
-        bool keep_n = kept(n);
+        bool keep_n = kept(n), keep_next = kept(n - 1);
         pipe_k.consumer_wait(read_k);
         sched_sync();
         if (keep_n) issue_s(read_k.index());
@@ -824,7 +835,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
 
         for (--n; n >= n_min; --n) {
           const bool keep_prev = keep_n;  // (block n + 1's P V)
-          keep_n = kept(n);
+          keep_n = keep_next;
+          keep_next = kept(n - 1);
           pipe_k.consumer_wait(read_k);
           clear_v_tail(n + 1);
           sched_sync();
@@ -833,7 +845,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           if (keep_prev) issue_pv(read_v.index());
           sched_pass();
           if (keep_n) {
-            if (!Tile::kGate || keep_prev) gemm_wait<1>(acc_s);
+            if (!Tile::kGateSkip || keep_prev) gemm_wait<1>(acc_s);
             else gemm_wait<0>(acc_s);  // (no P V in flight)
           }
           pipe_k.consumer_release(read_k);

@@ -37,7 +37,7 @@ inline FwdWsScores fwd_ws_scores(const FwdArgs& a) {
   if (full_mask)
     return a.bias.ptr != nullptr || a.softcap != 0.f || a.kpos.ptr != nullptr ? FwdWsScores::kFullMaskKeyRows
                                                                                : FwdWsScores::kFullMask;
-  if (a.gate.alpha != nullptr) return FwdWsScores::kKeyRowsGate;
+  if (a.gate.alpha != nullptr) return a.gate.keep != nullptr ? FwdWsScores::kKeyRowsGateSkip : FwdWsScores::kKeyRowsGate;
   if (a.windows != nullptr) return FwdWsScores::kKeyRowsWindows;
   if (a.kpos.ptr != nullptr || a.bias.ptr != nullptr || a.mask.ptr != nullptr || a.softcap != 0.f)
     return FwdWsScores::kKeyRows;
@@ -78,7 +78,8 @@ bool fwd_ws_supports(const FwdArgs& a) {
   // head dims 64 and 128: beside bias or mask tiles, at 256 -- where the gate's code spilled the
   // consumers --, together, and windows beside gathered keys, the sm80-class kernel's score terms)
   const FwdWsScores scores = fwd_ws_scores(a);
-  if (a.gate.alpha != nullptr && (kHeadDim == 256 || scores != FwdWsScores::kKeyRowsGate || a.windows != nullptr))
+  const bool gate_rows = scores == FwdWsScores::kKeyRowsGate || scores == FwdWsScores::kKeyRowsGateSkip;
+  if (a.gate.alpha != nullptr && (kHeadDim == 256 || !gate_rows || a.windows != nullptr))
     return false;
   if (a.windows != nullptr && (kHeadDim == 256 || scores != FwdWsScores::kKeyRowsWindows || a.kpos.ptr != nullptr))
     return false;
@@ -93,6 +94,7 @@ bool fwd_ws_supports(const FwdArgs& a) {
     case FwdWsScores::kPlain:
     case FwdWsScores::kKeyRows:
     case FwdWsScores::kKeyRowsGate:
+    case FwdWsScores::kKeyRowsGateSkip:
     case FwdWsScores::kKeyRowsWindows:
       return true;
     case FwdWsScores::kFullBias:
