@@ -192,6 +192,24 @@ void scatter_key_rows(const TensorDesc& dk_rows, const TensorDesc& dv_rows, cons
                       const TensorDesc& dk, const TensorDesc& dv, const TensorDesc* dbias_rows, const TensorDesc* dbias,
                       void* stream);
 
+// Gate skipping's cells on CUDA (docs/semantics.md, "Gate skipping"; python/dmattn/gate_skip.py
+// computes them with framework ops elsewhere), on `stream`: from alpha (B, Sq, H) and delta (B,
+// Sk, Hkv) -- packed: (total_q, H) / (total_k, Hkv) with int32 cu_seqlens_q / cu_seqlens_k (B + 1)
+// and the max lengths -- in float32, float16 or bfloat16, any strides, into keep, bool (B, H,
+// ceil(max_q / 128), ceil(max_k / 128)) contiguous. threshold > 0; gate_fn as in ScoreTerms;
+// window_left / window_right: -1 unbounded; adaptive: flash-sparse-attn's is_adapt_gate (with
+// causal). Every element of keep is written. Returns false (writing nothing) where the cells of
+// one (b, h) exceed the kernel's shared memory; the caller then takes the framework path.
+struct GateKeepOptions {
+  double scale = 1.0, threshold = 0.0;
+  GateFn gate_fn = GateFn::kLogSigmoid;
+  bool causal = false, adaptive = false;
+  int64_t window_left = -1, window_right = -1;
+};
+bool gate_keep_cells(const TensorDesc& alpha, const TensorDesc& delta, const TensorDesc* cu_seqlens_q,
+                     const TensorDesc* cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                     const GateKeepOptions& options, const TensorDesc& keep, void* stream);
+
 // Per-query causal top-k glue (docs/semantics.md, "Per-query causal top-k"), CPU or CUDA tensors
 // (CUDA: on `stream`), destination-passing, every tensor int32 and contiguous:
 //   prefix_thresholds: per row r of ranks (R, S) -- the rank of key j in the selection order

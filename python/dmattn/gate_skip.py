@@ -112,17 +112,40 @@ def _keep_from_extremes(a_hi: Tensor, a_lo: Tensor, d_hi: Tensor, d_lo: Tensor, 
     return ~skip
 
 
+def _native(alpha: Tensor, delta: Tensor, cu_q, cu_k, max_q: int, max_k: int, shape, *, scale: float, gate_fn: str,
+            threshold: float, causal: bool, window: Tuple[int, int], adaptive: bool) -> Optional[Tensor]:
+    """The cells by the CUDA kernel (one launch: a training step's host time), or None where it
+    does not run them (the CPU, a build without it, too many cells for its shared memory)."""
+    if not alpha.is_cuda or torch.compiler.is_compiling():
+        return None
+    from ._lib import lib
+    if not hasattr(lib(), "gate_keep_cells"):
+        return None
+    keep = torch.empty(shape, dtype=torch.bool, device=alpha.device)
+    done = lib().gate_keep_cells(alpha.detach(), delta.detach(), cu_q, cu_k, max_q, max_k, float(scale),
+                                 0 if gate_fn == "logsigmoid" else 1, float(threshold), bool(causal), bool(adaptive),
+                                 int(window[0]), int(window[1]), keep)
+    return keep if done else None
+
+
 def gate_keep_cells(alpha: Tensor, delta: Tensor, *, scale: float, gate_fn: str, threshold: float,
-                    causal: bool, window: Tuple[int, int] = (-1, -1), adaptive: bool = False) -> Tensor:
+                    causal: bool, window: Tuple[int, int] = (-1, -1), adaptive: bool = False,
+                    native: bool = True) -> Tensor:
     """The kept cells of a dense batch: alpha (B, Sq, H), delta (B, Sk, Hkv) -> bool (B, H,
     ceil(Sq / 128), ceil(Sk / 128)), True where the cell is computed (on alpha's device, no
-    gradient). ``scale`` is the softmax scale the call uses."""
+    gradient). ``scale`` is the softmax scale the call uses. On CUDA one kernel computes them
+    (native=False: the framework ops there too, for comparisons), elsewhere framework ops (the
+    same rule, in float32)."""
     with torch.no_grad():
         b, sq, h = alpha.shape
         sk, hkv = delta.shape[1], delta.shape[2]
         m_blocks, n_blocks = -(-sq // CELL), -(-sk // CELL)
         if m_blocks == 0 or n_blocks == 0:
             return torch.ones((b, h, m_blocks, n_blocks), dtype=torch.bool, device=alpha.device)
+        cells = _native(alpha, delta, None, None, sq, sk, (b, h, m_blocks, n_blocks), scale=scale, gate_fn=gate_fn,
+                        threshold=threshold, causal=causal, window=window, adaptive=adaptive) if native else None
+        if cells is not None:
+            return cells
         a_hi, a_lo = _block_extremes(alpha.detach(), None, m_blocks)
         d_hi, d_lo = _block_extremes(delta.detach(), None, n_blocks)
         if hkv != h:  # (a query head reads its kv head's delta)
@@ -138,11 +161,18 @@ def gate_keep_cells(alpha: Tensor, delta: Tensor, *, scale: float, gate_fn: str,
 def gate_keep_cells_varlen(alpha: Tensor, delta: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                            max_seqlen_q: int, max_seqlen_k: int, *, scale: float, gate_fn: str,
                            threshold: float, causal: bool, window: Tuple[int, int] = (-1, -1),
-                           adaptive: bool = False) -> Tensor:
+                           adaptive: bool = False, native: bool = True) -> Tensor:
     """The kept cells of a packed batch: alpha (total_q, H), delta (total_k, Hkv) -> bool (B, H,
-    ceil(max_seqlen_q / 128), ceil(max_seqlen_k / 128)), cells in each sequence's own positions."""
+    ceil(max_seqlen_q / 128), ceil(max_seqlen_k / 128)), cells in each sequence's own positions
+    (on CUDA by the kernel, as gate_keep_cells)."""
     with torch.no_grad():
         dev = alpha.device
+        shape = (cu_seqlens_q.numel() - 1, alpha.shape[1], -(-max_seqlen_q // CELL), -(-max_seqlen_k // CELL))
+        if native and shape[2] > 0 and shape[3] > 0 and cu_seqlens_q.is_cuda and cu_seqlens_q.dtype == torch.int32:
+            cells = _native(alpha, delta, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, shape, scale=scale,
+                            gate_fn=gate_fn, threshold=threshold, causal=causal, window=window, adaptive=adaptive)
+            if cells is not None:
+                return cells
         cu_q, cu_k = cu_seqlens_q.to(dev).long(), cu_seqlens_k.to(dev).long()
         len_q, len_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
         m_blocks, n_blocks = max(1, -(-max_seqlen_q // CELL)), max(1, -(-max_seqlen_k // CELL))

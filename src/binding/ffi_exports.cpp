@@ -257,6 +257,25 @@ void* glue_stream(const TensorView& t) {
   return device.device_type == kDLCUDA ? TVMFFIEnvGetStream(kDLCUDA, device.device_id) : nullptr;
 }
 
+// Gate skipping's cells on CUDA (dmattn::gate_keep_cells): false where the framework path must
+// compute them (too many cells for the kernel).
+bool gate_keep_cells(TensorView alpha, TensorView delta, Optional<TensorView> cu_seqlens_q,
+                     Optional<TensorView> cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double scale,
+                     int64_t gate_fn, double threshold, bool causal, bool adaptive, int64_t window_left,
+                     int64_t window_right, TensorView keep) {
+  bool done = false;
+  translate_errors([&] {
+    const OptionalDesc cu_q(cu_seqlens_q), cu_k(cu_seqlens_k);
+    dmattn::GateKeepOptions options;
+    options.scale = scale, options.threshold = threshold, options.gate_fn = static_cast<dmattn::GateFn>(gate_fn);
+    options.causal = causal, options.adaptive = adaptive;
+    options.window_left = window_left, options.window_right = window_right;
+    done = dmattn::gate_keep_cells(to_desc(alpha), to_desc(delta), cu_q.get(), cu_k.get(), max_seqlen_q, max_seqlen_k,
+                                   options, to_desc(keep), glue_stream(alpha));
+  });
+  return done;
+}
+
 void select_topk_positions(TensorView bias, int64_t keep, TensorView positions, Optional<TensorView> values) {
   translate_errors([&] {
     const OptionalDesc values_d(values);
@@ -706,6 +725,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(kernel_code, kernel_code);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(set_persistent_kernels, set_persistent_kernels);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(supports_key_positions, supports_key_positions);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(select_topk_positions, select_topk_positions);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(gate_keep_cells, gate_keep_cells);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gather_key_rows, gather_key_rows);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(scatter_key_rows, scatter_key_rows);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(prefix_thresholds, prefix_thresholds);

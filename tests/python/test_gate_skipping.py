@@ -85,6 +85,34 @@ def test_cells_follow_the_rule(gate_fn, causal, window, adaptive, shape):
         assert not got.all(), "the inputs are meant to skip some cells"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate_fn", ["logsigmoid", "linear"])
+@pytest.mark.parametrize("causal,window,adaptive", [(True, (-1, -1), False), (False, (-1, -1), False),
+                                                    (True, (-1, -1), True), (False, (300, 100), False)])
+def test_cuda_cells_equal_the_framework_rule(gate_fn, causal, window, adaptive):
+    """The CUDA kernel's cells against the framework ops' (the same rule, both in float32), dense
+    and packed (an empty sequence; NaN in a key cell), GQA."""
+    b, sq, sk, h, hkv = 2, 700, 1000, 4, 2
+    alpha, delta = (t.cuda() for t in _gates(b, sq, sk, h, hkv, seed=11))
+    if gate_fn == "linear":
+        alpha = alpha * 0.2
+    delta[1, 400, 0] = float("nan")
+    kw = dict(scale=0.125, gate_fn=gate_fn, threshold=0.5, causal=causal, window=window, adaptive=adaptive)
+    for dtype in (torch.float32, torch.bfloat16):
+        a, d = alpha.to(dtype), delta.to(dtype)
+        got = gate_skip.gate_keep_cells(a, d, **kw)
+        assert torch.equal(got, gate_skip.gate_keep_cells(a, d, native=False, **kw)), dtype
+        assert not got.all()
+    lens_q, lens_k = [300, 0, 517], [450, 200, 1000]
+    cu = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,  # noqa: E731
+                                   device="cuda")
+    ap = torch.cat([alpha[0, :300], alpha[1, :517]]).to(torch.bfloat16)
+    dp = torch.cat([delta[0, :450], delta[0, :200], delta[1]]).to(torch.bfloat16)
+    args = (ap, dp, cu(lens_q), cu(lens_k), 517, 1000)
+    got = gate_skip.gate_keep_cells_varlen(*args, **kw)
+    assert torch.equal(got, gate_skip.gate_keep_cells_varlen(*args, native=False, **kw))
+
+
 def test_cells_keep_nan_and_the_largest_bound():
     alpha, delta = _gates(1, 256, 512, 1, 1, seed=3)
     keep = gate_skip.gate_keep_cells(alpha, delta, scale=0.125, gate_fn="logsigmoid", threshold=0.5, causal=False)
