@@ -355,7 +355,7 @@ def test_native_layer_nan_poisoned_destinations(device, shape):
         out = torch.full((b, sq, h, d), fill, dtype=dtype, device=device)
         lse = torch.full((b, h, sq), fill, dtype=torch.float32, device=device)
         lib().forward(q, k, v, out, lse, mask, bias, True, 7, -1, scale, 0.0, None, 0, None, None,
-                      None, None, 0, None)
+                      None, None, 0, None, None)
         dq, dk, dv = (torch.full_like(t, fill) for t in (q, k, v))
         dbias = torch.full_like(bias, fill)
         delta = dq_acc = dbias_acc = None
@@ -365,7 +365,7 @@ def test_native_layer_nan_poisoned_destinations(device, shape):
             dbias_acc = torch.full(bias.shape, fill, dtype=torch.float32, device=device)
         lib().backward(q, k, v, out, lse, mask, bias, dout, dq, dk, dv, dbias, delta, dq_acc,
                        dbias_acc, True, 7, -1, scale, 0.0, True, None, 0, None, False, None,
-                       None, None, 0, None, None, None, None)
+                       None, None, 0, None, None, None, None, None)
         res = [out, lse, dq, dk, dv, dbias]
         for name, t in zip(["out", "lse", "dq", "dk", "dv", "dbias"], res):
             assert not torch.isnan(t).any(), f"{name}: NaN left from the poisoned buffer"

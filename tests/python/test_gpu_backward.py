@@ -188,7 +188,7 @@ def test_poisoned_scratch_changes_nothing():
         out = torch.empty(b, sq, h, d, dtype=torch.bfloat16, device=DEV)
         lse = torch.empty(b, h, sq, device=DEV)
         lib().forward(q, k, v, out, lse, mask, bias, True, 100, -1, 1 / math.sqrt(d), 0.0, None, 0, None, None,
-                      None, None, 0, None)
+                      None, None, 0, None, None)
         results = []
         for fill in (0.0, float("nan"), float("nan")):
             dq, dk, dv = (torch.full_like(t, fill) for t in (q, k, v))
@@ -198,7 +198,7 @@ def test_poisoned_scratch_changes_nothing():
             dbias_acc = torch.full(bias.shape, fill, device=DEV)
             lib().backward(q, k, v, out, lse, mask, bias, dout, dq, dk, dv, dbias, delta, dq_acc,
                            dbias_acc, True, 100, -1, 1 / math.sqrt(d), 0.0, True, None, 0, None, False, None,
-                           None, None, 0, None, None, None, None)
+                           None, None, 0, None, None, None, None, None)
             for name, t in zip(["dq", "dk", "dv", "dbias"], [dq, dk, dv, dbias]):
                 assert not torch.isnan(t).any(), f"{name} {bias_shape}: NaN left from the poisoned buffer"
             results.append([dq, dk, dv, dbias])
@@ -310,7 +310,7 @@ def test_misaligned_dout_is_a_clear_error():
     out = torch.empty_like(q)
     lse = torch.empty(b, h, s, device=DEV)
     lib().forward(q, k, v, out, lse, None, None, False, -1, -1, 0.125, 0.0, None, 0, None, None,
-                  None, None, 0, None)
+                  None, None, 0, None, None)
     raw = torch.randn(b * s * h * d + 1, device=DEV).to(torch.bfloat16)
     dout = raw[1:].view(b, s, h, d)  # 2-byte offset: not 16-byte aligned
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -319,7 +319,7 @@ def test_misaligned_dout_is_a_clear_error():
     with pytest.raises(ValueError, match="dout"):
         lib().backward(q, k, v, out, lse, None, None, dout, dq, dk, dv, None, delta, dq_acc, None,
                        False, -1, -1, 0.125, 0.0, False, None, 0, None, False, None,
-                       None, None, 0, None, None, None, None)
+                       None, None, 0, None, None, None, None, None)
 
 
 # --------------------------------------------------------------------------- FlashAttention-2 path

@@ -312,13 +312,13 @@ def test_key_ends_and_glue_errors_name_the_argument():
     positions = torch.arange(6, dtype=torch.int32).view(1, 1, 6)
     ends = torch.full((1, 1, 6), 4, dtype=torch.int32)
     with pytest.raises(ValueError, match="key_ends"):  # without key_positions
-        lib().forward(q, k, v, out, lse, None, None, True, -1, -1, 0.5, 0.0, None, 0, ends, None, None, None, 0, None)
+        lib().forward(q, k, v, out, lse, None, None, True, -1, -1, 0.5, 0.0, None, 0, ends, None, None, None, 0, None, None)
     with pytest.raises(ValueError, match="key_ends"):  # not key_positions' shape
         lib().forward(q, k, v, out, lse, None, None, True, -1, -1, 0.5, 0.0, positions, 6, ends[..., :5], None,
-                      None, None, 0, None)
+                      None, None, 0, None, None)
     with pytest.raises(TypeError, match="key_ends"):
         lib().forward(q, k, v, out, lse, None, None, True, -1, -1, 0.5, 0.0, positions, 6, ends.float(), None,
-                      None, None, 0, None)
+                      None, None, 0, None, None)
     ranks = torch.zeros(2, 5, dtype=torch.int32)
     with pytest.raises(TypeError, match="order"):
         prefix_thresholds(ranks, ranks.long(), 3)
