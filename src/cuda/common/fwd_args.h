@@ -21,6 +21,9 @@ struct OperandArgs {
 // The gate of gated attention (docs/semantics.md): alpha (B, Sq, H) per query, delta (B, Sk,
 // Hkv) per key, element strides (batch stride 0 in a packed batch, whose rows are offset by the
 // sequence's first row like q's and k's), q's element type or fp32. alpha null = no gate.
+// Gate skipping's cell: kGateCell queries x kGateCell keys (GateOperand::kKeepCell).
+constexpr int kGateCell = 128;
+
 struct GateArgs {
   const char* alpha = nullptr;
   const char* delta = nullptr;

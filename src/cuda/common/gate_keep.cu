@@ -10,13 +10,13 @@
 #include <cuda_runtime.h>
 
 #include "cuda/common/check.h"
+#include "cuda/common/fwd_args.h"
 #include "cuda/common/gate_keep.h"
 
 namespace dmattn::cuda {
 
 namespace {
 
-constexpr int kCell = 128;
 constexpr int kThreads = 256;
 
 __device__ __forceinline__ float load_value(const void* base, int type, int64_t off) {
@@ -37,17 +37,17 @@ __device__ __forceinline__ float gate_value(float x, bool logsigmoid) {
   return logsigmoid ? fminf(x, 0.f) - log1pf(expf(-fabsf(x))) : x;
 }
 
-// floor(x / kCell) for either sign
-__device__ __forceinline__ int64_t floor_cell(int64_t x) { return x >= 0 ? x / kCell : -((-x + kCell - 1) / kCell); }
+// floor(x / kGateCell) for either sign
+__device__ __forceinline__ int64_t floor_cell(int64_t x) { return x >= 0 ? x / kGateCell : -((-x + kGateCell - 1) / kGateCell); }
 
-// The extremes of rows [0, len) of one (b, head) column in cells of kCell rows, one cell per
+// The extremes of rows [0, len) of one (b, head) column in cells of kGateCell rows, one cell per
 // warp at a time, into hi[c] / lo[c] (an empty cell: -inf / +inf).
 __device__ void cell_extremes(const void* base, int type, int64_t row_stride, int len, int cells, float* hi,
                               float* lo) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int c = warp; c < cells; c += kThreads / 32) {
     float h = -INFINITY, l = INFINITY;
-    for (int r = c * kCell + lane; r < min(len, (c + 1) * kCell); r += 32) {
+    for (int r = c * kGateCell + lane; r < min(len, (c + 1) * kGateCell); r += 32) {
       const float x = load_value(base, type, int64_t(r) * row_stride);
       h = max_nan(h, x);
       l = min_nan(l, x);
@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(kThreads) gate_keep_kernel(GateKeepArgs a) {
     q0 = a.cu_seqlens_q[b], len_q = a.cu_seqlens_q[b + 1] - q0;
     k0 = a.cu_seqlens_k[b], len_k = a.cu_seqlens_k[b + 1] - k0;
   }
-  const int mc = (len_q + kCell - 1) / kCell, nc = (len_k + kCell - 1) / kCell;
+  const int mc = (len_q + kGateCell - 1) / kGateCell, nc = (len_k + kGateCell - 1) / kGateCell;
   float* a_hi = smem;
   float* a_lo = a_hi + a.m_cells;
   float* d_hi = a_lo + a.m_cells;
@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(kThreads) gate_keep_kernel(GateKeepArgs a) {
     // the key cells some row of the block sees: [n_lo, n_hi)
     int64_t n_lo = 0, n_hi = 0;
     if (m < mc) {
-      const int64_t i0 = int64_t(m) * kCell, i1 = min(i0 + kCell, int64_t(len_q));
+      const int64_t i0 = int64_t(m) * kGateCell, i1 = min(i0 + kGateCell, int64_t(len_q));
       n_hi = nc;
       if (right >= 0) n_hi = min(n_hi, floor_cell(i1 - 1 + offset + right) + 1);
       if (left >= 0) n_lo = max(n_lo, floor_cell(i0 + offset - left));
@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(kThreads) gate_keep_kernel(GateKeepArgs a) {
     for (int o = 16; o > 0; o /= 2) r = max_nan(r, __shfl_xor_sync(0xffffffffu, r, o));
     float log_thr = a.log_threshold;
     if (a.adaptive && a.causal && m < mc) {  // threshold * (keys the block's first row sees) / Sk
-      const int64_t seen = min(max(int64_t(m) * kCell + offset + 1, int64_t(0)), int64_t(len_k));
+      const int64_t seen = min(max(int64_t(m) * kGateCell + offset + 1, int64_t(0)), int64_t(len_k));
       log_thr = logf(a.threshold * float(seen) / float(max(len_k, 1)));
     }
     const float g_r = gate_value(r, a.logsigmoid);

@@ -36,9 +36,6 @@ __device__ __forceinline__ float gate_load(const char* base, int64_t off, bool f
 // the softmax's one exponential a score already takes a fifth of the cycles of the products).
 // g' through tanh.approx (relative error about 2^-11): an absolute error below 2.5e-4 in g',
 // which lies in [0, 1]; bf16's own rounding of G is 2^-9 relative.
-// Gate skipping's cell: kGateCell queries x kGateCell keys (GateOperand::kKeepCell).
-constexpr int kGateCell = 128;
-
 struct GateMath {
   static constexpr float kLog2e = 1.4426950408889634f;  // the product's factor into log2 units
   static constexpr float kLn2 = 0.69314718055994531f;   // g's factor out of them

@@ -785,7 +785,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         static_assert(kBlockN == kGateCell && kGateCell % kBlockM == 0, "a block lies in one cell of gate skipping");
         // (a skipped cell's G is 0 from its dS: a test here cost the D = 128 consumers spills)
         gate_grads_sm90<kBlockN, 4>(a, dp_rc, tScS_rc, st.alpha, st.keys.delta, ss.gate_col.data(),
-                                      seq.stat_offset(h) + m0, rows_valid, n0 + 64 * consumer, ctid);
+                                    seq.stat_offset(h) + m0, rows_valid, n0 + 64 * consumer, ctid);
         pipe_rows.consumer_release(read);
       }
       gemm_wait<0>(acc_dk);

@@ -814,6 +814,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         // nor the score math; its stages are consumed and its turns taken as any block's. A
         // block's cell is read one block ahead (off the path to its products). (Elsewhere `kept`
         // is true at compile time: the loop is the exact kernel's.)
+        static_assert(!Tile::kGateSkip || (kBlockM == kGateCell && kBlockN == kGateCell),
+                      "gate skipping: a tile is one cell");
         const uint8_t* keep_row = Tile::kGateSkip ? gate_keep_row(a.gate, tile.b, tile.h, m0) : nullptr;
         auto kept = [&](int nb) { return !Tile::kGateSkip || nb < n_min || gate_keeps(keep_row, nb); };
         int n = n_max - 1;

@@ -78,8 +78,7 @@ bool fwd_ws_supports(const FwdArgs& a) {
   // head dims 64 and 128: beside bias or mask tiles, at 256 -- where the gate's code spilled the
   // consumers --, together, and windows beside gathered keys, the sm80-class kernel's score terms)
   const FwdWsScores scores = fwd_ws_scores(a);
-  const bool gate_rows = scores == FwdWsScores::kKeyRowsGate || scores == FwdWsScores::kKeyRowsGateSkip;
-  if (a.gate.alpha != nullptr && (kHeadDim == 256 || !gate_rows || a.windows != nullptr))
+  if (a.gate.alpha != nullptr && (kHeadDim == 256 || !is_gate_scores(scores) || a.windows != nullptr))
     return false;
   if (a.windows != nullptr && (kHeadDim == 256 || scores != FwdWsScores::kKeyRowsWindows || a.kpos.ptr != nullptr))
     return false;

@@ -72,6 +72,11 @@ enum class FwdWsScores {
   kKeyRowsGateSkip
 };
 
+// The gate's policies: exact, and with gate skipping's cells.
+constexpr bool is_gate_scores(FwdWsScores s) {
+  return s == FwdWsScores::kKeyRowsGate || s == FwdWsScores::kKeyRowsGateSkip;
+}
+
 // One tile of the forward (a query block of one head and batch) as the scheduler warp hands it
 // to the other roles: the key blocks [n_min, n_max) it reads (empty: its rows see no key), and
 // how many key blocks the CTA's earlier tiles read (where the K / V / bias / key-row pipelines
@@ -108,11 +113,11 @@ struct FwdWsTile {
                                 kScores == FwdWsScores::kFullBiasMask;
   // the per-key rows
   static constexpr bool kKeyRows = kScores == FwdWsScores::kKeyRows || kScores == FwdWsScores::kFullBiasKeyRows ||
-                                   kScores == FwdWsScores::kFullMaskKeyRows || kScores == FwdWsScores::kKeyRowsGate ||
-                                   kScores == FwdWsScores::kKeyRowsWindows || kScores == FwdWsScores::kKeyRowsGateSkip;
+                                   kScores == FwdWsScores::kFullMaskKeyRows || is_gate_scores(kScores) ||
+                                   kScores == FwdWsScores::kKeyRowsWindows;
   // gated attention's gate (gate_sm90.h), with key rows alone; kKeyRowsGateSkip with gate
   // skipping's cells (a variant of its own: the exact kernel keeps its loop as it was)
-  static constexpr bool kGate = kScores == FwdWsScores::kKeyRowsGate || kScores == FwdWsScores::kKeyRowsGateSkip;
+  static constexpr bool kGate = is_gate_scores(kScores);
   static constexpr bool kGateSkip = kScores == FwdWsScores::kKeyRowsGateSkip;
   // windows with sinks (window_runs.h: the tile's key blocks as a walk), a variant of key rows of
   // its own (its code in the key-row kernels spilled their loaders and consumers)
@@ -288,7 +293,7 @@ template <typename Element> struct FwdWsConfig<Element, 64, FwdWsScores::kPlain,
 };
 template <typename Element, FwdWsScores kScores, int kBiasBytes> struct FwdWsConfig<Element, 64, kScores, kBiasBytes> {
   static constexpr int kBlockN = kBiasBytes == 4 && kScores == FwdWsScores::kFullBiasMask ? 64 : 128;
-  static constexpr bool kGate = kScores == FwdWsScores::kKeyRowsGate || kScores == FwdWsScores::kKeyRowsGateSkip;
+  static constexpr bool kGate = is_gate_scores(kScores);
   // (the windows' variant: 48 producer registers, whose loader spilled with 40, as at head dim 128)
   static constexpr bool kWindows = kScores == FwdWsScores::kKeyRowsWindows;
   static constexpr int kProducerRegs = kGate ? 56 : kWindows ? 48 : 40;
@@ -298,8 +303,7 @@ template <typename Element, FwdWsScores kScores, int kBiasBytes> struct FwdWsCon
 template <typename Element, FwdWsScores kScores, int kBiasBytes> struct FwdWsConfig<Element, 128, kScores, kBiasBytes> {
   static constexpr bool kPlain = kScores == FwdWsScores::kPlain;
   static constexpr int kBlockN = kBiasBytes == 4 || kScores == FwdWsScores::kFullBiasMask ? 64 : 128;
-  static constexpr int kProducerRegs =
-      kPlain ? 40 : kScores == FwdWsScores::kKeyRowsGate || kScores == FwdWsScores::kKeyRowsGateSkip ? 56 : 48;
+  static constexpr int kProducerRegs = kPlain ? 40 : is_gate_scores(kScores) ? 56 : 48;
   using Tile = FwdWsTile<Element, 128, 128, kBlockN, 2, kScores, kProducerRegs, kPlain ? 232 : 224, false, kBiasBytes>;
 };
 template <typename Element, FwdWsScores kScores> struct FwdWsConfig<Element, 256, kScores, 2> {
