@@ -273,3 +273,23 @@ def test_errors_name_the_argument():
     exact = dmattn.attention(q, k, v, gate=(alpha, delta))
     torch.testing.assert_close(dmattn.attention(q, k, v, gate=(alpha, delta), gate_threshold=0.0), exact,
                                rtol=0, atol=0)
+
+
+def test_native_gate_keep_errors_name_the_argument():
+    """The native operand (dmattn::fwd's gate_keep): shape, dtype, layout, and a gate to go with."""
+    from dmattn.ops import attention_forward
+    q = k = v = torch.randn(1, 200, 2, 8)
+    alpha, delta = torch.randn(1, 200, 2), torch.randn(1, 200, 2)
+    call = lambda keep, gate=True: attention_forward(  # noqa: E731
+        q, k, v, None, None, False, -1, -1, None, 0.0, False, None, 0, None, None,
+        alpha if gate else None, delta if gate else None, 0, None, keep)
+    good = torch.ones(1, 2, 2, 2, dtype=torch.bool)
+    torch.testing.assert_close(call(good)[0], call(None)[0], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="gate_keep: expected shape"):
+        call(torch.ones(1, 2, 2, 3, dtype=torch.bool))
+    with pytest.raises(TypeError, match="gate_keep: expected dtype bool"):
+        call(torch.ones(1, 2, 2, 2, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="gate_keep"):
+        call(torch.ones(1, 2, 2, 4, dtype=torch.bool)[..., ::2])
+    with pytest.raises(ValueError, match="gate_keep: given without a gate"):
+        call(good, gate=False)
