@@ -7,7 +7,8 @@ The modules, each on the ones above it in this list only:
 * ``timing``: time_ms, back_to_back_ms, cuda_graph_of (also for benchmarks/profiling/);
 * ``suites``: the configurations of each suite, CPU and GPU, and their selection;
 * ``providers``: dmattn and the peers, each a function of a configuration and its inputs;
-* ``check``: dmattn's output against a float64 reference, its gradients against a peer's;
+* ``check``: dmattn's output and its rows' q / alpha gradients against a float64 reference, every
+  gradient against a peer's (and the peer's rows against the reference where they disagree);
 * ``report``: the results as a dict, the Markdown table and the summary line;
 * ``plots``: the PNG plots of a results dict (``python -m dmattn.bench.plots`` redraws a run's);
 * ``run``: one configuration through every provider;
