@@ -6,8 +6,9 @@
 
 Every row runs the same inputs through each provider that supports the configuration,
 checks dmattn's output and its rows' q / alpha gradients against a float64 reference on a
-slice of query rows (and every gradient for finiteness and against the peer), and reports the median time and TFLOP/s
-(FlashAttention's convention: forward 4*B*H*Sq*Sk*D, halved when causal; fwd+bwd 3.5x).
+slice of query rows (and every gradient for finiteness and against the peer), and reports the
+median time and TFLOP/s (FlashAttention's convention: forward 4*B*H*Sq*Sk*D, halved when
+causal; fwd+bwd 3.5x).
 The table (with dmattn's speed against the best peer of each row and a summary line), a JSON
 file and PNG plots go to one folder (bench-results/<date>-<device>/ unless --out says), named
 at the end.

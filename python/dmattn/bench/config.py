@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -55,6 +55,10 @@ class Inputs:
     alpha: Optional[torch.Tensor] = None    # variant "gated": (B, S, H) and (B, S, Hkv)
     delta: Optional[torch.Tensor] = None
     windows: Optional[torch.Tensor] = None  # variant "windows": dmattn's rows [sink, near, gap, far]
+
+    def leaves(self) -> List[torch.Tensor]:
+        """The tensors a step differentiates, in the order of its gradients."""
+        return [t for t in (self.q, self.k, self.v, self.bias, self.alpha, self.delta) if t is not None]
 
 
 @dataclass

@@ -16,12 +16,8 @@ from .providers import providers_for
 from .timing import time_ms
 
 
-def grads(x: Inputs) -> List[torch.Tensor]:
-    return [t for t in (x.q, x.k, x.v, x.bias, x.alpha, x.delta) if t is not None]
-
-
 def fwd_bwd(run: Callable, x: Inputs) -> Callable[[], List[torch.Tensor]]:
-    leaves = grads(x)
+    leaves = x.leaves()
 
     def step():
         out = run()
