@@ -665,17 +665,17 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         if constexpr (kHeadDim == 256) asm volatile("" : "+l"(ptr));
         return ptr;
       };
-      auto issue_s = [&](int stage) {
+      auto issue_s = [&](int stage, bool issue = true) {
         Tensor q = make_tensor(make_smem_ptr(opaque(ss.q.data())), typename Tile::SmemLayoutQ{});
         Tensor k = make_tensor(make_smem_ptr(opaque(ss.k.data())), typename Tile::SmemLayoutKV{});
         Tensor tSrQ = wg_s.partition_fragment_A(q);
         Tensor tSrK = wg_s.partition_fragment_B(k);
-        gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
+        gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s, issue);
       };
-      auto issue_pv = [&](int stage) {
+      auto issue_pv = [&](int stage, bool issue = true) {
         Tensor vt = make_tensor(make_smem_ptr(opaque(ss.v.data())), typename Tile::SmemLayoutVt{});
         Tensor tOrVt = wg_o.partition_fragment_B(vt);
-        gemm_issue</*kZeroInit=*/false, /*kRegA=*/true>(mma_o, tOrP, tOrVt(_, _, _, stage), acc_o);
+        gemm_issue</*kZeroInit=*/false, /*kRegA=*/true>(mma_o, tOrP, tOrVt(_, _, _, stage), acc_o, issue);
       };
       const WindowMask win = SeqBounds(a, tile.b).window();
       // The bias and the window / tail test of block n, then the softmax; alpha: O's rescale
@@ -822,9 +822,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         bool keep_n = kept(n), keep_next = kept(n - 1);
         pipe_k.consumer_wait(read_k);
         sched_sync();
-        if (keep_n) issue_s(read_k.index());
+        issue_s(read_k.index(), keep_n);
         sched_pass();
-        if (keep_n) gemm_wait<0>(acc_s);
+        gemm_wait<0>(acc_s);
         pipe_k.consumer_release(read_k);
         ++read_k;
         if (keep_n) {
@@ -842,14 +842,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           pipe_k.consumer_wait(read_k);
           clear_v_tail(n + 1);
           sched_sync();
-          if (keep_n) issue_s(read_k.index());
+          // (every path commits the same two groups, empty where a block is skipped: static waits)
+          issue_s(read_k.index(), keep_n);
           pipe_v.consumer_wait(read_v);
-          if (keep_prev) issue_pv(read_v.index());
+          issue_pv(read_v.index(), keep_prev);
           sched_pass();
-          if (keep_n) {
-            if (!Tile::kGateSkip || keep_prev) gemm_wait<1>(acc_s);
-            else gemm_wait<0>(acc_s);  // (no P V in flight)
-          }
+          gemm_wait<1>(acc_s);
           pipe_k.consumer_release(read_k);
           ++read_k;
           if (keep_n) {
@@ -873,7 +871,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         clear_v_tail(n_min);
         pipe_v.consumer_wait(read_v);
         sched_sync();
-        if (keep_n) issue_pv(read_v.index());
+        issue_pv(read_v.index(), keep_n);
         sched_pass();
         gemm_wait<0>(acc_o);
         pipe_v.consumer_release(read_v);
