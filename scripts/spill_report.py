@@ -13,7 +13,7 @@ architecture). For example, a build for sm_90a with the full report:
 
 Kernel names are demangled (c++filt, where the machine has it), without the namespaces and the
 parameter list, and enum template arguments are given their enumerator's name from the headers
-under src/cuda (`(BwdWsScores)3` becomes `BwdWsScores::kKeyRowsWindows`). A kernel compiled in
+under src/cuda (`(BwdWsScores)3` becomes `BwdWsScores::kWindows`). A kernel compiled in
 several translation units is listed once per architecture.
 """
 

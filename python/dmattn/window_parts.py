@@ -17,8 +17,9 @@ of the gradients; dk, dv, ddelta (and a key-wise dbias) add up on the parts' key
 On CUDA this replaces the sm80-class kernels' per-element windows (every causal key block
 visited) with the dense kernels' window sweeps wherever every head has the same row, the other
 window arguments are unset and there is no mask (``use_parts``), except where the
-warp-specialized Hopper kernels take the windows themselves, forward and backward (their walk
-over the key blocks of the sinks and bands: one launch each way, no merge; ``_native_on_device``).
+warp-specialized Hopper kernels take the windows themselves, forward and backward (on plain
+scores, their walk over the key blocks of the sinks and bands: one launch each way, no merge;
+``_native_on_device``).
 DMATTN_WINDOW_PARTS=0 turns it off, =1 takes it wherever it applies, the CPU and Hopper too
 (tests, comparisons).
 """
@@ -77,10 +78,11 @@ def _native_on_device(q: Tensor, bias: Optional[Tensor], softcap: float, determi
                       gated: bool) -> bool:
     """Whether the warp-specialized Hopper kernels take the windows themselves, forward and
     backward (as fwd_ws_supports / bwd_ws_supports decide in the library: head dims 64 and 128,
-    16-bit inputs, no gate, no full bias, no softcap in the backward, dQ's adds unordered)."""
+    16-bit inputs, the windows on plain scores -- no gate, bias, mask or softcap --, dQ's adds
+    unordered)."""
     if not q.is_cuda or q.shape[-1] not in (64, 128) or q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if gated or deterministic or softcap or (bias is not None and bias.shape[-2] != 1):
+    if gated or deterministic or softcap or bias is not None:
         return False
     if any(os.environ.get(name, "").startswith("0") for name in ("DMATTN_FWD_SM90", "DMATTN_BWD_SM90_WS")):
         return False

@@ -264,9 +264,9 @@ def test_windows_by_parts_match_reference(device, nan_poison, monkeypatch, row):
 
 # Windows on the warp-specialized Hopper kernels (head dims 64 and 128; elsewhere the sm80-class
 # kernels): each query tile walks the key blocks of its sinks and bands, each key block the query
-# blocks it meets, with gaps between the runs at these lengths. Rows per KV head, a key-side
-# bias; a packed batch; the mode by parts is not taken there. With the gate: by parts where every
-# head has the same row, else the sm80-class kernels.
+# blocks it meets, with gaps between the runs at these lengths. Rows per KV head; a packed batch;
+# the mode by parts is not taken there. With the gate: by parts where every head has the same
+# row, else the sm80-class kernels; a key-side bias likewise.
 HOPPER_WINDOW_CASES = [
     # (Sq, Sk, D, rows [sink, near, gap, far] per (1 | Hkv))
     (1000, 1000, 64, [[64, 128, 256, 128]]),                    # block-aligned runs, two gaps
@@ -288,9 +288,9 @@ def test_windows_on_long_sequences_match_reference(nan_poison, case, terms):
     bias = torch.randn(2, 4, 1, sk).to(torch.bfloat16).cuda() if terms == "key_bias" else None
     switched_off = any(os.environ.get(n, "").startswith("0") for n in ("DMATTN_FWD_SM90", "DMATTN_BWD_SM90_WS"))
     if window_parts._runs_hopper_kernels(q.device.index or 0) and not switched_off and len(rows) == 1:
-        # (the native walk on the Hopper kernels, not parts; with the gate, parts)
+        # (the native walk on the Hopper kernels, not parts; with the gate or a bias, parts)
         row = window_parts.use_parts(q, k, v, None, bias, w, (-1, -1), gated=gate is not None)
-        assert row == (None if gate is None else tuple(rows[0]))
+        assert row == (None if terms == "plain" else tuple(rows[0]))
     out, lse, grads = _run(q, k, v, dout, gate=gate, bias=bias, windows=w)
     _check(q, k, v, dout, out, lse, grads, gate=gate, bias=bias, windows=w, context=f"{case[:3]} {terms}")
 

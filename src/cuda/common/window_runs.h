@@ -140,8 +140,9 @@ struct SinkWindow {
   }
 
   // The key blocks (of block_n keys) whose tile with queries [m0, m0 + block_m) the window shows
-  // whole (ClearKeyBlocks; the sequence's last, partial block may be left out: it is then tested,
-  // never wrong).
+  // whole (ClearKeyBlocks). The sequence's last, partial key block is never among them (its last
+  // key, n0 + block_n - 1, lies past the diagonal of every query), so its rows past the keys are
+  // hidden by the test.
   __device__ __forceinline__ ClearKeyBlocks clear_key_blocks(int m0, int block_m, int block_n) const {
     ClearKeyBlocks k;
     int32_t* c = k.c;
@@ -159,12 +160,13 @@ struct SinkWindow {
   }
 
   // The query blocks (of block_m queries) whose tile with keys [n0, n0 + block_n) the window shows
-  // whole (ClearQueryBlocks; a sequence's last, partial block may be left out: it is then tested,
-  // which is never wrong).
+  // whole (ClearQueryBlocks). The sequence's last, partial key block is shown whole to no query
+  // block: its rows past the keys (zeros, or in a packed batch the next sequence's keys) are
+  // hidden by the test alone.
   __device__ __forceinline__ ClearQueryBlocks clear_query_blocks(int n0, int block_n, int block_m) const {
     ClearQueryBlocks k;
     int32_t &c0 = k.c[0], &c1 = k.c[1], &c2 = k.c[2], &c3 = k.c[3];
-    const int64_t n_end = min(int64_t(n0) + block_n, len_k);
+    const int64_t n_end = int64_t(n0) + block_n;  // (not clipped: see above)
     auto ceil_div = [&](int64_t x) { return -floor_div_clamped(-x, block_m); };
     // every distance d = i + offset - j of tile m's pairs lies in [m bm + offset - (n_end - 1),
     // m bm + bm - 1 + offset - n0]: visible whole where the lower end is >= 0 and the tile's keys

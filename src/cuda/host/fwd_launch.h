@@ -168,10 +168,9 @@ void run_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
         sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kKeyRowsGateSkip>::Tile>(a,
                                                                                                                stream);
       return;
-    case FwdWsScores::kKeyRowsWindows:  // (head dims 64 and 128: fwd_ws_supports)
+    case FwdWsScores::kWindows:  // (head dims 64 and 128: fwd_ws_supports)
       if constexpr (kHeadDim != 256)
-        sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kKeyRowsWindows>::Tile>(a,
-                                                                                                              stream);
+        sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kWindows>::Tile>(a, stream);
       return;
     case FwdWsScores::kFullBias:
       launch_fwd_ws_bias_tiles<Element, kHeadDim, FwdWsScores::kFullBias>(a, stream);
@@ -217,8 +216,8 @@ extern template void run_fwd_ws<cutlass::bfloat16_t, 256>(const FwdArgs&, cudaSt
 // one.
 template <typename Element, int kHeadDim>
 void run_fwd(const FwdArgs& a, cudaStream_t stream) {
-  // The gate and windows with sinks (score_terms.h): on the general kernel, and either alone with
-  // key rows on the Hopper kernel (fwd_ws_supports).
+  // The gate and windows with sinks (score_terms.h): on the general kernel, and on the Hopper
+  // kernel the gate with key rows, windows with plain scores (fwd_ws_supports).
   const bool terms = a.gate.alpha != nullptr || a.windows != nullptr;
   const bool hopper = fwd_sm90_enabled() && sm90::fwd_ws_supports<kHeadDim>(a);
   // Indexed keys: read in place by the warp-specialized kernel, gathered into a copy for the others.

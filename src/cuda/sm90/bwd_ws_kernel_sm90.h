@@ -157,15 +157,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   // which every thread reads after the counting barrier).
   int m_lo, m_hi;
   BlockWalk m_walk;  // (windows with sinks: [m_lo, m_hi) are virtual blocks of the walk)
-  if constexpr (Tile::kKeyRows) {
-    if constexpr (Tile::kWindows) {  // (without gathered keys; one row for the KV head: bwd_ws_supports)
-      const SinkWindow w = SinkWindow::of(f, kvh * group, seq.len_q(), seq.len_k());
-      m_walk = w.query_blocks(n0, kBlockN, kBlockM, m_lo, m_hi);
-      if (threadIdx.x == 0) {
-        ss.window = SinkWindowTest::of(w);
-        ss.window_clear = w.clear_query_blocks(n0, kBlockN, kBlockM);
-      }
-    } else if (f.kpos.ptr != nullptr) {
+  if constexpr (Tile::kWindows) {  // (one row for the KV head: bwd_ws_supports)
+    const SinkWindow w = SinkWindow::of(f, kvh * group, seq.len_q(), seq.len_k());
+    m_walk = w.query_blocks(n0, kBlockN, kBlockM, m_lo, m_hi);
+    if (threadIdx.x == 0) {
+      ss.window = SinkWindowTest::of(w);
+      ss.window_clear = w.clear_query_blocks(n0, kBlockN, kBlockM);
+    }
+  } else if constexpr (Tile::kKeyRows) {
+    if (f.kpos.ptr != nullptr) {
       const KeyPositionRow kp_row(f, b, kvh * group);
       load_positions_tile<kBlockN, Tile::kNThreads, false>(ss.pos.data(), kp_row.row, kp_row.count, n0, threadIdx.x,
                                                            nullptr, 0);
@@ -640,8 +640,6 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         if (bounded_block_needs_mask<kBlockN>(pt.win, kr.pos, m0, kBlockM, kr.end_min))
           mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(s_rc, tScS_rc, m0, n0, win, nullptr, 0,
                                                                                    nullptr, 0, &pt);
-        if constexpr (Tile::kWindows)
-          if (st.window_on) apply_sink_window(s_rc, tScS_rc, SinkWindowTest::load(ss.window), m0, n0);
         issue_dp();
       } else {
         CUTE_UNROLL
@@ -654,8 +652,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
           add_bias_sw128<Element, kBlockM>(s_rc, tScS_rc, ss.bias.data(), 1.f);
           pipe_bias.consumer_release(read_bias);
         }
-        if (win.block_needs_mask(m0, kBlockM, kBlockN, n_block))
+        // Windows with sinks: the window's test (causal and the tails with it: a key past the
+        // sequence lies above every valid query's diagonal) on the tiles the loader marked.
+        if constexpr (Tile::kWindows) {
+          if (st.window_on) apply_sink_window(s_rc, tScS_rc, SinkWindowTest::load(ss.window), m0, n0);
+        } else if (win.block_needs_mask(m0, kBlockM, kBlockN, n_block)) {
           mask_and_bias_scores<false, true, Element, kBlockN>(s_rc, tScS_rc, m0, n0, win, nullptr, 0, nullptr, 0);
+        }
         if constexpr (kDpAfterTransform) issue_dp();
       }
       gemm_wait<0>(acc_dp);

@@ -17,10 +17,11 @@
 namespace dmattn::cuda::sm90 {
 
 // The score policy of a problem the kernel takes: the bias tiles for a full bias, per-key rows
-// for gathered keys / key ends, a query-broadcast bias or mask; plain scores without any of them.
+// for gathered keys / key ends, a query-broadcast bias or mask, the gate; windows with sinks
+// (alone: bwd_ws_supports); plain scores without any of them.
 inline BwdWsScores bwd_ws_scores(const FwdArgs& f) {
   if (f.bias.ptr != nullptr && !f.bias.row_bcast) return BwdWsScores::kFullBias;
-  if (f.windows != nullptr && f.gate.alpha == nullptr) return BwdWsScores::kKeyRowsWindows;
+  if (f.windows != nullptr && f.gate.alpha == nullptr) return BwdWsScores::kWindows;
   return f.kpos.ptr != nullptr || f.bias.ptr != nullptr || f.mask.ptr != nullptr || f.gate.alpha != nullptr
              ? BwdWsScores::kKeyRows
              : BwdWsScores::kPlain;
@@ -56,12 +57,11 @@ inline bool bwd_ws_supports(const BwdArgs& a) {
   // pointer; the general kernels write the zeros)
   if (f.seqlen_q <= 0 || f.seqlen_k <= 0 || f.batch <= 0) return false;
   if ((f.mask.ptr && !f.mask.row_bcast) || (f.kpos.ends && !f.kpos.ptr)) return false;
-  // (the gate: key rows without a full bias or dbias column sums; windows with sinks: key rows
-  // without the gate, gathered keys, a full bias or dbias column sums, one row for the query heads
-  // of a KV head -- a CTA walks them all over one run of query blocks --, window_runs.h)
+  // (the gate: key rows without a full bias or dbias column sums; windows with sinks: plain scores
+  // besides them -- no gate, gathered keys, bias or mask --, one row for the query heads of a KV
+  // head -- a CTA walks them all over one run of query blocks --, window_runs.h)
   if (f.windows != nullptr &&
-      (bwd_ws_scores(f) != BwdWsScores::kKeyRowsWindows || f.kpos.ptr != nullptr ||
-       (a.dbias != nullptr && a.dbias_mode == kDbColSum) ||
+      (f.gate.alpha != nullptr || f.kpos.ptr != nullptr || f.bias.ptr != nullptr || f.mask.ptr != nullptr ||
        (f.windows_hs != 0 && f.windows_head_div % f.group != 0)))
     return false;
   if (f.gate.alpha != nullptr &&
@@ -204,10 +204,9 @@ void launch_bwd_ws(const BwdArgs& args, dim3 grid, bool ordered_dq, cudaStream_t
           packed ? launch_bwd_ws_tile<KeyRows, true>(a, grid, stream)
                  : launch_bwd_ws_tile<KeyRows, false>(a, grid, stream);
         break;
-      case BwdWsScores::kKeyRowsWindows: {  // (no dbias column sums: bwd_ws_supports)
-        using KeyRowsWindows = BwdWsTile<Element, kHeadDim, BwdWsScores::kKeyRowsWindows>;
-        packed ? launch_bwd_ws_tile<KeyRowsWindows, true>(a, grid, stream)
-               : launch_bwd_ws_tile<KeyRowsWindows, false>(a, grid, stream);
+      case BwdWsScores::kWindows: {
+        using Windows = BwdWsTile<Element, kHeadDim, BwdWsScores::kWindows>;
+        packed ? launch_bwd_ws_tile<Windows, true>(a, grid, stream) : launch_bwd_ws_tile<Windows, false>(a, grid, stream);
         break;
       }
       case BwdWsScores::kPlain:

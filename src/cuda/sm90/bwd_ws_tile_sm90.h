@@ -54,17 +54,17 @@
 
 namespace dmattn::cuda::sm90 {
 
-enum class BwdWsScores { kPlain, kKeyRows, kFullBias, kKeyRowsWindows };
+enum class BwdWsScores { kPlain, kKeyRows, kFullBias, kWindows };
 
 template <typename Element_, int kHeadDim_, BwdWsScores kScores_, bool kColSum_ = false, bool kGate_ = false,
           bool kGateSkip_ = false>
 struct BwdWsTile {
   using Element = Element_;
   static constexpr BwdWsScores kScores = kScores_;
-  static constexpr bool kKeyRows = kScores == BwdWsScores::kKeyRows || kScores == BwdWsScores::kKeyRowsWindows;
-  // Key rows with windows with sinks (window_runs.h: the key block's query blocks as a walk), a
-  // variant of its own (its code in the key-row kernels spilled their loaders and consumers).
-  static constexpr bool kWindows = kScores == BwdWsScores::kKeyRowsWindows;
+  static constexpr bool kKeyRows = kScores == BwdWsScores::kKeyRows;
+  // Windows with sinks on plain scores (window_runs.h: the key block's query blocks as a walk;
+  // the row-statistics loader marks the tiles that need the element test).
+  static constexpr bool kWindows = kScores == BwdWsScores::kWindows;
   static constexpr bool kFullBias = kScores == BwdWsScores::kFullBias;
   // Key rows with a query-broadcast dbias (kDbColSum): its column sums, by one more product
   // (TiledMmaColSum). A variant of its own: in the kernel without a dbias, a run-time test
@@ -211,7 +211,7 @@ struct BwdWsTile {
     float delta[kBlockM];
     float alpha[kGate ? kBlockM : 1];  // the gate's alpha rows (0 past the sequence)
     int32_t seq_len[2];  // packed batches: the sequence's query and key counts
-    int32_t window_on;  // windows with sinks (key rows): the window hides part of the tile (the test)
+    int32_t window_on;  // windows with sinks: the window hides part of the tile (the test)
     int32_t gate_skip;  // gate skipping: the tile's cell is skipped (its pairs count as masked)
     std::conditional_t<kKeyRows, KeyRows, NoKeyRows> keys;
   };

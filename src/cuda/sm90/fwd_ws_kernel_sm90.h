@@ -312,11 +312,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
             win.hi = w.hi;
             win.m_end = w.m_end;
           }
-          // (the walk read from the tile's slot, which the consumers hold until their epilogue, so
-          // past this loop: held in registers through it, it made the loader spill)
-          const volatile FwdWsTileWindows& slot = ss.tile_windows[Tile::kWindows ? (taken - 1) % Tile::kTileSlots : 0];
-          for (int v = tile.n_max - 1; v >= tile.n_min; --v) {
-            const int n = Tile::kWindows ? slot.walk.at(v) : v;  // (slot: the tile's FwdWsTileWindows)
+          for (int n = tile.n_max - 1; n >= tile.n_min; --n) {
             pipe_key_rows.producer_acquire(write_r);
             auto& st = ss.key_rows[write_r.index()];
             // Gate skipping: a skipped cell's block is not read by the consumers (its stage
@@ -343,15 +339,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
             }
             // The block's part (the first lane: it wrote end_min, and the other lanes' rows are
             // visible after load_key_rows's __syncwarp; positions sorted).
-            // Windows with sinks: also a block that the window does not show whole to every query.
-            if (first_lane) {
-              bool test = win.block_needs_test(st.pos[0], st.pos[kBlockN - 1], st.end_min);
-              if constexpr (Tile::kWindows) {
-                st.window_on = !slot.clear.has(n);
-                test = test || st.window_on;
-              }
-              st.needs_test = test;
-            }
+            if (first_lane) st.needs_test = win.block_needs_test(st.pos[0], st.pos[kBlockN - 1], st.end_min);
             pipe_key_rows.producer_commit(write_r);
             ++write_r;
           }
@@ -725,15 +713,19 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           // original positions, else the plain window (positions are indices); query bounds
           // (key ends, a mask).
           if (st.needs_test) {
-            const int n0 = (Tile::kWindows ? tile_windows.walk.at(n) : n) * kBlockN;
             const PositionTest pt{st.pos, a.kpos.ptr != nullptr ? position_window(a) : win, Tile::kKeyRowEndDelta};
-            mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(s_rc, tScS_rc, m0, n0, win,
+            mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(s_rc, tScS_rc, m0, n * kBlockN, win,
                                                                                      nullptr, 0, nullptr, 0, &pt);
-            if constexpr (Tile::kWindows)
-              if (st.window_on) apply_sink_window(s_rc, tScS_rc, SinkWindowTest::load(tile_windows.window), m0, n0);
           }
           pipe_key_rows.consumer_release(read_r);
           ++read_r;
+        } else if constexpr (Tile::kWindows) {
+          // Windows with sinks: block n of the walk, tested where the window does not show it whole
+          // (the window's test covers causal and the tails: a key past the sequence lies above
+          // every valid query's diagonal).
+          const int nk = tile_windows.walk.at(n);
+          if (!tile_windows.clear.has(nk))
+            apply_sink_window(s_rc, tScS_rc, SinkWindowTest::load(tile_windows.window), m0, nk * kBlockN);
         } else if constexpr (Tile::kPackGqa) {  // (the test on each row's own query)
           int q_first, q_count;
           packed_query_span(m0, kBlockM, a.group, q_first, q_count);

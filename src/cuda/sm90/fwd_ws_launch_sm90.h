@@ -24,9 +24,10 @@ namespace dmattn::cuda::sm90 {
 // query-broadcast mask or softcap come with it; the mask tiles for a full mask, with key rows
 // beside them where gathered keys, softcap or a query-broadcast bias come with it; per-key rows
 // for everything else the kernel takes (gathered keys and key ends, query-broadcast biases and
-// masks, softcap), their variant kKeyRowsGate with the gate; plain scores without any of them.
-// (Under gathered keys a full bias's or mask's columns are the gathered rows, tiled by TMA like
-// any other.)
+// masks, softcap), their variant kKeyRowsGate with the gate; windows with sinks (kWindows: plain
+// scores besides the windows; fwd_ws_supports); plain scores without any of them. (Under
+// gathered keys a full bias's or mask's columns are the gathered rows, tiled by TMA like any
+// other.)
 inline FwdWsScores fwd_ws_scores(const FwdArgs& a) {
   const bool full_bias = a.bias.ptr != nullptr && !a.bias.row_bcast;
   const bool full_mask = a.mask.ptr != nullptr && !a.mask.row_bcast;
@@ -38,7 +39,7 @@ inline FwdWsScores fwd_ws_scores(const FwdArgs& a) {
     return a.bias.ptr != nullptr || a.softcap != 0.f || a.kpos.ptr != nullptr ? FwdWsScores::kFullMaskKeyRows
                                                                                : FwdWsScores::kFullMask;
   if (a.gate.alpha != nullptr) return a.gate.keep != nullptr ? FwdWsScores::kKeyRowsGateSkip : FwdWsScores::kKeyRowsGate;
-  if (a.windows != nullptr) return FwdWsScores::kKeyRowsWindows;
+  if (a.windows != nullptr) return FwdWsScores::kWindows;
   if (a.kpos.ptr != nullptr || a.bias.ptr != nullptr || a.mask.ptr != nullptr || a.softcap != 0.f)
     return FwdWsScores::kKeyRows;
   return FwdWsScores::kPlain;
@@ -62,9 +63,9 @@ struct FwdWsQkvViews {
 
 // The problems the warp-specialized kernel takes, at every head dim: dense or packed batches with
 // plain scores, softcap, a query-broadcast bias (any dtype) or mask, gathered keys with key ends,
-// the gate (without bias or mask tiles, at head dims 64 and 128), windows with sinks (key rows
-// without the gate, gathered keys, bias or mask tiles, at head dims 64 and 128: the key blocks of
-// the sinks and bands, window_runs.h); dense batches with a full bias
+// the gate (without bias or mask tiles, at head dims 64 and 128), windows with sinks (plain
+// scores besides them, at head dims 64 and 128: the key blocks of the sinks and bands,
+// window_runs.h); dense batches with a full bias
 // (tma_bias_tiles_ok: 16-bit or fp32) or a full mask (tma_mask_tiles_ok), each alone or with any of
 // those; dense batches with a full bias and a full mask (and softcap; at head dim 256 a 16-bit
 // bias). Operands that broadcast over heads or batch (stride 0; k and v alike) are read through
@@ -74,13 +75,15 @@ struct FwdWsQkvViews {
 template <int kHeadDim>
 bool fwd_ws_supports(const FwdArgs& a) {
   if (a.kpos.ends && !a.kpos.ptr) return false;
-  // (the gate and windows with sinks come with key rows alone, each in a variant of its own, at
-  // head dims 64 and 128: beside bias or mask tiles, at 256 -- where the gate's code spilled the
-  // consumers --, together, and windows beside gathered keys, the sm80-class kernel's score terms)
+  // (the gate comes with key rows alone, windows with sinks with plain scores alone, each in a
+  // variant of its own, at head dims 64 and 128: the gate beside bias or mask tiles, at 256 --
+  // where its code spilled the consumers --, the two together, and windows beside a bias, a
+  // mask, softcap or gathered keys, the sm80-class kernel's score terms)
   const FwdWsScores scores = fwd_ws_scores(a);
   if (a.gate.alpha != nullptr && (kHeadDim == 256 || !is_gate_scores(scores) || a.windows != nullptr))
     return false;
-  if (a.windows != nullptr && (kHeadDim == 256 || scores != FwdWsScores::kKeyRowsWindows || a.kpos.ptr != nullptr))
+  if (a.windows != nullptr && (kHeadDim == 256 || a.kpos.ptr != nullptr || a.bias.ptr != nullptr ||
+                               a.mask.ptr != nullptr || a.softcap != 0.f))
     return false;
   // (a stride of 0 along the rows, every query or key the same row: no TMA view of it)
   const FwdWsQkvViews views = FwdWsQkvViews::of(a);
@@ -94,7 +97,7 @@ bool fwd_ws_supports(const FwdArgs& a) {
     case FwdWsScores::kKeyRows:
     case FwdWsScores::kKeyRowsGate:
     case FwdWsScores::kKeyRowsGateSkip:
-    case FwdWsScores::kKeyRowsWindows:
+    case FwdWsScores::kWindows:
       return true;
     case FwdWsScores::kFullBias:
     case FwdWsScores::kFullBiasKeyRows:

@@ -30,6 +30,10 @@
 //              keys' end), the mask applied to the final scores;
 //   kFullBiasMask: a full bias with a full mask (and softcap): both tile streams, each
 //              through a pipeline of its own, the mask applied to the final scores.
+//   kWindows:  windows with sinks (window_runs.h) on plain scores: the tile's key blocks as a
+//              walk over the runs of its sinks and bands, which the scheduler warp hands over
+//              with the head's element test and the blocks the window shows whole; the
+//              consumers test the others.
 // A full bias in fp32 (kBiasBytes = 4: a learnable bias kept in fp32 beside 16-bit q, k, v) comes
 // as fp32 tiles in the 128-byte swizzle of 4-byte elements (32-key column blocks).
 // Mask tiles of a 64-key block are 64-byte rows in the 64-byte swizzle (chunk c of row r at
@@ -68,7 +72,7 @@ enum class FwdWsScores {
   kFullMaskKeyRows,
   kFullBiasMask,
   kKeyRowsGate,
-  kKeyRowsWindows,
+  kWindows,
   kKeyRowsGateSkip
 };
 
@@ -86,7 +90,7 @@ struct FwdWsTileInfo {
   uint32_t blocks_before;
 };
 
-// Windows with sinks (the kKeyRowsWindows variant): a tile's walk over its key blocks, its head's
+// Windows with sinks (the kWindows variant): a tile's walk over its key blocks, its head's
 // element test and the blocks that need it not, in a slot beside the tile's (FwdWsTileInfo keeps
 // its size in the other variants: grown, it cost their scheduler and loader warps registers).
 struct FwdWsTileWindows {
@@ -113,15 +117,15 @@ struct FwdWsTile {
                                 kScores == FwdWsScores::kFullBiasMask;
   // the per-key rows
   static constexpr bool kKeyRows = kScores == FwdWsScores::kKeyRows || kScores == FwdWsScores::kFullBiasKeyRows ||
-                                   kScores == FwdWsScores::kFullMaskKeyRows || is_gate_scores(kScores) ||
-                                   kScores == FwdWsScores::kKeyRowsWindows;
+                                   kScores == FwdWsScores::kFullMaskKeyRows || is_gate_scores(kScores);
   // gated attention's gate (gate_sm90.h), with key rows alone; kKeyRowsGateSkip with gate
   // skipping's cells (a variant of its own: the exact kernel keeps its loop as it was)
   static constexpr bool kGate = is_gate_scores(kScores);
   static constexpr bool kGateSkip = kScores == FwdWsScores::kKeyRowsGateSkip;
-  // windows with sinks (window_runs.h: the tile's key blocks as a walk), a variant of key rows of
-  // its own (its code in the key-row kernels spilled their loaders and consumers)
-  static constexpr bool kWindows = kScores == FwdWsScores::kKeyRowsWindows;
+  // windows with sinks (window_runs.h: the tile's key blocks as a walk), a variant of plain scores:
+  // the tile's element test and the blocks that need it come from the scheduler's slot, so no
+  // loader warp or key-row stage stands between the consumers' products
+  static constexpr bool kWindows = kScores == FwdWsScores::kWindows;
   // the (kBlockM, kBlockN) mask tiles
   static constexpr bool kMask = kScores == FwdWsScores::kFullMask || kScores == FwdWsScores::kFullMaskKeyRows ||
                                 kScores == FwdWsScores::kFullBiasMask;
@@ -227,7 +231,6 @@ struct FwdWsTile {
     float alpha[kGate ? kBlockM : 1];
     alignas(16) int32_t end_min;  // the smallest of end[] (16-byte aligned: the next stage's rows are read as float2)
     int32_t needs_test;           // whether the block's scores need the per-element test (the loader decides)
-    int32_t window_on;            // windows with sinks: the window hides part of the block (the test)
   };
   static constexpr int kKeyRowEndDelta = kBlockN;  // end[] behind pos[] (PositionTest::end_delta)
   using KeyRowPipeline = cutlass::PipelineAsync<kStages>;
@@ -274,9 +277,9 @@ struct FwdWsTile {
 // consumers fit 232 only with the GEMM descriptors rebuilt per issue, fwd_ws_kernel_sm90.h). At 256
 // with a bias, a mask or key rows, a key block of 64: the bias or mask stages fit beside Q, K and V
 // (those of 80 take the whole shared memory), and the gather warps take whole groups of 32 rows.
-// With a bias or key rows at 64, two consumers (three spilled at 160 registers); with the gate 56 /
-// 224 (its rows' loads spilled the loader at 40). At 128 every policy but plain scores: 48 / 224
-// (56 / 224 with the gate, whose rows' loads spilled the key-row loader at 48; at 40 the producer's
+// With a bias, key rows or windows with sinks at 64, two consumers (three spilled at 160
+// registers); with the gate 56 / 224 (its rows' loads spilled the loader at 40). At 128 every
+// policy but plain scores and windows with sinks (plain scores' budget): 48 / 224 (56 / 224 with the gate, whose rows' loads spilled the key-row loader at 48; at 40 the producer's
 // TMA issue of K and the bias or mask tile spilled a register, and for key rows the scheduler
 // warp's scan of a key mask for its first and last true key, mask_tile_sm90.h); a key block of 64
 // for both tile streams (Q, K and V of 128 keys take 160 KB, the bias's two stages 64 KB) and for
@@ -294,14 +297,12 @@ template <typename Element> struct FwdWsConfig<Element, 64, FwdWsScores::kPlain,
 template <typename Element, FwdWsScores kScores, int kBiasBytes> struct FwdWsConfig<Element, 64, kScores, kBiasBytes> {
   static constexpr int kBlockN = kBiasBytes == 4 && kScores == FwdWsScores::kFullBiasMask ? 64 : 128;
   static constexpr bool kGate = is_gate_scores(kScores);
-  // (the windows' variant: 48 producer registers, whose loader spilled with 40, as at head dim 128)
-  static constexpr bool kWindows = kScores == FwdWsScores::kKeyRowsWindows;
-  static constexpr int kProducerRegs = kGate ? 56 : kWindows ? 48 : 40;
-  using Tile = FwdWsTile<Element, 64, 128, kBlockN, 2, kScores, kProducerRegs, kGate || kWindows ? 224 : 232, false,
+  static constexpr int kProducerRegs = kGate ? 56 : 40;
+  using Tile = FwdWsTile<Element, 64, 128, kBlockN, 2, kScores, kProducerRegs, kGate ? 224 : 232, false,
                          kBiasBytes>;
 };
 template <typename Element, FwdWsScores kScores, int kBiasBytes> struct FwdWsConfig<Element, 128, kScores, kBiasBytes> {
-  static constexpr bool kPlain = kScores == FwdWsScores::kPlain;
+  static constexpr bool kPlain = kScores == FwdWsScores::kPlain || kScores == FwdWsScores::kWindows;
   static constexpr int kBlockN = kBiasBytes == 4 || kScores == FwdWsScores::kFullBiasMask ? 64 : 128;
   static constexpr int kProducerRegs = kPlain ? 40 : is_gate_scores(kScores) ? 56 : 48;
   using Tile = FwdWsTile<Element, 128, 128, kBlockN, 2, kScores, kProducerRegs, kPlain ? 232 : 224, false, kBiasBytes>;
