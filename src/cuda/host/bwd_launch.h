@@ -206,8 +206,12 @@ inline bool bwd_sm90_enabled() {
 // key blocks weigh the same and the plain order (G = 1) keeps fewer heads' Q / dO in flight.
 // H100, B=2 S=8192 H=16, fwd+bwd (benchmarks/profiling/cta_order_timing.py, docs/design.md): causal dense
 // 6.86 -> 6.62 ms (G = 4), Doge top-2048 causal 4.81 -> 4.34 (G = 8); without a window G = 4 to 8
-// was up to 8 % slower.
+// was up to 8 % slower. Windows with sinks: 8 pairs at least -- a sink's key block meets every
+// query block (3-4x a band's block at S = 8192), and in groups of 4 the last groups' sink blocks
+// started too late to end with the rest (H200, B=2 S=8192 H=16, sink 128, bands of 1024 with a
+// gap of 2048: fwd+bwd 2.40 ms with G = 4, 2.27 with 8, 2.25 with 32).
 inline int bwd_cta_group_default(const FwdArgs& f, int n_blocks) {
+  if (f.windows != nullptr) return 8;
   if (f.window_left < 0 && f.window_right < 0) return 1;
   const int sms = current_multiprocessor_count();
   int g = 1;
