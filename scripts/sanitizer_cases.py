@@ -94,10 +94,10 @@ def varlen_case(lens, h, hkv, d, dtype, key_bias=False, **kw):
 
 
 @announced
-def gate_case(lens, h, hkv, d, dtype, windows=None, **kw):
+def gate_case(lens, h, hkv, d, dtype, windows=None, gated=True, **kw):
     """Gated attention (alpha, delta with gradients), dense (lens: (B, Sq, Sk)) or packed (lens: a
     list of sequence lengths, attention_varlen), optionally with windows with sinks (a row
-    [sink, near, gap, far] for every head)."""
+    [sink, near, gap, far] for every head); gated=False: the windows alone."""
     g = torch.Generator().manual_seed(d * 31 + h)
     dev = "cuda"
 
@@ -110,15 +110,17 @@ def gate_case(lens, h, hkv, d, dtype, windows=None, **kw):
         total = sum(lens)
         q, k, v = leaf(total, h, d), leaf(total, hkv, d), leaf(total, hkv, d)
         alpha, delta = leaf(total, h), leaf(total, hkv)
-        out = dmattn.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), gate=(alpha, delta), windows=w, **kw)
+        gate = (alpha, delta) if gated else None
+        out = dmattn.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), gate=gate, windows=w, **kw)
     else:
         b, sq, sk = lens
         q, k, v = leaf(b, sq, h, d), leaf(b, sk, hkv, d), leaf(b, sk, hkv, d)
         alpha, delta = leaf(b, sq, h), leaf(b, sk, hkv)
-        out = dmattn.attention(q, k, v, gate=(alpha, delta), windows=w, **kw)
+        gate = (alpha, delta) if gated else None
+        out = dmattn.attention(q, k, v, gate=gate, windows=w, **kw)
     out.backward(torch.randn_like(out))
     torch.cuda.synchronize()
-    for t in (out, q.grad, k.grad, v.grad, alpha.grad, delta.grad):
+    for t in (out, q.grad, k.grad, v.grad) + ((alpha.grad, delta.grad) if gated else ()):
         assert torch.isfinite(t).all(), "non-finite value"
 
 
@@ -350,8 +352,9 @@ for dtype in (torch.bfloat16, torch.float16):
     # Gated attention on the warp-specialized kernels (the alpha / delta rows in the key-row and
     # row-statistics stages, dalpha's slices, ddelta's column sums in shared memory): D 64 and
     # 128, causal with Sq < Sk, GQA, deterministic, a packed batch with an empty sequence, the
-    # linear gate, gate skipping; windows with sinks on the kernels' own path (the warp-specialized windows variant
-    # on Hopper, the sm80-class per-element test elsewhere) and by parts.
+    # linear gate, gate skipping; gated windows with sinks on the sm80-class per-element test and
+    # by parts; windows alone on the warp-specialized windows variant (on Hopper: dense with a
+    # partial last key block, packed with an empty sequence).
     gate_case((2, 200, 333), 4, 2, 128, dtype, causal=True)
     gate_case((1, 130, 257), 4, 4, 64, dtype, deterministic=True)
     gate_case([130, 0, 257, 64], 4, 2, 128, dtype, causal=True, gate_fn="linear")
@@ -363,6 +366,8 @@ for dtype in (torch.bfloat16, torch.float16):
     os.environ["DMATTN_WINDOW_PARTS"] = "1"
     gate_case((1, 300, 300), 4, 2, 128, dtype, windows=[16, 64, 32, 64])
     del os.environ["DMATTN_WINDOW_PARTS"]
+    gate_case((2, 300, 700), 4, 2, 128, dtype, windows=[16, 64, 32, 64], gated=False)
+    gate_case([300, 0, 517, 64], 4, 2, 64, dtype, windows=[16, 100, 150, 90], gated=False)
     # A full bias with a full mask at head dim 256 (one stage of each tile stream, issued after
     # the next V), several tiles a CTA.
     os.environ["DMATTN_FWD_PERSISTENT"] = "1"
