@@ -206,7 +206,8 @@ void launch_bwd_ws(const BwdArgs& args, dim3 grid, bool ordered_dq, cudaStream_t
         break;
       case BwdWsScores::kWindows: {
         using Windows = BwdWsTile<Element, kHeadDim, BwdWsScores::kWindows>;
-        packed ? launch_bwd_ws_tile<Windows, true>(a, grid, stream) : launch_bwd_ws_tile<Windows, false>(a, grid, stream);
+        packed ? launch_bwd_ws_tile<Windows, true>(a, grid, stream)
+               : launch_bwd_ws_tile<Windows, false>(a, grid, stream);
         break;
       }
       case BwdWsScores::kPlain:

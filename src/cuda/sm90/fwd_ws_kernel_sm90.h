@@ -714,8 +714,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           // (key ends, a mask).
           if (st.needs_test) {
             const PositionTest pt{st.pos, a.kpos.ptr != nullptr ? position_window(a) : win, Tile::kKeyRowEndDelta};
-            mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(s_rc, tScS_rc, m0, n * kBlockN, win,
-                                                                                     nullptr, 0, nullptr, 0, &pt);
+            mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(
+                s_rc, tScS_rc, m0, n * kBlockN, win, nullptr, 0, nullptr, 0, &pt);
           }
           pipe_key_rows.consumer_release(read_r);
           ++read_r;

@@ -279,8 +279,9 @@ struct FwdWsTile {
 // (those of 80 take the whole shared memory), and the gather warps take whole groups of 32 rows.
 // With a bias, key rows or windows with sinks at 64, two consumers (three spilled at 160
 // registers); with the gate 56 / 224 (its rows' loads spilled the loader at 40). At 128 every
-// policy but plain scores and windows with sinks (plain scores' budget): 48 / 224 (56 / 224 with the gate, whose rows' loads spilled the key-row loader at 48; at 40 the producer's
-// TMA issue of K and the bias or mask tile spilled a register, and for key rows the scheduler
+// policy but plain scores and windows with sinks (plain scores' budget): 48 / 224 (56 / 224
+// with the gate, whose rows' loads spilled the key-row loader at 48; at 40 the producer's TMA
+// issue of K and the bias or mask tile spilled a register, and for key rows the scheduler
 // warp's scan of a key mask for its first and last true key, mask_tile_sm90.h); a key block of 64
 // for both tile streams (Q, K and V of 128 keys take 160 KB, the bias's two stages 64 KB) and for
 // fp32 bias tiles; at 64 too for fp32 bias tiles beside mask tiles (128 keys: 240 KB). kBiasBytes:
@@ -302,10 +303,12 @@ template <typename Element, FwdWsScores kScores, int kBiasBytes> struct FwdWsCon
                          kBiasBytes>;
 };
 template <typename Element, FwdWsScores kScores, int kBiasBytes> struct FwdWsConfig<Element, 128, kScores, kBiasBytes> {
-  static constexpr bool kPlain = kScores == FwdWsScores::kPlain || kScores == FwdWsScores::kWindows;
+  // (plain scores' budget: plain scores and windows with sinks, whose producer has no loader warp)
+  static constexpr bool kPlainBudget = kScores == FwdWsScores::kPlain || kScores == FwdWsScores::kWindows;
   static constexpr int kBlockN = kBiasBytes == 4 || kScores == FwdWsScores::kFullBiasMask ? 64 : 128;
-  static constexpr int kProducerRegs = kPlain ? 40 : is_gate_scores(kScores) ? 56 : 48;
-  using Tile = FwdWsTile<Element, 128, 128, kBlockN, 2, kScores, kProducerRegs, kPlain ? 232 : 224, false, kBiasBytes>;
+  static constexpr int kProducerRegs = kPlainBudget ? 40 : is_gate_scores(kScores) ? 56 : 48;
+  using Tile =
+      FwdWsTile<Element, 128, 128, kBlockN, 2, kScores, kProducerRegs, kPlainBudget ? 232 : 224, false, kBiasBytes>;
 };
 template <typename Element, FwdWsScores kScores> struct FwdWsConfig<Element, 256, kScores, 2> {
   static constexpr bool kBothStreams = kScores == FwdWsScores::kFullBiasMask;
