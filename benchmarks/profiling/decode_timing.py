@@ -13,7 +13,8 @@ dmattn.attention with DMATTN_DECODE=0 (the kernels of the long-sequence path), i
 its own. TB/s counts the K and V bytes read once (the floor of any decode kernel; for the Doge
 step, the kept keys' bytes). --graph adds, under each row, the same call replayed from a CUDA
 graph (GRAPH_REPEAT calls in one graph, the time per call): the kernels' time without the
-host's. No causal mask (SDPA's is top-left aligned), so every call reads every key.
+host's. Every row is also timed back to back (calls issued without waiting, the mean per
+call: the launch latency hidden). No causal mask (SDPA's is top-left aligned), so every call reads every key.
 
 --rounds N (default 3) runs the whole set N times, each round on tensors allocated afresh, and
 ends with a table of each row's median over the rounds and its range (single rows move by a few
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 
 import dmattn
 from dmattn.bench import cuda_graph_of, time_ms as bench_time_ms
+from dmattn.bench.timing import back_to_back_ms
 
 
 # Calls per CUDA graph: the graph rows time GRAPH_REPEAT calls replayed back to back and give the
@@ -66,19 +68,27 @@ def main():
     rows = []
     current_round = [0]
 
-    def add(case, name, fn, kv_bytes, graph=None):
+    def add(case, name, fn, kv_bytes, form="idle"):
+        """Times fn as a single call from an idle GPU (host time counts); then, for the same
+        row, back to back (the host runs ahead) and, with --graph, from a CUDA graph."""
         try:
-            ms = time_ms(cuda_graph_of(fn, GRAPH_REPEAT), iters=args.iters) / GRAPH_REPEAT if graph else \
-                time_ms(fn, iters=args.iters)
+            if form == "graph":
+                ms = time_ms(cuda_graph_of(fn, GRAPH_REPEAT), iters=args.iters) / GRAPH_REPEAT
+            elif form == "back to back":
+                ms = back_to_back_ms(fn, args.iters)
+            else:
+                ms = time_ms(fn, iters=args.iters)
         except Exception as e:  # noqa: BLE001
             print(f"{case} {name}: {type(e).__name__}: {str(e)[:200]}")
             ms = float("nan")
         tbs = kv_bytes / (ms * 1e-3) / 1e12
-        label = f"{name}, CUDA graph" if graph else name
+        label = name if form == "idle" else f"{name}, {form}"
         rows.append(dict(case=case, impl=label, ms=ms, kv_tb_s=tbs, kv_bytes=kv_bytes, round=current_round[0]))
         print(f"{case:<34} {label:<38} {ms:8.3f} ms {tbs:6.2f} TB/s", flush=True)
-        if args.graph and graph is None:
-            add(case, name, fn, kv_bytes, graph=True)
+        if form == "idle":
+            add(case, name, fn, kv_bytes, form="back to back")
+            if args.graph:
+                add(case, name, fn, kv_bytes, form="graph")
 
     if args.general:
         os.environ["DMATTN_DECODE"] = "0"

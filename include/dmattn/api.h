@@ -154,6 +154,26 @@ int64_t decode_splits(DeviceKind device, int32_t device_id, int64_t batch, int64
                       int64_t num_heads, int64_t num_heads_kv, int64_t head_dim, int64_t seqlen_k,
                       int64_t max_rows);
 
+// Packed batches on the decode kernels (docs/decode.md, "Packed batches"): the split count
+// the workspace of make_varlen_decode_forward_params needs (its launches' largest), 1 where one
+// split serves every sequence, or 0 where the decode kernels take none of the sequences
+// (another device, no CUDA build, every sequence above kDecodePackedMaxRows query rows, or a
+// head dim or head ratio they do not take). A shape property, like decode_splits.
+int64_t decode_packed_splits(DeviceKind device, int32_t device_id, int64_t num_heads, int64_t num_heads_kv,
+                             int64_t head_dim, int64_t max_seqlen_q, int64_t max_seqlen_k);
+
+// make_varlen_forward_params for the decode kernels, which then compute the sequences of at
+// most 64 query rows (len_q * num_heads / num_heads_kv) and leave the other rows of out and lse
+// as they are (the general kernels' call computes them). num_splits: decode_packed_splits'
+// answer (>= 1); workspace: float32, contiguous, num_splits * H * total_q * (D + 1) elements when
+// num_splits > 1. Each sequence's rows equal those of the dense decode call of that sequence
+// alone, bit for bit.
+ForwardParams make_varlen_decode_forward_params(const TensorDesc& q, const TensorDesc& k, const TensorDesc& v,
+                                                const VarlenPacking& packing, const TensorDesc& out,
+                                                const TensorDesc& lse, const TensorDesc* mask, const TensorDesc* bias,
+                                                const AttentionOptions& options, const TensorDesc* workspace,
+                                                int64_t num_splits);
+
 // make_forward_params for the decode path: every rule of the dense call (q, out, lse, mask,
 // bias, options) with the key side of `inputs`; sets decode_splits = inputs.num_splits (>= 1).
 ForwardParams make_decode_forward_params(const TensorDesc& q, const TensorDesc& k, const TensorDesc& v,

@@ -1,10 +1,13 @@
 """The split-KV decode kernel's calls (docs/decode.md): short query lengths against long keys.
 
-``dmattn::fwd`` takes the decode kernel, with DMATTN_DECODE=1, for ``Sq * (H / Hkv) <=
-AUTO_MAX_ROWS`` (``maybe_decode_forward``, called by ops.py); attention_with_kvcache's op
-(decode.py) and attention_topk's decoding step (topk.py, ``gathered_decode``) call it too. No
-call reads a tensor value on the host: the split count comes from the shapes and the GPU only,
-and the split-KV workspace is allocated here with torch (caching allocator, CUDA graphs).
+``dmattn::fwd`` takes the decode kernels for ``Sq * (H / Hkv) <= AUTO_MAX_ROWS``
+(``maybe_decode_forward``, called by ops.py), and ``dmattn::fwd_varlen`` for the sequences of a
+packed batch with that few rows (``varlen_decode_forward``), each with the kernel and splits of
+its own dense call, so that a packed batch still equals its sequences run one by one, bit for
+bit; DMATTN_DECODE=0 turns both off. attention_with_kvcache's op (decode.py) and
+attention_topk's decoding step (topk.py, ``gathered_decode``) call the kernels too. No call
+reads a tensor value on the host: the split count comes from the shapes and the GPU only, and
+the split-KV workspace is allocated here with torch (caching allocator, CUDA graphs).
 
 Below ops.py: it imports only the library and the per-call checks of _op_utils.py.
 """
@@ -21,15 +24,14 @@ from torch import Tensor
 from ._lib import lib
 from ._op_utils import _cuda_layout, _scale_arg
 
-__all__ = ["maybe_decode_forward", "decode_rows_fit", "gathered_decode", "gathered_decode_splits",
-           "native_allocates", "AUTO_MAX_ROWS", "KVCACHE_MAX_ROWS", "KERNEL_DTYPES"]
+__all__ = ["maybe_decode_forward", "varlen_decode_splits", "varlen_decode_forward", "decode_enabled",
+           "decode_rows_fit", "gathered_decode", "gathered_decode_splits", "native_allocates", "AUTO_MAX_ROWS",
+           "KVCACHE_MAX_ROWS", "KERNEL_DTYPES"]
 
-# With DMATTN_DECODE=1, dmattn.attention takes the decode kernels on CUDA for up to this many
-# query rows (queries x query heads per kv head: one 16-row tile, or one 64-row chunk), where
-# they are 1.4x to 6x faster than the general kernels (docs/decode.md); the transformers
-# integration's decoding steps too. Off by default in dmattn.attention: its results differ from
-# the general kernels' in the last bits, so a packed batch (attention_varlen) would no longer
-# equal its sequences run one by one bit for bit (the varlen contract).
+# dmattn.attention and attention_varlen take the decode kernels on CUDA for (sequences of) up to
+# this many query rows (queries x query heads per kv head: one 16-row tile, or one 64-row chunk),
+# where they are 1.4x to 6x faster than the general kernels (docs/decode.md); the transformers
+# integration's decoding steps too. (The native kDecodePackedMaxRows.)
 AUTO_MAX_ROWS = 64
 # The decode kernels' dtypes.
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -91,16 +93,55 @@ def _run_decode(q, k, v, mask, bias, causal, window_left, window_right, scale, s
     return out, lse
 
 
+def decode_enabled() -> bool:
+    """Whether dmattn::fwd and dmattn::fwd_varlen take the decode kernels for short queries (on
+    unless DMATTN_DECODE=0, which keeps them on the general kernels, for comparison)."""
+    return os.environ.get("DMATTN_DECODE", "1") != "0"
+
+
 def maybe_decode_forward(q, k, v, mask, bias, causal, window_left, window_right, scale,
                          softcap) -> Optional[Tuple[Tensor, Tensor]]:
     """(out, lse) from the decode kernel when dmattn::fwd should take it (CUDA, short Sq), else None."""
-    if os.environ.get("DMATTN_DECODE", "0") != "1" or k.dim() != 4 or q.dim() != 4:
+    if not decode_enabled() or k.dim() != 4 or q.dim() != 4:
         return None
     splits = _decode_splits(q, k.shape[2], k.shape[1], AUTO_MAX_ROWS)
     if splits == 0:
         return None
     return _run_decode(q, k, v, mask, bias, causal, window_left, window_right, scale, softcap, None, None,
                        splits)
+
+
+@functools.lru_cache(maxsize=4096)
+def _packed_splits(device_index: int, heads: int, heads_kv: int, head_dim: int, max_seqlen_q: int,
+                   max_seqlen_k: int) -> int:
+    return int(lib().decode_packed_splits(device_index, heads, heads_kv, head_dim, max_seqlen_q, max_seqlen_k))
+
+
+def varlen_decode_splits(q: Tensor, heads_kv: int, max_seqlen_q: int, max_seqlen_k: int) -> int:
+    """The split count varlen_decode_forward needs for a packed q (total_q, H, D) on CUDA, or 0
+    where the decode kernels take none of its sequences (all above AUTO_MAX_ROWS rows, another
+    device or dtype, DMATTN_DECODE=0)."""
+    if not decode_enabled() or q.device.type != "cuda" or q.dim() != 3 or q.dtype not in KERNEL_DTYPES:
+        return 0
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    _, heads, head_dim = q.shape
+    return _packed_splits(index, heads, heads_kv, head_dim, max_seqlen_q, max_seqlen_k)
+
+
+def varlen_decode_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, mask, bias,
+                          causal, window_left, window_right, scale, softcap, splits: int) -> None:
+    """The rows of out (total_q, H, D) and lse (H, total_q) of the packed sequences of at most
+    AUTO_MAX_ROWS query rows, in place, on the decode kernels with ``splits`` (varlen_decode_splits'
+    answer, > 0): each sequence with the kernel and the splits of its own dense call (the
+    maybe_decode_forward of it alone), so its rows equal that call's bit for bit. The other rows
+    are left as they are."""
+    total_q, heads, head_dim = q.shape
+    workspace = None
+    if splits > 1:
+        workspace = q.new_empty((splits * heads * total_q * (head_dim + 1),), dtype=torch.float32)
+    lib().forward_varlen_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, mask,
+                                bias, causal, window_left, window_right, _scale_arg(scale), softcap, workspace,
+                                splits)
 
 
 def decode_rows_fit(q: Tensor, heads_kv: int, max_rows: int) -> bool:

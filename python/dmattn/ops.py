@@ -29,7 +29,7 @@ from torch.compiler import is_compiling as _is_compiling
 
 from ._lib import lib
 from ._op_utils import _cuda_layout, _plain_eager, _scale_arg, check_devices, records_no_gradient
-from .decode_kernel import maybe_decode_forward
+from .decode_kernel import AUTO_MAX_ROWS, maybe_decode_forward, varlen_decode_forward, varlen_decode_splits
 from .masks import selection_key_dtype
 
 __all__ = ["attention_forward", "attention_backward", "attention_varlen_forward",
@@ -295,8 +295,9 @@ def attention_forward(
     check_devices(q=q, k=k, v=v, mask=mask, bias=bias, key_positions=key_positions, key_ends=key_ends,
                   key_rows=key_rows, alpha=alpha, delta=delta, windows=windows, gate_keep=gate_keep)
     _check_rank(q, "q", "(batch, seqlen_q, num_heads, head_dim)")
-    # Short Sq, with DMATTN_DECODE=1: the split-KV kernel (decode_kernel.py).
-    if key_positions is None and alpha is None and windows is None and q.is_cuda and os.environ.get("DMATTN_DECODE", "0") == "1":
+    # Short Sq: the split-KV kernels (decode_kernel.py; attention_varlen takes them for the same
+    # sequences, so that a packed batch equals its sequences run one by one).
+    if key_positions is None and alpha is None and windows is None and q.is_cuda:
         decoded = maybe_decode_forward(q, k, v, mask, bias, causal, window_left, window_right, scale, softcap)
         if decoded is not None:
             return decoded
@@ -631,9 +632,19 @@ def attention_varlen_forward(
     out = q.new_empty(q.shape)
     lse = q.new_empty(_varlen_lse_shape(q), dtype=_lse_dtype(q))
     q, k, v = _cuda_layout(q), _cuda_layout(k), _cuda_layout(v)
-    lib().forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
-                         lse, mask, bias, causal, window_left, window_right, _scale_arg(scale),
-                         softcap, alpha, delta, gate_fn, windows, gate_keep)
+    # The sequences of at most AUTO_MAX_ROWS query rows take the decode kernels, as each one's
+    # dense call does (maybe_decode_forward), after the general kernels computed the rest (and,
+    # needlessly, them too: they skip no sequence by length).
+    splits = 0
+    if alpha is None and windows is None and q.is_cuda:
+        splits = varlen_decode_splits(q, k.shape[1], max_seqlen_q, max_seqlen_k)
+    if splits == 0 or max_seqlen_q * (q.shape[1] // k.shape[1]) > AUTO_MAX_ROWS:
+        lib().forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
+                             lse, mask, bias, causal, window_left, window_right, _scale_arg(scale),
+                             softcap, alpha, delta, gate_fn, windows, gate_keep)
+    if splits:
+        varlen_decode_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, mask, bias,
+                              causal, window_left, window_right, scale, softcap, splits)
     return out, lse
 
 

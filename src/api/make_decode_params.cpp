@@ -86,6 +86,44 @@ int64_t decode_splits(DeviceKind device, int32_t device_id, int64_t batch, int64
 #endif
 }
 
+int64_t decode_packed_splits(DeviceKind device, int32_t device_id, int64_t num_heads, int64_t num_heads_kv,
+                             int64_t head_dim, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  if (device != DeviceKind::kCUDA || num_heads_kv < 1 || num_heads % num_heads_kv != 0) return 0;
+  if (head_dim < 8 || head_dim > 256 || head_dim % 8 != 0 || max_seqlen_q < 1) return 0;
+#ifdef DMATTN_WITH_CUDA
+  return cuda::decode_packed_splits(num_heads_kv, num_heads / num_heads_kv, head_dim, max_seqlen_q, max_seqlen_k,
+                                    device_id);
+#else
+  (void)device_id, (void)max_seqlen_k;
+  return 0;
+#endif
+}
+
+ForwardParams make_varlen_decode_forward_params(const TensorDesc& q, const TensorDesc& k, const TensorDesc& v,
+                                                const VarlenPacking& packing, const TensorDesc& out,
+                                                const TensorDesc& lse, const TensorDesc* mask, const TensorDesc* bias,
+                                                const AttentionOptions& options, const TensorDesc* workspace,
+                                                int64_t num_splits) {
+  ForwardParams p = make_varlen_forward_params(q, k, v, packing, out, lse, mask, bias, options);
+  check(num_splits >= 1, ErrorKind::kValue, "num_splits: expected >= 1, got ", num_splits);
+  if (num_splits > 1) {
+    check(workspace != nullptr, ErrorKind::kValue, "workspace: ", num_splits,
+          " key splits need a float32 workspace, got none");
+    const TensorDesc& w = *workspace;
+    check_same_device(q, w, "workspace");
+    check_dtype(w, DType::kFloat32, "workspace");
+    check_contiguous(w, "workspace");
+    const int64_t need = num_splits * p.num_heads * p.total_q * (p.head_dim + 1);
+    check(w.numel() >= need, ErrorKind::kValue, "workspace: expected at least ", need,
+          " float32 elements, got ", w.numel());
+    p.split_workspace = static_cast<float*>(w.data);
+  }
+  check(q.device == DeviceKind::kCUDA, ErrorKind::kNotImplemented,
+        "q: the decode kernel runs on CUDA tensors; got a tensor on ", device_name(q.device));
+  p.decode_splits = num_splits;
+  return p;
+}
+
 ForwardParams make_decode_forward_params(const TensorDesc& q, const TensorDesc& k, const TensorDesc& v,
                                          const TensorDesc& out, const TensorDesc& lse, const TensorDesc* mask,
                                          const TensorDesc* bias, const AttentionOptions& options,

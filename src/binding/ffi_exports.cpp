@@ -384,6 +384,25 @@ void forward_decode(TensorView q, TensorView k, TensorView v, TensorView out, Te
   });
 }
 
+// A packed batch's sequences of at most 64 query rows on the decode kernels (num_splits:
+// decode_packed_splits' answer), writing their rows of out and lse; the other rows are left as
+// they are (forward_varlen, called first, computes them).
+void forward_varlen_decode(TensorView q, TensorView k, TensorView v, TensorView cu_seqlens_q,
+                           TensorView cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, TensorView out,
+                           TensorView lse, Optional<TensorView> mask, Optional<TensorView> bias, bool causal,
+                           int64_t window_left, int64_t window_right, double scale, double softcap,
+                           Optional<TensorView> workspace, int64_t num_splits) {
+  translate_errors([&] {
+    const OptionalDesc mask_d(mask), bias_d(bias), workspace_d(workspace);
+    dmattn::ForwardParams p = dmattn::make_varlen_decode_forward_params(
+        to_desc(q), to_desc(k), to_desc(v), make_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+        to_desc(out), to_desc(lse), mask_d.get(), bias_d.get(),
+        make_options(causal, window_left, window_right, scale, softcap, false), workspace_d.get(), num_splits);
+    p.stream = current_stream(p);
+    dmattn::run_forward(p);
+  });
+}
+
 // The calls that allocate (decode_attention, topk_attention) do it through tvm-ffi's environment
 // allocator, which a call with framework tensors sets to the framework's (torch: the caching
 // allocator, a CUDA graph's pool while capturing); without one they fail naming themselves.
@@ -679,6 +698,16 @@ int64_t decode_splits(const std::string& device, int64_t device_id, int64_t batc
   return splits;
 }
 
+int64_t decode_packed_splits(int64_t device_id, int64_t num_heads, int64_t num_heads_kv, int64_t head_dim,
+                             int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  int64_t splits = 0;
+  translate_errors([&] {
+    splits = dmattn::decode_packed_splits(dmattn::DeviceKind::kCUDA, static_cast<int32_t>(device_id), num_heads,
+                                          num_heads_kv, head_dim, max_seqlen_q, max_seqlen_k);
+  });
+  return splits;
+}
+
 bool cuda_available() { return dmattn::cuda_available(); }
 
 #ifndef DMATTN_BUILD_INFO
@@ -715,6 +744,8 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(check_cu_seqlens, check_cu_seqlens);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(cuda_available, cuda_available);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward_decode, forward_decode);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_splits, decode_splits);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_packed_splits, decode_packed_splits);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward_varlen_decode, forward_varlen_decode);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_attention, decode_attention);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(topk_attention, topk_attention);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(topk_attention_training, topk_attention_training);

@@ -290,19 +290,19 @@ def test_gpu_cuda_graph_capture():
 @pytest.mark.gpu
 @pytest.mark.parametrize("seqlen_q,heads_kv", [(1, 8), (1, 2), (4, 8), (2, 4), (16, 2)])
 def test_gpu_attention_takes_decode_kernel(monkeypatch, seqlen_q, heads_kv):
-    """dmattn.attention with a short Sq on CUDA and DMATTN_DECODE=1 (the decode kernel) against
-    the reference and the general kernels (the default)."""
+    """dmattn.attention with a short Sq on CUDA (the decode kernels, the default) against the
+    reference and the general kernels (DMATTN_DECODE=0)."""
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, seqlen_q, 8, 128, generator=g).to("cuda", torch.bfloat16)
     k, v = (torch.randn(2, 3000, heads_kv, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
     bias = torch.randn(2, 8, 1, 3000, generator=g).to("cuda", torch.bfloat16)
     mask = torch.rand(2, 1, 1, 3000, generator=g).to("cuda") > 0.2
     for kw in (dict(), dict(causal=True, window=(500, -1)), dict(softcap=10.0)):
-        monkeypatch.setenv("DMATTN_DECODE", "1")
+        monkeypatch.delenv("DMATTN_DECODE", raising=False)
         out, lse = dmattn.attention(q, k, v, mask=mask, bias=bias, return_lse=True, **kw)
         check_against_reference(q, k, v, mask, bias, out, lse, causal=kw.get("causal", False),
                                 window=kw.get("window", (-1, -1)), softcap=kw.get("softcap", 0.0))
-        monkeypatch.delenv("DMATTN_DECODE")
+        monkeypatch.setenv("DMATTN_DECODE", "0")
         out_general, lse_general = dmattn.attention(q, k, v, mask=mask, bias=bias, return_lse=True, **kw)
         torch.testing.assert_close(out, out_general, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(lse, lse_general, rtol=1e-4, atol=1e-4)

@@ -19,6 +19,13 @@ inline constexpr int kDecodeChunkRows = 64;
 inline constexpr int kDecodeRowsMaxHeadDim = 128;
 // Key splits at most (the combine kernel keeps one weight per split in shared memory).
 inline constexpr int kDecodeMaxSplits = 128;
+// A split reads at least this many keys: below it the partial rows' write and the combine
+// kernel cost more than the parallelism gains.
+inline constexpr int kDecodeMinKeysPerSplit = 256;
+// Packed batches take the decode kernels for sequences of up to this many query rows
+// (len_q * group), in at most this many row chunks of kDecodeRows (head dims above 128).
+inline constexpr int kDecodePackedMaxRows = 64;
+inline constexpr int kDecodePackedMaxChunks = kDecodePackedMaxRows / kDecodeRows;
 
 // How the decode kernel reads mask / bias entries: not at all; by loads into registers a step
 // ahead (any layout); or copied with each step's K / V tiles into its cp.async ring (16-bit bias
@@ -65,6 +72,23 @@ struct DecodeArgs {
   int row_chunks = 1, num_splits = 1;
   float* part_out = nullptr;  // (num_splits, B, H, Sq, D) float32, with num_splits > 1
   float* part_lse = nullptr;  // (num_splits, B, H, Sq) float32, natural log
+
+  // Packed variable-length batches (attention_varlen), or null: sequence b holds query rows
+  // [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q / out / lse and key rows [cu_seqlens_k[b],
+  // cu_seqlens_k[b + 1]) of k / v and the key-side mask / bias, all seen as one batch (batch
+  // strides 0; the partial rows (num_splits, 1, H, total_q)); seqlen_q / seqlen_k are the
+  // longest sequence's lengths and `batch` the number of sequences (the grid).
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+  int total_q = 0;
+  // Packed: a launch computes only the sequences whose query rows (len_q * group) lie in
+  // (rows_lo, rows_hi], the rows its kernel takes in a call of that one sequence, and gives
+  // each the key splits that call would use: split_table[c - 1][m - 1] for c row chunks and
+  // m = clamp(len_k / kDecodeMinKeysPerSplit, 1, kDecodeMaxSplits) (decode_num_splits with
+  // one sequence). So a packed batch's rows equal its sequences' run one by one, bit for bit;
+  // num_splits is then the largest count, and a sequence's splits past its own are empty.
+  int rows_lo = 0, rows_hi = 0;
+  uint8_t split_table[kDecodePackedMaxChunks][kDecodeMaxSplits] = {};
 };
 
 }  // namespace dmattn::cuda

@@ -23,6 +23,46 @@ namespace dmattn::cuda {
 
 namespace decode_detail {
 
+// One sequence of the batch as a CTA sees it: where its rows lie in memory (bm: the batch
+// index of the tensors, 0 for a packed batch; q0 / k0: its first query / key row there), its
+// lengths, and its key splits (0: not this launch's sequence, the CTA has nothing to do).
+struct DecodeSeq {
+  int bm;
+  int64_t q0, k0;
+  int len_q, len_k, splits;
+};
+// chunk_rows: the launch's row chunk (kDecodeRows or kDecodeChunkRows).
+__device__ __forceinline__ DecodeSeq decode_seq(const DecodeArgs& a, int b, int chunk_rows) {
+  DecodeSeq s;
+  if (a.cu_seqlens_q != nullptr) {
+    s.bm = 0;
+    s.q0 = a.cu_seqlens_q[b];
+    s.k0 = a.cu_seqlens_k[b];
+    s.len_q = a.cu_seqlens_q[b + 1] - static_cast<int>(s.q0);
+    s.len_k = a.cu_seqlens_k[b + 1] - static_cast<int>(s.k0);
+    const int rows = s.len_q * a.group;
+    const int chunks = (rows + chunk_rows - 1) / chunk_rows;
+    const int m = max(1, min(kDecodeMaxSplits, s.len_k / kDecodeMinKeysPerSplit));
+    s.splits = rows > a.rows_lo && rows <= a.rows_hi && chunks <= kDecodePackedMaxChunks
+                   ? a.split_table[chunks - 1][m - 1]
+                   : 0;
+  } else {
+    s.bm = b;
+    s.q0 = s.k0 = 0;
+    s.len_q = a.seqlen_q;
+    s.len_k = a.seqused_k != nullptr ? max(0, min(a.seqused_k[b], a.seqlen_k)) : a.seqlen_k;
+    s.splits = a.num_splits;
+  }
+  return s;
+}
+
+// Row qi (its query index within the sequence) of head h in the splits' partial rows.
+__device__ __forceinline__ int64_t partial_row(const DecodeArgs& a, const DecodeSeq& seq, int split, int h, int qi) {
+  const bool packed = a.cu_seqlens_q != nullptr;
+  const int64_t batch = packed ? 1 : a.batch, rows = packed ? a.total_q : a.seqlen_q;
+  return ((int64_t(split) * batch + seq.bm) * a.num_heads + h) * rows + seq.q0 + qi;
+}
+
 // Where row `row` of page `page` (the batch, when contiguous) starts for kv head kvh, in
 // elements from the K / V base.
 struct KeyRow {
@@ -39,10 +79,11 @@ __device__ __forceinline__ bool keys_per_row(const DecodeArgs& a, int tile_keys)
   return a.key_rows != nullptr || (a.block_table != nullptr && a.page_size < tile_keys);
 }
 
-// Where key j of (batch b, kv head kvh) starts (gathered, paged or contiguous); false for a
-// gathered row outside the source, which the caller reads as zeros.
-__device__ __forceinline__ bool key_row(const DecodeArgs& a, int b, int kvh, int j, KeyRow& at) {
-  int64_t page = b, row = j;
+// Where key j of the sequence's kv head kvh starts (gathered, paged or contiguous); false for
+// a gathered row outside the source, which the caller reads as zeros.
+__device__ __forceinline__ bool key_row(const DecodeArgs& a, const DecodeSeq& seq, int kvh, int j, KeyRow& at) {
+  const int b = seq.bm;
+  int64_t page = b, row = seq.k0 + j;
   if (a.key_rows != nullptr) {
     row = a.key_rows[b * a.kr_sb + kvh * a.kr_sh + j];
     if (row < 0 || row >= a.kr_rows) return false;
@@ -55,18 +96,18 @@ __device__ __forceinline__ bool key_row(const DecodeArgs& a, int b, int kvh, int
   return true;
 }
 
-// The keys [begin, end) that split `split` of a row chunk (rows r0 .. r0 + nrows - 1 of batch b)
-// reads: the batch's keys the chunk's queries may see (window / causal), cut into num_splits
-// parts that start on whole tiles of tile_keys keys. off: the key index aligned with query 0.
+// The keys [begin, end) that split `split` of a row chunk (rows r0 .. r0 + nrows - 1 of the
+// sequence) reads: the sequence's keys the chunk's queries may see (window / causal), cut into
+// its splits' parts that start on whole tiles of tile_keys keys. off: the key index aligned
+// with query 0.
 struct SplitKeys {
   int64_t off;
   int begin, end;
 };
-__device__ __forceinline__ SplitKeys split_keys(const DecodeArgs& a, int b, int r0, int nrows, int split,
-                                                int tile_keys) {
-  int len = a.seqused_k != nullptr ? a.seqused_k[b] : a.seqlen_k;
-  len = max(0, min(len, a.seqlen_k));
-  const int64_t off = int64_t(len) - a.seqlen_q;
+__device__ __forceinline__ SplitKeys split_keys(const DecodeArgs& a, const DecodeSeq& seq, int r0, int nrows,
+                                                int split, int tile_keys) {
+  const int len = seq.len_k;
+  const int64_t off = int64_t(len) - seq.len_q;
   const int i_first = r0 / a.group, i_last = (r0 + nrows - 1) / a.group;
   int64_t lo = 0, hi = len;
   if (a.window_left >= 0) lo = max(lo, i_first + off - a.window_left);
@@ -75,7 +116,7 @@ __device__ __forceinline__ SplitKeys split_keys(const DecodeArgs& a, int b, int 
   // are in the cache and fail the window test), so that tiles never straddle a split.
   lo &= ~int64_t(tile_keys - 1);
   const int64_t n = hi > lo ? hi - lo : 0;
-  const int64_t per_split = ((n + a.num_splits - 1) / a.num_splits + tile_keys - 1) & ~int64_t(tile_keys - 1);
+  const int64_t per_split = ((n + seq.splits - 1) / seq.splits + tile_keys - 1) & ~int64_t(tile_keys - 1);
   return {off, static_cast<int>(min(hi, lo + split * per_split)), static_cast<int>(min(hi, lo + (split + 1) * per_split))};
 }
 
@@ -97,14 +138,17 @@ struct OperandRows {
   int64_t mask[2], bias[2];
 };
 
-__device__ __forceinline__ OperandRows operand_rows(const DecodeArgs& a, int b, const int (&row_h)[2],
+// (A packed batch's mask and bias are key-side: sq = 0, the sequence's keys from row k0.)
+__device__ __forceinline__ int64_t operand_row(const DecodeOperand& op, const DecodeSeq& seq, int h, int i) {
+  return seq.bm * op.sb + (h / op.head_div) * op.sh + (seq.q0 + i) * op.sq + seq.k0 * op.sk;
+}
+__device__ __forceinline__ OperandRows operand_rows(const DecodeArgs& a, const DecodeSeq& seq, const int (&row_h)[2],
                                                     const int (&row_i)[2]) {
   OperandRows r;
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
-    const DecodeOperand &m = a.mask, &bo = a.bias;
-    r.mask[hf] = b * m.sb + (row_h[hf] / m.head_div) * m.sh + row_i[hf] * m.sq;
-    r.bias[hf] = b * bo.sb + (row_h[hf] / bo.head_div) * bo.sh + row_i[hf] * bo.sq;
+    r.mask[hf] = operand_row(a.mask, seq, row_h[hf], row_i[hf]);
+    r.bias[hf] = operand_row(a.bias, seq, row_h[hf], row_i[hf]);
   }
   return r;
 }
@@ -232,24 +276,26 @@ __device__ __forceinline__ void accumulator_rows(const DecodeArgs& a, int kvh, i
 // q elements d, d + 1 of row r of the 16-row tile starting at packed row r0 (0 past its nrows
 // rows and past head_dim).
 template <typename Element>
-__device__ __forceinline__ uint32_t q_pair(const DecodeArgs& a, int b, int kvh, int r0, int nrows, int r, int d) {
+__device__ __forceinline__ uint32_t q_pair(const DecodeArgs& a, const DecodeSeq& seq, int kvh, int r0, int nrows,
+                                           int r, int d) {
   if (r >= nrows || d >= a.head_dim) return 0u;
   const int row = r0 + r, i = row / a.group, h = kvh * a.group + row % a.group;
-  return *reinterpret_cast<const uint32_t*>(static_cast<const Element*>(a.q) + b * a.q_st.batch_stride +
-                                            i * a.q_st.row_stride + h * a.q_st.head_stride + d);
+  return *reinterpret_cast<const uint32_t*>(static_cast<const Element*>(a.q) + seq.bm * a.q_st.batch_stride +
+                                            (seq.q0 + i) * a.q_st.row_stride + h * a.q_st.head_stride + d);
 }
 
 // q's A fragments of every k-step of the 16-row tile starting at packed row r0, into registers:
 // [ks][0] = (row lane / 4, columns 16 ks + 2 (lane % 4) + {0, 1}), [1] the same for row + 8,
 // [2] / [3] those 8 columns further (0 past the tile's nrows rows and past head_dim).
 template <typename Element, int kSteps>
-__device__ __forceinline__ void load_q_fragments(const DecodeArgs& a, int b, int kvh, int r0, int nrows, int lane,
-                                                 uint32_t (&qa)[kSteps][4]) {
+__device__ __forceinline__ void load_q_fragments(const DecodeArgs& a, const DecodeSeq& seq, int kvh, int r0,
+                                                 int nrows, int lane, uint32_t (&qa)[kSteps][4]) {
 #pragma unroll
   for (int ks = 0; ks < kSteps; ++ks) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      qa[ks][e] = q_pair<Element>(a, b, kvh, r0, nrows, lane / 4 + 8 * (e & 1), ks * 16 + (lane % 4) * 2 + 8 * (e >> 1));
+      qa[ks][e] = q_pair<Element>(a, seq, kvh, r0, nrows, lane / 4 + 8 * (e & 1),
+                                  ks * 16 + (lane % 4) * 2 + 8 * (e >> 1));
     }
   }
 }
@@ -423,10 +469,12 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
   const int chunk = blockIdx.x % a.row_chunks, split = blockIdx.x / a.row_chunks;
   const int kvh = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const DecodeSeq seq = decode_seq(a, b, kDecodeRows);
   const int r0 = chunk * kDecodeRows;
-  const int nrows = min(kDecodeRows, a.seqlen_q * a.group - r0);
+  const int nrows = min(kDecodeRows, seq.len_q * a.group - r0);
+  if (seq.splits == 0 || nrows <= 0) return;  // (a packed batch: another launch's sequence, or a shorter one)
 
-  const SplitKeys keys = split_keys(a, b, r0, nrows, split, kKeys);
+  const SplitKeys keys = split_keys(a, seq, r0, nrows, split, kKeys);
   const int64_t off = keys.off;
   const int kb = keys.begin, ke = keys.end;
 
@@ -444,11 +492,12 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
   if constexpr (Tile::kQInSmem) {
     for (int idx = threadIdx.x; idx < kDecodeRows * kD / 2; idx += Tile::kThreads) {
       const int r = idx / (kD / 2), d = idx % (kD / 2) * 2;
-      *reinterpret_cast<uint32_t*>(sq + tile_offset<kD>(r, d / 8) + d % 8) = q_pair<Element>(a, b, kvh, r0, nrows, r, d);
+      *reinterpret_cast<uint32_t*>(sq + tile_offset<kD>(r, d / 8) + d % 8) =
+          q_pair<Element>(a, seq, kvh, r0, nrows, r, d);
     }
     __syncthreads();
   } else {
-    load_q_fragments<Element>(a, b, kvh, r0, nrows, lane, qa);
+    load_q_fragments<Element>(a, seq, kvh, r0, nrows, lane, qa);
   }
   // The A fragment of k-step ks.
   const auto q_fragment = [&](int ks, uint32_t (&f)[4]) {
@@ -475,7 +524,7 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
     const auto source_row = [&](const DecodeOperand& op, int r) -> int64_t {
       if (op.ptr == nullptr) return 0;
       const int row = r0 + min(r, nrows - 1), i = row / a.group, h = kvh * a.group + row % a.group;
-      return b * op.sb + (h / op.head_div) * op.sh + i * op.sq;
+      return operand_row(op, seq, h, i);
     };
     ring_bias_row = source_row(a.bias, lane / 2);
     ring_mask_row = source_row(a.mask, lane % 16);
@@ -489,8 +538,8 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
       const int jt = kb + (it * kWarps + warp) * kKeys;
       // Paged: the tile's keys lie on the page of jt and, past its end, on the next one (a page
       // holds at least a tile), so one or two table reads a step; smaller pages read per key.
-      int64_t page0 = b, page1 = b;
-      int row0 = jt;
+      int64_t page0 = seq.bm, page1 = seq.bm;
+      int64_t row0 = seq.k0 + jt;
       const bool paged = a.block_table != nullptr, per_row = keys_per_row(a, kKeys);
       if (paged && !per_row) {
         const int p = jt / a.page_size;
@@ -512,7 +561,7 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
           int64_t row = row0 + r;
           if (per_row) {
             KeyRow at{0, 0};
-            ok = key_row(a, b, kvh, j, at);
+            ok = key_row(a, seq, kvh, j, at);
             kofs = at.k, vofs = at.v;
           } else {
             if (paged && row >= a.page_size) page = page1, row -= a.page_size;
@@ -543,7 +592,7 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
   for (int st = 0; st < kStages - 1; ++st) issue(st);
 
   const auto tile_start = [&](int it) { return kb + (it * kWarps + warp) * kKeys; };
-  const OperandRows op_rows = operand_rows(a, b, row_h, row_i);
+  const OperandRows op_rows = operand_rows(a, seq, row_h, row_i);
   // One step: tile it, with its operands in cur; loads step it + 1's into next.
   const auto step = [&](int it, StepOperands& cur, StepOperands& next) {
     if constexpr (kOps == DecodeOperands::kRegisters && Tile::kPrefetchOperands) {
@@ -635,12 +684,12 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
     const int row = r0 + r, qi = row / a.group, h = kvh * a.group + row % a.group;
     const float lse = empty ? -INFINITY : (sm_row_m[r] + __log2f(sum)) * 0.6931471805599453f;
     if (direct) {
-      Element* dst = static_cast<Element*>(a.out) + b * a.o_st.batch_stride + qi * a.o_st.row_stride +
-                     h * a.o_st.head_stride;
+      Element* dst = static_cast<Element*>(a.out) + seq.bm * a.o_st.batch_stride +
+                     (seq.q0 + qi) * a.o_st.row_stride + h * a.o_st.head_stride;
       dst[d] = Element(saturate_keep_nan<Element>(out));
-      if (d == 0) a.lse[b * a.lse_bs + h * a.lse_hs + qi] = lse;
+      if (d == 0) a.lse[seq.bm * a.lse_bs + h * a.lse_hs + seq.q0 + qi] = lse;
     } else {
-      const int64_t prow = ((int64_t(split) * a.batch + b) * a.num_heads + h) * a.seqlen_q + qi;
+      const int64_t prow = partial_row(a, seq, split, h, qi);
       a.part_out[prow * a.head_dim + d] = out;
       if (d == 0) a.part_lse[prow] = lse;
     }
@@ -648,45 +697,61 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
 }
 
 // Merges the splits' partial rows: lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse)
-// out_s. One CTA of kDecodeCombineThreads per (b, h, i) row, grid B * H * Sq: warp 0 turns the
-// splits' lse into weights (shared memory), then the threads split the row's float4 columns and
-// its splits between them (every load of a thread independent: one memory round trip for the
-// whole row instead of one per split), and sum their partial columns through shared memory.
+// out_s; a row with one non-empty split takes that split's row as it is, the bits the kernel
+// writes itself with one split (so that a packed sequence's rows do not depend on the splits of
+// the others: DecodeArgs::split_table). One CTA of kDecodeCombineThreads per (b, h, i) row, grid
+// B * H * Sq (packed: the longest sequence's Sq): warp 0 turns the splits' lse into weights
+// (shared memory), then the threads split the row's float4 columns and its splits between them
+// (every load of a thread independent: one memory round trip for the whole row instead of one
+// per split), and sum their partial columns through shared memory. Empty splits (lse -inf,
+// out 0) change no bit of the result.
 inline constexpr int kDecodeCombineThreads = 128;
 template <typename Element>
 __global__ void __launch_bounds__(kDecodeCombineThreads) decode_combine_kernel(const DecodeArgs a) {
+  using decode_detail::DecodeSeq;
   constexpr int kThreads = kDecodeCombineThreads;
   __shared__ float weight[kDecodeMaxSplits];
   __shared__ float row_lse;
   __shared__ __align__(16) float partial[kThreads * 4];
-  const int64_t rows = int64_t(a.batch) * a.num_heads * a.seqlen_q;
   const int64_t row = blockIdx.x;
+  const int i = static_cast<int>(row % a.seqlen_q);
+  const int h = static_cast<int>((row / a.seqlen_q) % a.num_heads);
+  const int b = static_cast<int>(row / (int64_t(a.seqlen_q) * a.num_heads));
+  const DecodeSeq seq = decode_detail::decode_seq(a, b, kDecodeRows);
+  if (seq.splits == 0 || i >= seq.len_q) return;  // (a packed batch: another launch's sequence, or a shorter one)
   const int splits = a.num_splits;
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
     float lse_s[kDecodeMaxSplits / 32];
     float mx = -INFINITY;
+    int nonempty = 0;
 #pragma unroll
     for (int u = 0; u < kDecodeMaxSplits / 32; ++u) {
       const int s = u * 32 + lane;
-      lse_s[u] = s < splits ? a.part_lse[s * rows + row] : -INFINITY;
+      lse_s[u] = s < splits ? a.part_lse[decode_detail::partial_row(a, seq, s, h, i)] : -INFINITY;
       mx = fmaxf(mx, lse_s[u]);
+      nonempty += lse_s[u] != -INFINITY;
     }
 #pragma unroll
-    for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    for (int o = 16; o > 0; o /= 2) {
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      nonempty += __shfl_xor_sync(0xffffffffu, nonempty, o);
+    }
     const float mu = mx == -INFINITY ? 0.f : mx;
     float sum = 0.f;
 #pragma unroll
     for (int u = 0; u < kDecodeMaxSplits / 32; ++u) sum += __expf(lse_s[u] - mu);
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    // An empty row (no allowed key in any split) is 0 with lse -inf; a NaN stays NaN.
+    // An empty row (no allowed key in any split) is 0 with lse -inf; a NaN stays NaN (a NaN
+    // lse is not the maximum, so such a row never counts as having a single split).
     const bool empty = sum == 0.f;
-    const float lse = empty ? -INFINITY : mu + __logf(sum);
+    const bool single = nonempty == 1 && mx != -INFINITY;
+    const float lse = empty ? -INFINITY : single ? mx : mu + __logf(sum);
 #pragma unroll
     for (int u = 0; u < kDecodeMaxSplits / 32; ++u) {
       const int s = u * 32 + lane;
-      if (s < splits) weight[s] = empty ? 0.f : __expf(lse_s[u] - lse);
+      if (s < splits) weight[s] = empty ? 0.f : single ? (lse_s[u] == mx ? 1.f : 0.f) : __expf(lse_s[u] - lse);
     }
     if (lane == 0) row_lse = lse;
   }
@@ -701,23 +766,21 @@ __global__ void __launch_bounds__(kDecodeCombineThreads) decode_combine_kernel(c
 #pragma unroll 4
     for (int s = g; s < splits; s += groups) {
       const float w = weight[s];
-      const float4 x = reinterpret_cast<const float4*>(a.part_out + (s * rows + row) * a.head_dim)[c];
+      const float4 x =
+          reinterpret_cast<const float4*>(a.part_out + decode_detail::partial_row(a, seq, s, h, i) * a.head_dim)[c];
       acc.x = fmaf(w, x.x, acc.x), acc.y = fmaf(w, x.y, acc.y), acc.z = fmaf(w, x.z, acc.z), acc.w = fmaf(w, x.w, acc.w);
     }
   }
   reinterpret_cast<float4*>(partial)[threadIdx.x] = acc;
   __syncthreads();
-  const int i = static_cast<int>(row % a.seqlen_q);
-  const int h = static_cast<int>((row / a.seqlen_q) % a.num_heads);
-  const int b = static_cast<int>(row / (int64_t(a.seqlen_q) * a.num_heads));
-  Element* out =
-      static_cast<Element*>(a.out) + b * a.o_st.batch_stride + i * a.o_st.row_stride + h * a.o_st.head_stride;
+  Element* out = static_cast<Element*>(a.out) + seq.bm * a.o_st.batch_stride + (seq.q0 + i) * a.o_st.row_stride +
+                 h * a.o_st.head_stride;
   for (int d = threadIdx.x; d < a.head_dim; d += kThreads) {
     float o = 0.f;
     for (int gg = 0; gg < groups; ++gg) o += partial[(gg * cols_pow2 + d / 4) * 4 + d % 4];
     out[d] = Element(saturate_keep_nan<Element>(o));
   }
-  if (threadIdx.x == 0) a.lse[b * a.lse_bs + h * a.lse_hs + i] = row_lse;
+  if (threadIdx.x == 0) a.lse[seq.bm * a.lse_bs + h * a.lse_hs + seq.q0 + i] = row_lse;
 }
 
 }  // namespace dmattn::cuda

@@ -46,16 +46,18 @@ __global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2
   const int chunk = blockIdx.x % a.row_chunks, split = blockIdx.x / a.row_chunks;
   const int kvh = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int total_rows = a.seqlen_q * a.group;
+  const DecodeSeq seq = decode_seq(a, b, Tile::kRows);
+  const int total_rows = seq.len_q * a.group;
   const int c0 = chunk * Tile::kRows;
   const int cta_rows = min(Tile::kRows, total_rows - c0);
+  if (seq.splits == 0 || cta_rows <= 0) return;  // (a packed batch: another launch's sequence, or a shorter one)
   // The warp's tile; a warp past the chunk's rows only helps with the copies.
   const int r0 = c0 + warp * kDecodeRows;
   const int nrows = min(kDecodeRows, total_rows - r0);
   const bool computes = nrows > 0;
 
   // Splits on whole stages, so that a stage never straddles two.
-  const SplitKeys keys = split_keys(a, b, c0, cta_rows, split, kStageKeys);
+  const SplitKeys keys = split_keys(a, seq, c0, cta_rows, split, kStageKeys);
   const int kb = keys.begin, ke = keys.end;
 
   int row_i[2], row_h[2];
@@ -65,7 +67,7 @@ __global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2
   // q's A fragments of the warp's tile in registers (decode_kernel.h's layout; 0 past its rows).
   extern __shared__ __align__(16) char decode_smem[];
   uint32_t qa[kD / 16][4];
-  load_q_fragments<Element>(a, b, kvh, r0, nrows, lane, qa);
+  load_q_fragments<Element>(a, seq, kvh, r0, nrows, lane, qa);
   const auto q_fragment = [&](int ks, uint32_t (&f)[4]) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) f[e] = qa[ks][e];
@@ -97,7 +99,7 @@ __global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2
       Element* dk = stage_k(it) + so_t;
       Element* dv = dk + kStageKeys * kD;
       if (a.block_table == nullptr && a.key_rows == nullptr) {
-        KeyRow at = key_row_at(a, b, jt + r_t, kvh);
+        KeyRow at = key_row_at(a, seq.bm, seq.k0 + jt + r_t, kvh);
         const int64_t step_k = int64_t(kPassRows) * a.k_st.row_stride, step_v = int64_t(kPassRows) * a.v_st.row_stride;
 #pragma unroll
         for (int u = 0; u < kPasses; ++u) {
@@ -111,7 +113,7 @@ __global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2
         for (int u = 0; u < kPasses; ++u) {
           const int j = jt + r_t + u * kPassRows;
           KeyRow at{0, 0};
-          const bool ok = c_in && j < ke && key_row(a, b, kvh, j, at);
+          const bool ok = c_in && j < ke && key_row(a, seq, kvh, j, at);
           cp_async_16(dk + u * kPassRows * kD, kbase + at.k + c_t * 8, ok ? 16 : 0);
           cp_async_16(dv + u * kPassRows * kD, vbase + at.v + c_t * 8, ok ? 16 : 0);
         }
@@ -128,7 +130,7 @@ __global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2
   // stage's second tile, before this barrier).
   constexpr int kTileKeys = 32;
   const int tiles = ke > kb ? (ke - kb + kTileKeys - 1) / kTileKeys : 0;
-  const OperandRows op_rows = operand_rows(a, b, row_h, row_i);
+  const OperandRows op_rows = operand_rows(a, seq, row_h, row_i);
   StepOperandsOf<kTileKeys> op_a, op_b;
   float s_a[kTileKeys / 8][4], s_b[kTileKeys / 8][4];
   const auto tile_keys = [&](int t) {
@@ -184,9 +186,9 @@ __global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2
     const float mu = m[hf] == -INFINITY ? 0.f : m[hf];
     const float lse = empty ? -INFINITY : (mu + __log2f(sum)) * 0.6931471805599453f;
     const int row = r0 + r, qi = row / a.group, h = kvh * a.group + row % a.group;
-    const int64_t prow = ((int64_t(split) * a.batch + b) * a.num_heads + h) * a.seqlen_q + qi;
-    Element* dst =
-        static_cast<Element*>(a.out) + b * a.o_st.batch_stride + qi * a.o_st.row_stride + h * a.o_st.head_stride;
+    const int64_t prow = partial_row(a, seq, split, h, qi);
+    Element* dst = static_cast<Element*>(a.out) + seq.bm * a.o_st.batch_stride + (seq.q0 + qi) * a.o_st.row_stride +
+                   h * a.o_st.head_stride;
 #pragma unroll
     for (int dn = 0; dn < kNd; ++dn) {
 #pragma unroll
@@ -199,7 +201,7 @@ __global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2
       }
     }
     if (lane % 4 == 0) {
-      if (a.num_splits == 1) a.lse[b * a.lse_bs + h * a.lse_hs + qi] = lse;
+      if (a.num_splits == 1) a.lse[seq.bm * a.lse_bs + h * a.lse_hs + seq.q0 + qi] = lse;
       else a.part_lse[prow] = lse;
     }
   }

@@ -6,6 +6,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <utility>
+#include <vector>
 
 #include <cutlass/numeric_types.h>
 
@@ -21,9 +26,6 @@ namespace {
 
 // Resident decode CTAs per SM (decode_kernel.h's launch bounds).
 constexpr int64_t kCtasPerSm = 2;
-// A split reads at least this many keys: below it the partial rows' write and the combine
-// kernel cost more than the parallelism gains.
-constexpr int64_t kMinKeysPerSplit = 256;
 
 int sm_count(int device_id) {
   const int n = multiprocessor_count(device_id);
@@ -71,7 +73,7 @@ int64_t decode_row_chunks(int64_t seqlen_q, int64_t group, int64_t head_dim) {
 int64_t decode_num_splits(int64_t ctas, int64_t seqlen_k, int device_id) {
   if (ctas <= 0) return 1;
   const double wave = double(sm_count(device_id)) * kCtasPerSm;
-  const int64_t max_splits = std::min<int64_t>(kDecodeMaxSplits, std::max<int64_t>(1, seqlen_k / kMinKeysPerSplit));
+  const int64_t max_splits = std::min<int64_t>(kDecodeMaxSplits, std::max<int64_t>(1, seqlen_k / kDecodeMinKeysPerSplit));
   if (double(ctas) >= 0.8 * wave || max_splits == 1) return 1;
   const auto efficiency = [&](int64_t s) {
     const double waves = double(ctas) * double(s) / wave;
@@ -85,6 +87,79 @@ int64_t decode_num_splits(int64_t ctas, int64_t seqlen_k, int device_id) {
   return 1;
 }
 
+namespace {
+
+// ---- Packed batches. A sequence of a packed batch takes the kernel, the row chunks and the
+// split count that a call of that sequence alone takes, so that its rows equal that call's bit
+// for bit (the varlen contract): a launch per kernel, each computing the sequences whose rows
+// that kernel takes (DecodeArgs::rows_lo / rows_hi), each sequence with its own splits
+// (DecodeArgs::split_table).
+
+// decode_num_splits for one sequence of c row chunks (c = 1 .. kDecodePackedMaxChunks) and
+// m * kDecodeMinKeysPerSplit keys (m = 1 .. kDecodeMaxSplits; its answer depends on the keys only
+// through m), per (device, kv heads): 512 entries, computed once.
+using SplitTable = uint8_t[kDecodePackedMaxChunks][kDecodeMaxSplits];
+const SplitTable& packed_split_table(int64_t heads_kv, int device_id) {
+  static std::mutex lock;
+  static std::map<std::pair<int, int64_t>, std::vector<uint8_t>> tables;
+  const std::lock_guard<std::mutex> guard(lock);
+  std::vector<uint8_t>& t = tables[{device_id, heads_kv}];
+  if (t.empty()) {
+    t.resize(kDecodePackedMaxChunks * kDecodeMaxSplits);
+    for (int c = 1; c <= kDecodePackedMaxChunks; ++c) {
+      for (int m = 1; m <= kDecodeMaxSplits; ++m) {
+        t[(c - 1) * kDecodeMaxSplits + m - 1] =
+            static_cast<uint8_t>(decode_num_splits(heads_kv * c, int64_t(m) * kDecodeMinKeysPerSplit, device_id));
+      }
+    }
+  }
+  return *reinterpret_cast<const SplitTable*>(t.data());
+}
+
+// One launch of a packed call: the sequences with rows in (rows_lo, rows_hi], at most seqlen_q
+// queries each, in row_chunks chunks, with at most num_splits splits.
+struct PackedLaunch {
+  int rows_lo = 0, rows_hi = 0;
+  int64_t seqlen_q = 0, row_chunks = 0;
+  int num_splits = 0;
+};
+
+std::vector<PackedLaunch> packed_launches(int64_t heads_kv, int64_t group, int64_t head_dim, int64_t max_seqlen_q,
+                                          int64_t max_seqlen_k, int device_id) {
+  const SplitTable& table = packed_split_table(heads_kv, device_id);
+  const int64_t max_m = std::clamp<int64_t>(max_seqlen_k / kDecodeMinKeysPerSplit, 1, kDecodeMaxSplits);
+  // The one-tile kernel takes up to one tile of rows (at head dims above 128 up to
+  // kDecodePackedMaxRows, in chunks); the 64-row kernel the rest (decode_rows_chunked).
+  const bool rows_kernel = decode_max_head_dim(static_cast<int>(head_dim)) <= kDecodeRowsMaxHeadDim;
+  const int one_tile_hi = rows_kernel ? kDecodeRows : kDecodePackedMaxRows;
+  std::vector<PackedLaunch> launches;
+  for (const auto& [lo, hi] : {std::pair<int, int>{0, one_tile_hi}, {one_tile_hi, kDecodePackedMaxRows}}) {
+    if (lo >= hi) continue;
+    PackedLaunch l;
+    l.rows_lo = lo, l.rows_hi = hi;
+    l.seqlen_q = std::min<int64_t>(max_seqlen_q, hi / group);  // the most queries a sequence in range has
+    if (l.seqlen_q * group <= lo) continue;                     // none can be in range
+    const int64_t chunk_rows = lo == 0 ? kDecodeRows : kDecodeChunkRows;
+    l.row_chunks = (l.seqlen_q * group + chunk_rows - 1) / chunk_rows;
+    for (int64_t c = 1; c <= l.row_chunks; ++c) {
+      for (int64_t m = 1; m <= max_m; ++m) l.num_splits = std::max<int>(l.num_splits, table[c - 1][m - 1]);
+    }
+    launches.push_back(l);
+  }
+  return launches;
+}
+
+}  // namespace
+
+int64_t decode_packed_splits(int64_t heads_kv, int64_t group, int64_t head_dim, int64_t max_seqlen_q,
+                             int64_t max_seqlen_k, int device_id) {
+  int64_t splits = 0;
+  for (const PackedLaunch& l : packed_launches(heads_kv, group, head_dim, max_seqlen_q, max_seqlen_k, device_id)) {
+    splits = std::max<int64_t>(splits, l.num_splits);
+  }
+  return splits;
+}
+
 void decode_forward(const ForwardParams& p) {
   check(p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16, ErrorKind::kType,
         "q: the CUDA backend supports float16 and bfloat16, got ", dtype_name(p.dtype));
@@ -94,7 +169,8 @@ void decode_forward(const ForwardParams& p) {
   check(!p.bias.present() || p.bias.dtype == DType::kFloat32 || p.bias.dtype == p.dtype, ErrorKind::kType,
         "bias: expected q's dtype or float32");
   check(p.seqlen_k < (int64_t(1) << 31) && p.seqlen_q < (int64_t(1) << 31) &&
-            p.key_rows_source_len < (int64_t(1) << 31) && p.batch <= 65535 &&
+            p.key_rows_source_len < (int64_t(1) << 31) && p.total_q < (int64_t(1) << 31) &&
+            p.total_k < (int64_t(1) << 31) && p.batch <= 65535 &&
             p.num_heads_kv <= 65535,
         ErrorKind::kValue, "q/k: the CUDA decode path supports lengths below 2^31 and at most 65535 batches ",
         "and kv heads");
@@ -139,12 +215,38 @@ void decode_forward(const ForwardParams& p) {
   a.mask = make_decode_operand(p.mask);
   a.bias = make_decode_operand(p.bias);
   a.bias_fp32 = p.bias.present() && p.bias.dtype == DType::kFloat32;
-  a.operands_in_ring = operands_fit_ring(a);
-  a.row_chunks = static_cast<int>(decode_row_chunks(p.seqlen_q, p.group_size(), p.head_dim));
-  a.num_splits = static_cast<int>(std::max<int64_t>(1, p.decode_splits));
-  if (a.num_splits > 1) {
-    a.part_out = p.split_workspace;
-    a.part_lse = p.split_workspace + int64_t(a.num_splits) * p.batch * p.num_heads * p.seqlen_q * p.head_dim;
+  // (Packed: the sequences' keys start anywhere, so their entries are not 16-byte aligned.)
+  a.operands_in_ring = !p.is_varlen() && operands_fit_ring(a);
+  std::vector<DecodeArgs> launches;
+  if (p.is_varlen()) {
+    a.cu_seqlens_q = p.cu_seqlens_q;
+    a.cu_seqlens_k = p.cu_seqlens_k;
+    a.total_q = static_cast<int>(p.total_q);
+    std::memcpy(a.split_table, packed_split_table(p.num_heads_kv, p.device_id), sizeof(a.split_table));
+    for (const PackedLaunch& l :
+         packed_launches(p.num_heads_kv, p.group_size(), p.head_dim, p.seqlen_q, p.seqlen_k, p.device_id)) {
+      check(l.num_splits <= std::max<int64_t>(1, p.decode_splits), ErrorKind::kValue, "num_splits: expected ",
+            l.num_splits, " (decode_packed_splits), got ", p.decode_splits);
+      DecodeArgs la = a;
+      la.rows_lo = l.rows_lo, la.rows_hi = l.rows_hi;
+      la.seqlen_q = static_cast<int>(l.seqlen_q);
+      la.row_chunks = static_cast<int>(l.row_chunks);
+      la.num_splits = l.num_splits;
+      launches.push_back(la);
+    }
+  } else {
+    a.row_chunks = static_cast<int>(decode_row_chunks(p.seqlen_q, p.group_size(), p.head_dim));
+    a.num_splits = static_cast<int>(std::max<int64_t>(1, p.decode_splits));
+    launches.push_back(a);
+  }
+  // The splits' partial rows: (num_splits, B, H, Sq, D), then their lse; packed (num_splits, 1,
+  // H, total_q, D). Packed launches run one after the other on the stream and share it.
+  const int64_t rows = p.is_varlen() ? p.num_heads * p.total_q : p.batch * p.num_heads * p.seqlen_q;
+  for (DecodeArgs& la : launches) {
+    if (la.num_splits > 1) {
+      la.part_out = p.split_workspace;
+      la.part_lse = p.split_workspace + int64_t(la.num_splits) * rows * p.head_dim;
+    }
   }
 
   int prev = -1;
@@ -152,8 +254,10 @@ void decode_forward(const ForwardParams& p) {
   if (prev != p.device_id) check_cuda(cudaSetDevice(p.device_id), "cudaSetDevice");
   auto stream = static_cast<cudaStream_t>(p.stream);
   try {
-    if (p.dtype == DType::kBFloat16) run_decode<cutlass::bfloat16_t>(a, stream);
-    else run_decode<cutlass::half_t>(a, stream);
+    for (const DecodeArgs& la : launches) {
+      if (p.dtype == DType::kBFloat16) run_decode<cutlass::bfloat16_t>(la, stream);
+      else run_decode<cutlass::half_t>(la, stream);
+    }
   } catch (...) {
     if (prev != p.device_id) cudaSetDevice(prev);
     throw;

@@ -17,6 +17,14 @@ int64_t decode_num_splits(int64_t ctas, int64_t seqlen_k, int device_id);
 // kDecodeRowsMaxHeadDim).
 int64_t decode_row_chunks(int64_t seqlen_q, int64_t group, int64_t head_dim);
 
+// Packed batches (decode_packed_splits in dmattn/api.h): the workspace's split count for
+// sequences of at most kDecodePackedMaxRows query rows, 1 if one split serves them all, or 0
+// where none can have that few.
+int64_t decode_packed_splits(int64_t heads_kv, int64_t group, int64_t head_dim, int64_t max_seqlen_q,
+                             int64_t max_seqlen_k, int device_id);
+
+// The decode kernels on validated params: dense (decode_splits splits), or packed
+// (p.is_varlen(): the short sequences only, each with its own splits).
 void decode_forward(const ForwardParams& p);
 
 }  // namespace dmattn::cuda
