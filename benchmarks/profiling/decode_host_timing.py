@@ -4,7 +4,8 @@ Host time of one decoding call, layer by layer, against SDPA: where an eager dec
 time goes before the GPU starts.
 
 B=8 H=32 Hkv=8, a 32k cache, one query, bf16, D=128. For each layer of the call
-(`attention_with_kvcache`; its op's body, `decode.kvcache_forward`; the native call alone with
+(`attention_with_kvcache`; `dmattn.attention` on the same cache (its direct route to the
+decode kernel); the cache call's op body, `decode.kvcache_forward`; the native call alone with
 the outputs and workspace allocated beforehand, with the key splits and with one split; the
 native call that allocates them, as `attention_with_kvcache` calls it) and for
 SDPA (enable_gqa), medians of single calls after a synchronization (as a timed eager call starts,
@@ -64,6 +65,7 @@ def main():
         "SDPA (enable_gqa)": lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True),
         "attention_with_kvcache": lambda: dmattn.attention_with_kvcache(q, k, v, cache_seqlens=lengths,
                                                                         causal=False),
+        "dmattn.attention": lambda: dmattn.attention(q, k, v),
         "its op's body": lambda: decode.kvcache_forward._init_fn(q, k, v, lengths, None, None, None, False, -1, -1,
                                                                  None, 0.0),
         f"native call, {splits} splits": lambda: lib().forward_decode(

@@ -7,8 +7,8 @@ bf16, D=128; median of CUDA-event timings after warm-up. Rows: B=8 H=32 Hkv=8 wi
 cache, Sq=1 (plain and with a per-key bias (B, H, 1, Sk)), paged caches (page 64 and 256),
 Sq=4 and 16; B=1 with a 128k cache; a Doge decoding step (top 2048 of a 32k cache by a
 per-key bias, selection included). dmattn runs attention_with_kvcache (the split-KV decode
-kernel; the cache is read in place) and dmattn.attention (the decode kernel with
-DMATTN_DECODE=1 in the environment, else the general kernels). --general times
+kernel; the cache is read in place) and dmattn.attention (the decode kernel too, unless
+DMATTN_DECODE=0 in the environment). --general times
 dmattn.attention with DMATTN_DECODE=0 (the kernels of the long-sequence path), in a process of
 its own. TB/s counts the K and V bytes read once (the floor of any decode kernel; for the Doge
 step, the kept keys' bytes). --graph adds, under each row, the same call replayed from a CUDA

@@ -1,9 +1,9 @@
 """Figures: docs/perf.md, "Short query chunks with grouped-query heads".
 
 Forward timings of short query chunks against a long cache with grouped-query heads (chunked
-prefill, speculative decoding): dmattn as it chooses, then with the query heads of each KV head
-packed into its tiles (DMATTN_FWD_PACK_GQA=1) and unpacked (=0), dmattn's decode kernel
-(DMATTN_DECODE=1, up to 64 rows of a group), and SDPA: its FlashAttention-2 backend given the
+prefill, speculative decoding): dmattn as it chooses (the decode kernel up to 64 rows of a
+group), then its general kernels (DMATTN_DECODE=0) with the query heads of each KV head packed
+into its tiles (DMATTN_FWD_PACK_GQA=1) and unpacked (=0), and SDPA: its FlashAttention-2 backend given the
 GQA heads (enable_gqa; the mem-efficient one refuses them), cuDNN on K / V expanded to every
 query head outside the timing. Causal rows are bottom-right aligned (the chunk at the end of
 the cache): SDPA gets causal_lower_right (cuDNN has none). bf16; median of CUDA-event timings
@@ -68,19 +68,15 @@ def main():
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         ke, ve = (t.repeat_interleave(h // hkv, dim=1) for t in (kt, vt))
         kv_bytes = 2 * k.numel() * k.element_size()
-        rows = sq * h // hkv
         for causal in (False, True):
             shape = f"B={b} H={h}/{hkv} D={d} Sq={sq} Sk={sk}{' causal' if causal else ''}"
             variants = {
                 "dmattn": (lambda: dmattn.attention(q, k, v, causal=causal), {}),
-                "dmattn, heads packed": (lambda: dmattn.attention(q, k, v, causal=causal),
-                                         {"DMATTN_FWD_PACK_GQA": "1"}),
-                "dmattn, heads unpacked": (lambda: dmattn.attention(q, k, v, causal=causal),
-                                           {"DMATTN_FWD_PACK_GQA": "0"}),
+                "dmattn general, heads packed": (lambda: dmattn.attention(q, k, v, causal=causal),
+                                                 {"DMATTN_FWD_PACK_GQA": "1", "DMATTN_DECODE": "0"}),
+                "dmattn general, heads unpacked": (lambda: dmattn.attention(q, k, v, causal=causal),
+                                                   {"DMATTN_FWD_PACK_GQA": "0", "DMATTN_DECODE": "0"}),
             }
-            if rows <= 64:
-                variants["dmattn decode kernel"] = (lambda: dmattn.attention(q, k, v, causal=causal),
-                                                    {"DMATTN_DECODE": "1"})
             mask = causal_lower_right(sq, sk) if causal else None
             def sdpa_flash():
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

@@ -107,8 +107,8 @@ def maybe_decode_forward(q, k, v, mask, bias, causal, window_left, window_right,
     splits = _decode_splits(q, k.shape[2], k.shape[1], AUTO_MAX_ROWS)
     if splits == 0:
         return None
-    return _run_decode(q, k, v, mask, bias, causal, window_left, window_right, scale, softcap, None, None,
-                       splits)
+    return _run_decode(q, _cuda_layout(k), _cuda_layout(v), mask, bias, causal, window_left, window_right, scale,
+                       softcap, None, None, splits)
 
 
 @functools.lru_cache(maxsize=4096)

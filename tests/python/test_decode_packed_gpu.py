@@ -55,10 +55,12 @@ def test_packed_equals_sequences_bitwise(lens_q, lens_k, heads, heads_kv, head_d
                                               operands)
     out, lse = dmattn.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), mask, bias,
                                        return_lse=True, **kw)
-    q0 = k0 = 0
+    starts_q = [0] + torch.tensor(lens_q).cumsum(0).tolist()
+    starts_k = [0] + torch.tensor(lens_k).cumsum(0).tolist()
     for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
         if lq == 0:
             continue
+        q0, k0 = starts_q[b], starts_k[b]
         qb, kb, vb = q[None, q0:q0 + lq], k[None, k0:k0 + lk], v[None, k0:k0 + lk]
         mb = None if mask is None else mask[None, :, None, k0:k0 + lk]
         bb = None if bias is None else bias[None, :, None, k0:k0 + lk]
@@ -69,7 +71,6 @@ def test_packed_equals_sequences_bitwise(lens_q, lens_k, heads, heads_kv, head_d
         if lk > 0:
             check_against_reference(qb, kb, vb, mb, bb, ob, lb, causal=kw.get("causal", False),
                                     window=kw.get("window", (-1, -1)), softcap=kw.get("softcap", 0.0))
-        q0, k0 = q0 + lq, k0 + lk
 
 
 def test_packed_decode_off_matches_general(monkeypatch):

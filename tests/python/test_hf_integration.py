@@ -490,6 +490,31 @@ def test_right_padded_prompt_same_on_both_caches():
 
 @needs_transformers
 @pytest.mark.gpu
+def test_gpu_right_padded_prompt_same_on_both_caches():
+    """The right-padded prompt on CUDA (bf16): the dynamic cache (2D padding mask: the prompt
+    packed, its decoding steps on the decode kernel) and the static cache (4D mask on the dense
+    path) give sdpa's greedy tokens, up to near ties of bf16 rounding."""
+    hf_dmattn.register()
+    model = _tiny_model("llama", "cuda")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)
+    ids = torch.stack([torch.randperm(64, generator=torch.Generator().manual_seed(s))[:12] for s in range(2)]).cuda()
+    pad = torch.ones(2, 12, dtype=torch.long, device="cuda")
+    pad[1, -3:] = 0
+    runs = {}
+    for impl, cache in (("sdpa", "dynamic"), ("dmattn", "dynamic"), ("dmattn", "static")):
+        model.set_attn_implementation(impl)
+        extra = dict(cache_implementation="static", disable_compile=True) if cache == "static" else {}
+        runs[impl, cache] = model.generate(input_ids=ids, attention_mask=pad, max_new_tokens=6, do_sample=False,
+                                           pad_token_id=0, output_scores=True, return_dict_in_generate=True, **extra)
+    reference = runs["sdpa", "dynamic"]
+    for key in (("dmattn", "dynamic"), ("dmattn", "static")):
+        _assert_same_tokens_but_near_ties(reference, runs[key], prompt=12)
+    _assert_same_tokens_but_near_ties(runs["dmattn", "dynamic"], runs["dmattn", "static"], prompt=12)
+
+
+@needs_transformers
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["llama", "doge"])
 @pytest.mark.parametrize("left_pad", [False, True])
 def test_gpu_generate_matches_eager(name, left_pad, monkeypatch):
