@@ -463,18 +463,19 @@ def test_padded_attention_refuses_a_bias_with_a_query_dimension(device):
         padded_attention(q, k, v, real, bias, causal=True)
 
 
-@needs_transformers
-def test_right_padded_prompt_same_on_both_caches():
-    """A right-padded prompt (the case transformers warns about): the next token comes from the
-    last padded row, which attends to the whole prompt under eager's and sdpa's 4D mask. The
-    dynamic cache's 2D padding mask (packed rows) and the static cache's 4D mask (dense path)
-    give it the same logits as sdpa, and the same tokens."""
+def _right_padded_runs(device):
+    """Greedy generate() of a tiny Llama on a right-padded prompt (the case transformers warns
+    about: the next token comes from the last padded row, which attends to the whole prompt under
+    eager's and sdpa's 4D mask) with sdpa, and with dmattn on the dynamic cache (2D padding mask:
+    packed rows, decoding steps on the decode kernel on CUDA) and the static cache (4D mask, dense
+    path)."""
     hf_dmattn.register()
-    model = _tiny_model("llama", "cpu")
+    model = _tiny_model("llama", device)
     with torch.no_grad():
         model.lm_head.weight.mul_(8)
     ids = torch.stack([torch.randperm(64, generator=torch.Generator().manual_seed(s))[:12] for s in range(2)])
-    pad = torch.ones(2, 12, dtype=torch.long)
+    ids = ids.to(device)
+    pad = torch.ones(2, 12, dtype=torch.long, device=device)
     pad[1, -3:] = 0
     runs = {}
     for impl, cache in (("sdpa", "dynamic"), ("dmattn", "dynamic"), ("dmattn", "static")):
@@ -482,6 +483,13 @@ def test_right_padded_prompt_same_on_both_caches():
         extra = dict(cache_implementation="static", disable_compile=True) if cache == "static" else {}
         runs[impl, cache] = model.generate(input_ids=ids, attention_mask=pad, max_new_tokens=6, do_sample=False,
                                            pad_token_id=0, output_scores=True, return_dict_in_generate=True, **extra)
+    return runs
+
+
+@needs_transformers
+def test_right_padded_prompt_same_on_both_caches():
+    """Both caches give the padded row sdpa's logits (float32, CPU), and the same tokens."""
+    runs = _right_padded_runs("cpu")
     reference = runs["sdpa", "dynamic"]
     for key in (("dmattn", "dynamic"), ("dmattn", "static")):
         torch.testing.assert_close(runs[key].scores[0], reference.scores[0], atol=1e-4, rtol=1e-4, msg=str(key))
@@ -491,22 +499,9 @@ def test_right_padded_prompt_same_on_both_caches():
 @needs_transformers
 @pytest.mark.gpu
 def test_gpu_right_padded_prompt_same_on_both_caches():
-    """The right-padded prompt on CUDA (bf16): the dynamic cache (2D padding mask: the prompt
-    packed, its decoding steps on the decode kernel) and the static cache (4D mask on the dense
-    path) give sdpa's greedy tokens, up to near ties of bf16 rounding."""
-    hf_dmattn.register()
-    model = _tiny_model("llama", "cuda")
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8)
-    ids = torch.stack([torch.randperm(64, generator=torch.Generator().manual_seed(s))[:12] for s in range(2)]).cuda()
-    pad = torch.ones(2, 12, dtype=torch.long, device="cuda")
-    pad[1, -3:] = 0
-    runs = {}
-    for impl, cache in (("sdpa", "dynamic"), ("dmattn", "dynamic"), ("dmattn", "static")):
-        model.set_attn_implementation(impl)
-        extra = dict(cache_implementation="static", disable_compile=True) if cache == "static" else {}
-        runs[impl, cache] = model.generate(input_ids=ids, attention_mask=pad, max_new_tokens=6, do_sample=False,
-                                           pad_token_id=0, output_scores=True, return_dict_in_generate=True, **extra)
+    """On CUDA (bf16) both caches give sdpa's greedy tokens and each other's, up to near ties of
+    bf16 rounding."""
+    runs = _right_padded_runs("cuda")
     reference = runs["sdpa", "dynamic"]
     for key in (("dmattn", "dynamic"), ("dmattn", "static")):
         _assert_same_tokens_but_near_ties(reference, runs[key], prompt=12)
