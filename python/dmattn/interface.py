@@ -189,6 +189,8 @@ def _direct_decode(q, k, v, bias, causal, window, scale, softcap, return_lse):
     naming it as the checked route does, and allocates the outputs: the checked route's Python
     layers are host time that the GPU waits for when a step starts from idle. None where the
     call takes the checked route (attention_with_kvcache's direct route likewise)."""
+    if torch.compiler.is_compiling():  # (traced: the op, whose body picks the kernel at run time)
+        return None
     if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and q.is_cuda and k.is_cuda
             and v.is_cuda and q.dim() == 4 and k.dim() == 4 and v.dim() == 4):
         return None

@@ -180,7 +180,10 @@ __device__ __forceinline__ float operand_bias(const DecodeArgs& a, uint32_t raw)
 }
 
 // The transform of one score (docs/semantics.md): scale, softcap, bias, then the allowed test
-// (split, mask, window); a disallowed key gives -inf (replaced, never offset). In log2 units.
+// (split, mask, window); a disallowed key gives -inf (replaced, never offset). In natural-log
+// units: a score near -FLT_MAX (a finfo.min bias on an allowed key) stays finite, as the
+// general kernels keep it (in log2 units it would overflow to -inf, and a row of such keys
+// would count as empty).
 // kChecks = false: a tile inside the split and inside every row's window (tile_inside), without
 // softcap: the same arithmetic without the per-key tests (allowed is then the mask's alone).
 template <bool kOperands, bool kChecks = true>
@@ -194,8 +197,11 @@ __device__ __forceinline__ float transform_score(const DecodeArgs& a, float s, i
     if (a.window_right >= 0) ok = ok && j <= i + off + a.window_right;
   }
   if (kOperands) s += bias;
-  return ok ? s * 1.4426950408889634f : -INFINITY;
+  return ok ? s : -INFINITY;
 }
+
+inline constexpr float kDecodeLog2e = 1.4426950408889634f;
+inline constexpr float kDecodeLn2 = 0.6931471805599453f;
 
 // Whether keys [jt, jt + keys) all lie before the split's end ke and inside the window (causal
 // included) of every query i_first .. i_last, with no softcap: such a tile's scores take
@@ -319,10 +325,12 @@ __device__ __forceinline__ void start_rows(float (&o)[kNd][4], float (&m)[2], fl
   l[0] = l[1] = 0.f;
 }
 
-// Online softmax in base 2 of a tile's scores s (kKeys / 8 n-tiles), per accumulator row (hf:
-// row lane / 4 + 8 hf): transform (mask / bias entries in op), new row maxima m, the factors
-// alpha that rescale the old sums / accumulators, s replaced by the probabilities, sums l. A row
-// whose maximum is -inf so far subtracts 0 instead: its masked keys give p = 0, NaN scores NaN.
+// Online softmax of a tile's scores s (kKeys / 8 n-tiles), per accumulator row (hf: row
+// lane / 4 + 8 hf): transform (mask / bias entries in op), new row maxima m (natural-log units),
+// the factors alpha that rescale the old sums / accumulators, s replaced by the probabilities
+// exp2((s - m) log2 e) (the subtraction first: exact for scores near -FLT_MAX, as the general
+// kernels' safe subtraction), sums l. A row whose maximum is -inf so far subtracts 0 instead:
+// its masked keys give p = 0, NaN scores NaN.
 template <typename Element, bool kOperands, int kKeys, bool kChecks>
 __device__ __forceinline__ void online_softmax(const DecodeArgs& a, float (&s)[kKeys / 8][4], int jt, int ke,
                                                int64_t off, const int (&row_i)[2], const StepOperandsOf<kKeys>& op,
@@ -345,7 +353,7 @@ __device__ __forceinline__ void online_softmax(const DecodeArgs& a, float (&s)[k
     }
     mx = quad_max(mx);
     const float mu = mx == -INFINITY ? 0.f : mx;
-    alpha[hf] = fast_exp2(m[hf] - mu);
+    alpha[hf] = fast_exp2((m[hf] - mu) * kDecodeLog2e);
     m[hf] = mx;
     float sum = 0.f;
 #pragma unroll
@@ -353,7 +361,7 @@ __device__ __forceinline__ void online_softmax(const DecodeArgs& a, float (&s)[k
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& x = s[nt][2 * hf + e];
-        x = fast_exp2(x - mu);
+        x = fast_exp2((x - mu) * kDecodeLog2e);
         sum += x;
       }
     }
@@ -661,7 +669,7 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
     float sum = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      const float wt = fast_exp2(sm_m[w][r] - mu);
+      const float wt = fast_exp2((sm_m[w][r] - mu) * kDecodeLog2e);
       sm_w[w][r] = wt;
       sum += sm_l[w][r] * wt;
     }
@@ -682,7 +690,7 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
     const bool empty = sum == 0.f;
     out = empty ? 0.f : out / sum;
     const int row = r0 + r, qi = row / a.group, h = kvh * a.group + row % a.group;
-    const float lse = empty ? -INFINITY : (sm_row_m[r] + __log2f(sum)) * 0.6931471805599453f;
+    const float lse = empty ? -INFINITY : sm_row_m[r] + __log2f(sum) * kDecodeLn2;
     if (direct) {
       Element* dst = static_cast<Element*>(a.out) + seq.bm * a.o_st.batch_stride +
                      (seq.q0 + qi) * a.o_st.row_stride + h * a.o_st.head_stride;

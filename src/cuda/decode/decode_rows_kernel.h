@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2
     // An empty row (no allowed key in this split) is 0 with lse -inf; a NaN sum stays NaN.
     const bool empty = sum == 0.f;
     const float mu = m[hf] == -INFINITY ? 0.f : m[hf];
-    const float lse = empty ? -INFINITY : (mu + __log2f(sum)) * 0.6931471805599453f;
+    const float lse = empty ? -INFINITY : mu + __log2f(sum) * kDecodeLn2;
     const int row = r0 + r, qi = row / a.group, h = kvh * a.group + row % a.group;
     const int64_t prow = partial_row(a, seq, split, h, qi);
     Element* dst = static_cast<Element*>(a.out) + seq.bm * a.o_st.batch_stride + (seq.q0 + qi) * a.o_st.row_stride +
