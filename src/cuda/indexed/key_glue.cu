@@ -47,39 +47,6 @@ __device__ __forceinline__ uint32_t ordered_key(uint32_t bits) {
   return uint32_t(o + 2147483648LL);
 }
 
-// Keys a thread loads together in a histogram pass (independent loads in flight: with one CTA
-// an SM, a loop of one load at a time waited for each).
-constexpr int kSelectBatch = 8;
-
-// Warp 0 finds, from the pass's 256-bucket histogram, the digit whose bucket holds the left-th
-// largest candidate (buckets from 255 down), and how many keys of that bucket are then taken:
-// a lane per 8 buckets, a suffix sum over the lanes, then the owning lane walks its 8.
-// (Above every candidate -- not reached: left <= the candidates -- it answers digit 0, as a
-// walk down to 0 would.)
-__device__ __forceinline__ void select_digit(const unsigned (&hist)[256], int left, uint32_t prefix, int shift,
-                                             uint32_t& s_prefix, int& s_left) {
-  const int lane = threadIdx.x;
-  unsigned local = 0;
-#pragma unroll
-  for (int e = 0; e < 8; ++e) local += hist[lane * 8 + e];
-  unsigned through = local;  // candidates in the buckets of lanes >= lane
-#pragma unroll
-  for (int o = 1; o < 32; o *= 2) {
-    const unsigned t = __shfl_down_sync(0xffffffffu, through, o);
-    if (lane + o < 32) through += t;
-  }
-  const int above = int(through - local);  // in the buckets of the lanes above
-  const unsigned owner = __ballot_sync(0xffffffffu, above < left && left <= int(through));
-  if (owner == 0) {
-    if (lane == 0) s_prefix = prefix, s_left = left - (int(through) - int(hist[0]));
-  } else if (lane == __ffs(owner) - 1) {
-    int taken = above, d = lane * 8 + 7;
-    for (; d > lane * 8 && taken + int(hist[d]) < left; --d) taken += int(hist[d]);
-    s_prefix = prefix | (uint32_t(d) << shift);
-    s_left = left - taken;
-  }
-}
-
 template <typename Bits>
 __global__ void __launch_bounds__(kSelectThreads) topk_positions_kernel(TopkPositionsArgs a) {
   using BlockScan = cub::BlockScan<long long, kSelectThreads>;
@@ -98,28 +65,17 @@ __global__ void __launch_bounds__(kSelectThreads) topk_positions_kernel(TopkPosi
   for (int shift = sizeof(Bits) == 2 ? 8 : 24; shift >= 0; shift -= 8) {
     for (int d = tid; d < 256; d += kSelectThreads) hist[d] = 0;
     __syncthreads();
-    for (int64_t i0 = tid; i0 < a.num_keys; i0 += int64_t(kSelectThreads) * kSelectBatch) {
-      uint32_t u[kSelectBatch];
-#pragma unroll
-      for (int e = 0; e < kSelectBatch; ++e) {
-        const int64_t i = i0 + int64_t(e) * kSelectThreads;
-        u[e] = i < a.num_keys ? key(i) : 0u;
-      }
-#pragma unroll
-      for (int e = 0; e < kSelectBatch; ++e) {
-        const bool candidate = i0 + int64_t(e) * kSelectThreads < a.num_keys && (u[e] & prefix_mask) == prefix;
-        // One shared atomic per distinct digit of the warp: the high digit of a bias (sign and
-        // exponent) falls in a few buckets, whose atomics would otherwise serialize.
-        const unsigned candidates = __ballot_sync(__activemask(), candidate);
-        if (candidate) {
-          const unsigned digit = (u[e] >> shift) & 255u;
-          const unsigned peers = __match_any_sync(candidates, digit);
-          if (int(threadIdx.x % 32) == __ffs(peers) - 1) atomicAdd(&hist[digit], unsigned(__popc(peers)));
-        }
-      }
+    for (int64_t i = tid; i < a.num_keys; i += kSelectThreads) {
+      const uint32_t u = key(i);
+      if ((u & prefix_mask) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1u);
     }
     __syncthreads();
-    if (tid < 32) select_digit(hist, left, prefix, shift, s_prefix, s_left);
+    if (tid == 0) {  // the digit whose bucket holds the left-th largest of the candidates
+      int above = 0, d = 255;
+      for (; d > 0 && above + int(hist[d]) < left; --d) above += int(hist[d]);
+      s_prefix = prefix | (uint32_t(d) << shift);
+      s_left = left - above;
+    }
     __syncthreads();
     prefix = s_prefix;
     left = s_left;
