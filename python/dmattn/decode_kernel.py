@@ -21,10 +21,10 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._lib import lib
-from ._op_utils import _cuda_layout, _scale_arg
+from ._lib import check_cuda_index, lib
+from ._op_utils import _cuda_layout, _plain_eager, _scale_arg, records_no_gradient
 
-__all__ = ["maybe_decode_forward", "varlen_decode_splits", "varlen_decode_forward", "decode_enabled",
+__all__ = ["maybe_decode_forward", "direct_decode_splits", "varlen_decode_splits", "varlen_decode_forward", "decode_enabled",
            "decode_rows_fit", "gathered_decode", "gathered_decode_splits", "native_allocates", "AUTO_MAX_ROWS",
            "KVCACHE_MAX_ROWS", "KERNEL_DTYPES"]
 
@@ -91,6 +91,33 @@ def _run_decode(q, k, v, mask, bias, causal, window_left, window_right, scale, s
     lib().forward_decode(q, k, v, out, lse, mask, bias, causal, window_left, window_right, _scale_arg(scale),
                          softcap, seqlens, block_table, workspace, splits, key_positions)
     return out, lse
+
+
+def direct_decode_splits(q, k, v, operands: tuple, max_rows: int, pages: int = 1) -> int:
+    """The split count of a call that may go straight to the native decode call (the direct
+    routes of dmattn.attention and attention_with_kvcache, docs/decode.md "Host time"), or 0:
+    eager (not traced, no dispatch mode, transform or profiler), plain CUDA tensors q, k, v
+    (B, S, H, D) and ``operands`` (the call's other tensors, None where absent), 16-bit q, torch
+    lending its allocator, no gradient to record, and shapes the decode kernels take (up to
+    max_rows query rows a kv head, k.shape[1] * pages keys: pages of a paged cache). The native
+    call then validates every tensor."""
+    if torch.compiler.is_compiling():  # (traced: the op, whose body picks the kernel at run time)
+        return 0
+    if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and q.is_cuda and k.is_cuda
+            and v.is_cuda and q.dim() == 4 and k.dim() == 4):
+        return 0
+    for t in operands:
+        if t is not None and not (type(t) is Tensor and t.is_cuda):
+            return 0
+    if q.dtype not in KERNEL_DTYPES or not native_allocates():
+        return 0
+    device = q.get_device()
+    batch, seqlen_q, heads, head_dim = q.shape
+    splits = _splits(device, batch, seqlen_q, heads, k.shape[2], head_dim, k.shape[1] * pages, max_rows)
+    if not splits or not records_no_gradient(q, k, v, *operands) or not _plain_eager(()):
+        return 0
+    check_cuda_index(device)
+    return splits
 
 
 def decode_enabled() -> bool:

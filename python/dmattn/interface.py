@@ -14,9 +14,8 @@ import torch
 from torch import Tensor
 
 from . import gate_skip, gather, window_parts
-from ._lib import check_cuda_index
-from ._op_utils import _cuda_layout, _plain_eager, check_devices, records_no_gradient
-from .decode_kernel import AUTO_MAX_ROWS, KERNEL_DTYPES, _run_decode, _splits, decode_enabled, native_allocates
+from ._op_utils import _cuda_layout, check_devices
+from .decode_kernel import AUTO_MAX_ROWS, _run_decode, decode_enabled, direct_decode_splits
 from .ops import forward_with_grad, varlen_forward_with_grad
 
 __all__ = ["attention", "attention_varlen", "flash_dmattn_func"]
@@ -189,23 +188,10 @@ def _direct_decode(q, k, v, bias, causal, window, scale, softcap, return_lse):
     naming it as the checked route does, and allocates the outputs: the checked route's Python
     layers are host time that the GPU waits for when a step starts from idle. None where the
     call takes the checked route (attention_with_kvcache's direct route likewise)."""
-    if torch.compiler.is_compiling():  # (traced: the op, whose body picks the kernel at run time)
-        return None
-    if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and q.is_cuda and k.is_cuda
-            and v.is_cuda and q.dim() == 4 and k.dim() == 4 and v.dim() == 4):
-        return None
-    if bias is not None and not (type(bias) is Tensor and bias.is_cuda):
-        return None
-    if q.dtype not in KERNEL_DTYPES or not decode_enabled() or not native_allocates():
-        return None
-    device = q.get_device()
-    batch, seqlen_q, heads, head_dim = q.shape
-    splits = _splits(device, batch, seqlen_q, heads, k.shape[2], head_dim, k.shape[1], AUTO_MAX_ROWS)
-    # (_plain_eager: not traced, no dispatch mode, transform or profiler)
-    if not splits or not records_no_gradient(q, k, v, bias) or not _plain_eager(()):
+    splits = direct_decode_splits(q, k, v, (bias,), AUTO_MAX_ROWS)
+    if not splits or not decode_enabled():
         return None
     left, right, scale, softcap = _parse_options(window, scale, softcap)
-    check_cuda_index(device)
     q, k, v = (_cuda_layout(_last_dim_contiguous(x)) for x in (q, k, v))
     out, lse = _run_decode(q, k, v, None, bias, bool(causal), left, right, scale, softcap, None, None, splits,
                            want_lse=return_lse)

@@ -10,10 +10,9 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from ._lib import check_cuda_index
-from ._op_utils import _cuda_layout, _plain_eager, records_no_gradient
+from ._op_utils import _cuda_layout, records_no_gradient
 from .decode import _append, cache_attention, kvcache_forward
-from .decode_kernel import KERNEL_DTYPES, KVCACHE_MAX_ROWS, _run_decode, _splits, native_allocates
+from .decode_kernel import KVCACHE_MAX_ROWS, _run_decode, direct_decode_splits
 from .interface import _parse_options, _require_tensor
 
 __all__ = ["attention_with_kvcache"]
@@ -56,28 +55,16 @@ def _direct_decode(q, k_cache, v_cache, cache_seqlens, block_table, mask, bias, 
     the call takes the checked route."""
     if torch.compiler.is_compiling():  # (traced: the op, whose body runs at run time)
         return None
-    if not (type(q) is Tensor and type(k_cache) is Tensor and type(v_cache) is Tensor
-            and type(cache_seqlens) is Tensor and q.is_cuda and k_cache.is_cuda and v_cache.is_cuda
-            and cache_seqlens.is_cuda and q.dim() == 4 and k_cache.dim() == 4):
+    if type(cache_seqlens) is not Tensor:  # (an int: the checked route makes the tensor)
         return None
-    for t in (block_table, mask, bias):
-        if t is not None and not (type(t) is Tensor and t.is_cuda):
-            return None
-    if block_table is None:
-        seqlen_k = k_cache.shape[1]
-    elif block_table.dim() == 2:
-        seqlen_k = k_cache.shape[1] * block_table.shape[1]
-    else:
+    if block_table is not None and not (type(block_table) is Tensor and block_table.dim() == 2):
         return None
-    if q.dtype not in KERNEL_DTYPES or not native_allocates():
-        return None
-    device = q.get_device()
-    batch, seqlen_q, heads, head_dim = q.shape
-    splits = _splits(device, batch, seqlen_q, heads, k_cache.shape[2], head_dim, seqlen_k, KVCACHE_MAX_ROWS)
-    if not splits or not records_no_gradient(q, k_cache, v_cache, bias) or not _plain_eager(()):
+    pages = 1 if block_table is None else block_table.shape[1]
+    splits = direct_decode_splits(q, k_cache, v_cache, (cache_seqlens, block_table, mask, bias), KVCACHE_MAX_ROWS,
+                                  pages)
+    if not splits:
         return None
     window_left, window_right, scale, softcap = _parse_options(window, scale, softcap)
-    check_cuda_index(device)
     if block_table is None:  # (a cache whose rows the kernel cannot copy in 16-byte chunks is copied)
         k_cache, v_cache = _cuda_layout(k_cache), _cuda_layout(v_cache)
     out, lse = _run_decode(q, k_cache, v_cache, mask, bias, bool(causal), window_left, window_right, scale,

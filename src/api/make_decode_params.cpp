@@ -69,6 +69,28 @@ void check_gathered_params(const TensorDesc& positions, const ForwardParams& p) 
         ") with seqlen_q ", p.seqlen_q);
 }
 
+// The decode fields of p, last (after every other argument is checked, on any device: the C++
+// tests run on the CPU): the float32 workspace that num_splits > 1 splits of `rows` query rows
+// (B * H * Sq, or H * total_q packed) need, then CUDA only.
+void set_decode_splits(const TensorDesc& q, const TensorDesc* workspace, int64_t num_splits, int64_t rows,
+                       ForwardParams& p) {
+  if (num_splits > 1) {
+    check(workspace != nullptr, ErrorKind::kValue, "workspace: ", num_splits,
+          " key splits need a float32 workspace, got none");
+    const TensorDesc& w = *workspace;
+    check_same_device(q, w, "workspace");
+    check_dtype(w, DType::kFloat32, "workspace");
+    check_contiguous(w, "workspace");
+    const int64_t need = num_splits * rows * (p.head_dim + 1);
+    check(w.numel() >= need, ErrorKind::kValue, "workspace: expected at least ", need,
+          " float32 elements, got ", w.numel());
+    p.split_workspace = static_cast<float*>(w.data);
+  }
+  check(q.device == DeviceKind::kCUDA, ErrorKind::kNotImplemented,
+        "q: the decode kernel runs on CUDA tensors; got a tensor on ", device_name(q.device));
+  p.decode_splits = num_splits;
+}
+
 }  // namespace
 
 int64_t decode_splits(DeviceKind device, int32_t device_id, int64_t batch, int64_t seqlen_q, int64_t num_heads,
@@ -106,21 +128,7 @@ ForwardParams make_varlen_decode_forward_params(const TensorDesc& q, const Tenso
                                                 int64_t num_splits) {
   ForwardParams p = make_varlen_forward_params(q, k, v, packing, out, lse, mask, bias, options);
   check(num_splits >= 1, ErrorKind::kValue, "num_splits: expected >= 1, got ", num_splits);
-  if (num_splits > 1) {
-    check(workspace != nullptr, ErrorKind::kValue, "workspace: ", num_splits,
-          " key splits need a float32 workspace, got none");
-    const TensorDesc& w = *workspace;
-    check_same_device(q, w, "workspace");
-    check_dtype(w, DType::kFloat32, "workspace");
-    check_contiguous(w, "workspace");
-    const int64_t need = num_splits * p.num_heads * p.total_q * (p.head_dim + 1);
-    check(w.numel() >= need, ErrorKind::kValue, "workspace: expected at least ", need,
-          " float32 elements, got ", w.numel());
-    p.split_workspace = static_cast<float*>(w.data);
-  }
-  check(q.device == DeviceKind::kCUDA, ErrorKind::kNotImplemented,
-        "q: the decode kernel runs on CUDA tensors; got a tensor on ", device_name(q.device));
-  p.decode_splits = num_splits;
+  set_decode_splits(q, workspace, num_splits, p.num_heads * p.total_q, p);
   return p;
 }
 
@@ -169,22 +177,7 @@ ForwardParams make_decode_forward_params(const TensorDesc& q, const TensorDesc& 
     check_contiguous(s, "cache_seqlens");
     p.seqused_k = static_cast<const int32_t*>(s.data);
   }
-  if (inputs.num_splits > 1) {
-    check(inputs.workspace != nullptr, ErrorKind::kValue, "workspace: ", inputs.num_splits,
-          " key splits need a float32 workspace, got none");
-    const TensorDesc& w = *inputs.workspace;
-    check_same_device(q, w, "workspace");
-    check_dtype(w, DType::kFloat32, "workspace");
-    check_contiguous(w, "workspace");
-    const int64_t need = inputs.num_splits * batch * p.num_heads * p.seqlen_q * (p.head_dim + 1);
-    check(w.numel() >= need, ErrorKind::kValue, "workspace: expected at least ", need,
-          " float32 elements, got ", w.numel());
-    p.split_workspace = static_cast<float*>(w.data);
-  }
-  // Last, so that every argument is checked on any device (the C++ tests run on the CPU).
-  check(q.device == DeviceKind::kCUDA, ErrorKind::kNotImplemented,
-        "q: the decode kernel runs on CUDA tensors; got a tensor on ", device_name(q.device));
-  p.decode_splits = inputs.num_splits;
+  set_decode_splits(q, inputs.workspace, inputs.num_splits, batch * p.num_heads * p.seqlen_q, p);
   return p;
 }
 

@@ -124,9 +124,9 @@ struct PackedLaunch {
   int num_splits = 0;
 };
 
-std::vector<PackedLaunch> packed_launches(int64_t heads_kv, int64_t group, int64_t head_dim, int64_t max_seqlen_q,
-                                          int64_t max_seqlen_k, int device_id) {
-  const SplitTable& table = packed_split_table(heads_kv, device_id);
+// (table: packed_split_table of the call's kv heads and GPU)
+std::vector<PackedLaunch> packed_launches(const SplitTable& table, int64_t group, int64_t head_dim,
+                                          int64_t max_seqlen_q, int64_t max_seqlen_k) {
   const int64_t max_m = std::clamp<int64_t>(max_seqlen_k / kDecodeMinKeysPerSplit, 1, kDecodeMaxSplits);
   // The one-tile kernel takes up to one tile of rows (at head dims above 128 up to
   // kDecodePackedMaxRows, in chunks); the 64-row kernel the rest (decode_rows_chunked).
@@ -154,7 +154,8 @@ std::vector<PackedLaunch> packed_launches(int64_t heads_kv, int64_t group, int64
 int64_t decode_packed_splits(int64_t heads_kv, int64_t group, int64_t head_dim, int64_t max_seqlen_q,
                              int64_t max_seqlen_k, int device_id) {
   int64_t splits = 0;
-  for (const PackedLaunch& l : packed_launches(heads_kv, group, head_dim, max_seqlen_q, max_seqlen_k, device_id)) {
+  const SplitTable& table = packed_split_table(heads_kv, device_id);
+  for (const PackedLaunch& l : packed_launches(table, group, head_dim, max_seqlen_q, max_seqlen_k)) {
     splits = std::max<int64_t>(splits, l.num_splits);
   }
   return splits;
@@ -222,9 +223,9 @@ void decode_forward(const ForwardParams& p) {
     a.cu_seqlens_q = p.cu_seqlens_q;
     a.cu_seqlens_k = p.cu_seqlens_k;
     a.total_q = static_cast<int>(p.total_q);
-    std::memcpy(a.split_table, packed_split_table(p.num_heads_kv, p.device_id), sizeof(a.split_table));
-    for (const PackedLaunch& l :
-         packed_launches(p.num_heads_kv, p.group_size(), p.head_dim, p.seqlen_q, p.seqlen_k, p.device_id)) {
+    const SplitTable& table = packed_split_table(p.num_heads_kv, p.device_id);
+    std::memcpy(a.split_table, table, sizeof(a.split_table));
+    for (const PackedLaunch& l : packed_launches(table, p.group_size(), p.head_dim, p.seqlen_q, p.seqlen_k)) {
       check(l.num_splits <= std::max<int64_t>(1, p.decode_splits), ErrorKind::kValue, "num_splits: expected ",
             l.num_splits, " (decode_packed_splits), got ", p.decode_splits);
       DecodeArgs la = a;
