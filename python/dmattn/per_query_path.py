@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from . import gather
-from .gather import _key_side_view, _to_heads, _combined_heads
+from .gather import _key_side_dims, _key_side_view, _to_heads, _combined_heads
 from .interface import _last_dim_contiguous, _parse_options, _parse_window, attention_on
 from .masks import bias_over_keys, cached_index_tensor
 from .ops import (_GLUE_DTYPES, _call_op, attention_backward, attention_forward, forward_with_grad,
@@ -54,7 +54,7 @@ def _check_key_side(t: Optional[Tensor], name: str, q: Tensor, k: Tensor) -> Non
     if not isinstance(t, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     batch, heads, heads_kv, num_keys = q.shape[0], q.shape[2], k.shape[2], k.shape[1]
-    if _key_side_view(t, batch, heads, heads_kv, num_keys) is None:
+    if _key_side_dims(t, batch, heads, heads_kv, num_keys) is None:  # (the rule alone: no view made)
         raise ValueError(
             f"{name}: per_query=True needs a key-side {name} without a query dimension, "
             f"(1 or B, 1 / Hkv / H, 1, Sk) = (1 or {batch}, 1 / {heads_kv} / {heads}, 1, {num_keys}), "

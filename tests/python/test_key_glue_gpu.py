@@ -34,8 +34,10 @@ def _scores(kind: str, shape, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("kind", ["random", "ties", "special"])
+# (rows up to 32768 keys stay in registers, loaded 16 bytes at a time where the row allows:
+# 20001 keys do not; longer rows are read again at each pass)
 @pytest.mark.parametrize("num_keys,keep", [(1, 1), (100, 1), (1000, 37), (1000, 999), (1000, 1000), (8192, 2048),
-                                           (40000, 5000)])
+                                           (20001, 3000), (32768, 2048), (32769, 100), (40000, 5000)])
 def test_select_topk_positions_matches_torch(dtype, kind, num_keys, keep):
     scores = _scores(kind, (2, 3, num_keys), dtype)
     got = ops.select_topk_positions(scores, keep)

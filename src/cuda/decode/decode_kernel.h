@@ -17,6 +17,7 @@
 #include <cute/arch/mma_sm80.hpp>
 
 #include "cuda/decode/decode_args.h"
+#include "cuda/common/pdl.h"
 #include "cuda/common/utils.h"
 
 namespace dmattn::cuda {
@@ -474,6 +475,7 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
   constexpr int kWarps = Tile::kWarps, kKeys = Tile::kKeys, kStages = Tile::kStages, kChunks = Tile::kChunks;
   constexpr int kNd = kD / 8;  // n-tiles of the value product (8 head-dim columns each)
 
+  launch_dependents();  // (the splits' merge may be placed now: it waits for this grid's end)
   const int chunk = blockIdx.x % a.row_chunks, split = blockIdx.x / a.row_chunks;
   const int kvh = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -721,6 +723,7 @@ __global__ void __launch_bounds__(kDecodeCombineThreads) decode_combine_kernel(c
   __shared__ float weight[kDecodeMaxSplits];
   __shared__ float row_lse;
   __shared__ __align__(16) float partial[kThreads * 4];
+  wait_for_prerequisite_grid();  // (launched as the decode kernel's dependent: its partial rows)
   const int64_t row = blockIdx.x;
   const int i = static_cast<int>(row % a.seqlen_q);
   const int h = static_cast<int>((row / a.seqlen_q) % a.num_heads);

@@ -43,6 +43,7 @@ __global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2
   constexpr int kStageKeys = Tile::kStageKeys, kStages = Tile::kStages, kChunks = Tile::kChunks;
   constexpr int kNd = kD / 8;
 
+  launch_dependents();  // (the splits' merge may be placed now: it waits for this grid's end)
   const int chunk = blockIdx.x % a.row_chunks, split = blockIdx.x / a.row_chunks;
   const int kvh = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

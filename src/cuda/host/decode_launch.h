@@ -81,8 +81,8 @@ void run_decode(const DecodeArgs& a, cudaStream_t stream) {
   }
   if (a.num_splits > 1) {
     const int64_t rows = int64_t(a.batch) * a.num_heads * a.seqlen_q;
-    decode_combine_kernel<Element><<<static_cast<unsigned>(rows), kDecodeCombineThreads, 0, stream>>>(a);
-    check_cuda(cudaGetLastError(), "decode combine kernel launch");
+    launch_dependent_kernel(decode_combine_kernel<Element>, dim3(static_cast<unsigned>(rows)), kDecodeCombineThreads,
+                            stream, a, "decode combine kernel launch");
   }
 }
 

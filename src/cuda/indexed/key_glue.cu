@@ -47,8 +47,146 @@ __device__ __forceinline__ uint32_t ordered_key(uint32_t bits) {
   return uint32_t(o + 2147483648LL);
 }
 
+// The radix select's digit of one pass: given the 256 bins' counts of the candidates (the keys
+// whose higher digits are the prefix so far), the digit d whose bin holds the left-th largest
+// candidate and how many candidates of larger digits come before it. By warp 0: lane l sums bins
+// 255 - 8l down to 248 - 8l, an inclusive scan over the lanes orders those sums from the largest
+// digits, and the first lane whose scan reaches `left` walks its own eight bins (a serial walk
+// over 256 bins by one thread took a few microseconds a pass: shared loads one after another).
+__device__ __forceinline__ void pick_digit(const unsigned* hist, int left, int lane, int& digit, int& above_out) {
+  unsigned bins[8];
+  unsigned sum = 0;
+  #pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    bins[e] = hist[255 - 8 * lane - e];
+    sum += bins[e];
+  }
+  unsigned incl = sum;
+  #pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned up = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += up;
+  }
+  const unsigned reach = __ballot_sync(0xffffffffu, int(incl) >= left);
+  const int first = reach != 0 ? __ffs(reach) - 1 : 31;  // (a candidate count below `left` cannot happen)
+  int above = int(__shfl_sync(0xffffffffu, incl - sum, first));
+  int d = 255 - 8 * first;
+  if (lane == first) {
+    int e = 0;
+    for (; e < 7 && above + int(bins[e]) < left; ++e) above += int(bins[e]);
+    d -= e;
+  }
+  digit = __shfl_sync(0xffffffffu, d, first);
+  above_out = __shfl_sync(0xffffffffu, above, first);
+}
+
+// One row's selection where the whole row stays in registers, kCached keys a thread at most
+// (rows up to kSelectThreads * kCached keys): each thread loads its contiguous chunk once (all
+// its loads in flight together, 16 bytes at a time where the row allows), and every radix pass,
+// the counts and the writes read the registers. Each warp counts into a histogram of its own
+// (the largest digits of a bias's keys fall into a few bins, which one shared histogram made
+// every warp's atomics wait on), summed before the digit's choice. Same selection, same bits as
+// topk_positions_stream_kernel.
+constexpr int kCached = 64;
+constexpr int kSelectWarps = kSelectThreads / 32;
+
 template <typename Bits>
-__global__ void __launch_bounds__(kSelectThreads) topk_positions_kernel(TopkPositionsArgs a) {
+__global__ void __launch_bounds__(kSelectThreads) topk_positions_kernel(TopkPositionsArgs a, int chunk, bool vec) {
+  using BlockScan = cub::BlockScan<long long, kSelectThreads>;
+  constexpr int kPerVec = 16 / sizeof(Bits);
+  __shared__ typename BlockScan::TempStorage scan_storage;
+  __shared__ unsigned warp_hist[kSelectWarps][256];
+  __shared__ unsigned hist[256];
+  __shared__ uint32_t s_prefix;
+  __shared__ int s_left;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int64_t row = blockIdx.x;
+  const Bits* src = static_cast<const Bits*>(a.bias) + (row / a.rows_h) * a.stride_b + (row % a.rows_h) * a.stride_h;
+  const int64_t begin = min(int64_t(tid) * chunk, a.num_keys);
+  const int count = int(min(int64_t(chunk), a.num_keys - begin));
+
+  uint32_t keys[kCached];
+  if (vec) {  // (stride 1, 16-byte aligned row, chunk a multiple of kPerVec)
+    #pragma unroll
+    for (int v = 0; v < kCached / kPerVec; ++v) {
+      if (v * kPerVec < count) {
+        const uint4 w = *reinterpret_cast<const uint4*>(src + begin + v * kPerVec);
+        const Bits* e = reinterpret_cast<const Bits*>(&w);
+        #pragma unroll
+        for (int i = 0; i < kPerVec; ++i) keys[v * kPerVec + i] = ordered_key(nan_as_inf(e[i], a.inf_bits));
+      }
+    }
+  } else {
+    #pragma unroll
+    for (int j = 0; j < kCached; ++j)
+      if (j < count) keys[j] = ordered_key(nan_as_inf(src[(begin + j) * a.stride_k], a.inf_bits));
+  }
+
+  // Radix select: the keep-th largest key T, and `left` = how many keys equal to T are taken.
+  uint32_t prefix = 0, prefix_mask = 0;
+  int left = int(a.keep);
+  for (int shift = sizeof(Bits) == 2 ? 8 : 24; shift >= 0; shift -= 8) {
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) warp_hist[warp][lane * 8 + e] = 0;
+    __syncwarp();
+    #pragma unroll
+    for (int j = 0; j < kCached; ++j)
+      if (j < count && (keys[j] & prefix_mask) == prefix) atomicAdd(&warp_hist[warp][(keys[j] >> shift) & 255u], 1u);
+    __syncthreads();
+    if (tid < 256) {
+      unsigned total = 0;
+      #pragma unroll
+      for (int w = 0; w < kSelectWarps; ++w) total += warp_hist[w][tid];
+      hist[tid] = total;
+    }
+    __syncthreads();
+    if (warp == 0) {
+      int digit, above;
+      pick_digit(hist, left, lane, digit, above);
+      if (lane == 0) {
+        s_prefix = prefix | (uint32_t(digit) << shift);
+        s_left = left - above;
+      }
+    }
+    __syncthreads();
+    prefix = s_prefix;
+    left = s_left;
+    prefix_mask |= 255u << shift;
+  }
+  const uint32_t threshold = prefix;
+
+  // Counts above / equal of each chunk, one scan, then the writes in index order.
+  long long counts = 0;  // (above << 32) | equal
+  #pragma unroll
+  for (int j = 0; j < kCached; ++j)
+    if (j < count) counts += keys[j] > threshold ? (1LL << 32) : (keys[j] == threshold ? 1LL : 0LL);
+  long long before;
+  BlockScan(scan_storage).ExclusiveSum(counts, before);
+  int64_t above = before >> 32, equal = before & 0xffffffffLL;
+  int32_t* out = a.positions + row * a.keep;
+  Bits* out_values = a.values != nullptr ? static_cast<Bits*>(a.values) + row * a.keep : nullptr;
+  auto put = [&](int64_t slot, int64_t i) {
+    out[slot] = int32_t(i);
+    if (out_values != nullptr) out_values[slot] = src[i * a.stride_k];  // the bias's own bits, NaN included
+  };
+  #pragma unroll
+  for (int j = 0; j < kCached; ++j) {
+    if (j < count) {
+      if (keys[j] > threshold) {
+        put(above + min(equal, int64_t(left)), begin + j);
+        ++above;
+      } else if (keys[j] == threshold) {
+        if (equal < left) put(above + equal, begin + j);
+        ++equal;
+      }
+    }
+  }
+}
+
+// The same selection for rows longer than the registers hold: every pass reads the row from
+// memory (one shared histogram).
+template <typename Bits>
+__global__ void __launch_bounds__(kSelectThreads) topk_positions_stream_kernel(TopkPositionsArgs a) {
   using BlockScan = cub::BlockScan<long long, kSelectThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
   __shared__ unsigned hist[256];
@@ -59,9 +197,8 @@ __global__ void __launch_bounds__(kSelectThreads) topk_positions_kernel(TopkPosi
   const Bits* src = static_cast<const Bits*>(a.bias) + (row / a.rows_h) * a.stride_b + (row % a.rows_h) * a.stride_h;
   auto key = [&](int64_t i) { return ordered_key(nan_as_inf(src[i * a.stride_k], a.inf_bits)); };
 
-  // Radix select: the keep-th largest key T, and `left` = how many keys equal to T are taken.
   uint32_t prefix = 0, prefix_mask = 0;
-  int left = a.keep;
+  int left = int(a.keep);
   for (int shift = sizeof(Bits) == 2 ? 8 : 24; shift >= 0; shift -= 8) {
     for (int d = tid; d < 256; d += kSelectThreads) hist[d] = 0;
     __syncthreads();
@@ -70,11 +207,13 @@ __global__ void __launch_bounds__(kSelectThreads) topk_positions_kernel(TopkPosi
       if ((u & prefix_mask) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1u);
     }
     __syncthreads();
-    if (tid == 0) {  // the digit whose bucket holds the left-th largest of the candidates
-      int above = 0, d = 255;
-      for (; d > 0 && above + int(hist[d]) < left; --d) above += int(hist[d]);
-      s_prefix = prefix | (uint32_t(d) << shift);
-      s_left = left - above;
+    if (tid < 32) {
+      int digit, above;
+      pick_digit(hist, left, tid, digit, above);
+      if (tid == 0) {
+        s_prefix = prefix | (uint32_t(digit) << shift);
+        s_left = left - above;
+      }
     }
     __syncthreads();
     prefix = s_prefix;
@@ -324,8 +463,22 @@ void topk_positions(const TopkPositionsArgs& a, void* stream_ptr) {
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   if (a.rows_b * a.rows_h == 0 || a.keep == 0) return;
   const dim3 grid(unsigned(a.rows_b * a.rows_h));
-  if (a.elem_bytes == 2) topk_positions_kernel<uint16_t><<<grid, kSelectThreads, 0, stream>>>(a);
-  else topk_positions_kernel<uint32_t><<<grid, kSelectThreads, 0, stream>>>(a);
+  const bool half = a.elem_bytes == 2;
+  if (a.num_keys <= int64_t(kSelectThreads) * kCached) {
+    // Chunks of whole 16-byte vectors where the rows are contiguous and aligned.
+    const int per_vec = half ? 8 : 4;
+    const int64_t bytes = a.elem_bytes;
+    const bool vec = a.stride_k == 1 && a.num_keys % per_vec == 0 && reinterpret_cast<uintptr_t>(a.bias) % 16 == 0 &&
+                     (a.stride_b * bytes) % 16 == 0 && (a.stride_h * bytes) % 16 == 0;
+    int chunk = int((a.num_keys + kSelectThreads - 1) / kSelectThreads);
+    if (vec) chunk = (chunk + per_vec - 1) / per_vec * per_vec;
+    if (half) topk_positions_kernel<uint16_t><<<grid, kSelectThreads, 0, stream>>>(a, chunk, vec);
+    else topk_positions_kernel<uint32_t><<<grid, kSelectThreads, 0, stream>>>(a, chunk, vec);
+  } else if (half) {
+    topk_positions_stream_kernel<uint16_t><<<grid, kSelectThreads, 0, stream>>>(a);
+  } else {
+    topk_positions_stream_kernel<uint32_t><<<grid, kSelectThreads, 0, stream>>>(a);
+  }
   check_cuda(cudaGetLastError(), "top-k positions launch");
 }
 
