@@ -28,8 +28,9 @@
 //       dQ -> shared memory (fp32) for the writer (head dim 256: the consumers in turns on one
 //       buffer, bwd_ws_tile_sm90.h).
 //     dK and dV stay in registers across the loop and are stored at the end (scale applied).
-// With the gate (the variant Tile::kGate, key rows), the loader adds the query block's alpha rows
-// and the key block's delta rows to the stages, the transform adds scale * g(alpha delta) to the
+// With the gate (the variant Tile::kGate: on key rows, or on plain scores where it comes alone),
+// the loader adds the query block's alpha rows to the stages and the key block's delta rows (key
+// rows; on plain scores the CTA loads them once), the transform adds scale * g(alpha delta) to the
 // scores, and once P is stored the gate's gradients of the block go from dS into dalpha's
 // accumulator (row sums) and shared memory (column sums, flushed into ddelta at the end;
 // gate_grads_sm90.h).
@@ -181,8 +182,6 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     } else {
       bwd_query_block_range(seq.window(), n0, kBlockN, kBlockM, m_lo, m_hi);
     }
-    if constexpr (Tile::kGate)
-      for (int i = threadIdx.x; i < 4 * kBlockN; i += Tile::kNThreads) ss.gate_col[i] = 0.f;
     if constexpr (colsum) {
       for (int i = threadIdx.x; i < kBlockN; i += Tile::kNThreads) ss.colsum[i] = 0.f;
       // (the column-sum product's B operand, published to wgmma by this fence and the barriers
@@ -196,6 +195,16 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   }
   const int n_m = max(m_hi - m_lo, 0);
   const int n_iter = n_m * group;
+  // The gate: its column sums start at 0; on plain scores the key block's delta rows, once (the
+  // kv head's: every query head of the CTA's walk shares them).
+  if constexpr (Tile::kGate) {
+    for (int i = threadIdx.x; i < 4 * kBlockN; i += Tile::kNThreads) ss.gate_col[i] = 0.f;
+    if constexpr (!Tile::kKeyRows) {
+      const GateRowSource src = gate_delta_source(f, b, kvh * group, seq.k0());
+      for (int j = threadIdx.x; j < kBlockN; j += Tile::kNThreads)
+        ss.gate_delta[j] = n0 + j < seq.len_k() ? gate_load<Element>(src.base, int64_t(n0 + j) * src.step, src.fp32) : 0.f;
+    }
+  }
 
   const auto pipe_params = tma_pipeline_params<Pipeline>(Tile::kQBytes, warp_group == 0, kConsumerThreads);
   Pipeline pipe_q(ss.pipe_q, pipe_params, Shape<_1, _1, _1>{});
@@ -294,8 +303,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         // block's alpha (its source from an opaque batch index: the invariant part hoisted out of
         // the loop took the 40-register loader's registers).
         if constexpr (Tile::kGate) {
-          if (t < Tile::kStages)
-            load_gate_rows<Element, kBlockN>(st.keys.delta, gate_delta_source(f, b, h, k0), n0, len_k - n0);
+          if constexpr (Tile::kKeyRows) {
+            if (t < Tile::kStages)
+              load_gate_rows<Element, kBlockN>(st.keys.delta, gate_delta_source(f, b, h, k0), n0, len_k - n0);
+          }
           load_gate_rows<Element, kBlockM>(st.alpha, gate_alpha_source(f, opaque_int(b), h, q0), m0, rows_valid);
         }
         pipe_rows.producer_commit(write);
@@ -644,6 +655,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       } else {
         CUTE_UNROLL
         for (int i = 0; i < size(acc_s); ++i) acc_s(i) *= f.scale;
+        // The gate alone (plain scores): on the scaled scores, before the window / tail test.
+        if constexpr (Tile::kGate) add_gate_scores(s_rc, tScS_rc, st.alpha, ss.gate_delta.data(), f.scale, f.gate.linear);
         if constexpr (Tile::kFullBias) {
           // + bias (two roundings, as the general transform; its tile landed by TMA), then the
           // window / tail test
@@ -787,7 +800,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       if constexpr (Tile::kGate) {
         static_assert(kBlockN == kGateCell && kGateCell % kBlockM == 0, "a block lies in one cell of gate skipping");
         // (a skipped cell's G is 0 from its dS: a test here cost the D = 128 consumers spills)
-        gate_grads_sm90<kBlockN, 4>(a, dp_rc, tScS_rc, st.alpha, st.keys.delta, ss.gate_col.data(),
+        const float* gate_delta;
+        if constexpr (Tile::kKeyRows) gate_delta = st.keys.delta;
+        else gate_delta = ss.gate_delta.data();
+        gate_grads_sm90<kBlockN, 4>(a, dp_rc, tScS_rc, st.alpha, gate_delta, ss.gate_col.data(),
                                     seq.stat_offset(h) + m0, rows_valid, n0 + 64 * consumer, ctid);
         pipe_rows.consumer_release(read);
       }

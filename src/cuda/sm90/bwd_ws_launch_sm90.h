@@ -17,12 +17,14 @@
 namespace dmattn::cuda::sm90 {
 
 // The score policy of a problem the kernel takes: the bias tiles for a full bias, per-key rows
-// for gathered keys / key ends, a query-broadcast bias or mask, the gate; windows with sinks
-// (alone: bwd_ws_supports); plain scores without any of them.
+// for gathered keys / key ends, a query-broadcast bias or mask, gate skipping's cells; windows
+// with sinks (alone: bwd_ws_supports); plain scores without any of them (the gate alone
+// included: its plain-scores variant).
 inline BwdWsScores bwd_ws_scores(const FwdArgs& f) {
   if (f.bias.ptr != nullptr && !f.bias.row_bcast) return BwdWsScores::kFullBias;
   if (f.windows != nullptr && f.gate.alpha == nullptr) return BwdWsScores::kWindows;
-  return f.kpos.ptr != nullptr || f.bias.ptr != nullptr || f.mask.ptr != nullptr || f.gate.alpha != nullptr
+  return f.kpos.ptr != nullptr || f.bias.ptr != nullptr || f.mask.ptr != nullptr ||
+                 (f.gate.alpha != nullptr && f.gate.keep != nullptr)
              ? BwdWsScores::kKeyRows
              : BwdWsScores::kPlain;
 }
@@ -40,7 +42,8 @@ inline bool bwd_ws_dbias_tiles_ok(const BwdArgs& a) {
 // key-side bias with its column-sum gradient or without one, a query-broadcast or key-side
 // mask; dense batches also gathered keys and key ends), dense batches at 64 and 128 with a full
 // 16-bit bias alone whose tiles TMA loads (tma_bias_tiles_ok), with its gradient where every dS element has its own
-// (bwd_ws_dbias_tiles_ok) or without one; the gate with key rows (no column-sum dbias beside it);
+// (bwd_ws_dbias_tiles_ok) or without one; the gate at 64 and 128 alone or with key rows (no
+// column-sum dbias beside it);
 // the lse or the exact path's statistics (dQ then by the query-major kernel). The others (full masks, fp32 full biases, a full bias's gradient reduced
 // over batch / heads, softcap, a dbias reduced by folding batch / heads into a CTA) run the
 // general kernels; in deterministic mode also the problems whose dQ adds it cannot order
@@ -51,7 +54,7 @@ inline bool bwd_ws_supports(const BwdArgs& a) {
   if (env_switched_off("DMATTN_BWD_SM90_WS") || (f.head_dim != 64 && f.head_dim != 128 && f.head_dim != 256) ||
       f.softcap != 0.f)
     return false;
-  if (f.head_dim == 256 && bwd_ws_scores(f) != BwdWsScores::kPlain) return false;
+  if (f.head_dim == 256 && (bwd_ws_scores(f) != BwdWsScores::kPlain || f.gate.alpha != nullptr)) return false;
   if (a.fold_batch || a.fold_heads) return false;
   // (no query or no key: nothing for TMA to describe -- an empty tensor may even have a null
   // pointer; the general kernels write the zeros)
@@ -65,7 +68,8 @@ inline bool bwd_ws_supports(const BwdArgs& a) {
        (f.windows_hs != 0 && f.windows_head_div % f.group != 0)))
     return false;
   if (f.gate.alpha != nullptr &&
-      (bwd_ws_scores(f) != BwdWsScores::kKeyRows || (a.dbias != nullptr && a.dbias_mode == kDbColSum)))
+      (f.head_dim == 256 || bwd_ws_scores(f) == BwdWsScores::kFullBias ||
+       (a.dbias != nullptr && a.dbias_mode == kDbColSum)))
     return false;
   const bool packed = f.cu_seqlens_q != nullptr;
   if (packed && (f.kpos.ptr != nullptr || f.q_rows <= 0 || f.k_rows <= 0)) return false;
@@ -211,7 +215,13 @@ void launch_bwd_ws(const BwdArgs& args, dim3 grid, bool ordered_dq, cudaStream_t
         break;
       }
       case BwdWsScores::kPlain:
-        packed ? launch_bwd_ws_tile<Plain, true>(a, grid, stream) : launch_bwd_ws_tile<Plain, false>(a, grid, stream);
+        if (a.f.gate.alpha != nullptr) {  // (the gate alone)
+          using PlainGate = BwdWsTile<Element, kHeadDim, BwdWsScores::kPlain, /*kColSum=*/false, /*kGate=*/true>;
+          packed ? launch_bwd_ws_tile<PlainGate, true>(a, grid, stream)
+                 : launch_bwd_ws_tile<PlainGate, false>(a, grid, stream);
+        } else {
+          packed ? launch_bwd_ws_tile<Plain, true>(a, grid, stream) : launch_bwd_ws_tile<Plain, false>(a, grid, stream);
+        }
         break;
     }
   }

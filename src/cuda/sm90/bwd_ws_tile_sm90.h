@@ -71,15 +71,19 @@ struct BwdWsTile {
   // around the product and its accumulator cost 4 % (registers the loop had used otherwise).
   static constexpr bool kColSum = kColSum_;
   static_assert(!kColSum || kKeyRows, "column sums: key rows only");
-  // Key rows with gated attention's gate (gate_sm90.h, gate_grads_sm90.h): the key block's delta
-  // rows with the key rows, each query block's alpha rows with its statistics, the gradients'
-  // column sums in shared memory. A variant of its own, as kColSum (the key-row consumers have
-  // no registers to spare for a run-time test around it).
+  // Gated attention's gate (gate_sm90.h, gate_grads_sm90.h): each query block's alpha rows with
+  // its statistics, the key block's delta rows with the key rows (kKeyRows: the gate beside
+  // gathered keys, a key bias or mask, or with gate skipping's cells) or, on plain scores (the
+  // gate alone), once per CTA into gate_delta; the gradients' column sums in shared memory. A
+  // variant of its own, as kColSum (the key-row consumers have no registers to spare for a
+  // run-time test around it). On plain scores the consumers keep the plain kernel's order (dP
+  // issued before the score transform, which the gate's value then overlaps).
   static constexpr bool kGate = kGate_;
-  static_assert(!kGate || (kKeyRows && !kColSum), "the gate: key rows without column sums");
+  static_assert(!kGate || ((kKeyRows || kScores == BwdWsScores::kPlain) && !kColSum),
+                "the gate: key rows or plain scores, without column sums");
   // The gate with gate skipping's cells (a variant of its own: the exact kernel keeps its loop).
   static constexpr bool kGateSkip = kGateSkip_;
-  static_assert(!kGateSkip || kGate, "gate skipping: with the gate");
+  static_assert(!kGateSkip || (kGate && kKeyRows), "gate skipping: with the gate, on key rows");
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = kHeadDim == 256 ? 64 : 128;
@@ -234,6 +238,8 @@ struct BwdWsTile {
     // The gate's column sums of G alpha: one row per warp of a consumer (its 16 query rows),
     // the consumers' key halves side by side (gate_grads_sm90).
     cute::array_aligned<float, kGate ? 4 * kBlockN : 4, 16> gate_col;
+    // The key block's delta rows (the gate on plain scores; 0 past the keys).
+    cute::array_aligned<float, kGate && !kKeyRows ? kBlockN : 4, 16> gate_delta;
     alignas(kColSum ? 1024 : 16)
         cute::array_aligned<Element, kColSum ? cute::cosize_v<SmemLayoutOnes> : 8, kColSum ? 1024 : 16> ones;
     cute::array_aligned<int32_t, kKeyRows ? kBlockN : 4, 16> pos;  // the CTA's positions (query range)
