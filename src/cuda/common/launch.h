@@ -21,25 +21,16 @@ void launch_kernel(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t
 }
 
 // The same for a kernel that only consumes the previous kernel's results (the decode splits'
-// merge): where the device runs the kernel's sm_90 code, it is launched as a programmatic
-// dependent of that kernel, so that its CTAs are placed while the previous grid finishes and
-// wait in griddepcontrol.wait (wait_for_prerequisite_grid, pdl.h) instead of the stream's
-// launch gap. Elsewhere the ordinary stream order: older GPUs, and newer ones that run the
-// compute_80 PTX, whose code has no wait (cudaFuncGetAttributes' ptxVersion tells which code a
-// device loaded).
+// merge), without dynamic shared memory. `programmatic`: the device runs code of the kernel that
+// waits in griddepcontrol.wait (wait_for_prerequisite_grid, pdl.h: the sm_90a code,
+// sm90::device_runs_sm90_kernels), so it is launched as a programmatic dependent of the previous
+// kernel: its CTAs are placed while the previous grid finishes, instead of after the stream's
+// launch gap. Otherwise (older GPUs, and newer ones that run the compute_80 PTX, whose code has
+// no wait) the ordinary stream order.
 template <typename Kernel, typename Args>
 void launch_dependent_kernel(Kernel kernel, dim3 grid, int threads, cudaStream_t stream, const Args& args,
-                             const char* what) {
-  constexpr int kDevices = 64;
-  static int has_wait[kDevices] = {};  // per device: 0 unknown, 1 yes, -1 no (benign races: one answer)
-  const int device = current_device();
-  int& known = has_wait[device < kDevices ? device : 0];
-  if (known == 0 || device >= kDevices) {
-    cudaFuncAttributes attributes{};
-    check_cuda(cudaFuncGetAttributes(&attributes, kernel), what);
-    known = attributes.ptxVersion >= 90 && compute_capability_major(device) >= 9 ? 1 : -1;
-  }
-  if (known < 0) {
+                             bool programmatic, const char* what) {
+  if (!programmatic) {
     kernel<<<grid, threads, 0, stream>>>(args);
   } else {
     cudaLaunchConfig_t config = {};

@@ -2,7 +2,8 @@
 // dependent kernel consumes lets it be launched early (launch_dependents), and the dependent
 // waits for the whole previous grid, its memory operations visible, before it reads them
 // (wait_for_prerequisite_grid). Launched without the attribute (launch_dependent_kernel,
-// launch.h), the wait returns at once: the stream's order already holds.
+// launch.h, on a device that runs other code), the wait returns at once: the stream's order
+// already holds.
 #pragma once
 
 namespace dmattn::cuda {

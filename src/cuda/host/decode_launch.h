@@ -29,6 +29,7 @@ void run_decode(const DecodeArgs& a, cudaStream_t stream);
 #include "cuda/decode/decode_rows_kernel.h"
 #include "cuda/common/device_info.h"
 #include "cuda/common/launch.h"
+#include "cuda/sm90/enabled.h"
 
 namespace dmattn::cuda {
 
@@ -82,7 +83,7 @@ void run_decode(const DecodeArgs& a, cudaStream_t stream) {
   if (a.num_splits > 1) {
     const int64_t rows = int64_t(a.batch) * a.num_heads * a.seqlen_q;
     launch_dependent_kernel(decode_combine_kernel<Element>, dim3(static_cast<unsigned>(rows)), kDecodeCombineThreads,
-                            stream, a, "decode combine kernel launch");
+                            stream, a, sm90::device_runs_sm90_kernels(), "decode combine kernel launch");
   }
 }
 
