@@ -22,7 +22,7 @@ UNITS=(
   inst/decode_bf16.cu
   inst/fwd_bf16_hd64.cu inst/bwd_bf16_hd64.cu inst/bwd_dq_bf16_hd64.cu inst/bwd_sm90_bf16.cu
   inst/fwd_ws_bf16_hd64.cu inst/bwd_ws_bf16_hd64.cu
-  inst/fwd_ws_gate_bf16.cu inst/bwd_ws_gate_bf16.cu
+  inst/fwd_ws_gate_bf16.cu inst/bwd_ws_gate_bf16.cu inst/bwd_ws_plain_gate_bf16.cu
 )
 dir=build/cuda-compile-check
 echo "[cuda-check] compiling ${#UNITS[@]} CUDA translation units (one per family) for sm_80 and" \

@@ -124,13 +124,15 @@ void set_score_terms(const ScoreTerms& terms, const TensorDesc* dalpha, const Te
                      const TensorDesc* dalpha_accum, BackwardParams& params) {
   set_score_terms(terms, params.fwd);
   const ForwardParams& f = params.fwd;
+  // (whether a gate came is the arguments' question: an empty alpha -- no query -- has no data,
+  // and f.gate holds none)
   if (dalpha != nullptr) {
-    check(f.gate.present(), ErrorKind::kValue, "dalpha: given without a gate");
+    check(terms.alpha != nullptr, ErrorKind::kValue, "dalpha: given without a gate");
     params.dalpha_strides = gate_grad_rows(f, *dalpha, *terms.alpha, f.gate.alpha_dtype, "dalpha");
     params.dalpha = dalpha->data;
   }
   if (ddelta != nullptr) {
-    check(f.gate.present(), ErrorKind::kValue, "ddelta: given without a gate");
+    check(terms.alpha != nullptr, ErrorKind::kValue, "ddelta: given without a gate");
     params.ddelta_strides = gate_grad_rows(f, *ddelta, *terms.delta, f.gate.delta_dtype, "ddelta");
     params.ddelta = ddelta->data;
   }

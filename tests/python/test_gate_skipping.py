@@ -219,6 +219,52 @@ def test_varlen_skipping_equals_each_sequence(device):
         torch.testing.assert_close(out[rq], one[0], rtol=0, atol=0, msg=lambda m: f"sequence {bi}: {m}")
 
 
+@pytest.mark.parametrize("threshold", [None, 0.5])
+def test_gate_gradients_without_queries_are_zeros(device, nan_poison, threshold):
+    """No query (an empty alpha, whose data pointer is null): the keys' gradients are zeros."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 0, 4, 32, generator=g).to(device)
+    k, v = (torch.randn(1, 200, 2, 32, generator=g).to(device) for _ in range(2))
+    alpha, delta = torch.rand(1, 0, 4, generator=g).to(device), torch.randn(1, 200, 2, generator=g).to(device)
+    out, lse, grads = _run(q, k, v, torch.zeros_like(q), alpha, delta, causal=True, gate_threshold=threshold)
+    assert out.shape == q.shape and grads["alpha"].shape == alpha.shape
+    for name in ("k", "v", "delta"):
+        assert torch.equal(grads[name], torch.zeros_like(grads[name])), name
+
+
+# The packed backward with skipping (the Hopper kernels' packed variant at head dims 64 and 128):
+# each sequence's gradients as its own call gives them, empty and one-key sequences included.
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_varlen_skipping_gradients_equal_each_sequence(nan_poison, d):
+    lens_q, lens_k = [700, 0, 390, 64], [900, 200, 390, 1]
+    h, hkv = 4, 2
+    g = torch.Generator().manual_seed(d + 7)
+    cu = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,  # noqa: E731
+                                   device="cuda")
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    q, dout = (torch.randn(sum(lens_q), h, d, generator=g).to(torch.bfloat16).cuda() for _ in range(2))
+    k, v = (torch.randn(sum(lens_k), hkv, d, generator=g).to(torch.bfloat16).cuda() for _ in range(2))
+    alpha = (torch.rand(sum(lens_q), h, generator=g) * 2 + 0.5).to(torch.bfloat16).cuda()
+    delta = torch.randn(sum(lens_k), hkv, generator=g)
+    delta[torch.arange(sum(lens_k)) % 256 >= 128] -= 80.0
+    delta = delta.to(torch.bfloat16).cuda()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, alpha, delta)]
+    out = dmattn.attention_varlen(*leaves[:3], cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                  gate=(leaves[3], leaves[4]), gate_threshold=0.5)
+    out.backward(dout)
+    for bi in range(len(lens_q)):
+        rq, rk = slice(int(cu_q[bi]), int(cu_q[bi + 1])), slice(int(cu_k[bi]), int(cu_k[bi + 1]))
+        one = [t[None, r].detach().clone().requires_grad_()
+               for t, r in zip((q, k, v, alpha, delta), (rq, rk, rk, rq, rk))]
+        o = dmattn.attention(*one[:3], causal=True, gate=(one[3], one[4]), gate_threshold=0.5)
+        o.backward(dout[None, rq])
+        for name, packed, single, r in zip("q k v alpha delta".split(), leaves, one, (rq, rk, rk, rq, rk)):
+            want = single.grad[0] if single.grad is not None else torch.zeros_like(single[0])
+            torch.testing.assert_close(packed.grad[r], want, rtol=2e-2, atol=2e-2,
+                                       msg=lambda m: f"sequence {bi}, d{name}: {m}")
+
+
 def test_a_row_whose_keys_are_all_skipped_is_empty():
     """A sliding window whose rows see only skipped cells: out 0, lse -inf, finite gradients."""
     sq = sk = 384

@@ -56,18 +56,18 @@ extern template void launch_bwd_ws<cutlass::bfloat16_t, 64>(const BwdArgs&, dim3
 extern template void launch_bwd_ws<cutlass::bfloat16_t, 128>(const BwdArgs&, dim3, bool, cudaStream_t);
 extern template void launch_bwd_ws<cutlass::bfloat16_t, 256>(const BwdArgs&, dim3, bool, cudaStream_t);
 }  // namespace dmattn::cuda::sm90
-// The gate's variant (head dims 64 and 128, dense and packed batches) likewise in units of its
-// own (inst/bwd_ws_gate_<dtype>.cu, DMATTN_INSTANTIATE_BWD_WS_GATE): the part of the Hopper
-// backward that changes most, rebuilt alone.
-// (kSkip: with gate skipping's cells; DMATTN_BWD_WS_PLAIN_GATE_LAUNCH: the gate alone, on plain
-// scores.)
+// The gate's variants (head dims 64 and 128, dense and packed batches) likewise in units of
+// their own: beside key rows (inst/bwd_ws_gate_<dtype>.cu, DMATTN_INSTANTIATE_BWD_WS_GATE) and
+// the gate alone on plain scores (inst/bwd_ws_plain_gate_<dtype>.cu,
+// DMATTN_INSTANTIATE_BWD_WS_PLAIN_GATE): the part of the Hopper backward that changes most,
+// rebuilt alone. (kSkip: with gate skipping's cells.)
 #define DMATTN_BWD_WS_GATE_LAUNCH(Element, HD, kPacked, kSkip)                                                      \
   void dmattn::cuda::sm90::launch_bwd_ws_tile<                                                                    \
       dmattn::cuda::sm90::BwdWsTile<Element, HD, dmattn::cuda::sm90::BwdWsScores::kKeyRows, false, true, kSkip>, \
       kPacked>(const dmattn::cuda::BwdArgs&, dim3, cudaStream_t)
-#define DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(Element, HD, kPacked)                                                      \
+#define DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(Element, HD, kPacked, kSkip)                                              \
   void dmattn::cuda::sm90::launch_bwd_ws_tile<                                                                   \
-      dmattn::cuda::sm90::BwdWsTile<Element, HD, dmattn::cuda::sm90::BwdWsScores::kPlain, false, true, false>,  \
+      dmattn::cuda::sm90::BwdWsTile<Element, HD, dmattn::cuda::sm90::BwdWsScores::kPlain, false, true, kSkip>,  \
       kPacked>(const dmattn::cuda::BwdArgs&, dim3, cudaStream_t)
 extern template DMATTN_BWD_WS_GATE_LAUNCH(cutlass::half_t, 64, false, false);
 extern template DMATTN_BWD_WS_GATE_LAUNCH(cutlass::half_t, 64, true, false);
@@ -85,14 +85,22 @@ extern template DMATTN_BWD_WS_GATE_LAUNCH(cutlass::bfloat16_t, 64, false, true);
 extern template DMATTN_BWD_WS_GATE_LAUNCH(cutlass::bfloat16_t, 64, true, true);
 extern template DMATTN_BWD_WS_GATE_LAUNCH(cutlass::bfloat16_t, 128, false, true);
 extern template DMATTN_BWD_WS_GATE_LAUNCH(cutlass::bfloat16_t, 128, true, true);
-extern template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(cutlass::half_t, 64, false);
-extern template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(cutlass::half_t, 64, true);
-extern template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(cutlass::half_t, 128, false);
-extern template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(cutlass::half_t, 128, true);
-extern template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(cutlass::bfloat16_t, 64, false);
-extern template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(cutlass::bfloat16_t, 64, true);
-extern template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(cutlass::bfloat16_t, 128, false);
-extern template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(cutlass::bfloat16_t, 128, true);
+extern template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(cutlass::half_t, 64, false, false);
+extern template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(cutlass::half_t, 64, true, false);
+extern template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(cutlass::half_t, 128, false, false);
+extern template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(cutlass::half_t, 128, true, false);
+extern template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(cutlass::bfloat16_t, 64, false, false);
+extern template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(cutlass::bfloat16_t, 64, true, false);
+extern template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(cutlass::bfloat16_t, 128, false, false);
+extern template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(cutlass::bfloat16_t, 128, true, false);
+extern template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(cutlass::half_t, 64, false, true);
+extern template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(cutlass::half_t, 64, true, true);
+extern template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(cutlass::half_t, 128, false, true);
+extern template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(cutlass::half_t, 128, true, true);
+extern template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(cutlass::bfloat16_t, 64, false, true);
+extern template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(cutlass::bfloat16_t, 64, true, true);
+extern template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(cutlass::bfloat16_t, 128, false, true);
+extern template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(cutlass::bfloat16_t, 128, true, true);
 
 namespace dmattn::cuda {
 
@@ -424,9 +432,14 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
   template DMATTN_BWD_WS_GATE_LAUNCH(Element, 64, false, true); \
   template DMATTN_BWD_WS_GATE_LAUNCH(Element, 64, true, true); \
   template DMATTN_BWD_WS_GATE_LAUNCH(Element, 128, false, true); \
-  template DMATTN_BWD_WS_GATE_LAUNCH(Element, 128, true, true); \
-  template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(Element, 64, false); \
-  template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(Element, 64, true); \
-  template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(Element, 128, false); \
-  template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(Element, 128, true);
+  template DMATTN_BWD_WS_GATE_LAUNCH(Element, 128, true, true);
+#define DMATTN_INSTANTIATE_BWD_WS_PLAIN_GATE(Element)                     \
+  template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(Element, 64, false, false);  \
+  template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(Element, 64, true, false);   \
+  template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(Element, 128, false, false); \
+  template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(Element, 128, true, false);  \
+  template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(Element, 64, false, true);   \
+  template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(Element, 64, true, true);    \
+  template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(Element, 128, false, true);  \
+  template DMATTN_BWD_WS_PLAIN_GATE_LAUNCH(Element, 128, true, true);
 #endif

@@ -33,7 +33,9 @@
 // rows; on plain scores the CTA loads them once), the transform adds scale * g(alpha delta) to the
 // scores, and once P is stored the gate's gradients of the block go from dS into dalpha's
 // accumulator (row sums) and shared memory (column sums, flushed into ddelta at the end;
-// gate_grads_sm90.h).
+// gate_grads_sm90.h). With gate skipping (Tile::kGateSkip) the loader marks a skipped cell's
+// stage: on key rows its statistic +inf makes P and dS 0 and the consumers skip the gate's value;
+// on plain scores they run no product there and the dQ writer adds nothing for it.
 // The score transform and P / dS are the general Hopper kernel's (bwd_common.h): the same
 // numerics, exactly. A query-broadcast dbias's column sums (the variant Tile::kColSum) are one
 // more product, dS^T times a tile of ones (as the general kernel's bias fast path), issued before
@@ -341,6 +343,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       }
       for (int t = 0; t < n_iter; ++t) {
         const int mb = m_block_of(t);
+        // Gate skipping on plain scores: a skipped cell's consumers stage no dQ (their turns are
+        // kept, and so is the order of the adds in deterministic mode).
+        const bool skipped = Tile::kGateSkip && !Tile::kKeyRows &&
+                             !gate_keeps(gate_keep_row(f.gate, opaque_int(b), head_of(t), mb * kBlockM), n_block);
         // (deterministic mode: this query block's flag, ordered_adds_sm90.h)
         int* const order = a.dq_order != nullptr ? a.dq_order + (int64_t(b) * f.num_heads + head_of(t)) *
                                                                     dq_order_blocks(f.seqlen_q, kBlockM) + mb
@@ -373,10 +379,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
             if (want_dq && Tile::computes_dq(w, t)) {
               // Ordered adds: after the previous key block's (the consumers add disjoint columns).
               if (order != nullptr && w == Tile::first_dq_adder(t) && mb < prev_hi) wait_for_flag(order, n_block);
-              CUTE_UNROLL
-              for (int j = 0; j < kBoxesPerConsumer; ++j) {
-                const int box = w * kBoxesPerConsumer + j;  // (of the dQ row)
-                copy(p.tma_dq, tdQsdQ(_, box % Tile::kDqBoxes), tdQgdQ(_, box % Tile::kDqHeadBoxes));
+              if (!skipped) {
+                CUTE_UNROLL
+                for (int j = 0; j < kBoxesPerConsumer; ++j) {
+                  const int box = w * kBoxesPerConsumer + j;  // (of the dQ row)
+                  copy(p.tma_dq, tdQsdQ(_, box % Tile::kDqBoxes), tdQgdQ(_, box % Tile::kDqHeadBoxes));
+                }
               }
             }
             tma_store_arrive();
@@ -585,6 +593,32 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       const int m0 = m_at(mb) * kBlockM;
       const int buf = Tile::kDsBuffers == 2 ? t & 1 : 0;
       const int pbuf = Tile::kPBuffers == 2 ? t & 1 : 0;
+      // Gate skipping on plain scores: a skipped cell (the stage's flag, the same for both
+      // consumers: they hold the same query block) runs no product; its P, dS and G are 0. Its Q
+      // and dO stages are awaited and released in turn, both consumers meet at the P / dS barrier
+      // (which orders the dS buffers' reuse: the next block's stores follow the dQ products of
+      // the one before) and the writer gets their turns without a tile.
+      if constexpr (Tile::kGate && !Tile::kKeyRows) pipe_rows.consumer_wait(read);
+      if constexpr (Tile::kGateSkip && !Tile::kKeyRows) {
+        if (ss.rows[read.index()].gate_skip) {
+          pipe_q.consumer_wait(read);
+          pipe_do.consumer_wait(read_do);
+          NamedBarrier::sync(kConsumerThreads, Bar::kPdS);
+          if (want_dq) {
+            NamedBarrier::sync(Bar::kDqThreads, Bar::kDqEmpty + consumer);
+            NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqFull + consumer);
+          }
+          pipe_rows.consumer_release(read);
+          pipe_q.consumer_release(read);
+          pipe_do.consumer_release(read_do);
+          ++read;
+          if (++mb == m_hi) {
+            mb = m_lo;
+            ++h;
+          }
+          continue;
+        }
+      }
 
       Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});

@@ -17,16 +17,14 @@
 namespace dmattn::cuda::sm90 {
 
 // The score policy of a problem the kernel takes: the bias tiles for a full bias, per-key rows
-// for gathered keys / key ends, a query-broadcast bias or mask, gate skipping's cells; windows
-// with sinks (alone: bwd_ws_supports); plain scores without any of them (the gate alone
-// included: its plain-scores variant).
+// for gathered keys / key ends, a query-broadcast bias or mask; windows with sinks (alone:
+// bwd_ws_supports); plain scores without any of them (the gate alone included, with gate
+// skipping or without: its plain-scores variants).
 inline BwdWsScores bwd_ws_scores(const FwdArgs& f) {
   if (f.bias.ptr != nullptr && !f.bias.row_bcast) return BwdWsScores::kFullBias;
   if (f.windows != nullptr && f.gate.alpha == nullptr) return BwdWsScores::kWindows;
-  return f.kpos.ptr != nullptr || f.bias.ptr != nullptr || f.mask.ptr != nullptr ||
-                 (f.gate.alpha != nullptr && f.gate.keep != nullptr)
-             ? BwdWsScores::kKeyRows
-             : BwdWsScores::kPlain;
+  return f.kpos.ptr != nullptr || f.bias.ptr != nullptr || f.mask.ptr != nullptr ? BwdWsScores::kKeyRows
+                                                                                 : BwdWsScores::kPlain;
 }
 
 // A full bias's gradient the kernel stores by TMA from its dS tiles: one element per dS element
@@ -215,7 +213,11 @@ void launch_bwd_ws(const BwdArgs& args, dim3 grid, bool ordered_dq, cudaStream_t
         break;
       }
       case BwdWsScores::kPlain:
-        if (a.f.gate.alpha != nullptr) {  // (the gate alone)
+        if (a.f.gate.alpha != nullptr && a.f.gate.keep != nullptr) {  // (the gate alone, skipping)
+          using PlainGateSkip = BwdWsTile<Element, kHeadDim, BwdWsScores::kPlain, false, true, /*kGateSkip=*/true>;
+          packed ? launch_bwd_ws_tile<PlainGateSkip, true>(a, grid, stream)
+                 : launch_bwd_ws_tile<PlainGateSkip, false>(a, grid, stream);
+        } else if (a.f.gate.alpha != nullptr) {  // (the gate alone)
           using PlainGate = BwdWsTile<Element, kHeadDim, BwdWsScores::kPlain, /*kColSum=*/false, /*kGate=*/true>;
           packed ? launch_bwd_ws_tile<PlainGate, true>(a, grid, stream)
                  : launch_bwd_ws_tile<PlainGate, false>(a, grid, stream);

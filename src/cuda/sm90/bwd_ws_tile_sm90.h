@@ -82,8 +82,11 @@ struct BwdWsTile {
   static_assert(!kGate || ((kKeyRows || kScores == BwdWsScores::kPlain) && !kColSum),
                 "the gate: key rows or plain scores, without column sums");
   // The gate with gate skipping's cells (a variant of its own: the exact kernel keeps its loop).
+  // On key rows a skipped cell runs without the gate's value (its statistic +inf makes P and dS
+  // 0); on plain scores (the gate alone) it runs no product: the consumers and the dQ writer pass
+  // over the block in step (bwd_ws_kernel_sm90.h).
   static constexpr bool kGateSkip = kGateSkip_;
-  static_assert(!kGateSkip || (kGate && kKeyRows), "gate skipping: with the gate, on key rows");
+  static_assert(!kGateSkip || kGate, "gate skipping: with the gate");
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = kHeadDim == 256 ? 64 : 128;

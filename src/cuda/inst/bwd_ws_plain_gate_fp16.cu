@@ -1,0 +1,6 @@
+// The warp-specialized Hopper backward's variants of the gate alone (plain scores, exact and with
+// gate skipping) for fp16, head dims 64 and 128, dense and packed batches (bwd_launch.h).
+#define DMATTN_BWD_LAUNCH_IMPL
+#include "cuda/host/bwd_launch.h"
+
+DMATTN_INSTANTIATE_BWD_WS_PLAIN_GATE(cutlass::half_t)
