@@ -80,6 +80,50 @@ __device__ __forceinline__ void pick_digit(const unsigned* hist, int left, int l
   above_out = __shfl_sync(0xffffffffu, above, first);
 }
 
+// The write phase of a selection, the same for both kernels: each thread walks its contiguous
+// chunk of keys in index order and hands each key to take(); a key above the threshold T goes to
+// the slot after those above it and the T-equal keys taken before it, a key equal to T to its slot
+// among the first `left` of them. The block-wide scan of the chunks' counts (above << 32 | equal)
+// gives each thread its starting counts.
+template <typename Bits>
+struct SelectionWriter {
+  int32_t* out;
+  Bits* out_values;  // null: positions only
+  const Bits* src;
+  int64_t stride_k;
+  uint32_t threshold;
+  int left;
+  int64_t above, equal;
+
+  static __device__ __forceinline__ long long counts_of(uint32_t u, uint32_t threshold) {
+    return u > threshold ? (1LL << 32) : (u == threshold ? 1LL : 0LL);
+  }
+  __device__ __forceinline__ void put(int64_t slot, int64_t i) const {
+    out[slot] = int32_t(i);
+    if (out_values != nullptr) out_values[slot] = src[i * stride_k];  // the bias's own bits, NaN included
+  }
+  __device__ __forceinline__ void take(uint32_t u, int64_t i) {
+    if (u > threshold) {
+      put(above + min(equal, int64_t(left)), i);
+      ++above;
+    } else if (u == threshold) {
+      if (equal < left) put(above + equal, i);
+      ++equal;
+    }
+  }
+};
+
+// The writer of row `row`, from its chunk's counts (one block-wide exclusive scan).
+template <typename Bits, class Scan>
+__device__ __forceinline__ SelectionWriter<Bits> selection_writer(const TopkPositionsArgs& a, int64_t row,
+                                                                  const Bits* src, uint32_t threshold, int left,
+                                                                  long long counts, Scan& scan) {
+  long long before;
+  scan.ExclusiveSum(counts, before);
+  return {a.positions + row * a.keep, a.values != nullptr ? static_cast<Bits*>(a.values) + row * a.keep : nullptr,
+          src, a.stride_k, threshold, left, before >> 32, before & 0xffffffffLL};
+}
+
 // One row's selection where the whole row stays in registers, kCached keys a thread at most
 // (rows up to kSelectThreads * kCached keys): each thread loads its contiguous chunk once (all
 // its loads in flight together, 16 bytes at a time where the row allows), and every radix pass,
@@ -156,31 +200,15 @@ __global__ void __launch_bounds__(kSelectThreads) topk_positions_kernel(TopkPosi
   const uint32_t threshold = prefix;
 
   // Counts above / equal of each chunk, one scan, then the writes in index order.
-  long long counts = 0;  // (above << 32) | equal
+  long long counts = 0;
   #pragma unroll
   for (int j = 0; j < kCached; ++j)
-    if (j < count) counts += keys[j] > threshold ? (1LL << 32) : (keys[j] == threshold ? 1LL : 0LL);
-  long long before;
-  BlockScan(scan_storage).ExclusiveSum(counts, before);
-  int64_t above = before >> 32, equal = before & 0xffffffffLL;
-  int32_t* out = a.positions + row * a.keep;
-  Bits* out_values = a.values != nullptr ? static_cast<Bits*>(a.values) + row * a.keep : nullptr;
-  auto put = [&](int64_t slot, int64_t i) {
-    out[slot] = int32_t(i);
-    if (out_values != nullptr) out_values[slot] = src[i * a.stride_k];  // the bias's own bits, NaN included
-  };
+    if (j < count) counts += SelectionWriter<Bits>::counts_of(keys[j], threshold);
+  BlockScan scan(scan_storage);
+  SelectionWriter<Bits> writer = selection_writer(a, row, src, threshold, left, counts, scan);
   #pragma unroll
-  for (int j = 0; j < kCached; ++j) {
-    if (j < count) {
-      if (keys[j] > threshold) {
-        put(above + min(equal, int64_t(left)), begin + j);
-        ++above;
-      } else if (keys[j] == threshold) {
-        if (equal < left) put(above + equal, begin + j);
-        ++equal;
-      }
-    }
-  }
+  for (int j = 0; j < kCached; ++j)
+    if (j < count) writer.take(keys[j], begin + j);
 }
 
 // The same selection for rows longer than the registers hold: every pass reads the row from
@@ -226,30 +254,11 @@ __global__ void __launch_bounds__(kSelectThreads) topk_positions_stream_kernel(T
   // Each thread takes a contiguous chunk: counts above / equal, one scan, then the writes.
   const int64_t chunk = (a.num_keys + kSelectThreads - 1) / kSelectThreads;
   const int64_t begin = min(int64_t(tid) * chunk, a.num_keys), end = min(begin + chunk, a.num_keys);
-  long long counts = 0;  // (above << 32) | equal
-  for (int64_t i = begin; i < end; ++i) {
-    const uint32_t u = key(i);
-    counts += u > threshold ? (1LL << 32) : (u == threshold ? 1LL : 0LL);
-  }
-  long long before;
-  BlockScan(scan_storage).ExclusiveSum(counts, before);
-  int64_t above = before >> 32, equal = before & 0xffffffffLL;
-  int32_t* out = a.positions + row * a.keep;
-  Bits* out_values = a.values != nullptr ? static_cast<Bits*>(a.values) + row * a.keep : nullptr;
-  auto put = [&](int64_t slot, int64_t i) {
-    out[slot] = int32_t(i);
-    if (out_values != nullptr) out_values[slot] = src[i * a.stride_k];  // the bias's own bits, NaN included
-  };
-  for (int64_t i = begin; i < end; ++i) {
-    const uint32_t u = key(i);
-    if (u > threshold) {
-      put(above + min(equal, int64_t(left)), i);
-      ++above;
-    } else if (u == threshold) {
-      if (equal < left) put(above + equal, i);
-      ++equal;
-    }
-  }
+  long long counts = 0;
+  for (int64_t i = begin; i < end; ++i) counts += SelectionWriter<Bits>::counts_of(key(i), threshold);
+  BlockScan scan(scan_storage);
+  SelectionWriter<Bits> writer = selection_writer(a, row, src, threshold, left, counts, scan);
+  for (int64_t i = begin; i < end; ++i) writer.take(key(i), i);
 }
 
 // The rows of a batch spread over blocks of blockDim.y rows (a row's chunks over the block's
