@@ -412,10 +412,13 @@ def _(dout, q, k, v, out, lse, mask, bias, bias_requires_grad, causal, window_le
 
 
 def _gate_grads(alpha: Optional[Tensor], delta: Optional[Tensor], wanted: bool):
-    """(dalpha, ddelta) buffers like alpha and delta when the gate's gradients are wanted."""
+    """(dalpha, ddelta) buffers like alpha and delta when the gate's gradients are wanted. Zeros
+    where the other side is empty (no query: ddelta; no key: dalpha): an empty alpha or delta has
+    no data, and the kernels then see no gate and write neither."""
     if not wanted or alpha is None or delta is None:
         return None, None
-    return alpha.new_empty(alpha.shape), delta.new_empty(delta.shape)
+    new = lambda t, other: t.new_zeros(t.shape) if other.numel() == 0 else t.new_empty(t.shape)  # noqa: E731
+    return new(alpha, delta), new(delta, alpha)
 
 
 def _dalpha_accum(q: Tensor, seqlen_k: int, query_rows: int, dalpha: Optional[Tensor],

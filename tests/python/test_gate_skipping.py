@@ -221,15 +221,20 @@ def test_varlen_skipping_equals_each_sequence(device):
 
 @pytest.mark.parametrize("threshold", [None, 0.5])
 def test_gate_gradients_without_queries_are_zeros(device, nan_poison, threshold):
-    """No query (an empty alpha, whose data pointer is null): the keys' gradients are zeros."""
+    """No query (an empty alpha, whose data pointer is null): the keys' gradients are zeros; no
+    key: the queries' are."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
     g = torch.Generator().manual_seed(3)
-    q = torch.randn(1, 0, 4, 32, generator=g).to(device)
-    k, v = (torch.randn(1, 200, 2, 32, generator=g).to(device) for _ in range(2))
-    alpha, delta = torch.rand(1, 0, 4, generator=g).to(device), torch.randn(1, 200, 2, generator=g).to(device)
-    out, lse, grads = _run(q, k, v, torch.zeros_like(q), alpha, delta, causal=True, gate_threshold=threshold)
-    assert out.shape == q.shape and grads["alpha"].shape == alpha.shape
-    for name in ("k", "v", "delta"):
-        assert torch.equal(grads[name], torch.zeros_like(grads[name])), name
+    for sq, sk in ((0, 200), (150, 0)):
+        q = torch.randn(1, sq, 4, 32, generator=g).to(dtype).to(device)
+        k, v = (torch.randn(1, sk, 2, 32, generator=g).to(dtype).to(device) for _ in range(2))
+        alpha = torch.rand(1, sq, 4, generator=g).to(dtype).to(device)
+        delta = torch.randn(1, sk, 2, generator=g).to(dtype).to(device)
+        dout = torch.randn(1, sq, 4, 32, generator=g).to(dtype).to(device)
+        out, lse, grads = _run(q, k, v, dout, alpha, delta, causal=True, gate_threshold=threshold)
+        assert out.shape == q.shape and grads["alpha"].shape == alpha.shape and grads["delta"].shape == delta.shape
+        for name, grad in grads.items():
+            assert torch.equal(grad, torch.zeros_like(grad)), f"Sq={sq} Sk={sk}: d{name}"
 
 
 # The packed backward with skipping (the Hopper kernels' packed variant at head dims 64 and 128):
