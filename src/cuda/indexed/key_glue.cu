@@ -80,6 +80,25 @@ __device__ __forceinline__ void pick_digit(const unsigned* hist, int left, int l
   above_out = __shfl_sync(0xffffffffu, above, first);
 }
 
+// The end of a radix pass, once its histogram is complete and visible (a barrier behind): warp 0
+// picks the digit (pick_digit) and publishes the longer prefix and the count still to take
+// through shared memory (s_prefix, s_left); every thread of the block calls it and reads them.
+__device__ __forceinline__ void finish_pass(const unsigned* hist, int shift, uint32_t& prefix, uint32_t& prefix_mask,
+                                            int& left, uint32_t& s_prefix, int& s_left) {
+  if (threadIdx.x < 32) {
+    int digit, above;
+    pick_digit(hist, left, threadIdx.x, digit, above);
+    if (threadIdx.x == 0) {
+      s_prefix = prefix | (uint32_t(digit) << shift);
+      s_left = left - above;
+    }
+  }
+  __syncthreads();
+  prefix = s_prefix;
+  left = s_left;
+  prefix_mask |= 255u << shift;
+}
+
 // The write phase of a selection, the same for both kernels: each thread walks its contiguous
 // chunk of keys in index order and hands each key to take(); a key above the threshold T goes to
 // the slot after those above it and the T-equal keys taken before it, a key equal to T to its slot
@@ -184,18 +203,7 @@ __global__ void __launch_bounds__(kSelectThreads) topk_positions_kernel(TopkPosi
       hist[tid] = total;
     }
     __syncthreads();
-    if (warp == 0) {
-      int digit, above;
-      pick_digit(hist, left, lane, digit, above);
-      if (lane == 0) {
-        s_prefix = prefix | (uint32_t(digit) << shift);
-        s_left = left - above;
-      }
-    }
-    __syncthreads();
-    prefix = s_prefix;
-    left = s_left;
-    prefix_mask |= 255u << shift;
+    finish_pass(hist, shift, prefix, prefix_mask, left, s_prefix, s_left);
   }
   const uint32_t threshold = prefix;
 
@@ -235,18 +243,7 @@ __global__ void __launch_bounds__(kSelectThreads) topk_positions_stream_kernel(T
       if ((u & prefix_mask) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1u);
     }
     __syncthreads();
-    if (tid < 32) {
-      int digit, above;
-      pick_digit(hist, left, tid, digit, above);
-      if (tid == 0) {
-        s_prefix = prefix | (uint32_t(digit) << shift);
-        s_left = left - above;
-      }
-    }
-    __syncthreads();
-    prefix = s_prefix;
-    left = s_left;
-    prefix_mask |= 255u << shift;
+    finish_pass(hist, shift, prefix, prefix_mask, left, s_prefix, s_left);
     __syncthreads();  // (hist is cleared again at the next pass)
   }
   const uint32_t threshold = prefix;
