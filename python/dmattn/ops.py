@@ -417,8 +417,10 @@ def _gate_grads(alpha: Optional[Tensor], delta: Optional[Tensor], wanted: bool):
     no data, and the kernels then see no gate and write neither."""
     if not wanted or alpha is None or delta is None:
         return None, None
-    new = lambda t, other: t.new_zeros(t.shape) if other.numel() == 0 else t.new_empty(t.shape)  # noqa: E731
-    return new(alpha, delta), new(delta, alpha)
+    def buffer(t: Tensor, other: Tensor) -> Tensor:
+        return t.new_zeros(t.shape) if other.numel() == 0 else t.new_empty(t.shape)
+
+    return buffer(alpha, delta), buffer(delta, alpha)
 
 
 def _dalpha_accum(q: Tensor, seqlen_k: int, query_rows: int, dalpha: Optional[Tensor],
