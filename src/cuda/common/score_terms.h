@@ -26,23 +26,25 @@ __device__ __forceinline__ float gate_load(const char* base, int64_t off, bool f
 // The gate's function as numbers of the launch, so that one code path serves both functions
 // without a select or a branch per element (the Hopper kernels, gate_sm90.h and
 // gate_grads_sm90.h, whose score code must stay small enough to be inlined):
-//   g(x)  = min(x, cap) - k log(1 + exp(-|x|))    logsigmoid: cap 0, k 1; linear: cap +inf, k 0
+//   g(x)  = min(x, cap) - k log(1 + exp(-|x|))    logsigmoid: cap 0, k 1; linear: cap FLT_MAX, k 0
 //   g'(x) = 1 - k / 2 - (k / 2) tanh(x / 2)       (sigmoid(-x) = (1 - tanh(x / 2)) / 2)
 // (the logarithm and the tanh are finite for every x but NaN: k = 0 removes them, and a NaN x
-// stays NaN either way). g takes the product in log2 units, x2 = x log2(e), and g' half the
-// product, x / 2 (the row's alpha pre-scaled once), so that each exponential, logarithm and tanh
-// is one MUFU op: g costs five other instructions a score beside two MUFU ops, g' two beside one
-// (the MUFU units' rate, 16 a cycle per multiprocessor, is what the gate's scores are short of:
-// the softmax's one exponential a score already takes a fifth of the cycles of the products).
-// g' through tanh.approx (relative error about 2^-11): an absolute error below 2.5e-4 in g',
-// which lies in [0, 1]; bf16's own rounding of G is 2^-9 relative.
+// stays NaN either way; the linear gate's cap turns a product beyond fp32's range into the
+// largest finite value: g is never +inf, so that a -inf score stays -inf with g added and the
+// Hopper kernels need no test for it). g takes the product in log2 units, x2 = x log2(e), and g'
+// half the product, x / 2 (the row's alpha pre-scaled once), so that each exponential, logarithm
+// and tanh is one MUFU op: g costs five other instructions a score beside two MUFU ops, g' two
+// beside one (the MUFU units' rate, 16 a cycle per multiprocessor, is what the gate's scores are
+// short of: the softmax's one exponential a score already takes a fifth of the cycles of the
+// products). g' through tanh.approx (relative error about 2^-11): an absolute error below 2.5e-4
+// in g', which lies in [0, 1]; bf16's own rounding of G is 2^-9 relative.
 struct GateMath {
   static constexpr float kLog2e = 1.4426950408889634f;  // the product's factor into log2 units
   static constexpr float kLn2 = 0.69314718055994531f;   // g's factor out of them
   float cap, k, half_k, one_minus_half_k;
 
   static __device__ __forceinline__ GateMath of(bool linear) {
-    return linear ? GateMath{INFINITY, 0.f, 0.f, 1.f} : GateMath{0.f, 1.f, 0.5f, 0.5f};
+    return linear ? GateMath{3.402823466e38f, 0.f, 0.f, 1.f} : GateMath{0.f, 1.f, 0.5f, 0.5f};
   }
   // g(x) log2(e) from x2 = x log2(e): min(x2, cap) - k log2(1 + 2^-|x2|).
   __device__ __forceinline__ float value_log2(float x2) const {

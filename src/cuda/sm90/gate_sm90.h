@@ -2,7 +2,7 @@
 // attention"; the math of the sm80-class kernels' score_terms.h): the alpha rows of a query
 // block and the delta rows of a key block come through the key rows' pipeline stages (one
 // producer warp loads them, load_gate_rows), and
-//   forward and backward:  s += scale * g(alpha_i delta_j) where s is not -inf (add_gate_scores),
+//   forward and backward:  s += scale * g(alpha_i delta_j) (add_gate_scores),
 //                          on the final scores (after the scale, softcap and key bias), before
 //                          the tests on positions and bounds;
 //   backward:              the gradients, gate_grads_sm90.h;
@@ -29,11 +29,13 @@ __device__ __forceinline__ void load_gate_rows(float* dst, const GateRowSource& 
     dst[r] = r < count ? gate_load<Element>(src.base, int64_t(first + r) * src.step, src.fp32) : 0.f;
 }
 
-// s += scale * g(alpha_row delta_col) where s is not -inf, on the accumulator's row/col view
-// (coord: (row, col) within the tile), alpha from a kBlockM row of the stage and delta from a
-// kBlockN row (column pairs adjacent: read as float2). One code path for both gate functions
-// (GateMath's numbers): the callers' score lambdas stay small enough to be inlined (two unrolled
-// copies kept them out of line, their accumulators in local memory).
+// s += scale * g(alpha_row delta_col) on the accumulator's row/col view (coord: (row, col)
+// within the tile), alpha from a kBlockM row of the stage and delta from a kBlockN row (column
+// pairs adjacent: read as float2). A -inf score (a key bias's) stays -inf: g is finite or -inf
+// for every product but NaN (GateMath), and a NaN gate at a masked position may reach its row
+// (docs/semantics.md, "NaN"). One code path for both gate functions (GateMath's numbers): the
+// callers' score lambdas stay small enough to be inlined (two unrolled copies kept them out of
+// line, their accumulators in local memory).
 template <class S, class C>
 __device__ __forceinline__ void add_gate_scores(S& s, C const& coord, const float* s_alpha, const float* s_delta,
                                                 float scale, bool linear) {
@@ -49,11 +51,8 @@ __device__ __forceinline__ void add_gate_scores(S& s, C const& coord, const floa
     const float2 d = *reinterpret_cast<const float2*>(s_delta + get<1>(coord(0, c)));
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      const float x0 = s(r, c), x1 = s(r, c + 1);
-      const float g0 = fmaf(scale_ln2, gm.value_log2(alpha2[r] * d.x), x0);
-      const float g1 = fmaf(scale_ln2, gm.value_log2(alpha2[r] * d.y), x1);
-      s(r, c) = x0 == -INFINITY ? x0 : g0;
-      s(r, c + 1) = x1 == -INFINITY ? x1 : g1;
+      s(r, c) = fmaf(scale_ln2, gm.value_log2(alpha2[r] * d.x), s(r, c));
+      s(r, c + 1) = fmaf(scale_ln2, gm.value_log2(alpha2[r] * d.y), s(r, c + 1));
     }
   }
 }
