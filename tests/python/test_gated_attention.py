@@ -90,6 +90,36 @@ def test_gate_on_long_sequences_matches_reference(monkeypatch, nan_poison, d, ca
     _check(q, k, v, dout, out, lse, grads, gate=(alpha, delta), bias=bias, causal=causal, context=f"d={d} {mode}")
 
 
+# A key bias's -inf keys beside the gate: masked keys stay masked whatever their products (the
+# Hopper kernels add the gate to the biased score without a test: g is never +inf, the linear
+# gate's product capped at fp32's largest value), a (batch, head) whose keys are all masked has
+# empty rows, and the rest matches the float64 reference. Deterministic, so that the call with
+# products beyond fp32's range on the masked keys can be held to the same bits.
+@pytest.mark.parametrize("gate_fn", GATE_FNS)
+def test_gate_beside_a_key_bias_with_masked_keys(device, nan_poison, gate_fn):
+    b, sq, sk, h, hkv, d = 2, 300, 517, 4, 2, 64
+    q, k, v, alpha, delta, dout = _inputs(b, sq, sk, h, hkv, d, torch.bfloat16, device, seed=3)
+    masked = torch.zeros(sk, dtype=torch.bool)
+    masked[::7] = True
+    bias = torch.randn(b, h, 1, sk)
+    bias[..., masked] = float("-inf")
+    bias[1, 2] = float("-inf")  # every key of (batch 1, head 2): its rows are empty
+    bias = bias.to(torch.bfloat16).to(device)
+    options = dict(gate_fn=gate_fn, bias=bias, bias_grad=False, causal=True, deterministic=True)
+    out, lse, grads = _run(q, k, v, dout, gate=(alpha, delta), **options)
+    assert (out[1, :, 2] == 0).all() and torch.isneginf(lse[1, 2]).all()
+    assert (grads["alpha"][1, :, 2] == 0).all(), "dalpha of an empty row must be exactly 0"
+    _check(q, k, v, dout, out, lse, grads, gate=(alpha, delta), gate_fn=gate_fn, bias=bias, causal=True)
+    huge = delta.clone()
+    huge[:, masked.to(device)] = 1e38  # products up to ~1e39 on the masked keys
+    out_h, lse_h, grads_h = _run(q, k, v, dout, gate=(alpha, huge), **options)
+    assert torch.equal(out_h, out) and torch.equal(lse_h, lse)
+    for name in ("q", "k", "v", "alpha"):
+        assert torch.equal(grads_h[name], grads[name]), f"d{name}"
+    assert torch.equal(grads_h["delta"], grads["delta"]), "ddelta (0 on the masked keys in both)"
+    assert (grads["delta"][:, masked.to(device)] == 0).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate_fn", GATE_FNS)
 def test_packed_gate_matches_reference_per_sequence(nan_poison, gate_fn):
