@@ -30,6 +30,93 @@ struct DecodeRowsTile {
   static constexpr int kSmemBytes = kStages * kStageBytes;
 };
 
+
+// The copies of one stage (kStageKeys keys of K and V, from key jt on) by a CTA of kThreads
+// threads into the K / V tiles at dk and dk + kStageKeys * kD: a thread copies one 16-byte chunk
+// column c_t of rows r_t, r_t + kPassRows, ... (kPassRows a multiple of 8, so that the rows'
+// swizzle is the same and the destination moves by whole rows: `row_step` elements a row; in a
+// contiguous cache the source moves by one row stride per pass). `offset(r, c)`: the element
+// offset of chunk c of row r in a tile (the kernel's layout). Keys at or past ke are
+// zero-filled, never read (their rows may lie behind the batch's length).
+template <typename Element, int kD, int kStageKeys, int kThreads>
+struct StageCopies {
+  static constexpr int kChunks = kD / 8;
+  static constexpr int kPassRows = kThreads / kChunks, kPasses = kStageKeys / kPassRows;
+  static_assert(kThreads % kChunks == 0 && kPassRows % 8 == 0 && kStageKeys % kPassRows == 0,
+                "whole rows a pass, whole swizzle periods a pass, whole passes a stage");
+  int c_t, r_t, so_t, pass_step;
+  bool c_in;
+  template <typename Offset>
+  __device__ __forceinline__ StageCopies(const DecodeArgs& a, Offset offset, int row_step)
+      : c_t(threadIdx.x % kChunks), r_t(threadIdx.x / kChunks), so_t(offset(r_t, c_t)),
+        pass_step(kPassRows * row_step), c_in(c_t * 8 < a.head_dim) {}
+  __device__ __forceinline__ void issue(const DecodeArgs& a, const DecodeSeq& seq, int kvh, int jt, int ke,
+                                        Element* tile_k) const {
+    const Element* kbase = static_cast<const Element*>(a.k);
+    const Element* vbase = static_cast<const Element*>(a.v);
+    Element* dk = tile_k + so_t;
+    Element* dv = dk + kStageKeys * kD;
+    if (a.block_table == nullptr && a.key_rows == nullptr) {
+      KeyRow at = key_row_at(a, seq.bm, seq.k0 + jt + r_t, kvh);
+      const int64_t step_k = int64_t(kPassRows) * a.k_st.row_stride, step_v = int64_t(kPassRows) * a.v_st.row_stride;
+#pragma unroll
+      for (int u = 0; u < kPasses; ++u) {
+        const bool ok = c_in && jt + r_t + u * kPassRows < ke;
+        cp_async_16(dk + u * pass_step, kbase + (ok ? at.k + c_t * 8 : 0), ok ? 16 : 0);
+        cp_async_16(dv + u * pass_step, vbase + (ok ? at.v + c_t * 8 : 0), ok ? 16 : 0);
+        at.k += step_k, at.v += step_v;
+      }
+    } else {
+#pragma unroll 2
+      for (int u = 0; u < kPasses; ++u) {
+        const int j = jt + r_t + u * kPassRows;
+        KeyRow at{0, 0};
+        const bool ok = c_in && j < ke && key_row(a, seq, kvh, j, at);
+        cp_async_16(dk + u * pass_step, kbase + at.k + c_t * 8, ok ? 16 : 0);
+        cp_async_16(dv + u * pass_step, vbase + at.v + c_t * 8, ok ? 16 : 0);
+      }
+    }
+  }
+};
+
+// A warp's 16 rows (packed rows r0 .., nrows of them) complete over split `split`: normalized
+// and stored, into the output (one split) or the split's partial rows and lse. o, m, l in the
+// m16n8 accumulator layout (rows lane / 4 + 8 hf). An empty row (no allowed key in this split)
+// is 0 with lse -inf; a NaN sum stays NaN.
+template <typename Element, int kNd>
+__device__ __forceinline__ void store_rows(const DecodeArgs& a, const DecodeSeq& seq, int split, int kvh, int r0,
+                                           int nrows, int lane, const float (&o)[kNd][4], const float (&m)[2],
+                                           const float (&l)[2]) {
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int r = lane / 4 + 8 * hf;
+    const float sum = quad_sum(l[hf]);
+    if (r >= nrows) continue;
+    const bool empty = sum == 0.f;
+    const float mu = m[hf] == -INFINITY ? 0.f : m[hf];
+    const float lse = empty ? -INFINITY : mu + __log2f(sum) * kDecodeLn2;
+    const int row = r0 + r, qi = row / a.group, h = kvh * a.group + row % a.group;
+    const int64_t prow = partial_row(a, seq, split, h, qi);
+    Element* dst = static_cast<Element*>(a.out) + seq.bm * a.o_st.batch_stride + (seq.q0 + qi) * a.o_st.row_stride +
+                   h * a.o_st.head_stride;
+#pragma unroll
+    for (int dn = 0; dn < kNd; ++dn) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int d = dn * 8 + (lane % 4) * 2 + e;
+        if (d >= a.head_dim) continue;
+        const float out = empty ? 0.f : o[dn][2 * hf + e] / sum;
+        if (a.num_splits == 1) dst[d] = Element(saturate_keep_nan<Element>(out));
+        else a.part_out[prow * a.head_dim + d] = out;
+      }
+    }
+    if (lane % 4 == 0) {
+      if (a.num_splits == 1) a.lse[seq.bm * a.lse_bs + h * a.lse_hs + seq.q0 + qi] = lse;
+      else a.part_lse[prow] = lse;
+    }
+  }
+}
+
 }  // namespace decode_detail
 
 // Grid (row_chunks * num_splits, heads_kv, batch) with 64-row chunks,
@@ -40,7 +127,7 @@ __global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2
     decode_rows_kernel(const DecodeArgs a) {
   using namespace decode_detail;
   using Tile = DecodeRowsTile<kD>;
-  constexpr int kStageKeys = Tile::kStageKeys, kStages = Tile::kStages, kChunks = Tile::kChunks;
+  constexpr int kStageKeys = Tile::kStageKeys, kStages = Tile::kStages;
   constexpr int kNd = kD / 8;
 
   launch_dependents();  // (the splits' merge may be placed now: it waits for this grid's end)
@@ -83,43 +170,9 @@ __global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2
     return reinterpret_cast<Element*>(decode_smem + (it % kStages) * Tile::kStageBytes);
   };
   const int stages = ke > kb ? (ke - kb + kStageKeys - 1) / kStageKeys : 0;
-  const Element* kbase = static_cast<const Element*>(a.k);
-  const Element* vbase = static_cast<const Element*>(a.v);
-  // A thread copies one 16-byte chunk column c_t of rows r_t, r_t + kPassRows, ... of a stage:
-  // kPassRows is a multiple of 8, so the rows' swizzle is the same and the destination moves
-  // by whole rows; in a contiguous cache the source moves by one row stride per pass.
-  constexpr int kPassRows = Tile::kThreads / kChunks, kPasses = kStageKeys / kPassRows;
-  static_assert(Tile::kThreads % kChunks == 0 && kPassRows % 8 == 0 && kStageKeys % kPassRows == 0,
-                "whole rows a pass, whole swizzle periods a pass, whole passes a stage");
-  const int c_t = threadIdx.x % kChunks, r_t = threadIdx.x / kChunks;
-  const bool c_in = c_t * 8 < a.head_dim;
-  const int so_t = tile_offset<kD>(r_t, c_t);
+  const StageCopies<Element, kD, kStageKeys, Tile::kThreads> copies(a, [](int r, int c) { return tile_offset<kD>(r, c); }, kD);
   const auto issue = [&](int it) {
-    if (it < stages) {
-      const int jt = kb + it * kStageKeys;
-      Element* dk = stage_k(it) + so_t;
-      Element* dv = dk + kStageKeys * kD;
-      if (a.block_table == nullptr && a.key_rows == nullptr) {
-        KeyRow at = key_row_at(a, seq.bm, seq.k0 + jt + r_t, kvh);
-        const int64_t step_k = int64_t(kPassRows) * a.k_st.row_stride, step_v = int64_t(kPassRows) * a.v_st.row_stride;
-#pragma unroll
-        for (int u = 0; u < kPasses; ++u) {
-          const bool ok = c_in && jt + r_t + u * kPassRows < ke;
-          cp_async_16(dk + u * kPassRows * kD, kbase + (ok ? at.k + c_t * 8 : 0), ok ? 16 : 0);
-          cp_async_16(dv + u * kPassRows * kD, vbase + (ok ? at.v + c_t * 8 : 0), ok ? 16 : 0);
-          at.k += step_k, at.v += step_v;
-        }
-      } else {
-#pragma unroll 2
-        for (int u = 0; u < kPasses; ++u) {
-          const int j = jt + r_t + u * kPassRows;
-          KeyRow at{0, 0};
-          const bool ok = c_in && j < ke && key_row(a, seq, kvh, j, at);
-          cp_async_16(dk + u * kPassRows * kD, kbase + at.k + c_t * 8, ok ? 16 : 0);
-          cp_async_16(dv + u * kPassRows * kD, vbase + at.v + c_t * 8, ok ? 16 : 0);
-        }
-      }
-    }
+    if (it < stages) copies.issue(a, seq, kvh, kb + it * kStageKeys, ke, stage_k(it));
     cp_async_commit();
   };
 
@@ -177,35 +230,7 @@ __global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2
   if (!computes) return;
 
   // The warp's rows are complete over the split: normalized here (no merge across warps).
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int r = lane / 4 + 8 * hf;
-    const float sum = quad_sum(l[hf]);
-    if (r >= nrows) continue;
-    // An empty row (no allowed key in this split) is 0 with lse -inf; a NaN sum stays NaN.
-    const bool empty = sum == 0.f;
-    const float mu = m[hf] == -INFINITY ? 0.f : m[hf];
-    const float lse = empty ? -INFINITY : mu + __log2f(sum) * kDecodeLn2;
-    const int row = r0 + r, qi = row / a.group, h = kvh * a.group + row % a.group;
-    const int64_t prow = partial_row(a, seq, split, h, qi);
-    Element* dst = static_cast<Element*>(a.out) + seq.bm * a.o_st.batch_stride + (seq.q0 + qi) * a.o_st.row_stride +
-                   h * a.o_st.head_stride;
-#pragma unroll
-    for (int dn = 0; dn < kNd; ++dn) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int d = dn * 8 + (lane % 4) * 2 + e;
-        if (d >= a.head_dim) continue;
-        const float out = empty ? 0.f : o[dn][2 * hf + e] / sum;
-        if (a.num_splits == 1) dst[d] = Element(saturate_keep_nan<Element>(out));
-        else a.part_out[prow * a.head_dim + d] = out;
-      }
-    }
-    if (lane % 4 == 0) {
-      if (a.num_splits == 1) a.lse[seq.bm * a.lse_bs + h * a.lse_hs + seq.q0 + qi] = lse;
-      else a.part_lse[prow] = lse;
-    }
-  }
+  store_rows<Element>(a, seq, split, kvh, r0, nrows, lane, o, m, l);
 }
 
 }  // namespace dmattn::cuda

@@ -29,6 +29,7 @@ void run_decode(const DecodeArgs& a, cudaStream_t stream);
 #include "cuda/decode/decode_rows_kernel.h"
 #include "cuda/common/device_info.h"
 #include "cuda/common/launch.h"
+#include "cuda/sm90/decode_rows_sm90.h"
 #include "cuda/sm90/enabled.h"
 
 namespace dmattn::cuda {
@@ -53,12 +54,23 @@ void launch_decode_rows_kernel(const DecodeArgs& a, cudaStream_t stream) {
   launch_on_decode_grid(decode_rows_kernel<Element, kD, kOperands>, Tile::kThreads, Tile::kSmemBytes, a, stream);
 }
 
+// Whether the 64-row chunks without mask / bias entries take the wgmma kernel
+// (decode_rows_sm90.h): on Hopper, unless DMATTN_DECODE_SM90=0 (for comparisons). A property of
+// the device alone, so that a packed batch and its sequences take the same kernel.
+inline bool decode_rows_on_sm90() {
+  static const bool off = sm90::env_switched_off("DMATTN_DECODE_SM90");
+  return !off && sm90::device_runs_sm90_kernels();
+}
+
 template <typename Element, int kD>
 void launch_decode(const DecodeArgs& a, cudaStream_t stream) {
   const bool operands = a.mask.ptr != nullptr || a.bias.ptr != nullptr;
-  if constexpr (kD <= kDecodeRowsMaxHeadDim) {  // (the 64-row kernel exists up to that bucket)
+  if constexpr (kD <= kDecodeRowsMaxHeadDim) {  // (the 64-row kernels exist up to that bucket)
     if (decode_rows_chunked(int64_t(a.seqlen_q) * a.group, a.head_dim)) {  // 64-row chunks, one ring
-      if (operands) launch_decode_rows_kernel<Element, kD, true>(a, stream);
+      if (!operands && decode_rows_on_sm90()) {
+        using Tile = decode_detail::DecodeRowsSm90Tile<Element, kD>;
+        launch_on_decode_grid(decode_rows_sm90_kernel<Element, kD>, Tile::kThreads, Tile::kSmemBytes, a, stream);
+      } else if (operands) launch_decode_rows_kernel<Element, kD, true>(a, stream);
       else launch_decode_rows_kernel<Element, kD, false>(a, stream);
       return;
     }

@@ -1,0 +1,182 @@
+// The 64-row split-KV decode kernel on Hopper's warpgroup MMA (docs/decode.md, "More rows"):
+// decode_rows_kernel.h's work (one CTA per (64-row chunk, key split, kv head, batch), every key
+// of the split read once for the 64 rows through one CTA-wide cp.async ring) with the products
+// on wgmma. The 64 packed rows are wgmma's M, so one warpgroup holds them: S = Q K^T with Q and
+// K from shared memory, O += P V with P from registers and V from shared memory (read
+// transposed), both in the 128-byte-swizzled layout the copies write. The tensor cores read K
+// and V in place: no ldmatrix and no per-warp operand traffic (the mma.sync kernel's four warps
+// each read every K / V row into registers), which leaves a warp's instructions to the softmax.
+// Each thread holds the m16n8 accumulator layout of decode_kernel.h (rows lane / 4 + 8 hf of its
+// warp's 16), so the score transform, the online softmax and the epilogue are that kernel's.
+// Without mask / bias entries (those rows take decode_rows_kernel.h); head dims 64 and 128.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+
+#include "cuda/common/copy.h"
+#include "cuda/decode/decode_rows_kernel.h"
+#include "cuda/sm90/gmma.h"
+#include "cuda/sm90/pack_gqa_sm90.h"
+
+namespace dmattn::cuda {
+
+namespace decode_detail {
+
+// One warpgroup (64 rows), Q (16 KB at kD = 128) and three stages of 64 keys of K and V
+// (32 KB a stage at 128): 112 KB, two CTAs an SM.
+template <typename Element, int kD>
+struct DecodeRowsSm90Tile {
+  static_assert(kD == 64 || kD == 128, "decode_rows_sm90: head dims 64 and 128");
+  static constexpr int kThreads = 128;
+  static constexpr int kRows = 64;
+  static constexpr int kStageKeys = 64;
+  static constexpr int kStages = 3;
+  static constexpr int kTileElems = kStageKeys * kD;  // K or V of a stage
+  static constexpr int kStageBytes = 2 * kTileElems * 2;
+  static constexpr int kQBytes = kRows * kD * 2;
+  static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes;
+  using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
+  using LayoutQ = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kRows>, cute::Int<kD>>{}));
+  using LayoutK = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kStageKeys>, cute::Int<kD>>{}));
+  // V (keys, D) seen as (D, keys): the MN-major B operand of O += P V.
+  using LayoutVt = decltype(cute::composition(
+      LayoutK{}, cute::make_layout(cute::Shape<cute::Int<kD>, cute::Int<kStageKeys>>{},
+                                   cute::Stride<cute::Int<kStageKeys>, cute::_1>{})));
+  using MmaS = decltype(cute::make_tiled_mma(
+      cute::SM90::GMMA::ss_op_selector<Element, Element, float,
+                                       cute::Shape<cute::_64, cute::Int<kStageKeys>, cute::Int<kD>>>()));
+  using MmaO = decltype(cute::make_tiled_mma(
+      cute::SM90::GMMA::rs_op_selector<Element, Element, float,
+                                       cute::Shape<cute::_64, cute::Int<kD>, cute::Int<kStageKeys>>,
+                                       cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+  static_assert(is_sw128_layout<LayoutK, kStageKeys, kD>() && is_sw128_layout<LayoutQ, kRows, kD>(),
+                "the copies' addresses follow the tiles' layout");
+};
+
+// Element offset of 16-byte chunk c of row r in a (kRows, kD) tile of the layout above.
+template <int kRows>
+__device__ __forceinline__ int sw128_chunk_offset(int r, int c) {
+  return (c / 8) * (kRows * 64) + r * 64 + (((c % 8) ^ (r % 8)) << 3);
+}
+
+}  // namespace decode_detail
+
+// Grid (row_chunks * num_splits, heads_kv, batch) with 64-row chunks, DecodeRowsSm90Tile's
+// kThreads threads and kSmemBytes of dynamic shared memory; no mask / bias entries.
+template <typename Element, int kD>
+__global__ void __launch_bounds__(128, 2) decode_rows_sm90_kernel(const DecodeArgs a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace cute;
+  using namespace decode_detail;
+  using Tile = DecodeRowsSm90Tile<Element, kD>;
+  constexpr int kStageKeys = Tile::kStageKeys, kStages = Tile::kStages;
+  constexpr int kNs = kStageKeys / 8, kNd = kD / 8;  // n8 column groups of S and of O
+
+  launch_dependents();  // (the splits' merge may be placed now: it waits for this grid's end)
+  const int chunk = blockIdx.x % a.row_chunks, split = blockIdx.x / a.row_chunks;
+  const int kvh = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const DecodeSeq seq = decode_seq(a, b, Tile::kRows);
+  const int total_rows = seq.len_q * a.group;
+  const int c0 = chunk * Tile::kRows;
+  const int cta_rows = min(Tile::kRows, total_rows - c0);
+  if (seq.splits == 0 || cta_rows <= 0) return;  // (a packed batch: another launch's sequence, or a shorter one)
+  // The warp's 16 rows of the 64; a warp past the chunk's rows computes zero rows it never stores.
+  const int r0 = c0 + warp * kDecodeRows;
+  const int nrows = min(kDecodeRows, total_rows - r0);
+
+  // Splits on whole stages, so that a stage never straddles two.
+  const SplitKeys keys = split_keys(a, seq, c0, cta_rows, split, kStageKeys);
+  const int kb = keys.begin, ke = keys.end;
+  int row_i[2], row_h[2];
+  accumulator_rows(a, kvh, nrows > 0 ? r0 : c0, nrows > 0 ? nrows : 1, lane, row_i, row_h);
+  // The CTA's queries: a stage inside every row's window takes the scores without per-key tests
+  // (the same answer for the whole warpgroup).
+  const int i_first = c0 / a.group, i_last = (c0 + cta_rows - 1) / a.group;
+
+  extern __shared__ __align__(1024) char decode_sm90_smem[];
+  Element* sq = reinterpret_cast<Element*>(decode_sm90_smem);
+  const auto stage_k = [&](int it) {
+    return reinterpret_cast<Element*>(decode_sm90_smem + Tile::kQBytes + (it % kStages) * Tile::kStageBytes);
+  };
+  // Q's 64 packed rows (query (c0 + r) / group, head kvh * group + (c0 + r) % group; zeros past
+  // the sequence's queries and past head_dim) by warp 0, in the first copy group.
+  if (warp == 0) {
+    const Element* q_group = static_cast<const Element*>(a.q) + seq.bm * a.q_st.batch_stride +
+                             seq.q0 * a.q_st.row_stride + int64_t(kvh) * a.group * a.q_st.head_stride;
+    sm90::load_packed_q_sw128<Tile::kRows, kD>(cute::cast_smem_ptr_to_uint(sq), q_group, a.q_st.row_stride,
+                                         a.q_st.head_stride, c0, a.group, seq.len_q, a.head_dim, lane);
+  }
+  cp_async_commit();
+  const int stages = ke > kb ? (ke - kb + kStageKeys - 1) / kStageKeys : 0;
+  const StageCopies<Element, kD, kStageKeys, Tile::kThreads> copies(
+      a, [](int r, int c) { return sw128_chunk_offset<kStageKeys>(r, c); }, 64);
+  const auto issue = [&](int it) {
+    if (it < stages) copies.issue(a, seq, kvh, kb + it * kStageKeys, ke, stage_k(it));
+    cp_async_commit();
+  };
+  issue(0);
+  issue(1);
+
+  typename Tile::MmaS mma_s;
+  typename Tile::MmaO mma_o;
+  auto wg_s = mma_s.get_thread_slice(0);
+  auto wg_o = mma_o.get_thread_slice(0);
+  Tensor acc_s = partition_fragment_C(mma_s, Shape<_64, Int<kStageKeys>>{});
+  Tensor acc_o = partition_fragment_C(mma_o, Shape<_64, Int<kD>>{});
+  static_assert(decltype(size(acc_s))::value == kNs * 4 && decltype(size(acc_o))::value == kNd * 4,
+                "one m16n8 accumulator per n8 column group");
+  // The accumulators as decode_kernel.h's arrays: register i is column group i / 4, row half
+  // (i / 2) % 2 and column (i % 2) of its pair, the m16n8 layout of the warp's 16 rows.
+  float (&s)[kNs][4] = *reinterpret_cast<float(*)[kNs][4]>(raw_pointer_cast(acc_s.data()));
+  float (&o)[kNd][4] = *reinterpret_cast<float(*)[kNd][4]>(raw_pointer_cast(acc_o.data()));
+  Tensor rP = make_tensor<Element>(acc_s.layout());
+  Tensor tOrP = make_tensor(rP.data(), sm90::acc_to_a(rP.layout()));
+  float m[2], l[2];
+  start_rows(o, m, l);
+  const StepOperandsOf<kStageKeys> no_operands{};
+
+  Tensor sQ = make_tensor(make_smem_ptr(sq), typename Tile::LayoutQ{});
+  Tensor tSrQ = wg_s.partition_fragment_A(sQ);
+  for (int t = 0; t < stages; ++t) {
+    cp_async_wait<1>();      // stage t's copies (and Q's) have landed; stage t + 1's may be in flight
+    sm90::fence_smem_for_wgmma();  // (this thread's writes, for the tensor cores' reads)
+    __syncthreads();         // everyone's; every thread is done with stage t - 1, whose slot is refilled now
+    issue(t + 2);
+    Element* tile = stage_k(t);
+    Tensor sK = make_tensor(make_smem_ptr(tile), typename Tile::LayoutK{});
+    Tensor tSrK = wg_s.partition_fragment_B(sK);
+    sm90::gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_s, tSrQ, tSrK, acc_s);
+    sm90::gemm_wait<0>(acc_s);
+
+    const int jt = kb + t * kStageKeys;
+    float alpha[2];
+    if (tile_inside(a, keys.off, i_first, i_last, jt, kStageKeys, ke)) {
+      online_softmax<Element, false, kStageKeys, false>(a, s, jt, ke, keys.off, row_i, no_operands, m, l, alpha, lane);
+    } else {
+      online_softmax<Element, false, kStageKeys, true>(a, s, jt, ke, keys.off, row_i, no_operands, m, l, alpha, lane);
+    }
+    // Once the row maxima settle, alpha is exactly 1 for the rest of the keys: the accumulators'
+    // scaling is skipped then (a NaN alpha is != 1 and still reaches them).
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int dn = 0; dn < kNd; ++dn) {
+        o[dn][0] *= alpha[0], o[dn][1] *= alpha[0];
+        o[dn][2] *= alpha[1], o[dn][3] *= alpha[1];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < size(rP); ++i) rP(i) = static_cast<Element>(acc_s(i));
+    Tensor sVt = make_tensor(make_smem_ptr(tile + Tile::kTileElems), typename Tile::LayoutVt{});
+    Tensor tOrVt = wg_o.partition_fragment_B(sVt);
+    sm90::gemm_issue</*kZeroInit=*/false, /*kRegA=*/true>(mma_o, tOrP, tOrVt, acc_o);
+    sm90::gemm_wait<0>(acc_o);
+  }
+  cp_async_wait<0>();
+  if (nrows <= 0) return;
+  store_rows<Element>(a, seq, split, kvh, r0, nrows, lane, o, m, l);
+#endif
+}
+
+}  // namespace dmattn::cuda
