@@ -31,13 +31,40 @@ struct DecodeRowsTile {
 };
 
 
+// The pages of a stage's keys [jt, min(jt + kStageKeys, ke)) in a paged cache whose pages hold at
+// least a stage's keys: the page of jt and the next one (read only where the stage crosses into
+// it), and jt's row on its page. Two independent table reads, which a kernel issues a stage
+// ahead of the copies that use them (a table read before each stage's copies is a dependent
+// global load on the copying threads' path).
+struct StagePages {
+  int64_t first, second;
+  int row0;
+};
+template <int kStageKeys>
+__device__ __forceinline__ StagePages stage_pages(const DecodeArgs& a, const DecodeSeq& seq, int jt, int ke) {
+  StagePages pg{seq.bm, seq.bm, 0};
+  if (jt >= ke) return pg;
+  const int p = jt / a.page_size;
+  pg.row0 = jt - p * a.page_size;
+  const int32_t* row = a.block_table + seq.bm * a.bt_stride + p;
+  pg.first = row[0];
+  pg.second = min(ke, jt + kStageKeys) - 1 - jt + pg.row0 >= a.page_size ? row[1] : pg.first;
+  return pg;
+}
+// Whether a paged cache's stages take stage_pages (else a table read per key).
+template <int kStageKeys>
+__device__ __forceinline__ bool pages_by_stage(const DecodeArgs& a) {
+  return a.block_table != nullptr && a.key_rows == nullptr && a.page_size >= kStageKeys;
+}
+
 // The copies of one stage (kStageKeys keys of K and V, from key jt on) by a CTA of kThreads
 // threads into the K / V tiles at dk and dk + kStageKeys * kD: a thread copies one 16-byte chunk
 // column c_t of rows r_t, r_t + kPassRows, ... (kPassRows a multiple of 8, so that the rows'
 // swizzle is the same and the destination moves by whole rows: `row_step` elements a row; in a
 // contiguous cache the source moves by one row stride per pass). `offset(r, c)`: the element
 // offset of chunk c of row r in a tile (the kernel's layout). Keys at or past ke are
-// zero-filled, never read (their rows may lie behind the batch's length).
+// zero-filled, never read (their rows may lie behind the batch's length). A paged cache takes
+// the stage's pages from `pages` (pages_by_stage), or else reads the table per key.
 template <typename Element, int kD, int kStageKeys, int kThreads>
 struct StageCopies {
   static constexpr int kChunks = kD / 8;
@@ -51,7 +78,7 @@ struct StageCopies {
       : c_t(threadIdx.x % kChunks), r_t(threadIdx.x / kChunks), so_t(offset(r_t, c_t)),
         pass_step(kPassRows * row_step), c_in(c_t * 8 < a.head_dim) {}
   __device__ __forceinline__ void issue(const DecodeArgs& a, const DecodeSeq& seq, int kvh, int jt, int ke,
-                                        Element* tile_k) const {
+                                        Element* tile_k, const StagePages* pages = nullptr) const {
     const Element* kbase = static_cast<const Element*>(a.k);
     const Element* vbase = static_cast<const Element*>(a.v);
     Element* dk = tile_k + so_t;
@@ -65,6 +92,17 @@ struct StageCopies {
         cp_async_16(dk + u * pass_step, kbase + (ok ? at.k + c_t * 8 : 0), ok ? 16 : 0);
         cp_async_16(dv + u * pass_step, vbase + (ok ? at.v + c_t * 8 : 0), ok ? 16 : 0);
         at.k += step_k, at.v += step_v;
+      }
+    } else if (pages != nullptr && pages_by_stage<kStageKeys>(a)) {
+#pragma unroll
+      for (int u = 0; u < kPasses; ++u) {
+        const int r = r_t + u * kPassRows;
+        const bool ok = c_in && jt + r < ke;
+        const int row = pages->row0 + r;
+        const bool next = row >= a.page_size;
+        const KeyRow at = key_row_at(a, next ? pages->second : pages->first, next ? row - a.page_size : row, kvh);
+        cp_async_16(dk + u * pass_step, kbase + (ok ? at.k + c_t * 8 : 0), ok ? 16 : 0);
+        cp_async_16(dv + u * pass_step, vbase + (ok ? at.v + c_t * 8 : 0), ok ? 16 : 0);
       }
     } else {
 #pragma unroll 2

@@ -112,12 +112,18 @@ __global__ void __launch_bounds__(128, 2) decode_rows_sm90_kernel(const DecodeAr
   const int stages = ke > kb ? (ke - kb + kStageKeys - 1) / kStageKeys : 0;
   const StageCopies<Element, kD, kStageKeys, Tile::kThreads> copies(
       a, [](int r, int c) { return sw128_chunk_offset<kStageKeys>(r, c); }, 64);
-  const auto issue = [&](int it) {
-    if (it < stages) copies.issue(a, seq, kvh, kb + it * kStageKeys, ke, stage_k(it));
+  // A paged cache's table entries are read a stage ahead of the copies that use them.
+  const bool paged = pages_by_stage<kStageKeys>(a);
+  const auto pages_of = [&](int it) {
+    return paged ? stage_pages<kStageKeys>(a, seq, kb + it * kStageKeys, ke) : StagePages{0, 0, 0};
+  };
+  const auto issue = [&](int it, const StagePages& pages) {
+    if (it < stages) copies.issue(a, seq, kvh, kb + it * kStageKeys, ke, stage_k(it), &pages);
     cp_async_commit();
   };
-  issue(0);
-  issue(1);
+  issue(0, pages_of(0));
+  issue(1, pages_of(1));
+  StagePages pages_ahead = pages_of(2);
 
   typename Tile::MmaS mma_s;
   typename Tile::MmaO mma_o;
@@ -143,7 +149,8 @@ __global__ void __launch_bounds__(128, 2) decode_rows_sm90_kernel(const DecodeAr
     cp_async_wait<1>();      // stage t's copies (and Q's) have landed; stage t + 1's may be in flight
     sm90::fence_smem_for_wgmma();  // (this thread's writes, for the tensor cores' reads)
     __syncthreads();         // everyone's; every thread is done with stage t - 1, whose slot is refilled now
-    issue(t + 2);
+    issue(t + 2, pages_ahead);
+    pages_ahead = pages_of(t + 3);
     Element* tile = stage_k(t);
     Tensor sK = make_tensor(make_smem_ptr(tile), typename Tile::LayoutK{});
     Tensor tSrK = wg_s.partition_fragment_B(sK);
