@@ -370,6 +370,20 @@ __device__ __forceinline__ void online_softmax(const DecodeArgs& a, float (&s)[k
   }
 }
 
+// The accumulators' rows scaled by the online softmax's factors alpha (rows lane / 4 + 8 hf).
+// Once the row maxima settle, alpha is exactly 1 for the rest of the keys: the scaling is then
+// skipped for the whole warp (a NaN alpha is != 1 and still reaches the accumulators).
+template <int kNd>
+__device__ __forceinline__ void rescale_rows(float (&o)[kNd][4], const float (&alpha)[2]) {
+  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+    for (int dn = 0; dn < kNd; ++dn) {
+      o[dn][0] *= alpha[0], o[dn][1] *= alpha[0];
+      o[dn][2] *= alpha[1], o[dn][3] *= alpha[1];
+    }
+  }
+}
+
 // The scores of one tile of kKeys keys (16, 32 or 64) against a warp's 16 rows: s = q K^T (K
 // rows at sk; q's A fragment of k-step ks from q_fragment(ks, f)), raw (before the transform).
 template <typename Element, int kD, int kKeys, typename QFragment>
@@ -409,22 +423,13 @@ __device__ __forceinline__ void tile_update(const DecodeArgs& a, float (&s)[kKey
                                             const StepOperandsOf<kKeys>& op, float (&m)[2], float (&l)[2],
                                             float (&o)[kD / 8][4], int lane, bool inside) {
   using Mma = typename DecodeMma<Element>::Op;
-  constexpr int kNd = kD / 8;
   float alpha[2];
   if (inside) {
     online_softmax<Element, kOperands, kKeys, false>(a, s, jt, ke, off, row_i, op, m, l, alpha, lane);
   } else {
     online_softmax<Element, kOperands, kKeys, true>(a, s, jt, ke, off, row_i, op, m, l, alpha, lane);
   }
-  // Once the row maxima settle, alpha is exactly 1 for the rest of the keys: skip the scaling
-  // of the accumulators then (a NaN alpha is != 1 and still reaches them).
-  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-    for (int dn = 0; dn < kNd; ++dn) {
-      o[dn][0] *= alpha[0], o[dn][1] *= alpha[0];
-      o[dn][2] *= alpha[1], o[dn][3] *= alpha[1];
-    }
-  }
+  rescale_rows(o, alpha);
 
   // Values: o += P (16 rows x 16 keys of k-step kt, the score accumulators repacked as the A
   // operand) x V; V rows as the B operand by transposing ldmatrix (matrix lane / 8: keys

@@ -31,6 +31,32 @@ struct DecodeRowsTile {
 };
 
 
+// Where a CTA of a 64-row kernel stands: its row chunk c0 .. c0 + cta_rows - 1 of the sequence's
+// packed rows (total_rows of them), key split, kv head and batch (grid (row_chunks * num_splits,
+// heads_kv, batch), the chunk fastest), and its warp's 16 rows r0 .. r0 + nrows - 1 (nrows <= 0:
+// a warp past the chunk's rows). idle: nothing to do (a packed batch: another launch's sequence,
+// or a shorter one).
+struct RowsChunk {
+  int split, kvh, warp, lane;
+  DecodeSeq seq;
+  int total_rows, c0, cta_rows, r0, nrows;
+  __device__ __forceinline__ bool idle() const { return seq.splits == 0 || cta_rows <= 0; }
+};
+__device__ __forceinline__ RowsChunk rows_chunk(const DecodeArgs& a, int chunk_rows) {
+  RowsChunk c;
+  const int chunk = blockIdx.x % a.row_chunks;
+  c.split = blockIdx.x / a.row_chunks;
+  c.kvh = blockIdx.y;
+  c.warp = threadIdx.x / 32, c.lane = threadIdx.x % 32;
+  c.seq = decode_seq(a, blockIdx.z, chunk_rows);
+  c.total_rows = c.seq.len_q * a.group;
+  c.c0 = chunk * chunk_rows;
+  c.cta_rows = min(chunk_rows, c.total_rows - c.c0);
+  c.r0 = c.c0 + c.warp * kDecodeRows;
+  c.nrows = min(kDecodeRows, c.total_rows - c.r0);
+  return c;
+}
+
 // The pages of a stage's keys [jt, min(jt + kStageKeys, ke)) in a paged cache whose pages hold at
 // least a stage's keys: the page of jt and the next one (read only where the stage crosses into
 // it), and jt's row on its page. Two independent table reads, which a kernel issues a stage
@@ -169,17 +195,12 @@ __global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2
   constexpr int kNd = kD / 8;
 
   launch_dependents();  // (the splits' merge may be placed now: it waits for this grid's end)
-  const int chunk = blockIdx.x % a.row_chunks, split = blockIdx.x / a.row_chunks;
-  const int kvh = blockIdx.y, b = blockIdx.z;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const DecodeSeq seq = decode_seq(a, b, Tile::kRows);
-  const int total_rows = seq.len_q * a.group;
-  const int c0 = chunk * Tile::kRows;
-  const int cta_rows = min(Tile::kRows, total_rows - c0);
-  if (seq.splits == 0 || cta_rows <= 0) return;  // (a packed batch: another launch's sequence, or a shorter one)
+  const RowsChunk rc = rows_chunk(a, Tile::kRows);
+  if (rc.idle()) return;
+  const DecodeSeq& seq = rc.seq;
+  const int split = rc.split, kvh = rc.kvh, lane = rc.lane, c0 = rc.c0, cta_rows = rc.cta_rows;
   // The warp's tile; a warp past the chunk's rows only helps with the copies.
-  const int r0 = c0 + warp * kDecodeRows;
-  const int nrows = min(kDecodeRows, total_rows - r0);
+  const int r0 = rc.r0, nrows = rc.nrows;
   const bool computes = nrows > 0;
 
   // Splits on whole stages, so that a stage never straddles two.

@@ -74,17 +74,12 @@ __global__ void __launch_bounds__(128, 2) decode_rows_sm90_kernel(const DecodeAr
   constexpr int kNs = kStageKeys / 8, kNd = kD / 8;  // n8 column groups of S and of O
 
   launch_dependents();  // (the splits' merge may be placed now: it waits for this grid's end)
-  const int chunk = blockIdx.x % a.row_chunks, split = blockIdx.x / a.row_chunks;
-  const int kvh = blockIdx.y, b = blockIdx.z;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const DecodeSeq seq = decode_seq(a, b, Tile::kRows);
-  const int total_rows = seq.len_q * a.group;
-  const int c0 = chunk * Tile::kRows;
-  const int cta_rows = min(Tile::kRows, total_rows - c0);
-  if (seq.splits == 0 || cta_rows <= 0) return;  // (a packed batch: another launch's sequence, or a shorter one)
+  const RowsChunk rc = rows_chunk(a, Tile::kRows);
+  if (rc.idle()) return;
+  const DecodeSeq& seq = rc.seq;
+  const int split = rc.split, kvh = rc.kvh, warp = rc.warp, lane = rc.lane, c0 = rc.c0, cta_rows = rc.cta_rows;
   // The warp's 16 rows of the 64; a warp past the chunk's rows computes zero rows it never stores.
-  const int r0 = c0 + warp * kDecodeRows;
-  const int nrows = min(kDecodeRows, total_rows - r0);
+  const int r0 = rc.r0, nrows = rc.nrows;
 
   // Splits on whole stages, so that a stage never straddles two.
   const SplitKeys keys = split_keys(a, seq, c0, cta_rows, split, kStageKeys);
@@ -164,15 +159,7 @@ __global__ void __launch_bounds__(128, 2) decode_rows_sm90_kernel(const DecodeAr
     } else {
       online_softmax<Element, false, kStageKeys, true>(a, s, jt, ke, keys.off, row_i, no_operands, m, l, alpha, lane);
     }
-    // Once the row maxima settle, alpha is exactly 1 for the rest of the keys: the accumulators'
-    // scaling is skipped then (a NaN alpha is != 1 and still reaches them).
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-      for (int dn = 0; dn < kNd; ++dn) {
-        o[dn][0] *= alpha[0], o[dn][1] *= alpha[0];
-        o[dn][2] *= alpha[1], o[dn][3] *= alpha[1];
-      }
-    }
+    rescale_rows(o, alpha);
 #pragma unroll
     for (int i = 0; i < size(rP); ++i) rP(i) = static_cast<Element>(acc_s(i));
     Tensor sVt = make_tensor(make_smem_ptr(tile + Tile::kTileElems), typename Tile::LayoutVt{});
