@@ -218,27 +218,31 @@ def test_gpu_many_splits(seqlen_q, head_dim, window):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("seqlen_q,page_size", [(4, None), (4, 8), (3, 64), (16, None), (16, 8), (5, None),
-                                               (20, 256)])
-def test_gpu_full_row_tiles(seqlen_q, page_size):
+                                               (20, 256), (1, 64)])
+def test_gpu_full_row_tiles(seqlen_q, page_size, bias):
     """Speculative-decoding lengths: a full 16-row tile (Sq=4, 4 heads a kv head), a partial one,
     a full 64-row chunk (Sq=16), one with warps past its rows (Sq=5: 20 rows), two chunks
-    (Sq=20), pages smaller than a key tile; long ragged caches (every warp, several tiles and
-    key splits), causal, a per-key bias."""
+    (Sq=20), pages smaller than a key tile and pages a stage crosses; long ragged caches (every
+    warp, several tiles and key splits), causal; with a per-key bias (the mma.sync kernels) and
+    without (on Hopper the wgmma kernel, its padding rows included)."""
     case = _make_case("cuda", torch.bfloat16, batch=3, seqlen_q=seqlen_q, heads=8, heads_kv=2, head_dim=128,
                       capacity=2048, lens=[2000, 700, 5], new=seqlen_q, page_size=page_size,
-                      bias_shape=(3, 8, 1, 2048))
+                      bias_shape=(3, 8, 1, 2048) if bias else None)
     out, lse = _run(case)
     _check(case, out, lse)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mask", [True, False])
 @pytest.mark.parametrize("head_dim", [64, 96, 256])
-def test_gpu_row_chunks_head_dims(head_dim):
+def test_gpu_row_chunks_head_dims(head_dim, mask):
     """More rows than one tile at every head-dim bucket (64-row chunks up to 128, 16-row chunks
-    at 256), with a key mask, a window and a softcap."""
+    at 256; 96 zero-fills the bucket's last columns), with a window and a softcap, with a key
+    mask and without (on Hopper the wgmma kernel up to 128)."""
     case = _make_case("cuda", torch.bfloat16, batch=2, seqlen_q=8, heads=8, heads_kv=2, head_dim=head_dim,
-                      capacity=1100, lens=[1090, 333], new=8, mask_shape=(2, 1, 1, 1100))
+                      capacity=1100, lens=[1090, 333], new=8, mask_shape=(2, 1, 1, 1100) if mask else None)
     out, lse = _run(case, window=(300, -1), softcap=15.0)
     _check(case, out, lse, window=(300, -1), softcap=15.0)
 
