@@ -29,7 +29,7 @@ void run_decode(const DecodeArgs& a, cudaStream_t stream);
 #include "cuda/decode/decode_rows_kernel.h"
 #include "cuda/common/device_info.h"
 #include "cuda/common/launch.h"
-#include "cuda/sm90/decode_rows_sm90.h"
+#include "cuda/sm90/decode_sm90.h"
 #include "cuda/sm90/enabled.h"
 
 namespace dmattn::cuda {
@@ -54,7 +54,7 @@ void launch_decode_rows_kernel(const DecodeArgs& a, cudaStream_t stream) {
   launch_on_decode_grid(decode_rows_kernel<Element, kD, kOperands>, Tile::kThreads, Tile::kSmemBytes, a, stream);
 }
 
-// Whether the calls without mask / bias entries take the wgmma kernel (decode_rows_sm90.h) at
+// Whether the calls without mask / bias entries take the wgmma kernel (decode_sm90.h) at
 // head dims up to 128, whatever their rows: on Hopper, unless DMATTN_DECODE_SM90=0 (for
 // comparisons). It reads the keys at memory speed with 1 to 64 rows (its padding rows cost
 // tensor-core time, which a decoding step has to spare), and with short caches it is faster than
@@ -71,8 +71,8 @@ void launch_decode(const DecodeArgs& a, cudaStream_t stream) {
   const bool operands = a.mask.ptr != nullptr || a.bias.ptr != nullptr;
   if constexpr (kD <= kDecodeRowsMaxHeadDim) {  // (the 64-row kernels exist up to that bucket)
     if (!operands && decode_on_sm90()) {
-      using Tile = decode_detail::DecodeRowsSm90Tile<Element, kD>;
-      launch_on_decode_grid(decode_rows_sm90_kernel<Element, kD>, Tile::kThreads, Tile::kSmemBytes, a, stream);
+      using Tile = decode_detail::DecodeSm90Tile<Element, kD>;
+      launch_on_decode_grid(decode_sm90_kernel<Element, kD>, Tile::kThreads, Tile::kSmemBytes, a, stream);
       return;
     }
     if (decode_rows_chunked(int64_t(a.seqlen_q) * a.group, a.head_dim)) {  // 64-row chunks, one ring

@@ -1,14 +1,15 @@
-// The 64-row split-KV decode kernel on Hopper's warpgroup MMA (docs/decode.md, "More rows"):
-// decode_rows_kernel.h's work (one CTA per (64-row chunk, key split, kv head, batch), every key
-// of the split read once for the 64 rows through one CTA-wide cp.async ring) with the products
-// on wgmma. The 64 packed rows are wgmma's M, so one warpgroup holds them: S = Q K^T with Q and
-// K from shared memory, O += P V with P from registers and V from shared memory (read
-// transposed), both in the 128-byte-swizzled layout the copies write. The tensor cores read K
-// and V in place: no ldmatrix and no per-warp operand traffic (the mma.sync kernel's four warps
-// each read every K / V row into registers), which leaves a warp's instructions to the softmax.
-// Each thread holds the m16n8 accumulator layout of decode_kernel.h (rows lane / 4 + 8 hf of its
-// warp's 16), so the score transform, the online softmax and the epilogue are that kernel's.
-// Without mask / bias entries (those rows take decode_rows_kernel.h); head dims 64 and 128.
+// The split-KV decode kernel on Hopper's warpgroup MMA (docs/decode.md, "On Hopper"), for every
+// call without mask / bias entries up to head dim 128: decode_rows_kernel.h's work (one CTA per
+// (64-row chunk, key split, kv head, batch), every key of the split read once for the chunk's
+// rows through one CTA-wide cp.async ring) with the products on wgmma. The 64 packed rows are
+// wgmma's M, so one warpgroup holds them (a chunk with fewer rows, a single query's 4 heads say,
+// pads them with zero queries): S = Q K^T with Q and K from shared memory, O += P V with P from
+// registers and V from shared memory (read transposed), both in the 128-byte-swizzled layout the
+// copies write. The tensor cores read K and V in place: no ldmatrix and no per-warp operand
+// traffic (the mma.sync kernels' warps each read every K / V row into registers), which leaves a
+// warp's instructions to the softmax. Each thread holds the m16n8 accumulator layout of
+// decode_kernel.h (rows lane / 4 + 8 hf of its warp's 16), so the score transform, the online
+// softmax and the epilogue are those kernels'. Calls with mask / bias entries take them.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -26,8 +27,8 @@ namespace decode_detail {
 // One warpgroup (64 rows), Q (16 KB at kD = 128) and three stages of 64 keys of K and V
 // (32 KB a stage at 128): 112 KB, two CTAs an SM.
 template <typename Element, int kD>
-struct DecodeRowsSm90Tile {
-  static_assert(kD == 64 || kD == 128, "decode_rows_sm90: head dims 64 and 128");
+struct DecodeSm90Tile {
+  static_assert(kD == 64 || kD == 128, "decode_sm90: head dims 64 and 128");
   static constexpr int kThreads = 128;
   static constexpr int kRows = 64;
   static constexpr int kStageKeys = 64;
@@ -62,14 +63,14 @@ __device__ __forceinline__ int sw128_chunk_offset(int r, int c) {
 
 }  // namespace decode_detail
 
-// Grid (row_chunks * num_splits, heads_kv, batch) with 64-row chunks, DecodeRowsSm90Tile's
+// Grid (row_chunks * num_splits, heads_kv, batch) with 64-row chunks, DecodeSm90Tile's
 // kThreads threads and kSmemBytes of dynamic shared memory; no mask / bias entries.
 template <typename Element, int kD>
-__global__ void __launch_bounds__(128, 2) decode_rows_sm90_kernel(const DecodeArgs a) {
+__global__ void __launch_bounds__(128, 2) decode_sm90_kernel(const DecodeArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
   using namespace decode_detail;
-  using Tile = DecodeRowsSm90Tile<Element, kD>;
+  using Tile = DecodeSm90Tile<Element, kD>;
   constexpr int kStageKeys = Tile::kStageKeys, kStages = Tile::kStages;
   constexpr int kNs = kStageKeys / 8, kNd = kD / 8;  // n8 column groups of S and of O
 
@@ -101,7 +102,7 @@ __global__ void __launch_bounds__(128, 2) decode_rows_sm90_kernel(const DecodeAr
     const Element* q_group = static_cast<const Element*>(a.q) + seq.bm * a.q_st.batch_stride +
                              seq.q0 * a.q_st.row_stride + int64_t(kvh) * a.group * a.q_st.head_stride;
     sm90::load_packed_q_sw128<Tile::kRows, kD>(cute::cast_smem_ptr_to_uint(sq), q_group, a.q_st.row_stride,
-                                         a.q_st.head_stride, c0, a.group, seq.len_q, a.head_dim, lane);
+                                               a.q_st.head_stride, c0, a.group, seq.len_q, a.head_dim, lane);
   }
   cp_async_commit();
   const int stages = ke > kb ? (ke - kb + kStageKeys - 1) / kStageKeys : 0;
@@ -141,9 +142,9 @@ __global__ void __launch_bounds__(128, 2) decode_rows_sm90_kernel(const DecodeAr
   Tensor sQ = make_tensor(make_smem_ptr(sq), typename Tile::LayoutQ{});
   Tensor tSrQ = wg_s.partition_fragment_A(sQ);
   for (int t = 0; t < stages; ++t) {
-    cp_async_wait<1>();      // stage t's copies (and Q's) have landed; stage t + 1's may be in flight
+    cp_async_wait<1>();            // stage t's copies (and Q's) have landed; stage t + 1's may be in flight
     sm90::fence_smem_for_wgmma();  // (this thread's writes, for the tensor cores' reads)
-    __syncthreads();         // everyone's; every thread is done with stage t - 1, whose slot is refilled now
+    __syncthreads();               // everyone's; all are done with stage t - 1, whose slot is refilled now
     issue(t + 2, pages_ahead);
     pages_ahead = pages_of(t + 3);
     Element* tile = stage_k(t);
