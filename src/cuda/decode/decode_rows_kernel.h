@@ -25,7 +25,6 @@ struct DecodeRowsTile {
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kStageKeys = 64;
   static constexpr int kStages = 3;
-  static constexpr int kChunks = kD / 8;  // 16-byte chunks of a K / V row
   static constexpr int kStageBytes = 2 * kStageKeys * kD * 2;
   static constexpr int kSmemBytes = kStages * kStageBytes;
 };
@@ -77,10 +76,16 @@ __device__ __forceinline__ StagePages stage_pages(const DecodeArgs& a, const Dec
   pg.second = min(ke, jt + kStageKeys) - 1 - jt + pg.row0 >= a.page_size ? row[1] : pg.first;
   return pg;
 }
-// Whether a paged cache's stages take stage_pages (else a table read per key).
+// Whether a stage's keys are found without a table read per key: a contiguous cache, or pages
+// of at least a stage (else gathered rows or smaller pages); and whether a paged cache's stages
+// take stage_pages.
+template <int kStageKeys>
+__host__ __device__ __forceinline__ bool keys_by_stage(const DecodeArgs& a) {
+  return a.key_rows == nullptr && (a.block_table == nullptr || a.page_size >= kStageKeys);
+}
 template <int kStageKeys>
 __device__ __forceinline__ bool pages_by_stage(const DecodeArgs& a) {
-  return a.block_table != nullptr && a.key_rows == nullptr && a.page_size >= kStageKeys;
+  return a.block_table != nullptr && keys_by_stage<kStageKeys>(a);
 }
 
 // The copies of one stage (kStageKeys keys of K and V, from key jt on) by a CTA of kThreads

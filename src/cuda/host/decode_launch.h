@@ -56,11 +56,15 @@ void launch_decode_rows_kernel(const DecodeArgs& a, cudaStream_t stream) {
 
 // Whether the calls without mask / bias entries take the wgmma kernel (decode_sm90.h) at
 // head dims up to 128, whatever their rows: on Hopper, unless DMATTN_DECODE_SM90=0 (for
-// comparisons). It reads the keys at memory speed with 1 to 64 rows (its padding rows cost
-// tensor-core time, which a decoding step has to spare), and with short caches it is faster than
-// the one-tile kernel (fewer instructions a key). A property of the device alone, so that a
-// packed batch and its sequences take the same kernel: a chunk of at most one tile of rows is
-// one 64-row chunk too (row_chunks 1 either way).
+// comparisons), for keys it finds a stage at a time (a contiguous cache, or pages of at least a
+// stage: gathered rows and smaller pages need a table read per key, which its warpgroup would
+// wait for at each stage, where the one-tile kernel's per-warp rings read one or two entries a
+// tile). It reads the keys at memory speed with 1 to 64 rows (its padding rows cost tensor-core
+// time, which a decoding step has to spare), and with short caches it is faster than the
+// one-tile kernel (fewer instructions a key). The choice depends on the device and the cache's
+// form alone (packed batches are contiguous), so that a packed batch and its sequences take the
+// same kernel: a chunk of at most one tile of rows is one 64-row chunk too (row_chunks 1 either
+// way).
 inline bool decode_on_sm90() {
   static const bool off = sm90::env_switched_off("DMATTN_DECODE_SM90");
   return !off && sm90::device_runs_sm90_kernels();
@@ -70,9 +74,9 @@ template <typename Element, int kD>
 void launch_decode(const DecodeArgs& a, cudaStream_t stream) {
   const bool operands = a.mask.ptr != nullptr || a.bias.ptr != nullptr;
   if constexpr (kD <= kDecodeRowsMaxHeadDim) {  // (the 64-row kernels exist up to that bucket)
-    if (!operands && decode_on_sm90()) {
-      using Tile = decode_detail::DecodeSm90Tile<Element, kD>;
-      launch_on_decode_grid(decode_sm90_kernel<Element, kD>, Tile::kThreads, Tile::kSmemBytes, a, stream);
+    using Sm90Tile = decode_detail::DecodeSm90Tile<Element, kD>;
+    if (!operands && decode_detail::keys_by_stage<Sm90Tile::kStageKeys>(a) && decode_on_sm90()) {
+      launch_on_decode_grid(decode_sm90_kernel<Element, kD>, Sm90Tile::kThreads, Sm90Tile::kSmemBytes, a, stream);
       return;
     }
     if (decode_rows_chunked(int64_t(a.seqlen_q) * a.group, a.head_dim)) {  // 64-row chunks, one ring
