@@ -226,7 +226,8 @@ def test_gpu_full_row_tiles(seqlen_q, page_size, bias):
     a full 64-row chunk (Sq=16), one with warps past its rows (Sq=5: 20 rows), two chunks
     (Sq=20), pages smaller than a key tile and pages a stage crosses; long ragged caches (every
     warp, several tiles and key splits), causal; with a per-key bias (the mma.sync kernels) and
-    without (on Hopper the wgmma kernel, its padding rows included)."""
+    without (on Hopper the wgmma kernel, its padding rows included, where the keys come a stage
+    at a time: contiguous, pages of 64 and 256)."""
     case = _make_case("cuda", torch.bfloat16, batch=3, seqlen_q=seqlen_q, heads=8, heads_kv=2, head_dim=128,
                       capacity=2048, lens=[2000, 700, 5], new=seqlen_q, page_size=page_size,
                       bias_shape=(3, 8, 1, 2048) if bias else None)
