@@ -88,6 +88,12 @@ __device__ __forceinline__ bool pages_by_stage(const DecodeArgs& a) {
   return a.block_table != nullptr && keys_by_stage<kStageKeys>(a);
 }
 
+// cp_async_16 for a chunk read whole (no source size to pass).
+__device__ __forceinline__ void cp_async_16_whole(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+
 // The copies of one stage (kStageKeys keys of K and V, from key jt on) by a CTA of kThreads
 // threads into the K / V tiles at dk and dk + kStageKeys * kD: a thread copies one 16-byte chunk
 // column c_t of rows r_t, r_t + kPassRows, ... (kPassRows a multiple of 8, so that the rows'
@@ -117,6 +123,17 @@ struct StageCopies {
     if (a.block_table == nullptr && a.key_rows == nullptr) {
       KeyRow at = key_row_at(a, seq.bm, seq.k0 + jt + r_t, kvh);
       const int64_t step_k = int64_t(kPassRows) * a.k_st.row_stride, step_v = int64_t(kPassRows) * a.v_st.row_stride;
+      if (c_in && jt + kStageKeys <= ke) {  // a whole stage: every row read, no test or select a copy
+        const Element* sk = kbase + at.k + c_t * 8;
+        const Element* sv = vbase + at.v + c_t * 8;
+#pragma unroll
+        for (int u = 0; u < kPasses; ++u) {
+          cp_async_16_whole(dk + u * pass_step, sk);
+          cp_async_16_whole(dv + u * pass_step, sv);
+          sk += step_k, sv += step_v;
+        }
+        return;
+      }
 #pragma unroll
       for (int u = 0; u < kPasses; ++u) {
         const bool ok = c_in && jt + r_t + u * kPassRows < ke;

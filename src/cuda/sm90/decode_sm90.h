@@ -156,7 +156,8 @@ __global__ void __launch_bounds__(128, 2) decode_sm90_kernel(const DecodeArgs a)
     const int jt = kb + t * kStageKeys;
     float alpha[2];
     if (tile_inside(a, keys.off, i_first, i_last, jt, kStageKeys, ke)) {
-      online_softmax<Element, false, kStageKeys, false>(a, s, jt, ke, keys.off, row_i, no_operands, m, l, alpha, lane);
+      if (a.q_scale > 0.f) online_softmax_inside<kStageKeys>(a.q_scale, s, m, l, alpha);
+      else online_softmax<Element, false, kStageKeys, false>(a, s, jt, ke, keys.off, row_i, no_operands, m, l, alpha, lane);
     } else {
       online_softmax<Element, false, kStageKeys, true>(a, s, jt, ke, keys.off, row_i, no_operands, m, l, alpha, lane);
     }
