@@ -326,6 +326,30 @@ __device__ __forceinline__ void start_rows(float (&o)[kNd][4], float (&m)[2], fl
   l[0] = l[1] = 0.f;
 }
 
+// The rest of row half hf's online-softmax step once its new maximum mx (natural-log units,
+// the old maximum included) is known: the factor alpha that rescales the old sum and
+// accumulators, m, the probabilities exp2(exponent(s, mu)) in place of the scores (mu: mx, or 0
+// for a row whose maximum is -inf so far: its masked keys give p = 0, NaN scores NaN) and the
+// sum l.
+template <int kNt, class Exponent>
+__device__ __forceinline__ void softmax_row_step(float (&s)[kNt][4], int hf, float mx, float& m, float& l,
+                                                 float& alpha, Exponent exponent) {
+  const float mu = mx == -INFINITY ? 0.f : mx;
+  alpha = fast_exp2((m - mu) * kDecodeLog2e);
+  m = mx;
+  float sum = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float& x = s[nt][2 * hf + e];
+      x = fast_exp2(exponent(x, mu));
+      sum += x;
+    }
+  }
+  l = l * alpha + sum;
+}
+
 // Online softmax of a tile's scores s (kKeys / 8 n-tiles), per accumulator row (hf: row
 // lane / 4 + 8 hf): transform (mask / bias entries in op), new row maxima m (natural-log units),
 // the factors alpha that rescale the old sums / accumulators, s replaced by the probabilities
@@ -352,21 +376,8 @@ __device__ __forceinline__ void online_softmax(const DecodeArgs& a, float (&s)[k
         mx = fmaxf(mx, x);
       }
     }
-    mx = quad_max(mx);
-    const float mu = mx == -INFINITY ? 0.f : mx;
-    alpha[hf] = fast_exp2((m[hf] - mu) * kDecodeLog2e);
-    m[hf] = mx;
-    float sum = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float& x = s[nt][2 * hf + e];
-        x = fast_exp2((x - mu) * kDecodeLog2e);
-        sum += x;
-      }
-    }
-    l[hf] = l[hf] * alpha[hf] + sum;
+    softmax_row_step(s, hf, quad_max(mx), m[hf], l[hf], alpha[hf],
+                     [](float x, float mu) { return (x - mu) * kDecodeLog2e; });
   }
 }
 
@@ -387,22 +398,8 @@ __device__ __forceinline__ void online_softmax_inside(float scale, float (&s)[kK
     float raw = -INFINITY;
 #pragma unroll
     for (int nt = 0; nt < kNt; ++nt) raw = fmaxf(raw, fmaxf(s[nt][2 * hf], s[nt][2 * hf + 1]));
-    const float mx = fmaxf(m[hf], quad_max(raw) * scale);
-    const float mu = mx == -INFINITY ? 0.f : mx;
-    alpha[hf] = fast_exp2((m[hf] - mu) * kDecodeLog2e);
-    m[hf] = mx;
-    const float offset = -mu * kDecodeLog2e;
-    float sum = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float& x = s[nt][2 * hf + e];
-        x = fast_exp2(fmaf(x, scale_log2, offset));
-        sum += x;
-      }
-    }
-    l[hf] = l[hf] * alpha[hf] + sum;
+    softmax_row_step(s, hf, fmaxf(m[hf], quad_max(raw) * scale), m[hf], l[hf], alpha[hf],
+                     [scale_log2](float x, float mu) { return fmaf(x, scale_log2, -mu * kDecodeLog2e); });
   }
 }
 
