@@ -143,6 +143,10 @@ __global__ void __launch_bounds__(128, 2) decode_sm90_kernel(const DecodeArgs a)
   Tensor tSrQ = wg_s.partition_fragment_A(sQ);
   for (int t = 0; t < stages; ++t) {
     cp_async_wait<1>();            // stage t's copies (and Q's) have landed; stage t + 1's may be in flight
+    // Stage t - 1's PV product, issued at the end of the last step, ran while this thread waited
+    // for the copies: done before the barrier, which then also frees its V for the refill (and O
+    // for the rescale below).
+    sm90::gemm_wait<0>(acc_o);
     sm90::fence_smem_for_wgmma();  // (this thread's writes, for the tensor cores' reads)
     __syncthreads();               // everyone's; all are done with stage t - 1, whose slot is refilled now
     issue(t + 2, pages_ahead);
@@ -167,8 +171,8 @@ __global__ void __launch_bounds__(128, 2) decode_sm90_kernel(const DecodeArgs a)
     Tensor sVt = make_tensor(make_smem_ptr(tile + Tile::kTileElems), typename Tile::LayoutVt{});
     Tensor tOrVt = wg_o.partition_fragment_B(sVt);
     sm90::gemm_issue</*kZeroInit=*/false, /*kRegA=*/true>(mma_o, tOrP, tOrVt, acc_o);
-    sm90::gemm_wait<0>(acc_o);
   }
+  sm90::gemm_wait<0>(acc_o);
   cp_async_wait<0>();
   if (nrows <= 0) return;
   store_rows<Element>(a, seq, split, kvh, r0, nrows, lane, o, m, l);
