@@ -18,6 +18,11 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int sr
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
 }
+// The same for a chunk read whole (no source size to pass).
+__device__ __forceinline__ void cp_async_16_whole(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
 // x, as a value the compiler cannot see through: what is derived from it is computed where it is
 // used, not hoisted out of a loop and held in registers through it.
 __device__ __forceinline__ int opaque_int(int x) {

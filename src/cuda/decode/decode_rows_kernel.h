@@ -88,12 +88,6 @@ __device__ __forceinline__ bool pages_by_stage(const DecodeArgs& a) {
   return a.block_table != nullptr && keys_by_stage<kStageKeys>(a);
 }
 
-// cp_async_16 for a chunk read whole (no source size to pass).
-__device__ __forceinline__ void cp_async_16_whole(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-
 // The copies of one stage (kStageKeys keys of K and V, from key jt on) by a CTA of kThreads
 // threads into the K / V tiles at dk and dk + kStageKeys * kD: a thread copies one 16-byte chunk
 // column c_t of rows r_t, r_t + kPassRows, ... (kPassRows a multiple of 8, so that the rows'
