@@ -265,6 +265,37 @@ def test_gpu_unaligned_operands(bias_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seqlen_q,heads,heads_kv", [(1, 32, 8), (3, 8, 2), (4, 8, 2), (2, 16, 2)])
+@pytest.mark.parametrize("operands", ["bias", "mask", "both", "both strided", "query bias"])
+def test_gpu_entries_few_rows(head_dim, seqlen_q, heads, heads_kv, operands):
+    """Mask / bias entries with at most 16 query rows (Sq x H / Hkv = 4, 12, 16: the one-tile
+    kernel): contiguous 16-byte aligned rows (its operand ring), strided ones (entries loaded
+    into registers a step ahead), a bias per query row; ragged lengths that end inside a tile
+    and split, a left window that starts inside one, finfo.min and -inf bias entries, a row
+    whose keys are all masked (0 output)."""
+    batch, cap = 3, 3000
+    lens = [2990 - seqlen_q, 1000 - seqlen_q, 70]
+    strided = operands == "both strided"
+    g = torch.Generator().manual_seed(seqlen_q * 100 + head_dim)
+    case = _make_case("cuda", torch.bfloat16, batch=batch, seqlen_q=seqlen_q, heads=heads, heads_kv=heads_kv,
+                      head_dim=head_dim, capacity=cap, lens=lens, new=seqlen_q)
+    wide = 2 if strided else 1  # strided: every other element of a wider tensor
+    if operands != "mask":
+        shape = (1, heads, seqlen_q, cap * wide) if operands == "query bias" else (batch, heads, 1, cap * wide)
+        bias = torch.randn(*shape, generator=g).to(torch.bfloat16)
+        bias[..., 5 * wide] = torch.finfo(torch.bfloat16).min
+        bias[..., 9 * wide] = float("-inf")
+        case["bias"] = bias.cuda()[..., ::wide]
+    if operands in ("mask", "both", "both strided"):
+        mask = torch.rand(batch, heads, 1, cap * wide, generator=g) > 0.25
+        mask[2, 1] = False  # every key of (batch 2, head 1) masked
+        case["mask"] = mask.cuda()[..., ::wide]
+    out, lse = _run(case, window=(700, -1))
+    _check(case, out, lse, window=(700, -1))
+
+
+@pytest.mark.gpu
 def test_gpu_rows_above_kernel_limit():
     """More query rows than the decode kernel takes: the composed path, same contract."""
     sq = KVCACHE_MAX_ROWS // 4 + 2
