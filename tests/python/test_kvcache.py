@@ -276,11 +276,10 @@ def test_gpu_entries_few_rows(head_dim, seqlen_q, heads, heads_kv, operands):
     whose keys are all masked (0 output)."""
     batch, cap = 3, 3000
     lens = [2990 - seqlen_q, 1000 - seqlen_q, 70]
-    strided = operands == "both strided"
     g = torch.Generator().manual_seed(seqlen_q * 100 + head_dim)
     case = _make_case("cuda", torch.bfloat16, batch=batch, seqlen_q=seqlen_q, heads=heads, heads_kv=heads_kv,
                       head_dim=head_dim, capacity=cap, lens=lens, new=seqlen_q)
-    wide = 2 if strided else 1  # strided: every other element of a wider tensor
+    wide = 2 if operands == "both strided" else 1  # strided: every other element of a wider tensor
     if operands != "mask":
         shape = (1, heads, seqlen_q, cap * wide) if operands == "query bias" else (batch, heads, 1, cap * wide)
         bias = torch.randn(*shape, generator=g).to(torch.bfloat16)
