@@ -605,9 +605,19 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
   const float sl2 = a.scale * kLog2e;  // (raw scores: the scale folded into the exponent)
 
   // Consumer w's turn on the tensor cores: it waits on barrier w, and hands the turn to w + 1.
-  auto sched_sync = [&]() { NamedBarrier::sync(kSchedThreads, kSchedBarrier + consumer); };
+  // The gate's variants take no turns: their score transform (three MUFU operations a score, a
+  // chain of latencies) takes longer than the other consumer's products, so the turns only held
+  // the consumers' products back; free-running, their forward took 0.97x the time (H200, B=2,
+  // S=8192, H=16, D=128, causal and not, three A/B runs). The reverse -- the transforms in turns,
+  // so that one consumer's ran beside the other's products -- took 1.2x: the two consumers'
+  // transforms together hide each other's latencies, which one alone does not.
+  constexpr bool kTurns = !Tile::kGate;
+  auto sched_sync = [&]() {
+    if constexpr (kTurns) NamedBarrier::sync(kSchedThreads, kSchedBarrier + consumer);
+  };
   auto sched_pass = [&]() {
-    NamedBarrier::arrive(kSchedThreads, kSchedBarrier + (consumer + 1 == kConsumers ? 0 : consumer + 1));
+    if constexpr (kTurns)
+      NamedBarrier::arrive(kSchedThreads, kSchedBarrier + (consumer + 1 == kConsumers ? 0 : consumer + 1));
   };
 
   // The tiles taken: a counter, not a pipeline state, across tiles (registers: O's accumulators
@@ -637,7 +647,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
     if (n_max > n_min) {
       // The first turn, once Q is in: the previous tile's turns are all taken by then (its Q
       // buffer was released after them).
-      if (consumer == kConsumers - 1) NamedBarrier::arrive(kSchedThreads, kSchedBarrier + 0);
+      if (kTurns && consumer == kConsumers - 1) NamedBarrier::arrive(kSchedThreads, kSchedBarrier + 0);
       PipelineState read_k = pipeline_state_at<Tile::kStages>(tile.blocks_before, false), read_v = read_k,
                     read_r = read_k;
       auto read_b = pipeline_state_at<Tile::kOperandStages>(tile.blocks_before, false);  // (bias and mask tiles)
