@@ -813,7 +813,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         }
       } else {
         // Gate skipping (kGateSkip): a skipped cell's block (P = 0 there) runs neither product
-        // nor the score math; its stages are consumed and its turns taken as any block's. A
+        // nor the score math; its stages are consumed as any block's (and empty wgmma groups
+        // committed in place of its products, so that every path waits on the same groups). A
         // block's cell is read one block ahead (off the path to its products). (Elsewhere `kept`
         // is true at compile time: the loop is the exact kernel's.)
         static_assert(!Tile::kGateSkip || (kBlockM == kGateCell && kBlockN == kGateCell),
