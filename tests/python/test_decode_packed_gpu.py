@@ -46,13 +46,17 @@ CASES = [
 
 @pytest.mark.parametrize("lens_q,lens_k,heads,heads_kv,head_dim", CASES)
 @pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(causal=True, window=(300, -1)),
-                                     dict(softcap=20.0), "operands"])
+                                     dict(softcap=20.0), "operands", "bias"])
 def test_packed_equals_sequences_bitwise(lens_q, lens_k, heads, heads_kv, head_dim, options):
-    operands = options == "operands"
+    """operands: a key mask and a per-key bias (the mma.sync kernels); bias: the bias alone (on
+    Hopper the wgmma kernel's bias product up to 16 rows, its rows starting at any element)."""
+    operands = options in ("operands", "bias")
     kw = dict(causal=True) if operands else options
     dtype = torch.bfloat16 if head_dim != 64 else torch.float16
     q, k, v, mask, bias, cu_q, cu_k = _packed(lens_q, lens_k, heads, heads_kv, head_dim, dtype, len(lens_q),
                                               operands)
+    if options == "bias":
+        mask = None
     out, lse = dmattn.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), mask, bias,
                                        return_lse=True, **kw)
     starts_q = [0] + torch.tensor(lens_q).cumsum(0).tolist()

@@ -295,6 +295,43 @@ def test_gpu_entries_few_rows(head_dim, seqlen_q, heads, heads_kv, operands):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim,seqlen_q,page_size", [(128, 1, None), (64, 4, None), (128, 4, 64), (128, 2, 256)])
+def test_gpu_key_bias_special_entries(dtype, head_dim, seqlen_q, page_size):
+    """A per-key bias of q's dtype with up to 16 rows (on Hopper added by the tensor cores, whose
+    0 x inf across a key's rows the kernel undoes): rows that start at odd elements (an odd
+    capacity, a view one element in), finfo.min and -inf entries, a head whose every key is
+    -inf (out 0, lse -inf), and a NaN entry at a visible key that makes its own row NaN and
+    leaves every other row's bits as they are with a finite entry there."""
+    batch, heads, heads_kv = 3, 16, 4
+    cap = 2999 if page_size is None else 2999 // page_size * page_size  # (the bias rows' stride: cap + 1)
+    lens = [cap - 9 - seqlen_q, 1001 - seqlen_q, 70]
+    case = _make_case("cuda", dtype, batch=batch, seqlen_q=seqlen_q, heads=heads, heads_kv=heads_kv,
+                      head_dim=head_dim, capacity=cap, lens=lens, new=seqlen_q, page_size=page_size,
+                      generator_seed=seqlen_q * 10 + head_dim)
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(batch, heads, 1, cap + 1, generator=g).to(dtype)
+    wide[..., 1 + 7] = torch.finfo(dtype).min
+    wide[..., 1 + 11] = float("-inf")
+    wide[1, 5, 0, 1 + 300: 1 + 900] = float("-inf")
+    wide[2, 3] = float("-inf")  # (batch 2, head 3) sees no key
+    case["bias"] = wide.cuda()[..., 1:]
+    out, lse = _run(case)
+    _check(case, out, lse)
+    assert torch.all(out[2, :, 3] == 0) and torch.all(lse[2, 3] == float("-inf"))
+
+    key = lens[0] + seqlen_q - 5  # visible to every query of batch 0
+    nan_bias = case["bias"].clone()
+    nan_bias[0, 6, 0, key] = NAN
+    out_nan, lse_nan = _run(dict(case, bias=nan_bias))
+    assert torch.isnan(lse_nan[0, 6]).all() and torch.isnan(out_nan[0, :, 6]).any(-1).all()
+    keep = torch.ones_like(lse, dtype=torch.bool)
+    keep[0, 6] = False
+    assert torch.equal(lse_nan[keep], lse[keep])
+    assert torch.equal(out_nan.transpose(1, 2)[keep], out.transpose(1, 2)[keep])
+
+
+@pytest.mark.gpu
 def test_gpu_rows_above_kernel_limit():
     """More query rows than the decode kernel takes: the composed path, same contract."""
     sq = KVCACHE_MAX_ROWS // 4 + 2

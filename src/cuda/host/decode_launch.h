@@ -70,13 +70,25 @@ inline bool decode_on_sm90() {
   return !off && sm90::device_runs_sm90_kernels();
 }
 
+// Whether a call with entries takes the wgmma kernel with its bias product (decode_bias_sm90.h):
+// a bias of q's 16-bit type along the keys (stride 1; any alignment) and no mask, for at most
+// kBiasRows packed rows (a packed batch's launch of up to one tile of rows, or a call with that
+// few: a sequence takes it in both forms).
+inline bool decode_bias_on_sm90(const DecodeArgs& a) {
+  return a.bias.ptr != nullptr && a.mask.ptr == nullptr && !a.bias_fp32 && a.bias.sk == 1 &&
+         int64_t(a.seqlen_q) * a.group <= decode_detail::kBiasRows;
+}
+
 template <typename Element, int kD>
 void launch_decode(const DecodeArgs& a, cudaStream_t stream) {
   const bool operands = a.mask.ptr != nullptr || a.bias.ptr != nullptr;
   if constexpr (kD <= kDecodeRowsMaxHeadDim) {  // (the 64-row kernels exist up to that bucket)
     using Sm90Tile = decode_detail::DecodeSm90Tile<Element, kD>;
-    if (!operands && decode_detail::keys_by_stage<Sm90Tile::kStageKeys>(a) && decode_on_sm90()) {
-      launch_on_decode_grid(decode_sm90_kernel<Element, kD>, Sm90Tile::kThreads, Sm90Tile::kSmemBytes, a, stream);
+    if ((!operands || decode_bias_on_sm90(a)) && decode_detail::keys_by_stage<Sm90Tile::kStageKeys>(a) &&
+        decode_on_sm90()) {
+      if (operands) launch_on_decode_grid(decode_sm90_kernel<Element, kD, true>, Sm90Tile::kThreads,
+                                          Sm90Tile::kSmemBytes, a, stream);
+      else launch_on_decode_grid(decode_sm90_kernel<Element, kD>, Sm90Tile::kThreads, Sm90Tile::kSmemBytes, a, stream);
       return;
     }
     if (decode_rows_chunked(int64_t(a.seqlen_q) * a.group, a.head_dim)) {  // 64-row chunks, one ring

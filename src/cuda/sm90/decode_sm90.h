@@ -9,7 +9,9 @@
 // traffic (the mma.sync kernels' warps each read every K / V row into registers), which leaves a
 // warp's instructions to the softmax. Each thread holds the m16n8 accumulator layout of
 // decode_kernel.h (rows lane / 4 + 8 hf of its warp's 16), so the score transform, the online
-// softmax and the epilogue are those kernels'. Calls with mask / bias entries take them.
+// softmax and the epilogue are those kernels'. kBias: a bias of q's 16-bit type along the keys
+// for up to 16 rows, added by a second product (decode_bias_sm90.h); calls with other mask /
+// bias entries take the mma.sync kernels.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -17,6 +19,7 @@
 
 #include "cuda/common/copy.h"
 #include "cuda/decode/decode_rows_kernel.h"
+#include "cuda/sm90/decode_bias_sm90.h"
 #include "cuda/sm90/gmma.h"
 #include "cuda/sm90/pack_gqa_sm90.h"
 
@@ -53,6 +56,22 @@ struct DecodeSm90Tile {
                                        cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
   static_assert(is_sw128_layout<LayoutK, kStageKeys, kD>() && is_sw128_layout<LayoutQ, kRows, kD>(),
                 "the copies' addresses follow the tiles' layout");
+  // kBias: the stages' bias rows (N = keys, K = rows, MN-major) in Q's padding rows kBiasRows ..
+  // of its first 64 columns (Q's rows there are 128-byte lines, kBiasRows of them a tile), the
+  // one-hot A operand's 64 x 16 accumulator shape, and the product S_bias = OneHot Bias^T.
+  using LayoutBias = decltype(cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<Element>{},
+                                                  cute::Shape<cute::Int<kStageKeys>, cute::Int<kBiasRows>>{}));
+  static constexpr int kBiasBase = kBiasRows * 128;
+  static_assert(kBiasBase + kStages * kBiasTileBytes <= kRows * 128 && kStageKeys == 64,
+                "the bias stages fit Q's padding rows");
+  static_assert(is_bias_tile_layout<LayoutBias>(), "the bias copies' addresses follow the tile's layout");
+  using MmaOneHot = decltype(cute::make_tiled_mma(
+      cute::SM90::GMMA::ss_op_selector<Element, Element, float,
+                                       cute::Shape<cute::_64, cute::Int<kBiasRows>, cute::_16>>()));
+  using MmaBias = decltype(cute::make_tiled_mma(
+      cute::SM90::GMMA::rs_op_selector<Element, Element, float,
+                                       cute::Shape<cute::_64, cute::Int<kStageKeys>, cute::Int<kBiasRows>>,
+                                       cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
 };
 
 // Element offset of 16-byte chunk c of row r in a (kRows, kD) tile of the layout above.
@@ -64,8 +83,9 @@ __device__ __forceinline__ int sw128_chunk_offset(int r, int c) {
 }  // namespace decode_detail
 
 // Grid (row_chunks * num_splits, heads_kv, batch) with 64-row chunks, DecodeSm90Tile's
-// kThreads threads and kSmemBytes of dynamic shared memory; no mask / bias entries.
-template <typename Element, int kD>
+// kThreads threads and kSmemBytes of dynamic shared memory; no mask / bias entries, or (kBias)
+// a bias that decode_bias_on_sm90 accepts.
+template <typename Element, int kD, bool kBias = false>
 __global__ void __launch_bounds__(128, 2) decode_sm90_kernel(const DecodeArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
@@ -97,12 +117,14 @@ __global__ void __launch_bounds__(128, 2) decode_sm90_kernel(const DecodeArgs a)
     return reinterpret_cast<Element*>(decode_sm90_smem + Tile::kQBytes + (it % kStages) * Tile::kStageBytes);
   };
   // Q's 64 packed rows (query (c0 + r) / group, head kvh * group + (c0 + r) % group; zeros past
-  // the sequence's queries and past head_dim) by warp 0, in the first copy group.
+  // the sequence's queries and past head_dim) by warp 0, in the first copy group. (kBias: its
+  // first kBiasRows rows, the rest holding the bias stages.)
   if (warp == 0) {
     const Element* q_group = static_cast<const Element*>(a.q) + seq.bm * a.q_st.batch_stride +
                              seq.q0 * a.q_st.row_stride + int64_t(kvh) * a.group * a.q_st.head_stride;
-    sm90::load_packed_q_sw128<Tile::kRows, kD>(cute::cast_smem_ptr_to_uint(sq), q_group, a.q_st.row_stride,
-                                               a.q_st.head_stride, c0, a.group, seq.len_q, a.head_dim, lane);
+    sm90::load_packed_q_sw128<Tile::kRows, kD, Element, kBias ? kBiasRows : Tile::kRows>(
+        cute::cast_smem_ptr_to_uint(sq), q_group, a.q_st.row_stride, a.q_st.head_stride, c0, a.group, seq.len_q,
+        a.head_dim, lane);
   }
   cp_async_commit();
   const int stages = ke > kb ? (ke - kb + kStageKeys - 1) / kStageKeys : 0;
@@ -120,6 +142,15 @@ __global__ void __launch_bounds__(128, 2) decode_sm90_kernel(const DecodeArgs a)
   issue(0, pages_of(0));
   issue(1, pages_of(1));
   StagePages pages_ahead = pages_of(2);
+  // kBias: stage it's rows are stored one stage after their load (stage 0's at once, the first
+  // barrier publishes them), into slot it % kStages.
+  const auto bias_tile = [&](int it) { return decode_sm90_smem + Tile::kBiasBase + (it % kStages) * kBiasTileBytes; };
+  BiasRowCopies<Element> bias_rows(a, seq, kvh, c0, kBias ? cta_rows : 0, threadIdx.x);
+  if constexpr (kBias) {
+    bias_rows.load(kb, ke);
+    bias_rows.store(bias_tile(0));
+    if (stages > 1) bias_rows.load(kb + kStageKeys, ke);
+  }
 
   typename Tile::MmaS mma_s;
   typename Tile::MmaO mma_o;
@@ -141,6 +172,14 @@ __global__ void __launch_bounds__(128, 2) decode_sm90_kernel(const DecodeArgs a)
 
   Tensor sQ = make_tensor(make_smem_ptr(sq), typename Tile::LayoutQ{});
   Tensor tSrQ = wg_s.partition_fragment_A(sQ);
+  // kBias: the one-hot A operand (registers) and S_bias's accumulator, in S's layout.
+  typename Tile::MmaBias mma_b;
+  auto wg_b = mma_b.get_thread_slice(0);
+  Tensor acc_b = partition_fragment_C(mma_b, Shape<_64, Int<kStageKeys>>{});
+  float (&bias)[kNs][4] = *reinterpret_cast<float(*)[kNs][4]>(raw_pointer_cast(acc_b.data()));
+  Tensor r_one_hot = make_tensor<Element>(partition_fragment_C(typename Tile::MmaOneHot{}, Shape<_64, Int<kBiasRows>>{}).layout());
+  Tensor tArOneHot = make_tensor(r_one_hot.data(), sm90::acc_to_a(r_one_hot.layout()));
+  if constexpr (kBias) fill_one_hot(r_one_hot, warp, lane);
   for (int t = 0; t < stages; ++t) {
     cp_async_wait<1>();            // stage t's copies (and Q's) have landed; stage t + 1's may be in flight
     // Stage t - 1's PV product, issued at the end of the last step, ran while this thread waited
@@ -151,15 +190,31 @@ __global__ void __launch_bounds__(128, 2) decode_sm90_kernel(const DecodeArgs a)
     __syncthreads();               // everyone's; all are done with stage t - 1, whose slot is refilled now
     issue(t + 2, pages_ahead);
     pages_ahead = pages_of(t + 3);
+    if constexpr (kBias) {  // stage t + 1's rows into their slot (free: stage t - 2 is done), t + 2's loaded
+      bias_rows.store(bias_tile(t + 1));
+      if (t + 2 < stages) bias_rows.load(kb + (t + 2) * kStageKeys, ke);
+    }
     Element* tile = stage_k(t);
     Tensor sK = make_tensor(make_smem_ptr(tile), typename Tile::LayoutK{});
     Tensor tSrK = wg_s.partition_fragment_B(sK);
     sm90::gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_s, tSrQ, tSrK, acc_s);
+    if constexpr (kBias) {
+      Tensor sBias = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(bias_tile(t))), typename Tile::LayoutBias{});
+      sm90::gemm_issue</*kZeroInit=*/true, /*kRegA=*/true>(mma_b, tArOneHot, wg_b.partition_fragment_B(sBias), acc_b);
+      sm90::gemm_wait<0>(acc_b);
+    }
     sm90::gemm_wait<0>(acc_s);
 
     const int jt = kb + t * kStageKeys;
     float alpha[2];
-    if (tile_inside(a, keys.off, i_first, i_last, jt, kStageKeys, ke)) {
+    if constexpr (kBias) {
+      fix_nonfinite_bias<Element>(bias, bias_tile(t), warp, lane);
+      if (tile_inside(a, keys.off, i_first, i_last, jt, kStageKeys, ke)) {
+        online_softmax_bias<kStageKeys, false>(a, s, bias, jt, ke, keys.off, row_i, m, l, alpha, lane);
+      } else {
+        online_softmax_bias<kStageKeys, true>(a, s, bias, jt, ke, keys.off, row_i, m, l, alpha, lane);
+      }
+    } else if (tile_inside(a, keys.off, i_first, i_last, jt, kStageKeys, ke)) {
       if (a.q_scale > 0.f) online_softmax_inside<kStageKeys>(a.q_scale, s, m, l, alpha);
       else online_softmax<Element, false, kStageKeys, false>(a, s, jt, ke, keys.off, row_i, no_operands, m, l, alpha, lane);
     } else {

@@ -54,15 +54,17 @@ __device__ __forceinline__ void packed_query_span(int m0, int block_m, int group
 // group of head g = (m0 + r) % group, read from q_group + p * row_stride + g * head_stride
 // (q_group: the group's first head at the sequence's first query). Rows of queries >= len_q
 // and columns >= cols_valid are zeros. Two lanes a row, 16 rows per step (as gather_rows_sw128).
-template <int kRows, int kCols, typename Element>
+// kRowsWritten: only the tile's first rows (the rest of it is left as it is).
+template <int kRows, int kCols, typename Element, int kRowsWritten = kRows>
 __device__ __forceinline__ void load_packed_q_sw128(uint32_t s_tile, const Element* q_group, int64_t row_stride,
                                                     int64_t head_stride, int m0, int group, int len_q,
                                                     int cols_valid, int lane) {
-  static_assert(sizeof(Element) == 2 && kCols % 64 == 0 && kRows % 16 == 0);
+  static_assert(sizeof(Element) == 2 && kCols % 64 == 0 && kRows % 16 == 0 && kRowsWritten % 16 == 0 &&
+                kRowsWritten <= kRows);
   const int odd = lane & 1;
   const int k_end = (cols_valid / 8 - odd + 1) / 2;  // this lane's chunks 2k + odd inside the columns
 #pragma unroll 1
-  for (int r = lane / 2; r < kRows; r += 16) {
+  for (int r = lane / 2; r < kRowsWritten; r += 16) {
     const int p = (m0 + r) / group, g = m0 + r - p * group;
     const bool ok = p < len_q;
     const Element* src = ok ? q_group + int64_t(p) * row_stride + int64_t(g) * head_stride + odd * 8 : q_group;
