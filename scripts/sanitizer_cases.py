@@ -206,6 +206,7 @@ for dtype in (torch.bfloat16, torch.float16):
     kvcache_case(1, 4, 8, 2, 64, dtype, 2048, page_size=64, mask=True)
     kvcache_case(2, 3, 4, 4, 256, dtype, 1104, page_size=8, bias=True)
     kvcache_case(1, 2, 8, 2, 128, dtype, 1004, bias=True)  # rows of 1004: the register path
+    kvcache_case(2, 4, 8, 2, 128, dtype, 2048, page_size=64, bias=True)  # 16 rows, pages: the bias product
     kvcache_case(2, 20, 8, 2, 128, dtype, 1504, page_size=8, bias=True)  # 80 rows: 64-row chunks
     kvcache_case(1, 5, 8, 2, 64, dtype, 700, mask=True)  # 20 rows: two warps without rows
     kvcache_case(2, 16, 8, 2, 128, dtype, 2100)  # 64 rows, no operands: the pipelined 32-key tiles

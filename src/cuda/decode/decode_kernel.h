@@ -356,10 +356,13 @@ __device__ __forceinline__ void softmax_row_step(float (&s)[kNt][4], int hf, flo
 // exp2((s - m) log2 e) (the subtraction first: exact for scores near -FLT_MAX, as the general
 // kernels' safe subtraction), sums l. A row whose maximum is -inf so far subtracts 0 instead:
 // its masked keys give p = 0, NaN scores NaN.
-template <typename Element, bool kOperands, int kKeys, bool kChecks>
-__device__ __forceinline__ void online_softmax(const DecodeArgs& a, float (&s)[kKeys / 8][4], int jt, int ke,
-                                               int64_t off, const int (&row_i)[2], const StepOperandsOf<kKeys>& op,
-                                               float (&m)[2], float (&l)[2], float (&alpha)[2], int lane) {
+// entries(hf, nt, e, allowed, bias): the entries of score s[nt][2 hf + e] (allowed: the mask's
+// answer, bias its bias), read by the caller's way (online_softmax: loaded raw a step ahead).
+template <bool kOperands, int kKeys, bool kChecks, class Entries>
+__device__ __forceinline__ void online_softmax_with(const DecodeArgs& a, float (&s)[kKeys / 8][4], int jt, int ke,
+                                                    int64_t off, const int (&row_i)[2], float (&m)[2],
+                                                    float (&l)[2], float (&alpha)[2], int lane,
+                                                    const Entries& entries) {
   constexpr int kNt = kKeys / 8;
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
@@ -368,17 +371,30 @@ __device__ __forceinline__ void online_softmax(const DecodeArgs& a, float (&s)[k
     for (int nt = 0; nt < kNt; ++nt) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int j = jt + nt * 8 + (lane % 4) * 2 + e, x_idx = 2 * kNt * hf + 2 * nt + e;
-        const bool allowed = (!kChecks || j < ke) && (!kOperands || op.mask[x_idx] != 0);
-        const float bias = kOperands ? operand_bias<Element>(a, op.bias[x_idx]) : 0.f;
+        const int j = jt + nt * 8 + (lane % 4) * 2 + e;
+        bool allowed = true;
+        float bias = 0.f;
+        if constexpr (kOperands) entries(hf, nt, e, allowed, bias);
         float& x = s[nt][2 * hf + e];
-        x = transform_score<kOperands, kChecks>(a, x, row_i[hf], j, off, allowed, bias);
+        x = transform_score<kOperands, kChecks>(a, x, row_i[hf], j, off, allowed && (!kChecks || j < ke), bias);
         mx = fmaxf(mx, x);
       }
     }
     softmax_row_step(s, hf, quad_max(mx), m[hf], l[hf], alpha[hf],
                      [](float x, float mu) { return (x - mu) * kDecodeLog2e; });
   }
+}
+template <typename Element, bool kOperands, int kKeys, bool kChecks>
+__device__ __forceinline__ void online_softmax(const DecodeArgs& a, float (&s)[kKeys / 8][4], int jt, int ke,
+                                               int64_t off, const int (&row_i)[2], const StepOperandsOf<kKeys>& op,
+                                               float (&m)[2], float (&l)[2], float (&alpha)[2], int lane) {
+  constexpr int kNt = kKeys / 8;
+  online_softmax_with<kOperands, kKeys, kChecks>(
+      a, s, jt, ke, off, row_i, m, l, alpha, lane, [&](int hf, int nt, int e, bool& allowed, float& bias) {
+        const int x_idx = 2 * kNt * hf + 2 * nt + e;
+        allowed = op.mask[x_idx] != 0;
+        bias = operand_bias<Element>(a, op.bias[x_idx]);
+      });
 }
 
 // online_softmax for a tile inside the split and every row's window (tile_inside) without mask

@@ -134,23 +134,9 @@ __device__ __forceinline__ void online_softmax_bias(const DecodeArgs& a, float (
                                                     const float (&b)[kKeys / 8][4], int jt, int ke, int64_t off,
                                                     const int (&row_i)[2], float (&m)[2], float (&l)[2],
                                                     float (&alpha)[2], int lane) {
-  constexpr int kNt = kKeys / 8;
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    float mx = m[hf];
-#pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int j = jt + nt * 8 + (lane % 4) * 2 + e;
-        float& x = s[nt][2 * hf + e];
-        x = transform_score<true, kChecks>(a, x, row_i[hf], j, off, !kChecks || j < ke, b[nt][2 * hf + e]);
-        mx = fmaxf(mx, x);
-      }
-    }
-    softmax_row_step(s, hf, quad_max(mx), m[hf], l[hf], alpha[hf],
-                     [](float x, float mu) { return (x - mu) * kDecodeLog2e; });
-  }
+  online_softmax_with</*kOperands=*/true, kKeys, kChecks>(
+      a, s, jt, ke, off, row_i, m, l, alpha, lane,
+      [&](int hf, int nt, int e, bool&, float& bias) { bias = b[nt][2 * hf + e]; });
 }
 
 }  // namespace dmattn::cuda::decode_detail
