@@ -289,6 +289,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         if constexpr (Tile::kGateSkip) {
           if (lane == 0) st.gate_skip = gate_skip;
         }
+        // (one row a lane at a time: unrolled, the gate's loader spilled a register)
+#pragma unroll 1
         for (int r = lane; r < rows_valid; r += 32) {
           st.m[r] = gate_skip ? INFINITY : a.row_m[row_stat + r];
           if (a.row_log2l != nullptr) st.log2l[r] = a.row_log2l[row_stat + r];
@@ -498,6 +500,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   cutlass::arch::warpgroup_reg_alloc<Tile::kConsumerRegs>();
   const int ctid = threadIdx.x - 128;
   const int consumer = ctid / 128;
+  // The named barriers of this consumer's dQ hand-over with the writer, their ids taken from the
+  // consumer index where they are used (hoisted, the two ids were loop-carried registers, which
+  // the windows variant spilled).
+  const auto dq_empty = [&] { return Bar::kDqEmpty + opaque_int(consumer); };
+  const auto dq_full = [&] { return Bar::kDqFull + opaque_int(consumer); };
 
   typename Tile::TiledMmaSdP mma_sdp;
   typename Tile::TiledMmadKV mma_dkv;
@@ -605,8 +612,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
           pipe_do.consumer_wait(read_do);
           NamedBarrier::sync(kConsumerThreads, Bar::kPdS);
           if (want_dq) {
-            NamedBarrier::sync(Bar::kDqThreads, Bar::kDqEmpty + consumer);
-            NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqFull + consumer);
+            NamedBarrier::sync(Bar::kDqThreads, dq_empty());
+            NamedBarrier::arrive(Bar::kDqThreads, dq_full());
           }
           pipe_rows.consumer_release(read);
           pipe_q.consumer_release(read);
@@ -799,7 +806,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
           }
           // dQ -> this consumer's boxes once the writer has read the previous ones (head dim
           // 256: its turn, awaited above).
-          if constexpr (!Tile::kDqTurns) NamedBarrier::sync(Bar::kDqThreads, Bar::kDqEmpty + consumer);
+          if constexpr (!Tile::kDqTurns) NamedBarrier::sync(Bar::kDqThreads, dq_empty());
           if constexpr (Tile::kDqOneConsumer)
             store_acc_to_smem(acc_dq, thr_dq.partition_C(local_tile(sdQ, Shape<Int<kBlockM>, Int<64>>{},
                                                                     make_coord(0, consumer))));
@@ -814,7 +821,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
                               mma_dq.get_thread_slice(tid).partition_C(as_position_independent_swizzle_tensor(sdQ_wide)));
           }
           cutlass::arch::fence_view_async_shared();  // the writer's TMA reads them
-          NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqFull + consumer);
+          NamedBarrier::arrive(Bar::kDqThreads, dq_full());
           // (head dim 256: the other consumer's turn follows this store)
           if constexpr (Tile::kDqTurns) cutlass::arch::ClusterBarrier::arrive(&ss.dq_turn[1 - consumer]);
         }
@@ -824,8 +831,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         // (head dim 256 never comes here with a turn to take: plain scores have no dbias tile,
         // and both consumers compute dQ whenever it is wanted)
         if (!Tile::kDqTurns && (want_dq || dbias_tiles)) {
-          NamedBarrier::sync(Bar::kDqThreads, Bar::kDqEmpty + consumer);
-          NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqFull + consumer);
+          NamedBarrier::sync(Bar::kDqThreads, dq_empty());
+          NamedBarrier::arrive(Bar::kDqThreads, dq_full());
         }
       }
       // The gate's gradients from dS in fp32 while the dK product runs (off the path from dS to
