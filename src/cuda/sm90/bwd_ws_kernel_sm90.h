@@ -300,8 +300,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         // them from its previous use, kStages blocks back, while the head is the same.
         if constexpr (Tile::kKeyRows) {
           if (t < Tile::kStages || head_of(t - Tile::kStages) != h)
-            load_key_rows<Element, typename Tile::KeyRows, kBlockN>(st.keys, n_block, len_k,
-                                                                    key_row_sources(f, b, h, k0));
+            load_key_rows<Element, typename Tile::KeyRows, kBlockN, /*kUnrolled=*/false>(
+                st.keys, n_block, len_k, key_row_sources(f, b, h, k0));
         }
         // The gate's rows: the key block's delta (the kv head's: once per stage), the query
         // block's alpha (its source from an opaque batch index: the invariant part hoisted out of
@@ -571,8 +571,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   // consumers zero those rows of K and V once, and of Q and dO in the block that has them, before
   // any product reads them (both consumers, then their barrier; the column sums' barrier id, at
   // points both consumers pass in the same order).
+  // (the thread's offsets from an opaque index: hoisted out of the query-block loop, they were
+  // loop-carried registers that the packed windows variant spilled)
   auto clear_tail_rows = [&](auto&& tile, int from, int rows) {
-    for (int i = ctid; i < (rows - from) * kHeadDim; i += kConsumerThreads)
+    for (int i = opaque_int(ctid); i < (rows - from) * kHeadDim; i += kConsumerThreads)
       tile(from + i / kHeadDim, i % kHeadDim) = Element(0.f);
   };
   if (n_iter > 0) {

@@ -71,13 +71,16 @@ __device__ __forceinline__ KeyRowSources key_row_sources(const FwdArgs& a, int b
 // lanes of one warp: position (gathered keys' own, else the index), query bound (key ends,
 // else INT_MAX; 0 where a query-broadcast mask is false: no query sees the key) and bias (fp32
 // or q's dtype, else 0); past the `count` keys -1, 0 and 0 (a padding row: masked); and the
-// smallest bound into st.end_min.
-template <typename Element, class Stage, int kBlockN>
+// smallest bound into st.end_min. kUnrolled: every key of the lane's in flight at once (the
+// forward's loader, once per key block); else one at a time (the backward's, whose key rows
+// change with the head alone, in a producer of 40 registers that the unrolled loads spilled).
+template <typename Element, class Stage, int kBlockN, bool kUnrolled = true>
 __device__ __forceinline__ void load_key_rows(Stage& st, int n, int count, const KeyRowSources& src) {
   // (a stage beside bias tiles has no key bias: a placeholder of one entry)
   constexpr bool kStageBias = sizeof(st.bias) == kBlockN * sizeof(float);
+  constexpr int kUnroll = kUnrolled ? kBlockN / 32 : 1;
   const int lane = threadIdx.x & 31;
-  CUTE_UNROLL
+#pragma unroll kUnroll
   for (int c = lane; c < kBlockN; c += 32) {
     const int j = n * kBlockN + c;
     const bool in = j < count;
