@@ -29,6 +29,9 @@ import sys
 import tempfile
 from typing import Dict, List, Optional, Tuple
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from spill_report import demangle, enum_names, shorten  # noqa: E402  (the kernels' readable names)
+
 _LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
 _SECTION = re.compile(r"^\.text\.(\S+):")
 _SPILL = re.compile(r"\b(STL|LDL)(\.[A-Z0-9.]+)?\s")
@@ -43,14 +46,6 @@ def find_tool(name: str, extra: Optional[str]) -> str:
     if p is None:
         sys.exit(f"spill_sources: {name} not found (PATH, $CUDA_HOME/bin or --tools; PyPI: nvidia-cuda-{name})")
     return p
-
-
-def demangle(names: List[str]) -> Dict[str, str]:
-    tool = shutil.which("c++filt")
-    if tool is None:
-        return {n: n for n in names}
-    out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True, check=True).stdout
-    return dict(zip(names, out.splitlines()))
 
 
 def short_path(path: str) -> str:
@@ -105,7 +100,8 @@ def main() -> None:
         for cubin in cubins:
             sass = subprocess.run([nvdisasm, "-g", "-c", cubin], capture_output=True, text=True, check=True).stdout
             kernels = spills_by_line(sass)
-            names = demangle(list(kernels))
+            enums = enum_names()
+            names = dict(zip(kernels, (shorten(n, enums) for n in demangle(list(kernels)))))
             for mangled, lines in kernels.items():
                 name = names[mangled]
                 if not (pattern.search(mangled) or pattern.search(name)):
