@@ -87,6 +87,7 @@ def main() -> None:
     args = ap.parse_args()
     cuobjdump, nvdisasm = find_tool("cuobjdump", args.tools), find_tool("nvdisasm", args.tools)
     pattern = re.compile(args.kernel)
+    enums = enum_names()
     with tempfile.TemporaryDirectory() as tmp:
         cubins: List[str] = []
         for i, obj in enumerate(args.objects):
@@ -100,7 +101,6 @@ def main() -> None:
         for cubin in cubins:
             sass = subprocess.run([nvdisasm, "-g", "-c", cubin], capture_output=True, text=True, check=True).stdout
             kernels = spills_by_line(sass)
-            enums = enum_names()
             names = dict(zip(kernels, (shorten(n, enums) for n in demangle(list(kernels)))))
             for mangled, lines in kernels.items():
                 name = names[mangled]
