@@ -7,7 +7,7 @@
 # gathered keys, the gate's sm80-class path, windows with sinks); the gate's Hopper variants and
 # the general Hopper backward (head dim 128) have units of their own, so a broken policy or a
 # broken shared header fails here; a tile configuration of another head dim or dtype only in a
-# full build.
+# full build. Then the gate's term-warp variants (DMATTN_GATE_TERM_WARPS=ON), sm_90a only.
 #
 # Usage (repo root, with .venv set up by scripts/setup_env.sh):  bash scripts/cuda_compile_check.sh
 # Environment: JOBS (parallel compilations, default: the core count).
@@ -50,3 +50,23 @@ set -e
 spills=$(grep -c '^ptxas warning : Registers are spilled' "$dir.log" || true)
 echo "[cuda-check] ${#UNITS[@]} units compiled in $(( $(date +%s) - start )) s;" \
   "ptxas reports spills in $spills kernel images (listed in $dir.log)"
+
+# The gate's term warps (CMake option DMATTN_GATE_TERM_WARPS, off by default): their forward
+# variants, sm_90a only (the kernels' bodies are sm_90a's).
+tdir=build/cuda-compile-check-gate-terms
+tstart=$(date +%s)
+cmake -S . -B "$tdir" -G Ninja -DDMATTN_BUILD_CUDA=ON -DDMATTN_CUDA_ARCHS="90a" -DDMATTN_CUDA_PTX=OFF \
+  -DDMATTN_GATE_TERM_WARPS=ON -DPython_EXECUTABLE="$PYTHON" >"$tdir.configure.log" 2>&1 || {
+  echo "[cuda-check] CMake configure (gate term warps) failed; $tdir.configure.log:" >&2
+  tail -30 "$tdir.configure.log" >&2
+  exit 1
+}
+set +e
+cmake --build "$tdir" -j "$JOBS" --target CMakeFiles/dmattn_core.dir/src/cuda/inst/fwd_ws_gate_bf16.cu.o 2>&1 |
+  tee "$tdir.log" | grep --line-buffered -v '^ptxas warning : Registers are spilled'
+rc=${PIPESTATUS[0]}
+set -e
+[ "$rc" -eq 0 ] || { echo "[cuda-check] the gate term warps' unit failed (exit $rc): $tdir.log" >&2; exit "$rc"; }
+tspills=$(grep -c '^ptxas warning : Registers are spilled' "$tdir.log" || true)
+echo "[cuda-check] the gate term warps' unit compiled in $(( $(date +%s) - tstart )) s;" \
+  "ptxas reports spills in $tspills kernel images"

@@ -69,6 +69,7 @@
 #include "cuda/sm90/bias_tile_sm90.h"
 #include "cuda/sm90/fwd_ws_tile_sm90.h"
 #include "cuda/sm90/gate_sm90.h"
+#include "cuda/sm90/gate_terms_sm90.h"
 #include "cuda/sm90/gmma.h"
 #include "cuda/sm90/key_rows_sm90.h"
 #include "cuda/sm90/mask_tile_sm90.h"
@@ -188,13 +189,6 @@ __device__ __forceinline__ void fwd_ws_key_range(const FwdArgs& a, const SeqBoun
   }
 }
 
-// The state of a pipeline of kStages stages after `count` steps, for its consumers or (producer:
-// the first pass finds every stage empty) its producer.
-template <int kStages>
-__device__ __forceinline__ cutlass::PipelineState<kStages> pipeline_state_at(uint32_t count, bool producer) {
-  return {int(count % kStages), ((count / kStages) & 1) ^ uint32_t(producer), count};
-}
-
 // The next tile from the scheduler's slots, for a role that took `taken` tiles before (every
 // thread of the role calls it).
 template <int kSlots, class Pipeline>
@@ -225,7 +219,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
   auto& ss = *reinterpret_cast<typename Tile::SharedStorage*>(smem_raw);
   const int warp_group = threadIdx.x / 128;
   const bool packed = a.cu_seqlens_q != nullptr;
-  const bool indexed = Tile::kKeyRows && a.kpos.rows != nullptr;
+  // (the gate's term warps, 2 and 3, gather no keys: indexed keys come as a copy, fwd_ws_supports)
+  const bool indexed = Tile::kKeyRows && !Tile::kGateTerms && a.kpos.rows != nullptr;
 
   // Key ends (the per-query path; one tile per CTA, launch_fwd_ws): the rows before the first one
   // that a query of the tile may still keep (end > m0) are masked for all of them; the key
@@ -267,12 +262,24 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
                             tma_pipeline_params<OperandPipeline>(Tile::kMaskStageBytes, warp_group == 0, kConsumerThreads),
                             Shape<_1, _1, _1>{});
   using KeyRowPipeline = typename Tile::KeyRowPipeline;
-  KeyRowPipeline pipe_key_rows(ss.pipe_key_rows, loader_pipeline_params<KeyRowPipeline>(warp_group == 0, kConsumerThreads));
-  // The tiles' readers: the consumers, the key rows' or packed Q's loader and the gather warps.
+  // (the gate's term warps read the key rows' stages too: alpha and delta)
+  using GateTerms = typename Tile::GateTerms;
+  KeyRowPipeline pipe_key_rows(
+      ss.pipe_key_rows, loader_pipeline_params<KeyRowPipeline>(
+                            warp_group == 0, kConsumerThreads + (Tile::kGateTerms ? GateTerms::kProducerThreads : 0)));
+  // (its barriers initialized only where the term warps run)
+  auto pipe_gate_terms = [&]() {
+    if constexpr (Tile::kGateTerms)
+      return typename GateTerms::Pipeline(ss.pipe_gate_terms, GateTerms::params(warp_group == 0));
+    else
+      return 0;
+  }();
+  // The tiles' readers: the consumers, the key rows' or packed Q's loader and the gather warps or
+  // the gate's term warps.
   typename TilePipeline::Params tile_params;
   tile_params.dst_blockid = 0;  // (no cluster: a constant, not a register held by every role)
   tile_params.producer_arv_count = 1;
-  tile_params.consumer_arv_count = kConsumerThreads + (Tile::kKeyRows || Tile::kPackGqa ? 32 : 0) + (indexed ? 64 : 0);
+  tile_params.consumer_arv_count = kConsumerThreads + (Tile::kKeyRows || Tile::kPackGqa ? 32 : 0) + (indexed || Tile::kGateTerms ? 64 : 0);
   TilePipeline pipe_tile(ss.pipe_tile, tile_params);
   auto& q_full = *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&ss.q_full);
   auto& q_empty = *reinterpret_cast<cutlass::arch::ClusterBarrier*>(&ss.q_empty);
@@ -345,6 +352,37 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           }
         }
         return;
+      }
+      if constexpr (Tile::kGateTerms) {
+        if (warp >= 2) {  // the gate's terms of each block, for each consumer (gate_terms_sm90.h)
+          typename Tile::TiledMmaS mma_s;
+          const Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
+          const int p = int(threadIdx.x) - 64;
+          const GateTermPoly poly = GateTermPoly::of(-a.scale * GateMath::kLn2 * GateMath::of(a.gate.linear).k);
+          uint32_t taken = 0;
+          for (FwdWsTileInfo tile; (tile = next_fwd_ws_tile<Tile::kTileSlots>(pipe_tile, taken, ss.tiles)).m_block >= 0;) {
+            PipelineState read_r = pipeline_state_at<Tile::kStages>(tile.blocks_before, false);
+            for (int n = tile.n_max - 1; n >= tile.n_min; --n) {
+              pipe_key_rows.consumer_wait(read_r);
+              const auto& st = ss.key_rows[read_r.index()];
+              // (a skipped cell's block: its slots committed unwritten, as the loader's stage)
+              const bool fill = !Tile::kGateSkip ||
+                                gate_keeps(gate_keep_row(a.gate, tile.b, tile.h, tile.m_block * kBlockM), n);
+              CUTE_UNROLL
+              for (int c = 0; c < kConsumers; ++c) {
+                const auto write = GateTerms::state(read_r.count(), c, true);
+                pipe_gate_terms.producer_acquire(write);
+                if (fill)
+                  fill_gate_terms(ss.gate_terms.data() + write.index() * GateTerms::kSlotBytes, mma_s, cS, c, p,
+                                  st.alpha, st.delta, poly);
+                pipe_gate_terms.producer_commit(write);
+              }
+              pipe_key_rows.consumer_release(read_r);
+              ++read_r;
+            }
+          }
+          return;
+        }
       }
       if (indexed && warp >= 2) {  // K (warp 2) and V (warp 3) rows, by cp.async
         // (one call per pipeline: a pipeline chosen at run time would live in local memory)
@@ -716,8 +754,17 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           const auto& st = ss.key_rows[read_r.index()];
           // (beside bias tiles: the score is final, the rows carry no bias)
           if constexpr (!Tile::kBias) add_key_bias(s_rc, tScS_rc, st.bias, scale);
-          // The gate on the final scores (its scale the softmax scale, after any softcap).
-          if constexpr (Tile::kGate) add_gate_scores(s_rc, tScS_rc, st.alpha, st.delta, a.scale, a.gate.linear);
+          // The gate on the final scores (its scale the softmax scale, after any softcap); its
+          // logarithm terms from the term warps' slot where they compute them.
+          if constexpr (Tile::kGateTerms) {
+            const auto read_t = GateTerms::state(read_r.count(), consumer, false);
+            pipe_gate_terms.consumer_wait(read_t);
+            add_gate_terms(s_rc, tScS_rc, ss.gate_terms.data() + read_t.index() * GateTerms::kSlotBytes,
+                           int(threadIdx.x) % 128, st.alpha, st.delta, a.scale, a.gate.linear);
+            pipe_gate_terms.consumer_release(read_t);
+          } else if constexpr (Tile::kGate) {
+            add_gate_scores(s_rc, tScS_rc, st.alpha, st.delta, a.scale, a.gate.linear);
+          }
           if constexpr (Tile::kMask) apply_mask_tile();
           // The test on positions (the blocks the loader marked): gathered keys' window on
           // original positions, else the plain window (positions are indices); query bounds
@@ -789,6 +836,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         if constexpr (Tile::kKeyRows) {
           pipe_key_rows.consumer_wait(read_r);
           pipe_key_rows.consumer_release(read_r);
+          if constexpr (Tile::kGateTerms) {
+            const auto read_t = GateTerms::state(read_r.count(), consumer, false);
+            pipe_gate_terms.consumer_wait(read_t);
+            pipe_gate_terms.consumer_release(read_t);
+          }
           ++read_r;
         }
       };

@@ -82,6 +82,9 @@ bool fwd_ws_supports(const FwdArgs& a) {
   const FwdWsScores scores = fwd_ws_scores(a);
   if (a.gate.alpha != nullptr && (kHeadDim == 256 || !is_gate_scores(scores) || a.windows != nullptr))
     return false;
+  // (with the gate's term warps, warps 2 and 3 compute its terms, not indexed keys' gathers: those
+  // keys come as a gathered copy, run_fwd)
+  if (kGateTermWarps && a.gate.alpha != nullptr && a.kpos.rows != nullptr) return false;
   if (a.windows != nullptr && (kHeadDim == 256 || a.kpos.ptr != nullptr || a.bias.ptr != nullptr ||
                                a.mask.ptr != nullptr || a.softcap != 0.f))
     return false;

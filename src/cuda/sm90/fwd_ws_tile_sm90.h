@@ -21,7 +21,9 @@
 //              the test runs on positions (key_positions.h);
 //   kKeyRowsGate: kKeyRows with gated attention's gate (gate_sm90.h): the stages also carry the
 //              block's delta rows and the tile's alpha rows (a variant of its own: the gate's
-//              code in the key-row kernel cost it spills);
+//              code in the key-row kernel cost it spills); built with the gate's term warps,
+//              its logarithm terms come in a ring of fp16 tiles that the producer's warps 2
+//              and 3 fill (gate_terms_sm90.h);
 //   kFullBiasKeyRows: both, for a full bias with a query-broadcast mask (a key padding mask)
 //              and / or softcap: the bias tiles as kFullBias's, the key rows as kKeyRows's
 //              without their bias (the mask's rows give the query bounds);
@@ -60,6 +62,7 @@
 
 #include "cuda/common/key_positions.h"
 #include "cuda/common/window_runs.h"
+#include "cuda/sm90/gate_terms_sm90.h"
 
 namespace dmattn::cuda::sm90 {
 
@@ -122,6 +125,10 @@ struct FwdWsTile {
   // skipping's cells (a variant of its own: the exact kernel keeps its loop as it was)
   static constexpr bool kGate = is_gate_scores(kScores);
   static constexpr bool kGateSkip = kScores == FwdWsScores::kKeyRowsGateSkip;
+  // The gate's logarithm terms, computed by the producer's warps 2 and 3 into a ring of their own
+  // (gate_terms_sm90.h; where built with them, kGateTermWarps).
+  static constexpr bool kGateTerms = kGate && kGateTermWarps;
+  using GateTerms = GateTermRing<kBlockN_, kBlockM_ / 64>;
   // windows with sinks (window_runs.h: the tile's key blocks as a walk), a variant of plain scores:
   // the tile's element test and the blocks that need it come from the scheduler's slot, so no
   // loader warp or key-row stage stands between the consumers' products
@@ -251,9 +258,11 @@ struct FwdWsTile {
     alignas(kBias ? 1024 : 16) cute::array_aligned<uint8_t, kBias ? kOperandStages * kBiasStageBytes : 16, 16> bias_tiles;
     alignas(kMask ? 1024 : 16) cute::array_aligned<uint8_t, kMask ? kOperandStages * kMaskStageBytes : 16, 16> mask_tiles;
     cute::array_aligned<KeyRowStage, kKeyRows ? kStages : 1, 16> key_rows;
+    alignas(16) cute::array_aligned<uint8_t, kGateTerms ? GateTerms::kBytes : 16, 16> gate_terms;
     typename Pipeline::SharedStorage pipe_k, pipe_v;
     typename OperandPipeline::SharedStorage pipe_bias, pipe_mask;
     typename KeyRowPipeline::SharedStorage pipe_key_rows;
+    typename GateTerms::Pipeline::SharedStorage pipe_gate_terms;
     typename TilePipeline::SharedStorage pipe_tile;
     FwdWsTileInfo tiles[kTileSlots];
     FwdWsTileWindows tile_windows[kWindows ? kTileSlots : 1];

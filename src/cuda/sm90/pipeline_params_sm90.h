@@ -32,6 +32,13 @@ __device__ __forceinline__ typename Pipeline::Params cp_async_pipeline_params(bo
   return p;
 }
 
+// The state of a pipeline of kStages stages after `count` steps, for its consumers or (producer:
+// the first pass finds every stage empty) its producer.
+template <int kStages>
+__device__ __forceinline__ cutlass::PipelineState<kStages> pipeline_state_at(uint32_t count, bool producer) {
+  return {int(count % kStages), ((count / kStages) & 1) ^ uint32_t(producer), count};
+}
+
 // A one-stage pipeline's state at its t-th use, derived from t rather than held across a loop
 // (a held state takes registers): the consumer's phase flips with every use from 0, the
 // producer's from 1 (as make_producer_start_state begins).

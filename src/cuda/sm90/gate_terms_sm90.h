@@ -1,0 +1,159 @@
+// The gate's logarithm terms in the warp-specialized Hopper forward, computed ahead of the
+// consumers by the producer warpgroup's warps 2 and 3 (the gate's variants have no indexed keys
+// for them to gather: fwd_ws_supports).
+//   g(x) log2(e) = min(x2, cap) - k log2(1 + 2^-|x2|),  x2 = alpha_i delta_j log2(e)  (GateMath)
+// The consumers add s += scale ln2 min(x2, cap) + term themselves, where the term
+//   term = -scale ln2 k log2(1 + 2^-|x2|)  (in [-scale ln2, 0]; k = 0 for the linear gate)
+// comes from a ring of fp16 slots in shared memory, one slot per (key block, consumer): the
+// term's two MUFU operations a score leave the consumers' chain between S and P, and run on
+// warps that otherwise wait (docs/design.md, "Gate terms"). The slot holds a consumer's 64 rows
+// by kBlockN keys in its accumulators' order: chunk k (16 bytes, 8 terms) of consumer thread u
+// at (k * 128 + u) * 16, so that a warp's loads and stores of one chunk are 512 contiguous bytes.
+// In chunk k: rows r = 0, 1 of the thread's row/col view at columns 4k .. 4k + 3, as the pairs
+// (r0: 4k, 4k+1), (r1: 4k, 4k+1), (r0: 4k+2, 4k+3), (r1: 4k+2, 4k+3).
+// Built with DMATTN_GATE_TERM_WARPS=ON (CMake) only, until its figures are measured: otherwise
+// the consumers compute the whole gate (add_gate_scores, gate_sm90.h).
+// Precision: the fp16 term is within 2^-11 of its value relative (at most 3e-5 of a score at
+// scale 1 / sqrt(128)); the logarithm is a polynomial on the FMA pipes (below), the exponential
+// one MUFU op. A NaN product gives a NaN term (so it reaches its row as on the other paths); a
+// product of +-inf gives 0.
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include <cute/tensor.hpp>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "cuda/common/score_terms.h"
+#include "cuda/common/utils.h"
+#include "cuda/sm90/gmma.h"
+#include "cuda/sm90/pipeline_params_sm90.h"
+
+#ifndef DMATTN_GATE_TERM_WARPS
+#define DMATTN_GATE_TERM_WARPS 0
+#endif
+
+namespace dmattn::cuda::sm90 {
+
+// Whether the forward's gate variants take their terms from the producer's warps 2 and 3.
+inline constexpr bool kGateTermWarps = DMATTN_GATE_TERM_WARPS != 0;
+
+// log2(1 + t) for t in [0, 1] as t p(t), p of degree 4 (a least-maximum-error fit: within 1.5e-5
+// of it over [0, 1]), the coefficients times a factor (the term's -scale ln2 k): four FMAs and a
+// multiply on the FMA pipes in place of a MUFU op (lg2).
+struct GateTermPoly {
+  float c1, c2, c3, c4, c5;
+  static __device__ __forceinline__ GateTermPoly of(float factor) {
+    return {factor * 1.4419655799865723f, factor * -0.7096627354621887f, factor * 0.41759559512138367f,
+            factor * -0.19626937806606293f, factor * 0.04638524353504181f};
+  }
+  // factor log2(1 + 2^-|x2|)
+  __device__ __forceinline__ float term(float x2) const {
+    const float t = fast_exp2(-fabsf(x2));
+    return t * fmaf(fmaf(fmaf(fmaf(c5, t, c4), t, c3), t, c2), t, c1);
+  }
+};
+
+// Two terms as an fp16 pair in a 32-bit word (the first in the low half).
+__device__ __forceinline__ uint32_t gate_term_pair(float a, float b) {
+  const __half2 h = ElemInfo<cutlass::half_t>::pack(a, b);
+  uint32_t w;
+  memcpy(&w, &h, sizeof(w));
+  return w;
+}
+
+// The ring: kSlots slots of one consumer's 64 rows of one key block each, in the order (block,
+// consumer); the block count runs on across a CTA's tiles as the key-row pipeline's does.
+template <int kBlockN, int kConsumers>
+struct GateTermRing {
+  static constexpr int kSlots = 3;                       // 48 KB at kBlockN = 128
+  static constexpr int kChunks = kBlockN / 16;           // 16-byte chunks a consumer thread reads
+  static constexpr int kSlotBytes = kChunks * 128 * 16;  // a consumer's 64 x kBlockN fp16 terms
+  static constexpr int kBytes = kSlots * kSlotBytes;
+  using Pipeline = cutlass::PipelineAsync<kSlots>;
+  static constexpr int kProducerThreads = 64;  // warps 2 and 3
+
+  // Consumer c's slot of the CTA's block-th key block.
+  static __device__ __forceinline__ cutlass::PipelineState<kSlots> state(uint32_t block, int consumer, bool producer) {
+    return pipeline_state_at<kSlots>(block * kConsumers + uint32_t(consumer), producer);
+  }
+
+  static __device__ __forceinline__ typename Pipeline::Params params(bool producer) {
+    typename Pipeline::Params p;
+    p.role = producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+    p.producer_arv_count = kProducerThreads;
+    p.consumer_arv_count = 128;  // one consumer warpgroup reads a slot
+    return p;
+  }
+};
+
+// Producer thread p (0 .. 63) of warps 2 and 3 fills consumer `consumer`'s slot: the terms of
+// consumer threads p and p + 64, from the stage's alpha (the tile's rows) and delta (the block's
+// keys). mma_s: the consumers' tiled S product (the threads' coordinates), cS its identity tile.
+template <class TiledMmaS, class IdentityTile>
+__device__ __forceinline__ void fill_gate_terms(uint8_t* slot, const TiledMmaS& mma_s, const IdentityTile& cS,
+                                                int consumer, int p, const float* s_alpha, const float* s_delta,
+                                                const GateTermPoly& poly) {
+  using namespace cute;
+#pragma unroll 1
+  for (int u = p; u < 128; u += 64) {
+    Tensor tScS = mma_s.get_thread_slice(consumer * 128 + u).partition_C(cS);
+    Tensor rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+    static_assert(decltype(size<0>(rc))::value == 2, "two rows a thread");
+    constexpr int kCols = decltype(size<1>(rc))::value;
+    static_assert(kCols % 4 == 0);
+    const float a0 = s_alpha[get<0>(rc(0, 0))] * GateMath::kLog2e;
+    const float a1 = s_alpha[get<0>(rc(1, 0))] * GateMath::kLog2e;
+    CUTE_UNROLL
+    for (int k = 0; k < kCols / 4; ++k) {
+      const float2 d0 = *reinterpret_cast<const float2*>(s_delta + get<1>(rc(0, 4 * k)));
+      const float2 d1 = *reinterpret_cast<const float2*>(s_delta + get<1>(rc(0, 4 * k + 2)));
+      uint4 w;
+      w.x = gate_term_pair(poly.term(a0 * d0.x), poly.term(a0 * d0.y));
+      w.y = gate_term_pair(poly.term(a1 * d0.x), poly.term(a1 * d0.y));
+      w.z = gate_term_pair(poly.term(a0 * d1.x), poly.term(a0 * d1.y));
+      w.w = gate_term_pair(poly.term(a1 * d1.x), poly.term(a1 * d1.y));
+      *reinterpret_cast<uint4*>(slot + (k * 128 + u) * 16) = w;
+    }
+  }
+}
+
+// s += scale ln2 min(x2, cap) + term on the accumulator's row/col view (coord: (row, col) within
+// the tile), the terms from consumer thread u's chunks of its slot (the layout above).
+template <class S, class C>
+__device__ __forceinline__ void add_gate_terms(S& s, C const& coord, const uint8_t* slot, int u, const float* s_alpha,
+                                               const float* s_delta, float scale, bool linear) {
+  using namespace cute;
+  static_assert(decltype(size<0>(s))::value == 2, "two rows a thread");
+  constexpr int kCols = decltype(size<1>(s))::value;
+  const float cap = GateMath::of(linear).cap;
+  const float scale_ln2 = scale * GateMath::kLn2;
+  const float a0 = s_alpha[get<0>(coord(0, 0))] * GateMath::kLog2e;
+  const float a1 = s_alpha[get<0>(coord(1, 0))] * GateMath::kLog2e;
+  const uint4* chunks = reinterpret_cast<const uint4*>(slot) + u;
+  auto add = [&](float& acc, float x2, float term) { acc = fmaf(scale_ln2, fminf(x2, cap), acc) + term; };
+  CUTE_UNROLL
+  for (int k = 0; k < kCols / 4; ++k) {
+    const uint4 w = chunks[k * 128];
+    const float2 d0 = *reinterpret_cast<const float2*>(s_delta + get<1>(coord(0, 4 * k)));
+    const float2 d1 = *reinterpret_cast<const float2*>(s_delta + get<1>(coord(0, 4 * k + 2)));
+    float t[8];
+    ElemInfo<cutlass::half_t>::word_to_float2(w.x, t[0], t[1]);
+    ElemInfo<cutlass::half_t>::word_to_float2(w.y, t[2], t[3]);
+    ElemInfo<cutlass::half_t>::word_to_float2(w.z, t[4], t[5]);
+    ElemInfo<cutlass::half_t>::word_to_float2(w.w, t[6], t[7]);
+    add(s(0, 4 * k), a0 * d0.x, t[0]);
+    add(s(0, 4 * k + 1), a0 * d0.y, t[1]);
+    add(s(1, 4 * k), a1 * d0.x, t[2]);
+    add(s(1, 4 * k + 1), a1 * d0.y, t[3]);
+    add(s(0, 4 * k + 2), a0 * d1.x, t[4]);
+    add(s(0, 4 * k + 3), a0 * d1.y, t[5]);
+    add(s(1, 4 * k + 2), a1 * d1.x, t[6]);
+    add(s(1, 4 * k + 3), a1 * d1.y, t[7]);
+  }
+}
+
+}  // namespace dmattn::cuda::sm90
