@@ -52,7 +52,8 @@ echo "[cuda-check] ${#UNITS[@]} units compiled in $(( $(date +%s) - start )) s;"
   "ptxas reports spills in $spills kernel images (listed in $dir.log)"
 
 # The gate's term warps (CMake option DMATTN_GATE_TERM_WARPS, off by default): their forward
-# variants, sm_90a only (the kernels' bodies are sm_90a's).
+# forward variants and the backward of the gate alone, sm_90a only (the kernels' bodies are
+# sm_90a's).
 tdir=build/cuda-compile-check-gate-terms
 tstart=$(date +%s)
 cmake -S . -B "$tdir" -G Ninja -DDMATTN_BUILD_CUDA=ON -DDMATTN_CUDA_ARCHS="90a" -DDMATTN_CUDA_PTX=OFF \
@@ -62,11 +63,12 @@ cmake -S . -B "$tdir" -G Ninja -DDMATTN_BUILD_CUDA=ON -DDMATTN_CUDA_ARCHS="90a" 
   exit 1
 }
 set +e
-cmake --build "$tdir" -j "$JOBS" --target CMakeFiles/dmattn_core.dir/src/cuda/inst/fwd_ws_gate_bf16.cu.o 2>&1 |
+cmake --build "$tdir" -j "$JOBS" --target CMakeFiles/dmattn_core.dir/src/cuda/inst/fwd_ws_gate_bf16.cu.o \
+  CMakeFiles/dmattn_core.dir/src/cuda/inst/bwd_ws_plain_gate_bf16.cu.o 2>&1 |
   tee "$tdir.log" | grep --line-buffered -v '^ptxas warning : Registers are spilled'
 rc=${PIPESTATUS[0]}
 set -e
-[ "$rc" -eq 0 ] || { echo "[cuda-check] the gate term warps' unit failed (exit $rc): $tdir.log" >&2; exit "$rc"; }
+[ "$rc" -eq 0 ] || { echo "[cuda-check] the gate term warps' units failed (exit $rc): $tdir.log" >&2; exit "$rc"; }
 tspills=$(grep -c '^ptxas warning : Registers are spilled' "$tdir.log" || true)
-echo "[cuda-check] the gate term warps' unit compiled in $(( $(date +%s) - tstart )) s;" \
+echo "[cuda-check] the gate term warps' units compiled in $(( $(date +%s) - tstart )) s;" \
   "ptxas reports spills in $tspills kernel images"

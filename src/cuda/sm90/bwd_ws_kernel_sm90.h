@@ -68,6 +68,7 @@
 #include "cuda/sm90/dbias_colsum_sm90.h"
 #include "cuda/sm90/gate_grads_sm90.h"
 #include "cuda/sm90/gate_sm90.h"
+#include "cuda/sm90/gate_terms_sm90.h"
 #include "cuda/sm90/gmma.h"
 #include "cuda/sm90/key_rows_sm90.h"
 #include "cuda/sm90/ordered_adds_sm90.h"
@@ -213,7 +214,17 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   using PipelineDo = typename Tile::PipelineDo;
   PipelineDo pipe_do(ss.pipe_do, tma_pipeline_params<PipelineDo>(Tile::kQBytes, warp_group == 0, kConsumerThreads),
                      Shape<_1, _1, _1>{});
-  RowPipeline pipe_rows(ss.pipe_rows, loader_pipeline_params<RowPipeline>(warp_group == 0, kConsumerThreads));
+  // (the gate's term warp reads the stages' alpha rows too)
+  RowPipeline pipe_rows(ss.pipe_rows,
+                        loader_pipeline_params<RowPipeline>(warp_group == 0, kConsumerThreads + (Tile::kGateTerms ? 32 : 0)));
+  // (its barriers initialized only where the term warp runs)
+  using GateTerms = typename Tile::GateTerms;
+  auto pipe_gate_terms = [&]() {
+    if constexpr (Tile::kGateTerms)
+      return typename GateTerms::Pipeline(ss.pipe_gate_terms, GateTerms::params(warp_group == 0));
+    else
+      return 0;
+  }();
   using BiasPipeline = typename Tile::BiasPipeline;
   BiasPipeline pipe_bias(ss.pipe_bias,
                          tma_pipeline_params<BiasPipeline>(Tile::kBiasBytes, warp_group == 0, kConsumerThreads),
@@ -256,7 +267,26 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       // do not, and no copy may outlive the CTA)
       if (n_iter == 0) asm volatile("cp.async.wait_all;\n" ::);
     }
-    if (warp == 3) {  // dbias where no query reaches the key block
+    if (warp == 3) {  // dbias where no query reaches the key block, or the gate's terms
+      if constexpr (Tile::kGateTerms) {  // (gate_terms_sm90.h: one slot a query block, for both consumers)
+        typename Tile::TiledMmaSdP mma_sdp;
+        const Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
+        const GateTermPoly poly = GateTermPoly::of(255.f * GateMath::of(f.gate.linear).k);
+        PipelineState read;
+        for (int t = 0; t < n_iter; ++t) {
+          pipe_rows.consumer_wait(read);
+          const auto& st = ss.rows[read.index()];
+          const auto write = one_stage_producer_state(t);
+          pipe_gate_terms.producer_acquire(write);
+          // (a skipped cell's slot committed unwritten: its consumers take it unread)
+          if (!Tile::kGateSkip || !st.gate_skip)
+            fill_gate_term_bytes(ss.gate_terms.data(), mma_sdp, cS, lane, st.alpha, ss.gate_delta.data(), poly);
+          pipe_gate_terms.producer_commit(write);
+          pipe_rows.consumer_release(read);
+          ++read;
+        }
+        return;
+      }
       if (dbias_tiles)
         bwd_dbias_zero_unreached_warp<Element, kBlockM>(a, b, kvh, m_lo, m_hi, n0, min(kBlockN, f.seqlen_k - n0), lane);
       return;
@@ -610,6 +640,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       if constexpr (Tile::kGate && !Tile::kKeyRows) pipe_rows.consumer_wait(read);
       if constexpr (Tile::kGateSkip && !Tile::kKeyRows) {
         if (ss.rows[read.index()].gate_skip) {
+          if constexpr (Tile::kGateTerms) {
+            pipe_gate_terms.consumer_wait(one_stage_consumer_state(t));
+            pipe_gate_terms.consumer_release(one_stage_consumer_state(t));
+          }
           pipe_q.consumer_wait(read);
           pipe_do.consumer_wait(read_do);
           NamedBarrier::sync(kConsumerThreads, Bar::kPdS);
@@ -698,8 +732,17 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       } else {
         CUTE_UNROLL
         for (int i = 0; i < size(acc_s); ++i) acc_s(i) *= f.scale;
-        // The gate alone (plain scores): on the scaled scores, before the window / tail test.
-        if constexpr (Tile::kGate) add_gate_scores(s_rc, tScS_rc, st.alpha, ss.gate_delta.data(), f.scale, f.gate.linear);
+        // The gate alone (plain scores): on the scaled scores, before the window / tail test (its
+        // logarithm terms from the term warp's slot where it computes them).
+        if constexpr (Tile::kGateTerms) {
+          const auto read_t = one_stage_consumer_state(t);
+          pipe_gate_terms.consumer_wait(read_t);
+          add_gate_term_bytes(s_rc, tScS_rc, ss.gate_terms.data(), ctid, st.alpha, ss.gate_delta.data(), f.scale,
+                              f.gate.linear);
+          pipe_gate_terms.consumer_release(read_t);
+        } else if constexpr (Tile::kGate) {
+          add_gate_scores(s_rc, tScS_rc, st.alpha, ss.gate_delta.data(), f.scale, f.gate.linear);
+        }
         if constexpr (Tile::kFullBias) {
           // + bias (two roundings, as the general transform; its tile landed by TMA), then the
           // window / tail test

@@ -51,6 +51,7 @@
 
 #include "cuda/common/window_runs.h"
 #include "cuda/sm90/bwd_mmas_sm90.h"
+#include "cuda/sm90/gate_terms_sm90.h"
 
 namespace dmattn::cuda::sm90 {
 
@@ -87,9 +88,13 @@ struct BwdWsTile {
   // over the block in step (bwd_ws_kernel_sm90.h).
   static constexpr bool kGateSkip = kGateSkip_;
   static_assert(!kGateSkip || kGate, "gate skipping: with the gate");
+  // The gate alone, built with the gate's term warps (kGateTermWarps): its logarithm terms of each
+  // query block come as bytes from the producer's warp 3 (gate_terms_sm90.h, GateTermBytes).
+  static constexpr bool kGateTerms = kGate && kScores == BwdWsScores::kPlain && kGateTermWarps;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = kHeadDim == 256 ? 64 : 128;
+  using GateTerms = GateTermBytes<kBlockM, kBlockN>;
   static constexpr int kStages = 2;  // Q (and the row statistics; dO too but at head dim 256)
   static constexpr int kStagesDo = kHeadDim == 256 ? 1 : kStages;
   static constexpr int kConsumers = 2;
@@ -243,6 +248,9 @@ struct BwdWsTile {
     cute::array_aligned<float, kGate ? 4 * kBlockN : 4, 16> gate_col;
     // The key block's delta rows (the gate on plain scores; 0 past the keys).
     cute::array_aligned<float, kGate && !kKeyRows ? kBlockN : 4, 16> gate_delta;
+    // The gate's terms of a query block (kGateTerms), and their one-slot pipeline.
+    alignas(16) cute::array_aligned<uint8_t, kGateTerms ? GateTerms::kBytes : 16, 16> gate_terms;
+    typename GateTerms::Pipeline::SharedStorage pipe_gate_terms;
     alignas(kColSum ? 1024 : 16)
         cute::array_aligned<Element, kColSum ? cute::cosize_v<SmemLayoutOnes> : 8, kColSum ? 1024 : 16> ones;
     cute::array_aligned<int32_t, kKeyRows ? kBlockN : 4, 16> pos;  // the CTA's positions (query range)

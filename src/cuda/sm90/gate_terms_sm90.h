@@ -50,10 +50,10 @@ struct GateTermPoly {
     return {factor * 1.4419655799865723f, factor * -0.7096627354621887f, factor * 0.41759559512138367f,
             factor * -0.19626937806606293f, factor * 0.04638524353504181f};
   }
-  // factor log2(1 + 2^-|x2|)
-  __device__ __forceinline__ float term(float x2) const {
+  // factor log2(1 + 2^-|x2|) + add
+  __device__ __forceinline__ float term(float x2, float add = 0.f) const {
     const float t = fast_exp2(-fabsf(x2));
-    return t * fmaf(fmaf(fmaf(fmaf(c5, t, c4), t, c3), t, c2), t, c1);
+    return fmaf(t, fmaf(fmaf(fmaf(fmaf(c5, t, c4), t, c3), t, c2), t, c1), add);
   }
 };
 
@@ -153,6 +153,108 @@ __device__ __forceinline__ void add_gate_terms(S& s, C const& coord, const uint8
     add(s(0, 4 * k + 3), a0 * d1.y, t[5]);
     add(s(1, 4 * k + 2), a1 * d1.x, t[6]);
     add(s(1, 4 * k + 3), a1 * d1.y, t[7]);
+  }
+}
+
+// ---- the backward's form (bwd_ws_kernel_sm90.h: the gate alone, on plain scores) ------------
+// Warp 3 of the producer warpgroup fills one slot a query block (64 queries x kBlockN keys) with
+// its terms as bytes, q = round(255 k log2(1 + 2^-|x2|)), the term -q / 255 in log2 units: within
+// 1/510 of it, 1.2e-4 of a score at scale 1 / sqrt(128), below P's own bf16 rounding there (2^-9
+// relative). (The backward's shared memory holds 8 KB beside Q, dO, K, V, P, dS and dQ's staging at
+// D = 128, not the 16 of fp16 terms.) A NaN product's byte is 0: the consumers' minimum keeps the
+// NaN instead (min.NaN). Layout: chunk k (16 bytes) of consumer thread u (0 .. 255) at (256 k + u)
+// x 16; in chunk k the thread's columns 8k .. 8k + 7 as words of (r0: c, c+1; r1: c, c+1), c = 8k + 2j.
+template <int kBlockM, int kBlockN>
+struct GateTermBytes {
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kBytes = kBlockM * kBlockN;
+  static constexpr int kChunks = kBytes / kConsumerThreads / 16;
+  static_assert(kChunks * kConsumerThreads * 16 == kBytes);
+  using Pipeline = cutlass::PipelineAsync<1>;
+
+  static __device__ __forceinline__ typename Pipeline::Params params(bool producer) {
+    typename Pipeline::Params p;
+    p.role = producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+    p.producer_arv_count = 32;  // warp 3
+    p.consumer_arv_count = kConsumerThreads;
+    return p;
+  }
+};
+
+// The low bytes of four words, packed (the first in the low byte).
+__device__ __forceinline__ uint32_t gate_term_bytes(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+  return __byte_perm(__byte_perm(w0, w1, 0x0040), __byte_perm(w2, w3, 0x0040), 0x5410);
+}
+
+// min(x, y) that returns NaN where either is NaN (fminf returns the other).
+__device__ __forceinline__ float fmin_nan(float x, float y) {
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y));
+  return r;
+}
+
+// Lane `lane` of warp 3 fills the slot: consumer threads lane + 32 i. mma_sdp: the consumers'
+// tiled S product, cS its identity tile; alpha of the query block's rows, delta of the key block's.
+template <class Tiled, class IdentityTile>
+__device__ __forceinline__ void fill_gate_term_bytes(uint8_t* slot, const Tiled& mma_sdp, const IdentityTile& cS,
+                                                     int lane, const float* s_alpha, const float* s_delta,
+                                                     const GateTermPoly& poly) {
+  using namespace cute;
+  constexpr float kRound = 8388608.f;  // 2^23: q's rounding into the low bits of a float
+#pragma unroll 1
+  for (int u = lane; u < 256; u += 32) {
+    Tensor tScS = mma_sdp.get_thread_slice(u).partition_C(cS);
+    Tensor rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+    static_assert(decltype(size<0>(rc))::value == 2, "two rows a thread");
+    constexpr int kCols = decltype(size<1>(rc))::value;
+    static_assert(kCols % 8 == 0);
+    const float a0 = s_alpha[get<0>(rc(0, 0))] * GateMath::kLog2e;
+    const float a1 = s_alpha[get<0>(rc(1, 0))] * GateMath::kLog2e;
+    CUTE_UNROLL
+    for (int k = 0; k < kCols / 8; ++k) {
+      uint32_t w[4];
+      CUTE_UNROLL
+      for (int j = 0; j < 4; ++j) {
+        const float2 d = *reinterpret_cast<const float2*>(s_delta + get<1>(rc(0, 8 * k + 2 * j)));
+        w[j] = gate_term_bytes(__float_as_uint(poly.term(a0 * d.x, kRound)), __float_as_uint(poly.term(a0 * d.y, kRound)),
+                               __float_as_uint(poly.term(a1 * d.x, kRound)), __float_as_uint(poly.term(a1 * d.y, kRound)));
+      }
+      *reinterpret_cast<uint4*>(slot + (k * 256 + u) * 16) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+}
+
+// s += scale ln2 (min(x2, cap) - q / 255) on the accumulator's row/col view (coord as above), the
+// bytes q from consumer thread u's chunks of the slot.
+template <class S, class C>
+__device__ __forceinline__ void add_gate_term_bytes(S& s, C const& coord, const uint8_t* slot, int u,
+                                                    const float* s_alpha, const float* s_delta, float scale,
+                                                    bool linear) {
+  using namespace cute;
+  static_assert(decltype(size<0>(s))::value == 2, "two rows a thread");
+  constexpr int kCols = decltype(size<1>(s))::value;
+  const float cap = GateMath::of(linear).cap;
+  const float scale_ln2 = scale * GateMath::kLn2;
+  const float per_q = -scale_ln2 / 255.f;
+  const float a0 = s_alpha[get<0>(coord(0, 0))] * GateMath::kLog2e;
+  const float a1 = s_alpha[get<0>(coord(1, 0))] * GateMath::kLog2e;
+  const uint4* chunks = reinterpret_cast<const uint4*>(slot) + u;
+  // byte i of w as a float (exact: 2^23 + i's low bits, minus 2^23)
+  auto byte_of = [](uint32_t w, int i) { return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7540 + i)) - 8388608.f; };
+  auto add = [&](float& acc, float x2, float q) { acc = fmaf(q, per_q, fmaf(scale_ln2, fmin_nan(x2, cap), acc)); };
+  CUTE_UNROLL
+  for (int k = 0; k < kCols / 8; ++k) {
+    const uint4 v = chunks[k * 256];
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    CUTE_UNROLL
+    for (int j = 0; j < 4; ++j) {
+      const int c = 8 * k + 2 * j;
+      const float2 d = *reinterpret_cast<const float2*>(s_delta + get<1>(coord(0, c)));
+      add(s(0, c), a0 * d.x, byte_of(w[j], 0));
+      add(s(0, c + 1), a0 * d.y, byte_of(w[j], 1));
+      add(s(1, c), a1 * d.x, byte_of(w[j], 2));
+      add(s(1, c + 1), a1 * d.y, byte_of(w[j], 3));
+    }
   }
 }
 
