@@ -51,7 +51,7 @@ spills=$(grep -c '^ptxas warning : Registers are spilled' "$dir.log" || true)
 echo "[cuda-check] ${#UNITS[@]} units compiled in $(( $(date +%s) - start )) s;" \
   "ptxas reports spills in $spills kernel images (listed in $dir.log)"
 
-# The gate's term warps (CMake option DMATTN_GATE_TERM_WARPS, off by default): their forward
+# The gate's term warps (CMake option DMATTN_GATE_TERM_WARPS, off by default): their
 # forward variants and the backward of the gate alone, sm_90a only (the kernels' bodies are
 # sm_90a's).
 tdir=build/cuda-compile-check-gate-terms
