@@ -18,6 +18,7 @@
 #          the scaling table of benchmarks/profiling/ring_scaling.py)
 #   (the PTX path that GPUs newer than the build's archs take: scripts/ptx_jit_check.sh)
 #   env:   OUT (default /tmp/dmattn-out), ARCHS (default 90a), PTX (default OFF: DMATTN_CUDA_PTX),
+#          CMAKE_ARGS (more CMake options for the build, e.g. -DDMATTN_GATE_TERM_WARPS=ON),
 #          PYTEST_ARGS, BENCH_ARGS, SANITIZE_CASES (a regex: the sanitizer cases to run, all
 #          unless set; scripts/sanitizer_cases.py),
 #          CARRY_ROOT (folder holding .whl/ and .devcarry/, default the repo root; lets a copy of
@@ -62,7 +63,7 @@ if [[ " $STEPS " == *" build "* ]]; then
   # (ptxas -v: every kernel's registers, stack frame and spills, in $OUT/spills.md)
   cmake -S . -B /tmp/dmattn-build -G Ninja -DDMATTN_CUDA_ARCHS="$ARCHS" -DDMATTN_CUDA_PTX="${PTX:-OFF}" \
     -DCUTLASS_INCLUDE_DIR="$CUTLASS_DIR" -DPython_EXECUTABLE="$(command -v python3)" \
-    "-DCMAKE_CUDA_FLAGS=-Xptxas=-v" > "$OUT/build.log" 2>&1 &&
+    "-DCMAKE_CUDA_FLAGS=-Xptxas=-v" ${CMAKE_ARGS:-} > "$OUT/build.log" 2>&1 &&
   cmake --build /tmp/dmattn-build -j "$(nproc)" >> "$OUT/build.log" 2>&1
   rc=$?
   grep -E "(^|[ :])(fatal )?error" "$OUT/build.log" | sort | uniq | head -20
