@@ -198,6 +198,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   }
   const int n_m = max(m_hi - m_lo, 0);
   const int n_iter = n_m * group;
+  if constexpr (Tile::kWalkInSmem) {  // (published by the barrier below)
+    if (threadIdx.x == 0) {
+      ss.walk_m_lo = m_lo;
+      ss.walk_m_hi = m_hi;
+      ss.walk_n_m = n_m;
+      ss.walk_n_iter = n_iter;
+      ss.walk_cols_valid = min(kBlockN, seq.len_k() - n0);
+    }
+  }
   // The gate: its column sums start at 0; on plain scores the key block's delta rows, once (the
   // kv head's: every query head of the CTA's walk shares them).
   if constexpr (Tile::kGate) {
@@ -279,8 +288,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
           const auto write = one_stage_producer_state(t);
           pipe_gate_terms.producer_acquire(write);
           // (a skipped cell's slot committed unwritten: its consumers take it unread)
-          if (!Tile::kGateSkip || !st.gate_skip)
-            fill_gate_term_bytes(ss.gate_terms.data(), mma_sdp, cS, lane, st.alpha, ss.gate_delta.data(), poly);
+          if (!Tile::kGateSkip || !st.gate_skip) {
+            const float* delta_rows;  // (key rows: the stage's; plain scores: the CTA's)
+            if constexpr (Tile::kKeyRows) delta_rows = st.keys.delta;
+            else delta_rows = ss.gate_delta.data();
+            fill_gate_term_bytes(ss.gate_terms.data(), mma_sdp, cS, lane, st.alpha, delta_rows, poly);
+          }
           pipe_gate_terms.producer_commit(write);
           pipe_rows.consumer_release(read);
           ++read;
@@ -623,11 +636,24 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       if constexpr (Tile::kStagesDo == Tile::kStages) return read;
       else return one_stage_consumer_state(t);
     };
-    // (h, mb) = (head_of(t), m_block_of(t)), stepped rather than divided out of t.
+    // (h, mb) = (head_of(t), m_block_of(t)), stepped rather than divided out of t (kWalkInSmem:
+    // derived from t and the walk in shared memory, as is the pipelines' state; volatile reads,
+    // so that none of it is held through the loop).
     int h = kvh * group, mb = m_lo;
+    const volatile int32_t& walk_n_iter = ss.walk_n_iter;
+    auto blocks = [&]() {
+      if constexpr (Tile::kWalkInSmem) return int(walk_n_iter);
+      else return n_iter;
+    };
     // Head dim 256: consumer 1's arrivals for consumer 0's first turn (with the writer's).
     if (Tile::kDqTurns && consumer == 1) cutlass::arch::ClusterBarrier::arrive(&ss.dq_turn[0]);
-    for (int t = 0; t < n_iter; ++t) {
+    for (int t = 0; t < blocks(); ++t) {
+      if constexpr (Tile::kWalkInSmem) {
+        const int walk_n_m = const_cast<const volatile int32_t&>(ss.walk_n_m);
+        h = kvh * group + t / walk_n_m;
+        mb = const_cast<const volatile int32_t&>(ss.walk_m_lo) + t % walk_n_m;
+        read = pipeline_state_at<Tile::kStages>(uint32_t(t), false);
+      }
       const auto read_do = read_do_at(t);
       const int m0 = m_at(mb) * kBlockM;
       const int buf = Tile::kDsBuffers == 2 ? t & 1 : 0;
@@ -722,8 +748,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         // Gate skipping: a skipped cell runs without the gate's value (its rows' statistic +inf
         // makes P and dS 0, so its G too). (The flag of the block's stage, the same for both
         // consumers: they hold the same query block.)
-        if constexpr (Tile::kGate)
+        if constexpr (Tile::kGateTerms) {  // (its logarithm terms from the term warp's slot)
+          const auto read_t = one_stage_consumer_state(t);
+          pipe_gate_terms.consumer_wait(read_t);
+          if (!Tile::kGateSkip || !st.gate_skip)
+            add_gate_term_bytes(s_rc, tScS_rc, ss.gate_terms.data(), ctid, st.alpha, kr.delta, f.scale, f.gate.linear);
+          pipe_gate_terms.consumer_release(read_t);
+        } else if constexpr (Tile::kGate) {
           if (!Tile::kGateSkip || !st.gate_skip) add_gate_scores(s_rc, tScS_rc, st.alpha, kr.delta, f.scale, f.gate.linear);
+        }
         const PositionTest pt{kr.pos, win, Tile::kKeyRowEndDelta};
         if (bounded_block_needs_mask<kBlockN>(pt.win, kr.pos, m0, kBlockM, kr.end_min))
           mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(s_rc, tScS_rc, m0, n0, win, nullptr, 0,
@@ -905,9 +938,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       if constexpr (Tile::kKeyRows) {
         if (colsum_per_head && mb == m_hi - 1) colsum_flush(h);
       }
-      if (++mb == m_hi) {
-        mb = m_lo;
-        ++h;
+      if constexpr (!Tile::kWalkInSmem) {
+        if (++mb == m_hi) {
+          mb = m_lo;
+          ++h;
+        }
       }
     }
   }
@@ -923,19 +958,21 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       }
     }
   }
+  // (kWalkInSmem: the key block's valid columns read again rather than held through the loop)
+  const int cols_stored = Tile::kWalkInSmem ? int(const_cast<const volatile int32_t&>(ss.walk_cols_valid)) : cols_valid;
   // The gate's ddelta: every key of the block (0 where no query reached it).
   if constexpr (Tile::kGate) {
     if (a.ddelta != nullptr) {
       consumers_sync();  // (every warp's last column sums added)
-      store_ddelta_sums<Element, kBlockN, 4, kConsumerThreads>(a, ss.gate_col.data(), b, kvh, n0, cols_valid, ctid);
+      store_ddelta_sums<Element, kBlockN, 4, kConsumerThreads>(a, ss.gate_col.data(), b, kvh, n0, cols_stored, ctid);
     }
   }
   Element* gdK = static_cast<Element*>(a.dk) + int64_t(b) * a.dk_bs + int64_t(seq.k0() + n0) * a.dk_rs + int64_t(kvh) * a.dk_hs;
   Element* gdV = static_cast<Element*>(a.dv) + int64_t(b) * a.dv_bs + int64_t(seq.k0() + n0) * a.dv_rs + int64_t(kvh) * a.dv_hs;
   Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor tcKV = thr_dkv.partition_C(cKV);
-  bwd_store_acc_pairs<Element>(acc_dk, tcKV, gdK, a.dk_rs, cols_valid, f.head_dim, f.scale);
-  bwd_store_acc_pairs<Element>(acc_dv, tcKV, gdV, a.dv_rs, cols_valid, f.head_dim, 1.f);
+  bwd_store_acc_pairs<Element>(acc_dk, tcKV, gdK, a.dk_rs, cols_stored, f.head_dim, f.scale);
+  bwd_store_acc_pairs<Element>(acc_dv, tcKV, gdV, a.dv_rs, cols_stored, f.head_dim, 1.f);
 #endif
 }
 

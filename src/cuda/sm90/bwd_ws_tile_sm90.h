@@ -88,9 +88,15 @@ struct BwdWsTile {
   // over the block in step (bwd_ws_kernel_sm90.h).
   static constexpr bool kGateSkip = kGateSkip_;
   static_assert(!kGateSkip || kGate, "gate skipping: with the gate");
-  // The gate alone, built with the gate's term warps (kGateTermWarps): its logarithm terms of each
-  // query block come as bytes from the producer's warp 3 (gate_terms_sm90.h, GateTermBytes).
-  static constexpr bool kGateTerms = kGate && kScores == BwdWsScores::kPlain && kGateTermWarps;
+  // Built with the gate's term warps (kGateTermWarps): its logarithm terms of each query block
+  // come as bytes from the producer's warp 3 (gate_terms_sm90.h, GateTermBytes).
+  static constexpr bool kGateTerms = kGate && kGateTermWarps;
+  // The consumers read the CTA's query-block walk (its bounds, count and the key block's valid
+  // columns) from shared memory and derive each block's head, query block and pipeline state from
+  // its index, instead of holding them through the loop: the gate beside key rows at head dim 64,
+  // whose consumers spilled 20 B holding them (none this way). (At 128 the same moved the spills
+  // into the row loader and grew them, 100 -> 132 B dense, 128 -> 164 B packed: ptxas -v.)
+  static constexpr bool kWalkInSmem = kGate && kKeyRows && kHeadDim_ == 64;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = kHeadDim == 256 ? 64 : 128;
@@ -255,6 +261,8 @@ struct BwdWsTile {
         cute::array_aligned<Element, kColSum ? cute::cosize_v<SmemLayoutOnes> : 8, kColSum ? 1024 : 16> ones;
     cute::array_aligned<int32_t, kKeyRows ? kBlockN : 4, 16> pos;  // the CTA's positions (query range)
     int32_t end_max[kNThreads / 32];  // key_block_end_max's per-warp maxima
+    // The CTA's query-block walk, read by the consumers where they need it (kWalkInSmem).
+    int32_t walk_m_lo, walk_m_hi, walk_n_m, walk_n_iter, walk_cols_valid;
     BlockWalk m_walk;  // the query blocks' walk (windows with sinks; else the identity)
     SinkWindowTest window;  // windows with sinks: the KV head's element test
     ClearQueryBlocks window_clear;  // and the query blocks that need it not
