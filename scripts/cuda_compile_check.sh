@@ -24,51 +24,43 @@ UNITS=(
   inst/fwd_ws_bf16_hd64.cu inst/bwd_ws_bf16_hd64.cu
   inst/fwd_ws_gate_bf16.cu inst/bwd_ws_gate_bf16.cu inst/bwd_ws_plain_gate_bf16.cu
 )
-dir=build/cuda-compile-check
+# compile_units LABEL DIR CMAKE_OPTIONS UNIT...: configures DIR with the options, compiles the
+# units' objects (no link) and reports the time; ninja's progress lines and, for a failing unit,
+# the compiler's output are shown, ptxas's spill reports (--warn-on-spills, for kernel work)
+# counted here and listed in DIR.log.
+compile_units() {
+  local label=$1 dir=$2 options=$3
+  shift 3
+  local start rc spills unit targets=()
+  start=$(date +%s)
+  # shellcheck disable=SC2086
+  cmake -S . -B "$dir" -G Ninja -DDMATTN_BUILD_CUDA=ON $options -DPython_EXECUTABLE="$PYTHON" \
+    >"$dir.configure.log" 2>&1 || {
+    echo "[cuda-check] CMake configure ($label) failed; $dir.configure.log:" >&2
+    tail -30 "$dir.configure.log" >&2
+    exit 1
+  }
+  for unit in "$@"; do
+    [ -f "src/cuda/$unit" ] || { echo "[cuda-check] no such unit: src/cuda/$unit" >&2; exit 1; }
+    targets+=("CMakeFiles/dmattn_core.dir/src/cuda/$unit.o")
+  done
+  set +e
+  cmake --build "$dir" -j "$JOBS" --target "${targets[@]}" 2>&1 | tee "$dir.log" |
+    grep --line-buffered -v '^ptxas warning : Registers are spilled'
+  rc=${PIPESTATUS[0]}
+  set -e
+  [ "$rc" -eq 0 ] || { echo "[cuda-check] compilation ($label) failed (exit $rc); the whole output: $dir.log" >&2; exit "$rc"; }
+  spills=$(grep -c '^ptxas warning : Registers are spilled' "$dir.log" || true)
+  echo "[cuda-check] $label: $# units compiled in $(( $(date +%s) - start )) s;" \
+    "ptxas reports spills in $spills kernel images (listed in $dir.log)"
+}
+
 echo "[cuda-check] compiling ${#UNITS[@]} CUDA translation units (one per family) for sm_80 and" \
   "sm_90a: about 20 minutes on 2 cores"
-start=$(date +%s)
-cmake -S . -B "$dir" -G Ninja -DDMATTN_BUILD_CUDA=ON -DDMATTN_CUDA_ARCHS="80;90a" \
-  -DDMATTN_CUDA_PTX=ON -DPython_EXECUTABLE="$PYTHON" >"$dir.configure.log" 2>&1 || {
-  echo "[cuda-check] CMake configure failed; $dir.configure.log:" >&2
-  tail -30 "$dir.configure.log" >&2
-  exit 1
-}
-targets=()
-for unit in "${UNITS[@]}"; do
-  [ -f "src/cuda/$unit" ] || { echo "[cuda-check] no such unit: src/cuda/$unit" >&2; exit 1; }
-  targets+=("CMakeFiles/dmattn_core.dir/src/cuda/$unit.o")
-done
-# ninja's progress lines and, for a failing unit, the compiler's output; ptxas's spill reports
-# (--warn-on-spills, for kernel work) are counted here and listed in the log.
-set +e
-cmake --build "$dir" -j "$JOBS" --target "${targets[@]}" 2>&1 | tee "$dir.log" |
-  grep --line-buffered -v '^ptxas warning : Registers are spilled'
-rc=${PIPESTATUS[0]}
-set -e
-[ "$rc" -eq 0 ] || { echo "[cuda-check] compilation failed (exit $rc); the whole output: $dir.log" >&2; exit "$rc"; }
-spills=$(grep -c '^ptxas warning : Registers are spilled' "$dir.log" || true)
-echo "[cuda-check] ${#UNITS[@]} units compiled in $(( $(date +%s) - start )) s;" \
-  "ptxas reports spills in $spills kernel images (listed in $dir.log)"
-
-# The gate's term warps (CMake option DMATTN_GATE_TERM_WARPS, off by default): their
-# forward variants and the backward of the gate alone, sm_90a only (the kernels' bodies are
-# sm_90a's).
-tdir=build/cuda-compile-check-gate-terms
-tstart=$(date +%s)
-cmake -S . -B "$tdir" -G Ninja -DDMATTN_BUILD_CUDA=ON -DDMATTN_CUDA_ARCHS="90a" -DDMATTN_CUDA_PTX=OFF \
-  -DDMATTN_GATE_TERM_WARPS=ON -DPython_EXECUTABLE="$PYTHON" >"$tdir.configure.log" 2>&1 || {
-  echo "[cuda-check] CMake configure (gate term warps) failed; $tdir.configure.log:" >&2
-  tail -30 "$tdir.configure.log" >&2
-  exit 1
-}
-set +e
-cmake --build "$tdir" -j "$JOBS" --target CMakeFiles/dmattn_core.dir/src/cuda/inst/fwd_ws_gate_bf16.cu.o \
-  CMakeFiles/dmattn_core.dir/src/cuda/inst/bwd_ws_plain_gate_bf16.cu.o 2>&1 |
-  tee "$tdir.log" | grep --line-buffered -v '^ptxas warning : Registers are spilled'
-rc=${PIPESTATUS[0]}
-set -e
-[ "$rc" -eq 0 ] || { echo "[cuda-check] the gate term warps' units failed (exit $rc): $tdir.log" >&2; exit "$rc"; }
-tspills=$(grep -c '^ptxas warning : Registers are spilled' "$tdir.log" || true)
-echo "[cuda-check] the gate term warps' units compiled in $(( $(date +%s) - tstart )) s;" \
-  "ptxas reports spills in $tspills kernel images"
+compile_units "one unit per family" build/cuda-compile-check "-DDMATTN_CUDA_ARCHS=80;90a -DDMATTN_CUDA_PTX=ON" \
+  "${UNITS[@]}"
+# The gate's term warps (CMake option DMATTN_GATE_TERM_WARPS, off by default): their forward and
+# backward variants, sm_90a only (the kernels' bodies are sm_90a's).
+compile_units "the gate's term warps" build/cuda-compile-check-gate-terms \
+  "-DDMATTN_CUDA_ARCHS=90a -DDMATTN_CUDA_PTX=OFF -DDMATTN_GATE_TERM_WARPS=ON" \
+  inst/fwd_ws_gate_bf16.cu inst/bwd_ws_gate_bf16.cu inst/bwd_ws_plain_gate_bf16.cu

@@ -65,6 +65,20 @@ __device__ __forceinline__ uint32_t gate_term_pair(float a, float b) {
   return w;
 }
 
+// A consumer thread's coordinates in the tile (the row/col view of its accumulator).
+template <class Tiled, class IdentityTile>
+__device__ __forceinline__ auto gate_thread_rowcol(const Tiled& mma, const IdentityTile& cS, int thread) {
+  cute::Tensor t = mma.get_thread_slice(thread).partition_C(cS);
+  return cute::make_tensor(t.data(), acc_rowcol(t.layout()));
+}
+
+// The alpha of a thread's two rows (coord: its row/col view), in log2 units.
+template <class C>
+__device__ __forceinline__ float2 gate_rows_alpha2(C const& coord, const float* s_alpha) {
+  static_assert(decltype(cute::size<0>(coord))::value == 2, "two rows a thread");
+  return {s_alpha[cute::get<0>(coord(0, 0))] * GateMath::kLog2e, s_alpha[cute::get<0>(coord(1, 0))] * GateMath::kLog2e};
+}
+
 // The ring: kSlots slots of one consumer's 64 rows of one key block each, in the order (block,
 // consumer); the block count runs on across a CTA's tiles as the key-row pipeline's does.
 template <int kBlockN, int kConsumers>
@@ -100,13 +114,11 @@ __device__ __forceinline__ void fill_gate_terms(uint8_t* slot, const TiledMmaS& 
   using namespace cute;
 #pragma unroll 1
   for (int u = p; u < 128; u += 64) {
-    Tensor tScS = mma_s.get_thread_slice(consumer * 128 + u).partition_C(cS);
-    Tensor rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
-    static_assert(decltype(size<0>(rc))::value == 2, "two rows a thread");
+    const auto rc = gate_thread_rowcol(mma_s, cS, consumer * 128 + u);
     constexpr int kCols = decltype(size<1>(rc))::value;
     static_assert(kCols % 4 == 0);
-    const float a0 = s_alpha[get<0>(rc(0, 0))] * GateMath::kLog2e;
-    const float a1 = s_alpha[get<0>(rc(1, 0))] * GateMath::kLog2e;
+    const float2 a = gate_rows_alpha2(rc, s_alpha);
+    const float a0 = a.x, a1 = a.y;
     CUTE_UNROLL
     for (int k = 0; k < kCols / 4; ++k) {
       const float2 d0 = *reinterpret_cast<const float2*>(s_delta + get<1>(rc(0, 4 * k)));
@@ -127,12 +139,11 @@ template <class S, class C>
 __device__ __forceinline__ void add_gate_terms(S& s, C const& coord, const uint8_t* slot, int u, const float* s_alpha,
                                                const float* s_delta, float scale, bool linear) {
   using namespace cute;
-  static_assert(decltype(size<0>(s))::value == 2, "two rows a thread");
   constexpr int kCols = decltype(size<1>(s))::value;
   const float cap = GateMath::of(linear).cap;
   const float scale_ln2 = scale * GateMath::kLn2;
-  const float a0 = s_alpha[get<0>(coord(0, 0))] * GateMath::kLog2e;
-  const float a1 = s_alpha[get<0>(coord(1, 0))] * GateMath::kLog2e;
+  const float2 a = gate_rows_alpha2(coord, s_alpha);
+  const float a0 = a.x, a1 = a.y;
   const uint4* chunks = reinterpret_cast<const uint4*>(slot) + u;
   auto add = [&](float& acc, float x2, float term) { acc = fmaf(scale_ln2, fminf(x2, cap), acc) + term; };
   CUTE_UNROLL
@@ -203,13 +214,11 @@ __device__ __forceinline__ void fill_gate_term_bytes(uint8_t* slot, const Tiled&
   constexpr float kRound = 8388608.f;  // 2^23: q's rounding into the low bits of a float
 #pragma unroll 1
   for (int u = lane; u < 256; u += 32) {
-    Tensor tScS = mma_sdp.get_thread_slice(u).partition_C(cS);
-    Tensor rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
-    static_assert(decltype(size<0>(rc))::value == 2, "two rows a thread");
+    const auto rc = gate_thread_rowcol(mma_sdp, cS, u);
     constexpr int kCols = decltype(size<1>(rc))::value;
     static_assert(kCols % 8 == 0);
-    const float a0 = s_alpha[get<0>(rc(0, 0))] * GateMath::kLog2e;
-    const float a1 = s_alpha[get<0>(rc(1, 0))] * GateMath::kLog2e;
+    const float2 a = gate_rows_alpha2(rc, s_alpha);
+    const float a0 = a.x, a1 = a.y;
     CUTE_UNROLL
     for (int k = 0; k < kCols / 8; ++k) {
       uint32_t w[4];
@@ -231,13 +240,12 @@ __device__ __forceinline__ void add_gate_term_bytes(S& s, C const& coord, const 
                                                     const float* s_alpha, const float* s_delta, float scale,
                                                     bool linear) {
   using namespace cute;
-  static_assert(decltype(size<0>(s))::value == 2, "two rows a thread");
   constexpr int kCols = decltype(size<1>(s))::value;
   const float cap = GateMath::of(linear).cap;
   const float scale_ln2 = scale * GateMath::kLn2;
   const float per_q = -scale_ln2 / 255.f;
-  const float a0 = s_alpha[get<0>(coord(0, 0))] * GateMath::kLog2e;
-  const float a1 = s_alpha[get<0>(coord(1, 0))] * GateMath::kLog2e;
+  const float2 a = gate_rows_alpha2(coord, s_alpha);
+  const float a0 = a.x, a1 = a.y;
   const uint4* chunks = reinterpret_cast<const uint4*>(slot) + u;
   // byte i of w as a float (exact: 2^23 + i's low bits, minus 2^23)
   auto byte_of = [](uint32_t w, int i) { return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7540 + i)) - 8388608.f; };
