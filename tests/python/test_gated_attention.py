@@ -90,6 +90,54 @@ def test_gate_on_long_sequences_matches_reference(monkeypatch, nan_poison, d, ca
     _check(q, k, v, dout, out, lse, grads, gate=(alpha, delta), bias=bias, causal=causal, context=f"d={d} {mode}")
 
 
+# The Hopper kernels' gate at its least precise: softmax scale 1 (the gate's share of a score is
+# then 11x the default scale's) with products up to ~+-60, where logsigmoid's logarithm term and
+# its saturation both matter; every gradient against the float64 reference.
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gate_at_scale_one_matches_reference(nan_poison, d, causal):
+    b, sq, sk, h, hkv = 1, 260, 390, 2, 1
+    q, k, v, alpha, delta, dout = _inputs(b, sq, sk, h, hkv, d, torch.bfloat16, "cuda", gate_range=11.0, seed=7)
+    q = q * d ** -0.5  # (scores of the default scale's size: the gate's terms are what scale 1 changes)
+    out, lse, grads = _run(q, k, v, dout, gate=(alpha, delta), causal=causal, scale=1.0)
+    _check(q, k, v, dout, out, lse, grads, gate=(alpha, delta), causal=causal, scale=1.0,
+           context=f"d={d} causal={causal} scale=1")
+
+
+# A NaN in alpha (or delta) on the Hopper kernels reaches the row (or the rows that see the key)
+# and nothing else, forward and backward, as on the CPU.
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("which", ["alpha", "delta"])
+def test_gpu_nan_in_the_gate_reaches_what_it_touches(d, which):
+    b, s, h, hkv = 1, 384, 2, 2
+    q, k, v, alpha, delta, dout = _inputs(b, s, s, h, hkv, d, torch.bfloat16, "cuda", seed=3)
+    row = 200
+    if which == "alpha":
+        alpha[0, row, 1] = float("nan")
+    else:
+        delta[0, row, 1] = float("nan")
+    out, lse, grads = _run(q, k, v, dout, gate=(alpha, delta), causal=True)
+    hit = torch.zeros(s, dtype=torch.bool, device="cuda")  # the rows it must reach (head 1)
+    clear = torch.ones(s, dtype=torch.bool, device="cuda")  # the rows it must not reach
+    if which == "alpha":
+        hit[row] = True  # query row 200
+        clear[row] = False
+    else:
+        hit[row:] = True  # every query that attends the key (causal)
+        clear[128:] = False  # (rows sharing a tile with the key may or may not be reached)
+    lse_h = lse[0, 1]
+    assert torch.isnan(lse_h[hit]).all(), "a row the NaN reaches kept a finite lse"
+    assert torch.isfinite(lse_h[clear]).all() and torch.isfinite(lse[0, 0]).all(), "the NaN reached another row"
+    assert torch.isnan(out[0, hit, 1]).any(dim=-1).all(), "a row the NaN reaches kept a finite output"
+    assert torch.isfinite(out[0, clear, 1]).all() and torch.isfinite(out[0, :, 0]).all()
+    # head 0 shares nothing with head 1 (its own kv head): its gradients stay finite
+    for name in "qkv":
+        assert torch.isfinite(grads[name][0, :, 0]).all(), f"d{name}: the NaN reached head 0"
+    assert torch.isfinite(grads["alpha"][0, :, 0]).all() and torch.isfinite(grads["delta"][0, :, 0]).all()
+
+
 # A key bias's -inf keys beside the gate: masked keys stay masked whatever their products (the
 # Hopper kernels add the gate to the biased score without a test: g is never +inf, the linear
 # gate's product capped at fp32's largest value), a (batch, head) whose keys are all masked has
