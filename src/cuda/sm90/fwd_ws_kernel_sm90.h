@@ -358,7 +358,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           typename Tile::TiledMmaS mma_s;
           const Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
           const int p = int(threadIdx.x) - 64;
-          const GateTermPoly poly = GateTermPoly::of(-a.scale * GateMath::kLn2 * GateMath::of(a.gate.linear).k);
+          const GateTermPairPoly poly = GateTermPairPoly::of(-a.scale * GateMath::kLn2 * GateMath::of(a.gate.linear).k);
           uint32_t taken = 0;
           for (FwdWsTileInfo tile; (tile = next_fwd_ws_tile<Tile::kTileSlots>(pipe_tile, taken, ss.tiles)).m_block >= 0;) {
             PipelineState read_r = pipeline_state_at<Tile::kStages>(tile.blocks_before, false);
