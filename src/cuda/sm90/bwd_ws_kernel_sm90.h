@@ -223,11 +223,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   using PipelineDo = typename Tile::PipelineDo;
   PipelineDo pipe_do(ss.pipe_do, tma_pipeline_params<PipelineDo>(Tile::kQBytes, warp_group == 0, kConsumerThreads),
                      Shape<_1, _1, _1>{});
-  // (the gate's term warp reads the stages' alpha rows too)
-  RowPipeline pipe_rows(ss.pipe_rows,
-                        loader_pipeline_params<RowPipeline>(warp_group == 0, kConsumerThreads + (Tile::kGateTerms ? 32 : 0)));
-  // (its barriers initialized only where the term warp runs)
+  // (the gate's term warp reads the stages' alpha rows too; its pipeline's barriers are
+  // initialized only where it runs)
   using GateTerms = typename Tile::GateTerms;
+  RowPipeline pipe_rows(ss.pipe_rows, loader_pipeline_params<RowPipeline>(
+                                          warp_group == 0,
+                                          kConsumerThreads + (Tile::kGateTerms ? GateTerms::kProducerThreads : 0)));
   auto pipe_gate_terms = [&]() {
     if constexpr (Tile::kGateTerms)
       return typename GateTerms::Pipeline(ss.pipe_gate_terms, GateTerms::params(warp_group == 0));

@@ -1,6 +1,6 @@
-// The gate's logarithm terms in the warp-specialized Hopper forward, computed ahead of the
-// consumers by the producer warpgroup's warps 2 and 3 (the gate's variants have no indexed keys
-// for them to gather: fwd_ws_supports).
+// The gate's logarithm terms in the warp-specialized Hopper kernels, computed ahead of the
+// consumers by producer warps that otherwise wait. The forward's form first (warps 2 and 3: the
+// gate's variants have no indexed keys for them to gather, fwd_ws_supports), the backward's below.
 //   g(x) log2(e) = min(x2, cap) - k log2(1 + 2^-|x2|),  x2 = alpha_i delta_j log2(e)  (GateMath)
 // The consumers add s += scale ln2 min(x2, cap) + term themselves, where the term
 //   term = -scale ln2 k log2(1 + 2^-|x2|)  (in [-scale ln2, 0]; k = 0 for the linear gate)
@@ -37,12 +37,12 @@
 
 namespace dmattn::cuda::sm90 {
 
-// Whether the forward's gate variants take their terms from the producer's warps 2 and 3.
+// Whether the gate's variants, forward and backward, take their terms from producer warps.
 inline constexpr bool kGateTermWarps = DMATTN_GATE_TERM_WARPS != 0;
 
 // log2(1 + t) for t in [0, 1] as t p(t), p of degree 4 (a least-maximum-error fit: within 1.5e-5
-// of it over [0, 1]), the coefficients times a factor (the term's -scale ln2 k): four FMAs and a
-// multiply on the FMA pipes in place of a MUFU op (lg2).
+// of it over [0, 1]), the coefficients times a factor (the term's -scale ln2 k, or 255 k for the
+// backward's bytes): five FMAs on the FMA pipes in place of a MUFU op (lg2).
 struct GateTermPoly {
   float c1, c2, c3, c4, c5;
   static __device__ __forceinline__ GateTermPoly of(float factor) {
@@ -50,7 +50,7 @@ struct GateTermPoly {
             factor * -0.19626937806606293f, factor * 0.04638524353504181f};
   }
   // factor log2(1 + 2^-|x2|) + add
-  __device__ __forceinline__ float term(float x2, float add = 0.f) const {
+  __device__ __forceinline__ float term(float x2, float add) const {
     const float t = fast_exp2(-fabsf(x2));
     return fmaf(t, fmaf(fmaf(fmaf(fmaf(c5, t, c4), t, c3), t, c2), t, c1), add);
   }
@@ -180,17 +180,18 @@ __device__ __forceinline__ void add_gate_terms(S& s, C const& coord, const uint8
   }
 }
 
-// ---- the backward's form (bwd_ws_kernel_sm90.h: the gate alone, on plain scores) ------------
+// ---- the backward's form (bwd_ws_kernel_sm90.h: the gate alone and beside key rows) ----------
 // Warp 3 of the producer warpgroup fills one slot a query block (64 queries x kBlockN keys) with
 // its terms as bytes, q = round(255 k log2(1 + 2^-|x2|)), the term -q / 255 in log2 units: within
 // 1/510 of it, 1.2e-4 of a score at scale 1 / sqrt(128), below P's own bf16 rounding there (2^-9
-// relative). (The backward's shared memory holds 8 KB beside Q, dO, K, V, P, dS and dQ's staging at
-// D = 128, not the 16 of fp16 terms.) A NaN product's byte is 0: the consumers' minimum keeps the
+// relative). (At D = 128 the backward's shared memory has room for these 8 KB beside Q, dO, K, V,
+// P, dS and dQ's staging, not for 16 KB of fp16 terms.) A NaN product's byte is 0: the consumers' minimum keeps the
 // NaN instead (min.NaN). Layout: chunk k (16 bytes) of consumer thread u (0 .. 255) at (256 k + u)
 // x 16; in chunk k the thread's columns 8k .. 8k + 7 as words of (r0: c, c+1; r1: c, c+1), c = 8k + 2j.
 template <int kBlockM, int kBlockN>
 struct GateTermBytes {
   static constexpr int kConsumerThreads = 256;
+  static constexpr int kProducerThreads = 32;  // warp 3
   static constexpr int kBytes = kBlockM * kBlockN;
   static constexpr int kChunks = kBytes / kConsumerThreads / 16;
   static_assert(kChunks * kConsumerThreads * 16 == kBytes);
@@ -199,7 +200,7 @@ struct GateTermBytes {
   static __device__ __forceinline__ typename Pipeline::Params params(bool producer) {
     typename Pipeline::Params p;
     p.role = producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-    p.producer_arv_count = 32;  // warp 3
+    p.producer_arv_count = kProducerThreads;
     p.consumer_arv_count = kConsumerThreads;
     return p;
   }
