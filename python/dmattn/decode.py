@@ -74,10 +74,12 @@ def _composed_forward(q, k_cache, v_cache, seqlens, block_table, mask, bias, cau
     diag = (torch.arange(seqlen_q, device=q.device).view(1, -1, 1)
             + (seqlens.long() - seqlen_q).view(-1, 1, 1))  # the key aligned with each query
     allowed = valid.unsqueeze(1)
+    # (a bound that reaches every key -- the right one past the last query's offset, the left one
+    # past the cache -- bounds nothing; tested, it could overflow int64 near its largest value)
     right = 0 if causal else window_right
-    if right >= 0:
+    if 0 <= right < seqlen_q:
         allowed = allowed & (positions <= diag + right)
-    if window_left >= 0:
+    if 0 <= window_left < k.shape[1]:
         allowed = allowed & (positions >= diag - window_left)
     allowed = allowed.unsqueeze(1)  # (B, 1, Sq, Sk)
     if mask is not None:

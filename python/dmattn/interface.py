@@ -34,6 +34,9 @@ def _last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.dim() == 0 or x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
 
 
+_INT64_MAX = 2**63 - 1
+
+
 def _parse_window(window) -> Tuple[int, int]:
     # (a tuple of two plain ints, the usual call, is checked without the abc machinery)
     if type(window) is tuple and len(window) == 2 and type(window[0]) is int and type(window[1]) is int:
@@ -45,6 +48,10 @@ def _parse_window(window) -> Tuple[int, int]:
         left, right = int(window[0]), int(window[1])
     if left < -1 or right < -1:
         raise ValueError(f"window: expected values >= -1 (-1 = unbounded), got {(left, right)}")
+    # (a bound past int64 reaches every position, as int64's largest does: the native side
+    # takes int64 and makes such bounds unbounded)
+    if left > _INT64_MAX or right > _INT64_MAX:
+        left, right = min(left, _INT64_MAX), min(right, _INT64_MAX)
     return left, right
 
 

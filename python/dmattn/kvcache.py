@@ -46,6 +46,16 @@ def _check_operand(t: Optional[Tensor], name: str, full: Tuple[int, int, int, in
                              f"{names[d]} dimension is {got}, expected 1 or {want}")
 
 
+def _check_pages(block_table: Tensor, cache_seqlens: Tensor, new: int, page_size: int, num_blocks: int) -> None:
+    """The table entries of the pages each row reads or appends to (its first ceil((cache_seqlens
+    + new) / page_size)) name pages of the cache; entries behind them may hold anything."""
+    used = (cache_seqlens.long() + new + page_size - 1) // page_size
+    entries = block_table[torch.arange(block_table.shape[1]).view(1, -1) < used.view(-1, 1)]
+    if entries.numel() and (int(entries.min()) < 0 or int(entries.max()) >= num_blocks):
+        raise ValueError(f"block_table: the pages the rows read must lie in [0, {num_blocks}) (k_cache's blocks), "
+                         f"got entries in [{int(entries.min())}, {int(entries.max())}]")
+
+
 def _direct_decode(q, k_cache, v_cache, cache_seqlens, block_table, mask, bias, causal, window, scale, softcap,
                    return_lse):
     """The usual decoding step straight onto the decode kernel: CUDA tensors, no keys to append,
@@ -169,6 +179,8 @@ def attention_with_kvcache(
         if lo < 0 or hi + new > seqlen_k:
             raise ValueError(f"cache_seqlens: expected 0 <= cache_seqlens and cache_seqlens + seqlen_new ({new}) "
                              f"<= the cache's {seqlen_k} positions, got values in [{lo}, {hi}]")
+        if paged:
+            _check_pages(block_table, cache_seqlens, new, k_cache.shape[1], k_cache.shape[0])
 
     full = (batch, heads, seqlen_q, seqlen_k)
     _check_operand(mask, "mask", full, heads_kv)

@@ -84,7 +84,8 @@ bool gate_keep_cells(const TensorDesc& alpha, const TensorDesc& delta, const Ten
   a.log_threshold = float(std::log(options.threshold));
   a.logsigmoid = options.gate_fn == GateFn::kLogSigmoid;
   a.causal = options.causal, a.adaptive = options.adaptive;
-  a.window_left = int(options.window_left), a.window_right = int(options.window_right);
+  a.window_left = int(window_bound(options.window_left, max_seqlen_k, "window[0] (left)"));
+  a.window_right = int(window_bound(options.window_right, max_seqlen_q, "window[1] (right)"));
   a.keep = static_cast<uint8_t*>(keep.data);
   cuda::launch_gate_keep(a, stream);
   return true;

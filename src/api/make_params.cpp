@@ -71,11 +71,10 @@ BroadcastOperand make_broadcast_operand(const TensorDesc& t, const ProblemSize& 
   return op;
 }
 
+// (p's lengths and key positions already set: the window bounds are clipped to them)
 void normalize_options(const AttentionOptions& o, int64_t head_dim, ForwardParams& p) {
-  check(o.window_left >= -1, ErrorKind::kValue,
-        "window: expected window[0] (left) >= -1 (-1 = unbounded), got ", o.window_left);
-  check(o.window_right >= -1, ErrorKind::kValue,
-        "window: expected window[1] (right) >= -1 (-1 = unbounded), got ", o.window_right);
+  const int64_t left = window_bound(o.window_left, p.window_seqlen_k(), "window[0] (left)");
+  const int64_t right = window_bound(o.window_right, p.seqlen_q, "window[1] (right)");
   if (std::isnan(o.scale)) {
     p.scale = head_dim > 0 ? 1.0 / std::sqrt(static_cast<double>(head_dim)) : 1.0;
   } else {
@@ -88,9 +87,9 @@ void normalize_options(const AttentionOptions& o, int64_t head_dim, ForwardParam
         "softcap: expected a finite value >= 0 (0 = off), got ", o.softcap);
   p.softcap = o.softcap;
   p.causal = o.causal;
-  p.window_left = o.window_left;
+  p.window_left = left;
   // Causal is the window (.., 0): a wider right bound is tightened to the diagonal.
-  p.window_right = o.causal ? 0 : o.window_right;
+  p.window_right = o.causal ? 0 : right;
 }
 
 }  // namespace

@@ -60,4 +60,13 @@ inline void check_contiguous(const TensorDesc& t, const char* name) {
   }
 }
 
+// A window bound (left or right, `what` names it; -1 = unbounded, other negatives are an error)
+// as the backends take it: -1 where it reaches every position of the call (`extent`: the keys
+// for the left bound, the queries for the right one), so that a bound near int64's largest
+// value cannot overflow the kernels' position arithmetic, nor an int32 copy of it wrap.
+inline int64_t window_bound(int64_t w, int64_t extent, const char* what) {
+  check(w >= -1, ErrorKind::kValue, "window: expected ", what, " >= -1 (-1 = unbounded), got ", w);
+  return w >= extent ? -1 : w;
+}
+
 }  // namespace dmattn::checks

@@ -97,6 +97,26 @@ def test_window_bottom_right_alignment(device):
     torch.testing.assert_close(out_cw, out_m2, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("window", [(2**63 - 1, 2**63 - 1), (2**70, 2**64), (2**32 + 3, 2**31), (70, 9)])
+def test_window_reaching_every_key_is_unbounded(device, window):
+    """Window bounds that reach every position -- up to int64's largest and past it, where the
+    kernels' position arithmetic on them would overflow (and an int32 copy wrap) -- give the
+    unbounded answers, with causal and in a packed batch too; one short of reaching, they do not."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v = _qkv(2, 9, 71, 2, 1, 16, dtype, device, grad=False)
+    for causal in (False, True):
+        got = dmattn.attention(q, k, v, window=window, causal=causal)
+        torch.testing.assert_close(got, dmattn.attention(q, k, v, causal=causal), rtol=0, atol=0)
+    cu = torch.tensor([0, 9, 18], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 71, 142], dtype=torch.int32, device=device)
+    packed = (q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu_k, 9, 71)
+    got = dmattn.attention_varlen(*packed, window=window)
+    torch.testing.assert_close(got, dmattn.attention_varlen(*packed), rtol=0, atol=0)
+    # (the left bound reaches every key at 70 here: key 0 from the last query; 69 leaves it out)
+    short = dmattn.attention(q, k, v, window=(69, 8))
+    assert not torch.equal(short, dmattn.attention(q, k, v)), "a window one short of every key must bound"
+
+
 def test_fully_masked_blocks(device, nan_poison):
     """Whole 64x64 tiles (and more) masked out, on sizes that do not divide the tiles."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16

@@ -88,10 +88,12 @@ def test_cells_follow_the_rule(gate_fn, causal, window, adaptive, shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate_fn", ["logsigmoid", "linear"])
 @pytest.mark.parametrize("causal,window,adaptive", [(True, (-1, -1), False), (False, (-1, -1), False),
-                                                    (True, (-1, -1), True), (False, (300, 100), False)])
+                                                    (True, (-1, -1), True), (False, (300, 100), False),
+                                                    (False, (2**40, 2**33), False)])
 def test_cuda_cells_equal_the_framework_rule(gate_fn, causal, window, adaptive):
     """The CUDA kernel's cells against the framework ops' (the same rule, both in float32), dense
-    and packed (an empty sequence; NaN in a key cell), GQA."""
+    and packed (an empty sequence; NaN in a key cell), GQA; a window past every position (its
+    bounds past int32: unbounded, not wrapped)."""
     b, sq, sk, h, hkv = 2, 700, 1000, 4, 2
     alpha, delta = (t.cuda() for t in _gates(b, sq, sk, h, hkv, seed=11))
     if gate_fn == "linear":

@@ -139,6 +139,22 @@ def test_options(device, opts):
     _check(case, out, lse, **{"causal": True, **opts})
 
 
+@pytest.mark.parametrize("window", [(2**63 - 1, 2**63 - 1), (2**70, 2**64), (64, 4)])
+def test_window_reaching_every_key_is_unbounded(device, window):
+    """Window bounds past every cached key and query (up to int64's largest and past it) bound
+    nothing: the same answers as no window, causal or not."""
+    case = _make_case(device, _dtype(device), batch=3, seqlen_q=4, heads=4, heads_kv=2, head_dim=64,
+                      capacity=64, lens=[0, 9, 56], new=4, page_size=16)
+    for causal in (True, False):
+        cached = {key: case[key].clone() for key in ("k_cache", "v_cache")}
+        got = _run(case, window=window, causal=causal)
+        case.update(cached)  # (the append, again on the same cache)
+        want = _run(case, causal=causal)
+        case.update({key: t.clone() for key, t in cached.items()})
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 def test_op_without_lengths_reads_every_key(device):
     """The cache op with seqlens None (decode_step's and gathered_decode's calls): every key of
     every row, as with lengths equal to the cache's capacity (paged and contiguous)."""
@@ -481,6 +497,22 @@ _BAD_LENGTHS = (dict(cache_seqlens=torch.tensor([1, 11], dtype=torch.int32)), Va
 def test_errors_name_the_argument(change, exc, name):
     with pytest.raises(exc, match=rf"^{name}:"):
         _call_with(_good(), change)
+
+
+@pytest.mark.parametrize("entry", [4, -1, 2**31 - 1])
+def test_pages_outside_the_cache_are_named(entry):
+    """A table entry outside k_cache's blocks for a page that a row reads or appends to: an error
+    naming block_table on the CPU (checked with the lengths there); behind every row's pages such
+    entries are never read."""
+    q, kc = torch.randn(2, 1, 4, 16), torch.randn(4, 4, 2, 16)
+    table = torch.tensor([[0, 1, entry], [2, 3, entry]], dtype=torch.int32)
+    call = lambda lens, **kw: dmattn.attention_with_kvcache(  # noqa: E731
+        q, kc, kc.clone(), cache_seqlens=torch.tensor(lens, dtype=torch.int32), block_table=table, **kw)
+    assert torch.isfinite(call([5, 8])).all()  # (two pages a row: the third entries unread)
+    with pytest.raises(ValueError, match=r"^block_table: .* \[0, 4\)"):
+        call([9, 8])
+    with pytest.raises(ValueError, match="^block_table:"):  # the append's page
+        call([5, 8], k=torch.randn(2, 1, 2, 16), v=torch.randn(2, 1, 2, 16))
 
 
 def _on_gpu(x):
