@@ -59,8 +59,9 @@ echo "[cuda-check] compiling ${#UNITS[@]} CUDA translation units (one per family
   "sm_90a: about 20 minutes on 2 cores"
 compile_units "one unit per family" build/cuda-compile-check "-DDMATTN_CUDA_ARCHS=80;90a -DDMATTN_CUDA_PTX=ON" \
   "${UNITS[@]}"
-# The gate's term warps (CMake option DMATTN_GATE_TERM_WARPS, off by default): their forward and
-# backward variants, sm_90a only (the kernels' bodies are sm_90a's).
+# The gate's term warps and their forward's turns (CMake options DMATTN_GATE_TERM_WARPS and
+# DMATTN_GATE_TERM_TURNS, off by default): their forward and backward variants, sm_90a only (the
+# kernels' bodies are sm_90a's).
 compile_units "the gate's term warps" build/cuda-compile-check-gate-terms \
-  "-DDMATTN_CUDA_ARCHS=90a -DDMATTN_CUDA_PTX=OFF -DDMATTN_GATE_TERM_WARPS=ON" \
+  "-DDMATTN_CUDA_ARCHS=90a -DDMATTN_CUDA_PTX=OFF -DDMATTN_GATE_TERM_WARPS=ON -DDMATTN_GATE_TERM_TURNS=ON" \
   inst/fwd_ws_gate_bf16.cu inst/bwd_ws_gate_bf16.cu inst/bwd_ws_plain_gate_bf16.cu

@@ -648,8 +648,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
   // the consumers' products back; free-running, their forward took 0.97x the time (H200, B=2,
   // S=8192, H=16, D=128, causal and not, three A/B runs). The reverse -- the transforms in turns,
   // so that one consumer's ran beside the other's products -- took 1.2x: the two consumers'
-  // transforms together hide each other's latencies, which one alone does not.
-  constexpr bool kTurns = !Tile::kGate;
+  // transforms together hide each other's latencies, which one alone does not. With the terms
+  // from the producer's warps (kGateTerms) the transform is short, and the turns are a build
+  // option (kGateTermTurns).
+  constexpr bool kTurns = !Tile::kGate || (Tile::kGateTerms && kGateTermTurns);
   auto sched_sync = [&]() {
     if constexpr (kTurns) NamedBarrier::sync(kSchedThreads, kSchedBarrier + consumer);
   };

@@ -34,11 +34,18 @@
 #ifndef DMATTN_GATE_TERM_WARPS
 #define DMATTN_GATE_TERM_WARPS 0
 #endif
+#ifndef DMATTN_GATE_TERM_TURNS
+#define DMATTN_GATE_TERM_TURNS 0
+#endif
 
 namespace dmattn::cuda::sm90 {
 
 // Whether the gate's variants, forward and backward, take their terms from producer warps.
 inline constexpr bool kGateTermWarps = DMATTN_GATE_TERM_WARPS != 0;
+// Whether the gate's forward variants with those terms take the tensor-core turns: their
+// consumers' transform is then a few instructions a score, no longer longer than the other
+// consumer's products (fwd_ws_kernel_sm90.h's kTurns).
+inline constexpr bool kGateTermTurns = kGateTermWarps && DMATTN_GATE_TERM_TURNS != 0;
 
 // log2(1 + t) for t in [0, 1] as t p(t), p of degree 4 (a least-maximum-error fit: within 1.5e-5
 // of it over [0, 1]), the coefficients times a factor (the term's -scale ln2 k, or 255 k for the
