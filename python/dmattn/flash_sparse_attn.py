@@ -61,10 +61,12 @@ query_scale / key_scale / value_scale), ``gather_kv_indices`` (dmattn.attention_
 and gathers keys itself), ``seqused_q`` and ``seqused_k`` in the varlen functions, and a
 gradient through ``page_table`` / ``seqused_k`` in the batched functions.
 
-Backends: the gate and windows run on every backend (on Hopper the gate on the warp-specialized
-kernels, windows the same for every head as sliding-window calls, dmattn.window_parts). The kvcache functions pass them to attention_with_kvcache as an fp32 bias (B, H, Sq, Sk)
-and a bool mask. Gradients reach query, key, value, alpha and delta through dmattn's autograd
-(the kvcache functions are inference only, like flash-sparse-attn's).
+Backends: the gate and windows run on every backend (on Hopper both on the warp-specialized
+kernels; on other GPUs windows the same for every head as sliding-window calls,
+dmattn.window_parts). The kvcache functions pass them to attention_with_kvcache as an fp32 bias
+(B, H, Sq, Sk; fp64 for fp64 queries) and a bool mask. Gradients reach query, key, value, alpha
+and delta through dmattn's autograd (the kvcache functions are inference only, like
+flash-sparse-attn's).
 """
 
 from __future__ import annotations
@@ -364,8 +366,9 @@ def _decode(query, key, value, alpha, delta, gate_fn, softmax_scale, window_size
 
 def _cache(q, k_cache, v_cache, alpha, delta, gate_fn, causal, scale, window_sizes, is_local, page_table,
            seqused_k) -> Tuple[Tensor, Tensor]:
-    """attention_with_kvcache on q (B, Sq, H, D), with the gate as an fp32 bias (B, H, Sq, Sk) and
-    windows with sinks as a bool mask (B, rows, Sq, Sk), both aligned with each row's length."""
+    """attention_with_kvcache on q (B, Sq, H, D), with the gate as an fp32 bias (B, H, Sq, Sk; fp64
+    for fp64 queries) and windows with sinks as a bool mask (B, rows, Sq, Sk), both aligned with
+    each row's length."""
     _check_rank(q, 4, "query", "(batch, seqlen_q, num_heads, head_dim)")
     paged = page_table is not None
     _check_rank(k_cache, 4, "key", "(num_pages, page_size, num_heads_kv, head_dim)" if paged else
@@ -398,8 +401,10 @@ def _cache(q, k_cache, v_cache, alpha, delta, gate_fn, causal, scale, window_siz
                      "(batch, seqlen_k, num_heads_kv)")
         if paged:
             delta = delta[page_table.long().clamp(0, max(delta.shape[0] - 1, 0))].flatten(1, 2)
-        x = (alpha.float().transpose(1, 2).unsqueeze(-1)  # (B, H, Sq, 1) x (B, H, 1, Sk)
-             * delta.float().repeat_interleave(heads // delta.shape[-1], dim=2).transpose(1, 2).unsqueeze(2))
+        # (fp32, or fp64 for fp64 queries: the bias dtypes the cache call takes)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        x = (alpha.to(acc).transpose(1, 2).unsqueeze(-1)  # (B, H, Sq, 1) x (B, H, 1, Sk)
+             * delta.to(acc).repeat_interleave(heads // delta.shape[-1], dim=2).transpose(1, 2).unsqueeze(2))
         bias = scale * (torch.nn.functional.logsigmoid(x) if gate_fn == "logsigmoid" else x)
     return attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=page_table,
                                   mask=mask, bias=bias, causal=causal, scale=scale, return_lse=True)

@@ -375,6 +375,25 @@ def test_kvcache(nan_poison, family, dtype, window_rows, paged):
             torch.testing.assert_close(out[r], own[0, 0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kvcache_gate_in_float64(paged):
+    """The kvcache forms' gate (a bias of the cache call) in float64 for float64 inputs: equal to
+    dmattn's own gate to float64 rounding, not float32's."""
+    b, sk, h, hkv, d = 2, 24, 4, 2, 16
+    x = _inputs(b, 1, sk, h, hkv, d, torch.float64)
+    q, alpha = x["q"][:, 0], x["alpha"][:, 0] * 4
+    lengths = [24, 11]
+    k, v, delta, table = x["k"], x["v"], x["delta"] * 4, None
+    if paged:
+        (k, table), (v, _), (delta, _) = _pages(k, 4), _pages(v, 4), _pages(delta, 4)
+    out = fsa.flash_gated_attn_with_kvcache_func(q, k, v, alpha, delta, page_table=table,
+                                                 seqused_k=torch.tensor(lengths, dtype=torch.int32))
+    for r, n in enumerate(lengths):
+        own = dmattn.attention(q[r:r + 1, None], x["k"][r:r + 1, :n], x["v"][r:r + 1, :n],
+                               gate=(alpha[r:r + 1, None], x["delta"][r:r + 1, :n] * 4))
+        torch.testing.assert_close(out[r], own[0, 0], rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_varlen_kvcache_with_an_empty_sequence(family):
     lens = [6, 0, 11]
