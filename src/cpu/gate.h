@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "cpu/element_types.h"
 #include "dmattn/params.h"
@@ -55,9 +56,11 @@ struct GateTerm {
     return load_scalar<Acc>(op.delta, op.delta_dtype, op.delta_strides.offset(b, j, h / group));
   }
 
-  // g(x): logsigmoid(x) = min(x, 0) - log1p(exp(-|x|)) (no overflow for any x), or x.
+  // g(x): logsigmoid(x) = min(x, 0) - log1p(exp(-|x|)) (no overflow for any x), or x, a product
+  // past Acc's range (+inf) taken as its largest finite value as the CUDA kernels take fp32's
+  // (a NaN stays NaN; -inf stays -inf: that key gets no weight).
   Acc value(Acc x) const {
-    if (!logsigmoid()) return x;
+    if (!logsigmoid()) return std::min(x, std::numeric_limits<Acc>::max());
     return std::min(x, Acc(0)) - std::log1p(std::exp(-std::abs(x)));
   }
   // g'(x): sigmoid(-x) = 1 - sigmoid(x), or 1.

@@ -261,6 +261,30 @@ def test_logsigmoid_gate_saturates_without_overflow():
     _check(q, k, v, dout, out, lse, grads, gate=(alpha, delta))
 
 
+@pytest.mark.parametrize("gate_fn", GATE_FNS)
+def test_infinite_products(device, gate_fn):
+    """alpha_i = +inf (docs/semantics.md, "Infinite products"): against negative delta every
+    product is -inf, the row empty (out 0, lse -inf, zero dq); against positive ones the linear gate
+    takes the largest finite value (finite results), logsigmoid saturates at 0. The other rows are
+    those of the finite gate."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v, alpha, _, dout = _inputs(1, 6, 9, 2, 1, 16, dtype, device, gate_dtype=torch.float32)
+    alpha[0, 2, :] = float("inf")
+    for sign in (-1.0, 1.0):
+        delta = (torch.rand(1, 9, 1, device=device) + 0.5) * sign
+        out, lse, grads = _run(q, k, v, dout, gate=(alpha, delta), gate_fn=gate_fn)
+        finite_rows = [0, 1, 3, 4, 5]
+        _check(q[:, finite_rows], k, v, dout[:, finite_rows], out[:, finite_rows], lse[:, :, finite_rows], {},
+               gate=(alpha[:, finite_rows], delta), gate_fn=gate_fn)
+        if sign < 0:
+            assert (out[0, 2] == 0).all() and (lse[0, :, 2] == float("-inf")).all()
+            assert (grads["q"][0, 2] == 0).all()
+        else:
+            assert torch.isfinite(out[0, 2]).all() and torch.isfinite(lse[0, :, 2]).all()
+        for name in ("q", "k", "v"):
+            assert torch.isfinite(grads[name]).all(), (sign, name)
+
+
 def _windows(rows, device):
     return torch.tensor(rows, dtype=torch.int32, device=device)
 
