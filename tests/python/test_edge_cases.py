@@ -104,14 +104,17 @@ def test_window_reaching_every_key_is_unbounded(device, window):
     unbounded answers, with causal and in a packed batch too; one short of reaching, they do not."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     q, k, v = _qkv(2, 9, 71, 2, 1, 16, dtype, device, grad=False)
+    # Bounds at or past the keys / queries are unbounded, the same call bit for bit; (70, 9) runs
+    # the window's tests (on CUDA possibly another rounding of the same values).
+    tol = dict(rtol=0, atol=0) if window[0] >= 71 or device == "cpu" else {}
     for causal in (False, True):
         got = dmattn.attention(q, k, v, window=window, causal=causal)
-        torch.testing.assert_close(got, dmattn.attention(q, k, v, causal=causal), rtol=0, atol=0)
+        torch.testing.assert_close(got, dmattn.attention(q, k, v, causal=causal), **tol)
     cu = torch.tensor([0, 9, 18], dtype=torch.int32, device=device)
     cu_k = torch.tensor([0, 71, 142], dtype=torch.int32, device=device)
     packed = (q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu_k, 9, 71)
     got = dmattn.attention_varlen(*packed, window=window)
-    torch.testing.assert_close(got, dmattn.attention_varlen(*packed), rtol=0, atol=0)
+    torch.testing.assert_close(got, dmattn.attention_varlen(*packed), **tol)
     # (the left bound reaches every key at 70 here: key 0 from the last query; 69 leaves it out)
     short = dmattn.attention(q, k, v, window=(69, 8))
     assert not torch.equal(short, dmattn.attention(q, k, v)), "a window one short of every key must bound"
