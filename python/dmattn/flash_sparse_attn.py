@@ -333,6 +333,18 @@ def _check_rank(t: Tensor, rank: int, name: str, layout: str) -> None:
         raise ValueError(f"{name}: expected a {rank}-D tensor {layout}, got shape {tuple(t.shape)}")
 
 
+def _check_packed_keys(cu: Tensor, max_seqlen_k: int, total_k: int) -> None:
+    """The varlen cache's rows: lengths in [0, max_seqlen_k], keys inside key's total_k rows."""
+    lens = cu[1:].long() - cu[:-1].long()
+    lo, hi = int(lens.min()), int(lens.max())
+    if lo < 0 or hi > max_seqlen_k:
+        raise ValueError(f"cu_seqlens_k: expected non-decreasing entries whose differences are at most max_seqlen_k = "
+                         f"{max_seqlen_k}, got lengths in [{lo}, {hi}]")
+    first, last = int(cu[0]), int(cu[-1])
+    if first < 0 or last > total_k:
+        raise ValueError(f"cu_seqlens_k: expected entries in [0, {total_k}] (key's rows), got {first} .. {last}")
+
+
 def _decode(query, key, value, alpha, delta, gate_fn, softmax_scale, window_sizes, is_local, page_table,
             seqused_k, gather_kv_indices, out, lse, return_lse, cu_seqlens_k=None, max_seqlen_k=None) -> Result:
     """One decoding query per row (the with_kvcache functions): query (B, H, D)."""
@@ -353,6 +365,8 @@ def _decode(query, key, value, alpha, delta, gate_fn, softmax_scale, window_size
         if delta is not None:
             _check_shape(delta, key.shape[:2], "delta", "(total_k, num_heads_kv)")
             delta = delta.unsqueeze(1)
+        if cu.device.type == "cpu" and batch and not torch.compiler.is_compiling():  # (no device sync)
+            _check_packed_keys(cu, max_seqlen_k, key.shape[0])
         width = max_seqlen_k if key.shape[0] else 0  # (no keys at all: no page to point at)
         positions = cu[:-1].long().view(-1, 1) + torch.arange(width, device=cu.device)
         page_table = positions.clamp(max=max(key.shape[0] - 1, 0)).to(torch.int32)

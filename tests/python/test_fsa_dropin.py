@@ -532,6 +532,12 @@ def test_errors_name_the_argument():
         fsa.flash_dense_attn_with_kvcache_func(*qkv)
     with pytest.raises(TypeError, match="page_table"):
         fsa.flash_dense_attn_with_kvcache_func(x["q"][:, 0], x["k"], x["v"], page_table=torch.zeros(2, 2))
+    # The varlen cache's lengths against max_seqlen_k and key's rows (checked on the CPU; they read
+    # clamped rows before): the error names cu_seqlens_k, the argument given.
+    cache = (p["q"][:2], p["k"], p["v"])
+    for cu, max_k in (([0, 3, 8], 4), ([0, 3, 10], 7), ([0, 5, 3], 5)):
+        with pytest.raises(ValueError, match="^cu_seqlens_k: "):
+            fsa.flash_dense_attn_varlen_with_kvcache_func(*cache, torch.tensor(cu, dtype=torch.int32), max_k)
 
 
 # ---------------------------------------------------------------------------------------------
