@@ -75,7 +75,8 @@ def _composed_forward(q, k_cache, v_cache, seqlens, block_table, mask, bias, cau
             + (seqlens.long() - seqlen_q).view(-1, 1, 1))  # the key aligned with each query
     allowed = valid.unsqueeze(1)
     # (a bound that reaches every key -- the right one past the last query's offset, the left one
-    # past the cache -- bounds nothing; tested, it could overflow int64 near its largest value)
+    # past the cache -- bounds nothing and is left out: near int64's largest value the sums below
+    # overflowed)
     right = 0 if causal else window_right
     if 0 <= right < seqlen_q:
         allowed = allowed & (positions <= diag + right)

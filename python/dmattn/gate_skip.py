@@ -79,7 +79,8 @@ def _visible_cells(len_q: Tensor, len_k: Tensor, m_blocks: int, n_blocks: int, c
     j1 = torch.minimum(j0 + CELL, lk)
     offset = lk - lq
     visible = (i0 < i1) & (j0 < j1)
-    # (a bound past every query / key bounds nothing; tested, it could overflow int64)
+    # (a bound past every query / key bounds nothing and is left out: no sum below with it can
+    # overflow int64)
     if 0 <= right < m_blocks * CELL:  # some key j0 <= i + offset + right for the block's last row
         visible = visible & (j0 <= i1 - 1 + offset + right)
     if 0 <= left < n_blocks * CELL:  # some key j1 - 1 >= i + offset - left for its first row
