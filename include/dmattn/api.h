@@ -142,6 +142,12 @@ struct DecodeInputs {
   const TensorDesc* workspace = nullptr;
   GatheredKeys gathered;
   int64_t num_splits = 1;
+  // The call may run in the balanced form (docs/decode.md, "Balanced shares": the batch's key
+  // stages in equal shares over the GPU's CTA places, rows cut anywhere), where its shapes and
+  // the kernel allow and the workspace holds decode_balanced_splits' answer of splits:
+  // attention_with_kvcache's calls. Others keep their splits (a packed batch's sequences must
+  // equal their own calls bit for bit).
+  bool balanced = false;
   const char* k_name = "k";
   const char* v_name = "v";
 };
@@ -161,6 +167,12 @@ int64_t decode_splits(DeviceKind device, int32_t device_id, int64_t batch, int64
 // head dim or head ratio they do not take). A shape property, like decode_splits.
 int64_t decode_packed_splits(DeviceKind device, int32_t device_id, int64_t num_heads, int64_t num_heads_kv,
                              int64_t head_dim, int64_t max_seqlen_q, int64_t max_seqlen_k);
+
+// The workspace, in splits as decode_splits counts them, that the balanced form of a call of
+// these shapes needs (DecodeInputs::balanced), or 0 where its shapes do not take that form. A
+// shape property, like decode_splits.
+int64_t decode_balanced_splits(DeviceKind device, int32_t device_id, int64_t batch, int64_t seqlen_q,
+                               int64_t num_heads, int64_t num_heads_kv, int64_t head_dim, int64_t seqlen_k);
 
 // make_varlen_forward_params for the decode kernels, which then compute the sequences of at
 // most 64 query rows (len_q * num_heads / num_heads_kv) and leave the other rows of out and lse

@@ -184,7 +184,11 @@ struct ForwardParams {
   // (b, kv head) is row key_rows[..., j] of batch b, read in place.
   // split_workspace: float32, decode_splits * B * H * Sq * (D + 1) elements when
   // decode_splits > 1 (the partial outputs and their lse, combined by a second kernel).
+  // split_workspace_floats: its size (any workspace the call passed, also with one split);
+  // decode_balanced: the call allows the balanced form (DecodeInputs::balanced).
   int64_t decode_splits = 0;
+  int64_t split_workspace_floats = 0;
+  bool decode_balanced = false;
   const int32_t* seqused_k = nullptr;
   const int32_t* block_table = nullptr;
   int64_t block_table_stride = 0, page_size = 0;

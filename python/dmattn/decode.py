@@ -101,8 +101,9 @@ def kvcache_attention(q, k_cache, v_cache, seqlens, block_table, mask, bias, cau
     if splits > 0:
         if block_table is None:  # (a cache whose rows the kernel cannot copy in 16-byte chunks is copied)
             k_cache, v_cache = _cuda_layout(k_cache), _cuda_layout(v_cache)
+        # (cache_call as on the direct route, attention_with_kvcache's: the same form, so the same bits)
         return _run_decode(q, k_cache, v_cache, mask, bias, causal, window_left, window_right, scale, softcap,
-                           seqlens, block_table, splits, want_lse)
+                           seqlens, block_table, splits, want_lse, cache_call=True)
     if seqlens is None:
         seqlens = torch.full((q.shape[0],), seqlen_k, dtype=torch.int32, device=q.device)
     return _composed_forward(q, k_cache, v_cache, seqlens, block_table, mask, bias, causal, window_left,

@@ -70,9 +70,10 @@ def _run_decode(q, k, v, mask, bias, causal, window_left, window_right, scale, s
                 block_table, splits, want_lse: bool = True, cache_call: bool = False,
                 key_positions: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """(out, lse) of the decode kernel with ``splits`` key splits; lse None unless want_lse.
-    cache_call: the native validation names k and v "k_cache" and "v_cache" (only where
-    native_allocates(), the one caller that sets it checks that). key_positions: indexed keys
-    (gathered_decode)."""
+    cache_call: attention_with_kvcache's call (both its routes): the native validation names k
+    and v "k_cache" and "v_cache", and the call may take the balanced form (docs/decode.md,
+    "Balanced shares"), where native_allocates() (otherwise the split form, on both routes
+    alike). key_positions: indexed keys (gathered_decode)."""
     batch, seqlen_q, heads, head_dim = q.shape
     q = _cuda_layout(q)
     # (new_empty / empty_like: a few microseconds less host time each than torch.empty with a

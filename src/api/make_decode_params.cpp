@@ -71,20 +71,22 @@ void check_gathered_params(const TensorDesc& positions, const ForwardParams& p) 
 
 // The decode fields of p, last (after every other argument is checked, on any device: the C++
 // tests run on the CPU): the float32 workspace that num_splits > 1 splits of `rows` query rows
-// (B * H * Sq, or H * total_q packed) need, then CUDA only.
+// (B * H * Sq, or H * total_q packed) need (one passed with one split is kept for the balanced
+// form), then CUDA only.
 void set_decode_splits(const TensorDesc& q, const TensorDesc* workspace, int64_t num_splits, int64_t rows,
                        ForwardParams& p) {
-  if (num_splits > 1) {
-    check(workspace != nullptr, ErrorKind::kValue, "workspace: ", num_splits,
-          " key splits need a float32 workspace, got none");
+  check(num_splits == 1 || workspace != nullptr, ErrorKind::kValue, "workspace: ", num_splits,
+        " key splits need a float32 workspace, got none");
+  if (workspace != nullptr) {
     const TensorDesc& w = *workspace;
     check_same_device(q, w, "workspace");
     check_dtype(w, DType::kFloat32, "workspace");
     check_contiguous(w, "workspace");
-    const int64_t need = num_splits * rows * (p.head_dim + 1);
+    const int64_t need = num_splits > 1 ? num_splits * rows * (p.head_dim + 1) : 0;
     check(w.numel() >= need, ErrorKind::kValue, "workspace: expected at least ", need,
           " float32 elements, got ", w.numel());
     p.split_workspace = static_cast<float*>(w.data);
+    p.split_workspace_floats = w.numel();
   }
   check(q.device == DeviceKind::kCUDA, ErrorKind::kNotImplemented,
         "q: the decode kernel runs on CUDA tensors; got a tensor on ", device_name(q.device));
@@ -117,6 +119,18 @@ int64_t decode_packed_splits(DeviceKind device, int32_t device_id, int64_t num_h
                                     device_id);
 #else
   (void)device_id, (void)max_seqlen_k;
+  return 0;
+#endif
+}
+
+int64_t decode_balanced_splits(DeviceKind device, int32_t device_id, int64_t batch, int64_t seqlen_q,
+                               int64_t num_heads, int64_t num_heads_kv, int64_t head_dim, int64_t seqlen_k) {
+  if (device != DeviceKind::kCUDA || num_heads_kv < 1 || num_heads % num_heads_kv != 0) return 0;
+#ifdef DMATTN_WITH_CUDA
+  return cuda::decode_balanced_splits(batch, seqlen_q, num_heads / num_heads_kv, num_heads_kv, head_dim, seqlen_k,
+                                      device_id);
+#else
+  (void)device_id, (void)batch, (void)seqlen_q, (void)head_dim, (void)seqlen_k;
   return 0;
 #endif
 }
@@ -178,6 +192,7 @@ ForwardParams make_decode_forward_params(const TensorDesc& q, const TensorDesc& 
     p.seqused_k = static_cast<const int32_t*>(s.data);
   }
   set_decode_splits(q, inputs.workspace, inputs.num_splits, batch * p.num_heads * p.seqlen_q, p);
+  p.decode_balanced = inputs.balanced && inputs.gathered.key_positions == nullptr;
   return p;
 }
 

@@ -16,6 +16,7 @@
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/optional.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -415,8 +416,9 @@ tvm::ffi::Tensor env_empty(std::initializer_list<int64_t> shape, DLDataType dtyp
   return tvm::ffi::Tensor::FromEnvAlloc(TVMFFIEnvTensorAlloc, shape, dtype, device);
 }
 
-// The decode kernel with out (like q, contiguous), the splits' workspace and, where lse is null,
-// the lse allocated here (env_empty). inputs: the key side but the workspace. Returns out.
+// The decode kernel with out (like q, contiguous), the splits' workspace (for the balanced form
+// too where inputs.balanced and the shapes take it) and, where lse is null, the lse allocated
+// here (env_empty). inputs: the key side but the workspace. Returns out.
 tvm::ffi::Tensor run_decode_allocating(const dmattn::TensorDesc& q, const dmattn::TensorDesc& k,
                                        const dmattn::TensorDesc& v, const dmattn::TensorDesc* lse,
                                        const dmattn::TensorDesc* mask, const dmattn::TensorDesc* bias,
@@ -427,7 +429,14 @@ tvm::ffi::Tensor run_decode_allocating(const dmattn::TensorDesc& q, const dmattn
   };
   const DLDataType f32{kDLFloat, 32, 1};
   const int64_t batch = q.shape[0], seqlen_q = q.shape[1], heads = q.shape[2], head_dim = q.shape[3];
-  const int64_t num_splits = inputs.num_splits;
+  int64_t num_splits = inputs.num_splits;
+  if (inputs.balanced && device.device_type == kDLCUDA) {
+    const bool paged = inputs.block_table != nullptr;
+    const int64_t seqlen_k = paged ? k.shape[1] * inputs.block_table->shape[1] : k.shape[1];
+    num_splits = std::max(num_splits, dmattn::decode_balanced_splits(dmattn::DeviceKind::kCUDA, device.device_id,
+                                                                     batch, seqlen_q, heads, k.shape[2], head_dim,
+                                                                     seqlen_k));
+  }
   tvm::ffi::Tensor out = empty({batch, seqlen_q, heads, head_dim}, dtype);
   // An lse the caller does not want goes to the workspace's tail when there is one (one
   // allocation fewer), else to a tensor of its own.
@@ -436,7 +445,11 @@ tvm::ffi::Tensor run_decode_allocating(const dmattn::TensorDesc& q, const dmattn
   tvm::ffi::Tensor own_lse, workspace;
   if (lse == nullptr && !lse_in_workspace) own_lse = empty({batch, heads, seqlen_q}, f32);
   if (num_splits > 1) workspace = empty({partials + (lse_in_workspace ? rows : 0)}, f32);
-  const dmattn::TensorDesc workspace_d = num_splits > 1 ? to_desc(workspace) : dmattn::TensorDesc{};
+  dmattn::TensorDesc workspace_d;
+  if (num_splits > 1) {
+    workspace_d = to_desc(workspace);
+    workspace_d.shape = {partials};  // (the partial rows alone: an lse at the tail is not theirs)
+  }
   dmattn::TensorDesc lse_d;
   if (lse != nullptr) {
     lse_d = *lse;
@@ -477,7 +490,8 @@ tvm::ffi::Tensor decode_attention(TensorView q, TensorView k, TensorView v, Opti
     const OptionalDesc lse_d(lse), mask_d(mask), bias_d(bias), seqlens_d(cache_seqlens), table_d(block_table),
         positions_d(key_positions);
     dmattn::DecodeInputs inputs = decode_inputs(seqlens_d, table_d, positions_d, k_d, num_splits);
-    if (cache_call) inputs.k_name = "k_cache", inputs.v_name = "v_cache";
+    // (a cache call may take the balanced form: its rows need not equal another call's bits)
+    if (cache_call) inputs.k_name = "k_cache", inputs.v_name = "v_cache", inputs.balanced = true;
     out = run_decode_allocating(q_d, k_d, to_desc(v), lse_d.get(), mask_d.get(), bias_d.get(),
                                 make_options(causal, window_left, window_right, scale, softcap, false), inputs,
                                 q.dtype(), q.device());
@@ -698,6 +712,18 @@ int64_t decode_splits(const std::string& device, int64_t device_id, int64_t batc
   return splits;
 }
 
+// The balanced form's workspace in splits for attention_with_kvcache's calls of these shapes on
+// CUDA device device_id, 0 where they do not take it (dmattn/api.h).
+int64_t decode_balanced_splits(int64_t device_id, int64_t batch, int64_t seqlen_q, int64_t num_heads,
+                               int64_t num_heads_kv, int64_t head_dim, int64_t seqlen_k) {
+  int64_t splits = 0;
+  translate_errors([&] {
+    splits = dmattn::decode_balanced_splits(dmattn::DeviceKind::kCUDA, static_cast<int32_t>(device_id), batch,
+                                            seqlen_q, num_heads, num_heads_kv, head_dim, seqlen_k);
+  });
+  return splits;
+}
+
 int64_t decode_packed_splits(int64_t device_id, int64_t num_heads, int64_t num_heads_kv, int64_t head_dim,
                              int64_t max_seqlen_q, int64_t max_seqlen_k) {
   int64_t splits = 0;
@@ -745,6 +771,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(cuda_available, cuda_available);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward_decode, forward_decode);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_splits, decode_splits);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_packed_splits, decode_packed_splits);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_balanced_splits, decode_balanced_splits);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward_varlen_decode, forward_varlen_decode);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_attention, decode_attention);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(topk_attention, topk_attention);

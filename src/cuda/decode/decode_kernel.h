@@ -57,8 +57,11 @@ __device__ __forceinline__ DecodeSeq decode_seq(const DecodeArgs& a, int b, int 
   return s;
 }
 
-// Row qi (its query index within the sequence) of head h in the splits' partial rows.
+// Row qi (its query index within the sequence) of head h in the splits' partial rows; in the
+// balanced form `split` is the part's slot, which holds the Sq * group rows of one (batch, kv
+// head) (decode_balanced.h).
 __device__ __forceinline__ int64_t partial_row(const DecodeArgs& a, const DecodeSeq& seq, int split, int h, int qi) {
+  if (a.balanced) return (int64_t(split) * a.seqlen_q + qi) * a.group + h % a.group;
   const bool packed = a.cu_seqlens_q != nullptr;
   const int64_t batch = packed ? 1 : a.batch, rows = packed ? a.total_q : a.seqlen_q;
   return ((int64_t(split) * batch + seq.bm) * a.num_heads + h) * rows + seq.q0 + qi;
@@ -758,94 +761,6 @@ __global__ void __launch_bounds__(decode_detail::DecodeTile<kD>::kThreads, 2) de
       if (d == 0) a.part_lse[prow] = lse;
     }
   }
-}
-
-// Merges the splits' partial rows: lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse)
-// out_s; a row with one non-empty split takes that split's row as it is, the bits the kernel
-// writes itself with one split (so that a packed sequence's rows do not depend on the splits of
-// the others: DecodeArgs::split_table). One CTA of kDecodeCombineThreads per (b, h, i) row, grid
-// B * H * Sq (packed: the longest sequence's Sq): warp 0 turns the splits' lse into weights
-// (shared memory), then the threads split the row's float4 columns and its splits between them
-// (every load of a thread independent: one memory round trip for the whole row instead of one
-// per split), and sum their partial columns through shared memory. Empty splits (lse -inf,
-// out 0) change no bit of the result.
-inline constexpr int kDecodeCombineThreads = 128;
-template <typename Element>
-__global__ void __launch_bounds__(kDecodeCombineThreads) decode_combine_kernel(const DecodeArgs a) {
-  using decode_detail::DecodeSeq;
-  constexpr int kThreads = kDecodeCombineThreads;
-  __shared__ float weight[kDecodeMaxSplits];
-  __shared__ float row_lse;
-  __shared__ __align__(16) float partial[kThreads * 4];
-  wait_for_prerequisite_grid();  // (launched as the decode kernel's dependent: its partial rows)
-  const int64_t row = blockIdx.x;
-  const int i = static_cast<int>(row % a.seqlen_q);
-  const int h = static_cast<int>((row / a.seqlen_q) % a.num_heads);
-  const int b = static_cast<int>(row / (int64_t(a.seqlen_q) * a.num_heads));
-  const DecodeSeq seq = decode_detail::decode_seq(a, b, kDecodeRows);
-  if (seq.splits == 0 || i >= seq.len_q) return;  // (a packed batch: another launch's sequence, or a shorter one)
-  const int splits = a.num_splits;
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    float lse_s[kDecodeMaxSplits / 32];
-    float mx = -INFINITY;
-    int nonempty = 0;
-#pragma unroll
-    for (int u = 0; u < kDecodeMaxSplits / 32; ++u) {
-      const int s = u * 32 + lane;
-      lse_s[u] = s < splits ? a.part_lse[decode_detail::partial_row(a, seq, s, h, i)] : -INFINITY;
-      mx = fmaxf(mx, lse_s[u]);
-      nonempty += lse_s[u] != -INFINITY;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) {
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-      nonempty += __shfl_xor_sync(0xffffffffu, nonempty, o);
-    }
-    const float mu = mx == -INFINITY ? 0.f : mx;
-    float sum = 0.f;
-#pragma unroll
-    for (int u = 0; u < kDecodeMaxSplits / 32; ++u) sum += __expf(lse_s[u] - mu);
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    // An empty row (no allowed key in any split) is 0 with lse -inf; a NaN stays NaN (a NaN
-    // lse is not the maximum, so such a row never counts as having a single split).
-    const bool empty = sum == 0.f;
-    const bool single = nonempty == 1 && mx != -INFINITY;
-    const float lse = empty ? -INFINITY : single ? mx : mu + __logf(sum);
-#pragma unroll
-    for (int u = 0; u < kDecodeMaxSplits / 32; ++u) {
-      const int s = u * 32 + lane;
-      if (s < splits) weight[s] = empty ? 0.f : single ? (lse_s[u] == mx ? 1.f : 0.f) : __expf(lse_s[u] - lse);
-    }
-    if (lane == 0) row_lse = lse;
-  }
-  __syncthreads();
-
-  // Column c (4 elements) of the splits g, g + groups, ...: columns padded to a power of two.
-  const int cols = a.head_dim / 4;
-  const int cols_pow2 = cols <= 16 ? 16 : cols <= 32 ? 32 : 64;
-  const int groups = kThreads / cols_pow2, c = threadIdx.x % cols_pow2, g = threadIdx.x / cols_pow2;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (c < cols) {
-#pragma unroll 4
-    for (int s = g; s < splits; s += groups) {
-      const float w = weight[s];
-      const float4 x =
-          reinterpret_cast<const float4*>(a.part_out + decode_detail::partial_row(a, seq, s, h, i) * a.head_dim)[c];
-      acc.x = fmaf(w, x.x, acc.x), acc.y = fmaf(w, x.y, acc.y), acc.z = fmaf(w, x.z, acc.z), acc.w = fmaf(w, x.w, acc.w);
-    }
-  }
-  reinterpret_cast<float4*>(partial)[threadIdx.x] = acc;
-  __syncthreads();
-  Element* out = static_cast<Element*>(a.out) + seq.bm * a.o_st.batch_stride + (seq.q0 + i) * a.o_st.row_stride +
-                 h * a.o_st.head_stride;
-  for (int d = threadIdx.x; d < a.head_dim; d += kThreads) {
-    float o = 0.f;
-    for (int gg = 0; gg < groups; ++gg) o += partial[(gg * cols_pow2 + d / 4) * 4 + d % 4];
-    out[d] = Element(saturate_keep_nan<Element>(o));
-  }
-  if (threadIdx.x == 0) a.lse[seq.bm * a.lse_bs + h * a.lse_hs + seq.q0 + i] = row_lse;
 }
 
 }  // namespace dmattn::cuda

@@ -160,13 +160,14 @@ struct StageCopies {
 };
 
 // A warp's 16 rows (packed rows r0 .., nrows of them) complete over split `split`: normalized
-// and stored, into the output (one split) or the split's partial rows and lse. o, m, l in the
+// and stored, into the output (direct: one split, or a balanced share's whole row) or the
+// split's partial rows and lse. o, m, l in the
 // m16n8 accumulator layout (rows lane / 4 + 8 hf). An empty row (no allowed key in this split)
 // is 0 with lse -inf; a NaN sum stays NaN.
 template <typename Element, int kNd>
 __device__ __forceinline__ void store_rows(const DecodeArgs& a, const DecodeSeq& seq, int split, int kvh, int r0,
                                            int nrows, int lane, const float (&o)[kNd][4], const float (&m)[2],
-                                           const float (&l)[2]) {
+                                           const float (&l)[2], bool direct) {
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int r = lane / 4 + 8 * hf;
@@ -186,12 +187,12 @@ __device__ __forceinline__ void store_rows(const DecodeArgs& a, const DecodeSeq&
         const int d = dn * 8 + (lane % 4) * 2 + e;
         if (d >= a.head_dim) continue;
         const float out = empty ? 0.f : o[dn][2 * hf + e] / sum;
-        if (a.num_splits == 1) dst[d] = Element(saturate_keep_nan<Element>(out));
+        if (direct) dst[d] = Element(saturate_keep_nan<Element>(out));
         else a.part_out[prow * a.head_dim + d] = out;
       }
     }
     if (lane % 4 == 0) {
-      if (a.num_splits == 1) a.lse[seq.bm * a.lse_bs + h * a.lse_hs + seq.q0 + qi] = lse;
+      if (direct) a.lse[seq.bm * a.lse_bs + h * a.lse_hs + seq.q0 + qi] = lse;
       else a.part_lse[prow] = lse;
     }
   }
@@ -305,7 +306,7 @@ __global__ void __launch_bounds__(decode_detail::DecodeRowsTile<kD>::kThreads, 2
   if (!computes) return;
 
   // The warp's rows are complete over the split: normalized here (no merge across warps).
-  store_rows<Element>(a, seq, split, kvh, r0, nrows, lane, o, m, l);
+  store_rows<Element>(a, seq, split, kvh, r0, nrows, lane, o, m, l, a.num_splits == 1);
 }
 
 }  // namespace dmattn::cuda

@@ -19,6 +19,7 @@
 #include "cuda/host/decode_launch.h"
 #include "cuda/common/device_info.h"
 #include "cuda/host/host_operands.h"
+#include "cuda/sm90/enabled.h"
 #include "dmattn/error.h"
 
 namespace dmattn::cuda {
@@ -85,6 +86,34 @@ int64_t decode_num_splits(int64_t ctas, int64_t seqlen_k, int device_id) {
     if (efficiency(s) >= 0.95 * best) return s;
   }
   return 1;
+}
+
+namespace {
+
+// The balanced form's CTAs: every place the GPU holds at once.
+int64_t decode_balanced_ctas(int device_id) { return kCtasPerSm * sm_count(device_id); }
+
+}  // namespace
+
+// Where the balanced form runs (decode_launch.h, with_balanced_shares, adds what only the call's
+// tensors say): the wgmma kernel's calls (Hopper, head dims up to 128, one chunk of at most 64
+// packed rows), unless DMATTN_DECODE_BALANCED=0 (for comparisons); at least 4 stages a CTA when
+// the cache is full (a shorter share pays its start -- Q, the ring's first copies, its partial
+// row -- for too few keys); and kv heads enough that a row's parts (at most P / heads_kv + 2)
+// stay within the merge's kDecodeMaxSplits.
+int64_t decode_balanced_splits(int64_t batch, int64_t seqlen_q, int64_t group, int64_t heads_kv, int64_t head_dim,
+                               int64_t seqlen_k, int device_id) {
+  static const bool off = sm90::env_switched_off("DMATTN_DECODE_BALANCED");
+  static const bool sm90_off = sm90::env_switched_off("DMATTN_DECODE_SM90");
+  constexpr int64_t kStageKeys = 64, kMinStagesPerCta = 4;
+  if (off || sm90_off || head_dim > kDecodeRowsMaxHeadDim || seqlen_q * group > kDecodeChunkRows || batch < 1 ||
+      heads_kv < 1 || seqlen_k < 1)
+    return 0;
+  if (!sm90::device_runs_sm90_kernels(device_id)) return 0;
+  const int64_t ctas = decode_balanced_ctas(device_id), rows = batch * heads_kv;
+  if (heads_kv * (kDecodeMaxSplits - 2) < ctas) return 0;
+  if (rows * ((seqlen_k + kStageKeys - 1) / kStageKeys) < kMinStagesPerCta * ctas) return 0;
+  return (rows + ctas - 1 + rows - 1) / rows;  // slots rows + P - 1, each a row's Sq * group rows
 }
 
 namespace {
@@ -238,16 +267,20 @@ void decode_forward(const ForwardParams& p) {
   } else {
     a.row_chunks = static_cast<int>(decode_row_chunks(p.seqlen_q, p.group_size(), p.head_dim));
     a.num_splits = static_cast<int>(std::max<int64_t>(1, p.decode_splits));
+    if (p.decode_balanced && p.split_workspace != nullptr &&
+        decode_balanced_splits(p.batch, p.seqlen_q, p.group_size(), p.num_heads_kv, p.head_dim, p.seqlen_k,
+                               p.device_id) > 0) {
+      a.balanced_ctas = static_cast<int>(decode_balanced_ctas(p.device_id));
+    }
     launches.push_back(a);
   }
   // The splits' partial rows: (num_splits, B, H, Sq, D), then their lse; packed (num_splits, 1,
   // H, total_q, D). Packed launches run one after the other on the stream and share it.
   const int64_t rows = p.is_varlen() ? p.num_heads * p.total_q : p.batch * p.num_heads * p.seqlen_q;
   for (DecodeArgs& la : launches) {
-    if (la.num_splits > 1) {
-      la.part_out = p.split_workspace;
-      la.part_lse = p.split_workspace + int64_t(la.num_splits) * rows * p.head_dim;
-    }
+    la.part_out = p.split_workspace;  // (also with one split: the balanced form's, decode_launch.h)
+    la.workspace_floats = p.split_workspace_floats;
+    if (la.num_splits > 1) la.part_lse = p.split_workspace + int64_t(la.num_splits) * rows * p.head_dim;
   }
 
   int prev = -1;

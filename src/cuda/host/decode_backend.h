@@ -23,6 +23,13 @@ int64_t decode_row_chunks(int64_t seqlen_q, int64_t group, int64_t head_dim);
 int64_t decode_packed_splits(int64_t heads_kv, int64_t group, int64_t head_dim, int64_t max_seqlen_q,
                              int64_t max_seqlen_k, int device_id);
 
+// The balanced form (DecodeInputs::balanced; decode_balanced.h) for a dense call of these
+// shapes on GPU device_id: the workspace's split count it needs, or 0 where its shapes do not
+// take it (decode_balanced_ctas CTAs are then not worth their slots, or the kernel that runs it
+// does not take the call).
+int64_t decode_balanced_splits(int64_t batch, int64_t seqlen_q, int64_t group, int64_t heads_kv, int64_t head_dim,
+                               int64_t seqlen_k, int device_id);
+
 // The decode kernels on validated params: dense (decode_splits splits), or packed
 // (p.is_varlen(): the short sequences only, each with its own splits).
 void decode_forward(const ForwardParams& p);

@@ -25,6 +25,7 @@ void run_decode(const DecodeArgs& a, cudaStream_t stream);
 
 #ifdef DMATTN_DECODE_LAUNCH_IMPL
 #include "cuda/common/check.h"
+#include "cuda/decode/decode_combine.h"
 #include "cuda/decode/decode_kernel.h"
 #include "cuda/decode/decode_rows_kernel.h"
 #include "cuda/common/device_info.h"
@@ -34,10 +35,11 @@ void run_decode(const DecodeArgs& a, cudaStream_t stream);
 
 namespace dmattn::cuda {
 
-// Launches kernel on the decode grid (row_chunks * num_splits, heads_kv, batch).
+// Launches kernel on the decode grid (row_chunks * num_splits, heads_kv, batch), or the balanced
+// form's (balanced_ctas).
 template <typename Kernel>
 void launch_on_decode_grid(Kernel kernel, int threads, int smem, const DecodeArgs& a, cudaStream_t stream) {
-  const dim3 grid(a.row_chunks * a.num_splits, a.heads_kv, a.batch);
+  const dim3 grid = a.balanced ? dim3(a.balanced_ctas) : dim3(a.row_chunks * a.num_splits, a.heads_kv, a.batch);
   launch_kernel(kernel, grid, threads, smem, stream, a, "decode kernel launch");
 }
 
@@ -79,13 +81,32 @@ inline bool decode_bias_on_sm90(const DecodeArgs& a) {
          int64_t(a.seqlen_q) * a.group <= decode_detail::kBiasRows;
 }
 
+// The call in the balanced form (decode_balanced.h) where it allows it (balanced_ctas, set for
+// the shapes decode_balanced_splits takes) and the wgmma kernel takes it: a dense call of one
+// row chunk whose keys come a stage at a time, without mask / bias entries but the bias
+// product's, and a workspace that holds its rows + balanced_ctas - 1 slots; else as it is.
+inline DecodeArgs with_balanced_shares(const DecodeArgs& a) {
+  const bool operands = a.mask.ptr != nullptr || a.bias.ptr != nullptr;
+  if (a.balanced_ctas <= 0 || a.cu_seqlens_q != nullptr || a.row_chunks != 1 || a.part_out == nullptr ||
+      decode_max_head_dim(a.head_dim) > kDecodeRowsMaxHeadDim || (operands && !decode_bias_on_sm90(a)) ||
+      !decode_detail::keys_by_stage<decode_detail::kBalancedStageKeys>(a) || !decode_on_sm90())
+    return a;
+  const int64_t rows_per_slot = int64_t(a.seqlen_q) * a.group;
+  const int64_t slots = int64_t(a.batch) * a.heads_kv + a.balanced_ctas - 1;
+  if (slots * rows_per_slot * (a.head_dim + 1) > a.workspace_floats) return a;
+  DecodeArgs b = a;
+  b.balanced = true;
+  b.part_lse = a.part_out + slots * rows_per_slot * a.head_dim;
+  return b;
+}
+
 template <typename Element, int kD>
 void launch_decode(const DecodeArgs& a, cudaStream_t stream) {
   const bool operands = a.mask.ptr != nullptr || a.bias.ptr != nullptr;
   if constexpr (kD <= kDecodeRowsMaxHeadDim) {  // (the 64-row kernels exist up to that bucket)
     using Sm90Tile = decode_detail::DecodeSm90Tile<Element, kD>;
-    if ((!operands || decode_bias_on_sm90(a)) && decode_detail::keys_by_stage<Sm90Tile::kStageKeys>(a) &&
-        decode_on_sm90()) {
+    if (a.balanced || ((!operands || decode_bias_on_sm90(a)) && decode_detail::keys_by_stage<Sm90Tile::kStageKeys>(a) &&
+                       decode_on_sm90())) {
       if (operands) launch_on_decode_grid(decode_sm90_kernel<Element, kD, true>, Sm90Tile::kThreads,
                                           Sm90Tile::kSmemBytes, a, stream);
       else launch_on_decode_grid(decode_sm90_kernel<Element, kD>, Sm90Tile::kThreads, Sm90Tile::kSmemBytes, a, stream);
@@ -108,13 +129,14 @@ void launch_decode(const DecodeArgs& a, cudaStream_t stream) {
 }
 
 template <typename Element>
-void run_decode(const DecodeArgs& a, cudaStream_t stream) {
+void run_decode(const DecodeArgs& call, cudaStream_t stream) {
+  const DecodeArgs a = with_balanced_shares(call);
   switch (decode_max_head_dim(a.head_dim)) {
     case 64: launch_decode<Element, 64>(a, stream); break;
     case 128: launch_decode<Element, 128>(a, stream); break;
     default: launch_decode<Element, 256>(a, stream); break;
   }
-  if (a.num_splits > 1) {
+  if (a.num_splits > 1 || a.balanced) {
     const int64_t rows = int64_t(a.batch) * a.num_heads * a.seqlen_q;
     launch_dependent_kernel(decode_combine_kernel<Element>, dim3(static_cast<unsigned>(rows)), kDecodeCombineThreads,
                             stream, a, sm90::device_runs_sm90_kernels(), "decode combine kernel launch");

@@ -18,6 +18,7 @@
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 
 #include "cuda/common/copy.h"
+#include "cuda/decode/decode_balanced.h"
 #include "cuda/decode/decode_rows_kernel.h"
 #include "cuda/sm90/decode_bias_sm90.h"
 #include "cuda/sm90/gmma.h"
@@ -82,29 +83,23 @@ __device__ __forceinline__ int sw128_chunk_offset(int r, int c) {
 
 }  // namespace decode_detail
 
-// Grid (row_chunks * num_splits, heads_kv, batch) with 64-row chunks, DecodeSm90Tile's
-// kThreads threads and kSmemBytes of dynamic shared memory; no mask / bias entries, or (kBias)
-// a bias that decode_bias_on_sm90 accepts.
-template <typename Element, int kD, bool kBias = false>
-__global__ void __launch_bounds__(128, 2) decode_sm90_kernel(const DecodeArgs a) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The rows c0 .. c0 + cta_rows - 1 of kv head kvh of one sequence against its keys
+// [keys.begin, keys.end) (on whole stages from keys.begin), written as output (direct) or as
+// the partial rows of split `split` (balanced: the slot): one CTA's work, or one part of a
+// balanced share. The caller's threads are the CTA's, all of them.
+template <typename Element, int kD, bool kBias>
+__device__ __forceinline__ void decode_sm90_rows(const DecodeArgs& a, const decode_detail::DecodeSeq& seq, int kvh,
+                                                 int c0, int cta_rows, int split, decode_detail::SplitKeys keys,
+                                                 bool direct, int warp, int lane) {
   using namespace cute;
   using namespace decode_detail;
   using Tile = DecodeSm90Tile<Element, kD>;
   constexpr int kStageKeys = Tile::kStageKeys, kStages = Tile::kStages;
   constexpr int kNs = kStageKeys / 8, kNd = kD / 8;  // n8 column groups of S and of O
 
-  launch_dependents();  // (the splits' merge may be placed now: it waits for this grid's end)
-  const RowsChunk rc = rows_chunk(a, Tile::kRows);
-  if (rc.idle()) return;
-  const DecodeSeq& seq = rc.seq;
-  const int split = rc.split, kvh = rc.kvh, warp = rc.warp, lane = rc.lane, c0 = rc.c0, cta_rows = rc.cta_rows;
-  // The warp's 16 rows of the 64; a warp past the chunk's rows computes zero rows it never stores.
-  const int r0 = rc.r0, nrows = rc.nrows;
-
-  // Splits on whole stages, so that a stage never straddles two.
-  const SplitKeys keys = split_keys(a, seq, c0, cta_rows, split, kStageKeys);
   const int kb = keys.begin, ke = keys.end;
+  // The warp's 16 rows of the 64; a warp past the chunk's rows computes zero rows it never stores.
+  const int r0 = c0 + warp * kDecodeRows, nrows = min(kDecodeRows, c0 + cta_rows - r0);
   int row_i[2], row_h[2];
   accumulator_rows(a, kvh, nrows > 0 ? r0 : c0, nrows > 0 ? nrows : 1, lane, row_i, row_h);
   // The CTA's queries: a stage inside every row's window takes the scores without per-key tests
@@ -230,7 +225,37 @@ __global__ void __launch_bounds__(128, 2) decode_sm90_kernel(const DecodeArgs a)
   sm90::gemm_wait<0>(acc_o);
   cp_async_wait<0>();
   if (nrows <= 0) return;
-  store_rows<Element>(a, seq, split, kvh, r0, nrows, lane, o, m, l);
+  store_rows<Element>(a, seq, split, kvh, r0, nrows, lane, o, m, l, direct);
+}
+
+// Grid (row_chunks * num_splits, heads_kv, batch) with 64-row chunks, or (balanced_ctas) in the
+// balanced form (decode_balanced.h), DecodeSm90Tile's kThreads threads and kSmemBytes of dynamic
+// shared memory; no mask / bias entries, or (kBias) a bias that decode_bias_on_sm90 accepts.
+template <typename Element, int kD, bool kBias = false>
+__global__ void __launch_bounds__(128, 2) decode_sm90_kernel(const DecodeArgs a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace decode_detail;
+  using Tile = DecodeSm90Tile<Element, kD>;
+  static_assert(Tile::kStageKeys == kBalancedStageKeys, "the balanced shares count this kernel's stages");
+  launch_dependents();  // (the splits' merge may be placed now: it waits for this grid's end)
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (a.balanced) {
+    bool first = true;
+    for_each_balanced_part(a, [&](const BalancedPart& part) {
+      // (every thread's reads of the last part's Q and stages are done before they are refilled)
+      if (!first) __syncthreads();
+      first = false;
+      decode_sm90_rows<Element, kD, kBias>(a, part.seq, part.kvh, 0, part.seq.len_q * a.group, part.slot, part.keys,
+                                           part.direct, warp, lane);
+    });
+    return;
+  }
+  const RowsChunk rc = rows_chunk(a, Tile::kRows);
+  if (rc.idle()) return;
+  // Splits on whole stages, so that a stage never straddles two.
+  const SplitKeys keys = split_keys(a, rc.seq, rc.c0, rc.cta_rows, rc.split, Tile::kStageKeys);
+  decode_sm90_rows<Element, kD, kBias>(a, rc.seq, rc.kvh, rc.c0, rc.cta_rows, rc.split, keys, a.num_splits == 1, warp,
+                                       lane);
 #endif
 }
 

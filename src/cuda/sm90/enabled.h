@@ -25,10 +25,10 @@ inline bool env_switched_off(const char* name) {
   return env != nullptr && env[0] == '0';
 }
 
-inline bool device_runs_sm90_kernels() {
+inline bool device_runs_sm90_kernels(int device) {
   if (!DMATTN_HAS_SM90A) return false;
-  const int device = current_device();
   return compute_capability_major(device) == 9 && kernel_code(device).ptx_arch >= 90;
 }
+inline bool device_runs_sm90_kernels() { return device_runs_sm90_kernels(current_device()); }
 
 }  // namespace dmattn::cuda::sm90
