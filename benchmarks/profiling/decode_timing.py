@@ -5,8 +5,9 @@ Decode timings (one short query block against a long KV cache) of dmattn against
 
 bf16, D=128; median of CUDA-event timings after warm-up. Rows: B=8 H=32 Hkv=8 with a full 32k
 cache, Sq=1 (plain and with a per-key bias (B, H, 1, Sk)), paged caches (page 64 and 256),
-Sq=4 and 16; B=1 with a 128k cache; a Doge decoding step (top 2048 of a 32k cache by a
-per-key bias, selection included). dmattn runs attention_with_kvcache (the split-KV decode
+Sq=4 and 16; B=1 with a 128k cache; B=8 with ragged cache lengths (1k to 32k: a server's batch;
+dmattn only, TB/s of the keys the rows hold); a Doge decoding step (top 2048 of a 32k cache by
+a per-key bias, selection included). dmattn runs attention_with_kvcache (the split-KV decode
 kernel; the cache is read in place) and dmattn.attention (the decode kernel too, unless
 DMATTN_DECODE=0 in the environment). --general times
 dmattn.attention with DMATTN_DECODE=0 (the kernels of the long-sequence path), in a process of
@@ -18,13 +19,16 @@ call: the launch latency hidden). No causal mask (SDPA's is top-left aligned), s
 
 --rounds N (default 3) runs the whole set N times, each round on tensors allocated afresh, and
 ends with a table of each row's median over the rounds and its range (single rows move by a few
-percent between rounds).
-    PYTHONPATH=python python3 benchmarks/profiling/decode_timing.py [--general] [--graph] [--iters 50] [--rounds 3] [--json FILE]
+percent between rounds). --only REGEX keeps the cases whose name it finds. DMATTN_DECODE_BALANCED=0
+in the environment keeps attention_with_kvcache on the split form (docs/decode.md, "Balanced
+shares"), for comparisons.
+    PYTHONPATH=python python3 benchmarks/profiling/decode_timing.py [--general] [--graph] [--iters 50] [--rounds 3] [--only REGEX] [--json FILE]
 """
 
 import argparse
 import json
 import os
+import re
 import statistics
 
 import torch
@@ -60,6 +64,7 @@ def main():
     ap.add_argument("--general", action="store_true", help="only dmattn.attention with DMATTN_DECODE=0")
     ap.add_argument("--graph", action="store_true",
                     help="also time each call replayed from a CUDA graph (no host time: the kernels alone)")
+    ap.add_argument("--only", default="", help="a regex: only the cases whose name it finds")
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error(f"--rounds: expected >= 1, got {args.rounds}")
@@ -93,7 +98,12 @@ def main():
     if args.general:
         os.environ["DMATTN_DECODE"] = "0"
 
+    def wanted(case):
+        return not args.only or re.search(args.only, case) is not None
+
     def workload(case, B, H, Hkv, Sk, Sq, bias=False, pages=()):
+        if not wanted(case):
+            return
         q = torch.randn(B, Sq, H, D, device=dev, dtype=dt, generator=g)
         k = torch.randn(B, Sk, Hkv, D, device=dev, dtype=dt, generator=g)
         v = torch.randn(B, Sk, Hkv, D, device=dev, dtype=dt, generator=g)
@@ -128,10 +138,27 @@ def main():
         print(f"{case:<34} max |dmattn - float64| = {err:.2e}", flush=True)
         del q, k, v, b
 
+    def ragged(case, H, Hkv, lens):
+        """attention_with_kvcache over rows of unequal cache lengths (the cache sized for the
+        longest); TB/s of the keys the rows hold."""
+        if not wanted(case):
+            return
+        B, Sk = len(lens), max(lens)
+        q = torch.randn(B, 1, H, D, device=dev, dtype=dt, generator=g)
+        k = torch.randn(B, Sk, Hkv, D, device=dev, dtype=dt, generator=g)
+        v = torch.randn(B, Sk, Hkv, D, device=dev, dtype=dt, generator=g)
+        seqlens = torch.tensor(lens, dtype=torch.int32, device=dev)
+        kv_bytes = 2 * sum(lens) * Hkv * D * k.element_size()
+        add(case, "dmattn kvcache", lambda: dmattn.attention_with_kvcache(
+            q, k, v, cache_seqlens=seqlens, causal=False), kv_bytes)
+        del q, k, v
+
     def doge(case, B, H, Hkv, Sk, keep):
         """A Doge decoding step: one query, the top-``keep`` keys of the cache by a per-key
         bias (B, Hkv, 1, Sk) (dt_states), selection included. SDPA gets the same selection as
         a float mask (torch.topk and a scatter, as transformers' Doge builds it)."""
+        if not wanted(case):
+            return
         q = torch.randn(B, 1, H, D, device=dev, dtype=dt, generator=g)
         k = torch.randn(B, Sk, Hkv, D, device=dev, dtype=dt, generator=g)
         v = torch.randn(B, Sk, Hkv, D, device=dev, dtype=dt, generator=g)
@@ -160,6 +187,7 @@ def main():
         workload("B=8 H=32 Hkv=8 Sk=32k Sq=4", 8, 32, 8, 32768, 4)
         workload("B=8 H=32 Hkv=8 Sk=32k Sq=16", 8, 32, 8, 32768, 16)
         if not args.general:
+            ragged("B=8 H=32 Hkv=8 ragged 1k-32k Sq=1", 32, 8, [32768, 4096, 16384, 1024, 32768, 8192, 2048, 24576])
             doge("Doge B=8 H=32 Hkv=8 Sk=32k top-2048", 8, 32, 8, 32768, 2048)
     summary = summarize(rows)
     if args.rounds > 1:

@@ -14,7 +14,7 @@ import dmattn
 from dmattn._lib import lib
 from dmattn.decode import kvcache_forward
 from dmattn.decode_kernel import native_allocates
-from test_kvcache import _check, _make_case, _run
+from test_kvcache import _check, _make_case, _run, _run_graph
 
 pytestmark = pytest.mark.gpu
 
@@ -81,16 +81,7 @@ def test_balanced_routes_and_graph_equal():
     out_op, lse_op = kvcache_forward(*args)
     assert torch.equal(out_op, out) and torch.equal(lse_op, lse)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        _run(case)  # (warm-up outside the capture)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out_graph, lse_graph = _run(case)
-    graph.replay()
-    torch.cuda.synchronize()
+    out_graph, lse_graph = _run_graph(case)
     assert torch.equal(out_graph, out) and torch.equal(lse_graph, lse)
 
 

@@ -357,11 +357,8 @@ def test_gpu_rows_above_kernel_limit():
     _check(case, out, lse)
 
 
-@pytest.mark.gpu
-def test_gpu_cuda_graph_capture():
-    case = _make_case("cuda", torch.bfloat16, batch=2, seqlen_q=1, heads=8, heads_kv=2, head_dim=128,
-                      capacity=2048, lens=[100, 1500], new=0, page_size=64)
-    out_eager, _ = _run(case)
+def _run_graph(case):
+    """(out, lse) of _run(case) captured in a CUDA graph and replayed."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -369,9 +366,18 @@ def test_gpu_cuda_graph_capture():
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out_graph, _ = _run(case)
+        out, lse = _run(case)
     graph.replay()
     torch.cuda.synchronize()
+    return out, lse
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture():
+    case = _make_case("cuda", torch.bfloat16, batch=2, seqlen_q=1, heads=8, heads_kv=2, head_dim=128,
+                      capacity=2048, lens=[100, 1500], new=0, page_size=64)
+    out_eager, _ = _run(case)
+    out_graph, _ = _run_graph(case)
     torch.testing.assert_close(out_graph, out_eager, rtol=0, atol=0)
 
 
