@@ -3,7 +3,8 @@ stages dealt out in equal shares over the GPU's CTA places, a share free to cut 
 against the float64 reference: ragged rows (empty, one key, long), contiguous and paged caches,
 appended keys, causal windows, a key bias (the wgmma kernel's bias product), caches whose rows
 hold fewer stages than there are places; its two routes (eager, the traced op) and a CUDA graph
-give the same bits. Outputs and buffers NaN-poisoned (nan_poison)."""
+give the same bits. Outputs and buffers NaN-poisoned (nan_poison). The form serves one sequence
+by default; DMATTN_DECODE_BALANCED=1 (set by the `balanced` fixture) takes it for every batch."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ pytestmark = pytest.mark.gpu
 
 HEADS, HEADS_KV, HEAD_DIM = 16, 4, 128
 CAPACITY = 268 * 64  # (pages of 64 and of 256 divide it)
+
+
+@pytest.fixture
+def balanced(monkeypatch):
+    """The balanced form for batches of any size (read by the native call at each call)."""
+    monkeypatch.setenv("DMATTN_DECODE_BALANCED", "1")
 
 
 def _require_balanced(case):
@@ -41,8 +48,35 @@ def _case(lens, *, seqlen_q=1, new=0, page_size=None, bias=False, seed=0):
                       bias_shape=(batch, HEADS, 1, CAPACITY) if bias else None, generator_seed=seed)
 
 
+def _balanced_splits(batch, env, monkeypatch):
+    if env is None:
+        monkeypatch.delenv("DMATTN_DECODE_BALANCED", raising=False)
+    else:
+        monkeypatch.setenv("DMATTN_DECODE_BALANCED", env)
+    return lib().decode_balanced_splits(torch.cuda.current_device(), batch, 1, HEADS, HEADS_KV, HEAD_DIM, CAPACITY)
+
+
+def test_balanced_serves_one_sequence_by_default(monkeypatch):
+    """Unset: one sequence only (a batch of equal long rows runs faster in splits); 1: every
+    batch; 0: none."""
+    if _balanced_splits(1, "1", monkeypatch) <= 0:
+        pytest.skip("the balanced form runs on Hopper")
+    assert _balanced_splits(1, None, monkeypatch) > 0 and _balanced_splits(4, None, monkeypatch) == 0
+    assert _balanced_splits(4, "1", monkeypatch) > 0
+    assert _balanced_splits(1, "0", monkeypatch) == 0 and _balanced_splits(4, "0", monkeypatch) == 0
+
+
+@pytest.mark.parametrize("page_size", [None, 256])
+def test_balanced_one_sequence(nan_poison, page_size):
+    """The default form of a single sequence's step (no environment switch)."""
+    case = _case([CAPACITY - 5], page_size=page_size, seed=5)
+    _require_balanced(case)
+    out, lse = _run(case)
+    _check(case, out, lse)
+
+
 @pytest.mark.parametrize("page_size", [None, 64, 256])
-def test_balanced_ragged_rows(nan_poison, page_size):
+def test_balanced_ragged_rows(nan_poison, balanced, page_size):
     case = _case([0, 1, 5003, CAPACITY - 52], page_size=page_size)
     _require_balanced(case)
     out, lse = _run(case)
@@ -51,7 +85,7 @@ def test_balanced_ragged_rows(nan_poison, page_size):
 
 
 @pytest.mark.parametrize("window,bias", [((-1, -1), True), ((700, 0), False), ((64, 0), True)])
-def test_balanced_append_window_bias(nan_poison, window, bias):
+def test_balanced_append_window_bias(nan_poison, balanced, window, bias):
     """Four queries appended (16 packed rows a kv head, the bias product's limit), causal with a
     window or a key bias: the shares start at each row's first visible stage."""
     case = _case([9000, 3, 0, CAPACITY - 4], seqlen_q=4, new=4, bias=bias, seed=1)
@@ -60,7 +94,7 @@ def test_balanced_append_window_bias(nan_poison, window, bias):
     _check(case, out, lse, window=window)
 
 
-def test_balanced_fewer_stages_than_places(nan_poison):
+def test_balanced_fewer_stages_than_places(nan_poison, balanced):
     """A full-capacity cache whose rows hold a handful of stages: the shares shrink to one stage
     each, the other CTAs idle."""
     case = _case([3, 0, 0, 70], seed=2)
@@ -69,7 +103,7 @@ def test_balanced_fewer_stages_than_places(nan_poison):
     _check(case, out, lse)
 
 
-def test_balanced_routes_and_graph_equal():
+def test_balanced_routes_and_graph_equal(balanced):
     """The eager route, the traced op (attention_with_kvcache under torch.compile takes it) and a
     CUDA graph's replay run the same form: the same bits."""
     case = _case([17000, 40, 8000, 12345], page_size=256, seed=3)
@@ -85,7 +119,7 @@ def test_balanced_routes_and_graph_equal():
     assert torch.equal(out_graph, out) and torch.equal(lse_graph, lse)
 
 
-def test_balanced_equal_rows_fill_every_place():
+def test_balanced_equal_rows_fill_every_place(balanced):
     """B = 8 rows of equal length (the decoding benchmark's shape, shortened): every CTA place
     holds a share, every row is cut; against the reference."""
     lens = [CAPACITY] * 8

@@ -534,7 +534,7 @@ def test_gpu_generate_matches_eager(name, left_pad, monkeypatch):
 
     runs = []
     run_decode = decode._run_decode
-    monkeypatch.setattr(decode, "_run_decode", lambda *a: runs.append(1) or run_decode(*a))
+    monkeypatch.setattr(decode, "_run_decode", lambda *a, **kw: runs.append(1) or run_decode(*a, **kw))
     # (Doge's steps: the kept keys on the decode kernel wherever it has a split count for them,
     # in one native call that also selects, or through _run_decode.)
     splits_of = topk.gathered_decode_splits
@@ -595,7 +595,7 @@ def test_gpu_generate_static_cache(name, monkeypatch):
     pad = torch.ones(2, 12, dtype=torch.long, device="cuda")
     runs = []
     run_decode = decode._run_decode
-    monkeypatch.setattr(decode, "_run_decode", lambda *a: runs.append(1) or run_decode(*a))
+    monkeypatch.setattr(decode, "_run_decode", lambda *a, **kw: runs.append(1) or run_decode(*a, **kw))
     torch._dynamo.reset()
     result = {}
     for impl in ("sdpa", "dmattn"):

@@ -615,7 +615,7 @@ def test_gpu_decode_step_compiles_onto_the_decode_kernel(monkeypatch):
 
     runs = []
     run_decode = decode._run_decode
-    monkeypatch.setattr(decode, "_run_decode", lambda *a: runs.append(1) or run_decode(*a))
+    monkeypatch.setattr(decode, "_run_decode", lambda *a, **kw: runs.append(1) or run_decode(*a, **kw))
 
     def step(q, k, v, mask):
         out = decode.decode_step(q, k, v, mask, None, True, None, 0.0)
