@@ -19,9 +19,9 @@ call: the launch latency hidden). No causal mask (SDPA's is top-left aligned), s
 
 --rounds N (default 3) runs the whole set N times, each round on tensors allocated afresh, and
 ends with a table of each row's median over the rounds and its range (single rows move by a few
-percent between rounds). --only REGEX keeps the cases whose name it finds. DMATTN_DECODE_BALANCED=0
-in the environment keeps attention_with_kvcache on the split form (docs/decode.md, "Balanced
-shares"), for comparisons.
+percent between rounds). --only REGEX keeps the cases whose name it finds. DMATTN_DECODE_BALANCED=1
+in the environment runs attention_with_kvcache in the balanced form (docs/decode.md, "Balanced
+shares").
     PYTHONPATH=python python3 benchmarks/profiling/decode_timing.py [--general] [--graph] [--iters 50] [--rounds 3] [--only REGEX] [--json FILE]
 """
 

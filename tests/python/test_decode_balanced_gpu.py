@@ -3,8 +3,8 @@ stages dealt out in equal shares over the GPU's CTA places, a share free to cut 
 against the float64 reference: ragged rows (empty, one key, long), contiguous and paged caches,
 appended keys, causal windows, a key bias (the wgmma kernel's bias product), caches whose rows
 hold fewer stages than there are places; its two routes (eager, the traced op) and a CUDA graph
-give the same bits. Outputs and buffers NaN-poisoned (nan_poison). The form serves one sequence
-by default; DMATTN_DECODE_BALANCED=1 (set by the `balanced` fixture) takes it for every batch."""
+give the same bits. Outputs and buffers NaN-poisoned (nan_poison). The form is asked for with
+DMATTN_DECODE_BALANCED=1 (the `balanced` fixture)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ CAPACITY = 268 * 64  # (pages of 64 and of 256 divide it)
 
 @pytest.fixture
 def balanced(monkeypatch):
-    """The balanced form for batches of any size (read by the native call at each call)."""
+    """The balanced form asked for (the native call reads the switch at each call)."""
     monkeypatch.setenv("DMATTN_DECODE_BALANCED", "1")
 
 
@@ -56,19 +56,18 @@ def _balanced_splits(batch, env, monkeypatch):
     return lib().decode_balanced_splits(torch.cuda.current_device(), batch, 1, HEADS, HEADS_KV, HEAD_DIM, CAPACITY)
 
 
-def test_balanced_serves_one_sequence_by_default(monkeypatch):
-    """Unset: one sequence only (a batch of equal long rows runs faster in splits); 1: every
-    batch; 0: none."""
+def test_balanced_only_when_asked(monkeypatch):
+    """Off unless DMATTN_DECODE_BALANCED=1 (a batch of equal long rows runs faster in splits)."""
     if _balanced_splits(1, "1", monkeypatch) <= 0:
         pytest.skip("the balanced form runs on Hopper")
-    assert _balanced_splits(1, None, monkeypatch) > 0 and _balanced_splits(4, None, monkeypatch) == 0
     assert _balanced_splits(4, "1", monkeypatch) > 0
-    assert _balanced_splits(1, "0", monkeypatch) == 0 and _balanced_splits(4, "0", monkeypatch) == 0
+    for env in (None, "0"):
+        assert _balanced_splits(1, env, monkeypatch) == 0 and _balanced_splits(4, env, monkeypatch) == 0
 
 
 @pytest.mark.parametrize("page_size", [None, 256])
-def test_balanced_one_sequence(nan_poison, page_size):
-    """The default form of a single sequence's step (no environment switch)."""
+def test_balanced_one_sequence(nan_poison, balanced, page_size):
+    """One sequence's step: its kv heads' rows alone share the places."""
     case = _case([CAPACITY - 5], page_size=page_size, seed=5)
     _require_balanced(case)
     out, lse = _run(case)

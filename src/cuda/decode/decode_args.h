@@ -72,14 +72,6 @@ struct DecodeArgs {
   int row_chunks = 1, num_splits = 1;
   float* part_out = nullptr;  // (num_splits, B, H, Sq, D) float32, with num_splits > 1
   float* part_lse = nullptr;  // (num_splits, B, H, Sq) float32, natural log
-  int64_t workspace_floats = 0;  // what part_out points to (the call's whole workspace)
-
-  // The balanced form (decode_balanced.h; attention_with_kvcache's calls): balanced_ctas CTAs
-  // (0: the call does not allow it) take equal shares of the batch's key stages, a share free to
-  // end one (batch, kv head) row and start the next; `balanced` where the launch runs it (the
-  // grid then holds balanced_ctas CTAs, and partial rows lie in slots: balanced_slot_row).
-  int balanced_ctas = 0;
-  bool balanced = false;
 
   // Packed variable-length batches (attention_varlen), or null: sequence b holds query rows
   // [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q / out / lse and key rows [cu_seqlens_k[b],
@@ -97,6 +89,15 @@ struct DecodeArgs {
   // num_splits is then the largest count, and a sequence's splits past its own are empty.
   int rows_lo = 0, rows_hi = 0;
   uint8_t split_table[kDecodePackedMaxChunks][kDecodeMaxSplits] = {};
+
+  // (Last, so that the fields above keep their offsets in every kernel's parameters.)
+  int64_t workspace_floats = 0;  // what part_out points to (the call's whole workspace)
+  // The balanced form (decode_balanced.h; attention_with_kvcache's calls): balanced_ctas CTAs
+  // (0: the call does not allow it) take equal shares of the batch's key stages, a share free to
+  // end one (batch, kv head) row and start the next; `balanced` where the launch runs it (the
+  // grid then holds balanced_ctas CTAs, and partial rows lie in slots: balanced_slot_row).
+  int balanced_ctas = 0;
+  bool balanced = false;
 };
 
 }  // namespace dmattn::cuda

@@ -40,6 +40,12 @@ __device__ __forceinline__ BalancedRow balanced_row(const DecodeArgs& a, int b) 
   return r;
 }
 
+// Row qi of head h in slot `slot` of the balanced form's partial rows: a slot holds the Sq * group
+// rows of one (batch, kv head).
+__device__ __forceinline__ int64_t balanced_slot_row(const DecodeArgs& a, int slot, int h, int qi) {
+  return (int64_t(slot) * a.seqlen_q + qi) * a.group + h % a.group;
+}
+
 // The batch's T key stages over every (batch, kv head) row, and the CTAs that share them:
 // balanced_ctas, or T where it is smaller, so that every share holds a stage (a row's parts
 // then number at most P / heads_kv + 2, which the host keeps within the merge's

@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(kDecodeCombineThreads) decode_combine_kernel(c
   Element* out = static_cast<Element*>(a.out) + seq.bm * a.o_st.batch_stride + (seq.q0 + i) * a.o_st.row_stride +
                  h * a.o_st.head_stride;
   float* lse_out = a.lse + seq.bm * a.lse_bs + h * a.lse_hs + seq.q0 + i;
-  // Part s of the row lies at split first_split + s (balanced: its slot).
+  // Part s of the row: split s, or (balanced) slot first_split + s.
   int splits = a.num_splits, first_split = 0;
   if (a.balanced) {
     const decode_detail::BalancedParts parts = decode_detail::balanced_parts(a, b, h / a.group);
@@ -52,6 +52,10 @@ __global__ void __launch_bounds__(kDecodeCombineThreads) decode_combine_kernel(c
     }
     splits = parts.parts, first_split = parts.first_slot;
   }
+  const auto part_row = [&](int s) {
+    return a.balanced ? decode_detail::balanced_slot_row(a, first_split + s, h, i)
+                      : decode_detail::partial_row(a, seq, s, h, i);
+  };
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
     float lse_s[kDecodeMaxSplits / 32];
@@ -60,7 +64,7 @@ __global__ void __launch_bounds__(kDecodeCombineThreads) decode_combine_kernel(c
 #pragma unroll
     for (int u = 0; u < kDecodeMaxSplits / 32; ++u) {
       const int s = u * 32 + lane;
-      lse_s[u] = s < splits ? a.part_lse[decode_detail::partial_row(a, seq, first_split + s, h, i)] : -INFINITY;
+      lse_s[u] = s < splits ? a.part_lse[part_row(s)] : -INFINITY;
       mx = fmaxf(mx, lse_s[u]);
       nonempty += lse_s[u] != -INFINITY;
     }
@@ -99,8 +103,7 @@ __global__ void __launch_bounds__(kDecodeCombineThreads) decode_combine_kernel(c
     for (int s = g; s < splits; s += groups) {
       const float w = weight[s];
       const float4 x =
-          reinterpret_cast<const float4*>(a.part_out + decode_detail::partial_row(a, seq, first_split + s, h, i) *
-                                         a.head_dim)[c];
+          reinterpret_cast<const float4*>(a.part_out + part_row(s) * a.head_dim)[c];
       acc.x = fmaf(w, x.x, acc.x), acc.y = fmaf(w, x.y, acc.y), acc.z = fmaf(w, x.z, acc.z), acc.w = fmaf(w, x.w, acc.w);
     }
   }

@@ -57,11 +57,8 @@ __device__ __forceinline__ DecodeSeq decode_seq(const DecodeArgs& a, int b, int 
   return s;
 }
 
-// Row qi (its query index within the sequence) of head h in the splits' partial rows; in the
-// balanced form `split` is the part's slot, which holds the Sq * group rows of one (batch, kv
-// head) (decode_balanced.h).
+// Row qi (its query index within the sequence) of head h in the splits' partial rows.
 __device__ __forceinline__ int64_t partial_row(const DecodeArgs& a, const DecodeSeq& seq, int split, int h, int qi) {
-  if (a.balanced) return (int64_t(split) * a.seqlen_q + qi) * a.group + h % a.group;
   const bool packed = a.cu_seqlens_q != nullptr;
   const int64_t batch = packed ? 1 : a.batch, rows = packed ? a.total_q : a.seqlen_q;
   return ((int64_t(split) * batch + seq.bm) * a.num_heads + h) * rows + seq.q0 + qi;

@@ -8,6 +8,7 @@
 // warp can start the next tile's products before this tile's softmax (software pipelining).
 #pragma once
 
+#include "cuda/decode/decode_balanced.h"
 #include "cuda/decode/decode_kernel.h"
 
 namespace dmattn::cuda {
@@ -161,10 +162,10 @@ struct StageCopies {
 
 // A warp's 16 rows (packed rows r0 .., nrows of them) complete over split `split`: normalized
 // and stored, into the output (direct: one split, or a balanced share's whole row) or the
-// split's partial rows and lse. o, m, l in the
+// split's partial rows and lse (kBalanced: `split` is the share's slot, balanced_slot_row). o, m, l in the
 // m16n8 accumulator layout (rows lane / 4 + 8 hf). An empty row (no allowed key in this split)
 // is 0 with lse -inf; a NaN sum stays NaN.
-template <typename Element, int kNd>
+template <typename Element, bool kBalanced = false, int kNd>
 __device__ __forceinline__ void store_rows(const DecodeArgs& a, const DecodeSeq& seq, int split, int kvh, int r0,
                                            int nrows, int lane, const float (&o)[kNd][4], const float (&m)[2],
                                            const float (&l)[2], bool direct) {
@@ -177,7 +178,7 @@ __device__ __forceinline__ void store_rows(const DecodeArgs& a, const DecodeSeq&
     const float mu = m[hf] == -INFINITY ? 0.f : m[hf];
     const float lse = empty ? -INFINITY : mu + __log2f(sum) * kDecodeLn2;
     const int row = r0 + r, qi = row / a.group, h = kvh * a.group + row % a.group;
-    const int64_t prow = partial_row(a, seq, split, h, qi);
+    const int64_t prow = kBalanced ? balanced_slot_row(a, split, h, qi) : partial_row(a, seq, split, h, qi);
     Element* dst = static_cast<Element*>(a.out) + seq.bm * a.o_st.batch_stride + (seq.q0 + qi) * a.o_st.row_stride +
                    h * a.o_st.head_stride;
 #pragma unroll

@@ -100,18 +100,16 @@ int64_t decode_balanced_ctas(int device_id) { return kCtasPerSm * sm_count(devic
 // tensors say): the wgmma kernel's calls (Hopper, head dims up to 128, one chunk of at most 64
 // packed rows); at least 4 stages a CTA when the cache is full (a shorter share pays its start --
 // Q, the ring's first copies, its partial row -- for too few keys); and kv heads enough that a
-// row's parts (at most P / heads_kv + 2) stay within the merge's kDecodeMaxSplits. By default
-// for one sequence only: measured on an H200 (docs/decode.md, "Balanced shares"), it is faster
-// there and for batches of unequal lengths, but slower than the splits for a batch of equal
-// long rows, and the lengths are on the device. DMATTN_DECODE_BALANCED=1 takes it for every
-// batch, =0 for none (read at each call).
+// row's parts (at most P / heads_kv + 2) stay within the merge's kDecodeMaxSplits. Asked for
+// with DMATTN_DECODE_BALANCED=1 (read at each call): measured on an H200 (docs/decode.md,
+// "Balanced shares"), it is faster than the splits for batches of unequal cache lengths and
+// slower for a batch of equal long rows, and the lengths are on the device.
 int64_t decode_balanced_splits(int64_t batch, int64_t seqlen_q, int64_t group, int64_t heads_kv, int64_t head_dim,
                                int64_t seqlen_k, int device_id) {
   const char* env = std::getenv("DMATTN_DECODE_BALANCED");
-  const char choice = env != nullptr ? env[0] : 0;
   static const bool sm90_off = sm90::env_switched_off("DMATTN_DECODE_SM90");
   constexpr int64_t kStageKeys = 64, kMinStagesPerCta = 4;
-  if (choice == '0' || (choice != '1' && batch != 1)) return 0;
+  if (env == nullptr || env[0] != '1') return 0;
   if (sm90_off || head_dim > kDecodeRowsMaxHeadDim || seqlen_q * group > kDecodeChunkRows || batch < 1 ||
       heads_kv < 1 || seqlen_k < 1)
     return 0;

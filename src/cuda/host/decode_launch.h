@@ -105,8 +105,15 @@ void launch_decode(const DecodeArgs& a, cudaStream_t stream) {
   const bool operands = a.mask.ptr != nullptr || a.bias.ptr != nullptr;
   if constexpr (kD <= kDecodeRowsMaxHeadDim) {  // (the 64-row kernels exist up to that bucket)
     using Sm90Tile = decode_detail::DecodeSm90Tile<Element, kD>;
-    if (a.balanced || ((!operands || decode_bias_on_sm90(a)) && decode_detail::keys_by_stage<Sm90Tile::kStageKeys>(a) &&
-                       decode_on_sm90())) {
+    if (a.balanced) {  // (with_balanced_shares took it for this kernel)
+      if (operands) launch_on_decode_grid(decode_sm90_kernel<Element, kD, true, true>, Sm90Tile::kThreads,
+                                          Sm90Tile::kSmemBytes, a, stream);
+      else launch_on_decode_grid(decode_sm90_kernel<Element, kD, false, true>, Sm90Tile::kThreads,
+                                 Sm90Tile::kSmemBytes, a, stream);
+      return;
+    }
+    if ((!operands || decode_bias_on_sm90(a)) && decode_detail::keys_by_stage<Sm90Tile::kStageKeys>(a) &&
+        decode_on_sm90()) {
       if (operands) launch_on_decode_grid(decode_sm90_kernel<Element, kD, true>, Sm90Tile::kThreads,
                                           Sm90Tile::kSmemBytes, a, stream);
       else launch_on_decode_grid(decode_sm90_kernel<Element, kD>, Sm90Tile::kThreads, Sm90Tile::kSmemBytes, a, stream);

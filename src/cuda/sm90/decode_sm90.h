@@ -87,7 +87,7 @@ __device__ __forceinline__ int sw128_chunk_offset(int r, int c) {
 // [keys.begin, keys.end) (on whole stages from keys.begin), written as output (direct) or as
 // the partial rows of split `split` (balanced: the slot): one CTA's work, or one part of a
 // balanced share. The caller's threads are the CTA's, all of them.
-template <typename Element, int kD, bool kBias>
+template <typename Element, int kD, bool kBias, bool kBalanced>
 __device__ __forceinline__ void decode_sm90_rows(const DecodeArgs& a, const decode_detail::DecodeSeq& seq, int kvh,
                                                  int c0, int cta_rows, int split, decode_detail::SplitKeys keys,
                                                  bool direct, int warp, int lane) {
@@ -225,13 +225,15 @@ __device__ __forceinline__ void decode_sm90_rows(const DecodeArgs& a, const deco
   sm90::gemm_wait<0>(acc_o);
   cp_async_wait<0>();
   if (nrows <= 0) return;
-  store_rows<Element>(a, seq, split, kvh, r0, nrows, lane, o, m, l, direct);
+  store_rows<Element, kBalanced>(a, seq, split, kvh, r0, nrows, lane, o, m, l, direct);
 }
 
-// Grid (row_chunks * num_splits, heads_kv, batch) with 64-row chunks, or (balanced_ctas) in the
-// balanced form (decode_balanced.h), DecodeSm90Tile's kThreads threads and kSmemBytes of dynamic
-// shared memory; no mask / bias entries, or (kBias) a bias that decode_bias_on_sm90 accepts.
-template <typename Element, int kD, bool kBias = false>
+// Grid (row_chunks * num_splits, heads_kv, batch) with 64-row chunks, or (kBalanced: the
+// balanced form, decode_balanced.h) (balanced_ctas), DecodeSm90Tile's kThreads threads and
+// kSmemBytes of dynamic shared memory; no mask / bias entries, or (kBias) a bias that
+// decode_bias_on_sm90 accepts. (The balanced form is an instantiation of its own: the split
+// form's code stays as short as without it.)
+template <typename Element, int kD, bool kBias = false, bool kBalanced = false>
 __global__ void __launch_bounds__(128, 2) decode_sm90_kernel(const DecodeArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace decode_detail;
@@ -239,23 +241,23 @@ __global__ void __launch_bounds__(128, 2) decode_sm90_kernel(const DecodeArgs a)
   static_assert(Tile::kStageKeys == kBalancedStageKeys, "the balanced shares count this kernel's stages");
   launch_dependents();  // (the splits' merge may be placed now: it waits for this grid's end)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (a.balanced) {
+  if constexpr (kBalanced) {
     bool first = true;
     for_each_balanced_part(a, [&](const BalancedPart& part) {
       // (every thread's reads of the last part's Q and stages are done before they are refilled)
       if (!first) __syncthreads();
       first = false;
-      decode_sm90_rows<Element, kD, kBias>(a, part.seq, part.kvh, 0, part.seq.len_q * a.group, part.slot, part.keys,
-                                           part.direct, warp, lane);
+      decode_sm90_rows<Element, kD, kBias, true>(a, part.seq, part.kvh, 0, part.seq.len_q * a.group, part.slot,
+                                                 part.keys, part.direct, warp, lane);
     });
-    return;
+  } else {
+    const RowsChunk rc = rows_chunk(a, Tile::kRows);
+    if (rc.idle()) return;
+    // Splits on whole stages, so that a stage never straddles two.
+    const SplitKeys keys = split_keys(a, rc.seq, rc.c0, rc.cta_rows, rc.split, Tile::kStageKeys);
+    decode_sm90_rows<Element, kD, kBias, false>(a, rc.seq, rc.kvh, rc.c0, rc.cta_rows, rc.split, keys,
+                                                a.num_splits == 1, warp, lane);
   }
-  const RowsChunk rc = rows_chunk(a, Tile::kRows);
-  if (rc.idle()) return;
-  // Splits on whole stages, so that a stage never straddles two.
-  const SplitKeys keys = split_keys(a, rc.seq, rc.c0, rc.cta_rows, rc.split, Tile::kStageKeys);
-  decode_sm90_rows<Element, kD, kBias>(a, rc.seq, rc.kvh, rc.c0, rc.cta_rows, rc.split, keys, a.num_splits == 1, warp,
-                                       lane);
 #endif
 }
 
