@@ -5,8 +5,8 @@
 // CTAs of four splits leave 8 of the H200's 264 empty), and rows of unequal lengths (a serving
 // batch) no longer leave the CTAs of short rows idle while those of long ones run.
 //
-// Rows r = b * heads_kv + kvh hold n_b stages (kBalancedStageKeys keys each; the same for every kv head
-// of batch b), at offsets N_r in the batch's T stages. CTA c of P takes stages
+// Rows r = b * heads_kv + kvh hold n_b stages (kBalancedStageKeys keys each; the same for every
+// kv head of batch b), at offsets N_r in the batch's T stages. CTA c of P takes stages
 // [floor(c T / P), floor((c + 1) T / P)), row by row. A row inside one CTA's share is written as
 // output directly; a row cut by shares leaves one partial result per CTA c that holds part of
 // it, in slot r + c: its parts are the CTAs c_lo(r) .. c_hi(r), and c_lo(r') >= c_hi(r) for
@@ -36,7 +36,8 @@ __device__ __forceinline__ BalancedRow balanced_row(const DecodeArgs& a, int b) 
   r.seq = decode_seq(a, b, kDecodeChunkRows);
   r.seq.splits = 1;  // (the whole row: one split)
   r.keys = split_keys(a, r.seq, 0, r.seq.len_q * a.group, 0, kBalancedStageKeys);
-  r.stages = r.keys.end > r.keys.begin ? (r.keys.end - r.keys.begin + kBalancedStageKeys - 1) / kBalancedStageKeys : 0;
+  const int n = r.keys.end - r.keys.begin;
+  r.stages = n > 0 ? (n + kBalancedStageKeys - 1) / kBalancedStageKeys : 0;
   return r;
 }
 
@@ -97,7 +98,8 @@ __device__ __forceinline__ void for_each_balanced_part(const DecodeArgs& a, Part
         p.seq = row.seq;
         p.kvh = kvh;
         p.slot = b * a.heads_kv + kvh + static_cast<int>(blockIdx.x);
-        p.keys = {row.keys.off, row.keys.begin + t0 * kBalancedStageKeys, min(row.keys.end, row.keys.begin + t1 * kBalancedStageKeys)};
+        p.keys = {row.keys.off, row.keys.begin + t0 * kBalancedStageKeys,
+                  min(row.keys.end, row.keys.begin + t1 * kBalancedStageKeys)};
         p.direct = t0 == 0 && t1 == n;
         part(p);
       }
