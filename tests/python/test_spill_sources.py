@@ -15,19 +15,19 @@ _spec.loader.exec_module(spill_sources)
 # line annotation of its own section, so it must not inherit the first kernel's last line.
 SASS = """
 .text._Z6kernelAv:
-	//## File "/work/main/src/cuda/sm90/bwd_ws_kernel_sm90.h", line 561
+	//## File "/home/user/dmattn/src/cuda/sm90/bwd_ws_kernel_sm90.h", line 561
         /*4330*/                   STL [R1+0x8], R4          (*"SpillRefill"*);
         /*4340*/                   STL [R1+0x4], R15         (*"SpillRefill"*);
-	//## File "/work/main/.venv/lib/python3.11/site-packages/cutlass_library/source/include/cute/stride.hpp", line 210
+	//## File "/opt/venv/lib/python3.12/site-packages/cutlass_library/source/include/cute/stride.hpp", line 210
         /*4350*/                   IADD3 R2, R9, R2, -R8 ;
         /*4360*/                   STL [R1], R2              (*"SpillRefill"*);
-	//## File "/work/main/src/cuda/sm90/bwd_ws_kernel_sm90.h", line 600, inlined at "/work/main/src/x.h", line 3
+	//## File "/home/user/dmattn/src/cuda/sm90/bwd_ws_kernel_sm90.h", line 600, inlined at "/home/user/dmattn/src/x.h", line 3
         /*9060*/                   LDL.LU R4, [R1+0x4]       (*"SpillRefill"*);
         /*9070*/                   LDL R5, [R1+0x8]          (*"SpillRefill"*);
         /*9080*/                   STS [R12+0x34010], R31 ;
 .text._Z6kernelBv:
         /*0010*/                   STL [R1], R0              (*"SpillRefill"*);
-	//## File "/work/main/src/cuda/common/bwd_common.h", line 98
+	//## File "/home/user/dmattn/src/cuda/common/bwd_common.h", line 98
         /*0020*/                   LDL R0, [R1]              (*"SpillRefill"*);
 """
 
