@@ -375,19 +375,9 @@ def attention_backward(
     check_devices(dout=dout, q=q, k=k, v=v, out=out, lse=lse, mask=mask, bias=bias,
                    key_positions=key_positions, key_ends=key_ends, key_rows=key_rows, alpha=alpha, delta=delta,
                    windows=windows, gate_keep=gate_keep)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(_key_grad_shape(q, k, key_positions, key_rows), dtype=k.dtype, device=k.device)
-    dv = torch.empty(_key_grad_shape(q, v, key_positions, key_rows), dtype=v.dtype, device=v.device)
-    dbias = None
-    if bias_requires_grad and bias is not None:
-        dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device)
-    softmax_delta = dq_accum = dbias_accum = None
-    if q.device.type == "cuda":
-        b, sq, h, d = q.shape
-        softmax_delta = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-        dq_accum = torch.empty((b, sq, h, d), dtype=torch.float32, device=q.device)
-        if dbias is not None and _dbias_needs_accum(q, bias):
-            dbias_accum = torch.empty(_bias_shape4(bias), dtype=torch.float32, device=q.device)
+    dq, dk, dv, dbias, softmax_delta, dq_accum, dbias_accum = _grad_buffers(
+        q, k, v, _key_grad_shape(q, k, key_positions, key_rows), _key_grad_shape(q, v, key_positions, key_rows),
+        bias, bias_requires_grad, (q.shape[0], q.shape[2], q.shape[1]), lambda: _bias_shape4(bias) if _dbias_needs_accum(q, bias) else None)
     dalpha, ddelta = _gate_grads(alpha, delta, gate_requires_grad)
     dalpha_accum = _dalpha_accum(q, k.shape[1], q.shape[0] * q.shape[1], dalpha, deterministic)
     dout, q, k, v, out = (_cuda_layout(t) for t in (dout, q, k, v, out))
@@ -409,6 +399,29 @@ def _(dout, q, k, v, out, lse, mask, bias, bias_requires_grad, causal, window_le
     return (q.new_empty(q.shape), k.new_empty(_key_grad_shape(q, k, key_positions, key_rows)),
             v.new_empty(_key_grad_shape(q, v, key_positions, key_rows)), dbias,
             *_gate_grads_or_empty(q, *_gate_grads(alpha, delta, gate_requires_grad)))
+
+
+def _grad_buffers(q: Tensor, k: Tensor, v: Tensor, dk_shape, dv_shape, bias: Optional[Tensor],
+                  bias_requires_grad: bool, stat_shape, dbias_accum_shape):
+    """(dq, dk, dv, dbias, softmax_delta, dq_accum, dbias_accum) for a backward op's native call:
+    dq like q, dk and dv of these shapes in k's and v's dtypes, dbias like the bias where it wants
+    a gradient (else None); on CUDA the float32 scratch: Delta of stat_shape (lse's), dQ's
+    accumulator like q, and dbias's of the shape dbias_accum_shape() gives where the kernels
+    reduce it (None: no such buffer)."""
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(dk_shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(dv_shape, dtype=v.dtype, device=v.device)
+    dbias = None
+    if bias_requires_grad and bias is not None:
+        dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device)
+    softmax_delta = dq_accum = dbias_accum = None
+    if q.device.type == "cuda":
+        softmax_delta = torch.empty(stat_shape, dtype=torch.float32, device=q.device)
+        dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        accum_shape = dbias_accum_shape() if dbias is not None else None
+        if accum_shape is not None:
+            dbias_accum = torch.empty(accum_shape, dtype=torch.float32, device=q.device)
+    return dq, dk, dv, dbias, softmax_delta, dq_accum, dbias_accum
 
 
 def _gate_grads(alpha: Optional[Tensor], delta: Optional[Tensor], wanted: bool):
@@ -693,19 +706,10 @@ def attention_varlen_backward(
                    out=out, lse=lse, mask=mask, bias=bias, alpha=alpha, delta=delta, windows=windows,
                    gate_keep=gate_keep)
     _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    dbias = None
-    if bias_requires_grad and bias is not None:
-        dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device)
-    softmax_delta = dq_accum = dbias_accum = None
-    if q.device.type == "cuda":
-        softmax_delta = torch.empty(_varlen_lse_shape(q), dtype=torch.float32, device=q.device)
-        dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        # A key-side dbias is reduced across the query heads that share a bias head.
-        if dbias is not None and bias.dim() == 2 and bias.shape[0] < q.shape[1]:
-            dbias_accum = torch.empty(bias.shape, dtype=torch.float32, device=q.device)
+    # (a key-side dbias is reduced across the query heads that share a bias head)
+    dq, dk, dv, dbias, softmax_delta, dq_accum, dbias_accum = _grad_buffers(
+        q, k, v, k.shape, v.shape, bias, bias_requires_grad, _varlen_lse_shape(q),
+        lambda: bias.shape if bias.dim() == 2 and bias.shape[0] < q.shape[1] else None)
     dalpha, ddelta = _gate_grads(alpha, delta, gate_requires_grad)
     dalpha_accum = _dalpha_accum(q, max_seqlen_k, q.shape[0], dalpha, deterministic)
     dout, q, k, v, out = (_cuda_layout(t) for t in (dout, q, k, v, out))
