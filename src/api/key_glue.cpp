@@ -2,6 +2,8 @@
 // scatter_key_rows) and the per-query path's row copies: CUDA only; the CPU path composes
 // framework ops (python/dmattn/gather.py).
 #include <cstdint>
+#include <initializer_list>
+#include <utility>
 
 #include "api/tensor_checks.h"
 #include "dmattn/api.h"
@@ -23,6 +25,21 @@ void check_cuda_tensor(const TensorDesc& t, const TensorDesc& ref, const char* n
   check(t.device == DeviceKind::kCUDA, ErrorKind::kValue, name, ": expected a CUDA tensor, got ",
         device_name(t.device), " (the gather path's glue runs on CUDA; the CPU composes torch ops)");
   checks::check_same_device(ref, t, name);
+}
+
+// The sources of a row gather (k, v (B, Sk, Hkv, D): 16- or 32-bit floats, rows of unit stride)
+// and the call's other tensors, every one on k's GPU (checked in that order: k, v, others).
+void check_gather_sources(const TensorDesc& k, const TensorDesc& v,
+                          std::initializer_list<std::pair<const TensorDesc*, const char*>> others) {
+  check_cuda_tensor(k, k, "k");
+  check_cuda_tensor(v, k, "v");
+  for (const auto& [t, name] : others) check_cuda_tensor(*t, k, name);
+  checks::check_rank(k, 4, "k", "(B, Sk, Hkv, D)");
+  checks::check_shape(v, k.shape, "v");
+  check_float_16_or_32(k, "k");
+  checks::check_dtype(v, k.dtype, "v");
+  checks::check_last_dim_contiguous(k, "k");
+  checks::check_last_dim_contiguous(v, "v");
 }
 
 // The key_positions operand of a (B, Sk, heads, D) k or dk: int32 (1 or B, 1 or heads, K),
@@ -126,15 +143,7 @@ void select_topk_positions(const TensorDesc& bias, int64_t keep, const TensorDes
 
 void gather_key_rows(const TensorDesc& k, const TensorDesc& v, const TensorDesc& positions, const TensorDesc& k_rows,
                      const TensorDesc& v_rows, const TensorDesc* bias, const TensorDesc* bias_rows, void* stream) {
-  check_cuda_tensor(k, k, "k");
-  for (const auto& [t, name] : {std::pair{&v, "v"}, {&positions, "positions"}, {&k_rows, "k_rows"}, {&v_rows, "v_rows"}})
-    check_cuda_tensor(*t, k, name);
-  checks::check_rank(k, 4, "k", "(B, Sk, Hkv, D)");
-  checks::check_shape(v, k.shape, "v");
-  check_float_16_or_32(k, "k");
-  checks::check_dtype(v, k.dtype, "v");
-  checks::check_last_dim_contiguous(k, "k");
-  checks::check_last_dim_contiguous(v, "v");
+  check_gather_sources(k, v, {{&positions, "positions"}, {&k_rows, "k_rows"}, {&v_rows, "v_rows"}});
   const int64_t batch = k.shape[0], num_keys = k.shape[1], heads = k.shape[2], head_dim = k.shape[3];
   const auto [pos_batch, pos_heads, width] = check_key_positions(positions, batch, heads);
   for (const auto& [t, name] : {std::pair{&k_rows, "k_rows"}, {&v_rows, "v_rows"}}) {
@@ -241,15 +250,7 @@ void scatter_key_rows(const TensorDesc& dk_rows, const TensorDesc& dv_rows, cons
 
 void gather_segment_rows(const TensorDesc& k, const TensorDesc& v, const TensorDesc& index, const TensorDesc& k_rows,
                          const TensorDesc& v_rows, void* stream) {
-  check_cuda_tensor(k, k, "k");
-  for (const auto& [t, name] : {std::pair{&v, "v"}, {&index, "index"}, {&k_rows, "k_rows"}, {&v_rows, "v_rows"}})
-    check_cuda_tensor(*t, k, name);
-  checks::check_rank(k, 4, "k", "(B, Sk, Hkv, D)");
-  checks::check_shape(v, k.shape, "v");
-  check_float_16_or_32(k, "k");
-  checks::check_dtype(v, k.dtype, "v");
-  checks::check_last_dim_contiguous(k, "k");
-  checks::check_last_dim_contiguous(v, "v");
+  check_gather_sources(k, v, {{&index, "index"}, {&k_rows, "k_rows"}, {&v_rows, "v_rows"}});
   const int64_t batch = k.shape[0], heads_kv = k.shape[2], head_dim = k.shape[3];
   checks::check_dtype(index, DType::kInt32, "index");
   checks::check_rank(index, 3, "index", "(B * segments, 1 or G, W)");
