@@ -92,10 +92,23 @@ def _plain_eager(args: tuple) -> bool:
     host time per call, which the gather path's step pays twice on the GPU's critical path."""
     # (the names bound at import: a decoding step runs this per layer, and each attribute
     # lookup of a torch submodule is host time)
-    if (_is_compiling() or _autograd_profiler._is_profiler_enabled or _len_torch_dispatch_stack() > 0
-            or _are_functorch_transforms_active()):
+    if _is_compiling() or not _no_dispatch_layers():
         return False
     for t in args:  # (a loop: a generator's frames are host time on every call)
         if isinstance(t, Tensor) and type(t) is not Tensor:
             return False
     return True
+
+
+def _no_dispatch_layers() -> bool:
+    """_plain_eager's test of the dispatcher's state alone (no profiler, dispatch mode or
+    functorch transform), for callers that tested tracing and their tensors' types already."""
+    return not (_autograd_profiler._is_profiler_enabled or _len_torch_dispatch_stack() > 0
+                or _are_functorch_transforms_active())
+
+
+def _aligned_rows(x: Tensor) -> Tensor:
+    """_cuda_layout for a CUDA tensor whose last dimension is a multiple of 8 and that holds
+    elements (the decode kernels' shapes): the usual contiguous, 16-byte aligned tensor as it
+    is with two tests, anything else through _cuda_layout."""
+    return x if x.is_contiguous() and x.data_ptr() % 16 == 0 else _cuda_layout(x)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ._lib import check_cuda_index, lib
-from ._op_utils import _cuda_layout, _plain_eager, _scale_arg, records_no_gradient
+from ._op_utils import _aligned_rows, _cuda_layout, _is_compiling, _no_dispatch_layers, _scale_arg
 
 __all__ = ["maybe_decode_forward", "direct_decode_splits", "varlen_decode_splits", "varlen_decode_forward", "decode_enabled",
            "decode_rows_fit", "gathered_decode", "gathered_decode_splits", "native_allocates", "AUTO_MAX_ROWS",
@@ -74,15 +74,16 @@ def _run_decode(q, k, v, mask, bias, causal, window_left, window_right, scale, s
     and v "k_cache" and "v_cache", and the call may take the balanced form (docs/decode.md,
     "Balanced shares"), where native_allocates() (otherwise the split form, on both routes
     alike). key_positions: indexed keys (gathered_decode)."""
-    batch, seqlen_q, heads, head_dim = q.shape
-    q = _cuda_layout(q)
+    q = _aligned_rows(q)  # (splits > 0: the decode kernels' shapes)
     # (new_empty / empty_like: a few microseconds less host time each than torch.empty with a
     # shape, dtype and device to parse.)
-    lse = q.new_empty((batch, heads, seqlen_q), dtype=torch.float32) if want_lse else None
+    lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if want_lse else None
     if native_allocates():  # out and the workspace allocated by the native call
-        out = lib().decode_attention(q, k, v, lse, mask, bias, causal, window_left, window_right, _scale_arg(scale),
-                                     softcap, seqlens, block_table, splits, cache_call, key_positions)
+        out = lib().decode_attention(q, k, v, lse, mask, bias, causal, window_left, window_right,
+                                     _scale_arg(scale), softcap, seqlens, block_table, splits, cache_call,
+                                     key_positions)
         return out, lse
+    batch, seqlen_q, heads, head_dim = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if lse is None:
         lse = q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
@@ -101,21 +102,26 @@ def direct_decode_splits(q, k, v, operands: tuple, max_rows: int, pages: int = 1
     (B, S, H, D) and ``operands`` (the call's other tensors, None where absent), 16-bit q, torch
     lending its allocator, no gradient to record, and shapes the decode kernels take (up to
     max_rows query rows a kv head, k.shape[1] * pages keys: pages of a paged cache). The native
-    call then validates every tensor."""
-    if torch.compiler.is_compiling():  # (traced: the op, whose body picks the kernel at run time)
+    call then validates every tensor. (One pass of inline tests: a decoding step runs this per
+    layer, and every function call and lookup is host time that the GPU waits for.)"""
+    if _is_compiling():  # (traced: the op, whose body picks the kernel at run time)
         return 0
     if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and q.is_cuda and k.is_cuda
             and v.is_cuda and q.dim() == 4 and k.dim() == 4):
         return 0
+    grad = torch.is_grad_enabled()  # (records_no_gradient's rule, inline)
+    if grad and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return 0
     for t in operands:
-        if t is not None and not (type(t) is Tensor and t.is_cuda):
+        if t is not None and not (type(t) is Tensor and t.is_cuda and not (grad and t.requires_grad)):
             return 0
     if q.dtype not in KERNEL_DTYPES or not native_allocates():
         return 0
     device = q.get_device()
     batch, seqlen_q, heads, head_dim = q.shape
-    splits = _splits(device, batch, seqlen_q, heads, k.shape[2], head_dim, k.shape[1] * pages, max_rows)
-    if not splits or not records_no_gradient(q, k, v, *operands) or not _plain_eager(()):
+    key_shape = k.shape
+    splits = _splits(device, batch, seqlen_q, heads, key_shape[2], head_dim, key_shape[1] * pages, max_rows)
+    if not splits or not _no_dispatch_layers():
         return 0
     check_cuda_index(device)
     return splits

@@ -10,7 +10,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from ._op_utils import _cuda_layout, records_no_gradient
+from ._op_utils import _aligned_rows, _cuda_layout, records_no_gradient
 from .decode import _append, cache_attention, kvcache_forward
 from .decode_kernel import KVCACHE_MAX_ROWS, _run_decode, direct_decode_splits
 from .interface import _parse_options, _require_tensor
@@ -63,20 +63,22 @@ def _direct_decode(q, k_cache, v_cache, cache_seqlens, block_table, mask, bias, 
     every tensor, naming it as the checked route below does (whose Python checks are host time
     that the GPU waits for when a step starts from idle), and allocates the outputs. None where
     the call takes the checked route."""
-    if torch.compiler.is_compiling():  # (traced: the op, whose body runs at run time)
-        return None
+    # (traced: direct_decode_splits says 0 first; the op's body runs at run time)
     if type(cache_seqlens) is not Tensor:  # (an int: the checked route makes the tensor)
         return None
-    if block_table is not None and not (type(block_table) is Tensor and block_table.dim() == 2):
+    if block_table is None:
+        pages = 1
+    elif type(block_table) is Tensor and block_table.dim() == 2:
+        pages = block_table.shape[1]
+    else:
         return None
-    pages = 1 if block_table is None else block_table.shape[1]
     splits = direct_decode_splits(q, k_cache, v_cache, (cache_seqlens, block_table, mask, bias), KVCACHE_MAX_ROWS,
                                   pages)
     if not splits:
         return None
     window_left, window_right, scale, softcap = _parse_options(window, scale, softcap)
     if block_table is None:  # (a cache whose rows the kernel cannot copy in 16-byte chunks is copied)
-        k_cache, v_cache = _cuda_layout(k_cache), _cuda_layout(v_cache)
+        k_cache, v_cache = _aligned_rows(k_cache), _aligned_rows(v_cache)
     out, lse = _run_decode(q, k_cache, v_cache, mask, bias, bool(causal), window_left, window_right, scale,
                            softcap, cache_seqlens, block_table, splits, want_lse=return_lse, cache_call=True)
     return (out, lse) if return_lse else out
