@@ -13,8 +13,9 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._op_utils import _cuda_layout, _plain_eager, check_devices, records_no_gradient
-from .decode_kernel import AUTO_MAX_ROWS, KVCACHE_MAX_ROWS, _decode_splits, _run_decode, decode_rows_fit
+from ._op_utils import _aligned_rows, _cuda_layout, _plain_eager, check_devices, records_no_gradient
+from .decode_kernel import (AUTO_MAX_ROWS, KVCACHE_MAX_ROWS, _decode_splits, _run_decode, decode_rows_fit,
+                            direct_decode_splits)
 from .ops import attention_forward
 
 __all__ = ["kvcache_forward", "kvcache_attention", "cache_attention", "decode_step"]
@@ -33,11 +34,19 @@ def decode_step(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: O
         return None
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
         return None
-    if k.dtype != q.dtype or v.dtype != q.dtype or not records_no_gradient(q, k, v, bias):
+    if k.dtype != q.dtype or v.dtype != q.dtype or k.shape[1] == 0 or not decode_rows_fit(q, k.shape[2], AUTO_MAX_ROWS):
         return None
-    if k.shape[1] == 0 or not decode_rows_fit(q, k.shape[2], AUTO_MAX_ROWS):
+    if not compiling:
+        # Eager, plain CUDA tensors, nothing to record: the op body's native call, without its
+        # layers (the direct routes' tests: docs/decode.md, "Host time"; a model's every layer
+        # pays them once a step). Every key of every row: no per-row lengths.
+        splits = direct_decode_splits(q, k, v, (mask, bias), KVCACHE_MAX_ROWS)
+        if splits:
+            out, _ = _run_decode(q, _aligned_rows(k), _aligned_rows(v), mask, bias, bool(causal), -1, -1, scale,
+                                 float(softcap), None, None, splits, want_lse=False, cache_call=True)
+            return out
+    if not records_no_gradient(q, k, v, bias):
         return None
-    # Every key of every row: no per-row lengths (seqlens None).
     args = (q, k, v, None, None, mask, bias, bool(causal), -1, -1, scale, float(softcap))
     # Traced: the op; eager: its body directly, without the lse.
     out, _ = kvcache_forward(*args) if compiling else cache_attention(args, want_lse=False)
