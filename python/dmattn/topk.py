@@ -9,7 +9,8 @@ from torch import Tensor
 
 from . import gather, per_query_path
 from ._lib import lib
-from ._op_utils import _cuda_layout, _plain_eager, _scale_arg, check_devices, records_no_gradient
+from ._op_utils import (_cuda_layout, _is_compiling, _no_dispatch_layers, _scale_arg, check_devices,
+                        records_no_gradient)
 from .decode_kernel import gathered_decode, gathered_decode_splits, native_allocates
 from .interface import _parse_options, attention_on
 from .masks import bias_over_keys, check_keep, dynamic_mask
@@ -129,7 +130,7 @@ def _inference_forward(q, k, v, bias, keep: int, causal, window, scale, softcap,
     # One query without a left window (a decoding step; at the causal end it sees every kept
     # key): the decode kernel, where it takes these shapes.
     splits = gathered_decode_splits(q, k, keep) if left < 0 else 0
-    if native_allocates() and all(_cuda_layout(x) is x for x in (q, k, v)):
+    if native_allocates() and _rows_as_they_are(q) and _rows_as_they_are(k) and _rows_as_they_are(v):
         lse = q.new_empty((batch, heads, q.shape[1]), dtype=torch.float32) if want_lse else None
         out = lib().topk_attention(q, k, v, bias, keep, lse, bool(causal), left, right, _scale_arg(scale), softcap,
                                    splits)
@@ -172,8 +173,16 @@ def _native_form(q, k, v, bias, keep: int) -> bool:
     device = q.get_device()
     if k.get_device() != device or v.get_device() != device or bias.get_device() != device:
         return False
-    return (_plain_eager((q, k, v, bias)) and native_glue_available()
+    # (_plain_eager with the tensors' types tested above)
+    return (not _is_compiling() and _no_dispatch_layers() and native_glue_available()
             and _native_supports_key_positions("cuda"))
+
+
+def _rows_as_they_are(x: Tensor) -> bool:
+    """_cuda_layout(x) is x for a CUDA tensor that holds elements (_native_form's): the usual
+    contiguous, 16-byte aligned tensor with a head dim of 8k by three tests, anything else by
+    _cuda_layout's own."""
+    return (x.is_contiguous() and x.data_ptr() % 16 == 0 and x.shape[-1] % 8 == 0) or _cuda_layout(x) is x
 
 
 def _training_forward(q, k, v, bias, keep: int, causal, window, scale,
@@ -194,7 +203,7 @@ def _training_forward(q, k, v, bias, keep: int, causal, window, scale,
     # without the form's tests again)
     if records_no_gradient(q, k, v, bias) or not _native_form(q, k, v, bias, keep) or not native_allocates():
         return None
-    if not all(_cuda_layout(x) is x for x in (q, k, v)):
+    if not (_rows_as_they_are(q) and _rows_as_they_are(k) and _rows_as_they_are(v)):
         return None
     left, right, scale, softcap = _parse_options(window, scale, softcap)
     options = (bool(causal), left, right, _scale_arg(scale), softcap)
