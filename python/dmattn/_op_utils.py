@@ -39,7 +39,13 @@ def _cuda_layout(x: Tensor) -> Tensor:
         # contiguous, whatever its strides: those take the full test.)
         if x.is_contiguous() and x.shape[-1] % 8 == 0 and x.numel() > 0:
             return x
-        if not any(st % 8 for st, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1):
+        # (a loop, not any() over a generator: the layouts of transformers' (B, H, S, D) caches
+        # seen as (B, S, H, D) come here on every decoding step)
+        shape, stride = x.shape, x.stride()
+        for d in range(len(shape) - 1):
+            if shape[d] > 1 and stride[d] % 8:
+                break
+        else:
             return x
     return x.clone(memory_format=torch.contiguous_format)
 

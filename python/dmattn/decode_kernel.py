@@ -51,7 +51,7 @@ def _splits(device_index: int, batch: int, seqlen_q: int, heads: int, heads_kv: 
 
 def _decode_splits(q: Tensor, heads_kv: int, seqlen_k: int, max_rows: int) -> int:
     """Key splits of the decode kernel for q (B, Sq, H, D) on CUDA, 0 where it does not apply."""
-    if q.device.type != "cuda" or q.dim() != 4 or q.dtype not in KERNEL_DTYPES:
+    if not q.is_cuda or q.dim() != 4 or q.dtype not in KERNEL_DTYPES:
         return 0
     batch, seqlen_q, heads, head_dim = q.shape
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
@@ -182,7 +182,7 @@ def decode_rows_fit(q: Tensor, heads_kv: int, max_rows: int) -> bool:
     """Whether q (B, Sq, H, D) on CUDA has the shapes the decode kernels take for up to max_rows
     query rows per kv head (the native decode_splits' shape rules, from shapes alone: traceable
     under torch.compile, where the op body then picks the split count)."""
-    if q.device.type != "cuda" or q.dim() != 4 or q.dtype not in KERNEL_DTYPES:
+    if not q.is_cuda or q.dim() != 4 or q.dtype not in KERNEL_DTYPES:
         return False
     _, seqlen_q, heads, head_dim = q.shape
     if heads_kv < 1 or heads % heads_kv or head_dim % 8 or not 8 <= head_dim <= 256:

@@ -42,7 +42,7 @@ def _weight_dtype(module: torch.nn.Module) -> Optional[torch.dtype]:
 def _cuda_dtypes(module: torch.nn.Module, query: Tensor) -> Optional[Tuple[torch.dtype, torch.dtype]]:
     """(compute dtype, output dtype) when fp32 q/k/v on CUDA must be cast (the CUDA kernels take
     fp16/bf16 only); None when no cast is needed. fp32 on CPU is computed as is."""
-    if query.device.type != "cuda" or query.dtype != torch.float32:
+    if not query.is_cuda or query.dtype != torch.float32:
         return None
     if torch.is_autocast_enabled("cuda"):
         dtype = torch.get_autocast_dtype("cuda")

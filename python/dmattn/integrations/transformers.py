@@ -169,7 +169,7 @@ def attention_forward(
     dtypes = _cuda_dtypes(module, query)
     if dtypes is not None:
         query, key, value = (x.to(dtypes[0]) for x in (query, key, value))
-    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, S, H, D) views
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, S, H, D) views
     num_queries, num_keys = q.shape[1], k.shape[1]
 
     mask, additive = _split_attention_mask(attention_mask, num_keys)
