@@ -141,7 +141,8 @@ def _topk_forward(self, hidden_states: Tensor, position_embeddings, attention_ma
     dtypes = _cuda_dtypes(self, query_states)
     if dtypes is not None:
         query_states, key_states, value_states = (x.to(dtypes[0]) for x in (query_states, key_states, value_states))
-    q, k, v = (x.transpose(1, 2) for x in (query_states, key_states, value_states))  # (B, S, H, D) views
+    # (B, S, H, D) views (no generator: a decoding step's every layer runs this)
+    q, k, v = query_states.transpose(1, 2), key_states.transpose(1, 2), value_states.transpose(1, 2)
     out = attention_topk(q, k, v, dt_states[:, :, None, :], self.keep_window_size,
                          mask=_key_mask(attention_mask, num_keys), causal=True, per_query=True,
                          scale=self.scaling)
