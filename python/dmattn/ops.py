@@ -377,7 +377,8 @@ def attention_backward(
                    windows=windows, gate_keep=gate_keep)
     dq, dk, dv, dbias, softmax_delta, dq_accum, dbias_accum = _grad_buffers(
         q, k, v, _key_grad_shape(q, k, key_positions, key_rows), _key_grad_shape(q, v, key_positions, key_rows),
-        bias, bias_requires_grad, (q.shape[0], q.shape[2], q.shape[1]), lambda: _bias_shape4(bias) if _dbias_needs_accum(q, bias) else None)
+        bias, bias_requires_grad, (q.shape[0], q.shape[2], q.shape[1]),
+        lambda: _bias_shape4(bias) if _dbias_needs_accum(q, bias) else None)
     dalpha, ddelta = _gate_grads(alpha, delta, gate_requires_grad)
     dalpha_accum = _dalpha_accum(q, k.shape[1], q.shape[0] * q.shape[1], dalpha, deterministic)
     dout, q, k, v, out = (_cuda_layout(t) for t in (dout, q, k, v, out))
