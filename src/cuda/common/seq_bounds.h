@@ -33,22 +33,31 @@ __device__ __forceinline__ int load_fresh_or(const int* p, bool on, int otherwis
   return v;
 }
 
-struct SeqBounds {
+// kForm: kSeqFormAny, the batch's form (dense or packed) read at run time; kSeqFormDense or
+// kSeqFormPacked, a kernel built for one form: its dense values are the kernel parameters
+// themselves (no load, no test, nothing the compiler must hold in a register).
+inline constexpr int kSeqFormAny = -1, kSeqFormDense = 0, kSeqFormPacked = 1;
+
+template <int kForm = kSeqFormAny>
+struct SeqBoundsOf {
   const FwdArgs& a;
   int b;
 
-  __device__ __forceinline__ SeqBounds(const FwdArgs& args, int batch) : a(args), b(batch) {}
+  __device__ __forceinline__ SeqBoundsOf(const FwdArgs& args, int batch) : a(args), b(batch) {}
 
-  __device__ __forceinline__ bool packed() const { return a.cu_seqlens_q != nullptr; }
+  __device__ __forceinline__ bool packed() const {
+    if constexpr (kForm == kSeqFormAny) return a.cu_seqlens_q != nullptr;
+    else return kForm == kSeqFormPacked;
+  }
+  __device__ __forceinline__ int fresh_or(const int* p, int otherwise) const {
+    if constexpr (kForm == kSeqFormDense) return otherwise;
+    else return load_fresh_or(p, packed(), otherwise);
+  }
   // First query / key row of the sequence inside its batch slice (dense: 0).
-  __device__ __forceinline__ int q0() const { return load_fresh_or(a.cu_seqlens_q + b, packed(), 0); }
-  __device__ __forceinline__ int k0() const { return load_fresh_or(a.cu_seqlens_k + b, packed(), 0); }
-  __device__ __forceinline__ int len_q() const {
-    return load_fresh_or(a.cu_seqlens_q + b + 1, packed(), a.seqlen_q) - q0();
-  }
-  __device__ __forceinline__ int len_k() const {
-    return load_fresh_or(a.cu_seqlens_k + b + 1, packed(), a.seqlen_k) - k0();
-  }
+  __device__ __forceinline__ int q0() const { return fresh_or(a.cu_seqlens_q + b, 0); }
+  __device__ __forceinline__ int k0() const { return fresh_or(a.cu_seqlens_k + b, 0); }
+  __device__ __forceinline__ int len_q() const { return fresh_or(a.cu_seqlens_q + b + 1, a.seqlen_q) - q0(); }
+  __device__ __forceinline__ int len_k() const { return fresh_or(a.cu_seqlens_k + b + 1, a.seqlen_k) - k0(); }
   // Query rows of the block starting at m0 that lie inside the sequence.
   __device__ __forceinline__ int rows_valid(int m0, int block_m) const { return min(block_m, len_q() - m0); }
   // Causal / window, bottom-right aligned with this sequence's own lengths.
@@ -68,5 +77,6 @@ struct SeqBounds {
     return int64_t(q0()) + (packed() ? 0 : int64_t(b) * a.seqlen_q);
   }
 };
+using SeqBounds = SeqBoundsOf<>;
 
 }  // namespace dmattn::cuda

@@ -30,6 +30,11 @@ __device__ __forceinline__ int opaque_int(int x) {
   return x;
 }
 
+// x of lane 0, for a value that every lane of the warp holds alike: the compiler then knows it
+// warp-uniform and may keep it, and what derives from it, in uniform registers (which the
+// vector registers' budget of a warp-specialized role does not pay for).
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffff, x, 0); }
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

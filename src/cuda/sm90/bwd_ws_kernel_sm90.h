@@ -123,9 +123,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   const CtaCoords cta = bwd_cta_coords(a);
   const int n_block = bwd_cta_n_block();
   const int n0 = n_block * kBlockN;
-  const int kvh = cta.y, b = cta.z;
+  // (the CTA's coordinates divided out of its index: warp-uniform, for the uniform registers)
+  const int kvh = warp_uniform(cta.y), b = warp_uniform(cta.z);
   const int group = f.group;
-  const SeqBounds seq(f, b);
+  const SeqBoundsOf<kPacked ? kSeqFormPacked : kSeqFormDense> seq(f, b);  // (dense: the parameters)
   // A packed batch (one sequence of all rows to TMA, tma_batch 1): sequence b's rows from its
   // first; its tiles reach past its end into the next sequence's rows, which the kernel keeps
   // out of every sum (docs/design.md).
@@ -196,15 +197,21 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   } else {
     bwd_query_block_range(seq.window(), n0, kBlockN, kBlockM, m_lo, m_hi);
   }
+  // (the same in every thread: from lane 0, so that the compiler knows them warp-uniform and may
+  // keep them and what derives from them in uniform registers)
+  m_lo = warp_uniform(m_lo);
+  m_hi = warp_uniform(m_hi);
   const int n_m = max(m_hi - m_lo, 0);
   const int n_iter = n_m * group;
-  if constexpr (Tile::kWalkInSmem) {  // (published by the barrier below)
+  {  // (published by the barrier below)
     if (threadIdx.x == 0) {
       ss.walk_m_lo = m_lo;
       ss.walk_m_hi = m_hi;
       ss.walk_n_m = n_m;
       ss.walk_n_iter = n_iter;
       ss.walk_cols_valid = min(kBlockN, seq.len_k() - n0);
+      ss.cta_b = b;
+      ss.cta_kvh = kvh;
     }
   }
   // The gate: its column sums start at 0; on plain scores the key block's delta rows, once (the
@@ -268,6 +275,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   auto head_of = [&](int t) { return kvh * group + t / n_m; };
   auto m_block_of = [&](int t) { return m_at(m_lo + t % n_m); };
 
+  // The producer's roles read the walk from shared memory where they use it (held in their 40
+  // registers through the loops, its values spilled).
+  auto walk_iters = [&] { return int(const_cast<const volatile int32_t&>(ss.walk_n_iter)); };
+  auto walk_lo = [&] { return int(const_cast<const volatile int32_t&>(ss.walk_m_lo)); };
+  auto walk_hi = [&] { return int(const_cast<const volatile int32_t&>(ss.walk_m_hi)); };
+  auto walk_n_m = [&] { return int(const_cast<const volatile int32_t&>(ss.walk_n_m)); };
+  auto p_head_of = [&](int t) { return kvh * group + t / walk_n_m(); };
+  auto p_m_block_of = [&](int t) { return m_at(walk_lo() + t % walk_n_m()); };
+
   if (warp_group == 0) {  // ---------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<Tile::kProducerRegs>();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -275,7 +291,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       cutlass::arch::cpasync_barrier_arrive_noinc(&ss.kv_full);
       // (the consumers wait for these copies before anything else; without a query block they
       // do not, and no copy may outlive the CTA)
-      if (n_iter == 0) asm volatile("cp.async.wait_all;\n" ::);
+      if (walk_iters() == 0) asm volatile("cp.async.wait_all;\n" ::);
     }
     if (warp == 3) {  // dbias where no query reaches the key block, or the gate's terms
       if constexpr (Tile::kGateTerms) {  // (gate_terms_sm90.h: one slot a query block, for both consumers)
@@ -283,7 +299,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         const Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
         const GateTermPoly poly = GateTermPoly::of(255.f * GateMath::of(f.gate.linear).k);
         PipelineState read;
-        for (int t = 0; t < n_iter; ++t) {
+        for (int t = 0; t < walk_iters(); ++t) {
           pipe_rows.consumer_wait(read);
           const auto& st = ss.rows[read.index()];
           const auto write = one_stage_producer_state(t);
@@ -302,24 +318,24 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         return;
       }
       if (dbias_tiles)
-        bwd_dbias_zero_unreached_warp<Element, kBlockM>(a, b, kvh, m_lo, m_hi, n0, min(kBlockN, f.seqlen_k - n0), lane);
+        bwd_dbias_zero_unreached_warp<Element, kBlockM>(a, b, kvh, walk_lo(), walk_hi(), n0, min(kBlockN, f.seqlen_k - n0), lane);
       return;
     }
-    if (n_iter == 0) return;
+    if (walk_iters() == 0) return;
     if (warp == 1) {  // the row statistics and key rows
       PipelineState write = cutlass::make_producer_start_state<RowPipeline>();
-      for (int t = 0; t < n_iter; ++t) {
-        const int h = head_of(t);
-        const int m0 = m_block_of(t) * kBlockM;
+      for (int t = 0; t < walk_iters(); ++t) {
+        const int h = p_head_of(t);
+        const int m0 = p_m_block_of(t) * kBlockM;
         // (packed: the sequence's first rows and lengths, read once per block)
-        const int q0 = seq.q0(), len_q = seq.len_q(), k0 = seq.k0(), len_k = seq.len_k();
+        const int q0 = seq.q0(), len_q = seq.len_q();
         const int rows_valid = min(kBlockM, len_q - m0);
         const int64_t row_stat = seq.stat_offset(h, q0) + m0;
         pipe_rows.producer_acquire(write);
         auto& st = ss.rows[write.index()];
         if (packed && lane == 0) {
           st.seq_len[0] = len_q;
-          st.seq_len[1] = len_k;
+          st.seq_len[1] = seq.len_k();
         }
         // Windows with sinks: whether the window shows the tile in part (the element test; by the
         // first lane, as the lengths, and first: nothing of it is held through the loads below).
@@ -343,9 +359,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         // The key rows depend on the head only (the key block is the CTA's): a stage keeps
         // them from its previous use, kStages blocks back, while the head is the same.
         if constexpr (Tile::kKeyRows) {
-          if (t < Tile::kStages || head_of(t - Tile::kStages) != h)
+          if (t < Tile::kStages || p_head_of(t - Tile::kStages) != h)
             load_key_rows<Element, typename Tile::KeyRows, kBlockN, /*kUnrolled=*/false>(
-                st.keys, n_block, len_k, key_row_sources(f, b, h, k0));
+                st.keys, n_block, seq.len_k(), key_row_sources(f, b, h, seq.k0()));
         }
         // The gate's rows: the key block's delta (the kv head's: once per stage), the query
         // block's alpha (its source from an opaque batch index: the invariant part hoisted out of
@@ -353,9 +369,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         if constexpr (Tile::kGate) {
           if constexpr (Tile::kKeyRows) {
             if (t < Tile::kStages)
-              load_gate_rows<Element, kBlockN>(st.keys.delta, gate_delta_source(f, b, h, k0), n0, len_k - n0);
+              load_gate_rows<Element, kBlockN>(st.keys.delta, gate_delta_source(f, b, h, seq.k0()), n0, seq.len_k() - n0);
           }
-          load_gate_rows<Element, kBlockM>(st.alpha, gate_alpha_source(f, opaque_int(b), h, q0), m0, rows_valid);
+          load_gate_rows<Element, kBlockM>(st.alpha, gate_alpha_source(f, opaque_int(b), h, seq.q0()), m0,
+                                           min(kBlockM, seq.len_q() - m0));
         }
         pipe_rows.producer_commit(write);
         ++write;
@@ -387,20 +404,20 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         CUTE_UNROLL
         for (int w = 0; w < Tile::kConsumers; ++w) NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqEmpty + w);
       }
-      for (int t = 0; t < n_iter; ++t) {
-        const int mb = m_block_of(t);
+      for (int t = 0; t < walk_iters(); ++t) {
+        const int mb = p_m_block_of(t);
         // Gate skipping on plain scores: a skipped cell's consumers stage no dQ (their turns are
         // kept, and so is the order of the adds in deterministic mode).
         const bool skipped = Tile::kGateSkip && !Tile::kKeyRows &&
-                             !gate_keeps(gate_keep_row(f.gate, opaque_int(b), head_of(t), mb * kBlockM), n_block);
+                             !gate_keeps(gate_keep_row(f.gate, opaque_int(b), p_head_of(t), mb * kBlockM), n_block);
         // (deterministic mode: this query block's flag, ordered_adds_sm90.h)
-        int* const order = a.dq_order != nullptr ? a.dq_order + (int64_t(b) * f.num_heads + head_of(t)) *
+        int* const order = a.dq_order != nullptr ? a.dq_order + (int64_t(b) * f.num_heads + p_head_of(t)) *
                                                                     dq_order_blocks(f.seqlen_q, kBlockM) + mb
                                                  : nullptr;
         // Packed batches: the sequence's rows from its first (q0). A block past the sequence's end
         // adds into the next sequence's rows too: zeros (the consumers zero those rows of dQ).
         const int q0 = packed ? seq.q0() : 0;
-        Tensor gdQ = local_tile(domain_offset(make_coord(q0, 0), mdQ(_, _, head_of(t), tb)),
+        Tensor gdQ = local_tile(domain_offset(make_coord(q0, 0), mdQ(_, _, p_head_of(t), tb)),
                                 Shape<Int<kBlockM>, Int<Tile::kDqBoxCols>>{}, make_coord(mb, _));
         auto [tdQgdQ, tdQsdQ] = tma_partition(p.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
                                               group_modes<0, 2>(gdQ));
@@ -413,7 +430,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
               if (w == 0 && dbias_tiles) {
                 Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data() + (t & 1) * Tile::kPElems),
                                          typename Tile::SmemLayoutP{});
-                Tensor gdB = local_tile(mdB(_, _, head_of(t), b), Shape<Int<kBlockM>, Int<kBlockN>>{},
+                Tensor gdB = local_tile(mdB(_, _, p_head_of(t), b), Shape<Int<kBlockM>, Int<kBlockN>>{},
                                         make_coord(mb, n_block));
                 auto [tBgB, tBsB] = tma_partition(p.tma_dbias, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdS),
                                                   group_modes<0, 2>(gdB));
@@ -440,7 +457,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
             if constexpr (Tile::kDqTurns) cutlass::arch::ClusterBarrier::arrive(&ss.dq_turn[1 - w]);
           }
           __syncwarp();
-          if (!Tile::kDqTurns && t + 1 < n_iter) NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqEmpty + w);
+          if (!Tile::kDqTurns && t + 1 < walk_iters()) NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqEmpty + w);
         }
         // Ordered adds: this block's performed in global memory, then the next key block may
         // add (the consumers have their buffers back meanwhile).
@@ -493,15 +510,15 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     Tensor sB = make_tensor(make_smem_ptr(ss.bias.data()), typename Tile::SmemLayoutP{});
     // Block t's bias tile: (kBlockM, kBlockN) of its (head, batch) slice.
     auto bias_tile = [&](int t) {
-      return local_tile(mB(_, _, p.bias_heads == 1 ? 0 : head_of(t) / f.bias.head_div, p.bias_batch == 1 ? 0 : b),
-                        Shape<Int<kBlockM>, Int<kBlockN>>{}, make_coord(m_block_of(t), n_block));
+      return local_tile(mB(_, _, p.bias_heads == 1 ? 0 : p_head_of(t) / f.bias.head_div, p.bias_batch == 1 ? 0 : b),
+                        Shape<Int<kBlockM>, Int<kBlockN>>{}, make_coord(p_m_block_of(t), n_block));
     };
     // (packed: read once; reloaded in each block it cost 84 B more spills in the producer warps)
     const int q0 = packed ? seq.q0() : 0;
     // (the head and query block stepped, as the consumers do: dividing t each block took the
     // registers of a 40-register TMA thread at head dim 256)
-    int h = head_of(0), mb = m_lo;
-    for (int t = 0; t < n_iter; ++t) {
+    int h = p_head_of(0), mb = walk_lo();
+    for (int t = 0; t < walk_iters(); ++t) {
       const int m_block = m_at(mb);
       Tensor gQ = local_tile(domain_offset(make_coord(q0, 0), mQ(_, _, h, tb)), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                              make_coord(m_block, 0));
@@ -522,20 +539,20 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
                                           group_modes<0, 2>(bias_tile(t)));
         copy(p.tma_bias.with(*pipe_bias.producer_get_barrier(write_bias)), tBgB, tBsB);
         ++write_bias;
-        if (t + 1 < n_iter) {
+        if (t + 1 < walk_iters()) {
           auto [tNgB, tNsB] = tma_partition(p.tma_bias, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB),
                                             group_modes<0, 2>(bias_tile(t + 1)));
           prefetch(p.tma_bias, tNgB);
         }
       }
-      if (++mb == m_hi) {
-        mb = m_lo;
+      if (++mb == walk_hi()) {
+        mb = walk_lo();
         ++h;
       }
     }
     // Stay until the consumers have released every stage (no load outlives the CTA's smem).
     pipe_q.producer_tail(write);
-    pipe_do.producer_tail(write_do_at(n_iter));
+    pipe_do.producer_tail(write_do_at(walk_iters()));
     if constexpr (Tile::kFullBias) pipe_bias.producer_tail(write_bias);
     return;
   }
@@ -605,8 +622,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   const int cols_valid = min(kBlockN, seq.len_k() - n0);
   auto consumers_sync = [] { NamedBarrier::sync(kConsumerThreads, Bar::kColSum); };
   auto colsum_flush = [&](int h) {
-    colsum_flush_smem<Element, kBlockN, 1, kConsumerThreads>(a, ss.colsum.data(), b, h, n0, cols_valid, ctid,
-                                                             consumers_sync);
+    colsum_flush_smem<Element, kBlockN, 1, kConsumerThreads>(
+        a, ss.colsum.data(), int(const_cast<const volatile int32_t&>(ss.cta_b)), h, n0,
+        int(const_cast<const volatile int32_t&>(ss.walk_cols_valid)), ctid, consumers_sync);
   };
 
   // Packed batches: the rows of a tile past its sequence's end are the next sequence's (zeros
@@ -948,28 +966,33 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     }
   }
 
-  // dbias pieces nothing reached, then dK / dV.
+  // dbias pieces nothing reached, then dK / dV. (The CTA's coordinates and the key block's valid
+  // columns read again from shared memory: held through the loop, they took the consumers'
+  // registers.)
+  const int b_out = int(const_cast<const volatile int32_t&>(ss.cta_b));
+  const int kvh_out = int(const_cast<const volatile int32_t&>(ss.cta_kvh));
+  const int cols_stored = int(const_cast<const volatile int32_t&>(ss.walk_cols_valid));
   if constexpr (Tile::kKeyRows) {
     if (colsum) {
       if (colsum_per_head) {
-        if (n_iter == 0)
-          for (int h = kvh * group; h < (kvh + 1) * group; ++h) colsum_flush(h);
+        if (int(const_cast<const volatile int32_t&>(ss.walk_n_iter)) == 0)
+          for (int h = kvh_out * group; h < (kvh_out + 1) * group; ++h) colsum_flush(h);
       } else {
-        colsum_flush(kvh * group);
+        colsum_flush(kvh_out * group);
       }
     }
   }
-  // (kWalkInSmem: the key block's valid columns read again rather than held through the loop)
-  const int cols_stored = Tile::kWalkInSmem ? int(const_cast<const volatile int32_t&>(ss.walk_cols_valid)) : cols_valid;
   // The gate's ddelta: every key of the block (0 where no query reached it).
   if constexpr (Tile::kGate) {
     if (a.ddelta != nullptr) {
       consumers_sync();  // (every warp's last column sums added)
-      store_ddelta_sums<Element, kBlockN, 4, kConsumerThreads>(a, ss.gate_col.data(), b, kvh, n0, cols_stored, ctid);
+      store_ddelta_sums<Element, kBlockN, 4, kConsumerThreads>(a, ss.gate_col.data(), b_out, kvh_out, n0, cols_stored,
+                                                               ctid);
     }
   }
-  Element* gdK = static_cast<Element*>(a.dk) + int64_t(b) * a.dk_bs + int64_t(seq.k0() + n0) * a.dk_rs + int64_t(kvh) * a.dk_hs;
-  Element* gdV = static_cast<Element*>(a.dv) + int64_t(b) * a.dv_bs + int64_t(seq.k0() + n0) * a.dv_rs + int64_t(kvh) * a.dv_hs;
+  const int64_t k_row = SeqBoundsOf<kPacked ? kSeqFormPacked : kSeqFormDense>(f, b_out).k0() + n0;
+  Element* gdK = static_cast<Element*>(a.dk) + int64_t(b_out) * a.dk_bs + k_row * a.dk_rs + int64_t(kvh_out) * a.dk_hs;
+  Element* gdV = static_cast<Element*>(a.dv) + int64_t(b_out) * a.dv_bs + k_row * a.dv_rs + int64_t(kvh_out) * a.dv_hs;
   Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor tcKV = thr_dkv.partition_C(cKV);
   bwd_store_acc_pairs<Element>(acc_dk, tcKV, gdK, a.dk_rs, cols_stored, f.head_dim, f.scale);

@@ -263,6 +263,7 @@ struct BwdWsTile {
     int32_t end_max[kNThreads / 32];  // key_block_end_max's per-warp maxima
     // The CTA's query-block walk, read by the consumers where they need it (kWalkInSmem).
     int32_t walk_m_lo, walk_m_hi, walk_n_m, walk_n_iter, walk_cols_valid;
+    int32_t cta_b, cta_kvh;  // the CTA's batch and kv head (read by the consumers after their loop)
     BlockWalk m_walk;  // the query blocks' walk (windows with sinks; else the identity)
     SinkWindowTest window;  // windows with sinks: the KV head's element test
     ClearQueryBlocks window_clear;  // and the query blocks that need it not
