@@ -35,6 +35,15 @@ __device__ __forceinline__ int opaque_int(int x) {
 // vector registers' budget of a warp-specialized role does not pay for).
 __device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffff, x, 0); }
 
+// threadIdx.x read afresh (a volatile read, not merged with an earlier one): for code after a
+// register-bound loop, so that the thread's index and what derives from it are not held
+// through the loop.
+__device__ __forceinline__ int fresh_thread_index() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

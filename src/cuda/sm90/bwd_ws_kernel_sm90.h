@@ -327,12 +327,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       for (int t = 0; t < walk_iters(); ++t) {
         const int h = p_head_of(t);
         const int m0 = p_m_block_of(t) * kBlockM;
-        // (packed: the sequence's first rows and lengths, read once per block)
+        pipe_rows.producer_acquire(write);
+        auto& st = ss.rows[write.index()];
+        // (packed: the sequence's first rows and lengths, read once per block, once the stage is
+        // free: nothing of them is held through the wait)
         const int q0 = seq.q0(), len_q = seq.len_q();
         const int rows_valid = min(kBlockM, len_q - m0);
         const int64_t row_stat = seq.stat_offset(h, q0) + m0;
-        pipe_rows.producer_acquire(write);
-        auto& st = ss.rows[write.index()];
         if (packed && lane == 0) {
           st.seq_len[0] = len_q;
           st.seq_len[1] = seq.len_k();
@@ -571,7 +572,6 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   typename Tile::TiledMmadKV mma_dkv;
   typename Tile::TiledMmadQ mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(ctid);
-  auto thr_dkv = mma_dkv.get_thread_slice(ctid);
   auto thr_dq = mma_dq.get_thread_slice(Tile::kDqOneConsumer ? ctid % 128 : ctid);
   // The shared-memory operands (A, B) of a wgmma depend on the warpgroup only: they are taken
   // from the slice of the warpgroup's first thread, whose index comes from a shuffle of lane 0
@@ -806,7 +806,13 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         // Windows with sinks: the window's test (causal and the tails with it: a key past the
         // sequence lies above every valid query's diagonal) on the tiles the loader marked.
         if constexpr (Tile::kWindows) {
-          if (st.window_on) apply_sink_window(s_rc, tScS_rc, SinkWindowTest::load(ss.window), m0, n0);
+          if (st.window_on) {
+            // (the coordinates from the thread index read afresh: held through the loop, a piece
+            // of them was spilled)
+            Tensor tc = mma_sdp.get_thread_slice(fresh_thread_index() - 128).partition_C(cS);
+            apply_sink_window(s_rc, make_tensor(tc.data(), acc_rowcol(tc.layout())), SinkWindowTest::load(ss.window), m0,
+                              n0);
+          }
         } else if (win.block_needs_mask(m0, kBlockM, kBlockN, n_block)) {
           mask_and_bias_scores<false, true, Element, kBlockN>(s_rc, tScS_rc, m0, n0, win, nullptr, 0, nullptr, 0);
         }
@@ -826,7 +832,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         // shared address. Applied to the 64-bit generic pointer, as the swizzled layout does, each
         // address took five or six instructions of 64-bit arithmetic, recomputed in every block.
         auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
-        auto thr_r2s = r2s.get_thread_slice(ctid);
+        // (windows with sinks: from the thread index read afresh, as the window's test above; the
+        // addresses' pieces held through the loop were spilled there)
+        auto thr_r2s = r2s.get_thread_slice(Tile::kWindows ? fresh_thread_index() - 128 : ctid);
         Tensor rP = make_tensor<Element>(acc_s.layout());
         convert_fragment<Element, false>(acc_s, rP);
         copy(r2s, thr_r2s.retile_S(rP), thr_r2s.partition_D(as_position_independent_swizzle_tensor(sP_at(pbuf))));
@@ -972,6 +980,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   const int b_out = int(const_cast<const volatile int32_t&>(ss.cta_b));
   const int kvh_out = int(const_cast<const volatile int32_t&>(ss.cta_kvh));
   const int cols_stored = int(const_cast<const volatile int32_t&>(ss.walk_cols_valid));
+  const int ctid_out = fresh_thread_index() - 128;  // (its derived offsets are not held through the loop either)
   if constexpr (Tile::kKeyRows) {
     if (colsum) {
       if (colsum_per_head) {
@@ -987,14 +996,14 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     if (a.ddelta != nullptr) {
       consumers_sync();  // (every warp's last column sums added)
       store_ddelta_sums<Element, kBlockN, 4, kConsumerThreads>(a, ss.gate_col.data(), b_out, kvh_out, n0, cols_stored,
-                                                               ctid);
+                                                               ctid_out);
     }
   }
   const int64_t k_row = SeqBoundsOf<kPacked ? kSeqFormPacked : kSeqFormDense>(f, b_out).k0() + n0;
   Element* gdK = static_cast<Element*>(a.dk) + int64_t(b_out) * a.dk_bs + k_row * a.dk_rs + int64_t(kvh_out) * a.dk_hs;
   Element* gdV = static_cast<Element*>(a.dv) + int64_t(b_out) * a.dv_bs + k_row * a.dv_rs + int64_t(kvh_out) * a.dv_hs;
   Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
-  Tensor tcKV = thr_dkv.partition_C(cKV);
+  Tensor tcKV = mma_dkv.get_thread_slice(ctid_out).partition_C(cKV);
   bwd_store_acc_pairs<Element>(acc_dk, tcKV, gdK, a.dk_rs, cols_stored, f.head_dim, f.scale);
   bwd_store_acc_pairs<Element>(acc_dv, tcKV, gdV, a.dv_rs, cols_stored, f.head_dim, 1.f);
 #endif

@@ -93,10 +93,12 @@ struct BwdWsTile {
   static constexpr bool kGateTerms = kGate && kGateTermWarps;
   // The consumers read the CTA's query-block walk (its bounds, count and the key block's valid
   // columns) from shared memory and derive each block's head, query block and pipeline state from
-  // its index, instead of holding them through the loop: the gate beside key rows at head dim 64,
-  // whose consumers spilled 20 B holding them (none this way). (At 128 the same moved the spills
-  // into the row loader and grew them, 100 -> 132 B dense, 128 -> 164 B packed: ptxas -v.)
-  static constexpr bool kWalkInSmem = kGate && kKeyRows && kHeadDim_ == 64;
+  // its index, instead of holding them through the loop: the gate beside key rows, whose
+  // consumers spilled holding them (20 B at head dim 64; at 128, with the walk's bounds
+  // warp-uniform and the producer's roles reading them from shared memory, 16 B dense and 24 B
+  // packed with gate skipping, none this way: ptxas -v). The other key-row variants hold them
+  // (in shared memory they spilled more: 44 B against 0 dense).
+  static constexpr bool kWalkInSmem = kGate && kKeyRows;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = kHeadDim == 256 ? 64 : 128;

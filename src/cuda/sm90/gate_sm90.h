@@ -25,7 +25,7 @@ namespace dmattn::cuda::sm90 {
 // `count` rows on (past the sequence: never NaN, so that a zero G times them stays zero).
 template <typename Element, int kRows>
 __device__ __forceinline__ void load_gate_rows(float* dst, const GateRowSource& src, int first, int count) {
-  for (int r = threadIdx.x & 31; r < kRows; r += 32)
+  for (int r = opaque_int(threadIdx.x & 31); r < kRows; r += 32)
     dst[r] = r < count ? gate_load<Element>(src.base, int64_t(first + r) * src.step, src.fp32) : 0.f;
 }
 
