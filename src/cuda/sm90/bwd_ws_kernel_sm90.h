@@ -203,16 +203,14 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   m_hi = warp_uniform(m_hi);
   const int n_m = max(m_hi - m_lo, 0);
   const int n_iter = n_m * group;
-  {  // (published by the barrier below)
-    if (threadIdx.x == 0) {
-      ss.walk_m_lo = m_lo;
-      ss.walk_m_hi = m_hi;
-      ss.walk_n_m = n_m;
-      ss.walk_n_iter = n_iter;
-      ss.walk_cols_valid = min(kBlockN, seq.len_k() - n0);
-      ss.cta_b = b;
-      ss.cta_kvh = kvh;
-    }
+  if (threadIdx.x == 0) {  // (published by the barrier below)
+    ss.walk_m_lo = m_lo;
+    ss.walk_m_hi = m_hi;
+    ss.walk_n_m = n_m;
+    ss.walk_n_iter = n_iter;
+    ss.walk_cols_valid = min(kBlockN, seq.len_k() - n0);
+    ss.cta_b = b;
+    ss.cta_kvh = kvh;
   }
   // The gate: its column sums start at 0; on plain scores the key block's delta rows, once (the
   // kv head's: every query head of the CTA's walk shares them).
@@ -272,17 +270,18 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       return v;
     }
   };
-  auto head_of = [&](int t) { return kvh * group + t / n_m; };
-  auto m_block_of = [&](int t) { return m_at(m_lo + t % n_m); };
-
-  // The producer's roles read the walk from shared memory where they use it (held in their 40
-  // registers through the loops, its values spilled).
-  auto walk_iters = [&] { return int(const_cast<const volatile int32_t&>(ss.walk_n_iter)); };
-  auto walk_lo = [&] { return int(const_cast<const volatile int32_t&>(ss.walk_m_lo)); };
-  auto walk_hi = [&] { return int(const_cast<const volatile int32_t&>(ss.walk_m_hi)); };
-  auto walk_n_m = [&] { return int(const_cast<const volatile int32_t&>(ss.walk_n_m)); };
-  auto p_head_of = [&](int t) { return kvh * group + t / walk_n_m(); };
-  auto p_m_block_of = [&](int t) { return m_at(walk_lo() + t % walk_n_m()); };
+  // The walk and the CTA's coordinates read again from shared memory where they are used: the
+  // producer's roles (held in their 40 registers through the loops, they spilled) and the
+  // consumers' epilogue (held through the query loop, they took the consumers' registers).
+  // (A volatile read: the compiler neither merges it with an earlier one nor hoists it.)
+  auto read_again = [](const int32_t& x) { return int(const_cast<const volatile int32_t&>(x)); };
+  auto walk_iters = [&] { return read_again(ss.walk_n_iter); };
+  auto walk_lo = [&] { return read_again(ss.walk_m_lo); };
+  auto walk_hi = [&] { return read_again(ss.walk_m_hi); };
+  auto walk_n_m = [&] { return read_again(ss.walk_n_m); };
+  auto walk_cols_valid = [&] { return read_again(ss.walk_cols_valid); };
+  auto head_of = [&](int t) { return kvh * group + t / walk_n_m(); };
+  auto m_block_of = [&](int t) { return m_at(walk_lo() + t % walk_n_m()); };
 
   if (warp_group == 0) {  // ---------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<Tile::kProducerRegs>();
@@ -325,8 +324,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     if (warp == 1) {  // the row statistics and key rows
       PipelineState write = cutlass::make_producer_start_state<RowPipeline>();
       for (int t = 0; t < walk_iters(); ++t) {
-        const int h = p_head_of(t);
-        const int m0 = p_m_block_of(t) * kBlockM;
+        const int h = head_of(t);
+        const int m0 = m_block_of(t) * kBlockM;
         pipe_rows.producer_acquire(write);
         auto& st = ss.rows[write.index()];
         // (packed: the sequence's first rows and lengths, read once per block, once the stage is
@@ -360,7 +359,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         // The key rows depend on the head only (the key block is the CTA's): a stage keeps
         // them from its previous use, kStages blocks back, while the head is the same.
         if constexpr (Tile::kKeyRows) {
-          if (t < Tile::kStages || p_head_of(t - Tile::kStages) != h)
+          if (t < Tile::kStages || head_of(t - Tile::kStages) != h)
             load_key_rows<Element, typename Tile::KeyRows, kBlockN, /*kUnrolled=*/false>(
                 st.keys, n_block, seq.len_k(), key_row_sources(f, b, h, seq.k0()));
         }
@@ -406,19 +405,19 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         for (int w = 0; w < Tile::kConsumers; ++w) NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqEmpty + w);
       }
       for (int t = 0; t < walk_iters(); ++t) {
-        const int mb = p_m_block_of(t);
+        const int mb = m_block_of(t);
         // Gate skipping on plain scores: a skipped cell's consumers stage no dQ (their turns are
         // kept, and so is the order of the adds in deterministic mode).
         const bool skipped = Tile::kGateSkip && !Tile::kKeyRows &&
-                             !gate_keeps(gate_keep_row(f.gate, opaque_int(b), p_head_of(t), mb * kBlockM), n_block);
+                             !gate_keeps(gate_keep_row(f.gate, opaque_int(b), head_of(t), mb * kBlockM), n_block);
         // (deterministic mode: this query block's flag, ordered_adds_sm90.h)
-        int* const order = a.dq_order != nullptr ? a.dq_order + (int64_t(b) * f.num_heads + p_head_of(t)) *
+        int* const order = a.dq_order != nullptr ? a.dq_order + (int64_t(b) * f.num_heads + head_of(t)) *
                                                                     dq_order_blocks(f.seqlen_q, kBlockM) + mb
                                                  : nullptr;
         // Packed batches: the sequence's rows from its first (q0). A block past the sequence's end
         // adds into the next sequence's rows too: zeros (the consumers zero those rows of dQ).
         const int q0 = packed ? seq.q0() : 0;
-        Tensor gdQ = local_tile(domain_offset(make_coord(q0, 0), mdQ(_, _, p_head_of(t), tb)),
+        Tensor gdQ = local_tile(domain_offset(make_coord(q0, 0), mdQ(_, _, head_of(t), tb)),
                                 Shape<Int<kBlockM>, Int<Tile::kDqBoxCols>>{}, make_coord(mb, _));
         auto [tdQgdQ, tdQsdQ] = tma_partition(p.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
                                               group_modes<0, 2>(gdQ));
@@ -431,7 +430,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
               if (w == 0 && dbias_tiles) {
                 Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data() + (t & 1) * Tile::kPElems),
                                          typename Tile::SmemLayoutP{});
-                Tensor gdB = local_tile(mdB(_, _, p_head_of(t), b), Shape<Int<kBlockM>, Int<kBlockN>>{},
+                Tensor gdB = local_tile(mdB(_, _, head_of(t), b), Shape<Int<kBlockM>, Int<kBlockN>>{},
                                         make_coord(mb, n_block));
                 auto [tBgB, tBsB] = tma_partition(p.tma_dbias, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdS),
                                                   group_modes<0, 2>(gdB));
@@ -511,14 +510,14 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     Tensor sB = make_tensor(make_smem_ptr(ss.bias.data()), typename Tile::SmemLayoutP{});
     // Block t's bias tile: (kBlockM, kBlockN) of its (head, batch) slice.
     auto bias_tile = [&](int t) {
-      return local_tile(mB(_, _, p.bias_heads == 1 ? 0 : p_head_of(t) / f.bias.head_div, p.bias_batch == 1 ? 0 : b),
-                        Shape<Int<kBlockM>, Int<kBlockN>>{}, make_coord(p_m_block_of(t), n_block));
+      return local_tile(mB(_, _, p.bias_heads == 1 ? 0 : head_of(t) / f.bias.head_div, p.bias_batch == 1 ? 0 : b),
+                        Shape<Int<kBlockM>, Int<kBlockN>>{}, make_coord(m_block_of(t), n_block));
     };
     // (packed: read once; reloaded in each block it cost 84 B more spills in the producer warps)
     const int q0 = packed ? seq.q0() : 0;
     // (the head and query block stepped, as the consumers do: dividing t each block took the
     // registers of a 40-register TMA thread at head dim 256)
-    int h = p_head_of(0), mb = walk_lo();
+    int h = head_of(0), mb = walk_lo();
     for (int t = 0; t < walk_iters(); ++t) {
       const int m_block = m_at(mb);
       Tensor gQ = local_tile(domain_offset(make_coord(q0, 0), mQ(_, _, h, tb)), Shape<Int<kBlockM>, Int<kHeadDim>>{},
@@ -623,8 +622,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   auto consumers_sync = [] { NamedBarrier::sync(kConsumerThreads, Bar::kColSum); };
   auto colsum_flush = [&](int h) {
     colsum_flush_smem<Element, kBlockN, 1, kConsumerThreads>(
-        a, ss.colsum.data(), int(const_cast<const volatile int32_t&>(ss.cta_b)), h, n0,
-        int(const_cast<const volatile int32_t&>(ss.walk_cols_valid)), ctid, consumers_sync);
+        a, ss.colsum.data(), read_again(ss.cta_b), h, n0, walk_cols_valid(), ctid, consumers_sync);
   };
 
   // Packed batches: the rows of a tile past its sequence's end are the next sequence's (zeros
@@ -659,18 +657,17 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     // derived from t and the walk in shared memory, as is the pipelines' state; volatile reads,
     // so that none of it is held through the loop).
     int h = kvh * group, mb = m_lo;
-    const volatile int32_t& walk_n_iter = ss.walk_n_iter;
     auto blocks = [&]() {
-      if constexpr (Tile::kWalkInSmem) return int(walk_n_iter);
+      if constexpr (Tile::kWalkInSmem) return walk_iters();
       else return n_iter;
     };
     // Head dim 256: consumer 1's arrivals for consumer 0's first turn (with the writer's).
     if (Tile::kDqTurns && consumer == 1) cutlass::arch::ClusterBarrier::arrive(&ss.dq_turn[0]);
     for (int t = 0; t < blocks(); ++t) {
       if constexpr (Tile::kWalkInSmem) {
-        const int walk_n_m = const_cast<const volatile int32_t&>(ss.walk_n_m);
-        h = kvh * group + t / walk_n_m;
-        mb = const_cast<const volatile int32_t&>(ss.walk_m_lo) + t % walk_n_m;
+        const int n_m_now = walk_n_m();
+        h = kvh * group + t / n_m_now;
+        mb = walk_lo() + t % n_m_now;
         read = pipeline_state_at<Tile::kStages>(uint32_t(t), false);
       }
       const auto read_do = read_do_at(t);
@@ -974,17 +971,16 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
     }
   }
 
-  // dbias pieces nothing reached, then dK / dV. (The CTA's coordinates and the key block's valid
-  // columns read again from shared memory: held through the loop, they took the consumers'
-  // registers.)
-  const int b_out = int(const_cast<const volatile int32_t&>(ss.cta_b));
-  const int kvh_out = int(const_cast<const volatile int32_t&>(ss.cta_kvh));
-  const int cols_stored = int(const_cast<const volatile int32_t&>(ss.walk_cols_valid));
+  // dbias pieces nothing reached, then dK / dV (the CTA's coordinates and the key block's valid
+  // columns read again, above).
+  const int b_out = read_again(ss.cta_b);
+  const int kvh_out = read_again(ss.cta_kvh);
+  const int cols_stored = walk_cols_valid();
   const int ctid_out = fresh_thread_index() - 128;  // (its derived offsets are not held through the loop either)
   if constexpr (Tile::kKeyRows) {
     if (colsum) {
       if (colsum_per_head) {
-        if (int(const_cast<const volatile int32_t&>(ss.walk_n_iter)) == 0)
+        if (walk_iters() == 0)
           for (int h = kvh_out * group; h < (kvh_out + 1) * group; ++h) colsum_flush(h);
       } else {
         colsum_flush(kvh_out * group);
