@@ -405,19 +405,19 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
         for (int w = 0; w < Tile::kConsumers; ++w) NamedBarrier::arrive(Bar::kDqThreads, Bar::kDqEmpty + w);
       }
       for (int t = 0; t < walk_iters(); ++t) {
-        const int mb = m_block_of(t);
+        const int mb = m_block_of(t), h = head_of(t);
         // Gate skipping on plain scores: a skipped cell's consumers stage no dQ (their turns are
         // kept, and so is the order of the adds in deterministic mode).
         const bool skipped = Tile::kGateSkip && !Tile::kKeyRows &&
-                             !gate_keeps(gate_keep_row(f.gate, opaque_int(b), head_of(t), mb * kBlockM), n_block);
+                             !gate_keeps(gate_keep_row(f.gate, opaque_int(b), h, mb * kBlockM), n_block);
         // (deterministic mode: this query block's flag, ordered_adds_sm90.h)
-        int* const order = a.dq_order != nullptr ? a.dq_order + (int64_t(b) * f.num_heads + head_of(t)) *
+        int* const order = a.dq_order != nullptr ? a.dq_order + (int64_t(b) * f.num_heads + h) *
                                                                     dq_order_blocks(f.seqlen_q, kBlockM) + mb
                                                  : nullptr;
         // Packed batches: the sequence's rows from its first (q0). A block past the sequence's end
         // adds into the next sequence's rows too: zeros (the consumers zero those rows of dQ).
         const int q0 = packed ? seq.q0() : 0;
-        Tensor gdQ = local_tile(domain_offset(make_coord(q0, 0), mdQ(_, _, head_of(t), tb)),
+        Tensor gdQ = local_tile(domain_offset(make_coord(q0, 0), mdQ(_, _, h, tb)),
                                 Shape<Int<kBlockM>, Int<Tile::kDqBoxCols>>{}, make_coord(mb, _));
         auto [tdQgdQ, tdQsdQ] = tma_partition(p.tma_dq, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdQ),
                                               group_modes<0, 2>(gdQ));
@@ -430,7 +430,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
               if (w == 0 && dbias_tiles) {
                 Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data() + (t & 1) * Tile::kPElems),
                                          typename Tile::SmemLayoutP{});
-                Tensor gdB = local_tile(mdB(_, _, head_of(t), b), Shape<Int<kBlockM>, Int<kBlockN>>{},
+                Tensor gdB = local_tile(mdB(_, _, h, b), Shape<Int<kBlockM>, Int<kBlockN>>{},
                                         make_coord(mb, n_block));
                 auto [tBgB, tBsB] = tma_partition(p.tma_dbias, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdS),
                                                   group_modes<0, 2>(gdB));
