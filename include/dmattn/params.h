@@ -193,6 +193,15 @@ struct ForwardParams {
   const int32_t* block_table = nullptr;
   int64_t block_table_stride = 0, page_size = 0;
   float* split_workspace = nullptr;
+  // allocate_out (optional, decode only): out's storage, allocated by the call once its first
+  // decode kernel is launched where that kernel writes partial rows only (key splits, the merge
+  // writing out), so that the GPU starts without waiting for the allocation; at once otherwise.
+  // out's data is then a placeholder (never read or written) and its shape and strides are
+  // checked as given; allocate_out(allocate_out_context) returns storage of that layout. A call
+  // that launches nothing (an empty batch, query or head axis) never calls it. Null: out holds
+  // its storage already.
+  void* (*allocate_out)(void* context) = nullptr;
+  void* allocate_out_context = nullptr;
 
   bool is_varlen() const { return cu_seqlens_q != nullptr; }
   bool has_key_positions() const { return key_positions != nullptr; }

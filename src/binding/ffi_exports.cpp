@@ -416,9 +416,30 @@ tvm::ffi::Tensor env_empty(std::initializer_list<int64_t> shape, DLDataType dtyp
   return tvm::ffi::Tensor::FromEnvAlloc(TVMFFIEnvTensorAlloc, shape, dtype, device);
 }
 
+// out of a decode call allocated by the call itself (ForwardParams::allocate_out): like q,
+// contiguous, through env_empty. The placeholder stands for its data until then (16-byte
+// aligned, never dereferenced).
+struct DecodeOut {
+  int64_t batch, seqlen_q, heads, head_dim;
+  DLDataType dtype;
+  DLDevice device;
+  tvm::ffi::Tensor tensor;
+  bool allocated = false;
+  alignas(256) static inline char placeholder[16];
+
+  static void* allocate(void* self) {
+    auto* o = static_cast<DecodeOut*>(self);
+    o->tensor = env_empty({o->batch, o->seqlen_q, o->heads, o->head_dim}, o->dtype, o->device);
+    o->allocated = true;
+    return static_cast<char*>(o->tensor.data_ptr()) + o->tensor.byte_offset();
+  }
+};
+
 // The decode kernel with out (like q, contiguous), the splits' workspace (for the balanced form
 // too where inputs.balanced and the shapes take it) and, where lse is null, the lse allocated
-// here (env_empty). inputs: the key side but the workspace. Returns out.
+// here (env_empty). inputs: the key side but the workspace. out is allocated by the call
+// (DecodeOut): on CUDA with key splits after the decode kernel's launch, so that an idle GPU
+// starts that much sooner. Returns out.
 tvm::ffi::Tensor run_decode_allocating(const dmattn::TensorDesc& q, const dmattn::TensorDesc& k,
                                        const dmattn::TensorDesc& v, const dmattn::TensorDesc* lse,
                                        const dmattn::TensorDesc* mask, const dmattn::TensorDesc* bias,
@@ -437,7 +458,10 @@ tvm::ffi::Tensor run_decode_allocating(const dmattn::TensorDesc& q, const dmattn
                                                                      batch, seqlen_q, heads, k.shape[2], head_dim,
                                                                      seqlen_k));
   }
-  tvm::ffi::Tensor out = empty({batch, seqlen_q, heads, head_dim}, dtype);
+  DecodeOut out{batch, seqlen_q, heads, head_dim, dtype, device, {}};
+  dmattn::TensorDesc out_d = q;  // (q's dtype, device and shape; contiguous, at the placeholder)
+  out_d.data = DecodeOut::placeholder;
+  out_d.strides = {seqlen_q * heads * head_dim, heads * head_dim, head_dim, 1};
   // An lse the caller does not want goes to the workspace's tail when there is one (one
   // allocation fewer), else to a tensor of its own.
   const int64_t rows = batch * heads * seqlen_q, partials = num_splits * rows * (head_dim + 1);
@@ -462,11 +486,17 @@ tvm::ffi::Tensor run_decode_allocating(const dmattn::TensorDesc& q, const dmattn
     lse_d = to_desc(own_lse);
   }
   inputs.workspace = num_splits > 1 ? &workspace_d : nullptr;
-  dmattn::ForwardParams p =
-      dmattn::make_decode_forward_params(q, k, v, to_desc(out), lse_d, mask, bias, options, inputs);
+  dmattn::ForwardParams p = dmattn::make_decode_forward_params(q, k, v, out_d, lse_d, mask, bias, options, inputs);
   p.stream = current_stream(p);
+  if (device.device_type == kDLCUDA && p.decode_splits > 0) {  // (the decode kernels: the call allocates)
+    p.allocate_out = &DecodeOut::allocate;
+    p.allocate_out_context = &out;
+  } else {
+    p.out = DecodeOut::allocate(&out);
+  }
   dmattn::run_forward(p);
-  return out;
+  if (!out.allocated) DecodeOut::allocate(&out);  // (a call that launched nothing: an empty out)
+  return out.tensor;
 }
 
 // forward_decode with its outputs allocated here, through tvm-ffi's environment allocator (a

@@ -41,6 +41,7 @@ CASES = [
     ([1, 200, 2, 33], [9000, 200, 700, 300], 8, 2, 64),     # long sequences on the general kernels
     ([2, 7, 1], [1000, 2500, 30], 6, 2, 256),               # head dim 256: 16-row chunks up to 64 rows
     ([3, 1, 12], [4096, 8192, 33], 32, 8, 128),             # the usual 4-way GQA
+    ([1, 2, 1, 3], [6000, 2100, 0, 900], 16, 2, 64),        # 8-way GQA: 8 rows (Hopper: the narrow kernel), 16, 24
 ]
 
 

@@ -252,6 +252,41 @@ def test_gpu_full_row_tiles(seqlen_q, page_size, bias):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("seqlen_q,heads,heads_kv", [(1, 8, 1), (1, 4, 4), (2, 8, 2), (1, 6, 2), (3, 4, 2),
+                                                     (1, 32, 8)])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("opts", [dict(), dict(window=(700, -1)), dict(softcap=20.0), dict(causal=False)])
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_gpu_narrow_rows(seqlen_q, heads, heads_kv, head_dim, opts, page_size):
+    """Up to 8 packed rows a kv head (on Hopper the narrow kernel: rows on wgmma's N): groups of
+    8, 1, 4, 3 and 2 query heads, one to three queries, head dims of both buckets (96 zero-fills
+    the last columns), causal with and without a left window, softcap, non-causal; ragged caches
+    from empty to several key splits (a last partial stage, splits left empty by a short row),
+    contiguous and paged; NaN in every slot past a row's length. out and lse against float64."""
+    case = _make_case("cuda", torch.bfloat16, batch=4, seqlen_q=seqlen_q, heads=heads, heads_kv=heads_kv,
+                      head_dim=head_dim, capacity=4096, lens=[4000, 0, 1337, 63], new=seqlen_q, page_size=page_size)
+    out, lse = _run(case, **opts)
+    _check(case, out, lse, **opts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 2, 3, 4, 7, 8, 64])
+def test_gpu_narrow_forced_splits(splits, nan_poison):
+    """The narrow kernel (up to 8 rows on Hopper) at forced split counts, one to 64: every count
+    gives the float64 answer with NaN-poisoned outputs and workspace, including the empty splits
+    of a short row and of an empty one (their partial rows 0 with lse -inf for the merge)."""
+    from dmattn.decode_kernel import _run_decode
+
+    case = _make_case("cuda", torch.bfloat16, batch=3, seqlen_q=1, heads=8, heads_kv=2, head_dim=128,
+                      capacity=4096, lens=[4095, 100, 0], new=1)
+    k, v = case["k_log"].cuda(), case["v_log"].cuda()
+    lens = (case["lens"] + 1).to(torch.int32).cuda()
+    out, lse = _run_decode(case["q"], k, v, None, None, True, -1, -1, 128 ** -0.5, 0.0, lens, None, splits)
+    case = dict(case, new=1)
+    _check(case, out, lse)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mask", [True, False])
 @pytest.mark.parametrize("head_dim", [64, 96, 256])
 def test_gpu_row_chunks_head_dims(head_dim, mask):

@@ -17,6 +17,9 @@ inline constexpr int kDecodeRows = 16;
 inline constexpr int kDecodeChunkRows = 64;
 // ... for head dims up to this; larger ones take chunks of kDecodeRows rows.
 inline constexpr int kDecodeRowsMaxHeadDim = 128;
+// Packed query rows the narrow kernel holds (sm90/decode_narrow_sm90.h: wgmma's smallest N, the
+// rows transposed onto it); on Hopper a call of that many rows or fewer takes it.
+inline constexpr int kDecodeNarrowRows = 8;
 // Key splits at most (the combine kernel keeps one weight per split in shared memory).
 inline constexpr int kDecodeMaxSplits = 128;
 // A split reads at least this many keys: below it the partial rows' write and the combine

@@ -162,17 +162,20 @@ std::vector<PackedLaunch> packed_launches(const SplitTable& table, int64_t group
                                           int64_t max_seqlen_q, int64_t max_seqlen_k) {
   const int64_t max_m = std::clamp<int64_t>(max_seqlen_k / kDecodeMinKeysPerSplit, 1, kDecodeMaxSplits);
   // The one-tile kernel takes up to one tile of rows (at head dims above 128 up to
-  // kDecodePackedMaxRows, in chunks); the 64-row kernel the rest (decode_rows_chunked).
+  // kDecodePackedMaxRows, in chunks); the 64-row kernel the rest (decode_rows_chunked). On Hopper
+  // the narrow kernel takes up to kDecodeNarrowRows rows (decode_narrow_on): a launch of their own.
   const bool rows_kernel = decode_max_head_dim(static_cast<int>(head_dim)) <= kDecodeRowsMaxHeadDim;
   const int one_tile_hi = rows_kernel ? kDecodeRows : kDecodePackedMaxRows;
+  const int narrow_hi = rows_kernel ? kDecodeNarrowRows : 0;
   std::vector<PackedLaunch> launches;
-  for (const auto& [lo, hi] : {std::pair<int, int>{0, one_tile_hi}, {one_tile_hi, kDecodePackedMaxRows}}) {
+  for (const auto& [lo, hi] : {std::pair<int, int>{0, narrow_hi}, {narrow_hi, one_tile_hi},
+                               {one_tile_hi, kDecodePackedMaxRows}}) {
     if (lo >= hi) continue;
     PackedLaunch l;
     l.rows_lo = lo, l.rows_hi = hi;
     l.seqlen_q = std::min<int64_t>(max_seqlen_q, hi / group);  // the most queries a sequence in range has
     if (l.seqlen_q * group <= lo) continue;                     // none can be in range
-    const int64_t chunk_rows = lo == 0 ? kDecodeRows : kDecodeChunkRows;
+    const int64_t chunk_rows = lo < one_tile_hi ? kDecodeRows : kDecodeChunkRows;
     l.row_chunks = (l.seqlen_q * group + chunk_rows - 1) / chunk_rows;
     for (int64_t c = 1; c <= l.row_chunks; ++c) {
       for (int64_t m = 1; m <= max_m; ++m) l.num_splits = std::max<int>(l.num_splits, table[c - 1][m - 1]);
@@ -291,10 +294,23 @@ void decode_forward(const ForwardParams& p) {
   check_cuda(cudaGetDevice(&prev), "cudaGetDevice");
   if (prev != p.device_id) check_cuda(cudaSetDevice(p.device_id), "cudaSetDevice");
   auto stream = static_cast<cudaStream_t>(p.stream);
+  // out allocated by the call (allocate_out): after the first launch's kernel where it writes
+  // partial rows only, so that the GPU starts it while the host allocates; else first.
+  const bool out_later =
+      p.allocate_out != nullptr && launches.front().num_splits > 1 && launches.front().balanced_ctas == 0;
   try {
-    for (const DecodeArgs& la : launches) {
-      if (p.dtype == DType::kBFloat16) run_decode<cutlass::bfloat16_t>(la, stream);
-      else run_decode<cutlass::half_t>(la, stream);
+    if (p.allocate_out != nullptr && !out_later) {
+      void* out = p.allocate_out(p.allocate_out_context);
+      check_seq_tensor("out", out, p.out_strides);
+      for (DecodeArgs& la : launches) la.out = out;
+    } else if (out_later) {
+      for (DecodeArgs& la : launches) la.out = nullptr;
+    }
+    for (size_t i = 0; i < launches.size(); ++i) {
+      void* out = p.dtype == DType::kBFloat16
+                      ? run_decode<cutlass::bfloat16_t>(launches[i], stream, p.allocate_out, p.allocate_out_context)
+                      : run_decode<cutlass::half_t>(launches[i], stream, p.allocate_out, p.allocate_out_context);
+      for (size_t j = i + 1; j < launches.size(); ++j) launches[j].out = out;
     }
   } catch (...) {
     if (prev != p.device_id) cudaSetDevice(prev);

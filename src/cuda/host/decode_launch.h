@@ -18,8 +18,12 @@ inline constexpr bool decode_rows_chunked(int64_t rows, int d) {
   return rows > kDecodeRows && decode_max_head_dim(d) <= kDecodeRowsMaxHeadDim;
 }
 
+// The decode kernel, then the merge of its key splits. a.out null: the kernel writes partial
+// rows only (key splits, not the balanced form), and out comes from allocate_out(context),
+// called between the two launches (ForwardParams::allocate_out). Returns the out used.
 template <typename Element>
-void run_decode(const DecodeArgs& a, cudaStream_t stream);
+void* run_decode(const DecodeArgs& a, cudaStream_t stream, void* (*allocate_out)(void*) = nullptr,
+                 void* context = nullptr);
 
 }  // namespace dmattn::cuda
 
@@ -30,6 +34,7 @@ void run_decode(const DecodeArgs& a, cudaStream_t stream);
 #include "cuda/decode/decode_rows_kernel.h"
 #include "cuda/common/device_info.h"
 #include "cuda/common/launch.h"
+#include "cuda/sm90/decode_narrow_sm90.h"
 #include "cuda/sm90/decode_sm90.h"
 #include "cuda/sm90/enabled.h"
 
@@ -70,6 +75,16 @@ void launch_decode_rows_kernel(const DecodeArgs& a, cudaStream_t stream) {
 inline bool decode_on_sm90() {
   static const bool off = sm90::env_switched_off("DMATTN_DECODE_SM90");
   return !off && sm90::device_runs_sm90_kernels();
+}
+
+// Whether a call the wgmma kernel takes without entries runs on the narrow kernel
+// (decode_narrow_sm90.h) instead: at most kDecodeNarrowRows packed rows (a packed batch's launch of
+// sequences of that many, or a call of one), not in the balanced form; unless
+// DMATTN_DECODE_NARROW=0 (for comparisons). Rows alone decide, so a packed batch and its
+// sequences take the same kernel.
+inline bool decode_narrow_on(const DecodeArgs& a) {
+  static const bool off = sm90::env_switched_off("DMATTN_DECODE_NARROW");
+  return !off && !a.balanced && int64_t(a.seqlen_q) * a.group <= kDecodeNarrowRows;
 }
 
 // Whether a call with entries takes the wgmma kernel with its bias product (decode_bias_sm90.h):
@@ -114,8 +129,12 @@ void launch_decode(const DecodeArgs& a, cudaStream_t stream) {
     }
     if ((!operands || decode_bias_on_sm90(a)) && decode_detail::keys_by_stage<Sm90Tile::kStageKeys>(a) &&
         decode_on_sm90()) {
-      if (operands) launch_on_decode_grid(decode_sm90_kernel<Element, kD, true>, Sm90Tile::kThreads,
-                                          Sm90Tile::kSmemBytes, a, stream);
+      using NarrowTile = decode_detail::DecodeNarrowTile<Element, kD>;
+      if (!operands && decode_narrow_on(a))
+        launch_on_decode_grid(decode_narrow_sm90_kernel<Element, kD>, NarrowTile::kThreads, NarrowTile::kSmemBytes, a,
+                              stream);
+      else if (operands) launch_on_decode_grid(decode_sm90_kernel<Element, kD, true>, Sm90Tile::kThreads,
+                                               Sm90Tile::kSmemBytes, a, stream);
       else launch_on_decode_grid(decode_sm90_kernel<Element, kD>, Sm90Tile::kThreads, Sm90Tile::kSmemBytes, a, stream);
       return;
     }
@@ -136,22 +155,31 @@ void launch_decode(const DecodeArgs& a, cudaStream_t stream) {
 }
 
 template <typename Element>
-void run_decode(const DecodeArgs& call, cudaStream_t stream) {
-  const DecodeArgs a = with_balanced_shares(call);
+void* run_decode(const DecodeArgs& call, cudaStream_t stream, void* (*allocate_out)(void*), void* context) {
+  DecodeArgs a = with_balanced_shares(call);
+  check(a.out != nullptr || (a.num_splits > 1 && !a.balanced && allocate_out != nullptr), ErrorKind::kValue,
+        "out: a decode launch that writes out from its kernel needs out allocated beforehand");
   switch (decode_max_head_dim(a.head_dim)) {
     case 64: launch_decode<Element, 64>(a, stream); break;
     case 128: launch_decode<Element, 128>(a, stream); break;
     default: launch_decode<Element, 256>(a, stream); break;
+  }
+  if (a.out == nullptr) {  // (the kernel is on its way: the merge is the first to write out)
+    a.out = allocate_out(context);
+    check(a.out != nullptr && reinterpret_cast<uintptr_t>(a.out) % 16 == 0, ErrorKind::kValue,
+          "out: the allocator returned no 16-byte aligned storage");
   }
   if (a.num_splits > 1 || a.balanced) {
     const int64_t rows = int64_t(a.batch) * a.num_heads * a.seqlen_q;
     launch_dependent_kernel(decode_combine_kernel<Element>, dim3(static_cast<unsigned>(rows)), kDecodeCombineThreads,
                             stream, a, sm90::device_runs_sm90_kernels(), "decode combine kernel launch");
   }
+  return a.out;
 }
 
 }  // namespace dmattn::cuda
 
 #define DMATTN_INSTANTIATE_DECODE(Element) \
-  template void dmattn::cuda::run_decode<Element>(const dmattn::cuda::DecodeArgs&, cudaStream_t);
+  template void* dmattn::cuda::run_decode<Element>(const dmattn::cuda::DecodeArgs&, cudaStream_t, void* (*)(void*), \
+                                                   void*);
 #endif
