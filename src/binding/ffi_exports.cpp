@@ -423,14 +423,12 @@ struct DecodeOut {
   int64_t batch, seqlen_q, heads, head_dim;
   DLDataType dtype;
   DLDevice device;
-  tvm::ffi::Tensor tensor;
-  bool allocated = false;
+  tvm::ffi::Tensor tensor;  // (undefined until allocated)
   alignas(256) static inline char placeholder[16];
 
   static void* allocate(void* self) {
     auto* o = static_cast<DecodeOut*>(self);
     o->tensor = env_empty({o->batch, o->seqlen_q, o->heads, o->head_dim}, o->dtype, o->device);
-    o->allocated = true;
     return static_cast<char*>(o->tensor.data_ptr()) + o->tensor.byte_offset();
   }
 };
@@ -495,7 +493,7 @@ tvm::ffi::Tensor run_decode_allocating(const dmattn::TensorDesc& q, const dmattn
     p.out = DecodeOut::allocate(&out);
   }
   dmattn::run_forward(p);
-  if (!out.allocated) DecodeOut::allocate(&out);  // (a call that launched nothing: an empty out)
+  if (!out.tensor.defined()) DecodeOut::allocate(&out);  // (a call that launched nothing: an empty out)
   return out.tensor;
 }
 

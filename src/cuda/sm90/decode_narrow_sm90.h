@@ -167,7 +167,6 @@ __global__ void __launch_bounds__(128, 2) decode_narrow_sm90_kernel(const Decode
 
   Tensor sQ = make_tensor(make_smem_ptr(sq), typename Tile::LayoutQ{});
   Tensor sPt = make_tensor(make_smem_ptr(sp), typename Tile::LayoutPt{});
-  Element* p_tile = sp;  // (P^T's stores by offset: through the tensor they took 64-bit generic addresses)
   Tensor tSsQ = wg_s.partition_fragment_B(sQ);
   Tensor tOsPt = wg_o.partition_fragment_B(sPt);
   clear(acc_o);
@@ -223,7 +222,7 @@ __global__ void __launch_bounds__(128, 2) decode_narrow_sm90_kernel(const Decode
       const int e = i % 2;
       const float p = fast_exp2(raw ? fmaf(s[i], scale_log2, -mu[e] * kDecodeLog2e) : (s[i] - mu[e]) * kDecodeLog2e);
       s[i] = p;
-      p_tile[narrow_p_offset(row0 + e, get<0>(tScS(i)))] = Element(p);
+      sp[narrow_p_offset(row0 + e, get<0>(tScS(i)))] = Element(p);  // (by offset: through sPt, 64-bit generic stores)
     }
     CUTE_UNROLL
     for (int e = 0; e < 2; ++e) l[e] = l[e] * alpha[e] + s[e] + s[e + 2];
