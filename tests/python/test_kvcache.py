@@ -272,8 +272,8 @@ def test_gpu_narrow_rows(seqlen_q, heads, heads_kv, head_dim, opts, page_size):
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [1, 2, 3, 4, 7, 8, 64])
 def test_gpu_narrow_forced_splits(splits, nan_poison):
-    """The narrow kernel (up to 8 rows on Hopper) at forced split counts, one to 64: every count
-    gives the float64 answer with NaN-poisoned outputs and workspace, including the empty splits
+    """The narrow kernel (up to 8 rows on Hopper) at forced split counts, one to 64 (each of its
+    CTAs reads two of them: one to 32 partial rows a row): every count gives the float64 answer with NaN-poisoned outputs and workspace, including the empty splits
     of a short row and of an empty one (their partial rows 0 with lse -inf for the merge)."""
     from dmattn.decode_kernel import _run_decode
 
@@ -284,6 +284,40 @@ def test_gpu_narrow_forced_splits(splits, nan_poison):
     out, lse = _run_decode(case["q"], k, v, None, None, True, -1, -1, 128 ** -0.5, 0.0, lens, None, splits)
     case = dict(case, new=1)
     _check(case, out, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlen_q,heads,heads_kv", [(1, 32, 8), (1, 8, 1), (2, 8, 2), (3, 4, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("operands", ["key bias", "fp32 bias", "query bias", "mask", "both strided"])
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_gpu_narrow_entries(seqlen_q, heads, heads_kv, head_dim, operands, page_size):
+    """Mask / bias entries with up to 8 rows a kv head (on Hopper the narrow kernel, each thread's
+    entries loaded a stage ahead): a per-key bias of q's dtype and of float32, a bias per query
+    row, a key mask, both as every other element of wider tensors; finfo.min and -inf entries,
+    a (batch, head) whose every key is masked (out 0, lse -inf), a window starting inside a
+    stage, ragged caches from a few keys to several splits, contiguous and paged."""
+    batch, cap = 3, 3072
+    lens = [3000 - seqlen_q, 1000 - seqlen_q, 41]
+    g = torch.Generator().manual_seed(seqlen_q * 1000 + heads * 10 + head_dim)
+    case = _make_case("cuda", torch.bfloat16, batch=batch, seqlen_q=seqlen_q, heads=heads, heads_kv=heads_kv,
+                      head_dim=head_dim, capacity=cap, lens=lens, new=seqlen_q, page_size=page_size,
+                      generator_seed=seqlen_q + head_dim)
+    wide = 2 if operands == "both strided" else 1  # strided: every other element of a wider tensor
+    if operands != "mask":
+        shape = (1, heads, seqlen_q, cap * wide) if operands == "query bias" else (batch, heads, 1, cap * wide)
+        bias = torch.randn(*shape, generator=g).to(torch.float32 if operands == "fp32 bias" else torch.bfloat16)
+        bias[..., 5 * wide] = torch.finfo(bias.dtype).min
+        bias[..., 9 * wide] = float("-inf")
+        case["bias"] = bias.cuda()[..., ::wide]
+    if operands in ("mask", "both strided"):
+        mask = torch.rand(batch, heads, 1, cap * wide, generator=g) > 0.25
+        mask[2, heads - 1] = False  # every key of (batch 2, the last head) masked
+        case["mask"] = mask.cuda()[..., ::wide]
+    out, lse = _run(case, window=(700, -1))
+    _check(case, out, lse, window=(700, -1))
+    if operands in ("mask", "both strided"):
+        assert torch.all(out[2, :, heads - 1] == 0) and torch.all(lse[2, heads - 1] == float("-inf"))
 
 
 @pytest.mark.gpu

@@ -154,13 +154,14 @@ __device__ __forceinline__ OperandRows operand_rows(const DecodeArgs& a, const D
   return r;
 }
 
-template <int kKeys>
-__device__ __forceinline__ void load_step_operands(const DecodeArgs& a, const OperandRows& rows, int jt, int ke,
-                                                   int lane, StepOperandsOf<kKeys>& op) {
-  constexpr int kHalf = kKeys / 4;  // entries of one row
+// Entry x of op: key key_of(x) of the thread's row row_of(x) (0 or 1, its row in `rows`); keys at
+// or past ke are not read (mask 1, bias 0).
+template <int kKeys, class KeyOf, class RowOf>
+__device__ __forceinline__ void load_operand_entries(const DecodeArgs& a, const OperandRows& rows, int ke,
+                                                     StepOperandsOf<kKeys>& op, KeyOf key_of, RowOf row_of) {
 #pragma unroll
-  for (int x = 0; x < 2 * kHalf; ++x) {
-    const int hf = x / kHalf, j = jt + (x % kHalf / 2) * 8 + (lane % 4) * 2 + x % 2;
+  for (int x = 0; x < StepOperandsOf<kKeys>::kEntries; ++x) {
+    const int hf = row_of(x), j = key_of(x);
     const bool in = j < ke;
     op.mask[x] = 1;
     if (in && a.mask.ptr != nullptr) op.mask[x] = a.mask.ptr[rows.mask[hf] + j * a.mask.sk];
@@ -171,6 +172,16 @@ __device__ __forceinline__ void load_step_operands(const DecodeArgs& a, const Op
                                : uint32_t(reinterpret_cast<const uint16_t*>(a.bias.ptr)[e]);
     }
   }
+}
+
+// The entries of an mma.sync step of kKeys keys from jt (the layout above).
+template <int kKeys>
+__device__ __forceinline__ void load_step_operands(const DecodeArgs& a, const OperandRows& rows, int jt, int ke,
+                                                   int lane, StepOperandsOf<kKeys>& op) {
+  constexpr int kHalf = kKeys / 4;  // entries of one row
+  load_operand_entries(
+      a, rows, ke, op, [&](int x) { return jt + (x % kHalf / 2) * 8 + (lane % 4) * 2 + x % 2; },
+      [](int x) { return x / kHalf; });
 }
 
 template <typename Element>

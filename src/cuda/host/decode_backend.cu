@@ -163,7 +163,7 @@ std::vector<PackedLaunch> packed_launches(const SplitTable& table, int64_t group
   const int64_t max_m = std::clamp<int64_t>(max_seqlen_k / kDecodeMinKeysPerSplit, 1, kDecodeMaxSplits);
   // The one-tile kernel takes up to one tile of rows (at head dims above 128 up to
   // kDecodePackedMaxRows, in chunks); the 64-row kernel the rest (decode_rows_chunked). On Hopper
-  // the narrow kernel takes up to kDecodeNarrowRows rows (decode_narrow_on): a launch of their own.
+  // the narrow kernel takes up to kDecodeNarrowRows rows (decode_narrow_takes): a launch of their own.
   const bool rows_kernel = decode_max_head_dim(static_cast<int>(head_dim)) <= kDecodeRowsMaxHeadDim;
   const int one_tile_hi = rows_kernel ? kDecodeRows : kDecodePackedMaxRows;
   const int narrow_hi = rows_kernel ? kDecodeNarrowRows : 0;
@@ -281,36 +281,26 @@ void decode_forward(const ForwardParams& p) {
     }
     launches.push_back(a);
   }
-  // The splits' partial rows: (num_splits, B, H, Sq, D), then their lse; packed (num_splits, 1,
-  // H, total_q, D). Packed launches run one after the other on the stream and share it.
-  const int64_t rows = p.is_varlen() ? p.num_heads * p.total_q : p.batch * p.num_heads * p.seqlen_q;
+  // The splits' partial rows and their lse in the workspace (run_decode places the lse after the
+  // rows of its kernel's splits). Packed launches run one after the other on the stream and share it.
   for (DecodeArgs& la : launches) {
     la.part_out = p.split_workspace;  // (also with one split: the balanced form's, decode_launch.h)
     la.workspace_floats = p.split_workspace_floats;
-    if (la.num_splits > 1) la.part_lse = p.split_workspace + int64_t(la.num_splits) * rows * p.head_dim;
   }
 
   int prev = -1;
   check_cuda(cudaGetDevice(&prev), "cudaGetDevice");
   if (prev != p.device_id) check_cuda(cudaSetDevice(p.device_id), "cudaSetDevice");
   auto stream = static_cast<cudaStream_t>(p.stream);
-  // out allocated by the call (allocate_out): after the first launch's kernel where it writes
-  // partial rows only, so that the GPU starts it while the host allocates; else first.
-  const bool out_later =
-      p.allocate_out != nullptr && launches.front().num_splits > 1 && launches.front().balanced_ctas == 0;
   try {
-    if (p.allocate_out != nullptr && !out_later) {
-      void* out = p.allocate_out(p.allocate_out_context);
-      check_seq_tensor("out", out, p.out_strides);
-      for (DecodeArgs& la : launches) la.out = out;
-    } else if (out_later) {
-      for (DecodeArgs& la : launches) la.out = nullptr;
-    }
-    for (size_t i = 0; i < launches.size(); ++i) {
-      void* out = p.dtype == DType::kBFloat16
-                      ? run_decode<cutlass::bfloat16_t>(launches[i], stream, p.allocate_out, p.allocate_out_context)
-                      : run_decode<cutlass::half_t>(launches[i], stream, p.allocate_out, p.allocate_out_context);
-      for (size_t j = i + 1; j < launches.size(); ++j) launches[j].out = out;
+    // out allocated by the call (allocate_out): by the first launch (run_decode: after its kernel
+    // where that writes partial rows only, so that the GPU starts while the host allocates).
+    void* out = p.allocate_out != nullptr ? nullptr : p.out;
+    for (DecodeArgs& la : launches) {
+      la.out = out;
+      out = p.dtype == DType::kBFloat16
+                ? run_decode<cutlass::bfloat16_t>(la, stream, p.allocate_out, p.allocate_out_context)
+                : run_decode<cutlass::half_t>(la, stream, p.allocate_out, p.allocate_out_context);
     }
   } catch (...) {
     if (prev != p.device_id) cudaSetDevice(prev);

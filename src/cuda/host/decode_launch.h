@@ -18,9 +18,9 @@ inline constexpr bool decode_rows_chunked(int64_t rows, int d) {
   return rows > kDecodeRows && decode_max_head_dim(d) <= kDecodeRowsMaxHeadDim;
 }
 
-// The decode kernel, then the merge of its key splits. a.out null: the kernel writes partial
-// rows only (key splits, not the balanced form), and out comes from allocate_out(context),
-// called between the two launches (ForwardParams::allocate_out). Returns the out used.
+// The decode kernel, then the merge of its key splits. a.out null: out comes from
+// allocate_out(context) (ForwardParams::allocate_out), called between the two launches where the
+// kernel writes partial rows only, else before it. Returns the out used.
 template <typename Element>
 void* run_decode(const DecodeArgs& a, cudaStream_t stream, void* (*allocate_out)(void*) = nullptr,
                  void* context = nullptr);
@@ -77,14 +77,45 @@ inline bool decode_on_sm90() {
   return !off && sm90::device_runs_sm90_kernels();
 }
 
-// Whether a call the wgmma kernel takes without entries runs on the narrow kernel
-// (decode_narrow_sm90.h) instead: at most kDecodeNarrowRows packed rows (a packed batch's launch of
-// sequences of that many, or a call of one), not in the balanced form; unless
-// DMATTN_DECODE_NARROW=0 (for comparisons). Rows alone decide, so a packed batch and its
-// sequences take the same kernel.
-inline bool decode_narrow_on(const DecodeArgs& a) {
+// Whether a call runs on the narrow kernel (decode_narrow_sm90.h), with or without mask / bias
+// entries of any layout: at most kDecodeNarrowRows packed rows (a packed batch's launch of
+// sequences of that many, or a call of one), head dims up to 128, keys found a stage at a time
+// (as the wgmma kernel's), on Hopper, not in the balanced form; unless DMATTN_DECODE_NARROW=0 (for
+// comparisons: then the wgmma kernel or the mma.sync kernels). Rows and the cache's form decide,
+// so a packed batch and its sequences take the same kernel.
+inline bool decode_narrow_takes(const DecodeArgs& a) {
   static const bool off = sm90::env_switched_off("DMATTN_DECODE_NARROW");
-  return !off && !a.balanced && int64_t(a.seqlen_q) * a.group <= kDecodeNarrowRows;
+  return !off && !a.balanced && int64_t(a.seqlen_q) * a.group <= kDecodeNarrowRows &&
+         decode_max_head_dim(a.head_dim) <= kDecodeRowsMaxHeadDim &&
+         decode_detail::keys_by_stage<decode_detail::kNarrowStageKeys>(a) &&
+         decode_on_sm90();
+}
+
+// The narrow kernel's splits: its CTA streams K / V at the memory's pace alone on an SM, where the
+// split counts (decode_num_splits) fill two CTAs an SM, so each CTA reads the keys of two of them:
+// (n + 1) / 2 splits of a call's n, and of a packed sequence's (its split_table entries), so that a
+// sequence keeps its own call's splits packed. A function of the counts alone: a forced count
+// halves too. The other kernels' calls are returned as they are.
+inline DecodeArgs with_narrow_splits(const DecodeArgs& a) {
+  if (!decode_narrow_takes(a)) return a;
+  DecodeArgs b = a;
+  b.num_splits = (a.num_splits + 1) / 2;
+  for (auto& chunks : b.split_table) {
+    for (uint8_t& n : chunks) n = static_cast<uint8_t>((n + 1) / 2);
+  }
+  return b;
+}
+
+// Where the splits' lse lie: after their partial rows (num_splits, B, H, Sq, D), or packed
+// (num_splits, 1, H, total_q, D), in the workspace at part_out (the balanced form's:
+// with_balanced_shares).
+inline DecodeArgs with_partial_lse(const DecodeArgs& a) {
+  if (a.balanced || a.num_splits <= 1) return a;
+  const int64_t rows = a.cu_seqlens_q != nullptr ? int64_t(a.num_heads) * a.total_q
+                                                 : int64_t(a.batch) * a.num_heads * a.seqlen_q;
+  DecodeArgs b = a;
+  b.part_lse = a.part_out + int64_t(a.num_splits) * rows * a.head_dim;
+  return b;
 }
 
 // Whether a call with entries takes the wgmma kernel with its bias product (decode_bias_sm90.h):
@@ -127,14 +158,18 @@ void launch_decode(const DecodeArgs& a, cudaStream_t stream) {
                                  Sm90Tile::kSmemBytes, a, stream);
       return;
     }
+    if (decode_narrow_takes(a)) {
+      using NarrowTile = decode_detail::DecodeNarrowTile<Element, kD>;
+      if (operands) launch_on_decode_grid(decode_narrow_sm90_kernel<Element, kD, true>, NarrowTile::kThreads,
+                                          NarrowTile::kSmemBytes, a, stream);
+      else launch_on_decode_grid(decode_narrow_sm90_kernel<Element, kD, false>, NarrowTile::kThreads,
+                                 NarrowTile::kSmemBytes, a, stream);
+      return;
+    }
     if ((!operands || decode_bias_on_sm90(a)) && decode_detail::keys_by_stage<Sm90Tile::kStageKeys>(a) &&
         decode_on_sm90()) {
-      using NarrowTile = decode_detail::DecodeNarrowTile<Element, kD>;
-      if (!operands && decode_narrow_on(a))
-        launch_on_decode_grid(decode_narrow_sm90_kernel<Element, kD>, NarrowTile::kThreads, NarrowTile::kSmemBytes, a,
-                              stream);
-      else if (operands) launch_on_decode_grid(decode_sm90_kernel<Element, kD, true>, Sm90Tile::kThreads,
-                                               Sm90Tile::kSmemBytes, a, stream);
+      if (operands) launch_on_decode_grid(decode_sm90_kernel<Element, kD, true>, Sm90Tile::kThreads,
+                                          Sm90Tile::kSmemBytes, a, stream);
       else launch_on_decode_grid(decode_sm90_kernel<Element, kD>, Sm90Tile::kThreads, Sm90Tile::kSmemBytes, a, stream);
       return;
     }
@@ -156,19 +191,24 @@ void launch_decode(const DecodeArgs& a, cudaStream_t stream) {
 
 template <typename Element>
 void* run_decode(const DecodeArgs& call, cudaStream_t stream, void* (*allocate_out)(void*), void* context) {
-  DecodeArgs a = with_balanced_shares(call);
-  check(a.out != nullptr || (a.num_splits > 1 && !a.balanced && allocate_out != nullptr), ErrorKind::kValue,
-        "out: a decode launch that writes out from its kernel needs out allocated beforehand");
+  DecodeArgs a = with_partial_lse(with_narrow_splits(with_balanced_shares(call)));
+  check(a.out != nullptr || allocate_out != nullptr, ErrorKind::kValue,
+        "out: a decode launch needs out or a way to allocate it");
+  const auto allocate = [&] {
+    a.out = allocate_out(context);
+    check(a.out != nullptr && reinterpret_cast<uintptr_t>(a.out) % 16 == 0, ErrorKind::kValue,
+          "out: the allocator returned no 16-byte aligned storage");
+  };
+  // out allocated here: before the kernel where it writes out (one split, or the balanced form),
+  // else once the kernel is on its way (the merge is the first to write out).
+  const bool kernel_writes_out = a.num_splits == 1 || a.balanced;
+  if (a.out == nullptr && kernel_writes_out) allocate();
   switch (decode_max_head_dim(a.head_dim)) {
     case 64: launch_decode<Element, 64>(a, stream); break;
     case 128: launch_decode<Element, 128>(a, stream); break;
     default: launch_decode<Element, 256>(a, stream); break;
   }
-  if (a.out == nullptr) {  // (the kernel is on its way: the merge is the first to write out)
-    a.out = allocate_out(context);
-    check(a.out != nullptr && reinterpret_cast<uintptr_t>(a.out) % 16 == 0, ErrorKind::kValue,
-          "out: the allocator returned no 16-byte aligned storage");
-  }
+  if (a.out == nullptr) allocate();
   if (a.num_splits > 1 || a.balanced) {
     const int64_t rows = int64_t(a.batch) * a.num_heads * a.seqlen_q;
     launch_dependent_kernel(decode_combine_kernel<Element>, dim3(static_cast<unsigned>(rows)), kDecodeCombineThreads,

@@ -1,6 +1,6 @@
 // The narrow decode kernel on Hopper (docs/decode.md, "The narrow kernel"): up to kNarrowRows
-// packed query rows (one query of a GQA group of up to 8 heads, two queries of 4, ...) against a
-// key split, without mask / bias entries, head dims up to 128. decode_sm90.h's kernel puts the
+// packed query rows (one query of a GQA group of up to 8 heads, two queries of 4, ...) against
+// two key splits' keys (below), with or without mask / bias entries, head dims up to 128. decode_sm90.h's kernel puts the
 // packed rows on wgmma's M, 64 rows of which a decoding step fills 4: every warp then runs the
 // online softmax over a 64 x 64 score tile a stage (32 scores a thread) for 4 live rows, and its
 // chain of work a stage -- not the memory -- sets the rate of a CTA. Here the products run
@@ -13,7 +13,11 @@
 // whole stage has one scale a row and O^T, complete in every thread, needs no merge. Each thread
 // keeps partial sums over its own keys, reduced once at the end. Three CTA barriers a stage: the
 // ring's, the maxima's and P^T's. The copies (one CTA-wide cp.async ring of three 64-key stages),
-// the splits, the transform and the stores are those of the other decode kernels.
+// the splits, the transform and the stores are those of the other decode kernels. Mask / bias
+// entries (any layout, as the mma.sync kernels read them) are a thread's 4 entries a stage,
+// loaded into registers a stage ahead and kept raw until their stage. One CTA streams K / V at
+// the memory's pace (two to an SM hide no more), so each reads the keys of two of the call's
+// splits (run_decode halves the split count: with_narrow_splits).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -28,6 +32,7 @@ namespace dmattn::cuda {
 namespace decode_detail {
 
 inline constexpr int kNarrowRows = kDecodeNarrowRows;  // (decode_args.h)
+inline constexpr int kNarrowStageKeys = 64;
 
 // One warpgroup; three stages of 64 keys of K and V (32 KB a stage at kD = 128), then Q (8 rows),
 // P^T (8 rows x 64 keys) and the maxima's exchange (4 warps x 8 rows): 100 KB at 128, two CTAs an
@@ -37,7 +42,7 @@ struct DecodeNarrowTile {
   static_assert(kD == 64 || kD == 128, "decode_narrow: head dims 64 and 128");
   static constexpr int kThreads = 128;
   static constexpr int kWarps = kThreads / 32;
-  static constexpr int kStageKeys = 64;
+  static constexpr int kStageKeys = kNarrowStageKeys;
   static constexpr int kStages = 3;
   static constexpr int kTileElems = kStageKeys * kD;  // K or V of a stage
   static constexpr int kStageBytes = 2 * kTileElems * 2;
@@ -100,12 +105,20 @@ __device__ __forceinline__ float narrow_row_sum(float v) {
   return v + __shfl_xor_sync(0xffffffff, v, 16);
 }
 
+// The mask / bias entries of the thread's 4 scores of the stage at key jt (S^T's values: keys
+// key[i], the thread's rows i % 2), raw (StepOperandsOf's).
+using NarrowOperands = StepOperandsOf<8>;
+__device__ __forceinline__ void load_narrow_operands(const DecodeArgs& a, const OperandRows& rows, int jt, int ke,
+                                                     const int (&key)[4], NarrowOperands& op) {
+  load_operand_entries(a, rows, ke, op, [&](int x) { return jt + key[x]; }, [](int x) { return x % 2; });
+}
+
 }  // namespace decode_detail
 
 // Grid (num_splits, heads_kv, batch) (row_chunks 1), DecodeNarrowTile's kThreads threads and
-// kSmemBytes of dynamic shared memory; at most kNarrowRows packed rows a sequence, no mask / bias
-// entries, keys found a stage at a time (keys_by_stage).
-template <typename Element, int kD>
+// kSmemBytes of dynamic shared memory; at most kNarrowRows packed rows a sequence, keys found a
+// stage at a time (keys_by_stage); kOperands: with mask / bias entries.
+template <typename Element, int kD, bool kOperands>
 __global__ void __launch_bounds__(128, 2) decode_narrow_sm90_kernel(const DecodeArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
@@ -161,9 +174,15 @@ __global__ void __launch_bounds__(128, 2) decode_narrow_sm90_kernel(const Decode
   const Tensor tOcO = mma_o.get_thread_slice(threadIdx.x).partition_C(make_identity_tensor(Shape<Int<kD>, Int<kNarrowRows>>{}));
   static_assert(decltype(size(acc_s))::value == 4, "S^T: two keys by two rows a thread");
   const int row0 = 2 * (lane % 4);  // the thread's rows row0, row0 + 1
-  int qi[2];
+  int qi[2], qh[2];  // their queries and heads (a row past the CTA's: its last row's)
   CUTE_UNROLL
-  for (int e = 0; e < 2; ++e) qi[e] = min(rc.c0 + min(row0 + e, rc.cta_rows - 1), seq.len_q * a.group - 1) / a.group;
+  for (int e = 0; e < 2; ++e) {
+    const int row = min(rc.c0 + min(row0 + e, rc.cta_rows - 1), seq.len_q * a.group - 1);
+    qi[e] = row / a.group, qh[e] = kvh * a.group + row % a.group;
+  }
+  int key[4];  // the stage's keys of S^T's values
+  CUTE_UNROLL
+  for (int i = 0; i < 4; ++i) key[i] = get<0>(tScS(i));
 
   Tensor sQ = make_tensor(make_smem_ptr(sq), typename Tile::LayoutQ{});
   Tensor sPt = make_tensor(make_smem_ptr(sp), typename Tile::LayoutPt{});
@@ -171,8 +190,14 @@ __global__ void __launch_bounds__(128, 2) decode_narrow_sm90_kernel(const Decode
   Tensor tOsPt = wg_o.partition_fragment_B(sPt);
   clear(acc_o);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // natural-log maxima; this thread's sums
+  const OperandRows op_rows = kOperands ? operand_rows(a, seq, qh, qi) : OperandRows{};
 
-  for (int t = 0; t < stages; ++t) {
+  // Stage t, its entries in cur; loads stage t + 1's into next.
+  const auto stage = [&](int t, const NarrowOperands& cur, NarrowOperands& next) {
+    const int jt = kb + t * kStageKeys;
+    if constexpr (kOperands) {
+      if (t + 1 < stages) load_narrow_operands(a, op_rows, jt + kStageKeys, ke, key, next);
+    }
     cp_async_wait<1>();            // stage t's copies (and Q's) have landed; stage t + 1's may be in flight
     sm90::gemm_wait<0>(acc_o);     // stage t - 1's P V product: its V and P^T are free after the barrier
     sm90::fence_smem_for_wgmma();  // (this thread's copies, for the tensor cores' reads)
@@ -186,16 +211,21 @@ __global__ void __launch_bounds__(128, 2) decode_narrow_sm90_kernel(const Decode
     sm90::gemm_wait<0>(acc_s);
 
     // The transform (decode_kernel.h's): inside the split and every row's window without a
-    // softcap, the raw products (their maxima scaled: the same maxima) and one FMA a score;
-    // else each score transformed and tested.
-    const int jt = kb + t * kStageKeys;
-    const bool raw = a.q_scale > 0.f && tile_inside(a, keys.off, i_first, i_last, jt, kStageKeys, ke);
+    // softcap, no per-key tests -- without entries the raw products (their maxima scaled: the
+    // same maxima) and one FMA a score; else each score transformed and tested.
+    const bool inside = tile_inside(a, keys.off, i_first, i_last, jt, kStageKeys, ke);
+    const bool raw = !kOperands && a.q_scale > 0.f && inside;
     float s[4];
     CUTE_UNROLL
     for (int i = 0; i < 4; ++i) {
       s[i] = acc_s(i);
-      if (!raw) {
-        const int j = jt + get<0>(tScS(i));
+      const int j = jt + key[i];
+      if constexpr (kOperands) {
+        const float bias = operand_bias<Element>(a, cur.bias[i]);
+        const bool allowed = cur.mask[i] != 0;
+        s[i] = inside ? transform_score<true, false>(a, s[i], qi[i % 2], j, keys.off, allowed, bias)
+                      : transform_score<true, true>(a, s[i], qi[i % 2], j, keys.off, allowed && j < ke, bias);
+      } else if (!raw) {
         s[i] = transform_score<false, true>(a, s[i], qi[i % 2], j, keys.off, j < ke, 0.f);
       }
     }
@@ -220,9 +250,10 @@ __global__ void __launch_bounds__(128, 2) decode_narrow_sm90_kernel(const Decode
     CUTE_UNROLL
     for (int i = 0; i < 4; ++i) {
       const int e = i % 2;
+      // (the subtraction first where the scores are transformed: exact near -FLT_MAX)
       const float p = fast_exp2(raw ? fmaf(s[i], scale_log2, -mu[e] * kDecodeLog2e) : (s[i] - mu[e]) * kDecodeLog2e);
       s[i] = p;
-      sp[narrow_p_offset(row0 + e, get<0>(tScS(i)))] = Element(p);  // (by offset: through sPt, 64-bit generic stores)
+      sp[narrow_p_offset(row0 + e, key[i])] = Element(p);  // (by offset: through sPt, 64-bit generic stores)
     }
     CUTE_UNROLL
     for (int e = 0; e < 2; ++e) l[e] = l[e] * alpha[e] + s[e] + s[e + 2];
@@ -233,6 +264,18 @@ __global__ void __launch_bounds__(128, 2) decode_narrow_sm90_kernel(const Decode
     Tensor sVt = make_tensor(make_smem_ptr(tile + Tile::kTileElems), typename Tile::LayoutVt{});
     Tensor tOsVt = wg_o.partition_fragment_A(sVt);
     sm90::gemm_issue</*kZeroInit=*/false, /*kRegA=*/false>(mma_o, tOsVt, tOsPt, acc_o);
+  };
+  // With entries, two stages an iteration, the entries' registers swapping roles (a copy would
+  // wait for the loads in flight).
+  NarrowOperands op_a{}, op_b{};
+  if constexpr (kOperands) {
+    if (stages > 0) load_narrow_operands(a, op_rows, kb, ke, key, op_a);
+    for (int t = 0; t < stages; t += 2) {
+      stage(t, op_a, op_b);
+      if (t + 1 < stages) stage(t + 1, op_b, op_a);
+    }
+  } else {
+    for (int t = 0; t < stages; ++t) stage(t, op_a, op_b);
   }
   sm90::gemm_wait<0>(acc_o);
   cp_async_wait<0>();
