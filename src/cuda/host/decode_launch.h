@@ -28,6 +28,8 @@ void* run_decode(const DecodeArgs& a, cudaStream_t stream, void* (*allocate_out)
 }  // namespace dmattn::cuda
 
 #ifdef DMATTN_DECODE_LAUNCH_IMPL
+#include <algorithm>
+
 #include "cuda/common/check.h"
 #include "cuda/decode/decode_combine.h"
 #include "cuda/decode/decode_kernel.h"
@@ -91,17 +93,37 @@ inline bool decode_narrow_takes(const DecodeArgs& a) {
          decode_on_sm90();
 }
 
-// The narrow kernel's splits: its CTA streams K / V at the memory's pace alone on an SM, where the
-// split counts (decode_num_splits) fill two CTAs an SM, so each CTA reads the keys of two of them:
-// (n + 1) / 2 splits of a call's n, and of a packed sequence's (its split_table entries), so that a
-// sequence keeps its own call's splits packed. A function of the counts alone: a forced count
-// halves too. The other kernels' calls are returned as they are.
+// Pages of fewer keys than this keep the narrow kernel's CTAs on one split each (below).
+inline constexpr int kNarrowPairedMinPage = 256;
+
+// The narrow kernel's count for n splits of `rows` (batch, kv head) rows (its grid: rows x
+// splits CTAs) on `sms` SMs: one narrow CTA alone on an SM streams K / V at the memory's pace,
+// where the split counts (decode_num_splits) fill two CTAs an SM, so a CTA reads the keys of two
+// splits, (n + 1) / 2 -- but not fewer than fill 90 % of the SMs (a short cache of few rows:
+// there the CTAs' own pace, not the memory's, sets the time). Never above n, and monotone in n.
+inline int narrow_split_count(int n, int64_t rows, int sms) {
+  const int64_t fill = (int64_t(sms) * 9 + 9) / 10;
+  const int64_t needed = rows > 0 ? (fill + rows - 1) / rows : n;
+  return static_cast<int>(std::max<int64_t>((n + 1) / 2, std::min<int64_t>(n, needed)));
+}
+
+// The narrow kernel's splits (narrow_split_count) of a call's count, and of a packed sequence's
+// (its split_table entries, for one sequence's rows: a sequence keeps its own call's splits
+// packed, and a packed launch's count, the largest entry, maps to the largest of theirs). A
+// function of the counts alone: a forced count maps too. Paged caches of pages under
+// kNarrowPairedMinPage keys keep theirs (measured: a stage's page a random jump, one CTA an SM
+// did not keep enough bytes in flight: 1.07x the time at pages of 64, as fast at 256). The other
+// kernels' calls are returned as they are.
 inline DecodeArgs with_narrow_splits(const DecodeArgs& a) {
-  if (!decode_narrow_takes(a)) return a;
+  if (!decode_narrow_takes(a) || (a.block_table != nullptr && a.page_size < kNarrowPairedMinPage)) return a;
+  const int sms = current_multiprocessor_count();
   DecodeArgs b = a;
-  b.num_splits = (a.num_splits + 1) / 2;
-  for (auto& chunks : b.split_table) {
-    for (uint8_t& n : chunks) n = static_cast<uint8_t>((n + 1) / 2);
+  const bool packed = a.cu_seqlens_q != nullptr;
+  b.num_splits = narrow_split_count(a.num_splits, packed ? a.heads_kv : int64_t(a.batch) * a.heads_kv, sms);
+  if (packed) {
+    for (auto& chunks : b.split_table) {
+      for (uint8_t& n : chunks) n = static_cast<uint8_t>(narrow_split_count(n, a.heads_kv, sms));
+    }
   }
   return b;
 }

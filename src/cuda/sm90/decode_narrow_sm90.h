@@ -16,8 +16,8 @@
 // the splits, the transform and the stores are those of the other decode kernels. Mask / bias
 // entries (any layout, as the mma.sync kernels read them) are a thread's 4 entries a stage,
 // loaded into registers a stage ahead and kept raw until their stage. One CTA streams K / V at
-// the memory's pace (two to an SM hide no more), so each reads the keys of two of the call's
-// splits (run_decode halves the split count: with_narrow_splits).
+// the memory's pace (two to an SM hide no more), so each reads the keys of two of the split
+// heuristic's splits where the GPU stays full (run_decode: with_narrow_splits).
 #pragma once
 
 #include <cute/tensor.hpp>
