@@ -69,7 +69,9 @@ def native_allocates() -> bool:
 def _run_decode(q, k, v, mask, bias, causal, window_left, window_right, scale, softcap, seqlens,
                 block_table, splits, want_lse: bool = True, cache_call: bool = False,
                 key_positions: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
-    """(out, lse) of the decode kernel with ``splits`` key splits; lse None unless want_lse.
+    """(out, lse) of the decode kernel with ``splits`` key splits (the count the heuristic
+    picks for two CTAs an SM; on Hopper the narrow kernel reads two of them a CTA where the GPU
+    stays full: docs/decode.md, "Two splits a CTA"); lse None unless want_lse.
     cache_call: attention_with_kvcache's call (both its routes): the native validation names k
     and v "k_cache" and "v_cache", and the call may take the balanced form (docs/decode.md,
     "Balanced shares"), where native_allocates() (otherwise the split form, on both routes
