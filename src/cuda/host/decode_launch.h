@@ -97,15 +97,16 @@ inline bool decode_narrow_takes(const DecodeArgs& a) {
 inline constexpr int kNarrowPairedMinPage = 256;
 
 // The narrow kernel's count for n splits of `rows` (batch, kv head) rows (its grid: rows x
-// splits CTAs) on `sms` SMs: one narrow CTA alone on an SM streams K / V at the memory's pace,
-// where the split counts (decode_num_splits) fill two CTAs an SM, so a CTA reads the keys of two
-// splits, (n + 1) / 2 -- but not fewer than fill 90 % of the SMs (a short cache of few rows:
-// there the CTAs' own pace, not the memory's, sets the time). Never above n, and monotone in n.
-inline int narrow_split_count(int n, int64_t rows, int sms) {
+// splits CTAs): one narrow CTA alone on an SM streams K / V at the memory's pace, where the split
+// counts (decode_num_splits) fill two CTAs an SM, so a CTA reads the keys of two splits, (n + 1) /
+// 2 -- but not fewer than `needed` (narrow_splits_needed: 90 % of the SMs busy; a short cache of
+// few rows, where the CTAs' own pace, not the memory's, sets the time). Never above n, and
+// monotone in n.
+inline int narrow_splits_needed(int64_t rows, int sms) {
   const int64_t fill = (int64_t(sms) * 9 + 9) / 10;
-  const int64_t needed = rows > 0 ? (fill + rows - 1) / rows : n;
-  return static_cast<int>(std::max<int64_t>((n + 1) / 2, std::min<int64_t>(n, needed)));
+  return static_cast<int>(std::min<int64_t>(kDecodeMaxSplits, (fill + rows - 1) / std::max<int64_t>(1, rows)));
 }
+inline int narrow_split_count(int n, int needed) { return std::max((n + 1) / 2, std::min(n, needed)); }
 
 // The narrow kernel's splits (narrow_split_count) of a call's count, and of a packed sequence's
 // (its split_table entries, for one sequence's rows: a sequence keeps its own call's splits
@@ -116,13 +117,14 @@ inline int narrow_split_count(int n, int64_t rows, int sms) {
 // kernels' calls are returned as they are.
 inline DecodeArgs with_narrow_splits(const DecodeArgs& a) {
   if (!decode_narrow_takes(a) || (a.block_table != nullptr && a.page_size < kNarrowPairedMinPage)) return a;
-  const int sms = current_multiprocessor_count();
-  DecodeArgs b = a;
   const bool packed = a.cu_seqlens_q != nullptr;
-  b.num_splits = narrow_split_count(a.num_splits, packed ? a.heads_kv : int64_t(a.batch) * a.heads_kv, sms);
+  const int needed =
+      narrow_splits_needed(packed ? a.heads_kv : int64_t(a.batch) * a.heads_kv, current_multiprocessor_count());
+  DecodeArgs b = a;
+  b.num_splits = narrow_split_count(a.num_splits, needed);
   if (packed) {
     for (auto& chunks : b.split_table) {
-      for (uint8_t& n : chunks) n = static_cast<uint8_t>(narrow_split_count(n, a.heads_kv, sms));
+      for (uint8_t& n : chunks) n = static_cast<uint8_t>(narrow_split_count(n, needed));
     }
   }
   return b;
