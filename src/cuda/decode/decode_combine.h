@@ -19,8 +19,8 @@ namespace dmattn::cuda {
 // B * H * Sq (packed: the longest sequence's Sq; balanced: the parts decode_balanced.h finds, in
 // their slots): warp 0 turns the splits' lse into weights
 // (shared memory), then the threads split the row's float4 columns and its splits between them
-// (every load of a thread independent: one memory round trip for the whole row instead of one
-// per split), and sum their partial columns through shared memory. Empty splits (lse -inf,
+// (every load of a thread independent, the first ones issued before the weights: one memory round
+// trip for the whole row), and sum their partial columns through shared memory. Empty splits (lse -inf,
 // out 0) change no bit of the result.
 inline constexpr int kDecodeCombineThreads = 128;
 template <typename Element>
@@ -56,6 +56,22 @@ __global__ void __launch_bounds__(kDecodeCombineThreads) decode_combine_kernel(c
     return a.balanced ? decode_detail::balanced_slot_row(a, first_split + s, h, i)
                       : decode_detail::partial_row(a, seq, s, h, i);
   };
+  // Column c (4 elements) of the parts g, g + groups, ...: columns padded to a power of two. The
+  // thread's first kPreloaded parts are loaded before the weights, which they do not depend on:
+  // one round trip to L2 for the usual counts (up to 8 parts at head dims 65-128), not two.
+  constexpr int kPreloaded = 2;
+  const int cols = a.head_dim / 4;
+  const int cols_pow2 = cols <= 16 ? 16 : cols <= 32 ? 32 : 64;
+  const int groups = kThreads / cols_pow2, c = threadIdx.x % cols_pow2, g = threadIdx.x / cols_pow2;
+  const auto part_columns = [&](int s) {
+    return reinterpret_cast<const float4*>(a.part_out + part_row(s) * a.head_dim)[c];
+  };
+  float4 preloaded[kPreloaded];
+#pragma unroll
+  for (int u = 0; u < kPreloaded; ++u) {
+    const int s = g + u * groups;
+    if (c < cols && s < splits) preloaded[u] = part_columns(s);
+  }
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
     float lse_s[kDecodeMaxSplits / 32];
@@ -93,19 +109,19 @@ __global__ void __launch_bounds__(kDecodeCombineThreads) decode_combine_kernel(c
   }
   __syncthreads();
 
-  // Column c (4 elements) of the splits g, g + groups, ...: columns padded to a power of two.
-  const int cols = a.head_dim / 4;
-  const int cols_pow2 = cols <= 16 ? 16 : cols <= 32 ? 32 : 64;
-  const int groups = kThreads / cols_pow2, c = threadIdx.x % cols_pow2, g = threadIdx.x / cols_pow2;
+  // (the parts in the same order as without the preloads: the same bits)
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  const auto add = [&](float w, const float4& x) {
+    acc.x = fmaf(w, x.x, acc.x), acc.y = fmaf(w, x.y, acc.y), acc.z = fmaf(w, x.z, acc.z), acc.w = fmaf(w, x.w, acc.w);
+  };
   if (c < cols) {
-#pragma unroll 4
-    for (int s = g; s < splits; s += groups) {
-      const float w = weight[s];
-      const float4 x =
-          reinterpret_cast<const float4*>(a.part_out + part_row(s) * a.head_dim)[c];
-      acc.x = fmaf(w, x.x, acc.x), acc.y = fmaf(w, x.y, acc.y), acc.z = fmaf(w, x.z, acc.z), acc.w = fmaf(w, x.w, acc.w);
+#pragma unroll
+    for (int u = 0; u < kPreloaded; ++u) {
+      const int s = g + u * groups;
+      if (s < splits) add(weight[s], preloaded[u]);
     }
+#pragma unroll 4
+    for (int s = g + kPreloaded * groups; s < splits; s += groups) add(weight[s], part_columns(s));
   }
   reinterpret_cast<float4*>(partial)[threadIdx.x] = acc;
   __syncthreads();
