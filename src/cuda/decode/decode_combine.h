@@ -30,7 +30,9 @@ __global__ void __launch_bounds__(kDecodeCombineThreads) decode_combine_kernel(c
   __shared__ float weight[kDecodeMaxSplits];
   __shared__ float row_lse;
   __shared__ __align__(16) float partial[kThreads * 4];
-  wait_for_prerequisite_grid();  // (launched as the decode kernel's dependent: its partial rows)
+  // Launched as the decode kernel's dependent (launch_dependent_kernel): what the row's parts
+  // are comes from the call's inputs, found while that grid still runs; its partial rows are read
+  // after wait_for_prerequisite_grid.
   const int64_t row = blockIdx.x;
   const int i = static_cast<int>(row % a.seqlen_q);
   const int h = static_cast<int>((row / a.seqlen_q) % a.num_heads);
@@ -46,6 +48,7 @@ __global__ void __launch_bounds__(kDecodeCombineThreads) decode_combine_kernel(c
     const decode_detail::BalancedParts parts = decode_detail::balanced_parts(a, b, h / a.group);
     if (parts.parts == 1) return;  // (its CTA wrote it)
     if (parts.parts == 0) {        // no key: 0 with lse -inf, as a split-KV row without one
+      wait_for_prerequisite_grid();
       for (int d = threadIdx.x; d < a.head_dim; d += kThreads) out[d] = Element(0.f);
       if (threadIdx.x == 0) *lse_out = -INFINITY;
       return;
@@ -66,6 +69,7 @@ __global__ void __launch_bounds__(kDecodeCombineThreads) decode_combine_kernel(c
   const auto part_columns = [&](int s) {
     return reinterpret_cast<const float4*>(a.part_out + part_row(s) * a.head_dim)[c];
   };
+  wait_for_prerequisite_grid();
   float4 preloaded[kPreloaded];
 #pragma unroll
   for (int u = 0; u < kPreloaded; ++u) {
