@@ -89,6 +89,14 @@ __device__ __forceinline__ bool pages_by_stage(const DecodeArgs& a) {
   return a.block_table != nullptr && keys_by_stage<kStageKeys>(a);
 }
 
+// Indexed keys (DecodeArgs::key_rows, no pages) a stage ahead: the source rows of the thread's
+// keys of the stage at jt (StageCopies' rows r_t + u kPassRows), -1 past ke. The narrow kernel
+// reads them one stage before it issues that stage's copies, so that no copy waits on its index.
+template <int kPasses>
+struct StageRows {
+  int32_t row[kPasses];
+};
+
 // The copies of one stage (kStageKeys keys of K and V, from key jt on) by a CTA of kThreads
 // threads into the K / V tiles at dk and dk + kStageKeys * kD: a thread copies one 16-byte chunk
 // column c_t of rows r_t, r_t + kPassRows, ... (kPassRows a multiple of 8, so that the rows'
@@ -109,6 +117,34 @@ struct StageCopies {
   __device__ __forceinline__ StageCopies(const DecodeArgs& a, Offset offset, int row_step)
       : c_t(threadIdx.x % kChunks), r_t(threadIdx.x / kChunks), so_t(offset(r_t, c_t)),
         pass_step(kPassRows * row_step), c_in(c_t * 8 < a.head_dim) {}
+  using Rows = StageRows<kPasses>;
+  __device__ __forceinline__ Rows rows_of(const DecodeArgs& a, const DecodeSeq& seq, int kvh, int jt, int ke) const {
+    Rows r;
+    const int32_t* index = a.key_rows + seq.bm * a.kr_sb + kvh * a.kr_sh;
+#pragma unroll
+    for (int u = 0; u < kPasses; ++u) {
+      const int j = jt + r_t + u * kPassRows;
+      r.row[u] = j < ke ? index[j] : -1;
+    }
+    return r;
+  }
+  // The stage's copies from indexed keys (rows_of's); a row outside [0, kr_rows) is zeros, as
+  // key_row reads it.
+  __device__ __forceinline__ void issue_rows(const DecodeArgs& a, const DecodeSeq& seq, int kvh, const Rows& rows,
+                                             Element* tile_k) const {
+    const Element* kbase = static_cast<const Element*>(a.k);
+    const Element* vbase = static_cast<const Element*>(a.v);
+    Element* dk = tile_k + so_t;
+    Element* dv = dk + kStageKeys * kD;
+#pragma unroll
+    for (int u = 0; u < kPasses; ++u) {
+      const int row = rows.row[u];
+      const bool ok = c_in && row >= 0 && row < a.kr_rows;
+      const KeyRow at = key_row_at(a, seq.bm, ok ? row : 0, kvh);
+      cp_async_16(dk + u * pass_step, kbase + (ok ? at.k + c_t * 8 : 0), ok ? 16 : 0);
+      cp_async_16(dv + u * pass_step, vbase + (ok ? at.v + c_t * 8 : 0), ok ? 16 : 0);
+    }
+  }
   __device__ __forceinline__ void issue(const DecodeArgs& a, const DecodeSeq& seq, int kvh, int jt, int ke,
                                         Element* tile_k, const StagePages* pages = nullptr) const {
     const Element* kbase = static_cast<const Element*>(a.k);

@@ -82,14 +82,16 @@ inline bool decode_on_sm90() {
 // Whether a call runs on the narrow kernel (decode_narrow_sm90.h), with or without mask / bias
 // entries of any layout: at most kDecodeNarrowRows packed rows (a packed batch's launch of
 // sequences of that many, or a call of one), head dims up to 128, keys found a stage at a time
-// (as the wgmma kernel's), on Hopper, not in the balanced form; unless DMATTN_DECODE_NARROW=0 (for
+// (as the wgmma kernel's) or indexed without pages (attention_topk's decoding step), on Hopper,
+// not in the balanced form; unless DMATTN_DECODE_NARROW=0 (for
 // comparisons: then the wgmma kernel or the mma.sync kernels). Rows and the cache's form decide,
 // so a packed batch and its sequences take the same kernel.
 inline bool decode_narrow_takes(const DecodeArgs& a) {
   static const bool off = sm90::env_switched_off("DMATTN_DECODE_NARROW");
   return !off && !a.balanced && int64_t(a.seqlen_q) * a.group <= kDecodeNarrowRows &&
          decode_max_head_dim(a.head_dim) <= kDecodeRowsMaxHeadDim &&
-         decode_detail::keys_by_stage<decode_detail::kNarrowStageKeys>(a) &&
+         (decode_detail::keys_by_stage<decode_detail::kNarrowStageKeys>(a) ||
+          (a.key_rows != nullptr && a.block_table == nullptr)) &&
          decode_on_sm90();
 }
 

@@ -117,7 +117,8 @@ __device__ __forceinline__ void load_narrow_operands(const DecodeArgs& a, const 
 
 // Grid (num_splits, heads_kv, batch) (row_chunks 1), DecodeNarrowTile's kThreads threads and
 // kSmemBytes of dynamic shared memory; at most kNarrowRows packed rows a sequence, keys found a
-// stage at a time (keys_by_stage); kOperands: with mask / bias entries.
+// stage at a time (keys_by_stage) or indexed (key_rows, no pages); kOperands: with mask / bias
+// entries.
 template <typename Element, int kD, bool kOperands>
 __global__ void __launch_bounds__(128, 2) decode_narrow_sm90_kernel(const DecodeArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -147,20 +148,32 @@ __global__ void __launch_bounds__(128, 2) decode_narrow_sm90_kernel(const Decode
   const int stages = ke > kb ? (ke - kb + kStageKeys - 1) / kStageKeys : 0;
   const StageCopies<Element, kD, kStageKeys, Tile::kThreads> copies(
       a, [](int r, int c) { return sw128_chunk_offset<kStageKeys>(r, c); }, 64);
-  const bool paged = pages_by_stage<kStageKeys>(a);
+  // A stage's pages (a paged cache) or its keys' source rows (indexed keys), read a stage before
+  // its copies are issued (the table's or the index's load is then not on the copies' path).
+  using Rows = typename decltype(copies)::Rows;
+  const bool paged = pages_by_stage<kStageKeys>(a), indexed = a.key_rows != nullptr;
   const auto pages_of = [&](int it) {
     return paged ? stage_pages<kStageKeys>(a, seq, kb + it * kStageKeys, ke) : StagePages{0, 0, 0};
+  };
+  const auto rows_of = [&](int it) {
+    Rows r{};
+    if (indexed) r = copies.rows_of(a, seq, kvh, kb + it * kStageKeys, ke);
+    return r;
   };
   const auto stage_k = [&](int it) {
     return reinterpret_cast<Element*>(decode_narrow_smem + (it % kStages) * Tile::kStageBytes);
   };
-  const auto issue = [&](int it, const StagePages& pages) {
-    if (it < stages) copies.issue(a, seq, kvh, kb + it * kStageKeys, ke, stage_k(it), &pages);
+  const auto issue = [&](int it, const StagePages& pages, const Rows& rows) {
+    if (it < stages) {
+      if (indexed) copies.issue_rows(a, seq, kvh, rows, stage_k(it));
+      else copies.issue(a, seq, kvh, kb + it * kStageKeys, ke, stage_k(it), &pages);
+    }
     cp_async_commit();
   };
-  issue(0, pages_of(0));
-  issue(1, pages_of(1));
+  issue(0, pages_of(0), rows_of(0));
+  issue(1, pages_of(1), rows_of(1));
   StagePages pages_ahead = pages_of(2);
+  Rows rows_ahead = rows_of(2);
 
   typename Tile::MmaS mma_s;
   typename Tile::MmaO mma_o;
@@ -202,8 +215,9 @@ __global__ void __launch_bounds__(128, 2) decode_narrow_sm90_kernel(const Decode
     sm90::gemm_wait<0>(acc_o);     // stage t - 1's P V product: its V and P^T are free after the barrier
     sm90::fence_smem_for_wgmma();  // (this thread's copies, for the tensor cores' reads)
     __syncthreads();
-    issue(t + 2, pages_ahead);
+    issue(t + 2, pages_ahead, rows_ahead);
     pages_ahead = pages_of(t + 3);
+    rows_ahead = rows_of(t + 3);
     Element* tile = stage_k(t);
     Tensor sK = make_tensor(make_smem_ptr(tile), typename Tile::LayoutK{});
     Tensor tSsK = wg_s.partition_fragment_A(sK);
