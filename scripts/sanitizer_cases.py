@@ -199,9 +199,9 @@ def topk_decode_case(b, h, hkv, d, dtype, sk, keep, bias_rows):
 
 
 for dtype in (torch.bfloat16, torch.float16):
-    topk_decode_case(2, 8, 2, 128, dtype, 3001, 700, (2, 2))
-    topk_decode_case(2, 8, 1, 64, dtype, 1500, 333, (1, 1))
-    topk_decode_case(1, 4, 2, 256, dtype, 40000, 2048, (1, 2))  # many key splits
+    topk_decode_case(2, 8, 2, 128, dtype, 3001, 700, (2, 2))  # 4 rows a kv head: the narrow kernel's indexed keys
+    topk_decode_case(2, 8, 1, 64, dtype, 1500, 333, (1, 1))  # 8 rows, a last stage of 13 keys
+    topk_decode_case(1, 4, 2, 256, dtype, 40000, 2048, (1, 2))  # many key splits (head dim 256: the one-tile kernel)
     kvcache_case(2, 1, 8, 2, 128, dtype, 3000, bias=True)
     kvcache_case(1, 4, 8, 2, 64, dtype, 2048, page_size=64, mask=True)
     kvcache_case(2, 3, 4, 4, 256, dtype, 1104, page_size=8, bias=True)
