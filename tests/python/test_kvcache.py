@@ -273,8 +273,9 @@ def test_gpu_narrow_rows(seqlen_q, heads, heads_kv, head_dim, opts, page_size):
 @pytest.mark.parametrize("splits", [1, 2, 3, 4, 7, 8, 64])
 def test_gpu_narrow_forced_splits(splits, nan_poison):
     """The narrow kernel (up to 8 rows on Hopper) at forced split counts, one to 64 (each of its
-    CTAs reads two of them: one to 32 partial rows a row): every count gives the float64 answer with NaN-poisoned outputs and workspace, including the empty splits
-    of a short row and of an empty one (their partial rows 0 with lse -inf for the merge)."""
+    CTAs reads two of them: one to 32 partial rows a row): every count gives the float64 answer
+    with NaN-poisoned outputs and workspace, including the empty splits of a short row and of an
+    empty one (their partial rows 0 with lse -inf for the merge)."""
     from dmattn.decode_kernel import _run_decode
 
     case = _make_case("cuda", torch.bfloat16, batch=3, seqlen_q=1, heads=8, heads_kv=2, head_dim=128,
