@@ -308,6 +308,12 @@ struct CudaKernelCode {
 };
 CudaKernelCode cuda_kernel_code(int32_t device_id);
 
+// Whether `stream` (a cudaStream_t of the current CUDA device) is capturing a CUDA graph: work
+// queued on it then runs at each replay, not now, so a buffer reused across calls (the decode
+// calls' scratch) must not be baked into it. True where the runtime cannot tell (the legacy
+// stream while another thread captures), false without CUDA.
+bool stream_capturing(void* stream);
+
 // Whether the calls of this thread may launch persistent kernels (the Hopper forward's grid of one
 // CTA per multiprocessor, each taking tiles in turn; the default), or must launch one CTA per tile
 // instead: then multiprocessors free up as tiles finish, and kernels of other streams (NCCL's

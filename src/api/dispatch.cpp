@@ -5,6 +5,7 @@
 #include "cuda/host/cuda_backend.h"
 #include "cuda/host/decode_backend.h"
 #include "cuda/common/kernel_code.h"
+#include "cuda/common/stream_capture.h"
 #endif
 
 namespace dmattn {
@@ -24,6 +25,15 @@ CudaKernelCode cuda_kernel_code(int32_t device_id) {
 #else
   (void)device_id;
   return {};
+#endif
+}
+
+bool stream_capturing(void* stream) {
+#ifdef DMATTN_WITH_CUDA
+  return cuda::stream_capturing(stream);
+#else
+  (void)stream;
+  return false;
 #endif
 }
 

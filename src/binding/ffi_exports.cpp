@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "decode_scratch.h"
 #include "dmattn/api.h"
 
 namespace {
@@ -434,8 +435,8 @@ struct DecodeOut {
 };
 
 // The decode kernel with out (like q, contiguous), the splits' workspace (for the balanced form
-// too where inputs.balanced and the shapes take it) and, where lse is null, the lse allocated
-// here (env_empty). inputs: the key side but the workspace. out is allocated by the call
+// too where inputs.balanced and the shapes take it) and, where lse is null, an lse nobody reads,
+// both in the call's scratch (decode_scratch.h). inputs: the key side but the workspace. out is allocated by the call
 // (DecodeOut): on CUDA with key splits after the decode kernel's launch, so that an idle GPU
 // starts that much sooner. Returns out.
 tvm::ffi::Tensor run_decode_allocating(const dmattn::TensorDesc& q, const dmattn::TensorDesc& k,
@@ -443,10 +444,6 @@ tvm::ffi::Tensor run_decode_allocating(const dmattn::TensorDesc& q, const dmattn
                                        const dmattn::TensorDesc* mask, const dmattn::TensorDesc* bias,
                                        const dmattn::AttentionOptions& options, dmattn::DecodeInputs inputs,
                                        DLDataType dtype, DLDevice device) {
-  const auto empty = [&](std::initializer_list<int64_t> shape, DLDataType type) {
-    return env_empty(shape, type, device);
-  };
-  const DLDataType f32{kDLFloat, 32, 1};
   const int64_t batch = q.shape[0], seqlen_q = q.shape[1], heads = q.shape[2], head_dim = q.shape[3];
   int64_t num_splits = inputs.num_splits;
   if (inputs.balanced && device.device_type == kDLCUDA) {
@@ -460,32 +457,31 @@ tvm::ffi::Tensor run_decode_allocating(const dmattn::TensorDesc& q, const dmattn
   dmattn::TensorDesc out_d = q;  // (q's dtype, device and shape; contiguous, at the placeholder)
   out_d.data = DecodeOut::placeholder;
   out_d.strides = {seqlen_q * heads * head_dim, heads * head_dim, head_dim, 1};
-  // An lse the caller does not want goes to the workspace's tail when there is one (one
-  // allocation fewer), else to a tensor of its own.
-  const int64_t rows = batch * heads * seqlen_q, partials = num_splits * rows * (head_dim + 1);
-  const bool lse_in_workspace = lse == nullptr && num_splits > 1;
-  tvm::ffi::Tensor own_lse, workspace;
-  if (lse == nullptr && !lse_in_workspace) own_lse = empty({batch, heads, seqlen_q}, f32);
-  if (num_splits > 1) workspace = empty({partials + (lse_in_workspace ? rows : 0)}, f32);
-  dmattn::TensorDesc workspace_d;
-  if (num_splits > 1) {
-    workspace_d = to_desc(workspace);
-    workspace_d.shape = {partials};  // (the partial rows alone: an lse at the tail is not theirs)
+  // The scratch (decode_scratch.h): the splits' partial rows, then an lse the caller does not
+  // want.
+  const int64_t rows = batch * heads * seqlen_q, partials = num_splits > 1 ? num_splits * rows * (head_dim + 1) : 0;
+  const int64_t scratch_elements = partials + (lse == nullptr ? rows : 0);
+  void* stream = device.device_type == kDLCUDA ? TVMFFIEnvGetStream(kDLCUDA, device.device_id) : nullptr;
+  tvm::ffi::Tensor scratch;
+  dmattn::TensorDesc scratch_d;
+  if (scratch_elements > 0) {
+    scratch = dmattn::binding::decode_scratch(scratch_elements, device, stream);
+    scratch_d = to_desc(scratch);
   }
+  dmattn::TensorDesc workspace_d = scratch_d;
+  workspace_d.shape = {partials};  // (the partial rows alone: the scratch may hold more)
   dmattn::TensorDesc lse_d;
   if (lse != nullptr) {
     lse_d = *lse;
-  } else if (lse_in_workspace) {
-    lse_d = workspace_d;
-    lse_d.data = static_cast<float*>(workspace_d.data) + partials;
+  } else {
+    lse_d = scratch_d;
+    lse_d.data = static_cast<float*>(scratch_d.data) + partials;
     lse_d.shape = {batch, heads, seqlen_q};
     lse_d.strides = {heads * seqlen_q, seqlen_q, 1};
-  } else {
-    lse_d = to_desc(own_lse);
   }
   inputs.workspace = num_splits > 1 ? &workspace_d : nullptr;
   dmattn::ForwardParams p = dmattn::make_decode_forward_params(q, k, v, out_d, lse_d, mask, bias, options, inputs);
-  p.stream = current_stream(p);
+  p.stream = stream;
   if (device.device_type == kDLCUDA && p.decode_splits > 0) {  // (the decode kernels: the call allocates)
     p.allocate_out = &DecodeOut::allocate;
     p.allocate_out_context = &out;
