@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <functional>
 #include <string>
 
 #include "decode_scratch.h"
@@ -434,16 +435,26 @@ struct DecodeOut {
   }
 };
 
+// Work a decode call queues before its kernel on the front of its scratch (the top-k selection
+// writing the kept positions and their bias there): `elements` float32 values reserved (16-byte
+// aligned), `launch` called with their address once the scratch is taken, before the decode
+// kernel's arguments are checked (which may read the descriptors it fills in).
+struct DecodePrelude {
+  int64_t elements = 0;
+  std::function<void(float* reserved)> launch;
+};
+
 // The decode kernel with out (like q, contiguous), the splits' workspace (for the balanced form
 // too where inputs.balanced and the shapes take it) and, where lse is null, an lse nobody reads,
-// both in the call's scratch (decode_scratch.h). inputs: the key side but the workspace. out is allocated by the call
-// (DecodeOut): on CUDA with key splits after the decode kernel's launch, so that an idle GPU
-// starts that much sooner. Returns out.
+// both in the call's scratch (decode_scratch.h), behind the prelude's values where there is one.
+// inputs: the key side but the workspace. out is allocated by the call (DecodeOut): on CUDA with
+// key splits after the decode kernel's launch, so that an idle GPU starts that much sooner.
+// Returns out.
 tvm::ffi::Tensor run_decode_allocating(const dmattn::TensorDesc& q, const dmattn::TensorDesc& k,
                                        const dmattn::TensorDesc& v, const dmattn::TensorDesc* lse,
                                        const dmattn::TensorDesc* mask, const dmattn::TensorDesc* bias,
                                        const dmattn::AttentionOptions& options, dmattn::DecodeInputs inputs,
-                                       DLDataType dtype, DLDevice device) {
+                                       DLDataType dtype, DLDevice device, const DecodePrelude* prelude = nullptr) {
   const int64_t batch = q.shape[0], seqlen_q = q.shape[1], heads = q.shape[2], head_dim = q.shape[3];
   int64_t num_splits = inputs.num_splits;
   if (inputs.balanced && device.device_type == kDLCUDA) {
@@ -457,16 +468,24 @@ tvm::ffi::Tensor run_decode_allocating(const dmattn::TensorDesc& q, const dmattn
   dmattn::TensorDesc out_d = q;  // (q's dtype, device and shape; contiguous, at the placeholder)
   out_d.data = DecodeOut::placeholder;
   out_d.strides = {seqlen_q * heads * head_dim, heads * head_dim, head_dim, 1};
-  // The scratch (decode_scratch.h): the splits' partial rows, then an lse the caller does not
-  // want.
+  // The scratch (decode_scratch.h): the prelude's values, the splits' partial rows, then an lse
+  // the caller does not want.
   const int64_t rows = batch * heads * seqlen_q, partials = num_splits > 1 ? num_splits * rows * (head_dim + 1) : 0;
-  const int64_t scratch_elements = partials + (lse == nullptr ? rows : 0);
+  const int64_t reserved = prelude != nullptr ? (prelude->elements + 3) / 4 * 4 : 0;
+  const int64_t scratch_elements = reserved + partials + (lse == nullptr ? rows : 0);
   void* stream = device.device_type == kDLCUDA ? TVMFFIEnvGetStream(kDLCUDA, device.device_id) : nullptr;
   tvm::ffi::Tensor scratch;
   dmattn::TensorDesc scratch_d;
   if (scratch_elements > 0) {
     scratch = dmattn::binding::decode_scratch(scratch_elements, device, stream);
     scratch_d = to_desc(scratch);
+  }
+  if (prelude != nullptr) {
+    prelude->launch(static_cast<float*>(scratch_d.data));
+    if (reserved > 0) {
+      scratch_d.data = static_cast<float*>(scratch_d.data) + reserved;
+      scratch_d.shape = {scratch_d.shape[0] - reserved};
+    }
   }
   dmattn::TensorDesc workspace_d = scratch_d;
   workspace_d.shape = {partials};  // (the partial rows alone: the scratch may hold more)
@@ -549,8 +568,9 @@ bool kept_rows_copy_pays(int64_t seqlen_q, int64_t heads, int64_t heads_kv, cons
 }
 
 // What run_topk_forward leaves: out (B, Sq, H, D), contiguous; the lse where the caller passed
-// none ((B, H, Sq) float32; empty on the decode route, whose kernel keeps its own); the kept keys'
-// positions (rows_b, rows_h, keep) int32 and bias (rows_b, rows_h, 1, keep) in the bias's dtype.
+// none ((B, H, Sq) float32); the kept keys' positions (rows_b, rows_h, keep) int32 and bias
+// (rows_b, rows_h, 1, keep) in the bias's dtype. On the decode route out alone: the rest lives in
+// the decode call's scratch.
 struct TopkForwardResults {
   tvm::ffi::Tensor out, own_lse, positions, kept_bias;
 };
@@ -564,8 +584,9 @@ struct TopkForwardResults {
 // bits. decode_splits > 0 (a decoding step: one query, no left window): the decode kernel with
 // that many key splits instead of the general forward, each kept row read once per kv head.
 // Everything but the caller's lse (optional, (B, H, Sq) float32) is allocated here through
-// tvm-ffi's environment allocator, as decode_attention does: one call and no Python allocations,
-// host time that an idle GPU waits for. `function` names the export in the allocator's error.
+// tvm-ffi's environment allocator, as decode_attention does (the decode route's selection in its
+// scratch, decode_scratch.h): one call and no Python allocations, host time that an idle GPU
+// waits for. `function` names the export in the allocator's error.
 TopkForwardResults run_topk_forward(TensorView q, TensorView k, TensorView v, TensorView bias, int64_t keep,
                                     Optional<TensorView> lse, const dmattn::AttentionOptions& options,
                                     int64_t decode_splits, const char* function) {
@@ -582,21 +603,38 @@ TopkForwardResults run_topk_forward(TensorView q, TensorView k, TensorView v, Te
   };
   TopkForwardResults r;
   const int64_t rows_b = bias_d.shape[0], rows_h = bias_d.shape[1];
+  const OptionalDesc lse_d(lse);
+  if (decode_splits > 0) {
+    // The kept positions and their bias go to the front of the decode call's scratch, which the
+    // eager calls of a stream reuse (decode_scratch.h): the call returns neither, and each
+    // allocation before the selection's launch is host time that an idle GPU waits for.
+    const int64_t kept = rows_b * rows_h * keep, positions_elements = (kept + 3) / 4 * 4;
+    const DLDataType bias_type = bias.dtype();
+    dmattn::TensorDesc positions_d = bias_d, kept_bias_d = bias_d;
+    positions_d.dtype = dmattn::DType::kInt32;
+    positions_d.shape = {rows_b, rows_h, keep};
+    positions_d.strides = {rows_h * keep, keep, 1};
+    kept_bias_d.shape = {rows_b, rows_h, 1, keep};
+    kept_bias_d.strides = {rows_h * keep, keep, keep, 1};
+    const DecodePrelude prelude{positions_elements + (kept * (bias_type.bits / 8) + 3) / 4, [&](float* reserved) {
+                                  positions_d.data = reserved;
+                                  kept_bias_d.data = reserved + positions_elements;
+                                  dmattn::select_topk_positions(bias_d, keep, positions_d, &kept_bias_d,
+                                                                glue_stream(bias));
+                                }};
+    dmattn::DecodeInputs inputs;
+    inputs.gathered = dmattn::GatheredKeys{&positions_d, k_d.shape[1], nullptr, &positions_d};
+    inputs.num_splits = decode_splits;
+    r.out = run_decode_allocating(q_d, k_d, to_desc(v), lse_d.get(), nullptr, &kept_bias_d, options, inputs,
+                                  q.dtype(), q.device(), &prelude);
+    return r;
+  }
   r.positions = empty({rows_b, rows_h, keep}, DLDataType{kDLInt, 32, 1});
   r.kept_bias = empty({rows_b, rows_h, 1, keep}, bias.dtype());
   const dmattn::TensorDesc positions_d = to_desc(r.positions), kept_bias_d = to_desc(r.kept_bias);
   const dmattn::GatheredKeys gathered{&positions_d, k_d.shape[1], nullptr, &positions_d};
-  const OptionalDesc lse_d(lse);
   // The selection first: the host allocates and prepares the forward while it runs.
   dmattn::select_topk_positions(bias_d, keep, positions_d, &kept_bias_d, glue_stream(bias));
-  if (decode_splits > 0) {
-    dmattn::DecodeInputs inputs;
-    inputs.gathered = gathered;
-    inputs.num_splits = decode_splits;
-    r.out = run_decode_allocating(q_d, k_d, to_desc(v), lse_d.get(), nullptr, &kept_bias_d, options, inputs,
-                                  q.dtype(), q.device());
-    return r;
-  }
   const int64_t batch = q_d.shape[0], seqlen_q = q_d.shape[1], heads = q_d.shape[2], head_dim = q_d.shape[3];
   const int64_t heads_kv = k_d.shape[2];
   const dmattn::TensorDesc v_d = to_desc(v);

@@ -106,3 +106,42 @@ def test_gpu_graph_keeps_its_scratch():
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     for fill in fills:
         assert bool((fill == 7.0).all()), f"a tensor of {fill.numel()} floats was overwritten by the replay"
+
+
+def _topk_inputs(batch, keys, bias_rows, bias_dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, 1, HEADS, HEAD_DIM, generator=g).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(batch, keys, HEADS_KV, HEAD_DIM, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    bias = torch.randn(*bias_rows, 1, keys, generator=g).to("cuda", bias_dtype)
+    return q, k, v, bias
+
+
+def test_gpu_topk_step_scratch():
+    """attention_topk's decoding step keeps the kept keys' positions and bias in the front of the
+    scratch too: odd counts of kept keys (the regions behind them rounded to 16 bytes), 16- and
+    32-bit biases, alternating shapes, each equal bit for bit to its graph replay."""
+    cases = [(_topk_inputs(1, 3001, (1, 1), torch.bfloat16, 30), 701),
+             (_topk_inputs(2, 9000, (2, HEADS_KV), torch.float32, 31), 2047),
+             (_topk_inputs(3, 1500, (3, 1), torch.bfloat16, 32), 333)]
+
+    def step(case):
+        (q, k, v, bias), keep = case
+        with torch.no_grad():
+            return dmattn.attention_topk(q, k, v, bias, keep, causal=True, per_query=True)
+
+    expected = []
+    for case in cases:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step(case)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step(case)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected.append(out.clone())
+    for _ in range(2):
+        for i, case in enumerate(cases):
+            torch.testing.assert_close(step(case), expected[i], rtol=0, atol=0, msg=f"case {i}")
