@@ -147,53 +147,39 @@ __global__ void __launch_bounds__(kDecodeCombineThreads) decode_combine_kernel(c
 }
 
 // Row (seq, h, i) of a dense call merged from its key splits' partial rows by one warp, the bits
-// decode_combine_kernel writes (the narrow kernel's own merge, merge_if_last_split; head dims up
-// to kD <= 128, a float4 column a lane): the same weights (part_weights, into the warp's
-// `weight`, kDecodeMaxSplits floats of shared memory), and for the column the combine's threads'
-// sums in their order -- its kGroups thread groups each accumulating parts g, g + kGroups, ...
-// from 0, then the groups' sums added from 0 in turn. The parts' columns are loaded kHeld at a
-// time before their products (one round trip for up to kHeld splits); the partial rows are other
-// CTAs' writes of this grid, loaded past L1 (ld.global.cg).
-template <typename Element, int kD>
+// decode_combine_kernel writes (the narrow kernel's own merge, merge_if_last_split): the same
+// weights (part_weights, into the warp's `weight`, kDecodeMaxSplits floats of shared memory),
+// and for each float4 column c the combine's threads' sums in their order -- parts g, g + groups,
+// g + 2 groups, ... accumulated from 0 for each g, then the groups' sums added from 0 in turn.
+// The partial rows are other CTAs' writes of this grid: loaded past L1 (ld.global.cg).
+template <typename Element>
 __device__ __forceinline__ void merge_row_in_warp(const DecodeArgs& a, const decode_detail::DecodeSeq& seq, int h,
                                                   int i, float* weight) {
-  static_assert(kD == 64 || kD == 128, "a float4 column a lane");
-  constexpr int kGroups = kDecodeCombineThreads / (kD == 64 ? 16 : 32);  // (the combine's cols_pow2)
-  constexpr int kHeld = 16;
   const int lane = threadIdx.x % 32, splits = a.num_splits;
   const auto part_row = [&](int s) { return decode_detail::partial_row(a, seq, s, h, i); };
   const float lse = part_weights(splits, lane, [&](int s) { return __ldcg(a.part_lse + part_row(s)); }, weight);
   __syncwarp();
-  const int c = lane;
-  if (c < a.head_dim / 4) {
-    float4 acc[kGroups];
-#pragma unroll
-    for (int g = 0; g < kGroups; ++g) acc[g] = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s0 = 0; s0 < splits; s0 += kHeld) {
-      float4 x[kHeld];
-#pragma unroll
-      for (int j = 0; j < kHeld; ++j) {
-        if (s0 + j < splits) x[j] = __ldcg(reinterpret_cast<const float4*>(a.part_out + part_row(s0 + j) * a.head_dim) + c);
-      }
-#pragma unroll
-      for (int j = 0; j < kHeld; ++j) {
-        if (s0 + j < splits) {
-          const float w = weight[s0 + j];
-          float4& t = acc[j % kGroups];  // (s0 a multiple of kGroups: part s0 + j is group j % kGroups's)
-          t.x = fmaf(w, x[j].x, t.x), t.y = fmaf(w, x[j].y, t.y), t.z = fmaf(w, x[j].z, t.z);
-          t.w = fmaf(w, x[j].w, t.w);
-        }
-      }
-    }
+  const int cols = a.head_dim / 4;
+  const int cols_pow2 = cols <= 16 ? 16 : cols <= 32 ? 32 : 64;
+  const int groups = kDecodeCombineThreads / cols_pow2;
+  Element* out = static_cast<Element*>(a.out) + seq.bm * a.o_st.batch_stride + (seq.q0 + i) * a.o_st.row_stride +
+                 h * a.o_st.head_stride;
+  for (int c = lane; c < cols; c += 32) {
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int g = 0; g < groups; ++g) {
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+      for (int s = g; s < splits; s += groups) {
+        const float4 x = __ldcg(reinterpret_cast<const float4*>(a.part_out + part_row(s) * a.head_dim) + c);
+        const float w = weight[s];
+        acc.x = fmaf(w, x.x, acc.x), acc.y = fmaf(w, x.y, acc.y), acc.z = fmaf(w, x.z, acc.z);
+        acc.w = fmaf(w, x.w, acc.w);
+      }
+      o.x += acc.x, o.y += acc.y, o.z += acc.z, o.w += acc.w;
+    }
+    const float v[4] = {o.x, o.y, o.z, o.w};
 #pragma unroll
-    for (int g = 0; g < kGroups; ++g) o.x += acc[g].x, o.y += acc[g].y, o.z += acc[g].z, o.w += acc[g].w;
-    Element* out = static_cast<Element*>(a.out) + seq.bm * a.o_st.batch_stride + (seq.q0 + i) * a.o_st.row_stride +
-                   h * a.o_st.head_stride + 4 * c;
-    out[0] = Element(saturate_keep_nan<Element>(o.x));
-    out[1] = Element(saturate_keep_nan<Element>(o.y));
-    out[2] = Element(saturate_keep_nan<Element>(o.z));
-    out[3] = Element(saturate_keep_nan<Element>(o.w));
+    for (int e = 0; e < 4; ++e) out[4 * c + e] = Element(saturate_keep_nan<Element>(v[e]));
   }
   if (lane == 0) a.lse[seq.bm * a.lse_bs + h * a.lse_hs + seq.q0 + i] = lse;
 }

@@ -121,7 +121,7 @@ __device__ __forceinline__ void load_narrow_operands(const DecodeArgs& a, const 
 // replayed from a CUDA graph, which merges in that kernel, gives the same output). No second
 // launch, and each row's merge runs as soon as its splits are done, not after the whole grid.
 // `smem`: the kernel's shared memory, free after its key loop (the warps' weights, then a flag).
-template <typename Element, int kD>
+template <typename Element>
 __device__ __forceinline__ void merge_if_last_split(const DecodeArgs& a, const DecodeSeq& seq, int kvh, int c0,
                                                     int cta_rows, float* smem) {
   constexpr int kWarps = 4;
@@ -140,7 +140,7 @@ __device__ __forceinline__ void merge_if_last_split(const DecodeArgs& a, const D
   const int warp = threadIdx.x / 32;
   for (int r = warp; r < cta_rows; r += kWarps) {
     const int row = c0 + r;
-    merge_row_in_warp<Element, kD>(a, seq, kvh * a.group + row % a.group, row / a.group, smem + warp * kDecodeMaxSplits);
+    merge_row_in_warp<Element>(a, seq, kvh * a.group + row % a.group, row / a.group, smem + warp * kDecodeMaxSplits);
     __syncwarp();
   }
 }
@@ -366,7 +366,7 @@ __global__ void __launch_bounds__(128, 2) decode_narrow_sm90_kernel(const Decode
   }
   if (a.merge_counters != nullptr) {
     static_assert(Tile::kWarps == 4 && Tile::kQOffset >= (4 * kDecodeMaxSplits + 1) * 4, "the merge's room");
-    merge_if_last_split<Element, kD>(a, seq, kvh, rc.c0, rc.cta_rows, reinterpret_cast<float*>(decode_narrow_smem));
+    merge_if_last_split<Element>(a, seq, kvh, rc.c0, rc.cta_rows, reinterpret_cast<float*>(decode_narrow_smem));
   }
 #endif
 }
