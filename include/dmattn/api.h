@@ -314,10 +314,6 @@ CudaKernelCode cuda_kernel_code(int32_t device_id);
 // stream while another thread captures), false without CUDA.
 bool stream_capturing(void* stream);
 
-// `bytes` zero bytes at `ptr` (memory of the current CUDA device), queued on `stream` (a
-// cudaStream_t). Throws without CUDA.
-void clear_device_bytes(void* ptr, int64_t bytes, void* stream);
-
 // Whether the calls of this thread may launch persistent kernels (the Hopper forward's grid of one
 // CTA per multiprocessor, each taking tiles in turn; the default), or must launch one CTA per tile
 // instead: then multiprocessors free up as tiles finish, and kernels of other streams (NCCL's

@@ -202,14 +202,6 @@ struct ForwardParams {
   // its storage already.
   void* (*allocate_out)(void* context) = nullptr;
   void* allocate_out_context = nullptr;
-  // decode_merge_counters (optional, decode only): int32, at least decode_merge_counter_count
-  // = B * Hkv of them, all zero, on the device, used by this call's kernels alone (the stream's
-  // own, in stream order). Where the call's kernel merges its own key splits (the narrow kernel
-  // of a dense call: the last CTA of a (batch, kv head) row to finish merges that row), they
-  // count its CTAs, and the merge leaves them zero again; otherwise they are not touched. Null:
-  // the merge is a second kernel.
-  int32_t* decode_merge_counters = nullptr;
-  int64_t decode_merge_counter_count = 0;
 
   bool is_varlen() const { return cu_seqlens_q != nullptr; }
   bool has_key_positions() const { return key_positions != nullptr; }

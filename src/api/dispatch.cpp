@@ -5,7 +5,7 @@
 #include "cuda/host/cuda_backend.h"
 #include "cuda/host/decode_backend.h"
 #include "cuda/common/kernel_code.h"
-#include "cuda/common/stream_ops.h"
+#include "cuda/common/stream_capture.h"
 #endif
 
 namespace dmattn {
@@ -68,15 +68,6 @@ void reject_unsupported_key_positions(const ForwardParams& params) {
 }
 
 }  // namespace
-
-void clear_device_bytes(void* ptr, int64_t bytes, void* stream) {
-#ifdef DMATTN_WITH_CUDA
-  cuda::clear_bytes(ptr, bytes, stream);
-#else
-  (void)ptr, (void)bytes, (void)stream;
-  no_cuda();
-#endif
-}
 
 bool key_positions_supported(DeviceKind device) {
   return device == DeviceKind::kCPU || device == DeviceKind::kCUDA;

@@ -9,15 +9,11 @@
 // - while the stream captures a CUDA graph: a replay's kernels run at no fixed point of the
 //   stream's order, and the allocator gives the graph's calls memory of the graph's own pool;
 // - above kMaxReusedElements (a call that large spends far longer in its kernels than in one
-//   allocation, and the buffer would hold that much memory for good);
+//   allocation, and the buffer would hold that much memory for good).
 // - with DMATTN_DECODE_SCRATCH=0 in the environment (comparisons).
 // A smaller buffer is replaced by a larger one (rounded up to a power of two, so that alternating
 // shapes settle); the old one goes back to the allocator, which gives its memory to later
 // allocations on the same stream only, after the work queued before them.
-// The merge counters of a stream's eager calls live beside its scratch on the same terms: zeroed
-// once when allocated (a memset on the stream), then left zero by every kernel that counts on
-// them, so the next call finds them ready. A graph's calls get none (their memory would be the
-// graph's pool, which nothing a replay runs zeroes) and merge in a second kernel.
 #include "decode_scratch.h"
 
 #include <tvm/ffi/extra/c_env_api.h>
@@ -40,10 +36,8 @@ constexpr size_t kMaxStreams = 8;  // (the oldest entry makes room for a ninth s
 struct Reused {
   int32_t device_id;
   void* stream;
-  int64_t elements = 0;
+  int64_t elements;
   tvm::ffi::Tensor tensor;
-  int64_t counters = 0;  // (the merge counters: zero between calls)
-  tvm::ffi::Tensor counter_tensor;
 };
 
 tvm::ffi::Tensor allocate(int64_t elements, DLDevice device) {
@@ -64,59 +58,30 @@ bool reuse_allowed() {
   return allowed;
 }
 
-bool reusable(int64_t elements, DLDevice device, void* stream) {
-  return device.device_type == kDLCUDA && elements <= kMaxReusedElements && reuse_allowed() &&
-         !dmattn::stream_capturing(stream);
-}
-
-// The stream's entry (made where it has none), under the lock. (Never destroyed: at the process's
-// exit the allocator a destructor would call may be gone.)
-std::mutex& buffers_lock() {
-  static auto* lock = new std::mutex;
-  return *lock;
-}
-Reused& entry_of(DLDevice device, void* stream) {
-  static auto* buffers = new std::vector<Reused>;
-  auto it = std::find_if(buffers->begin(), buffers->end(), [&](const Reused& r) {
-    return r.device_id == device.device_id && r.stream == stream;
-  });
-  if (it != buffers->end()) return *it;
-  if (buffers->size() == kMaxStreams) buffers->erase(buffers->begin());
-  Reused r;
-  r.device_id = device.device_id, r.stream = stream;
-  buffers->push_back(r);
-  return buffers->back();
-}
-
 }  // namespace
 
 tvm::ffi::Tensor decode_scratch(int64_t elements, DLDevice device, void* stream) {
-  if (!reusable(elements, device, stream)) return allocate(elements, device);
-  const std::lock_guard<std::mutex> guard(buffers_lock());
-  Reused& r = entry_of(device, stream);
-  if (r.elements < elements) {
-    r.elements = std::min(rounded_up(elements), kMaxReusedElements);
-    r.tensor = allocate(r.elements, device);
+  if (device.device_type != kDLCUDA || elements > kMaxReusedElements || !reuse_allowed() ||
+      dmattn::stream_capturing(stream)) {
+    return allocate(elements, device);
   }
-  return r.tensor;
-}
-
-int32_t* decode_merge_counters(int64_t count, DLDevice device, void* stream) {
-  static const bool off = [] {  // (DMATTN_DECODE_OWN_MERGE=0: the merge kernel always; comparisons)
-    const char* e = std::getenv("DMATTN_DECODE_OWN_MERGE");
-    return e != nullptr && std::string(e) == "0";
-  }();
-  if (off || count <= 0 || !reusable(count, device, stream)) return nullptr;
-  const std::lock_guard<std::mutex> guard(buffers_lock());
-  Reused& r = entry_of(device, stream);
-  if (r.counters < count) {
-    // (int32 and float32 have one size: the scratch's allocation, as int32)
-    r.counters = std::min(rounded_up(count), kMaxReusedElements);
-    r.counter_tensor = tvm::ffi::Tensor::FromEnvAlloc(TVMFFIEnvTensorAlloc, {r.counters},
-                                                      DLDataType{kDLInt, 32, 1}, device);
-    dmattn::clear_device_bytes(r.counter_tensor.data_ptr(), r.counters * 4, stream);
+  // (never destroyed: at the process's exit the allocator a destructor would call may be gone)
+  static auto* lock = new std::mutex;
+  static auto* buffers = new std::vector<Reused>;
+  const std::lock_guard<std::mutex> guard(*lock);
+  auto it = std::find_if(buffers->begin(), buffers->end(), [&](const Reused& r) {
+    return r.device_id == device.device_id && r.stream == stream;
+  });
+  if (it != buffers->end() && it->elements >= elements) return it->tensor;
+  const int64_t size = std::min(rounded_up(elements), kMaxReusedElements);
+  tvm::ffi::Tensor tensor = allocate(size, device);
+  if (it != buffers->end()) {
+    it->elements = size, it->tensor = tensor;
+  } else {
+    if (buffers->size() == kMaxStreams) buffers->erase(buffers->begin());
+    buffers->push_back({device.device_id, stream, size, tensor});
   }
-  return static_cast<int32_t*>(r.counter_tensor.data_ptr());
+  return tensor;
 }
 
 }  // namespace dmattn::binding

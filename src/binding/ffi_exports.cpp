@@ -501,10 +501,6 @@ tvm::ffi::Tensor run_decode_allocating(const dmattn::TensorDesc& q, const dmattn
   inputs.workspace = num_splits > 1 ? &workspace_d : nullptr;
   dmattn::ForwardParams p = dmattn::make_decode_forward_params(q, k, v, out_d, lse_d, mask, bias, options, inputs);
   p.stream = stream;
-  if (num_splits > 1) {  // (the kernel's own merge where it takes one: decode_scratch.h)
-    p.decode_merge_counter_count = batch * k.shape[2];
-    p.decode_merge_counters = dmattn::binding::decode_merge_counters(p.decode_merge_counter_count, device, stream);
-  }
   if (device.device_type == kDLCUDA && p.decode_splits > 0) {  // (the decode kernels: the call allocates)
     p.allocate_out = &DecodeOut::allocate;
     p.allocate_out_context = &out;

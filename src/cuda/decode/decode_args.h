@@ -101,10 +101,6 @@ struct DecodeArgs {
   // grid then holds balanced_ctas CTAs, and partial rows lie in slots: balanced_slot_row).
   int balanced_ctas = 0;
   bool balanced = false;
-  // The narrow kernel's own merge (decode_narrow_sm90.h, merge_if_last_split; a dense call with
-  // key splits, not balanced): one counter per (batch, kv head), zero before the kernel and zero
-  // again after it; null: decode_combine_kernel merges.
-  int32_t* merge_counters = nullptr;
 };
 
 }  // namespace dmattn::cuda

@@ -12,46 +12,6 @@
 
 namespace dmattn::cuda {
 
-// The weights of a row's `splits` parts from their lse (lse_of(s)), computed by one warp (`lane` its
-// lane): weight[s] = exp(lse_s - lse) into `weight` (shared memory); returns the row's lse, in
-// every lane. An empty row (no allowed key in any part) is 0 with lse -inf; a row with one
-// non-empty part takes it with weight 1 (the bits of a one-split call); a NaN stays NaN (a NaN lse
-// is not the maximum, so such a row never counts as having a single part). The combine kernel
-// and the narrow kernel's own merge (decode_narrow_sm90.h) both take it: the same bits.
-template <typename LseOf>
-__device__ __forceinline__ float part_weights(int splits, int lane, LseOf lse_of, float* weight) {
-  float lse_s[kDecodeMaxSplits / 32];
-  float mx = -INFINITY;
-  int nonempty = 0;
-#pragma unroll
-  for (int u = 0; u < kDecodeMaxSplits / 32; ++u) {
-    const int s = u * 32 + lane;
-    lse_s[u] = s < splits ? lse_of(s) : -INFINITY;
-    mx = fmaxf(mx, lse_s[u]);
-    nonempty += lse_s[u] != -INFINITY;
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) {
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    nonempty += __shfl_xor_sync(0xffffffffu, nonempty, o);
-  }
-  const float mu = mx == -INFINITY ? 0.f : mx;
-  float sum = 0.f;
-#pragma unroll
-  for (int u = 0; u < kDecodeMaxSplits / 32; ++u) sum += __expf(lse_s[u] - mu);
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  const bool empty = sum == 0.f;
-  const bool single = nonempty == 1 && mx != -INFINITY;
-  const float lse = empty ? -INFINITY : single ? mx : mu + __logf(sum);
-#pragma unroll
-  for (int u = 0; u < kDecodeMaxSplits / 32; ++u) {
-    const int s = u * 32 + lane;
-    if (s < splits) weight[s] = empty ? 0.f : single ? (lse_s[u] == mx ? 1.f : 0.f) : __expf(lse_s[u] - lse);
-  }
-  return lse;
-}
-
 // Merges the splits' partial rows: lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse)
 // out_s; a row with one non-empty split takes that split's row as it is, the bits the kernel
 // writes itself with one split (so that a packed sequence's rows do not depend on the splits of
@@ -117,8 +77,39 @@ __global__ void __launch_bounds__(kDecodeCombineThreads) decode_combine_kernel(c
     if (c < cols && s < splits) preloaded[u] = part_columns(s);
   }
   if (threadIdx.x < 32) {
-    const float lse = part_weights(splits, threadIdx.x, [&](int s) { return a.part_lse[part_row(s)]; }, weight);
-    if (threadIdx.x == 0) row_lse = lse;
+    const int lane = threadIdx.x;
+    float lse_s[kDecodeMaxSplits / 32];
+    float mx = -INFINITY;
+    int nonempty = 0;
+#pragma unroll
+    for (int u = 0; u < kDecodeMaxSplits / 32; ++u) {
+      const int s = u * 32 + lane;
+      lse_s[u] = s < splits ? a.part_lse[part_row(s)] : -INFINITY;
+      mx = fmaxf(mx, lse_s[u]);
+      nonempty += lse_s[u] != -INFINITY;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) {
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      nonempty += __shfl_xor_sync(0xffffffffu, nonempty, o);
+    }
+    const float mu = mx == -INFINITY ? 0.f : mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int u = 0; u < kDecodeMaxSplits / 32; ++u) sum += __expf(lse_s[u] - mu);
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    // An empty row (no allowed key in any split) is 0 with lse -inf; a NaN stays NaN (a NaN
+    // lse is not the maximum, so such a row never counts as having a single split).
+    const bool empty = sum == 0.f;
+    const bool single = nonempty == 1 && mx != -INFINITY;
+    const float lse = empty ? -INFINITY : single ? mx : mu + __logf(sum);
+#pragma unroll
+    for (int u = 0; u < kDecodeMaxSplits / 32; ++u) {
+      const int s = u * 32 + lane;
+      if (s < splits) weight[s] = empty ? 0.f : single ? (lse_s[u] == mx ? 1.f : 0.f) : __expf(lse_s[u] - lse);
+    }
+    if (lane == 0) row_lse = lse;
   }
   __syncthreads();
 
@@ -144,44 +135,6 @@ __global__ void __launch_bounds__(kDecodeCombineThreads) decode_combine_kernel(c
     out[d] = Element(saturate_keep_nan<Element>(o));
   }
   if (threadIdx.x == 0) *lse_out = row_lse;
-}
-
-// Row (seq, h, i) of a dense call merged from its key splits' partial rows by one warp, the bits
-// decode_combine_kernel writes (the narrow kernel's own merge, merge_if_last_split): the same
-// weights (part_weights, into the warp's `weight`, kDecodeMaxSplits floats of shared memory),
-// and for each float4 column c the combine's threads' sums in their order -- parts g, g + groups,
-// g + 2 groups, ... accumulated from 0 for each g, then the groups' sums added from 0 in turn.
-// The partial rows are other CTAs' writes of this grid: loaded past L1 (ld.global.cg).
-template <typename Element>
-__device__ __forceinline__ void merge_row_in_warp(const DecodeArgs& a, const decode_detail::DecodeSeq& seq, int h,
-                                                  int i, float* weight) {
-  const int lane = threadIdx.x % 32, splits = a.num_splits;
-  const auto part_row = [&](int s) { return decode_detail::partial_row(a, seq, s, h, i); };
-  const float lse = part_weights(splits, lane, [&](int s) { return __ldcg(a.part_lse + part_row(s)); }, weight);
-  __syncwarp();
-  const int cols = a.head_dim / 4;
-  const int cols_pow2 = cols <= 16 ? 16 : cols <= 32 ? 32 : 64;
-  const int groups = kDecodeCombineThreads / cols_pow2;
-  Element* out = static_cast<Element*>(a.out) + seq.bm * a.o_st.batch_stride + (seq.q0 + i) * a.o_st.row_stride +
-                 h * a.o_st.head_stride;
-  for (int c = lane; c < cols; c += 32) {
-    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int g = 0; g < groups; ++g) {
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-      for (int s = g; s < splits; s += groups) {
-        const float4 x = __ldcg(reinterpret_cast<const float4*>(a.part_out + part_row(s) * a.head_dim) + c);
-        const float w = weight[s];
-        acc.x = fmaf(w, x.x, acc.x), acc.y = fmaf(w, x.y, acc.y), acc.z = fmaf(w, x.z, acc.z);
-        acc.w = fmaf(w, x.w, acc.w);
-      }
-      o.x += acc.x, o.y += acc.y, o.z += acc.z, o.w += acc.w;
-    }
-    const float v[4] = {o.x, o.y, o.z, o.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) out[4 * c + e] = Element(saturate_keep_nan<Element>(v[e]));
-  }
-  if (lane == 0) a.lse[seq.bm * a.lse_bs + h * a.lse_hs + seq.q0 + i] = lse;
 }
 
 }  // namespace dmattn::cuda

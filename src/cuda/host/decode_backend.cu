@@ -279,9 +279,6 @@ void decode_forward(const ForwardParams& p) {
                                p.device_id) > 0) {
       a.balanced_ctas = static_cast<int>(decode_balanced_ctas(p.device_id));
     }
-    if (p.decode_merge_counters != nullptr && p.decode_merge_counter_count >= p.batch * p.num_heads_kv) {
-      a.merge_counters = p.decode_merge_counters;  // (run_decode keeps them where its kernel merges)
-    }
     launches.push_back(a);
   }
   // The splits' partial rows and their lse in the workspace (run_decode places the lse after the

@@ -18,8 +18,7 @@ inline constexpr bool decode_rows_chunked(int64_t rows, int d) {
   return rows > kDecodeRows && decode_max_head_dim(d) <= kDecodeRowsMaxHeadDim;
 }
 
-// The decode kernel, then the merge of its key splits (unless the kernel merges them itself:
-// DecodeArgs::merge_counters). a.out null: out comes from
+// The decode kernel, then the merge of its key splits. a.out null: out comes from
 // allocate_out(context) (ForwardParams::allocate_out), called between the two launches where the
 // kernel writes partial rows only, else before it. Returns the out used.
 template <typename Element>
@@ -216,20 +215,9 @@ void launch_decode(const DecodeArgs& a, cudaStream_t stream) {
   }
 }
 
-// The call's merge counters where the narrow kernel merges its own splits (merge_if_last_split):
-// a dense call of it with key splits; else none (decode_combine_kernel merges, or nothing).
-inline DecodeArgs with_merge_counters(const DecodeArgs& a) {
-  if (a.merge_counters == nullptr ||
-      (a.num_splits > 1 && !a.balanced && a.cu_seqlens_q == nullptr && decode_narrow_takes(a)))
-    return a;
-  DecodeArgs b = a;
-  b.merge_counters = nullptr;
-  return b;
-}
-
 template <typename Element>
 void* run_decode(const DecodeArgs& call, cudaStream_t stream, void* (*allocate_out)(void*), void* context) {
-  DecodeArgs a = with_merge_counters(with_partial_lse(with_narrow_splits(with_balanced_shares(call))));
+  DecodeArgs a = with_partial_lse(with_narrow_splits(with_balanced_shares(call)));
   check(a.out != nullptr || allocate_out != nullptr, ErrorKind::kValue,
         "out: a decode launch needs out or a way to allocate it");
   const auto allocate = [&] {
@@ -237,9 +225,9 @@ void* run_decode(const DecodeArgs& call, cudaStream_t stream, void* (*allocate_o
     check(a.out != nullptr && reinterpret_cast<uintptr_t>(a.out) % 16 == 0, ErrorKind::kValue,
           "out: the allocator returned no 16-byte aligned storage");
   };
-  // out allocated here: before the kernel where it writes out (one split, the balanced form, or
-  // its own merge), else once the kernel is on its way (the merge is the first to write out).
-  const bool kernel_writes_out = a.num_splits == 1 || a.balanced || a.merge_counters != nullptr;
+  // out allocated here: before the kernel where it writes out (one split, or the balanced form),
+  // else once the kernel is on its way (the merge is the first to write out).
+  const bool kernel_writes_out = a.num_splits == 1 || a.balanced;
   if (a.out == nullptr && kernel_writes_out) allocate();
   switch (decode_max_head_dim(a.head_dim)) {
     case 64: launch_decode<Element, 64>(a, stream); break;
@@ -247,7 +235,7 @@ void* run_decode(const DecodeArgs& call, cudaStream_t stream, void* (*allocate_o
     default: launch_decode<Element, 256>(a, stream); break;
   }
   if (a.out == nullptr) allocate();
-  if ((a.num_splits > 1 || a.balanced) && a.merge_counters == nullptr) {
+  if (a.num_splits > 1 || a.balanced) {
     const int64_t rows = int64_t(a.batch) * a.num_heads * a.seqlen_q;
     launch_dependent_kernel(decode_combine_kernel<Element>, dim3(static_cast<unsigned>(rows)), kDecodeCombineThreads,
                             stream, a, sm90::device_runs_sm90_kernels(), "decode combine kernel launch");

@@ -23,7 +23,6 @@
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 
-#include "cuda/decode/decode_combine.h"
 #include "cuda/decode/decode_rows_kernel.h"
 #include "cuda/sm90/decode_sm90.h"
 #include "cuda/sm90/gmma.h"
@@ -112,37 +111,6 @@ using NarrowOperands = StepOperandsOf<8>;
 __device__ __forceinline__ void load_narrow_operands(const DecodeArgs& a, const OperandRows& rows, int jt, int ke,
                                                      const int (&key)[4], NarrowOperands& op) {
   load_operand_entries(a, rows, ke, op, [&](int x) { return jt + key[x]; }, [](int x) { return x % 2; });
-}
-
-// The kernel's own merge (DecodeArgs::merge_counters, run_decode's with_merge_counters): once
-// its partial rows are out, a CTA counts itself done on its (batch, kv head) row's counter; the
-// last of the row's num_splits CTAs resets the counter for the stream's next call and merges the
-// row's splits, a warp a packed row (merge_row_in_warp: decode_combine_kernel's bits, so a call
-// replayed from a CUDA graph, which merges in that kernel, gives the same output). No second
-// launch, and each row's merge runs as soon as its splits are done, not after the whole grid.
-// `smem`: the kernel's shared memory, free after its key loop (the warps' weights, then a flag).
-template <typename Element>
-__device__ __forceinline__ void merge_if_last_split(const DecodeArgs& a, const DecodeSeq& seq, int kvh, int c0,
-                                                    int cta_rows, float* smem) {
-  constexpr int kWarps = 4;
-  int* last = reinterpret_cast<int*>(smem + kWarps * kDecodeMaxSplits);
-  __threadfence();  // (this thread's partial rows, visible to whichever CTA merges them)
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int32_t* counter = a.merge_counters + int64_t(seq.bm) * a.heads_kv + kvh;
-    const bool is_last = atomicAdd(counter, 1) == a.num_splits - 1;
-    if (is_last) *counter = 0;
-    *last = is_last;
-  }
-  __syncthreads();
-  if (!*last) return;
-  __threadfence();  // (the other CTAs' rows, counted before this one's count)
-  const int warp = threadIdx.x / 32;
-  for (int r = warp; r < cta_rows; r += kWarps) {
-    const int row = c0 + r;
-    merge_row_in_warp<Element>(a, seq, kvh * a.group + row % a.group, row / a.group, smem + warp * kDecodeMaxSplits);
-    __syncwarp();
-  }
 }
 
 }  // namespace decode_detail
@@ -363,10 +331,6 @@ __global__ void __launch_bounds__(128, 2) decode_narrow_sm90_kernel(const Decode
       if (direct) a.lse[seq.bm * a.lse_bs + h * a.lse_hs + seq.q0 + q] = lse;
       else a.part_lse[prow] = lse;
     }
-  }
-  if (a.merge_counters != nullptr) {
-    static_assert(Tile::kWarps == 4 && Tile::kQOffset >= (4 * kDecodeMaxSplits + 1) * 4, "the merge's room");
-    merge_if_last_split<Element>(a, seq, kvh, rc.c0, rc.cta_rows, reinterpret_cast<float*>(decode_narrow_smem));
   }
 #endif
 }

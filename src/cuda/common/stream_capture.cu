@@ -1,10 +1,8 @@
 // stream_capturing(): cudaStreamIsCapturing, which queues nothing and is allowed while a capture
-// runs (unlike most of the runtime's calls). clear_bytes(): cudaMemsetAsync.
-#include "cuda/common/stream_ops.h"
+// runs (unlike most of the runtime's calls).
+#include "cuda/common/stream_capture.h"
 
 #include <cuda_runtime.h>
-
-#include "cuda/common/check.h"
 
 namespace dmattn::cuda {
 
@@ -17,11 +15,6 @@ bool stream_capturing(void* stream) {
     return true;
   }
   return status != cudaStreamCaptureStatusNone;
-}
-
-void clear_bytes(void* ptr, int64_t bytes, void* stream) {
-  check_cuda(cudaMemsetAsync(ptr, 0, static_cast<size_t>(bytes), static_cast<cudaStream_t>(stream)),
-             "cudaMemsetAsync");
 }
 
 }  // namespace dmattn::cuda
