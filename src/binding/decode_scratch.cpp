@@ -11,6 +11,12 @@
 // - above kMaxReusedElements (a call that large spends far longer in its kernels than in one
 //   allocation, and the buffer would hold that much memory for good).
 // - with DMATTN_DECODE_SCRATCH=0 in the environment (comparisons).
+// tvm-ffi releases Python's GIL during a call, so two threads may run decoding calls on one stream
+// at once (threads share their device's default stream), and their launches could interleave: one
+// call's decode kernel between another's and its merge would overwrite the other's partial rows.
+// So a call holds the buffers' lock from taking its buffer until its last launch is queued
+// (DecodeScratch::hold): calls that reuse buffers queue their launches one call at a time, a few
+// microseconds each; their kernels still run as the streams allow.
 // A smaller buffer is replaced by a larger one (rounded up to a power of two, so that alternating
 // shapes settle); the old one goes back to the allocator, which gives its memory to later
 // allocations on the same stream only, after the work queued before them.
@@ -60,28 +66,33 @@ bool reuse_allowed() {
 
 }  // namespace
 
-tvm::ffi::Tensor decode_scratch(int64_t elements, DLDevice device, void* stream) {
+DecodeScratch decode_scratch(int64_t elements, DLDevice device, void* stream) {
+  DecodeScratch taken;
   if (device.device_type != kDLCUDA || elements > kMaxReusedElements || !reuse_allowed() ||
       dmattn::stream_capturing(stream)) {
-    return allocate(elements, device);
+    taken.tensor = allocate(elements, device);
+    return taken;
   }
   // (never destroyed: at the process's exit the allocator a destructor would call may be gone)
   static auto* lock = new std::mutex;
   static auto* buffers = new std::vector<Reused>;
-  const std::lock_guard<std::mutex> guard(*lock);
+  taken.hold = std::unique_lock<std::mutex>(*lock);
   auto it = std::find_if(buffers->begin(), buffers->end(), [&](const Reused& r) {
     return r.device_id == device.device_id && r.stream == stream;
   });
-  if (it != buffers->end() && it->elements >= elements) return it->tensor;
+  if (it != buffers->end() && it->elements >= elements) {
+    taken.tensor = it->tensor;
+    return taken;
+  }
   const int64_t size = std::min(rounded_up(elements), kMaxReusedElements);
-  tvm::ffi::Tensor tensor = allocate(size, device);
+  taken.tensor = allocate(size, device);
   if (it != buffers->end()) {
-    it->elements = size, it->tensor = tensor;
+    it->elements = size, it->tensor = taken.tensor;
   } else {
     if (buffers->size() == kMaxStreams) buffers->erase(buffers->begin());
-    buffers->push_back({device.device_id, stream, size, tensor});
+    buffers->push_back({device.device_id, stream, size, taken.tensor});
   }
-  return tensor;
+  return taken;
 }
 
 }  // namespace dmattn::binding

@@ -6,12 +6,19 @@
 #include <tvm/ffi/container/tensor.h>
 
 #include <cstdint>
+#include <mutex>
 
 namespace dmattn::binding {
 
 // A float32 tensor of at least `elements` (> 0) on `device` for kernels queued on `stream` (the
 // call's cudaStream_t), allocated through tvm-ffi's environment allocator. Its contents are
-// undefined: the kernels write every element they read.
-tvm::ffi::Tensor decode_scratch(int64_t elements, DLDevice device, void* stream);
+// undefined: the kernels write every element they read. Where it is the stream's reused buffer,
+// `hold` is locked: the caller keeps it until its last launch that uses the tensor is queued, so
+// that no other thread's call on the stream queues kernels between them.
+struct DecodeScratch {
+  tvm::ffi::Tensor tensor;
+  std::unique_lock<std::mutex> hold;
+};
+DecodeScratch decode_scratch(int64_t elements, DLDevice device, void* stream);
 
 }  // namespace dmattn::binding

@@ -474,11 +474,11 @@ tvm::ffi::Tensor run_decode_allocating(const dmattn::TensorDesc& q, const dmattn
   const int64_t reserved = prelude != nullptr ? (prelude->elements + 3) / 4 * 4 : 0;
   const int64_t scratch_elements = reserved + partials + (lse == nullptr ? rows : 0);
   void* stream = device.device_type == kDLCUDA ? TVMFFIEnvGetStream(kDLCUDA, device.device_id) : nullptr;
-  tvm::ffi::Tensor scratch;
+  dmattn::binding::DecodeScratch scratch;  // (held until the call's launches are queued)
   dmattn::TensorDesc scratch_d;
   if (scratch_elements > 0) {
     scratch = dmattn::binding::decode_scratch(scratch_elements, device, stream);
-    scratch_d = to_desc(scratch);
+    scratch_d = to_desc(scratch.tensor);
   }
   if (prelude != nullptr) {
     prelude->launch(static_cast<float*>(scratch_d.data));

@@ -1,6 +1,7 @@
 """The decode calls' scratch (the splits' partial rows and an lse the caller does not want;
 src/binding/decode_scratch.cpp): eager calls of one stream reuse one buffer, calls on another
-stream get a buffer of their own, calls captured in a CUDA graph get memory of the graph's pool.
+stream get a buffer of their own, calls captured in a CUDA graph get memory of the graph's pool,
+and calls of two threads on one stream queue their launches one call at a time.
 Each case compares eager outputs, bit for bit, with a replay of the same call captured in a
 graph (whose scratch is fresh memory, never reused), after other calls filled the reused buffer
 with their own partial rows."""
@@ -145,3 +146,31 @@ def test_gpu_topk_step_scratch():
     for _ in range(2):
         for i, case in enumerate(cases):
             torch.testing.assert_close(step(case), expected[i], rtol=0, atol=0, msg=f"case {i}")
+
+
+def test_gpu_threads_on_one_stream():
+    """Two threads calling on the device's default stream at once (the native call runs without
+    Python's GIL): a call's launches are queued together, so no call's kernels land between
+    another's decode kernel and its merge, which would overwrite its partial rows."""
+    import threading
+
+    cases = [_inputs(1, 16384, 40 + t) for t in range(2)]
+    expected = [_replayed(c) for c in cases]
+    outs = [[], []]
+    start = threading.Barrier(2)
+
+    def worker(t):
+        start.wait()
+        for _ in range(50):
+            outs[t].append(_call(cases[t]))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    torch.cuda.synchronize()
+    for t in range(2):
+        assert len(outs[t]) == 50
+        for out in outs[t]:
+            torch.testing.assert_close(out, expected[t], rtol=0, atol=0, msg=f"thread {t}")
