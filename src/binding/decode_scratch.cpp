@@ -9,7 +9,7 @@
 // - while the stream captures a CUDA graph: a replay's kernels run at no fixed point of the
 //   stream's order, and the allocator gives the graph's calls memory of the graph's own pool;
 // - above kMaxReusedElements (a call that large spends far longer in its kernels than in one
-//   allocation, and the buffer would hold that much memory for good).
+//   allocation, and the buffer would hold that much memory for good);
 // - with DMATTN_DECODE_SCRATCH=0 in the environment (comparisons).
 // tvm-ffi releases Python's GIL during a call, so two threads may run decoding calls on one stream
 // at once (threads share their device's default stream), and their launches could interleave: one

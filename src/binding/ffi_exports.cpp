@@ -253,12 +253,15 @@ void check_cu_seqlens(TensorView cu_seqlens_q, TensorView cu_seqlens_k, int64_t 
   });
 }
 
-// The gather path's glue (dmattn/api.h): the top-k key positions of a key-side bias, and the
-// K / V / bias rows at them. CUDA tensors, on the current stream.
-void* glue_stream(const TensorView& t) {
-  const DLDevice device = t.device();
+// The caller's current stream on `device` (tvm-ffi's environment: torch's current stream), or
+// null off CUDA.
+void* device_stream(DLDevice device) {
   return device.device_type == kDLCUDA ? TVMFFIEnvGetStream(kDLCUDA, device.device_id) : nullptr;
 }
+
+// The gather path's glue (dmattn/api.h): the top-k key positions of a key-side bias, and the
+// K / V / bias rows at them. CUDA tensors, on the current stream.
+void* glue_stream(const TensorView& t) { return device_stream(t.device()); }
 
 // Gate skipping's cells on CUDA (dmattn::gate_keep_cells): false where the framework path must
 // compute them (too many cells for the kernel).
@@ -473,7 +476,7 @@ tvm::ffi::Tensor run_decode_allocating(const dmattn::TensorDesc& q, const dmattn
   const int64_t rows = batch * heads * seqlen_q, partials = num_splits > 1 ? num_splits * rows * (head_dim + 1) : 0;
   const int64_t reserved = prelude != nullptr ? (prelude->elements + 3) / 4 * 4 : 0;
   const int64_t scratch_elements = reserved + partials + (lse == nullptr ? rows : 0);
-  void* stream = device.device_type == kDLCUDA ? TVMFFIEnvGetStream(kDLCUDA, device.device_id) : nullptr;
+  void* stream = device_stream(device);
   dmattn::binding::DecodeScratch scratch;  // (held until the call's launches are queued)
   dmattn::TensorDesc scratch_d;
   if (scratch_elements > 0) {
