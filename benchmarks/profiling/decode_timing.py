@@ -9,7 +9,8 @@ Sq=4 and 16; B=1 with a 128k cache; B=8 with ragged cache lengths (1k to 32k: a 
 dmattn only, TB/s of the keys the rows hold); a Doge decoding step (top 2048 of a 32k cache by
 a per-key bias, selection included). dmattn runs attention_with_kvcache (the split-KV decode
 kernel; the cache is read in place) and dmattn.attention (the decode kernel too, unless
-DMATTN_DECODE=0 in the environment). --general times
+DMATTN_DECODE=0 in the environment), and at Sq=1 flash_dmattn_func too (flash-dmattn's
+function, the same route as dmattn.attention). --general times
 dmattn.attention with DMATTN_DECODE=0 (the kernels of the long-sequence path), in a process of
 its own. TB/s counts the K and V bytes read once (the floor of any decode kernel; for the Doge
 step, the kept keys' bytes). --graph adds, under each row, the same call replayed from a CUDA
@@ -116,6 +117,8 @@ def main():
         add(case, "dmattn kvcache", lambda: dmattn.attention_with_kvcache(
             q, k, v, cache_seqlens=seqlens, bias=b, causal=False), kv_bytes)
         add(case, "dmattn attention", lambda: dmattn.attention(q, k, v, bias=b), kv_bytes)
+        if Sq == 1:
+            add(case, "flash_dmattn_func", lambda: dmattn.flash_dmattn_func(q, k, v, attn_bias=b), kv_bytes)
         for page in pages:
             blocks = Sk // page
             table = torch.randperm(B * blocks, device=dev).view(B, blocks).to(torch.int32)
