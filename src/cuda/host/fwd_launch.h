@@ -239,7 +239,7 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream) {
   else
 #endif
   if (terms)
-    launch_fwd_for_device<Element, kHeadDim, kFwdGeneral, true, false, true>(a, stream);
+    launch_fwd_for_device<Element, kHeadDim, kFwdTerms, true, false, true>(a, stream);
   else if (mask_or_bias || a.softcap != 0.f)
     launch_fwd_for_device<Element, kHeadDim, kFwdGeneral, true, false>(a, stream);
   else

@@ -78,32 +78,36 @@ inline constexpr int fwd_instantiated_head_dim(int d) {
 #endif
 
 // Which kernel a tile serves (fwd_kernel.h): plain scores, the init kernel (mask / bias), the
-// general kernel (softcap, with or without mask / bias).
-enum FwdKind : int { kFwdPlain = 0, kFwdInit = 1, kFwdGeneral = 2 };
+// general kernel (softcap, with or without mask / bias), and the general kernel's variant with
+// score terms (the gate and windows with sinks: kTerms).
+enum FwdKind : int { kFwdPlain = 0, kFwdInit = 1, kFwdGeneral = 2, kFwdTerms = 3 };
 
 // kHopper: the configuration compiled for sm_90a, where these kernels are the fallback at head
 // dims up to 128 (the Hopper kernels serve those: fwd_launch.h). ptxas for sm_90a needs more
 // registers than for sm_80 on the same source: the plain kernel at head dim 128 spilled there on
 // 4 warps x 32 rows (20 B; 24-36 with the measures below), so the sm_90a code runs it on 8 warps x
-// 16 rows. Each configuration has a body only in its own device code (fwd_tile_compiled_here);
-// the launcher picks by the device (fwd_launch.h).
+// 16 rows; so does the general kernel's score-terms variant at head dim 64 (1208 B of spills on 4
+// warps; the general kernel itself keeps 4 there, where 8 ran slower: docs/design.md). Each
+// configuration has a body only in its own device code (fwd_tile_compiled_here); the launcher
+// picks by the device (fwd_launch.h).
 template <typename Element_, int kHeadDim_, int kKind = kFwdPlain, bool kHopper_ = false>
 struct FwdTile {
   using Element = Element_;
   static constexpr bool kHopper = kHopper_;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kGeneral = kKind == kFwdGeneral || kKind == kFwdTerms;  // (the terms variant's tile)
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN =
-      kKind == kFwdGeneral ? (kHeadDim <= 64 ? DMATTN_FWD_GEN_BLOCKN_HD64
-                              : kHeadDim <= 128 ? DMATTN_FWD_GEN_BLOCKN_HD128 : DMATTN_FWD_GEN_BLOCKN_HD256)
+      kGeneral ? (kHeadDim <= 64 ? DMATTN_FWD_GEN_BLOCKN_HD64
+                  : kHeadDim <= 128 ? DMATTN_FWD_GEN_BLOCKN_HD128 : DMATTN_FWD_GEN_BLOCKN_HD256)
       : kKind == kFwdInit ? (kHeadDim <= 64 ? DMATTN_FWD_INIT_BLOCKN_HD64
                              : kHeadDim <= 128 ? DMATTN_FWD_INIT_BLOCKN_HD128 : DMATTN_FWD_INIT_BLOCKN_HD256)
                           : (kHeadDim <= 64 ? DMATTN_FWD_BLOCKN_HD64
                              : kHeadDim <= 128 ? DMATTN_FWD_BLOCKN_HD128 : DMATTN_FWD_BLOCKN_HD256);
   static constexpr int kNWarps =
-      kHopper && kHeadDim == 128 ? 8
+      kHopper && (kHeadDim == 128 || (kHeadDim <= 64 && kKind == kFwdTerms)) ? 8
       : kHeadDim <= 64 ? DMATTN_FWD_WARPS_HD64
-      : kHeadDim <= 128 ? (kKind == kFwdGeneral ? DMATTN_FWD_GEN_WARPS_HD128
+      : kHeadDim <= 128 ? (kGeneral ? DMATTN_FWD_GEN_WARPS_HD128
                            : kKind == kFwdInit ? DMATTN_FWD_INIT_WARPS_HD128 : DMATTN_FWD_WARPS_HD128)
                         : DMATTN_FWD_WARPS_HD256;
   static constexpr int kNThreads = kNWarps * 32;
