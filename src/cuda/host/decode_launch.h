@@ -186,7 +186,11 @@ void launch_decode(const DecodeArgs& a, cudaStream_t stream) {
     }
     if (decode_narrow_takes(a)) {
       using NarrowTile = decode_detail::DecodeNarrowTile<Element, kD>;
-      if (operands) launch_on_decode_grid(decode_narrow_sm90_kernel<Element, kD, true>, NarrowTile::kThreads,
+      // (indexed keys: the variant with entries, which reads none where there are none)
+      if (a.key_rows != nullptr)
+        launch_on_decode_grid(decode_narrow_sm90_kernel<Element, kD, true, true>, NarrowTile::kThreads,
+                              NarrowTile::kSmemBytes, a, stream);
+      else if (operands) launch_on_decode_grid(decode_narrow_sm90_kernel<Element, kD, true>, NarrowTile::kThreads,
                                           NarrowTile::kSmemBytes, a, stream);
       else launch_on_decode_grid(decode_narrow_sm90_kernel<Element, kD, false>, NarrowTile::kThreads,
                                  NarrowTile::kSmemBytes, a, stream);

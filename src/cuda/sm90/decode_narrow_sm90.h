@@ -117,9 +117,10 @@ __device__ __forceinline__ void load_narrow_operands(const DecodeArgs& a, const 
 
 // Grid (num_splits, heads_kv, batch) (row_chunks 1), DecodeNarrowTile's kThreads threads and
 // kSmemBytes of dynamic shared memory; at most kNarrowRows packed rows a sequence, keys found a
-// stage at a time (keys_by_stage) or indexed (key_rows, no pages); kOperands: with mask / bias
-// entries.
-template <typename Element, int kD, bool kOperands>
+// stage at a time (keys_by_stage) or, with kIndexed, indexed (key_rows, no pages); kOperands:
+// with mask / bias entries. (kIndexed is a variant of its own: the index's loads and the copies
+// behind a run-time test cost the other calls' loop its schedule.)
+template <typename Element, int kD, bool kOperands, bool kIndexed = false>
 __global__ void __launch_bounds__(128, 2) decode_narrow_sm90_kernel(const DecodeArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
@@ -151,13 +152,13 @@ __global__ void __launch_bounds__(128, 2) decode_narrow_sm90_kernel(const Decode
   // A stage's pages (a paged cache) or its keys' source rows (indexed keys), read a stage before
   // its copies are issued (the table's or the index's load is then not on the copies' path).
   using Rows = typename decltype(copies)::Rows;
-  const bool paged = pages_by_stage<kStageKeys>(a), indexed = a.key_rows != nullptr;
+  const bool paged = !kIndexed && pages_by_stage<kStageKeys>(a);
   const auto pages_of = [&](int it) {
     return paged ? stage_pages<kStageKeys>(a, seq, kb + it * kStageKeys, ke) : StagePages{0, 0, 0};
   };
   const auto rows_of = [&](int it) {
     Rows r{};
-    if (indexed) r = copies.rows_of(a, seq, kvh, kb + it * kStageKeys, ke);
+    if constexpr (kIndexed) r = copies.rows_of(a, seq, kvh, kb + it * kStageKeys, ke);
     return r;
   };
   const auto stage_k = [&](int it) {
@@ -165,7 +166,7 @@ __global__ void __launch_bounds__(128, 2) decode_narrow_sm90_kernel(const Decode
   };
   const auto issue = [&](int it, const StagePages& pages, const Rows& rows) {
     if (it < stages) {
-      if (indexed) copies.issue_rows(a, seq, kvh, rows, stage_k(it));
+      if constexpr (kIndexed) copies.issue_rows(a, seq, kvh, rows, stage_k(it));
       else copies.issue(a, seq, kvh, kb + it * kStageKeys, ke, stage_k(it), &pages);
     }
     cp_async_commit();
