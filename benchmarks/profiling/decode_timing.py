@@ -5,12 +5,12 @@ Decode timings (one short query block against a long KV cache) of dmattn against
 
 bf16, D=128; median of CUDA-event timings after warm-up. Rows: B=8 H=32 Hkv=8 with a full 32k
 cache, Sq=1 (plain and with a per-key bias (B, H, 1, Sk)), paged caches (page 64 and 256),
-Sq=4 and 16; B=1 with a 128k cache; B=8 with ragged cache lengths (1k to 32k: a server's batch;
+Sq=4 and 16 (16 also with the per-key bias); B=1 with a 128k cache; B=8 with ragged cache lengths (1k to 32k: a server's batch;
 dmattn only, TB/s of the keys the rows hold); a Doge decoding step (top 2048 of a 32k cache by
 a per-key bias, selection included). dmattn runs attention_with_kvcache (the split-KV decode
 kernel; the cache is read in place) and dmattn.attention (the decode kernel too, unless
-DMATTN_DECODE=0 in the environment), and at Sq=1 flash_dmattn_func too (flash-dmattn's
-function, the same route as dmattn.attention). --general times
+DMATTN_DECODE=0 in the environment), and flash_dmattn_func too (flash-dmattn's function, the
+same route as dmattn.attention). --general times
 dmattn.attention with DMATTN_DECODE=0 (the kernels of the long-sequence path), in a process of
 its own. TB/s counts the K and V bytes read once (the floor of any decode kernel; for the Doge
 step, the kept keys' bytes). --graph adds, under each row, the same call replayed from a CUDA
@@ -117,8 +117,7 @@ def main():
         add(case, "dmattn kvcache", lambda: dmattn.attention_with_kvcache(
             q, k, v, cache_seqlens=seqlens, bias=b, causal=False), kv_bytes)
         add(case, "dmattn attention", lambda: dmattn.attention(q, k, v, bias=b), kv_bytes)
-        if Sq == 1:
-            add(case, "flash_dmattn_func", lambda: dmattn.flash_dmattn_func(q, k, v, attn_bias=b), kv_bytes)
+        add(case, "flash_dmattn_func", lambda: dmattn.flash_dmattn_func(q, k, v, attn_bias=b), kv_bytes)
         for page in pages:
             blocks = Sk // page
             table = torch.randperm(B * blocks, device=dev).view(B, blocks).to(torch.int32)
@@ -189,6 +188,7 @@ def main():
         workload("B=1 H=32 Hkv=8 Sk=128k Sq=1", 1, 32, 8, 131072, 1)
         workload("B=8 H=32 Hkv=8 Sk=32k Sq=4", 8, 32, 8, 32768, 4)
         workload("B=8 H=32 Hkv=8 Sk=32k Sq=16", 8, 32, 8, 32768, 16)
+        workload("... Sq=16, per-key bias (B,H,1,Sk)", 8, 32, 8, 32768, 16, bias=True)
         if not args.general:
             ragged("B=8 H=32 Hkv=8 ragged 1k-32k Sq=1", 32, 8, [32768, 4096, 16384, 1024, 32768, 8192, 2048, 24576])
             doge("Doge B=8 H=32 Hkv=8 Sk=32k top-2048", 8, 32, 8, 32768, 2048)
