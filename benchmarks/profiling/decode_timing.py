@@ -4,19 +4,19 @@ Decode timings (one short query block against a long KV cache) of dmattn against
 (enable_gqa, PyTorch's own kernel choice) in one process.
 
 bf16, D=128; median of CUDA-event timings after warm-up. Rows: B=8 H=32 Hkv=8 with a full 32k
-cache, Sq=1 (plain and with a per-key bias (B, H, 1, Sk)), paged caches (page 64 and 256),
-Sq=4 and 16 (16 also with the per-key bias); B=1 with a 128k cache; B=8 with ragged cache lengths (1k to 32k: a server's batch;
-dmattn only, TB/s of the keys the rows hold); a Doge decoding step (top 2048 of a 32k cache by
-a per-key bias, selection included). dmattn runs attention_with_kvcache (the split-KV decode
-kernel; the cache is read in place) and dmattn.attention (the decode kernel too, unless
-DMATTN_DECODE=0 in the environment), and flash_dmattn_func too (flash-dmattn's function, the
-same route as dmattn.attention). --general times
-dmattn.attention with DMATTN_DECODE=0 (the kernels of the long-sequence path), in a process of
-its own. TB/s counts the K and V bytes read once (the floor of any decode kernel; for the Doge
-step, the kept keys' bytes). --graph adds, under each row, the same call replayed from a CUDA
-graph (GRAPH_REPEAT calls in one graph, the time per call): the kernels' time without the
-host's. Every row is also timed back to back (calls issued without waiting, the mean per
-call: the launch latency hidden). No causal mask (SDPA's is top-left aligned), so every call reads every key.
+cache, Sq=1 (plain and with a per-key bias (B, H, 1, Sk)), paged caches (page 64 and 256), Sq=4 and
+16 (16 also with the per-key bias); B=1 with a 128k cache; B=8 with ragged cache lengths (1k to
+32k: a server's batch; dmattn only, TB/s of the keys the rows hold); a Doge decoding step (top 2048
+of a 32k cache by a per-key bias, selection included). dmattn runs attention_with_kvcache (the
+split-KV decode kernel; the cache is read in place) and dmattn.attention (the decode kernel too,
+unless DMATTN_DECODE=0 in the environment), and flash_dmattn_func too (flash-dmattn's function, the
+same route as dmattn.attention). --general times dmattn.attention with DMATTN_DECODE=0 (the kernels
+of the long-sequence path), in a process of its own. TB/s counts the K and V bytes read once (the
+floor of any decode kernel; for the Doge step, the kept keys' bytes). --graph adds, under each row,
+the same call replayed from a CUDA graph (GRAPH_REPEAT calls in one graph, the time per call): the
+kernels' time without the host's. Every row is also timed back to back (calls issued without
+waiting, the mean per call: the launch latency hidden). No causal mask (SDPA's is top-left
+aligned), so every call reads every key.
 
 --rounds N (default 3) runs the whole set N times, each round on tensors allocated afresh, and
 ends with a table of each row's median over the rounds and its range (single rows move by a few
