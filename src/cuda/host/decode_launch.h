@@ -190,10 +190,12 @@ void launch_decode(const DecodeArgs& a, cudaStream_t stream) {
       if (a.key_rows != nullptr)
         launch_on_decode_grid(decode_narrow_sm90_kernel<Element, kD, true, true>, NarrowTile::kThreads,
                               NarrowTile::kSmemBytes, a, stream);
-      else if (operands) launch_on_decode_grid(decode_narrow_sm90_kernel<Element, kD, true>, NarrowTile::kThreads,
-                                          NarrowTile::kSmemBytes, a, stream);
-      else launch_on_decode_grid(decode_narrow_sm90_kernel<Element, kD, false>, NarrowTile::kThreads,
-                                 NarrowTile::kSmemBytes, a, stream);
+      else if (operands)
+        launch_on_decode_grid(decode_narrow_sm90_kernel<Element, kD, true>, NarrowTile::kThreads,
+                              NarrowTile::kSmemBytes, a, stream);
+      else
+        launch_on_decode_grid(decode_narrow_sm90_kernel<Element, kD, false>, NarrowTile::kThreads,
+                              NarrowTile::kSmemBytes, a, stream);
       return;
     }
     if ((!operands || decode_bias_on_sm90(a)) && decode_detail::keys_by_stage<Sm90Tile::kStageKeys>(a) &&
