@@ -93,9 +93,11 @@ void launch_fwd(const FwdArgs& args, cudaStream_t stream) {
 }
 
 // An sm80-class kernel in the configuration of the device's code (FwdTile's kHopper: the sm_90a
-// one on compute capability 9.0 when the build has sm_90a code).
-template <typename Element, int kHeadDim, int kKind, bool kMaskBias, bool kInit, bool kTerms = false>
+// one on compute capability 9.0 when the build has sm_90a code). The score-terms variant is the
+// tile kind kFwdTerms.
+template <typename Element, int kHeadDim, int kKind, bool kMaskBias, bool kInit>
 void launch_fwd_for_device(const FwdArgs& a, cudaStream_t stream) {
+  constexpr bool kTerms = kKind == kFwdTerms;
   if (sm90::device_runs_sm90_kernels())
     launch_fwd<FwdTile<Element, kHeadDim, kKind, true>, kMaskBias, kInit, kTerms>(a, stream);
   else
@@ -239,7 +241,7 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream) {
   else
 #endif
   if (terms)
-    launch_fwd_for_device<Element, kHeadDim, kFwdTerms, true, false, true>(a, stream);
+    launch_fwd_for_device<Element, kHeadDim, kFwdTerms, true, false>(a, stream);
   else if (mask_or_bias || a.softcap != 0.f)
     launch_fwd_for_device<Element, kHeadDim, kFwdGeneral, true, false>(a, stream);
   else
