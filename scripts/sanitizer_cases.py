@@ -213,6 +213,8 @@ for dtype in (torch.bfloat16, torch.float16):
     kvcache_case(1, 9, 8, 2, 64, dtype, 896, page_size=16)  # 36 rows: pipelined, a warp without rows
     kvcache_case(1, 1, 8, 1, 128, dtype, 40000)  # over 100 key splits into the combine kernel
     kvcache_case(2, 2, 8, 2, 64, dtype, 2048, page_size=64, mask=True)  # 8 rows, pages, a mask: the narrow kernel's entries
+    kvcache_case(2, 8, 8, 2, 128, dtype, 1501, bias=True)  # 32 rows, odd bias rows: the wgmma kernel's loaded entries
+    kvcache_case(2, 16, 8, 2, 64, dtype, 2048, page_size=64, bias=True)  # 64 rows, pages, aligned pairs
     case(1, 17, 33, 2, 1, 64, dtype, mask_shape=(1, 2, 17, 33), bias_shape=(1, 2, 17, 33))
     case(2, 130, 77, 4, 2, 128, dtype, bias_shape=(2, 1, 1, 77), causal=True)
     case(1, 64, 200, 2, 2, 72, dtype, mask_shape=(1, 1, 64, 200), window=(32, 8))

@@ -241,9 +241,10 @@ def test_gpu_full_row_tiles(seqlen_q, page_size, bias):
     """Speculative-decoding lengths: a full 16-row tile (Sq=4, 4 heads a kv head), a partial one,
     a full 64-row chunk (Sq=16), one with warps past its rows (Sq=5: 20 rows), two chunks
     (Sq=20), pages smaller than a key tile and pages a stage crosses; long ragged caches (every
-    warp, several tiles and key splits), causal; with a per-key bias (the mma.sync kernels) and
-    without (on Hopper the wgmma kernel, its padding rows included, where the keys come a stage
-    at a time: contiguous, pages of 64 and 256)."""
+    warp, several tiles and key splits), causal; with a per-key bias and without (on Hopper the
+    wgmma kernel, its padding rows included, where the keys come a stage at a time: contiguous,
+    pages of 64 and 256; with the bias, the product up to 16 rows and each thread's entries loaded
+    in 32-bit pairs above; elsewhere the mma.sync kernels)."""
     case = _make_case("cuda", torch.bfloat16, batch=3, seqlen_q=seqlen_q, heads=8, heads_kv=2, head_dim=128,
                       capacity=2048, lens=[2000, 700, 5], new=seqlen_q, page_size=page_size,
                       bias_shape=(3, 8, 1, 2048) if bias else None)
@@ -355,10 +356,12 @@ def test_gpu_entries_few_rows(head_dim, seqlen_q, heads, heads_kv, operands, pag
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim,seqlen_q,page_size", [(128, 1, None), (64, 4, None), (128, 4, 64), (128, 2, 256)])
+@pytest.mark.parametrize("head_dim,seqlen_q,page_size", [(128, 1, None), (64, 4, None), (128, 4, 64), (128, 2, 256),
+                                                      (128, 8, None), (64, 16, 64), (128, 6, 256)])
 def test_gpu_key_bias_special_entries(dtype, head_dim, seqlen_q, page_size):
     """A per-key bias of q's dtype with up to 16 rows (on Hopper added by the tensor cores, whose
-    0 x inf across a key's rows the kernel undoes): rows that start at odd elements (an odd
+    0 x inf across a key's rows the kernel undoes) and with 24 to 64 (on Hopper each thread's
+    entries loaded into registers, here element by element): rows that start at odd elements (an odd
     capacity, a view one element in), finfo.min and -inf entries, a head whose every key is
     -inf (out 0, lse -inf), and a NaN entry at a visible key that makes its own row NaN and
     leaves every other row's bits as they are with a finite entry there."""
@@ -379,7 +382,7 @@ def test_gpu_key_bias_special_entries(dtype, head_dim, seqlen_q, page_size):
     _check(case, out, lse)
     assert torch.all(out[2, :, 3] == 0) and torch.all(lse[2, 3] == float("-inf"))
 
-    key = lens[0] + seqlen_q - 5  # visible to every query of batch 0
+    key = lens[0] - 5  # a cache key every query of batch 0 sees (causal)
     nan_bias = case["bias"].clone()
     nan_bias[0, 6, 0, key] = NAN
     out_nan, lse_nan = _run(dict(case, bias=nan_bias))

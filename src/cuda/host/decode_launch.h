@@ -29,6 +29,7 @@ void* run_decode(const DecodeArgs& a, cudaStream_t stream, void* (*allocate_out)
 
 #ifdef DMATTN_DECODE_LAUNCH_IMPL
 #include <algorithm>
+#include <optional>
 
 #include "cuda/common/check.h"
 #include "cuda/decode/decode_combine.h"
@@ -144,13 +145,24 @@ inline DecodeArgs with_partial_lse(const DecodeArgs& a) {
   return b;
 }
 
-// Whether a call with entries takes the wgmma kernel with its bias product (decode_bias_sm90.h):
-// a bias of q's 16-bit type along the keys (stride 1; any alignment) and no mask, for at most
-// kBiasRows packed rows (a packed batch's launch of up to one tile of rows, or a call with that
-// few: a sequence takes it in both forms).
+// The wgmma kernel's form for a call's mask / bias entries (decode_bias_sm90.h): none without
+// them; with a bias of q's 16-bit type along the keys (stride 1; any alignment) and no mask, the
+// bias product for at most kBiasRows packed rows (a packed batch's launch of up to one tile of
+// rows, or a call with that few: a sequence takes it in both forms) and each thread's loaded
+// entries for more (the packed launch of the larger sequences, or such a call alone; unless
+// DMATTN_DECODE_SM90_ENTRIES=0, for comparisons); other entries have no form here (nullopt: the
+// mma.sync kernels take them).
+inline std::optional<decode_detail::DecodeBias> decode_sm90_bias_form(const DecodeArgs& a) {
+  using decode_detail::DecodeBias;
+  static const bool entries_off = sm90::env_switched_off("DMATTN_DECODE_SM90_ENTRIES");
+  if (a.mask.ptr == nullptr && a.bias.ptr == nullptr) return DecodeBias::kNone;
+  if (a.mask.ptr != nullptr || a.bias_fp32 || a.bias.sk != 1) return std::nullopt;
+  if (int64_t(a.seqlen_q) * a.group <= decode_detail::kBiasRows) return DecodeBias::kProduct;
+  if (entries_off) return std::nullopt;
+  return DecodeBias::kEntries;
+}
 inline bool decode_bias_on_sm90(const DecodeArgs& a) {
-  return a.bias.ptr != nullptr && a.mask.ptr == nullptr && !a.bias_fp32 && a.bias.sk == 1 &&
-         int64_t(a.seqlen_q) * a.group <= decode_detail::kBiasRows;
+  return decode_sm90_bias_form(a) == decode_detail::DecodeBias::kProduct;
 }
 
 // The call in the balanced form (decode_balanced.h) where it allows it (balanced_ctas, set for
@@ -177,10 +189,11 @@ void launch_decode(const DecodeArgs& a, cudaStream_t stream) {
   const bool operands = a.mask.ptr != nullptr || a.bias.ptr != nullptr;
   if constexpr (kD <= kDecodeRowsMaxHeadDim) {  // (the 64-row kernels exist up to that bucket)
     using Sm90Tile = decode_detail::DecodeSm90Tile<Element, kD>;
+    using decode_detail::DecodeBias;
     if (a.balanced) {  // (with_balanced_shares took it for this kernel)
-      if (operands) launch_on_decode_grid(decode_sm90_kernel<Element, kD, true, true>, Sm90Tile::kThreads,
-                                          Sm90Tile::kSmemBytes, a, stream);
-      else launch_on_decode_grid(decode_sm90_kernel<Element, kD, false, true>, Sm90Tile::kThreads,
+      if (operands) launch_on_decode_grid(decode_sm90_kernel<Element, kD, DecodeBias::kProduct, true>,
+                                          Sm90Tile::kThreads, Sm90Tile::kSmemBytes, a, stream);
+      else launch_on_decode_grid(decode_sm90_kernel<Element, kD, DecodeBias::kNone, true>, Sm90Tile::kThreads,
                                  Sm90Tile::kSmemBytes, a, stream);
       return;
     }
@@ -198,11 +211,16 @@ void launch_decode(const DecodeArgs& a, cudaStream_t stream) {
                               NarrowTile::kSmemBytes, a, stream);
       return;
     }
-    if ((!operands || decode_bias_on_sm90(a)) && decode_detail::keys_by_stage<Sm90Tile::kStageKeys>(a) &&
-        decode_on_sm90()) {
-      if (operands) launch_on_decode_grid(decode_sm90_kernel<Element, kD, true>, Sm90Tile::kThreads,
-                                          Sm90Tile::kSmemBytes, a, stream);
-      else launch_on_decode_grid(decode_sm90_kernel<Element, kD>, Sm90Tile::kThreads, Sm90Tile::kSmemBytes, a, stream);
+    const std::optional<DecodeBias> bias_form = decode_sm90_bias_form(a);
+    if (bias_form && decode_detail::keys_by_stage<Sm90Tile::kStageKeys>(a) && decode_on_sm90()) {
+      const auto launch = [&](auto kernel) {
+        launch_on_decode_grid(kernel, Sm90Tile::kThreads, Sm90Tile::kSmemBytes, a, stream);
+      };
+      switch (*bias_form) {
+        case DecodeBias::kNone: launch(decode_sm90_kernel<Element, kD, DecodeBias::kNone>); break;
+        case DecodeBias::kProduct: launch(decode_sm90_kernel<Element, kD, DecodeBias::kProduct>); break;
+        case DecodeBias::kEntries: launch(decode_sm90_kernel<Element, kD, DecodeBias::kEntries>); break;
+      }
       return;
     }
     if (decode_rows_chunked(int64_t(a.seqlen_q) * a.group, a.head_dim)) {  // 64-row chunks, one ring

@@ -1,21 +1,28 @@
-// A bias of 16-bit entries on the Hopper decode kernel (decode_sm90.h, kBias): the tensor cores
-// add it. A stage's bias rows (the chunk's packed rows, at most kBiasRows, by 64 keys) are the B
-// operand of a second product beside S = Q K^T, whose A operand is a one-hot matrix in registers
-// (row r picks bias row r): S_bias = OneHot x Bias^T lands in an accumulator of its own with
-// each score's entry exactly (1 x entry plus zeros, in fp32), in the layout of S. The score
-// transform then takes it as the mma.sync kernels take their entries (transform_score), without
-// a load, conversion or address a score on the softmax's chain.
-// - Where the rows live: the decode tile's Q holds at most kBiasRows real rows (the rest of its
-//   64 are padding whose scores are never stored), so a stage's rows (2 KB) sit in Q's padding
-//   rows 16-63 of its first 64 columns, three stages' worth; two CTAs an SM still fit.
-// - How they arrive: each thread loads one 16-byte chunk of one row into registers a stage
-//   ahead (one vector load where the chunk is whole and aligned, else element by element: any
-//   alignment, so that a packed batch's sequences, which start anywhere, take this kernel as
-//   their calls alone do) and stores it into the stage's slot one stage later; keys at or past
-//   the split's end and rows past the chunk's are zeros.
-// - Entries that are not finite: 0 x inf is NaN, so an infinite or NaN entry turns its key's
-//   column of S_bias into NaN for every row. A stage where any lane sees such a value (one test
-//   a stage in the common case) re-reads each affected score's own entry from the tile.
+// A bias of 16-bit entries on the Hopper decode kernel (decode_sm90.h), in one of two forms:
+// - Up to kBiasRows packed rows (DecodeBias::kProduct): the tensor cores add it. A stage's bias
+//   rows (the chunk's packed rows, at most kBiasRows, by 64 keys) are the B operand of a second
+//   product beside S = Q K^T, whose A operand is a one-hot matrix in registers (row r picks bias
+//   row r): S_bias = OneHot x Bias^T lands in an accumulator of its own with each score's entry
+//   exactly (1 x entry plus zeros, in fp32), in the layout of S. The score transform then takes it
+//   as the mma.sync kernels take their entries (transform_score), without a load, conversion or
+//   address a score on the softmax's chain.
+//   - Where the rows live: the decode tile's Q holds at most kBiasRows real rows (the rest of its
+//     64 are padding whose scores are never stored), so a stage's rows (2 KB) sit in Q's padding
+//     rows 16-63 of its first 64 columns, three stages' worth; two CTAs an SM still fit.
+//   - How they arrive: each thread loads one 16-byte chunk of one row into registers a stage
+//     ahead (one vector load where the chunk is whole and aligned, else element by element: any
+//     alignment, so that a packed batch's sequences, which start anywhere, take this kernel as
+//     their calls alone do) and stores it into the stage's slot one stage later; keys at or past
+//     the split's end and rows past the chunk's are zeros.
+//   - Entries that are not finite: 0 x inf is NaN, so an infinite or NaN entry turns its key's
+//     column of S_bias into NaN for every row. A stage where any lane sees such a value (one test
+//     a stage in the common case) re-reads each affected score's own entry from the tile.
+// - More rows (DecodeBias::kEntries: a chunk of up to 64, whose Q leaves no padding rows for the
+//   bias stages, and two CTAs an SM leave no shared memory for more): each thread reads the
+//   entries of its own scores into registers (BiasEntryPairs: its two rows' keys in pairs, one
+//   32-bit load a pair where the row is 4-byte aligned), a stage ahead of their use, and the
+//   transform adds them as the mma.sync kernels add loaded entries. A per-key bias (B, H, 1, Sk)
+//   gives the chunk's queries of one head the same row, so most of those loads hit L1.
 #pragma once
 
 #include <cstdint>
@@ -124,6 +131,56 @@ __device__ __forceinline__ void fix_nonfinite_bias(float (&b)[kNs][4], const cha
     }
   }
 }
+
+// The thread's entries of a stage of kKeys keys (DecodeBias::kEntries), in pairs: pair[hf][nt]
+// holds keys jt + 8 nt + 2 (lane % 4) + {0, 1} of its row lane / 4 + 8 hf (the m16n8 view of
+// S), raw 16-bit bits, zeros at or past the split's end. Loaded a stage ahead of the transform.
+template <typename Element, int kKeys>
+struct BiasEntryPairs {
+  const uint16_t* row[2];
+  bool aligned;  // both rows' entries start on 4-byte boundaries: a pair is one 32-bit load
+  uint32_t pair[2][kKeys / 8];
+
+  __device__ __forceinline__ BiasEntryPairs(const DecodeArgs& a, const DecodeSeq& seq, const int (&row_h)[2],
+                                            const int (&row_i)[2]) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+      row[hf] = reinterpret_cast<const uint16_t*>(a.bias.ptr) + operand_row(a.bias, seq, row_h[hf], row_i[hf]);
+    aligned = ((reinterpret_cast<uintptr_t>(row[0]) | reinterpret_cast<uintptr_t>(row[1])) & 3) == 0;
+  }
+  // Keys from jt (even: stages start on whole stages) up to ke. (Where both rows read the same
+  // entries -- a per-key bias whose group of heads divides 8 gives a thread's two rows, 8 apart,
+  // one head -- the second row's are the first's.)
+  __device__ __forceinline__ void load(int jt, int ke, int lane) {
+    const int j0 = jt + 2 * (lane % 4);
+    if (aligned && jt + kKeys <= ke) {
+      if (row[0] == row[1]) {
+#pragma unroll
+        for (int nt = 0; nt < kKeys / 8; ++nt)
+          pair[0][nt] = pair[1][nt] = __ldg(reinterpret_cast<const uint32_t*>(row[0] + j0 + 8 * nt));
+        return;
+      }
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+        for (int nt = 0; nt < kKeys / 8; ++nt)
+          pair[hf][nt] = __ldg(reinterpret_cast<const uint32_t*>(row[hf] + j0 + 8 * nt));
+      return;
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+      for (int nt = 0; nt < kKeys / 8; ++nt) {
+        const int j = j0 + 8 * nt;
+        const uint32_t lo = j < ke ? __ldg(row[hf] + j) : 0u, hi = j + 1 < ke ? __ldg(row[hf] + j + 1) : 0u;
+        pair[hf][nt] = lo | (hi << 16);
+      }
+  }
+  __device__ __forceinline__ float entry(int hf, int nt, int e) const {
+    const uint16_t bits = static_cast<uint16_t>(pair[hf][nt] >> (16 * e));
+    return ElemInfo<Element>::to_float(&bits);
+  }
+};
 
 // online_softmax (decode_kernel.h) with the bias entries of the stage's scores in b (the m16n8
 // view above) instead of loaded entries: the same transform (transform_score: scale, softcap,

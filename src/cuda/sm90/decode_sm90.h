@@ -9,9 +9,9 @@
 // traffic (the mma.sync kernels' warps each read every K / V row into registers), which leaves a
 // warp's instructions to the softmax. Each thread holds the m16n8 accumulator layout of
 // decode_kernel.h (rows lane / 4 + 8 hf of its warp's 16), so the score transform, the online
-// softmax and the epilogue are those kernels'. kBias: a bias of q's 16-bit type along the keys
-// for up to 16 rows, added by a second product (decode_bias_sm90.h); calls with other mask /
-// bias entries take the mma.sync kernels.
+// softmax and the epilogue are those kernels'. kBias: a bias of q's 16-bit type along the keys,
+// added by a second product for up to 16 rows or loaded by each thread for more
+// (decode_bias_sm90.h); calls with other mask / bias entries take the mma.sync kernels.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -27,6 +27,10 @@
 namespace dmattn::cuda {
 
 namespace decode_detail {
+
+// The bias forms of the kernel (decode_bias_sm90.h): none, the one-hot product (up to kBiasRows
+// rows), or each thread's entries loaded into registers (more rows).
+enum class DecodeBias : int { kNone, kProduct, kEntries };
 
 // One warpgroup (64 rows), Q (16 KB at kD = 128) and three stages of 64 keys of K and V
 // (32 KB a stage at 128): 112 KB, two CTAs an SM.
@@ -57,7 +61,7 @@ struct DecodeSm90Tile {
                                        cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
   static_assert(is_sw128_layout<LayoutK, kStageKeys, kD>() && is_sw128_layout<LayoutQ, kRows, kD>(),
                 "the copies' addresses follow the tiles' layout");
-  // kBias: the stages' bias rows (N = keys, K = rows, MN-major) in Q's padding rows kBiasRows ..
+  // kProduct: the stages' bias rows (N = keys, K = rows, MN-major) in Q's padding rows kBiasRows ..
   // of its first 64 columns (Q's rows there are 128-byte lines, kBiasRows of them a tile), the
   // one-hot A operand's 64 x 16 accumulator shape, and the product S_bias = OneHot Bias^T.
   using LayoutBias = decltype(cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<Element>{},
@@ -87,7 +91,7 @@ __device__ __forceinline__ int sw128_chunk_offset(int r, int c) {
 // [keys.begin, keys.end) (on whole stages from keys.begin), written as output (direct) or as
 // the partial rows of split `split` (balanced: the slot): one CTA's work, or one part of a
 // balanced share. The caller's threads are the CTA's, all of them.
-template <typename Element, int kD, bool kBias, bool kBalanced>
+template <typename Element, int kD, decode_detail::DecodeBias kBias, bool kBalanced>
 __device__ __forceinline__ void decode_sm90_rows(const DecodeArgs& a, const decode_detail::DecodeSeq& seq, int kvh,
                                                  int c0, int cta_rows, int split, decode_detail::SplitKeys keys,
                                                  bool direct, int warp, int lane) {
@@ -96,6 +100,7 @@ __device__ __forceinline__ void decode_sm90_rows(const DecodeArgs& a, const deco
   using Tile = DecodeSm90Tile<Element, kD>;
   constexpr int kStageKeys = Tile::kStageKeys, kStages = Tile::kStages;
   constexpr int kNs = kStageKeys / 8, kNd = kD / 8;  // n8 column groups of S and of O
+  constexpr bool kProduct = kBias == DecodeBias::kProduct, kEntries = kBias == DecodeBias::kEntries;
 
   const int kb = keys.begin, ke = keys.end;
   // The warp's 16 rows of the 64; a warp past the chunk's rows computes zero rows it never stores.
@@ -112,12 +117,12 @@ __device__ __forceinline__ void decode_sm90_rows(const DecodeArgs& a, const deco
     return reinterpret_cast<Element*>(decode_sm90_smem + Tile::kQBytes + (it % kStages) * Tile::kStageBytes);
   };
   // Q's 64 packed rows (query (c0 + r) / group, head kvh * group + (c0 + r) % group; zeros past
-  // the sequence's queries and past head_dim) by warp 0, in the first copy group. (kBias: its
-  // first kBiasRows rows, the rest holding the bias stages.)
+  // the sequence's queries and past head_dim) by warp 0, in the first copy group. (kProduct:
+  // its first kBiasRows rows, the rest holding the bias stages.)
   if (warp == 0) {
     const Element* q_group = static_cast<const Element*>(a.q) + seq.bm * a.q_st.batch_stride +
                              seq.q0 * a.q_st.row_stride + int64_t(kvh) * a.group * a.q_st.head_stride;
-    sm90::load_packed_q_sw128<Tile::kRows, kD, Element, kBias ? kBiasRows : Tile::kRows>(
+    sm90::load_packed_q_sw128<Tile::kRows, kD, Element, kProduct ? kBiasRows : Tile::kRows>(
         cute::cast_smem_ptr_to_uint(sq), q_group, a.q_st.row_stride, a.q_st.head_stride, c0, a.group, seq.len_q,
         a.head_dim, lane);
   }
@@ -137,14 +142,19 @@ __device__ __forceinline__ void decode_sm90_rows(const DecodeArgs& a, const deco
   issue(0, pages_of(0));
   issue(1, pages_of(1));
   StagePages pages_ahead = pages_of(2);
-  // kBias: stage it's rows are stored one stage after their load (stage 0's at once, the first
-  // barrier publishes them), into slot it % kStages.
+  // kProduct: stage it's rows are stored one stage after their load (stage 0's at once, the
+  // first barrier publishes them), into slot it % kStages.
   const auto bias_tile = [&](int it) { return decode_sm90_smem + Tile::kBiasBase + (it % kStages) * kBiasTileBytes; };
-  BiasRowCopies<Element> bias_rows(a, seq, kvh, c0, kBias ? cta_rows : 0, threadIdx.x);
-  if constexpr (kBias) {
+  BiasRowCopies<Element> bias_rows(a, seq, kvh, c0, kProduct ? cta_rows : 0, threadIdx.x);
+  if constexpr (kProduct) {
     bias_rows.load(kb, ke);
     bias_rows.store(bias_tile(0));
     if (stages > 1) bias_rows.load(kb + kStageKeys, ke);
+  }
+  // kEntries: the entries of stage t in registers from the end of step t - 1 on.
+  BiasEntryPairs<Element, kStageKeys> bias_pairs(a, seq, row_h, row_i);
+  if constexpr (kEntries) {
+    if (stages > 0) bias_pairs.load(kb, ke, lane);
   }
 
   typename Tile::MmaS mma_s;
@@ -167,14 +177,14 @@ __device__ __forceinline__ void decode_sm90_rows(const DecodeArgs& a, const deco
 
   Tensor sQ = make_tensor(make_smem_ptr(sq), typename Tile::LayoutQ{});
   Tensor tSrQ = wg_s.partition_fragment_A(sQ);
-  // kBias: the one-hot A operand (registers) and S_bias's accumulator, in S's layout.
+  // kProduct: the one-hot A operand (registers) and S_bias's accumulator, in S's layout.
   typename Tile::MmaBias mma_b;
   auto wg_b = mma_b.get_thread_slice(0);
   Tensor acc_b = partition_fragment_C(mma_b, Shape<_64, Int<kStageKeys>>{});
   float (&bias)[kNs][4] = *reinterpret_cast<float(*)[kNs][4]>(raw_pointer_cast(acc_b.data()));
   Tensor r_one_hot = make_tensor<Element>(partition_fragment_C(typename Tile::MmaOneHot{}, Shape<_64, Int<kBiasRows>>{}).layout());
   Tensor tArOneHot = make_tensor(r_one_hot.data(), sm90::acc_to_a(r_one_hot.layout()));
-  if constexpr (kBias) fill_one_hot(r_one_hot, warp, lane);
+  if constexpr (kProduct) fill_one_hot(r_one_hot, warp, lane);
   for (int t = 0; t < stages; ++t) {
     cp_async_wait<1>();            // stage t's copies (and Q's) have landed; stage t + 1's may be in flight
     // Stage t - 1's PV product, issued at the end of the last step, ran while this thread waited
@@ -185,7 +195,7 @@ __device__ __forceinline__ void decode_sm90_rows(const DecodeArgs& a, const deco
     __syncthreads();               // everyone's; all are done with stage t - 1, whose slot is refilled now
     issue(t + 2, pages_ahead);
     pages_ahead = pages_of(t + 3);
-    if constexpr (kBias) {  // stage t + 1's rows into their slot (free: stage t - 2 is done), t + 2's loaded
+    if constexpr (kProduct) {  // stage t + 1's rows into their slot (free: stage t - 2 is done), t + 2's loaded
       bias_rows.store(bias_tile(t + 1));
       if (t + 2 < stages) bias_rows.load(kb + (t + 2) * kStageKeys, ke);
     }
@@ -193,7 +203,7 @@ __device__ __forceinline__ void decode_sm90_rows(const DecodeArgs& a, const deco
     Tensor sK = make_tensor(make_smem_ptr(tile), typename Tile::LayoutK{});
     Tensor tSrK = wg_s.partition_fragment_B(sK);
     sm90::gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_s, tSrQ, tSrK, acc_s);
-    if constexpr (kBias) {
+    if constexpr (kProduct) {
       Tensor sBias = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(bias_tile(t))), typename Tile::LayoutBias{});
       sm90::gemm_issue</*kZeroInit=*/true, /*kRegA=*/true>(mma_b, tArOneHot, wg_b.partition_fragment_B(sBias), acc_b);
       sm90::gemm_wait<0>(acc_b);
@@ -202,12 +212,21 @@ __device__ __forceinline__ void decode_sm90_rows(const DecodeArgs& a, const deco
 
     const int jt = kb + t * kStageKeys;
     float alpha[2];
-    if constexpr (kBias) {
+    if constexpr (kProduct) {
       fix_nonfinite_bias<Element>(bias, bias_tile(t), warp, lane);
       if (tile_inside(a, keys.off, i_first, i_last, jt, kStageKeys, ke)) {
         online_softmax_bias<kStageKeys, false>(a, s, bias, jt, ke, keys.off, row_i, m, l, alpha, lane);
       } else {
         online_softmax_bias<kStageKeys, true>(a, s, bias, jt, ke, keys.off, row_i, m, l, alpha, lane);
+      }
+    } else if constexpr (kEntries) {
+      const auto entries = [&](int hf, int nt, int e, bool&, float& b) { b = bias_pairs.entry(hf, nt, e); };
+      if (tile_inside(a, keys.off, i_first, i_last, jt, kStageKeys, ke)) {
+        online_softmax_with<true, kStageKeys, false>(a, s, jt, ke, keys.off, row_i, m, l, alpha, lane,
+                                                     entries);
+      } else {
+        online_softmax_with<true, kStageKeys, true>(a, s, jt, ke, keys.off, row_i, m, l, alpha, lane,
+                                                    entries);
       }
     } else if (tile_inside(a, keys.off, i_first, i_last, jt, kStageKeys, ke)) {
       if (a.q_scale > 0.f) online_softmax_inside<kStageKeys>(a.q_scale, s, m, l, alpha);
@@ -221,6 +240,11 @@ __device__ __forceinline__ void decode_sm90_rows(const DecodeArgs& a, const deco
     Tensor sVt = make_tensor(make_smem_ptr(tile + Tile::kTileElems), typename Tile::LayoutVt{});
     Tensor tOrVt = wg_o.partition_fragment_B(sVt);
     sm90::gemm_issue</*kZeroInit=*/false, /*kRegA=*/true>(mma_o, tOrP, tOrVt, acc_o);
+    // (the next stage's entries, their loads in flight while the product runs and the next
+    // stage's copies and scores are waited for)
+    if constexpr (kEntries) {
+      if (t + 1 < stages) bias_pairs.load(jt + kStageKeys, ke, lane);
+    }
   }
   sm90::gemm_wait<0>(acc_o);
   cp_async_wait<0>();
@@ -230,10 +254,12 @@ __device__ __forceinline__ void decode_sm90_rows(const DecodeArgs& a, const deco
 
 // Grid (row_chunks * num_splits, heads_kv, batch) with 64-row chunks, or (kBalanced: the
 // balanced form, decode_balanced.h) (balanced_ctas), DecodeSm90Tile's kThreads threads and
-// kSmemBytes of dynamic shared memory; no mask / bias entries, or (kBias) a bias that
-// decode_bias_on_sm90 accepts. (The balanced form is an instantiation of its own: the split
-// form's code stays as short as without it.)
-template <typename Element, int kD, bool kBias = false, bool kBalanced = false>
+// kSmemBytes of dynamic shared memory; no mask / bias entries, or a bias that
+// decode_sm90_bias_form (decode_launch.h) gives kBias for (the balanced form: kProduct's). (The
+// balanced form is an instantiation of its own: the split form's code stays as short as without
+// it.)
+template <typename Element, int kD, decode_detail::DecodeBias kBias = decode_detail::DecodeBias::kNone,
+          bool kBalanced = false>
 __global__ void __launch_bounds__(128, 2) decode_sm90_kernel(const DecodeArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace decode_detail;
