@@ -50,7 +50,8 @@ CASES = [
                                      dict(softcap=20.0), "operands", "bias"])
 def test_packed_equals_sequences_bitwise(lens_q, lens_k, heads, heads_kv, head_dim, options):
     """operands: a key mask and a per-key bias (the mma.sync kernels); bias: the bias alone (on
-    Hopper the wgmma kernel's bias product up to 16 rows, its rows starting at any element)."""
+    Hopper the wgmma kernel: its bias product up to 16 rows, each thread's loaded entries above;
+    its rows starting at any element)."""
     operands = options in ("operands", "bias")
     kw = dict(causal=True) if operands else options
     dtype = torch.bfloat16 if head_dim != 64 else torch.float16
