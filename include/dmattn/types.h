@@ -27,6 +27,13 @@ struct ShapeText {
 };
 std::ostream& operator<<(std::ostream& os, const ShapeText& text);
 
+// The dtypes an operand may have beside q's as error text: "bfloat16 (like q) or float32", or
+// "float32 (like q)" where q's is float32 (one dtype, not two). Streamed lazily like ShapeText.
+struct QDtypeOrFloat32Text {
+  DType q;
+};
+std::ostream& operator<<(std::ostream& os, const QDtypeOrFloat32Text& text);
+
 // A strided view of memory, in elements. Rank 0..N; strides may be 0 (broadcast).
 struct TensorDesc {
   void* data = nullptr;

@@ -183,8 +183,7 @@ ForwardParams make_forward_params(const TensorDesc& q, const TensorDesc& k, cons
   if (bias != nullptr) {
     check_same_device(q, *bias, "bias");
     check(bias->dtype == q.dtype || bias->dtype == DType::kFloat32, ErrorKind::kType,
-          "bias: expected dtype ", dtype_name(q.dtype), " (like q) or float32, got ",
-          dtype_name(bias->dtype));
+          "bias: expected dtype ", QDtypeOrFloat32Text{q.dtype}, ", got ", dtype_name(bias->dtype));
     p.bias = make_broadcast_operand(*bias, n, "bias");
   }
   set_key_positions(q, gathered, p);

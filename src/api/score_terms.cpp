@@ -25,7 +25,7 @@ SeqTensor gate_rows(const ForwardParams& p, const TensorDesc& t, int64_t rows, i
                     const char* dense_layout, const char* packed_layout) {
   check_on_device(p, t, name);
   check(t.dtype == p.dtype || t.dtype == DType::kFloat32, ErrorKind::kType, name, ": expected dtype ",
-        dtype_name(p.dtype), " (like q) or float32, got ", dtype_name(t.dtype));
+        QDtypeOrFloat32Text{p.dtype}, ", got ", dtype_name(t.dtype));
   if (p.is_varlen()) {
     check_rank(t, 2, name, packed_layout);
     check_shape(t, {rows, heads}, name);

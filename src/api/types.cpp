@@ -52,6 +52,11 @@ std::ostream& operator<<(std::ostream& os, const ShapeText& text) {
   return os << ")";
 }
 
+std::ostream& operator<<(std::ostream& os, const QDtypeOrFloat32Text& text) {
+  os << dtype_name(text.q) << " (like q)";
+  return text.q == DType::kFloat32 ? os : os << " or float32";
+}
+
 const char* Error::python_kind() const {
   switch (kind_) {
     case ErrorKind::kValue: return "ValueError";

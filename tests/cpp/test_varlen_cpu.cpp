@@ -379,7 +379,7 @@ TEST(CpuVarlen, MalformedPackedTensorsAreErrors) {
   expect_error(varlen_error([](auto&, auto&, auto&, TensorDesc& mask, auto&) { mask.shape = {3, 9}; }),
                ErrorKind::kValue, "mask: expected shape (Hb, total_k) = (1, 9), (2, 9) or (4, 9), got (3, 9)");
   expect_error(varlen_error([](auto&, auto&, auto&, auto&, TensorDesc& bias) { bias.dtype = DType::kFloat16; }),
-               ErrorKind::kType, "bias: expected dtype float32 (like q) or float32, got float16");
+               ErrorKind::kType, "bias: expected dtype float32 (like q), got float16");
 }
 
 // Varlen params on CUDA go to the CUDA backend like dense ones (dispatch refuses nothing):
