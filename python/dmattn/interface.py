@@ -108,11 +108,25 @@ def _parse_score_terms(gate, gate_fn, windows) -> Tuple[Optional[Tensor], Option
     return alpha, delta, _GATE_FNS[gate_fn], windows
 
 
-def _check_gate_skipping(alpha: Optional[Tensor], windows: Optional[Tensor]) -> None:
+def _check_gate_skipping(alpha: Optional[Tensor], delta: Optional[Tensor], windows: Optional[Tensor], q: Tensor,
+                         k: Tensor, packed: bool) -> None:
+    """Gate skipping's arguments, and the gate's shapes against q and k: the skipped cells are
+    computed before the native call, which validates the rest (the same messages)."""
     if alpha is None:
         raise ValueError("gate_threshold: gate skipping needs a gate (gate=(alpha, delta))")
     if windows is not None:
         raise NotImplementedError("gate_threshold: gate skipping does not take windows with sinks yet")
+    if packed:
+        rows = ((alpha, "alpha", "(total_q, num_heads)", (q.shape[0], q.shape[1])),
+                (delta, "delta", "(total_k, num_heads_kv)", (k.shape[0], k.shape[1])))
+    else:
+        rows = ((alpha, "alpha", "(batch, seqlen_q, num_heads)", (q.shape[0], q.shape[1], q.shape[2])),
+                (delta, "delta", "(batch, seqlen_k, num_heads_kv)", (k.shape[0], k.shape[1], k.shape[2])))
+    for t, name, layout, shape in rows:
+        if t.dim() != len(shape):
+            raise ValueError(f"{name}: expected a {len(shape)}-D tensor {layout}, got shape {tuple(t.shape)}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
 
 
 def _softmax_scale(q: Tensor, scale: Optional[float]) -> float:
@@ -252,7 +266,7 @@ def attention_on(
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     gate_keep = None
     if gate_skip.skips(gate_threshold):
-        _check_gate_skipping(alpha, windows)
+        _check_gate_skipping(alpha, delta, windows, q, k, packed=False)
         gate_keep = gate_skip.gate_keep_cells(alpha, delta, scale=_softmax_scale(q, scale), gate_fn=gate_fn,
                                               threshold=float(gate_threshold), causal=causal, window=(left, right),
                                               adaptive=gate_adaptive)
@@ -331,7 +345,7 @@ def attention_varlen(
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     gate_keep = None
     if gate_skip.skips(gate_threshold):
-        _check_gate_skipping(alpha, windows)
+        _check_gate_skipping(alpha, delta, windows, q, k, packed=True)
         gate_keep = gate_skip.gate_keep_cells_varlen(alpha, delta, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                      max_seqlen_k, scale=_softmax_scale(q, scale), gate_fn=gate_fn,
                                                      threshold=float(gate_threshold), causal=bool(causal),

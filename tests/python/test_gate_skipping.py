@@ -322,6 +322,16 @@ def test_errors_name_the_argument():
         dmattn.attention(q, k, v, gate=(alpha, delta), gate_threshold=-1.0)
     with pytest.raises(TypeError, match="gate_threshold: expected a float or None"):
         dmattn.attention(q, k, v, gate=(alpha, delta), gate_threshold=True)
+    # the gate's shapes against q and k, checked before the skipped cells are computed from them
+    with pytest.raises(ValueError, match=r"alpha: expected shape \(1, 8, 2\), got \(1, 8, 3\)"):
+        dmattn.attention(q, k, v, gate=(torch.randn(1, 8, 3), delta), gate_threshold=0.1)
+    with pytest.raises(ValueError, match=r"delta: expected shape \(1, 8, 2\), got \(1, 7, 2\)"):
+        dmattn.attention(q, k, v, gate=(alpha, torch.randn(1, 7, 2)), gate_threshold=0.1)
+    with pytest.raises(ValueError, match=r"alpha: expected a 3-D tensor \(batch, seqlen_q, num_heads\)"):
+        dmattn.attention(q, k, v, gate=(alpha[0], delta), gate_threshold=0.1)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"delta: expected shape \(8, 2\), got \(8, 1\)"):
+        dmattn.attention_varlen(q[0], k[0], v[0], cu, cu, 5, 5, gate=(alpha[0], delta[0, :, :1]), gate_threshold=0.1)
     # 0 and None compute exactly, with or without a gate
     exact = dmattn.attention(q, k, v, gate=(alpha, delta))
     torch.testing.assert_close(dmattn.attention(q, k, v, gate=(alpha, delta), gate_threshold=0.0), exact,
