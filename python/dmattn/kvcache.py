@@ -14,6 +14,7 @@ from ._op_utils import _aligned_rows, _cuda_layout, records_no_gradient
 from .decode import _append, cache_attention, kvcache_forward
 from .decode_kernel import KVCACHE_MAX_ROWS, _run_decode, direct_decode_splits
 from .interface import _parse_options, _require_tensor
+from .masks import check_broadcast
 
 __all__ = ["attention_with_kvcache"]
 
@@ -35,15 +36,7 @@ def _check_operand(t: Optional[Tensor], name: str, full: Tuple[int, int, int, in
     if t is None:
         return
     _require_tensor(t, name)
-    if t.dim() > 4:
-        raise ValueError(f"{name}: expected at most 4 dimensions broadcastable to (B, H, Sq, Sk) = {full}, "
-                         f"got shape {tuple(t.shape)}")
-    shape = (1,) * (4 - t.dim()) + tuple(t.shape)
-    for d, (got, want) in enumerate(zip(shape, full)):
-        if got not in (1, want) and not (d == 1 and got == heads_kv):
-            names = ("batch (B)", "heads (H)", "query (Sq)", "key (Sk: the cache's key axis)")
-            raise ValueError(f"{name}: shape {tuple(t.shape)} does not broadcast to (B, H, Sq, Sk) = {full}: its "
-                             f"{names[d]} dimension is {got}, expected 1 or {want}")
+    check_broadcast(t, name, full, heads_kv, key_axis="key (Sk: the cache's key axis)")
 
 
 def _check_pages(block_table: Tensor, cache_seqlens: Tensor, new: int, page_size: int, num_blocks: int) -> None:

@@ -50,6 +50,23 @@ def _check_mask(mask, bias: Tensor) -> None:
         raise ValueError(f"mask: on device {mask.device}, expected bias's device {bias.device}")
 
 
+def check_broadcast(t: Tensor, name: str, full: Tuple[int, int, int, int], heads_kv: int,
+                    key_axis: str = "key (Sk)") -> None:
+    """A mask / bias tensor t against the call's (B, H, Sq, Sk) = full: rank <= 4, right-aligned,
+    every dim 1 or full (heads also Hkv), as the native validation rules; the message names t
+    (for callers that derive other operands from t before the native call sees it)."""
+    if t.dim() > 4:
+        raise ValueError(f"{name}: expected at most 4 dimensions broadcastable to (B, H, Sq, Sk) = {full}, "
+                         f"got shape {tuple(t.shape)}")
+    shape = (1,) * (4 - t.dim()) + tuple(t.shape)
+    for d, (got, want) in enumerate(zip(shape, full)):
+        if got not in (1, want) and not (d == 1 and got == heads_kv):
+            names = ("batch (B)", "heads (H)", "query (Sq)", key_axis)
+            also = f" (or Hkv = {heads_kv})" if d == 1 and heads_kv != want else ""
+            raise ValueError(f"{name}: shape {tuple(t.shape)} does not broadcast to (B, H, Sq, Sk) = {full}: its "
+                             f"{names[d]} dimension is {got}, expected 1 or {want}{also}")
+
+
 def bias_over_keys(bias: Tensor, num_keys: int) -> Tensor:
     """The bias as the selection must see it in an attention with ``num_keys`` keys: a key
     dimension of 1 (or a scalar) broadcasts over all of them, i.e. ``num_keys`` tied keys.

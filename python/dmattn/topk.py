@@ -13,7 +13,7 @@ from ._op_utils import (_cuda_layout, _is_compiling, _no_dispatch_layers, _scale
                         records_no_gradient)
 from .decode_kernel import gathered_decode, gathered_decode_splits, native_allocates
 from .interface import _parse_options, attention_on
-from .masks import bias_over_keys, check_keep, dynamic_mask
+from .masks import bias_over_keys, check_broadcast, check_keep, dynamic_mask
 from .ops import _native_supports_key_positions, native_forward, native_glue_available, select_topk_positions
 
 __all__ = ["attention_topk"]
@@ -90,8 +90,11 @@ def attention_topk(
         key_set = gather.topk_key_set(q, k, bias, keep, mask, bool(deterministic))
         if key_set is not None:
             return attention_on(q, k, v, None, bias, key_set, **options)
-    # Dense path: the selection as a bool mask; the kernels skip the unselected keys.
+    # Dense path: the selection as a bool mask; the kernels skip the unselected keys. (The bias's
+    # shape checked first: the mask made from it would otherwise be the one an error names.)
     num_keys = k.shape[1]
+    if isinstance(q, torch.Tensor) and q.dim() == 4:  # (other q: attention_on names it)
+        check_broadcast(bias, "bias", (q.shape[0], q.shape[2], q.shape[1], num_keys), k.shape[2])
     if keep >= num_keys:
         selected = mask  # every allowed key is kept: no new (possibly broadcast-size) mask
     else:

@@ -166,6 +166,15 @@ def test_flash_dmattn_func_errors_name_arguments():
         dmattn.flash_dmattn_func(args["q"], args["k"], args["v"], softcap=-0.5)
 
 
+def test_attention_topk_bias_shape_names_the_bias():
+    """attention_topk builds its selection mask from the bias: a bias of a wrong shape is named
+    as the bias, not as the mask made from it."""
+    args = base()
+    for shape in [(B, 3, 1, SK), (B, H, SQ, SK + 1), (B + 1, H, 1, SK)]:
+        with pytest.raises(ValueError, match=r"^bias: shape"):
+            dmattn.attention_topk(args["q"], args["k"], args["v"], rnd(*shape), 3)
+
+
 # --------------------------------------------------------------------------- legal, must not raise
 
 
