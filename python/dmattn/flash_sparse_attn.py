@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import re
 import warnings
 from typing import Optional, Tuple, Union
 
@@ -420,8 +421,20 @@ def _cache(q, k_cache, v_cache, alpha, delta, gate_fn, causal, scale, window_siz
         x = (alpha.to(acc).transpose(1, 2).unsqueeze(-1)  # (B, H, Sq, 1) x (B, H, 1, Sk)
              * delta.to(acc).repeat_interleave(heads // delta.shape[-1], dim=2).transpose(1, 2).unsqueeze(2))
         bias = scale * (torch.nn.functional.logsigmoid(x) if gate_fn == "logsigmoid" else x)
-    return attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=page_table,
-                                  mask=mask, bias=bias, causal=causal, scale=scale, return_lse=True)
+    try:
+        return attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=page_table,
+                                      mask=mask, bias=bias, causal=causal, scale=scale, return_lse=True)
+    except (ValueError, TypeError) as err:  # the cache call's checks, in this module's argument names
+        message = str(err)
+        if not any(message.startswith(ours + ":") for ours in _CACHE_NAMES):
+            raise
+        raise type(err)(_CACHE_NAME_WORDS.sub(lambda m: _CACHE_NAMES[m.group(0)], message)) from None
+
+
+# attention_with_kvcache's argument names -> flash-sparse-attn's, for the errors its checks raise.
+_CACHE_NAMES = {"cache_seqlens": "seqused_k", "block_table": "page_table", "k_cache": "key", "v_cache": "value",
+                "q": "query"}
+_CACHE_NAME_WORDS = re.compile(r"\b(" + "|".join(_CACHE_NAMES) + r")\b(?!\.)")
 
 
 # ---------------------------------------------------------------------------------------------

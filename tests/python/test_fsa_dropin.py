@@ -532,6 +532,15 @@ def test_errors_name_the_argument():
         fsa.flash_dense_attn_with_kvcache_func(*qkv)
     with pytest.raises(TypeError, match="page_table"):
         fsa.flash_dense_attn_with_kvcache_func(x["q"][:, 0], x["k"], x["v"], page_table=torch.zeros(2, 2))
+    # the cache call's checks, in this module's names (seqused_k, page_table, key, value, query)
+    q1 = x["q"][:, 0]
+    with pytest.raises(ValueError, match="^seqused_k: expected 0 <= seqused_k"):
+        fsa.flash_dense_attn_with_kvcache_func(q1, x["k"], x["v"], seqused_k=torch.tensor([9, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"^page_table: the pages the rows read must lie in \[0, 4\) \(key's"):
+        fsa.flash_dense_attn_with_kvcache_func(q1, x["k"].view(4, 4, 2, 16), x["v"].view(4, 4, 2, 16),
+                                               page_table=torch.tensor([[0, 1], [2, 7]], dtype=torch.int32))
+    with pytest.raises(TypeError, match="^value: expected query's dtype"):
+        fsa.flash_dense_attn_with_kvcache_func(q1, x["k"], x["v"].double())
     # The varlen cache's lengths against max_seqlen_k and key's rows (checked on the CPU; they read
     # clamped rows before): the error names cu_seqlens_k, the argument given.
     cache = (p["q"][:2], p["k"], p["v"])
