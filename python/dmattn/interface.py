@@ -116,6 +116,11 @@ def _check_gate_skipping(alpha: Optional[Tensor], delta: Optional[Tensor], windo
         raise ValueError("gate_threshold: gate skipping needs a gate (gate=(alpha, delta))")
     if windows is not None:
         raise NotImplementedError("gate_threshold: gate skipping does not take windows with sinks yet")
+    layouts = ("(total_q, num_heads, head_dim)", "(total_k, num_heads_kv, head_dim)") if packed else \
+        ("(batch, seqlen_q, num_heads, head_dim)", "(batch, seqlen_k, num_heads_kv, head_dim)")
+    for t, name, layout in ((q, "q", layouts[0]), (k, "k", layouts[1])):
+        if t.dim() != (3 if packed else 4):
+            raise ValueError(f"{name}: expected a {3 if packed else 4}-D tensor {layout}, got shape {tuple(t.shape)}")
     if packed:
         rows = ((alpha, "alpha", "(total_q, num_heads)", (q.shape[0], q.shape[1])),
                 (delta, "delta", "(total_k, num_heads_kv)", (k.shape[0], k.shape[1])))

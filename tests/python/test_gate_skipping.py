@@ -329,6 +329,8 @@ def test_errors_name_the_argument():
         dmattn.attention(q, k, v, gate=(alpha, torch.randn(1, 7, 2)), gate_threshold=0.1)
     with pytest.raises(ValueError, match=r"alpha: expected a 3-D tensor \(batch, seqlen_q, num_heads\)"):
         dmattn.attention(q, k, v, gate=(alpha[0], delta), gate_threshold=0.1)
+    with pytest.raises(ValueError, match=r"q: expected a 4-D tensor \(batch, seqlen_q, num_heads, head_dim\)"):
+        dmattn.attention(q[0], k, v, gate=(alpha, delta), gate_threshold=0.1)
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"delta: expected shape \(8, 2\), got \(8, 1\)"):
         dmattn.attention_varlen(q[0], k[0], v[0], cu, cu, 5, 5, gate=(alpha[0], delta[0, :, :1]), gate_threshold=0.1)
