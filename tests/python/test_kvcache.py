@@ -317,19 +317,11 @@ def test_gpu_unaligned_operands(bias_dtype):
     _check(case, out, lse, window=(37, -1))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("seqlen_q,heads,heads_kv", [(1, 32, 8), (1, 8, 1), (2, 8, 2), (3, 4, 2), (3, 8, 2),
-                                                     (4, 8, 2), (2, 16, 2)])
-@pytest.mark.parametrize("operands", ["bias", "fp32 bias", "query bias", "mask", "both", "both strided"])
-@pytest.mark.parametrize("page_size", [None, 64])
-def test_gpu_entries_few_rows(head_dim, seqlen_q, heads, heads_kv, operands, page_size):
-    """Mask / bias entries with at most 16 query rows (Sq x H / Hkv = 4, 6 and 8: on Hopper the
-    narrow kernel, each thread's entries loaded a stage ahead; 12 and 16: the one-tile kernel):
-    contiguous 16-byte aligned rows (the one-tile kernel's operand ring), strided ones (entries
-    loaded into registers a step ahead), a float32 bias, a bias per query row; ragged lengths that
-    end inside a tile and split, a left window that starts inside one, finfo.min and -inf bias
-    entries, a (batch, head) whose keys are all masked (out 0, lse -inf); contiguous and paged."""
+def _entries_case(head_dim, seqlen_q, heads, heads_kv, operands, page_size):
+    """A mask and / or bias (operands: "bias", "fp32 bias", "query bias", "mask", "both", "both
+    strided") against ragged lengths that end inside a tile and split, a left window that starts
+    inside one, finfo.min and -inf bias entries, a (batch, head) whose keys are all masked (out 0,
+    lse -inf); contiguous or paged."""
     batch, cap = 3, 3072
     lens = [3000 - seqlen_q, 1000 - seqlen_q, 41]
     g = torch.Generator().manual_seed(seqlen_q * 1000 + heads * 10 + head_dim)
@@ -343,15 +335,43 @@ def test_gpu_entries_few_rows(head_dim, seqlen_q, heads, heads_kv, operands, pag
         bias[..., 5 * wide] = torch.finfo(bias.dtype).min
         bias[..., 9 * wide] = float("-inf")
         case["bias"] = bias.cuda()[..., ::wide]
-    masked = operands in ("mask", "both", "both strided")
+    masked = operands in ("mask", "both", "both strided", "query mask")
     if masked:
-        mask = torch.rand(batch, heads, 1, cap * wide, generator=g) > 0.25
+        rows = seqlen_q if operands == "query mask" else 1
+        mask = torch.rand(batch, heads, rows, cap * wide, generator=g) > 0.25
         mask[2, 1] = False  # every key of (batch 2, head 1) masked
         case["mask"] = mask.cuda()[..., ::wide]
     out, lse = _run(case, window=(700, -1))
     _check(case, out, lse, window=(700, -1))
     if masked:
         assert torch.all(out[2, :, 1] == 0) and torch.all(lse[2, 1] == float("-inf"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seqlen_q,heads,heads_kv", [(1, 32, 8), (1, 8, 1), (2, 8, 2), (3, 4, 2), (3, 8, 2),
+                                                     (4, 8, 2), (2, 16, 2)])
+@pytest.mark.parametrize("operands", ["bias", "fp32 bias", "query bias", "mask", "both", "both strided"])
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_gpu_entries_few_rows(head_dim, seqlen_q, heads, heads_kv, operands, page_size):
+    """Mask / bias entries with at most 16 query rows (Sq x H / Hkv = 4, 6 and 8: on Hopper the
+    narrow kernel, each thread's entries loaded a stage ahead; 12 and 16: the one-tile kernel):
+    contiguous 16-byte aligned rows (the one-tile kernel's operand ring), strided ones (entries
+    loaded into registers a step ahead), a float32 bias, a bias per query row (_entries_case)."""
+    _entries_case(head_dim, seqlen_q, heads, heads_kv, operands, page_size)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seqlen_q,heads,heads_kv", [(5, 8, 2), (16, 8, 2), (3, 16, 2), (20, 8, 2)])
+@pytest.mark.parametrize("operands", ["mask", "query mask", "both", "both strided", "fp32 bias"])
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_gpu_entries_many_rows(head_dim, seqlen_q, heads, heads_kv, operands, page_size):
+    """Mask / bias entries with 20 to 80 query rows: on Hopper a bool mask along the keys (per key
+    or per query row, with or without a 16-bit bias) on the wgmma kernel, each thread's entries
+    loaded in pairs a stage ahead (two 64-row chunks at 80 rows); strided entries and a float32
+    bias on the mma.sync 64-row kernel (_entries_case)."""
+    _entries_case(head_dim, seqlen_q, heads, heads_kv, operands, page_size)
 
 
 @pytest.mark.gpu

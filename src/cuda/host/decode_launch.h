@@ -149,17 +149,21 @@ inline DecodeArgs with_partial_lse(const DecodeArgs& a) {
 // them; with a bias of q's 16-bit type along the keys (stride 1; any alignment) and no mask, the
 // bias product for at most kBiasRows packed rows (a packed batch's launch of up to one tile of
 // rows, or a call with that few: a sequence takes it in both forms) and each thread's loaded
-// entries for more (the packed launch of the larger sequences, or such a call alone; unless
-// DMATTN_DECODE_SM90_ENTRIES=0, for comparisons); other entries have no form here (nullopt: the
-// mma.sync kernels take them).
+// entries for more (the packed launch of the larger sequences, or such a call alone); with a
+// bool mask along the keys (stride 1), beside such a bias or none, each thread's loaded entries
+// for more than kBiasRows rows (fewer: the narrow kernel up to 8, the mma.sync kernels); the
+// loaded entries unless DMATTN_DECODE_SM90_ENTRIES=0 (for comparisons). Other entries have no
+// form here (nullopt: the mma.sync kernels take them).
 inline std::optional<decode_detail::DecodeBias> decode_sm90_bias_form(const DecodeArgs& a) {
   using decode_detail::DecodeBias;
   static const bool entries_off = sm90::env_switched_off("DMATTN_DECODE_SM90_ENTRIES");
-  if (a.mask.ptr == nullptr && a.bias.ptr == nullptr) return DecodeBias::kNone;
-  if (a.mask.ptr != nullptr || a.bias_fp32 || a.bias.sk != 1) return std::nullopt;
-  if (int64_t(a.seqlen_q) * a.group <= decode_detail::kBiasRows) return DecodeBias::kProduct;
-  if (entries_off) return std::nullopt;
-  return DecodeBias::kEntries;
+  const bool mask = a.mask.ptr != nullptr, bias = a.bias.ptr != nullptr;
+  if (!mask && !bias) return DecodeBias::kNone;
+  if ((bias && (a.bias_fp32 || a.bias.sk != 1)) || (mask && a.mask.sk != 1)) return std::nullopt;
+  const bool few_rows = int64_t(a.seqlen_q) * a.group <= decode_detail::kBiasRows;
+  if (!mask && few_rows) return DecodeBias::kProduct;
+  if (few_rows || entries_off) return std::nullopt;
+  return mask ? DecodeBias::kEntriesMask : DecodeBias::kEntries;
 }
 inline bool decode_bias_on_sm90(const DecodeArgs& a) {
   return decode_sm90_bias_form(a) == decode_detail::DecodeBias::kProduct;
@@ -220,6 +224,7 @@ void launch_decode(const DecodeArgs& a, cudaStream_t stream) {
         case DecodeBias::kNone: launch(decode_sm90_kernel<Element, kD, DecodeBias::kNone>); break;
         case DecodeBias::kProduct: launch(decode_sm90_kernel<Element, kD, DecodeBias::kProduct>); break;
         case DecodeBias::kEntries: launch(decode_sm90_kernel<Element, kD, DecodeBias::kEntries>); break;
+        case DecodeBias::kEntriesMask: launch(decode_sm90_kernel<Element, kD, DecodeBias::kEntriesMask>); break;
       }
       return;
     }

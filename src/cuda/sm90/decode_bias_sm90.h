@@ -23,6 +23,9 @@
 //   32-bit load a pair where the row is 4-byte aligned), a stage ahead of their use, and the
 //   transform adds them as the mma.sync kernels add loaded entries. A per-key bias (B, H, 1, Sk)
 //   gives the chunk's queries of one head the same row, so most of those loads hit L1.
+// - A bool mask along the keys, with or without such a bias, beside more than 16 rows
+//   (DecodeBias::kEntriesMask): its bytes the same way (MaskEntryPairs), a masked key's score
+//   -inf as in the mma.sync kernels. (A mask cannot ride the product: 0 x -inf.)
 #pragma once
 
 #include <cstdint>
@@ -179,6 +182,56 @@ struct BiasEntryPairs {
   __device__ __forceinline__ float entry(int hf, int nt, int e) const {
     const uint16_t bits = static_cast<uint16_t>(pair[hf][nt] >> (16 * e));
     return ElemInfo<Element>::to_float(&bits);
+  }
+  // No bias (a mask's call): every entry 0.
+  __device__ __forceinline__ void clear() {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+      for (int nt = 0; nt < kKeys / 8; ++nt) pair[hf][nt] = 0u;
+  }
+};
+
+// A bool mask's entries of the same scores (DecodeBias::kEntriesMask), a pair of bytes a pair of
+// keys: word[hf][nt / 2] holds pair nt in its half nt % 2, key e of the pair in byte e of the
+// half. One 16-bit load a pair where both rows start on 2-byte boundaries; zeros (masked) at or
+// past the split's end.
+template <int kKeys>
+struct MaskEntryPairs {
+  const uint8_t* row[2];
+  bool aligned;
+  uint32_t word[2][kKeys / 16];
+
+  __device__ __forceinline__ MaskEntryPairs(const DecodeArgs& a, const DecodeSeq& seq, const int (&row_h)[2],
+                                            const int (&row_i)[2]) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+      row[hf] = reinterpret_cast<const uint8_t*>(a.mask.ptr) + operand_row(a.mask, seq, row_h[hf], row_i[hf]);
+    aligned = ((reinterpret_cast<uintptr_t>(row[0]) | reinterpret_cast<uintptr_t>(row[1])) & 1) == 0;
+  }
+  __device__ __forceinline__ void load(int jt, int ke, int lane) {
+    const int j0 = jt + 2 * (lane % 4);
+    const bool whole = aligned && jt + kKeys <= ke;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+      for (int w = 0; w < kKeys / 16; ++w) {
+        uint32_t halves[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int j = j0 + 8 * (2 * w + u);
+          if (whole) {
+            halves[u] = __ldg(reinterpret_cast<const unsigned short*>(row[hf] + j));
+          } else {
+            const uint32_t lo = j < ke ? __ldg(row[hf] + j) : 0u, hi = j + 1 < ke ? __ldg(row[hf] + j + 1) : 0u;
+            halves[u] = lo | (hi << 8);
+          }
+        }
+        word[hf][w] = halves[0] | (halves[1] << 16);
+      }
+  }
+  __device__ __forceinline__ bool allowed(int hf, int nt, int e) const {
+    return ((word[hf][nt / 2] >> (16 * (nt % 2) + 8 * e)) & 0xffu) != 0u;
   }
 };
 

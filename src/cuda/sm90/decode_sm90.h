@@ -29,8 +29,9 @@ namespace dmattn::cuda {
 namespace decode_detail {
 
 // The bias forms of the kernel (decode_bias_sm90.h): none, the one-hot product (up to kBiasRows
-// rows), or each thread's entries loaded into registers (more rows).
-enum class DecodeBias : int { kNone, kProduct, kEntries };
+// rows), each thread's entries loaded into registers (more rows), or those of a bool mask with
+// or without the bias (more rows).
+enum class DecodeBias : int { kNone, kProduct, kEntries, kEntriesMask };
 
 // One warpgroup (64 rows), Q (16 KB at kD = 128) and three stages of 64 keys of K and V
 // (32 KB a stage at 128): 112 KB, two CTAs an SM.
@@ -100,7 +101,8 @@ __device__ __forceinline__ void decode_sm90_rows(const DecodeArgs& a, const deco
   using Tile = DecodeSm90Tile<Element, kD>;
   constexpr int kStageKeys = Tile::kStageKeys, kStages = Tile::kStages;
   constexpr int kNs = kStageKeys / 8, kNd = kD / 8;  // n8 column groups of S and of O
-  constexpr bool kProduct = kBias == DecodeBias::kProduct, kEntries = kBias == DecodeBias::kEntries;
+  constexpr bool kProduct = kBias == DecodeBias::kProduct, kMask = kBias == DecodeBias::kEntriesMask;
+  constexpr bool kEntries = kBias == DecodeBias::kEntries || kMask;
 
   const int kb = keys.begin, ke = keys.end;
   // The warp's 16 rows of the 64; a warp past the chunk's rows computes zero rows it never stores.
@@ -151,10 +153,18 @@ __device__ __forceinline__ void decode_sm90_rows(const DecodeArgs& a, const deco
     bias_rows.store(bias_tile(0));
     if (stages > 1) bias_rows.load(kb + kStageKeys, ke);
   }
-  // kEntries: the entries of stage t in registers from the end of step t - 1 on.
+  // kEntries: the entries of stage t in registers from the end of step t - 1 on (kMask: the
+  // mask's too, and the bias's where there is one, else zeros).
   BiasEntryPairs<Element, kStageKeys> bias_pairs(a, seq, row_h, row_i);
+  MaskEntryPairs<kStageKeys> mask_pairs(a, seq, row_h, row_i);
+  const bool has_bias = !kMask || a.bias.ptr != nullptr;
+  const auto load_entries = [&](int jt) {
+    if (has_bias) bias_pairs.load(jt, ke, lane);
+    if constexpr (kMask) mask_pairs.load(jt, ke, lane);
+  };
   if constexpr (kEntries) {
-    if (stages > 0) bias_pairs.load(kb, ke, lane);
+    if (!has_bias) bias_pairs.clear();
+    if (stages > 0) load_entries(kb);
   }
 
   typename Tile::MmaS mma_s;
@@ -220,7 +230,10 @@ __device__ __forceinline__ void decode_sm90_rows(const DecodeArgs& a, const deco
         online_softmax_bias<kStageKeys, true>(a, s, bias, jt, ke, keys.off, row_i, m, l, alpha, lane);
       }
     } else if constexpr (kEntries) {
-      const auto entries = [&](int hf, int nt, int e, bool&, float& b) { b = bias_pairs.entry(hf, nt, e); };
+      const auto entries = [&](int hf, int nt, int e, bool& allowed, float& b) {
+        b = bias_pairs.entry(hf, nt, e);
+        if constexpr (kMask) allowed = mask_pairs.allowed(hf, nt, e);
+      };
       if (tile_inside(a, keys.off, i_first, i_last, jt, kStageKeys, ke)) {
         online_softmax_with<true, kStageKeys, false>(a, s, jt, ke, keys.off, row_i, m, l, alpha, lane,
                                                      entries);
@@ -243,7 +256,7 @@ __device__ __forceinline__ void decode_sm90_rows(const DecodeArgs& a, const deco
     // (the next stage's entries, their loads in flight while the product runs and the next
     // stage's copies and scores are waited for)
     if constexpr (kEntries) {
-      if (t + 1 < stages) bias_pairs.load(jt + kStageKeys, ke, lane);
+      if (t + 1 < stages) load_entries(jt + kStageKeys);
     }
   }
   sm90::gemm_wait<0>(acc_o);
