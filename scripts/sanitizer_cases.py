@@ -215,6 +215,7 @@ for dtype in (torch.bfloat16, torch.float16):
     kvcache_case(2, 2, 8, 2, 64, dtype, 2048, page_size=64, mask=True)  # 8 rows, pages, a mask: the narrow kernel's entries
     kvcache_case(2, 8, 8, 2, 128, dtype, 1501, bias=True)  # 32 rows, odd bias rows: the wgmma kernel's loaded entries
     kvcache_case(2, 16, 8, 2, 64, dtype, 2048, page_size=64, bias=True)  # 64 rows, pages, aligned pairs
+    kvcache_case(2, 8, 8, 2, 128, dtype, 1501, bias=True, mask=True)  # 32 rows, a mask beside the bias: loaded entries
     case(1, 17, 33, 2, 1, 64, dtype, mask_shape=(1, 2, 17, 33), bias_shape=(1, 2, 17, 33))
     case(2, 130, 77, 4, 2, 128, dtype, bias_shape=(2, 1, 1, 77), causal=True)
     case(1, 64, 200, 2, 2, 72, dtype, mask_shape=(1, 1, 64, 200), window=(32, 8))
