@@ -5,7 +5,8 @@ Decode timings (one short query block against a long KV cache) of dmattn against
 
 bf16, D=128; median of CUDA-event timings after warm-up. Rows: B=8 H=32 Hkv=8 with a full 32k
 cache, Sq=1 (plain and with a per-key bias (B, H, 1, Sk)), paged caches (page 64 and 256), Sq=4 and
-16 (16 also with the per-key bias); B=1 with a 128k cache; B=8 with ragged cache lengths (1k to
+16 (16 also with the per-key bias, and with a key mask (B, 1, 1, Sk) hiding 1 key in 8); B=1 with a
+128k cache; B=8 with ragged cache lengths (1k to
 32k: a server's batch; dmattn only, TB/s of the keys the rows hold); a Doge decoding step (top 2048
 of a 32k cache by a per-key bias, selection included). dmattn runs attention_with_kvcache (the
 split-KV decode kernel; the cache is read in place) and dmattn.attention (the decode kernel too,
@@ -102,22 +103,24 @@ def main():
     def wanted(case):
         return not args.only or re.search(args.only, case) is not None
 
-    def workload(case, B, H, Hkv, Sk, Sq, bias=False, pages=()):
+    def workload(case, B, H, Hkv, Sk, Sq, bias=False, pages=(), key_mask=False):
         if not wanted(case):
             return
         q = torch.randn(B, Sq, H, D, device=dev, dtype=dt, generator=g)
         k = torch.randn(B, Sk, Hkv, D, device=dev, dtype=dt, generator=g)
         v = torch.randn(B, Sk, Hkv, D, device=dev, dtype=dt, generator=g)
         b = torch.randn(B, H, 1, Sk, device=dev, dtype=dt, generator=g) if bias else None
+        # (a padding-like key mask: 1 in 8 keys hidden)
+        m = torch.rand(B, 1, 1, Sk, device=dev, generator=g) > 0.125 if key_mask else None
         kv_bytes = 2 * k.numel() * k.element_size()
         seqlens = torch.full((B,), Sk, dtype=torch.int32, device=dev)
         if args.general:
             add(case, "dmattn attention (general)", lambda: dmattn.attention(q, k, v, bias=b), kv_bytes)
             return
         add(case, "dmattn kvcache", lambda: dmattn.attention_with_kvcache(
-            q, k, v, cache_seqlens=seqlens, bias=b, causal=False), kv_bytes)
-        add(case, "dmattn attention", lambda: dmattn.attention(q, k, v, bias=b), kv_bytes)
-        add(case, "flash_dmattn_func", lambda: dmattn.flash_dmattn_func(q, k, v, attn_bias=b), kv_bytes)
+            q, k, v, cache_seqlens=seqlens, bias=b, mask=m, causal=False), kv_bytes)
+        add(case, "dmattn attention", lambda: dmattn.attention(q, k, v, mask=m, bias=b), kv_bytes)
+        add(case, "flash_dmattn_func", lambda: dmattn.flash_dmattn_func(q, k, v, attn_mask=m, attn_bias=b), kv_bytes)
         for page in pages:
             blocks = Sk // page
             table = torch.randperm(B * blocks, device=dev).view(B, blocks).to(torch.int32)
@@ -126,16 +129,19 @@ def main():
             kp[table.long()] = k.view(B, blocks, page, Hkv, D)
             vp[table.long()] = v.view(B, blocks, page, Hkv, D)
             add(case, f"dmattn kvcache page {page}", lambda: dmattn.attention_with_kvcache(
-                q, kp, vp, cache_seqlens=seqlens, block_table=table, bias=b, causal=False), kv_bytes)
+                q, kp, vp, cache_seqlens=seqlens, block_table=table, bias=b, mask=m, causal=False), kv_bytes)
             del kp, vp
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        sdpa_mask = b if m is None else m  # (the mask rows take no bias beside them)
         add(case, "SDPA (enable_gqa)", lambda: F.scaled_dot_product_attention(
-            qt, kt, vt, attn_mask=b, enable_gqa=True), kv_bytes)
+            qt, kt, vt, attn_mask=sdpa_mask, enable_gqa=True), kv_bytes)
         # The decode kernel against the float64 reference of one row (sanity, not timed).
         out = dmattn.attention_with_kvcache(q[:1], k[:1], v[:1], cache_seqlens=seqlens[:1],
-                                            bias=None if b is None else b[:1], causal=False)
+                                            bias=None if b is None else b[:1], mask=None if m is None else m[:1],
+                                            causal=False)
         ref = F.scaled_dot_product_attention(qt[:1].double(), kt[:1].double(), vt[:1].double(),
-                                             attn_mask=None if b is None else b[:1].double(), enable_gqa=True)
+                                             attn_mask=(None if b is None else b[:1].double()) if m is None else m[:1],
+                                             enable_gqa=True)
         err = (out.transpose(1, 2).double() - ref).abs().max().item()
         print(f"{case:<34} max |dmattn - float64| = {err:.2e}", flush=True)
         del q, k, v, b
@@ -189,6 +195,7 @@ def main():
         workload("B=8 H=32 Hkv=8 Sk=32k Sq=4", 8, 32, 8, 32768, 4)
         workload("B=8 H=32 Hkv=8 Sk=32k Sq=16", 8, 32, 8, 32768, 16)
         workload("... Sq=16, per-key bias (B,H,1,Sk)", 8, 32, 8, 32768, 16, bias=True)
+        workload("... Sq=16, key mask (B,1,1,Sk)", 8, 32, 8, 32768, 16, key_mask=True)
         if not args.general:
             ragged("B=8 H=32 Hkv=8 ragged 1k-32k Sq=1", 32, 8, [32768, 4096, 16384, 1024, 32768, 8192, 2048, 24576])
             doge("Doge B=8 H=32 Hkv=8 Sk=32k top-2048", 8, 32, 8, 32768, 2048)
