@@ -8,7 +8,9 @@ directly; and the gate's gradients against the float64 CPU backend on a slice of
 
 bf16, B=2, H=16, S=8192, D=128 unless told; alpha (B, S, H) and delta (B, S, H) random with
 |alpha * delta| up to ~8 (both saturated and linear parts of logsigmoid); every gradient (q, k, v,
-alpha, delta); median of CUDA-event timings after warm-up.
+alpha, delta); median of CUDA-event timings after warm-up. The last row asks for gate skipping
+at flash-sparse-attn's default threshold (1 / S), which these gates meet nowhere: nothing is
+skipped, so it reads what skipping costs beside exact mode.
     python benchmarks/profiling/gate_timing.py [--iters 10] [-S 8192] [--d 128]
 """
 
@@ -43,6 +45,10 @@ def main():
         ("gated logsigmoid causal", dict(causal=True, gate=(alpha, delta)), (q, k, v, alpha, delta), 0.5),
         ("gated logsigmoid", dict(gate=(alpha, delta)), (q, k, v, alpha, delta), 1.0),
         ("gated linear causal", dict(causal=True, gate=(alpha, delta), gate_fn="linear"), (q, k, v, alpha, delta), 0.5),
+        # Gate skipping at flash-sparse-attn's default threshold on these gates, which close no
+        # cell: what skipping costs where it skips nothing (the cells' kernel, the variants).
+        ("gated causal, 1/S threshold", dict(causal=True, gate=(alpha, delta), gate_threshold=1.0 / S),
+         (q, k, v, alpha, delta), 0.5),
     ]
     print(f"bf16 B={B} H={H} S={S} D={D}; {torch.cuda.get_device_name()}")
     print(f"{'row':<28} {'fwd ms':>8} {'fwd+bwd ms':>11} {'TFLOP/s':>8}")
