@@ -82,6 +82,7 @@ from torch import Tensor
 
 from .interface import _parse_int, _require_tensor, attention, attention_on, attention_varlen
 from .kvcache import attention_with_kvcache
+from .ops import _check_rank
 
 __all__ = [
     "flash_dense_attn_func",
@@ -329,11 +330,6 @@ def _check_shape(t: Tensor, shape, name: str, layout: str) -> None:
         raise ValueError(f"{name}: expected shape {layout} = {tuple(shape)}, got {tuple(t.shape)}")
 
 
-def _check_rank(t: Tensor, rank: int, name: str, layout: str) -> None:
-    if t.dim() != rank:
-        raise ValueError(f"{name}: expected a {rank}-D tensor {layout}, got shape {tuple(t.shape)}")
-
-
 def _check_packed_keys(cu: Tensor, max_seqlen_k: int, total_k: int) -> None:
     """The varlen cache's rows: lengths in [0, max_seqlen_k], keys inside key's total_k rows."""
     lens = cu[1:].long() - cu[:-1].long()
@@ -352,7 +348,7 @@ def _decode(query, key, value, alpha, delta, gate_fn, softmax_scale, window_size
     _no_gather(gather_kv_indices)
     for t, n in ((query, "query"), (key, "key"), (value, "value")):
         _require_tensor(t, n)
-    _check_rank(query, 3, "query", "(batch, num_heads, head_dim)")
+    _check_rank(query, "query", "(batch, num_heads, head_dim)", rank=3)
     batch, heads = query.shape[:2]
     if alpha is not None:
         _check_shape(alpha, (batch, heads), "alpha", "(batch, num_heads)")
@@ -362,7 +358,7 @@ def _decode(query, key, value, alpha, delta, gate_fn, softmax_scale, window_size
         cu = _index_tensor(cu_seqlens_k, "cu_seqlens_k")
         _check_shape(cu, (batch + 1,), "cu_seqlens_k", "(batch + 1,)")
         max_seqlen_k = _parse_int(max_seqlen_k, "max_seqlen_k")
-        _check_rank(key, 3, "key", "(total_k, num_heads_kv, head_dim)")
+        _check_rank(key, "key", "(total_k, num_heads_kv, head_dim)", rank=3)
         if delta is not None:
             _check_shape(delta, key.shape[:2], "delta", "(total_k, num_heads_kv)")
             delta = delta.unsqueeze(1)
@@ -384,9 +380,9 @@ def _cache(q, k_cache, v_cache, alpha, delta, gate_fn, causal, scale, window_siz
     """attention_with_kvcache on q (B, Sq, H, D), with the gate as an fp32 bias (B, H, Sq, Sk; fp64
     for fp64 queries) and windows with sinks as a bool mask (B, rows, Sq, Sk), both aligned with
     each row's length."""
-    _check_rank(q, 4, "query", "(batch, seqlen_q, num_heads, head_dim)")
+    _check_rank(q, "query", "(batch, seqlen_q, num_heads, head_dim)")
     paged = page_table is not None
-    _check_rank(k_cache, 4, "key", "(num_pages, page_size, num_heads_kv, head_dim)" if paged else
+    _check_rank(k_cache, "key", "(num_pages, page_size, num_heads_kv, head_dim)" if paged else
                 "(batch, seqlen_k, num_heads_kv, head_dim)")
     batch, seqlen_q, heads, head_dim = q.shape
     if paged:

@@ -16,7 +16,7 @@ from torch import Tensor
 from . import gate_skip, gather, window_parts
 from ._op_utils import _cuda_layout, check_devices
 from .decode_kernel import AUTO_MAX_ROWS, _run_decode, decode_enabled, direct_decode_splits
-from .ops import forward_with_grad, varlen_forward_with_grad
+from .ops import _check_rank, forward_with_grad, varlen_forward_with_grad
 
 __all__ = ["attention", "attention_varlen", "flash_dmattn_func"]
 
@@ -116,20 +116,18 @@ def _check_gate_skipping(alpha: Optional[Tensor], delta: Optional[Tensor], windo
         raise ValueError("gate_threshold: gate skipping needs a gate (gate=(alpha, delta))")
     if windows is not None:
         raise NotImplementedError("gate_threshold: gate skipping does not take windows with sinks yet")
-    layouts = ("(total_q, num_heads, head_dim)", "(total_k, num_heads_kv, head_dim)") if packed else \
-        ("(batch, seqlen_q, num_heads, head_dim)", "(batch, seqlen_k, num_heads_kv, head_dim)")
-    for t, name, layout in ((q, "q", layouts[0]), (k, "k", layouts[1])):
-        if t.dim() != (3 if packed else 4):
-            raise ValueError(f"{name}: expected a {3 if packed else 4}-D tensor {layout}, got shape {tuple(t.shape)}")
     if packed:
-        rows = ((alpha, "alpha", "(total_q, num_heads)", (q.shape[0], q.shape[1])),
-                (delta, "delta", "(total_k, num_heads_kv)", (k.shape[0], k.shape[1])))
+        _check_rank(q, "q", "(total_q, num_heads, head_dim)", rank=3)
+        _check_rank(k, "k", "(total_k, num_heads_kv, head_dim)", rank=3)
+        rows = ((alpha, "alpha", "(total_q, num_heads)", tuple(q.shape[:2])),
+                (delta, "delta", "(total_k, num_heads_kv)", tuple(k.shape[:2])))
     else:
-        rows = ((alpha, "alpha", "(batch, seqlen_q, num_heads)", (q.shape[0], q.shape[1], q.shape[2])),
-                (delta, "delta", "(batch, seqlen_k, num_heads_kv)", (k.shape[0], k.shape[1], k.shape[2])))
+        _check_rank(q, "q", "(batch, seqlen_q, num_heads, head_dim)")
+        _check_rank(k, "k", "(batch, seqlen_k, num_heads_kv, head_dim)")
+        rows = ((alpha, "alpha", "(batch, seqlen_q, num_heads)", tuple(q.shape[:3])),
+                (delta, "delta", "(batch, seqlen_k, num_heads_kv)", tuple(k.shape[:3])))
     for t, name, layout, shape in rows:
-        if t.dim() != len(shape):
-            raise ValueError(f"{name}: expected a {len(shape)}-D tensor {layout}, got shape {tuple(t.shape)}")
+        _check_rank(t, name, layout, rank=len(shape))
         if tuple(t.shape) != shape:
             raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
 
