@@ -135,22 +135,33 @@ __device__ __forceinline__ void fix_nonfinite_bias(float (&b)[kNs][4], const cha
   }
 }
 
+// Where a thread's two rows (lane / 4 and lane / 4 + 8 of the m16n8 view) start in an operand of
+// T entries, and whether both start on a boundary of two entries, so that a pair of neighbouring
+// keys is one load.
+template <typename T>
+struct EntryRows {
+  const T* row[2];
+  bool aligned;
+
+  __device__ __forceinline__ EntryRows(const DecodeOperand& op, const DecodeSeq& seq, const int (&row_h)[2],
+                                       const int (&row_i)[2]) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+      row[hf] = reinterpret_cast<const T*>(op.ptr) + operand_row(op, seq, row_h[hf], row_i[hf]);
+    aligned = ((reinterpret_cast<uintptr_t>(row[0]) | reinterpret_cast<uintptr_t>(row[1])) & (2 * sizeof(T) - 1)) == 0;
+  }
+};
+
 // The thread's entries of a stage of kKeys keys (DecodeBias::kEntries), in pairs: pair[hf][nt]
 // holds keys jt + 8 nt + 2 (lane % 4) + {0, 1} of its row lane / 4 + 8 hf (the m16n8 view of
 // S), raw 16-bit bits, zeros at or past the split's end. Loaded a stage ahead of the transform.
 template <typename Element, int kKeys>
-struct BiasEntryPairs {
-  const uint16_t* row[2];
-  bool aligned;  // both rows' entries start on 4-byte boundaries: a pair is one 32-bit load
+struct BiasEntryPairs : EntryRows<uint16_t> {
   uint32_t pair[2][kKeys / 8];
 
   __device__ __forceinline__ BiasEntryPairs(const DecodeArgs& a, const DecodeSeq& seq, const int (&row_h)[2],
-                                            const int (&row_i)[2]) {
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf)
-      row[hf] = reinterpret_cast<const uint16_t*>(a.bias.ptr) + operand_row(a.bias, seq, row_h[hf], row_i[hf]);
-    aligned = ((reinterpret_cast<uintptr_t>(row[0]) | reinterpret_cast<uintptr_t>(row[1])) & 3) == 0;
-  }
+                                            const int (&row_i)[2])
+      : EntryRows<uint16_t>(a.bias, seq, row_h, row_i) {}
   // Keys from jt (even: stages start on whole stages) up to ke. (Where both rows read the same
   // entries -- a per-key bias whose group of heads divides 8 gives a thread's two rows, 8 apart,
   // one head -- the second row's are the first's.)
@@ -197,18 +208,12 @@ struct BiasEntryPairs {
 // half. One 16-bit load a pair where both rows start on 2-byte boundaries; zeros (masked) at or
 // past the split's end.
 template <int kKeys>
-struct MaskEntryPairs {
-  const uint8_t* row[2];
-  bool aligned;
+struct MaskEntryPairs : EntryRows<uint8_t> {
   uint32_t word[2][kKeys / 16];
 
   __device__ __forceinline__ MaskEntryPairs(const DecodeArgs& a, const DecodeSeq& seq, const int (&row_h)[2],
-                                            const int (&row_i)[2]) {
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf)
-      row[hf] = reinterpret_cast<const uint8_t*>(a.mask.ptr) + operand_row(a.mask, seq, row_h[hf], row_i[hf]);
-    aligned = ((reinterpret_cast<uintptr_t>(row[0]) | reinterpret_cast<uintptr_t>(row[1])) & 1) == 0;
-  }
+                                            const int (&row_i)[2])
+      : EntryRows<uint8_t>(a.mask, seq, row_h, row_i) {}
   __device__ __forceinline__ void load(int jt, int ke, int lane) {
     const int j0 = jt + 2 * (lane % 4);
     const bool whole = aligned && jt + kKeys <= ke;
