@@ -197,6 +197,57 @@ def test_skipping_on_long_sequences_matches_the_masked_reference(nan_poison, d, 
     _check_against_masked_reference(q, k, v, dout, alpha, delta, out, lse, grads, keep, gate_fn="logsigmoid",
                                     causal=causal, context=f"d={d} causal={causal} det={deterministic}")
 
+# The Hopper forward walks a tile's kept key blocks, which its scheduler warp lists 32 blocks at a
+# time into the tile's slot: rows of many blocks, tiles of a window whose every block is skipped
+# (an empty walk), and sequences of more blocks than a slot holds (2048: the sm80-class kernels).
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_skipping_walks_rows_of_many_key_blocks(nan_poison, causal):
+    b, sq, sk, h, hkv, d = 1, 300, 4500, 2, 1, 128
+    g = torch.Generator().manual_seed(7)
+    q, k, v, dout = (torch.randn(*s, generator=g).to(torch.bfloat16).cuda()
+                     for s in ((b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, h, d)))
+    alpha, delta = (t.to(torch.bfloat16).cuda() for t in _gates(b, sq, sk, h, hkv, seed=7))
+    out, lse, grads = _run(q, k, v, dout, alpha, delta, causal=causal, gate_threshold=0.5)
+    keep = gate_skip.gate_keep_cells(alpha, delta, scale=d ** -0.5, gate_fn="logsigmoid", threshold=0.5,
+                                     causal=causal)
+    assert keep.shape[-1] > 32 and 0.2 < keep.float().mean() < 0.9
+    _check_against_masked_reference(q, k, v, dout, alpha, delta, out, lse, grads, keep, gate_fn="logsigmoid",
+                                    causal=causal, context=f"causal={causal}")
+
+
+@pytest.mark.gpu
+def test_cuda_tiles_whose_blocks_are_all_skipped_are_empty(nan_poison):
+    sq = sk = 384
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, sq, 1, 64, generator=g).to(torch.bfloat16).cuda() for _ in range(4))
+    alpha = torch.ones(1, sq, 1, dtype=torch.bfloat16, device="cuda")
+    delta = torch.zeros(1, sk, 1, dtype=torch.bfloat16, device="cuda")
+    delta[0, 128:256] = -500.0  # key block 1: far below block 0's gates
+    out, lse, grads = _run(q, k, v, dout, alpha, delta, causal=True, window=(20, 0), gate_threshold=1e-2)
+    rows = slice(148, 256)  # window [i - 20, i] inside key block 1, which block 0 outranks
+    assert (out[0, rows] == 0).all() and torch.isneginf(lse[0, 0, rows]).all()
+    keep = gate_skip.gate_keep_cells(alpha, delta, scale=64 ** -0.5, gate_fn="logsigmoid", threshold=1e-2,
+                                     causal=True, window=(20, 0))
+    _check_against_masked_reference(q, k, v, dout, alpha, delta, out, lse, grads, keep, gate_fn="logsigmoid",
+                                    causal=True, window=(20, 0), context="window (20, 0)")
+
+
+@pytest.mark.gpu
+def test_skipping_on_more_key_blocks_than_a_walk_holds(nan_poison):
+    b, sq, sk, h, hkv, d = 1, 64, 2048 * 128 + 64, 1, 1, 64
+    g = torch.Generator().manual_seed(8)
+    q, k, v, dout = (torch.randn(*s, generator=g).to(torch.bfloat16).cuda()
+                     for s in ((b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, h, d)))
+    alpha, delta = (t.to(torch.bfloat16).cuda() for t in _gates(b, sq, sk, h, hkv, seed=8))
+    out, lse, grads = _run(q, k, v, dout, alpha, delta, gate_threshold=0.5)
+    keep = gate_skip.gate_keep_cells(alpha, delta, scale=d ** -0.5, gate_fn="logsigmoid", threshold=0.5,
+                                     causal=False)
+    assert 0.2 < keep.float().mean() < 0.9
+    _check_against_masked_reference(q, k, v, dout, alpha, delta, out, lse, grads, keep, gate_fn="logsigmoid",
+                                    causal=False, context="2049 key blocks")
+
+
 
 def test_varlen_skipping_equals_each_sequence(device):
     dtype = torch.float64 if device == "cpu" else torch.bfloat16

@@ -43,7 +43,10 @@
 // and the tile's alpha rows, gate_sm90.h); s = scale * qk + bias (softcap: softcap * tanh(scale * qk
 // / softcap) + bias; then + scale * g(alpha delta)), then on the blocks that need it (the loader
 // marks them in the stage)
-// the test on positions and bounds (score_mask.h), the softmax on final scores. Gathered keys
+// the test on positions and bounds (score_mask.h), the softmax on final scores. With gate
+// skipping (Tile::kGateSkip) every role walks the tile's kept key blocks alone, which the
+// scheduler warp lists in the tile's slot (gate_skip_walk): a skipped cell's block is neither
+// loaded nor computed, and the consumers' loop is the exact kernel's. Gathered keys
 // take the key-block range of their positions (KeyPositionRow): blocks of padding rows only,
 // or of positions no query of the block sees, are never loaded.
 // Epilogue: each consumer writes its 64 output rows through its own rows of the Q buffer
@@ -201,6 +204,21 @@ __device__ __forceinline__ FwdWsTileInfo next_fwd_ws_tile(Pipeline& pipe, uint32
   return tile;
 }
 
+// Gate skipping: the kept key blocks of [n_min, n_max) in a query block's keep row, ascending,
+// into walk (every lane of the warp calls it); returns their count.
+__device__ __forceinline__ int gate_skip_walk(const uint8_t* keep_row, int n_min, int n_max, int16_t* walk) {
+  const int lane = int(threadIdx.x) & 31;
+  int count = 0;
+  for (int base = n_min; base < n_max; base += 32) {
+    const int nb = base + lane;
+    const bool keep = nb < n_max && gate_keeps(keep_row, nb);
+    const uint32_t vote = __ballot_sync(0xffffffffu, keep);
+    if (keep) walk[count + __popc(vote & ((1u << lane) - 1u))] = int16_t(nb);
+    count += __popc(vote);
+  }
+  return count;
+}
+
 template <class Tile>
 __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const __grid_constant__ FwdWsParams<Tile> p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -302,6 +320,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         uint32_t taken = 0;
         for (FwdWsTileInfo tile; (tile = next_fwd_ws_tile<Tile::kTileSlots>(pipe_tile, taken, ss.tiles)).m_block >= 0;) {
           PipelineState write_r = pipeline_state_at<Tile::kStages>(tile.blocks_before, true);
+          // (gate skipping: the tile's kept blocks from its slot, which the consumers hold until
+          // they have read every stage loaded here)
+          const volatile int16_t* walk = ss.skip_walk[Tile::kGateSkip ? (taken - 1) % Tile::kTileSlots : 0];
           const SeqBounds seq(a, tile.b);
           KeyRowSources src = key_row_sources(a, tile.b, tile.h, seq.k0());
           if constexpr (Tile::kMask) src.mask = nullptr;  // (a full mask comes by its tiles)
@@ -319,19 +340,10 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
             win.hi = w.hi;
             win.m_end = w.m_end;
           }
-          for (int n = tile.n_max - 1; n >= tile.n_min; --n) {
+          for (int v = tile.n_max - 1; v >= tile.n_min; --v) {
+            const int n = Tile::kGateSkip ? int(walk[v]) : v;  // (the key block)
             pipe_key_rows.producer_acquire(write_r);
             auto& st = ss.key_rows[write_r.index()];
-            // Gate skipping: a skipped cell's block is not read by the consumers (its stage
-            // committed as it is).
-            if constexpr (Tile::kGateSkip) {
-              const int m0 = opaque_int(tile.m_block) * kBlockM;
-              if (!gate_keeps(gate_keep_row(a.gate, opaque_int(tile.b), opaque_int(tile.h), m0), n)) {
-                pipe_key_rows.producer_commit(write_r);
-                ++write_r;
-                continue;
-              }
-            }
             load_key_rows<Element, typename Tile::KeyRowStage, kBlockN>(st, n, count, src);
             // The gate's rows: the block's delta, the tile's alpha (their sources derived afresh
             // in each block from opaque coordinates: hoisted out of the loop and held through it,
@@ -365,16 +377,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
             for (int n = tile.n_max - 1; n >= tile.n_min; --n) {
               pipe_key_rows.consumer_wait(read_r);
               const auto& st = ss.key_rows[read_r.index()];
-              // (a skipped cell's block: its slots committed unwritten, as the loader's stage)
-              const bool fill = !Tile::kGateSkip ||
-                                gate_keeps(gate_keep_row(a.gate, tile.b, tile.h, tile.m_block * kBlockM), n);
               CUTE_UNROLL
               for (int c = 0; c < kConsumers; ++c) {
                 const auto write = GateTerms::state(read_r.count(), c, true);
                 pipe_gate_terms.producer_acquire(write);
-                if (fill)
-                  fill_gate_terms(ss.gate_terms.data() + write.index() * GateTerms::kSlotBytes, mma_s, cS, c, p,
-                                  st.alpha, st.delta, poly);
+                fill_gate_terms(ss.gate_terms.data() + write.index() * GateTerms::kSlotBytes, mma_s, cS, c, p,
+                                st.alpha, st.delta, poly);
                 pipe_gate_terms.producer_commit(write);
               }
               pipe_key_rows.consumer_release(read_r);
@@ -466,6 +474,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       auto key_block = [&](int nb) {
         if constexpr (Tile::kWindows)
           return const_cast<const volatile BlockWalk&>(ss.tile_windows[i % Tile::kTileSlots].walk).at(nb);
+        else if constexpr (Tile::kGateSkip)
+          return int(const_cast<const volatile int16_t*>(ss.skip_walk[i % Tile::kTileSlots])[nb]);
         else return nb;
       };
       // (packed heads: the tile's head is the KV head)
@@ -587,13 +597,29 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           tile = FwdWsTileInfo{m_block, h, b, n_min, n_max, 0};
         }
       }
+      // Gate skipping: the tile's kept key blocks into its slot (the whole warp, once the slot is
+      // free), the tile then their virtual range [0, count).
+      if constexpr (Tile::kGateSkip) {
+        if (!skip) {
+          const TileState slot = pipeline_state_at<Tile::kTileSlots>(tiles, true);
+          if (first_lane()) pipe_tile.producer_acquire(slot);
+          __syncwarp();
+          if (tile.m_block >= 0) {
+            const int count = gate_skip_walk(gate_keep_row(a.gate, tile.b, tile.h, tile.m_block * kBlockM),
+                                             tile.n_min, tile.n_max, ss.skip_walk[slot.index()]);
+            tile.n_min = 0;
+            tile.n_max = count;
+          }
+          __syncwarp();
+        }
+      }
       if (first_lane()) {
         next_step = q + 1;
         if (!skip) {
           tile.blocks_before = blocks;
           const uint32_t i = tiles;
           const TileState slot = pipeline_state_at<Tile::kTileSlots>(i, true);
-          pipe_tile.producer_acquire(slot);
+          if constexpr (!Tile::kGateSkip) pipe_tile.producer_acquire(slot);
           ss.tiles[slot.index()] = tile;
           if constexpr (Tile::kWindows) ss.tile_windows[slot.index()] = tile_windows;
           pipe_tile.producer_commit(slot);
@@ -669,6 +695,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
     pipe_tile.consumer_wait(slot);
     const volatile FwdWsTileInfo& tile = ss.tiles[slot.index()];
     const volatile FwdWsTileWindows& tile_windows = ss.tile_windows[Tile::kWindows ? slot.index() : 0];
+    const volatile int16_t* skip_walk = ss.skip_walk[Tile::kGateSkip ? slot.index() : 0];
     if (tile.m_block < 0) break;
     const int n_min = tile.n_min, n_max = tile.n_max;
     const int m0 = tile.m_block * kBlockM;
@@ -773,8 +800,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           // (key ends, a mask).
           if (st.needs_test) {
             const PositionTest pt{st.pos, a.kpos.ptr != nullptr ? position_window(a) : win, Tile::kKeyRowEndDelta};
+            const int nk = Tile::kGateSkip ? int(skip_walk[n]) : n;  // (gate skipping: the walk's block)
             mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(
-                s_rc, tScS_rc, m0, n * kBlockN, win, nullptr, 0, nullptr, 0, &pt);
+                s_rc, tScS_rc, m0, nk * kBlockN, win, nullptr, 0, nullptr, 0, &pt);
           }
           pipe_key_rows.consumer_release(read_r);
           ++read_r;
@@ -806,7 +834,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       // outside the tensor-core turns (every consumer takes part in the barrier).
       const int len_k = SeqBounds(a, tile.b).len_k();  // (read once: packed lengths come from memory)
       auto clear_v_tail = [&](int nv) {
-        const int valid = len_k - (Tile::kWindows ? tile_windows.walk.at(nv) : nv) * kBlockN;
+        const int valid =
+            len_k - (Tile::kWindows ? tile_windows.walk.at(nv) : Tile::kGateSkip ? int(skip_walk[nv]) : nv) * kBlockN;
         if (!packed || valid >= kBlockN) return;
         pipe_v.consumer_wait(read_v);
         // (its addresses from the index afresh: derived from tid, they were held through the loop)
@@ -866,69 +895,50 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           }
         }
       } else {
-        // Gate skipping (kGateSkip): a skipped cell's block (P = 0 there) runs neither product
-        // nor the score math; its stages are consumed as any block's (and empty wgmma groups
-        // committed in place of its products, so that every path waits on the same groups). A
-        // block's cell is read one block ahead (off the path to its products). (Elsewhere `kept`
-        // is true at compile time: the loop is the exact kernel's.)
+        // (gate skipping: the blocks of the tile's walk, its kept ones alone: a skipped cell's
+        // block is neither loaded nor computed)
         static_assert(!Tile::kGateSkip || (kBlockM == kGateCell && kBlockN == kGateCell),
                       "gate skipping: a tile is one cell");
-        const uint8_t* keep_row = Tile::kGateSkip ? gate_keep_row(a.gate, tile.b, tile.h, m0) : nullptr;
-        auto kept = [&](int nb) { return !Tile::kGateSkip || nb < n_min || gate_keeps(keep_row, nb); };
         int n = n_max - 1;
-        bool keep_n = kept(n), keep_next = kept(n - 1);
         pipe_k.consumer_wait(read_k);
         sched_sync();
-        issue_s(read_k.index(), keep_n);
+        issue_s(read_k.index());
         sched_pass();
         gemm_wait<0>(acc_s);
         pipe_k.consumer_release(read_k);
         ++read_k;
-        if (keep_n) {
+        {
           float alpha[kRows];
           scores_to_probs(n, alpha);  // (alpha = 0: O is still zero)
           convert_fragment<Element, false>(acc_s, rP);
-        } else {
-          skip_score_stages();
         }
 
         for (--n; n >= n_min; --n) {
-          const bool keep_prev = keep_n;  // (block n + 1's P V)
-          keep_n = keep_next;
-          keep_next = kept(n - 1);
           pipe_k.consumer_wait(read_k);
           clear_v_tail(n + 1);
           sched_sync();
-          // (every path commits the same two groups, empty where a block is skipped: static waits)
-          issue_s(read_k.index(), keep_n);
+          issue_s(read_k.index());
           pipe_v.consumer_wait(read_v);
-          issue_pv(read_v.index(), keep_prev);
+          issue_pv(read_v.index());
           sched_pass();
           gemm_wait<1>(acc_s);
           pipe_k.consumer_release(read_k);
           ++read_k;
-          if (keep_n) {
-            float alpha[kRows];
-            scores_to_probs(n, alpha);
-            gemm_wait<0>(acc_o);
-            pipe_v.consumer_release(read_v);
-            ++read_v;
-            // (the skip pays with a bias or key rows; on plain scores its vote sits on the shortest
-            // path between the P V product and the next turn, 2-3 % slower there)
-            if constexpr (Tile::kScaledScores) softmax.rescale_if_needed(acc_o_rc, alpha);
-            else softmax.rescale(acc_o_rc, alpha);
-            convert_fragment<Element, false>(acc_s, rP);
-          } else {
-            skip_score_stages();
-            gemm_wait<0>(acc_o);
-            pipe_v.consumer_release(read_v);
-            ++read_v;
-          }
+          float alpha[kRows];
+          scores_to_probs(n, alpha);
+          gemm_wait<0>(acc_o);
+          pipe_v.consumer_release(read_v);
+          ++read_v;
+          // (the skip pays with a bias or key rows; on plain scores its vote sits on the shortest
+          // path between the P V product and the next turn, 2-3 % slower there)
+          if constexpr (Tile::kScaledScores) softmax.rescale_if_needed(acc_o_rc, alpha);
+          else softmax.rescale(acc_o_rc, alpha);
+          convert_fragment<Element, false>(acc_s, rP);
         }
         clear_v_tail(n_min);
         pipe_v.consumer_wait(read_v);
         sched_sync();
-        issue_pv(read_v.index(), keep_n);
+        issue_pv(read_v.index());
         sched_pass();
         gemm_wait<0>(acc_o);
         pipe_v.consumer_release(read_v);

@@ -82,6 +82,8 @@ bool fwd_ws_supports(const FwdArgs& a) {
   const FwdWsScores scores = fwd_ws_scores(a);
   if (a.gate.alpha != nullptr && (kHeadDim == 256 || !is_gate_scores(scores) || a.windows != nullptr))
     return false;
+  // (gate skipping: a tile's kept key blocks fit its slot, FwdWsTile::kSkipWalkMax)
+  if (a.gate.keep != nullptr && (a.seqlen_k + kGateCell - 1) / kGateCell > kFwdWsSkipWalkBlocks) return false;
   // (with the gate's term warps, warps 2 and 3 compute its terms, not indexed keys' gathers: those
   // keys come as a gathered copy, run_fwd)
   if (kGateTermWarps && a.gate.alpha != nullptr && a.kpos.rows != nullptr) return false;

@@ -84,6 +84,9 @@ constexpr bool is_gate_scores(FwdWsScores s) {
   return s == FwdWsScores::kKeyRowsGate || s == FwdWsScores::kKeyRowsGateSkip;
 }
 
+// Gate skipping's walk: the most key blocks of a sequence (of kGateCell keys) a tile's slot holds.
+inline constexpr int kFwdWsSkipWalkBlocks = 2048;
+
 // One tile of the forward (a query block of one head and batch) as the scheduler warp hands it
 // to the other roles: the key blocks [n_min, n_max) it reads (empty: its rows see no key), and
 // how many key blocks the CTA's earlier tiles read (where the K / V / bias / key-row pipelines
@@ -125,6 +128,13 @@ struct FwdWsTile {
   // skipping's cells (a variant of its own: the exact kernel keeps its loop as it was)
   static constexpr bool kGate = is_gate_scores(kScores);
   static constexpr bool kGateSkip = kScores == FwdWsScores::kKeyRowsGateSkip;
+  // Gate skipping: each tile's kept key blocks (descending walk order from the top, as int16
+  // block indices ascending) in a slot beside the tile's, so that every role walks the kept
+  // blocks alone and no branch sits around the consumers' products (a skipped block's products
+  // behind a branch made ptxas serialize every wgmma of the kernel, C7520: the skipping forward
+  // took 1.36x the exact one where nothing was skipped). Sequences of more key blocks than a slot
+  // holds take the sm80-class kernels (fwd_ws_supports).
+  static constexpr int kSkipWalkMax = kGateSkip ? kFwdWsSkipWalkBlocks : 1;
   // The gate's logarithm terms, computed by the producer's warps 2 and 3 into a ring of their own
   // (gate_terms_sm90.h; where built with them, kGateTermWarps).
   static constexpr bool kGateTerms = kGate && kGateTermWarps;
@@ -266,6 +276,7 @@ struct FwdWsTile {
     typename TilePipeline::SharedStorage pipe_tile;
     FwdWsTileInfo tiles[kTileSlots];
     FwdWsTileWindows tile_windows[kWindows ? kTileSlots : 1];
+    int16_t skip_walk[kGateSkip ? kTileSlots : 1][kSkipWalkMax];  // (kGateSkip: the tile's kept key blocks)
     alignas(8) cutlass::arch::ClusterTransactionBarrier::ValueType q_full;
     alignas(8) cutlass::arch::ClusterBarrier::ValueType q_empty;  // the consumers are done with Q's buffer
     int32_t first_alive[kNThreads / 32];  // per warp: the first row a query of the block may keep
@@ -275,6 +286,7 @@ struct FwdWsTile {
     QueryBlockWindow key_rows_window;
   };
   static_assert(!kBias || cute::cosize_v<SmemLayoutBias> * kBiasBytes == kOperandStages * kBiasStageBytes);
+  static_assert(!kGateSkip || (!kBias && !kMask), "gate skipping's walk maps K and V, not bias or mask tiles");
   static_assert(!kMask || cute::cosize_v<SmemLayoutMask> == kOperandStages * kMaskStageBytes);
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "beyond the shared memory of one CTA");
