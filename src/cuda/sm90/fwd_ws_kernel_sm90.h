@@ -601,6 +601,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       // free), the tile then their virtual range [0, count).
       if constexpr (Tile::kGateSkip) {
         if (!skip) {
+          __syncwarp();  // (lane 0's count of tiles, read by every lane)
           const TileState slot = pipeline_state_at<Tile::kTileSlots>(tiles, true);
           if (first_lane()) pipe_tile.producer_acquire(slot);
           __syncwarp();
