@@ -135,6 +135,15 @@ def _mask_of(keep, sq, sk):
     return keep[:, :, i][:, :, :, j]
 
 
+def _cuda_case(b, sq, sk, h, hkv, d, seed):
+    """Random bf16 q, k, v, dout and _gates' alpha, delta on the GPU."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(*s, generator=g).to(torch.bfloat16).cuda()
+                     for s in ((b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, h, d)))
+    alpha, delta = (t.to(torch.bfloat16).cuda() for t in _gates(b, sq, sk, h, hkv, seed=seed))
+    return q, k, v, dout, alpha, delta
+
+
 def _run(q, k, v, dout, alpha, delta, **kw):
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, alpha, delta)]
     out, lse = dmattn.attention(*leaves[:3], gate=(leaves[3], leaves[4]), return_lse=True, **kw)
@@ -185,10 +194,7 @@ def test_skipping_on_long_sequences_matches_the_masked_reference(nan_poison, d, 
     if d == 256 and deterministic:
         pytest.skip("one deterministic head dim suffices at 256")
     b, sq, sk, h, hkv = 2, 1000, 1100, 4, 2
-    g = torch.Generator().manual_seed(d)
-    q, k, v, dout = (torch.randn(*s, generator=g).to(torch.bfloat16).cuda()
-                     for s in ((b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, h, d)))
-    alpha, delta = (t.to(torch.bfloat16).cuda() for t in _gates(b, sq, sk, h, hkv, seed=d))
+    q, k, v, dout, alpha, delta = _cuda_case(b, sq, sk, h, hkv, d, seed=d)
     out, lse, grads = _run(q, k, v, dout, alpha, delta, causal=causal, gate_threshold=0.5,
                            deterministic=deterministic)
     keep = gate_skip.gate_keep_cells(alpha, delta, scale=d ** -0.5, gate_fn="logsigmoid", threshold=0.5,
@@ -197,6 +203,7 @@ def test_skipping_on_long_sequences_matches_the_masked_reference(nan_poison, d, 
     _check_against_masked_reference(q, k, v, dout, alpha, delta, out, lse, grads, keep, gate_fn="logsigmoid",
                                     causal=causal, context=f"d={d} causal={causal} det={deterministic}")
 
+
 # The Hopper forward walks a tile's kept key blocks, which its scheduler warp lists 32 blocks at a
 # time into the tile's slot: rows of many blocks, tiles of a window whose every block is skipped
 # (an empty walk), and sequences of more blocks than a slot holds (2048: the sm80-class kernels).
@@ -204,10 +211,7 @@ def test_skipping_on_long_sequences_matches_the_masked_reference(nan_poison, d, 
 @pytest.mark.parametrize("causal", [False, True])
 def test_skipping_walks_rows_of_many_key_blocks(nan_poison, causal):
     b, sq, sk, h, hkv, d = 1, 300, 4500, 2, 1, 128
-    g = torch.Generator().manual_seed(7)
-    q, k, v, dout = (torch.randn(*s, generator=g).to(torch.bfloat16).cuda()
-                     for s in ((b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, h, d)))
-    alpha, delta = (t.to(torch.bfloat16).cuda() for t in _gates(b, sq, sk, h, hkv, seed=7))
+    q, k, v, dout, alpha, delta = _cuda_case(b, sq, sk, h, hkv, d, seed=7)
     out, lse, grads = _run(q, k, v, dout, alpha, delta, causal=causal, gate_threshold=0.5)
     keep = gate_skip.gate_keep_cells(alpha, delta, scale=d ** -0.5, gate_fn="logsigmoid", threshold=0.5,
                                      causal=causal)
@@ -236,17 +240,13 @@ def test_cuda_tiles_whose_blocks_are_all_skipped_are_empty(nan_poison):
 @pytest.mark.gpu
 def test_skipping_on_more_key_blocks_than_a_walk_holds(nan_poison):
     b, sq, sk, h, hkv, d = 1, 64, 2048 * 128 + 64, 1, 1, 64
-    g = torch.Generator().manual_seed(8)
-    q, k, v, dout = (torch.randn(*s, generator=g).to(torch.bfloat16).cuda()
-                     for s in ((b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, h, d)))
-    alpha, delta = (t.to(torch.bfloat16).cuda() for t in _gates(b, sq, sk, h, hkv, seed=8))
+    q, k, v, dout, alpha, delta = _cuda_case(b, sq, sk, h, hkv, d, seed=8)
     out, lse, grads = _run(q, k, v, dout, alpha, delta, gate_threshold=0.5)
     keep = gate_skip.gate_keep_cells(alpha, delta, scale=d ** -0.5, gate_fn="logsigmoid", threshold=0.5,
                                      causal=False)
     assert 0.2 < keep.float().mean() < 0.9
     _check_against_masked_reference(q, k, v, dout, alpha, delta, out, lse, grads, keep, gate_fn="logsigmoid",
                                     causal=False, context="2049 key blocks")
-
 
 
 def test_varlen_skipping_equals_each_sequence(device):
