@@ -731,17 +731,17 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         if constexpr (kHeadDim == 256) asm volatile("" : "+l"(ptr));
         return ptr;
       };
-      auto issue_s = [&](int stage, bool issue = true) {
+      auto issue_s = [&](int stage) {
         Tensor q = make_tensor(make_smem_ptr(opaque(ss.q.data())), typename Tile::SmemLayoutQ{});
         Tensor k = make_tensor(make_smem_ptr(opaque(ss.k.data())), typename Tile::SmemLayoutKV{});
         Tensor tSrQ = wg_s.partition_fragment_A(q);
         Tensor tSrK = wg_s.partition_fragment_B(k);
-        gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s, issue);
+        gemm_issue</*kZeroInit=*/true, /*kRegA=*/false>(mma_s, tSrQ, tSrK(_, _, _, stage), acc_s);
       };
-      auto issue_pv = [&](int stage, bool issue = true) {
+      auto issue_pv = [&](int stage) {
         Tensor vt = make_tensor(make_smem_ptr(opaque(ss.v.data())), typename Tile::SmemLayoutVt{});
         Tensor tOrVt = wg_o.partition_fragment_B(vt);
-        gemm_issue</*kZeroInit=*/false, /*kRegA=*/true>(mma_o, tOrP, tOrVt(_, _, _, stage), acc_o, issue);
+        gemm_issue</*kZeroInit=*/false, /*kRegA=*/true>(mma_o, tOrP, tOrVt(_, _, _, stage), acc_o);
       };
       const WindowMask win = SeqBounds(a, tile.b).window();
       // The bias and the window / tail test of block n, then the softmax; alpha: O's rescale

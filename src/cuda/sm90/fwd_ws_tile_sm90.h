@@ -128,8 +128,8 @@ struct FwdWsTile {
   // skipping's cells (a variant of its own: the exact kernel keeps its loop as it was)
   static constexpr bool kGate = is_gate_scores(kScores);
   static constexpr bool kGateSkip = kScores == FwdWsScores::kKeyRowsGateSkip;
-  // Gate skipping: each tile's kept key blocks (descending walk order from the top, as int16
-  // block indices ascending) in a slot beside the tile's, so that every role walks the kept
+  // Gate skipping: each tile's kept key blocks (int16 block indices, ascending; walked from the
+  // last down, as every tile's blocks) in a slot beside the tile's, so that every role walks the kept
   // blocks alone and no branch sits around the consumers' products (a skipped block's products
   // behind a branch made ptxas serialize every wgmma of the kernel, C7520: the skipping forward
   // took 1.36x the exact one where nothing was skipped). Sequences of more key blocks than a slot

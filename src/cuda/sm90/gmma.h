@@ -18,19 +18,16 @@ namespace dmattn::cuda::sm90 {
 // separate clear). kRegA: A lives in registers (fenced so that the compiler keeps them
 // until the wgmma has read them).
 template <bool kZeroInit, bool kRegA, class TiledMma, class TA, class TB, class TC>
-__device__ __forceinline__ void gemm_issue(TiledMma& mma, TA& a, TB const& b, TC& acc, bool issue = true) {
+__device__ __forceinline__ void gemm_issue(TiledMma& mma, TA& a, TB const& b, TC& acc) {
   using namespace cute;
   if constexpr (kRegA) warpgroup_fence_operand(a);
   warpgroup_fence_operand(acc);
   warpgroup_arrive();
   if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
-  // (issue false: an empty group, so that the callers' waits count the same groups on every path)
-  if (issue) {
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(a); ++k) {
-      cute::gemm(mma, a(_, _, k), b(_, _, k), acc);
-      mma.accumulate_ = GMMA::ScaleOut::One;
-    }
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    cute::gemm(mma, a(_, _, k), b(_, _, k), acc);
+    mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
   warpgroup_fence_operand(acc);
