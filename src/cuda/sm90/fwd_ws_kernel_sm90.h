@@ -193,15 +193,24 @@ __device__ __forceinline__ void fwd_ws_key_range(const FwdArgs& a, const SeqBoun
 }
 
 // The next tile from the scheduler's slots, for a role that took `taken` tiles before (every
-// thread of the role calls it).
-template <int kSlots, class Pipeline>
+// thread of the role calls it). The slot is released at once, unless kHold: a role that reads
+// more of the slot later (gate skipping's walk) releases it itself once done with it
+// (release_fwd_ws_tile); the end marker's slot is released here either way.
+template <int kSlots, bool kHold = false, class Pipeline>
 __device__ __forceinline__ FwdWsTileInfo next_fwd_ws_tile(Pipeline& pipe, uint32_t& taken, const FwdWsTileInfo* slots) {
   const auto read = pipeline_state_at<kSlots>(taken++, false);
   pipe.consumer_wait(read);
   asm volatile("" ::: "memory");  // (the slot is read after the wait)
   const FwdWsTileInfo tile = slots[read.index()];
-  pipe.consumer_release(read);
+  if (!kHold || tile.m_block < 0) pipe.consumer_release(read);
   return tile;
+}
+
+// The slot of the last tile taken, released by a role that held it (next_fwd_ws_tile's kHold).
+template <int kSlots, class Pipeline>
+__device__ __forceinline__ void release_fwd_ws_tile(Pipeline& pipe, uint32_t taken) {
+  asm volatile("" ::: "memory");  // (after the role's last read of the slot)
+  pipe.consumer_release(pipeline_state_at<kSlots>(taken - 1, false));
 }
 
 // Gate skipping: the kept key blocks of [n_min, n_max) in a query block's keep row, ascending,
@@ -318,10 +327,12 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
     if constexpr (Tile::kKeyRows) {
       if (warp == 1) {  // the key rows' loader, in the consumers' block order
         uint32_t taken = 0;
-        for (FwdWsTileInfo tile; (tile = next_fwd_ws_tile<Tile::kTileSlots>(pipe_tile, taken, ss.tiles)).m_block >= 0;) {
+        // (gate skipping: the tile's kept blocks from its slot, held until the last is read, so
+        // that the scheduler writes the slot's next walk after this warp's reads, not only
+        // after the consumers' release that follows them)
+        for (FwdWsTileInfo tile;
+             (tile = next_fwd_ws_tile<Tile::kTileSlots, Tile::kGateSkip>(pipe_tile, taken, ss.tiles)).m_block >= 0;) {
           PipelineState write_r = pipeline_state_at<Tile::kStages>(tile.blocks_before, true);
-          // (gate skipping: the tile's kept blocks from its slot, which the consumers hold until
-          // they have read every stage loaded here)
           const volatile int16_t* walk = ss.skip_walk[Tile::kGateSkip ? (taken - 1) % Tile::kTileSlots : 0];
           const SeqBounds seq(a, tile.b);
           KeyRowSources src = key_row_sources(a, tile.b, tile.h, seq.k0());
@@ -362,6 +373,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
             pipe_key_rows.producer_commit(write_r);
             ++write_r;
           }
+          if constexpr (Tile::kGateSkip) release_fwd_ws_tile<Tile::kTileSlots>(pipe_tile, taken);
         }
         return;
       }
