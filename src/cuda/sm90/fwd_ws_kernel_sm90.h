@@ -305,7 +305,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
   // the gate's term warps.
   typename TilePipeline::Params tile_params;
   tile_params.dst_blockid = 0;  // (no cluster: a constant, not a register held by every role)
-  tile_params.producer_arv_count = 1;
+  // (gate skipping: every lane of the scheduler warp writes the tile's walk, so every lane waits
+  // for the slot and arrives once its own writes are done)
+  tile_params.producer_arv_count = Tile::kGateSkip ? 32 : 1;
   tile_params.consumer_arv_count = kConsumerThreads + (Tile::kKeyRows || Tile::kPackGqa ? 32 : 0) + (indexed || Tile::kGateTerms ? 64 : 0);
   TilePipeline pipe_tile(ss.pipe_tile, tile_params);
   auto& q_full = *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&ss.q_full);
@@ -615,14 +617,14 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         if (!skip) {
           __syncwarp();  // (lane 0's count of tiles, read by every lane)
           const TileState slot = pipeline_state_at<Tile::kTileSlots>(tiles, true);
-          if (first_lane()) pipe_tile.producer_acquire(slot);
-          __syncwarp();
+          pipe_tile.producer_acquire(slot);
           if (tile.m_block >= 0) {
             const int count = gate_skip_walk(gate_keep_row(a.gate, tile.b, tile.h, tile.m_block * kBlockM),
                                              tile.n_min, tile.n_max, ss.skip_walk[slot.index()]);
             tile.n_min = 0;
             tile.n_max = count;
           }
+          if (!first_lane()) pipe_tile.producer_commit(slot);  // (lane 0's, after the tile's info below)
           __syncwarp();
         }
       }
