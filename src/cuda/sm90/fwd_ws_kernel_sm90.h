@@ -213,6 +213,19 @@ __device__ __forceinline__ void release_fwd_ws_tile(Pipeline& pipe, uint32_t tak
   pipe.consumer_release(pipeline_state_at<kSlots>(taken - 1, false));
 }
 
+// Key block nb of the tile in slot `slot`: the walk the scheduler wrote there (windows with
+// sinks, gate skipping), else nb itself. Read from shared memory at each use (volatile), so that
+// no role holds the walk in registers.
+template <class Tile, class Storage>
+__device__ __forceinline__ int walk_key_block(Storage& ss, int slot, int nb) {
+  if constexpr (Tile::kWindows)
+    return const_cast<const volatile BlockWalk&>(ss.tile_windows[slot].walk).at(nb);
+  else if constexpr (Tile::kGateSkip)
+    return int(const_cast<const volatile int16_t*>(ss.skip_walk[slot])[nb]);
+  else
+    return nb;
+}
+
 // Gate skipping: the kept key blocks of [n_min, n_max) in a query block's keep row, ascending,
 // into walk (every lane of the warp calls it); returns their count.
 __device__ __forceinline__ int gate_skip_walk(const uint8_t* keep_row, int n_min, int n_max, int16_t* walk) {
@@ -335,7 +348,6 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         for (FwdWsTileInfo tile;
              (tile = next_fwd_ws_tile<Tile::kTileSlots, Tile::kGateSkip>(pipe_tile, taken, ss.tiles)).m_block >= 0;) {
           PipelineState write_r = pipeline_state_at<Tile::kStages>(tile.blocks_before, true);
-          const volatile int16_t* walk = ss.skip_walk[Tile::kGateSkip ? (taken - 1) % Tile::kTileSlots : 0];
           const SeqBounds seq(a, tile.b);
           KeyRowSources src = key_row_sources(a, tile.b, tile.h, seq.k0());
           if constexpr (Tile::kMask) src.mask = nullptr;  // (a full mask comes by its tiles)
@@ -354,7 +366,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
             win.m_end = w.m_end;
           }
           for (int v = tile.n_max - 1; v >= tile.n_min; --v) {
-            const int n = Tile::kGateSkip ? int(walk[v]) : v;  // (the key block)
+            const int n = walk_key_block<Tile>(ss, (taken - 1) % Tile::kTileSlots, v);  // (the key block)
             pipe_key_rows.producer_acquire(write_r);
             auto& st = ss.key_rows[write_r.index()];
             load_key_rows<Element, typename Tile::KeyRowStage, kBlockN>(st, n, count, src);
@@ -483,15 +495,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       Tensor mM = p.tma_mask.get_tma_tensor(make_shape(a.seqlen_q, a.seqlen_k, p.mask_ext.heads, p.mask_ext.batch));
       Tensor sMask = make_tensor(make_smem_ptr(ss.mask_tiles.data()), typename Tile::SmemLayoutMask{});
       const SeqBounds seq(a, tile.b);
-      // Block nb of the walk (windows with sinks): from the tile's slot, which the consumers hold
-      // until these loads are long issued (not held in the producer's registers).
-      auto key_block = [&](int nb) {
-        if constexpr (Tile::kWindows)
-          return const_cast<const volatile BlockWalk&>(ss.tile_windows[i % Tile::kTileSlots].walk).at(nb);
-        else if constexpr (Tile::kGateSkip)
-          return int(const_cast<const volatile int16_t*>(ss.skip_walk[i % Tile::kTileSlots])[nb]);
-        else return nb;
-      };
+      // Block nb of the walk: from the tile's slot, which the consumers hold until these loads
+      // are long issued.
+      auto key_block = [&](int nb) { return walk_key_block<Tile>(ss, i % Tile::kTileSlots, nb); };
       // (packed heads: the tile's head is the KV head)
       const int h_kv = p.kv_ext.head_at(Tile::kPackGqa ? tile.h : tile.h / a.group), b_kv = p.kv_ext.batch_at(tile.b);
       Tensor gQ = local_tile(
@@ -710,7 +716,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
     pipe_tile.consumer_wait(slot);
     const volatile FwdWsTileInfo& tile = ss.tiles[slot.index()];
     const volatile FwdWsTileWindows& tile_windows = ss.tile_windows[Tile::kWindows ? slot.index() : 0];
-    const volatile int16_t* skip_walk = ss.skip_walk[Tile::kGateSkip ? slot.index() : 0];
+    // Key block nv of the tile's walk (from its slot).
+    auto key_block = [&](int nv) { return walk_key_block<Tile>(ss, slot.index(), nv); };
     if (tile.m_block < 0) break;
     const int n_min = tile.n_min, n_max = tile.n_max;
     const int m0 = tile.m_block * kBlockM;
@@ -815,9 +822,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           // (key ends, a mask).
           if (st.needs_test) {
             const PositionTest pt{st.pos, a.kpos.ptr != nullptr ? position_window(a) : win, Tile::kKeyRowEndDelta};
-            const int nk = Tile::kGateSkip ? int(skip_walk[n]) : n;  // (gate skipping: the walk's block)
             mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(
-                s_rc, tScS_rc, m0, nk * kBlockN, win, nullptr, 0, nullptr, 0, &pt);
+                s_rc, tScS_rc, m0, key_block(n) * kBlockN, win, nullptr, 0, nullptr, 0, &pt);
           }
           pipe_key_rows.consumer_release(read_r);
           ++read_r;
@@ -825,7 +831,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           // Windows with sinks: block n of the walk, tested where the window does not show it whole
           // (the window's test covers causal and the tails: a key past the sequence lies above
           // every valid query's diagonal).
-          const int nk = tile_windows.walk.at(n);
+          const int nk = key_block(n);
           if (!tile_windows.clear.has(nk))
             apply_sink_window(s_rc, tScS_rc, SinkWindowTest::load(tile_windows.window), m0, nk * kBlockN);
         } else if constexpr (Tile::kPackGqa) {  // (the test on each row's own query)
@@ -849,8 +855,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
       // outside the tensor-core turns (every consumer takes part in the barrier).
       const int len_k = SeqBounds(a, tile.b).len_k();  // (read once: packed lengths come from memory)
       auto clear_v_tail = [&](int nv) {
-        const int valid =
-            len_k - (Tile::kWindows ? tile_windows.walk.at(nv) : Tile::kGateSkip ? int(skip_walk[nv]) : nv) * kBlockN;
+        const int valid = len_k - key_block(nv) * kBlockN;
         if (!packed || valid >= kBlockN) return;
         pipe_v.consumer_wait(read_v);
         // (its addresses from the index afresh: derived from tid, they were held through the loop)
