@@ -24,6 +24,9 @@
 //              code in the key-row kernel cost it spills); built with the gate's term warps,
 //              its logarithm terms come in a ring of fp16 tiles that the producer's warps 2
 //              and 3 fill (gate_terms_sm90.h);
+//   kGateOnly: the gate alone (no key bias, mask, positions, softcap or windows): the stages of
+//              kKeyRowsGate with the delta and alpha rows only, raw scores plus g (the scale
+//              folded into the softmax's exponent, as kPlain's) and kPlain's window / tail test;
 //   kFullBiasKeyRows: both, for a full bias with a query-broadcast mask (a key padding mask)
 //              and / or softcap: the bias tiles as kFullBias's, the key rows as kKeyRows's
 //              without their bias (the mask's rows give the query bounds);
