@@ -145,7 +145,7 @@ struct FwdWsTile {
   static constexpr int kSkipWalkMax = kGateSkip ? kFwdWsSkipWalkBlocks : 1;
   // The gate's logarithm terms, computed by the producer's warps 2 and 3 into a ring of their own
   // (gate_terms_sm90.h; where built with them, kGateTermWarps).
-  static constexpr bool kGateTerms = kGate && kGateTermWarps;
+  static constexpr bool kGateTerms = kGate && !kGateOnly && kGateTermWarps;
   using GateTerms = GateTermRing<kBlockN_, kBlockM_ / 64>;
   // windows with sinks (window_runs.h: the tile's key blocks as a walk), a variant of plain scores:
   // the tile's element test and the blocks that need it come from the scheduler's slot, so no
