@@ -136,7 +136,8 @@ void launch_fwd_ws_bias_tiles(const FwdArgs& a, cudaStream_t stream) {
 // The gate's variant (head dims 64 and 128) in translation units of its own
 // (inst/fwd_ws_gate_<dtype>.cu, DMATTN_INSTANTIATE_FWD_WS_GATE): its score code is the part of
 // the Hopper forward that changes most, rebuilt alone.
-// (Scores: kKeyRowsGate, or kKeyRowsGateSkip with gate skipping's cells.)
+// (Scores: kKeyRowsGate, kGateOnly for the gate alone, or kKeyRowsGateSkip with gate skipping's
+// cells.)
 #define DMATTN_FWD_WS_GATE_LAUNCH(Element, HD, Scores)                                                  \
   void dmattn::cuda::sm90::launch_fwd_ws<                                                             \
       dmattn::cuda::sm90::FwdWsConfig<Element, HD, dmattn::cuda::sm90::FwdWsScores::Scores>::Tile>( \
@@ -150,6 +151,10 @@ extern template DMATTN_FWD_WS_GATE_LAUNCH(cutlass::half_t, 64, kKeyRowsGateSkip)
 extern template DMATTN_FWD_WS_GATE_LAUNCH(cutlass::half_t, 128, kKeyRowsGateSkip);
 extern template DMATTN_FWD_WS_GATE_LAUNCH(cutlass::bfloat16_t, 64, kKeyRowsGateSkip);
 extern template DMATTN_FWD_WS_GATE_LAUNCH(cutlass::bfloat16_t, 128, kKeyRowsGateSkip);
+extern template DMATTN_FWD_WS_GATE_LAUNCH(cutlass::half_t, 64, kGateOnly);
+extern template DMATTN_FWD_WS_GATE_LAUNCH(cutlass::half_t, 128, kGateOnly);
+extern template DMATTN_FWD_WS_GATE_LAUNCH(cutlass::bfloat16_t, 64, kGateOnly);
+extern template DMATTN_FWD_WS_GATE_LAUNCH(cutlass::bfloat16_t, 128, kGateOnly);
 namespace dmattn::cuda {
 
 // The warp-specialized kernel of the problem's score policy (fwd_ws_scores); plain scores with
@@ -164,6 +169,10 @@ void run_fwd_ws(const FwdArgs& a, cudaStream_t stream) {
     case FwdWsScores::kKeyRowsGate:  // (head dims 64 and 128: fwd_ws_supports)
       if constexpr (kHeadDim != 256)
         sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kKeyRowsGate>::Tile>(a, stream);
+      return;
+    case FwdWsScores::kGateOnly:
+      if constexpr (kHeadDim != 256)
+        sm90::launch_fwd_ws<typename sm90::FwdWsConfig<Element, kHeadDim, FwdWsScores::kGateOnly>::Tile>(a, stream);
       return;
     case FwdWsScores::kKeyRowsGateSkip:
       if constexpr (kHeadDim != 256)
@@ -258,5 +267,7 @@ void run_fwd(const FwdArgs& a, cudaStream_t stream) {
   template DMATTN_FWD_WS_GATE_LAUNCH(Element, 64, kKeyRowsGate);      \
   template DMATTN_FWD_WS_GATE_LAUNCH(Element, 128, kKeyRowsGate);     \
   template DMATTN_FWD_WS_GATE_LAUNCH(Element, 64, kKeyRowsGateSkip);  \
+  template DMATTN_FWD_WS_GATE_LAUNCH(Element, 64, kGateOnly);         \
+  template DMATTN_FWD_WS_GATE_LAUNCH(Element, 128, kGateOnly);        \
   template DMATTN_FWD_WS_GATE_LAUNCH(Element, 128, kKeyRowsGateSkip);
 #endif

@@ -369,7 +369,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
             const int n = walk_key_block<Tile>(ss, (taken - 1) % Tile::kTileSlots, v);  // (the key block)
             pipe_key_rows.producer_acquire(write_r);
             auto& st = ss.key_rows[write_r.index()];
-            load_key_rows<Element, typename Tile::KeyRowStage, kBlockN>(st, n, count, src);
+            if constexpr (!Tile::kGateOnly) load_key_rows<Element, typename Tile::KeyRowStage, kBlockN>(st, n, count, src);
             // The gate's rows: the block's delta, the tile's alpha (their sources derived afresh
             // in each block from opaque coordinates: hoisted out of the loop and held through it,
             // they made the loader spill).
@@ -383,7 +383,8 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
             }
             // The block's part (the first lane: it wrote end_min, and the other lanes' rows are
             // visible after load_key_rows's __syncwarp; positions sorted).
-            if (first_lane) st.needs_test = win.block_needs_test(st.pos[0], st.pos[kBlockN - 1], st.end_min);
+            if constexpr (!Tile::kGateOnly)
+              if (first_lane) st.needs_test = win.block_needs_test(st.pos[0], st.pos[kBlockN - 1], st.end_min);
             pipe_key_rows.producer_commit(write_r);
             ++write_r;
           }
@@ -698,7 +699,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
   // transforms together hide each other's latencies, which one alone does not. With the terms
   // from the producer's warps (kGateTerms) the transform is short, and the turns are a build
   // option (kGateTermTurns).
-  constexpr bool kTurns = !Tile::kGate || (Tile::kGateTerms && kGateTermTurns);
+#ifndef DMATTN_GATE_ONLY_TURNS
+#define DMATTN_GATE_ONLY_TURNS 0
+#endif
+  constexpr bool kTurns =
+      !Tile::kGate || (Tile::kGateTerms && kGateTermTurns) || (Tile::kGateOnly && DMATTN_GATE_ONLY_TURNS != 0);
   auto sched_sync = [&]() {
     if constexpr (kTurns) NamedBarrier::sync(kSchedThreads, kSchedBarrier + consumer);
   };
@@ -804,7 +809,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
           pipe_key_rows.consumer_wait(read_r);
           const auto& st = ss.key_rows[read_r.index()];
           // (beside bias tiles: the score is final, the rows carry no bias)
-          if constexpr (!Tile::kBias) add_key_bias(s_rc, tScS_rc, st.bias, scale);
+          if constexpr (!Tile::kBias && !Tile::kGateOnly) add_key_bias(s_rc, tScS_rc, st.bias, scale);
           // The gate on the final scores (its scale the softmax scale, after any softcap); its
           // logarithm terms from the term warps' slot where they compute them.
           if constexpr (Tile::kGateTerms) {
@@ -814,13 +819,18 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
                            int(threadIdx.x) % 128, st.alpha, st.delta, a.scale, a.gate.linear);
             pipe_gate_terms.consumer_release(read_t);
           } else if constexpr (Tile::kGate) {
-            add_gate_scores(s_rc, tScS_rc, st.alpha, st.delta, a.scale, a.gate.linear);
+            // (the gate alone: g itself on raw scores)
+            add_gate_scores(s_rc, tScS_rc, st.alpha, st.delta, Tile::kGateOnly ? 1.f : a.scale, a.gate.linear);
           }
           if constexpr (Tile::kMask) apply_mask_tile();
           // The test on positions (the blocks the loader marked): gathered keys' window on
           // original positions, else the plain window (positions are indices); query bounds
           // (key ends, a mask).
-          if (st.needs_test) {
+          if constexpr (Tile::kGateOnly) {
+            if (win.block_needs_mask(m0, kBlockM, kBlockN, n))
+              transform_scores_ex<false, true, Element, kBlockN, false>(s_rc, tScS_rc, a, m0, n * kBlockN, win, nullptr,
+                                                                        0, nullptr, 0);
+          } else if (st.needs_test) {
             const PositionTest pt{st.pos, a.kpos.ptr != nullptr ? position_window(a) : win, Tile::kKeyRowEndDelta};
             mask_and_bias_scores_impl<false, false, true, true, true, float, kBlockN>(
                 s_rc, tScS_rc, m0, key_block(n) * kBlockN, win, nullptr, 0, nullptr, 0, &pt);

@@ -24,7 +24,8 @@ namespace dmattn::cuda::sm90 {
 // query-broadcast mask or softcap come with it; the mask tiles for a full mask, with key rows
 // beside them where gathered keys, softcap or a query-broadcast bias come with it; per-key rows
 // for everything else the kernel takes (gathered keys and key ends, query-broadcast biases and
-// masks, softcap), their variant kKeyRowsGate with the gate; windows with sinks (kWindows: plain
+// masks, softcap), their variant kKeyRowsGate with the gate (kGateOnly for the gate alone: its
+// rows without the other key rows, on raw scores); windows with sinks (kWindows: plain
 // scores besides the windows; fwd_ws_supports); plain scores without any of them. (Under
 // gathered keys a full bias's or mask's columns are the gathered rows, tiled by TMA like any
 // other.)
@@ -38,7 +39,13 @@ inline FwdWsScores fwd_ws_scores(const FwdArgs& a) {
   if (full_mask)
     return a.bias.ptr != nullptr || a.softcap != 0.f || a.kpos.ptr != nullptr ? FwdWsScores::kFullMaskKeyRows
                                                                                : FwdWsScores::kFullMask;
-  if (a.gate.alpha != nullptr) return a.gate.keep != nullptr ? FwdWsScores::kKeyRowsGateSkip : FwdWsScores::kKeyRowsGate;
+  if (a.gate.alpha != nullptr) {
+    if (a.gate.keep != nullptr) return FwdWsScores::kKeyRowsGateSkip;
+    // (the gate alone: its rows without key rows, on raw scores)
+    const bool alone = a.bias.ptr == nullptr && a.mask.ptr == nullptr && a.kpos.ptr == nullptr && a.softcap == 0.f &&
+                       a.windows == nullptr;
+    return alone ? FwdWsScores::kGateOnly : FwdWsScores::kKeyRowsGate;
+  }
   if (a.windows != nullptr) return FwdWsScores::kWindows;
   if (a.kpos.ptr != nullptr || a.bias.ptr != nullptr || a.mask.ptr != nullptr || a.softcap != 0.f)
     return FwdWsScores::kKeyRows;
@@ -102,6 +109,7 @@ bool fwd_ws_supports(const FwdArgs& a) {
     case FwdWsScores::kKeyRows:
     case FwdWsScores::kKeyRowsGate:
     case FwdWsScores::kKeyRowsGateSkip:
+    case FwdWsScores::kGateOnly:
     case FwdWsScores::kWindows:
       return true;
     case FwdWsScores::kFullBias:

@@ -24,6 +24,9 @@
 //              code in the key-row kernel cost it spills); built with the gate's term warps,
 //              its logarithm terms come in a ring of fp16 tiles that the producer's warps 2
 //              and 3 fill (gate_terms_sm90.h);
+//   kGateOnly: the gate alone (no key bias, mask, positions, softcap or windows): the stages of
+//              kKeyRowsGate with the delta and alpha rows only, raw scores plus g (the scale
+//              folded into the softmax's exponent, as kPlain's) and kPlain's window / tail test;
 //   kFullBiasKeyRows: both, for a full bias with a query-broadcast mask (a key padding mask)
 //              and / or softcap: the bias tiles as kFullBias's, the key rows as kKeyRows's
 //              without their bias (the mask's rows give the query bounds);
@@ -76,12 +79,13 @@ enum class FwdWsScores {
   kFullBiasMask,
   kKeyRowsGate,
   kWindows,
-  kKeyRowsGateSkip
+  kKeyRowsGateSkip,
+  kGateOnly
 };
 
 // The gate's policies: exact, and with gate skipping's cells.
 constexpr bool is_gate_scores(FwdWsScores s) {
-  return s == FwdWsScores::kKeyRowsGate || s == FwdWsScores::kKeyRowsGateSkip;
+  return s == FwdWsScores::kKeyRowsGate || s == FwdWsScores::kKeyRowsGateSkip || s == FwdWsScores::kGateOnly;
 }
 
 // Gate skipping's walk: the most key blocks of a sequence (of kGateCell keys) a tile's slot holds.
@@ -128,6 +132,10 @@ struct FwdWsTile {
   // skipping's cells (a variant of its own: the exact kernel keeps its loop as it was)
   static constexpr bool kGate = is_gate_scores(kScores);
   static constexpr bool kGateSkip = kScores == FwdWsScores::kKeyRowsGateSkip;
+  // The gate alone (no key bias, mask, positions or softcap): the key-row stages carry alpha and
+  // delta only, the scores stay raw (q k^T + g, the scale folded into the softmax's exponent as
+  // plain scores') and take the plain window / tail test.
+  static constexpr bool kGateOnly = kScores == FwdWsScores::kGateOnly;
   // Gate skipping: each tile's kept key blocks (int16 block indices, ascending; walked from the
   // last down, as every tile's blocks) in a slot beside the tile's, so that every role walks the kept
   // blocks alone and no branch sits around the consumers' products (a skipped block's products
@@ -137,7 +145,7 @@ struct FwdWsTile {
   static constexpr int kSkipWalkMax = kGateSkip ? kFwdWsSkipWalkBlocks : 1;
   // The gate's logarithm terms, computed by the producer's warps 2 and 3 into a ring of their own
   // (gate_terms_sm90.h; where built with them, kGateTermWarps).
-  static constexpr bool kGateTerms = kGate && kGateTermWarps;
+  static constexpr bool kGateTerms = kGate && !kGateOnly && kGateTermWarps;
   using GateTerms = GateTermRing<kBlockN_, kBlockM_ / 64>;
   // windows with sinks (window_runs.h: the tile's key blocks as a walk), a variant of plain scores:
   // the tile's element test and the blocks that need it come from the scheduler's slot, so no
@@ -148,10 +156,10 @@ struct FwdWsTile {
                                 kScores == FwdWsScores::kFullBiasMask;
   // Softcap on the scores (the policies whose problems may carry it; plain scores and a lone
   // bias or mask never do: fwd_ws_scores).
-  static constexpr bool kSoftcap = kKeyRows || kScores == FwdWsScores::kFullBiasMask;
+  static constexpr bool kSoftcap = (kKeyRows && !kGateOnly) || kScores == FwdWsScores::kFullBiasMask;
   // Final scores (scale and bias applied before the softmax, scale 1 there) or raw q k^T with
   // the scale folded into the softmax's exponent.
-  static constexpr bool kScaledScores = kBias || kKeyRows;
+  static constexpr bool kScaledScores = kBias || (kKeyRows && !kGateOnly);
   using Element = Element_;
   // The bias tiles' element: q's 16-bit type, or fp32.
   static constexpr int kBiasBytes = kBiasBytes_;
