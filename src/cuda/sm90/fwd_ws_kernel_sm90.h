@@ -699,11 +699,9 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
   // transforms together hide each other's latencies, which one alone does not. With the terms
   // from the producer's warps (kGateTerms) the transform is short, and the turns are a build
   // option (kGateTermTurns).
-#ifndef DMATTN_GATE_ONLY_TURNS
-#define DMATTN_GATE_ONLY_TURNS 0
-#endif
-  constexpr bool kTurns =
-      !Tile::kGate || (Tile::kGateTerms && kGateTermTurns) || (Tile::kGateOnly && DMATTN_GATE_ONLY_TURNS != 0);
+  // (The gate alone, kGateOnly, as the gate's other variants: the same chain a score less the key
+  // row's terms.)
+  constexpr bool kTurns = !Tile::kGate || (Tile::kGateTerms && kGateTermTurns);
   auto sched_sync = [&]() {
     if constexpr (kTurns) NamedBarrier::sync(kSchedThreads, kSchedBarrier + consumer);
   };
