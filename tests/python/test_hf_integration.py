@@ -3,6 +3,7 @@ keep_window_size, against a direct dmattn.attention call and against HF's own sd
 (and whole tiny Llama / Doge models). Skipped where transformers is not importable, except
 the checks that dmattn works without it."""
 
+import inspect
 import os
 import subprocess
 import sys
@@ -463,37 +464,104 @@ def test_padded_attention_refuses_a_bias_with_a_query_dimension(device):
         padded_attention(q, k, v, real, bias, causal=True)
 
 
-def _right_padded_runs(device):
-    """Greedy generate() of a tiny Llama on a right-padded prompt (the case transformers warns
-    about: the next token comes from the last padded row, which attends to the whole prompt under
-    eager's and sdpa's 4D mask) with sdpa, and with dmattn on the dynamic cache (2D padding mask:
-    packed rows, decoding steps on the decode kernel on CUDA) and the static cache (4D mask, dense
-    path)."""
+def _padding_of(side, batch, length, device):
+    """A 2D padding mask (batch, length): row 0 whole, row b padded by 3 * b tokens on the side."""
+    pad = torch.ones(batch, length, dtype=torch.long, device=device)
+    for b in range(1, batch):
+        if side == "left":
+            pad[b, :3 * b] = 0
+        else:
+            pad[b, length - 3 * b:] = 0
+    return pad
+
+
+@needs_transformers
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padded_rows_same_on_both_caches(side, monkeypatch):
+    """A padded batch's forward (float32, CPU): dmattn gives every logit row the same on the dynamic
+    cache (2D padding mask: the packed path) and the static cache (4D mask: the dense path); the
+    real rows are eager's and sdpa's; a padded row after its sequence's last token (right padding)
+    sees the whole sequence, as under eager and sdpa; a padded row before the first token (left
+    padding) has no key: attention 0 on both caches, as sdpa gives (eager averages the values of
+    every key slot there, so its rows depend on the slot count and are not compared)."""
+    hf_dmattn.register()
+    model = _tiny_model("llama", "cpu")
+    ids = torch.randint(1, 64, (3, 10), generator=torch.Generator().manual_seed(1))
+    pad = _padding_of(side, 3, 10, "cpu")
+    real = pad.bool()
+    packed_calls = []
+    packed = hf_dmattn.padded_attention
+    monkeypatch.setattr(hf_dmattn, "padded_attention", lambda *a, **kw: packed_calls.append(1) or packed(*a, **kw))
+    # (transformers 5.x names the cache argument `cache`, earlier versions `past_key_values`)
+    cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    logits, packed_by_run = {}, {}
+    for impl in ("eager", "sdpa", "dmattn"):
+        model.set_attn_implementation(impl)
+        for cache in ("dynamic", "static"):
+            static = transformers.StaticCache(config=model.config, max_cache_len=16) if cache == "static" else None
+            before = len(packed_calls)
+            with torch.no_grad():
+                logits[impl, cache] = model(input_ids=ids, attention_mask=pad, use_cache=True,
+                                            **{cache_kwarg: static}).logits
+            packed_by_run[impl, cache] = len(packed_calls) - before
+    assert packed_by_run["dmattn", "dynamic"] == model.config.num_hidden_layers  # every layer packed
+    assert packed_by_run["dmattn", "static"] == 0  # the 4D mask: dense
+    tol = dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits["dmattn", "dynamic"], logits["dmattn", "static"], **tol)
+    for key, value in logits.items():
+        torch.testing.assert_close(value[real], logits["eager", "dynamic"][real], **tol, msg=str(key))
+    padded = ~real
+    for cache in ("dynamic", "static"):
+        torch.testing.assert_close(logits["dmattn", cache][padded], logits["sdpa", cache][padded], **tol)
+        if side == "right":
+            torch.testing.assert_close(logits["dmattn", cache][padded], logits["eager", cache][padded], **tol)
+
+
+def _padded_runs(device, side, impls=("eager", "sdpa", "dmattn"), monkeypatch=None):
+    """Greedy generate() of a tiny Llama on a padded prompt, each implementation on the dynamic cache
+    (dmattn: the 2D padding mask, packed rows; decoding steps on the decode kernel on CUDA) and on
+    the static cache (dmattn: sdpa's 4D mask, the dense path). Right padding is the case
+    transformers warns about: the next token comes from the last padded row, which attends to the
+    whole prompt under eager's and sdpa's 4D mask. With monkeypatch, also how many packed calls
+    each run made: {(impl, cache): count}."""
     hf_dmattn.register()
     model = _tiny_model("llama", device)
     with torch.no_grad():
         model.lm_head.weight.mul_(8)
     ids = torch.stack([torch.randperm(64, generator=torch.Generator().manual_seed(s))[:12] for s in range(2)])
     ids = ids.to(device)
-    pad = torch.ones(2, 12, dtype=torch.long, device=device)
-    pad[1, -3:] = 0
-    runs = {}
-    for impl, cache in (("sdpa", "dynamic"), ("dmattn", "dynamic"), ("dmattn", "static")):
+    pad = _padding_of(side, 2, 12, device)
+    packed_calls = []
+    if monkeypatch is not None:
+        packed = hf_dmattn.padded_attention
+        monkeypatch.setattr(hf_dmattn, "padded_attention",
+                            lambda *a, **kw: packed_calls.append(1) or packed(*a, **kw))
+    runs, packed_by_run = {}, {}
+    for impl in impls:
         model.set_attn_implementation(impl)
-        extra = dict(cache_implementation="static", disable_compile=True) if cache == "static" else {}
-        runs[impl, cache] = model.generate(input_ids=ids, attention_mask=pad, max_new_tokens=6, do_sample=False,
-                                           pad_token_id=0, output_scores=True, return_dict_in_generate=True, **extra)
-    return runs
+        for cache in ("dynamic", "static"):
+            extra = dict(cache_implementation="static", disable_compile=True) if cache == "static" else {}
+            before = len(packed_calls)
+            runs[impl, cache] = model.generate(input_ids=ids, attention_mask=pad, max_new_tokens=6,
+                                               do_sample=False, pad_token_id=0, output_scores=True,
+                                               return_dict_in_generate=True, **extra)
+            packed_by_run[impl, cache] = len(packed_calls) - before
+    return runs, packed_by_run
 
 
 @needs_transformers
-def test_right_padded_prompt_same_on_both_caches():
-    """Both caches give the padded row sdpa's logits (float32, CPU), and the same tokens."""
-    runs = _right_padded_runs("cpu")
-    reference = runs["sdpa", "dynamic"]
-    for key in (("dmattn", "dynamic"), ("dmattn", "static")):
-        torch.testing.assert_close(runs[key].scores[0], reference.scores[0], atol=1e-4, rtol=1e-4, msg=str(key))
-        _assert_same_tokens_but_near_ties(reference, runs[key], prompt=12)
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padded_prompt_same_on_both_caches(side, monkeypatch):
+    """Greedy generate() on a right- or left-padded prompt (float32, CPU): dmattn's dynamic cache
+    (packed prefill) and static cache (dense prefill) give the same tokens as each other and as
+    eager and sdpa on either cache, with eager's logits at every step."""
+    runs, packed = _padded_runs("cpu", side, monkeypatch=monkeypatch)
+    assert packed["dmattn", "dynamic"] > 0 and packed["dmattn", "static"] == 0
+    reference = runs["eager", "dynamic"]
+    for key, run in runs.items():
+        assert torch.equal(run.sequences, reference.sequences), key
+        for step, (ours, theirs) in enumerate(zip(run.scores, reference.scores)):
+            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4, msg=f"{key}, step {step}")
 
 
 @needs_transformers
@@ -501,7 +569,7 @@ def test_right_padded_prompt_same_on_both_caches():
 def test_gpu_right_padded_prompt_same_on_both_caches():
     """On CUDA (bf16) both caches give sdpa's greedy tokens and each other's, up to near ties of
     bf16 rounding."""
-    runs = _right_padded_runs("cuda")
+    runs, _ = _padded_runs("cuda", "right", impls=("sdpa", "dmattn"))
     reference = runs["sdpa", "dynamic"]
     for key in (("dmattn", "dynamic"), ("dmattn", "static")):
         _assert_same_tokens_but_near_ties(reference, runs[key], prompt=12)

@@ -1,13 +1,15 @@
 """Padded batches as packed variable-length batches: a 2D padding mask (B, Sk) (True = a real
 token) turns q/k/v in (B, S, H, D) layout into dmattn.attention_varlen's packed layout, and the
 packed output back into (B, Sq, H, D). Padded query rows get what the dense key-masked call
-(and transformers' eager and sdpa attention) gives them: a padded row after a sequence's last
-token sees every token of it (causal or not; right padding: a generation step after a
-right-padded prompt reads the last such row's output), one before its first token sees none
-and gives 0 (left padding). Those after the last token cost their count times the sequence's
-tokens (a second packed call, without a causal mask); left padding costs no work at all (the
-dense path with a key mask still computes the padded queries and the key blocks that hold both
-padding and tokens).
+gives them, which is what the static cache's 4D mask gives on the dense path (so a model's
+dynamic and static caches agree on every row) and what transformers' sdpa attention gives: a
+padded row after a sequence's last token sees every token of it, as under eager too (causal or
+not; right padding: a generation step after a right-padded prompt reads the last such row's
+output), one before its first token sees none and gives 0 (left padding; eager averages the
+values of every key slot there, see docs/semantics.md). Those after the last token cost their
+count times the sequence's tokens (a second packed call, without a causal mask); left padding
+costs no work at all (the dense path with a key mask still computes the padded queries and the
+key blocks that hold both padding and tokens).
 
 Which query rows are real, for Sq query rows against Sk keys (as HF's FlashAttention
 integration decides):
