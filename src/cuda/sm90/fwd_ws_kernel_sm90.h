@@ -806,8 +806,14 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
         if constexpr (Tile::kKeyRows) {
           pipe_key_rows.consumer_wait(read_r);
           const auto& st = ss.key_rows[read_r.index()];
-          // (beside bias tiles: the score is final, the rows carry no bias)
-          if constexpr (!Tile::kBias && !Tile::kGateOnly) add_key_bias(s_rc, tScS_rc, st.bias, scale);
+          // (beside bias tiles: the score is final, the rows carry no bias; the gate alone: the
+          // scale alone, so that the scores are the backward's to the bit)
+          if constexpr (Tile::kGateOnly) {
+            CUTE_UNROLL
+            for (int i = 0; i < size(s_rc); ++i) s_rc(i) *= scale;
+          } else if constexpr (!Tile::kBias) {
+            add_key_bias(s_rc, tScS_rc, st.bias, scale);
+          }
           // The gate on the final scores (its scale the softmax scale, after any softcap); its
           // logarithm terms from the term warps' slot where they compute them.
           if constexpr (Tile::kGateTerms) {
@@ -817,8 +823,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) fwd_ws_kernel_sm90(const _
                            int(threadIdx.x) % 128, st.alpha, st.delta, a.scale, a.gate.linear);
             pipe_gate_terms.consumer_release(read_t);
           } else if constexpr (Tile::kGate) {
-            // (the gate alone: g itself on raw scores)
-            add_gate_scores(s_rc, tScS_rc, st.alpha, st.delta, Tile::kGateOnly ? 1.f : a.scale, a.gate.linear);
+            add_gate_scores(s_rc, tScS_rc, st.alpha, st.delta, a.scale, a.gate.linear);
           }
           if constexpr (Tile::kMask) apply_mask_tile();
           // The test on positions (the blocks the loader marked): gathered keys' window on

@@ -25,8 +25,8 @@
 //              its logarithm terms come in a ring of fp16 tiles that the producer's warps 2
 //              and 3 fill (gate_terms_sm90.h);
 //   kGateOnly: the gate alone (no key bias, mask, positions, softcap or windows): the stages of
-//              kKeyRowsGate with the delta and alpha rows only, raw scores plus g (the scale
-//              folded into the softmax's exponent, as kPlain's) and kPlain's window / tail test;
+//              kKeyRowsGate with the delta and alpha rows only, final scores (scale q k^T plus
+//              scale g, the backward's to the bit) and kPlain's window / tail test;
 //   kFullBiasKeyRows: both, for a full bias with a query-broadcast mask (a key padding mask)
 //              and / or softcap: the bias tiles as kFullBias's, the key rows as kKeyRows's
 //              without their bias (the mask's rows give the query bounds);
@@ -133,8 +133,10 @@ struct FwdWsTile {
   static constexpr bool kGate = is_gate_scores(kScores);
   static constexpr bool kGateSkip = kScores == FwdWsScores::kKeyRowsGateSkip;
   // The gate alone (no key bias, mask, positions or softcap): the key-row stages carry alpha and
-  // delta only, the scores stay raw (q k^T + g, the scale folded into the softmax's exponent as
-  // plain scores') and take the plain window / tail test.
+  // delta only, and the scores take the plain window / tail test. They are final scores, as the
+  // key rows' (not raw q k^T with the scale in the exponent, as plain scores'): the backward
+  // recomputes them to the bit, and the softmax takes the safe subtraction where a row's maximum
+  // is large (a linear gate's product reaches fp32's largest value).
   static constexpr bool kGateOnly = kScores == FwdWsScores::kGateOnly;
   // Gate skipping: each tile's kept key blocks (int16 block indices, ascending; walked from the
   // last down, as every tile's blocks) in a slot beside the tile's, so that every role walks the kept
@@ -159,7 +161,7 @@ struct FwdWsTile {
   static constexpr bool kSoftcap = (kKeyRows && !kGateOnly) || kScores == FwdWsScores::kFullBiasMask;
   // Final scores (scale and bias applied before the softmax, scale 1 there) or raw q k^T with
   // the scale folded into the softmax's exponent.
-  static constexpr bool kScaledScores = kBias || (kKeyRows && !kGateOnly);
+  static constexpr bool kScaledScores = kBias || kKeyRows;
   using Element = Element_;
   // The bias tiles' element: q's 16-bit type, or fp32.
   static constexpr int kBiasBytes = kBiasBytes_;
