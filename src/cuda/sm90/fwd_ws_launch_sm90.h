@@ -25,7 +25,7 @@ namespace dmattn::cuda::sm90 {
 // beside them where gathered keys, softcap or a query-broadcast bias come with it; per-key rows
 // for everything else the kernel takes (gathered keys and key ends, query-broadcast biases and
 // masks, softcap), their variant kKeyRowsGate with the gate (kGateOnly for the gate alone: its
-// rows without the other key rows, on raw scores); windows with sinks (kWindows: plain
+// rows without the other key rows' terms); windows with sinks (kWindows: plain
 // scores besides the windows; fwd_ws_supports); plain scores without any of them. (Under
 // gathered keys a full bias's or mask's columns are the gathered rows, tiled by TMA like any
 // other.)
@@ -39,17 +39,14 @@ inline FwdWsScores fwd_ws_scores(const FwdArgs& a) {
   if (full_mask)
     return a.bias.ptr != nullptr || a.softcap != 0.f || a.kpos.ptr != nullptr ? FwdWsScores::kFullMaskKeyRows
                                                                                : FwdWsScores::kFullMask;
+  // (past the full tiles: a bias or mask here is query-broadcast)
+  const bool key_row_terms = a.kpos.ptr != nullptr || a.bias.ptr != nullptr || a.mask.ptr != nullptr || a.softcap != 0.f;
   if (a.gate.alpha != nullptr) {
     if (a.gate.keep != nullptr) return FwdWsScores::kKeyRowsGateSkip;
-    // (the gate alone: its rows without key rows, on raw scores)
-    const bool alone = a.bias.ptr == nullptr && a.mask.ptr == nullptr && a.kpos.ptr == nullptr && a.softcap == 0.f &&
-                       a.windows == nullptr;
-    return alone ? FwdWsScores::kGateOnly : FwdWsScores::kKeyRowsGate;
+    return key_row_terms || a.windows != nullptr ? FwdWsScores::kKeyRowsGate : FwdWsScores::kGateOnly;
   }
   if (a.windows != nullptr) return FwdWsScores::kWindows;
-  if (a.kpos.ptr != nullptr || a.bias.ptr != nullptr || a.mask.ptr != nullptr || a.softcap != 0.f)
-    return FwdWsScores::kKeyRows;
-  return FwdWsScores::kPlain;
+  return key_row_terms ? FwdWsScores::kKeyRows : FwdWsScores::kPlain;
 }
 
 // How the kernel's TMA descriptors see q, k and v: a packed batch as one sequence of all its rows

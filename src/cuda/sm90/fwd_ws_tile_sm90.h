@@ -83,7 +83,8 @@ enum class FwdWsScores {
   kGateOnly
 };
 
-// The gate's policies: exact, and with gate skipping's cells.
+// The gate's policies: exact (beside the key rows' other terms, or alone), and with gate
+// skipping's cells.
 constexpr bool is_gate_scores(FwdWsScores s) {
   return s == FwdWsScores::kKeyRowsGate || s == FwdWsScores::kKeyRowsGateSkip || s == FwdWsScores::kGateOnly;
 }
