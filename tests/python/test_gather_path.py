@@ -359,13 +359,16 @@ def _op_grads(device, dtype, deterministic, inputs, causal, window):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("bias_batch", [1, B])
 @pytest.mark.parametrize("exact", ["0", "1"])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_cuda_positions_backward_paths(monkeypatch, exact, deterministic):
+def test_cuda_positions_backward_paths(monkeypatch, exact, deterministic, bias_batch, head_dim):
     """The raw ops with key_positions on CUDA, through the exact (3-pass) or the atomic
     backward (DMATTN_BWD_EXACT) and deterministic mode (a bias shared over the batch: the
-    folded dbias reduction), equal the CPU backend on the same positions and rows; padding
-    rows (including whole padding key blocks) get zero gradients."""
+    folded dbias reduction; a bias per batch element: on Hopper the warp-specialized kernel
+    without dQ, then the query-major dQ kernel), equal the CPU backend on the same positions
+    and rows; padding rows (including whole padding key blocks) get zero gradients."""
     monkeypatch.setenv("DMATTN_BWD_EXACT", exact)
     gen = torch.Generator().manual_seed(31)
     sq, num_keys, width = 200, 900, 300
@@ -376,8 +379,8 @@ def test_cuda_positions_backward_paths(monkeypatch, exact, deterministic):
         for h in range(HKV):
             count = [width, 170, 0, 41][b * HKV + h]
             positions[b, h, :count] = torch.randperm(num_keys, generator=gen)[:count].sort().values
-    q, k, v, dout = _qkv(B, sq, width, H, HKV, 64, torch.bfloat16, "cpu", gen)
-    bias = torch.randn(1, HKV, 1, width, generator=gen).to(torch.bfloat16)
+    q, k, v, dout = _qkv(B, sq, width, H, HKV, head_dim, torch.bfloat16, "cpu", gen)
+    bias = torch.randn(bias_batch, HKV, 1, width, generator=gen).to(torch.bfloat16)
     q, k, v, dout, bias = (t.float() for t in (q, k, v, dout, bias))  # bf16 values, fp32 on the CPU
     inputs = (q, k, v, bias, positions, dout, num_keys)
     for causal, window in ((True, (-1, -1)), (False, (100, 20))):
@@ -387,7 +390,8 @@ def test_cuda_positions_backward_paths(monkeypatch, exact, deterministic):
         for name in ("dk", "dv"):
             rows = got[name].transpose(1, 2)  # (B, Hkv, K, D)
             assert (rows.masked_select(padding) == 0).all(), f"{name} of padding rows"
-        assert (got["dbias"][0, :, 0].masked_select(positions.cuda().lt(0).all(0)) == 0).all()
+        hidden = positions.cuda().lt(0)  # (B, Hkv, K): padding key rows
+        assert (got["dbias"][:, :, 0].masked_select(hidden.all(0) if bias_batch == 1 else hidden) == 0).all()
         expected = {n: t.to(torch.bfloat16) if n != "lse" else t for n, t in expected.items()}
         # CUDA rounds P and dS to bf16 for its products, the CPU does not: a looser bound.
         _assert_same(got, expected, torch.bfloat16, f"[exact {exact} det {deterministic} causal {causal}]",
