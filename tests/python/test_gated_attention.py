@@ -314,6 +314,22 @@ def test_windows_with_sinks_match_reference(device, nan_poison, case, dtype):
     _check(q, k, v, dout, out, lse, grads, gate=(alpha, delta), windows=w, context=f"gated {case}")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_deterministic_windows_on_the_native_path(head_dim):
+    """Windows with sinks that differ between heads (the native path, not the parts) in
+    deterministic mode: on Hopper the warp-specialized backward without dQ (its bands leave the
+    adds no order) and the query-major dQ kernel. Against the reference, and bitwise equal on a
+    second run."""
+    q, k, v, _, _, dout = _inputs(2, 300, 330, 4, 2, head_dim, torch.bfloat16, "cuda")
+    w = _windows([[7, 40, 60, 50], [0, 100, 0, 0]], "cuda")
+    first = _run(q, k, v, dout, windows=w, deterministic=True)
+    _check(q, k, v, dout, *first, windows=w, context=f"deterministic D={head_dim}")
+    again = _run(q, k, v, dout, windows=w, deterministic=True)
+    for name in first[2]:
+        assert torch.equal(first[2][name], again[2][name]), f"d{name}: not bitwise reproducible"
+
+
 # Windows with sinks by parts (window_parts.py: up to three sliding-window calls merged by their
 # lse), the CUDA path wherever every head has the same row: against the float64 reference, and
 # on the CPU in float64 against the per-element native path (which it must equal to rounding).
