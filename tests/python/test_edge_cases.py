@@ -222,10 +222,11 @@ def test_saturation_fp16_no_inf(device, nan_poison):
 # --------------------------------------------------------------------------- empty sizes
 
 
+@pytest.mark.parametrize("d", [16, 128])
 @pytest.mark.parametrize("b,sq,sk", [(2, 5, 0), (2, 0, 5), (0, 5, 5), (2, 0, 0), (0, 0, 0)])
-def test_empty_dims(device, b, sq, sk, nan_poison):
+def test_empty_dims(device, b, sq, sk, d, nan_poison):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    h, hkv, d = 4, 2, 16
+    h, hkv = 4, 2
     q, k, v = _qkv(b, sq, sk, h, hkv, d, dtype, device)
     mask = torch.ones(b, 1, sq, sk, dtype=torch.bool, device=device)
     bias = torch.randn(b, h, 1, sk).to(dtype).to(device).requires_grad_()

@@ -317,8 +317,10 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
 
   // Key ends are tested only by the mask / bias kernels (score_mask.h).
   const bool mask_or_bias = f.mask.ptr != nullptr || f.bias.ptr != nullptr || f.kpos.ends != nullptr || terms;
+  // (an empty problem -- no query, keys to write dK = dV = 0 for -- takes the sm80-class kernel:
+  // it has nothing to compute)
   bool sm90 = false;
-  if constexpr (kHeadDim == 128) sm90 = !terms && bwd_sm90_enabled();
+  if constexpr (kHeadDim == 128) sm90 = !terms && bwd_sm90_enabled() && Sq > 0;
   const bool softcap = f.softcap != 0.f;
   // The Hopper kernel's bias fast path (bwd_kernel_sm90's kBiasPath): a 16-bit bias alone, its
   // rows on the 16-byte cp.async path (unit key stride, aligned rows; a dense batch, whose key
