@@ -265,16 +265,14 @@ void run_bwd(const BwdArgs& args, bool deterministic, bool exact, cudaStream_t s
   exact = exact && a.dq_accum != nullptr;
   // The warp-specialized Hopper kernel (sm90/bwd_ws_launch_sm90.h) where it takes the problem. In
   // deterministic mode it adds dQ in key block order where it can order the adds
-  // (bwd_ws_orders_dq_adds); where it cannot (gathered keys) it runs without dQ, which the
-  // query-major kernel then computes, as on the exact path (its dK, dV and dbias have one writer
-  // each either way).
+  // (bwd_ws_orders_dq_adds); where it cannot (gathered keys, windows with sinks) it runs without
+  // dQ, which the query-major kernel then computes, as on the exact path (its dK, dV and dbias
+  // have one writer each either way).
   // The gate and windows with sinks (score_terms.h): on the sm80-class kernels, and with key
   // rows on the warp-specialized kernel (bwd_ws_supports).
   const bool terms = f.gate.alpha != nullptr || f.windows != nullptr;
-  const bool ws_takes = bwd_sm90_enabled() && sm90::bwd_ws_supports(a);
-  const bool ordered_dq =
-      ws_takes && deterministic && !exact && a.dq_accum != nullptr && sm90::bwd_ws_orders_dq_adds(a);
-  const bool ws = ws_takes && (!deterministic || ordered_dq || !exact);
+  const bool ws = bwd_sm90_enabled() && sm90::bwd_ws_supports(a);
+  const bool ordered_dq = ws && deterministic && !exact && a.dq_accum != nullptr && sm90::bwd_ws_orders_dq_adds(a);
   if (ordered_dq) deterministic = false;  // dQ through dq_accum, the adds in key block order
   else if (deterministic) a.dq_accum = nullptr;
   a.row_m = f.lse;
