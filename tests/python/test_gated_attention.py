@@ -73,9 +73,10 @@ def test_gate_matches_reference(device, nan_poison, gate_fn, causal, dtype, shap
 
 
 # Sequences of several query and key blocks of the CUDA kernels (the Hopper ones take the gate with
-# key rows at head dims 64 and 128, each backward path, deterministic mode, a key bias beside it).
+# key rows at head dims up to 128 -- 96 on the 128 instantiation --, each backward path, deterministic
+# mode, a key bias beside it).
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("mode", ["fa2_bwd", "exact_bwd", "deterministic", "key_bias", "fp16_fp32_gate"])
 def test_gate_on_long_sequences_matches_reference(monkeypatch, nan_poison, d, causal, mode):

@@ -1,5 +1,5 @@
 """The warp-specialized Hopper backward (src/cuda/sm90/bwd_ws_kernel_sm90.h) on the problems it takes
-(head dims 64 and 128, and 256 with plain scores: plain scores, per-key rows with a query-broadcast
+(head dims up to 128, and up to 256 with plain scores: plain scores, per-key rows with a query-broadcast
 bias and its column-sum gradient, a query-broadcast mask, gathered keys with key ends; a full bias
 with its gradient stored from the dS tiles; deterministic mode, its dQ adds ordered; packed batches
 with a key-side bias), against the float64 reference and against the general Hopper kernel
@@ -85,6 +85,14 @@ CASES = {
     "d256_plain": Case(BF16, 2, 333, 333, 4, 4, 256),
     "d256_gqa_causal_fp16": Case(torch.float16, 1, 300, 517, 6, 2, 256, causal=True),
     "d256_window_empty_key_blocks": Case(BF16, 1, 96, 1024, 2, 2, 256, window=(32, 0)),
+    # head dims between the instantiations (each runs on the next one up: the columns past the
+    # head dim are zeros in shared memory and never stored)
+    "d96_plain_gqa_causal": Case(BF16, 2, 333, 333, 4, 2, 96, causal=True),
+    "d80_key_bias": Case(BF16, 2, 200, 300, 4, 4, 80, causal=True, bias_shape=(2, 4, 1, 300), bias_grad=True),
+    "d112_full_bias": Case(BF16, 1, 257, 264, 4, 2, 112, bias_shape=(1, 4, 257, 264), bias_grad=True),
+    "d72_gqa_causal_fp16": Case(torch.float16, 1, 300, 517, 6, 2, 72, causal=True),
+    "d32_plain": Case(BF16, 2, 129, 300, 4, 4, 32),
+    "d160_gqa_causal": Case(BF16, 1, 300, 517, 4, 2, 160, causal=True),
 }
 
 
@@ -96,7 +104,8 @@ def test_against_reference(name, bwd_path, nan_poison):
 # Deterministic mode: the same kernel, its dQ adds in key block order (ordered_adds_sm90.h).
 DETERMINISTIC_CASES = ["plain", "plain_gqa_causal", "window_empty_key_blocks", "key_bias_gqa_per_head",
                        "key_bias_per_kv_head", "key_bias_shared", "full_bias_gqa_causal_fp16", "d64_plain",
-                       "d64_gqa_causal_fp16", "d64_full_bias", "d256_plain", "d256_gqa_causal_fp16"]
+                       "d64_gqa_causal_fp16", "d64_full_bias", "d256_plain", "d256_gqa_causal_fp16",
+                       "d96_plain_gqa_causal", "d80_key_bias", "d160_gqa_causal"]
 
 
 @pytest.mark.parametrize("name", DETERMINISTIC_CASES)
@@ -115,6 +124,25 @@ def test_deterministic_bitwise(name):
         again = run_dmattn(c, x, deterministic=True)[2]
         for n in first:
             assert torch.equal(first[n], again[n]), n
+
+
+@pytest.mark.parametrize("name", ["d96_plain_gqa_causal", "d80_key_bias", "d112_full_bias", "d32_plain",
+                                  "d160_gqa_causal"])
+def test_head_dims_between_instantiations_run_here(name):
+    """A head dim between the instantiations takes the warp-specialized kernel of the next one up
+    (Hopper), not the general kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    from cases import make_inputs, run_dmattn
+    c = CASES[name]
+    x = make_inputs(c, DEV)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_dmattn(c, x)
+        torch.cuda.synchronize()
+    if not _hopper_kernels_run():
+        pytest.skip("the Hopper kernels do not run here")
+    names = [e.key for e in prof.key_averages()]
+    assert any("bwd_ws_kernel_sm90" in n for n in names), names
+    assert not any("bwd_kernel_sm90" in n or "bwd_kernel<" in n for n in names), names
 
 
 def _long_grads(causal, d, window, bias, deterministic):

@@ -35,8 +35,9 @@ inline bool bwd_ws_dbias_tiles_ok(const BwdArgs& a) {
          tma_strides_ok(a.db_sb, a.db_sh, a.f.batch, a.f.num_heads);
 }
 
-// The problems the warp-specialized backward takes: dense or packed batches at head dims 64 and
-// 128 (and 256) with plain scores, or at 64 and 128 with per-key rows (a query-broadcast or
+// The problems the warp-specialized backward takes (at "64" and "128" every head dim up to 128 on
+// those instantiations, at "256" those above): dense or packed batches at 64 and 128 (and 256)
+// with plain scores, or at 64 and 128 with per-key rows (a query-broadcast or
 // key-side bias with its column-sum gradient or without one, a query-broadcast or key-side
 // mask; dense batches also gathered keys and key ends), dense batches at 64 and 128 with a full
 // 16-bit bias alone whose tiles TMA loads (tma_bias_tiles_ok), with its gradient where every dS element has its own
@@ -49,10 +50,12 @@ inline bool bwd_ws_dbias_tiles_ok(const BwdArgs& a) {
 inline bool bwd_ws_supports(const BwdArgs& a) {
   // (read on every call, so that one process can compare both kernels: the tests do)
   const FwdArgs& f = a.f;
-  if (env_switched_off("DMATTN_BWD_SM90_WS") || (f.head_dim != 64 && f.head_dim != 128 && f.head_dim != 256) ||
-      f.softcap != 0.f)
-    return false;
-  if (f.head_dim == 256 && (bwd_ws_scores(f) != BwdWsScores::kPlain || f.gate.alpha != nullptr)) return false;
+  // (the instantiation a head dim runs on, as the sm80-class kernels' bins: any multiple of 8 up
+  // to it -- TMA fills Q, K, V and dO's columns past head_dim with zeros, gathered rows are
+  // zero-filled alike, and dQ's TMA adds and dK / dV's stores stop at head_dim)
+  const int hd = f.head_dim <= 0 ? 0 : f.head_dim <= 64 ? 64 : f.head_dim <= 128 ? 128 : f.head_dim <= 256 ? 256 : 0;
+  if (env_switched_off("DMATTN_BWD_SM90_WS") || hd == 0 || f.softcap != 0.f) return false;
+  if (hd == 256 && (bwd_ws_scores(f) != BwdWsScores::kPlain || f.gate.alpha != nullptr)) return false;
   if (a.fold_batch || a.fold_heads) return false;
   // (no query or no key: nothing for TMA to describe -- an empty tensor may even have a null
   // pointer; the general kernels write the zeros)
@@ -66,7 +69,7 @@ inline bool bwd_ws_supports(const BwdArgs& a) {
        (f.windows_hs != 0 && f.windows_head_div % f.group != 0)))
     return false;
   if (f.gate.alpha != nullptr &&
-      (f.head_dim == 256 || bwd_ws_scores(f) == BwdWsScores::kFullBias ||
+      (hd == 256 || bwd_ws_scores(f) == BwdWsScores::kFullBias ||
        (a.dbias != nullptr && a.dbias_mode == kDbColSum)))
     return false;
   const bool packed = f.cu_seqlens_q != nullptr;
