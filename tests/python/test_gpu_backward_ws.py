@@ -89,7 +89,8 @@ CASES = {
     # head dim are zeros in shared memory and never stored)
     "d96_plain_gqa_causal": Case(BF16, 2, 333, 333, 4, 2, 96, causal=True),
     "d80_key_bias": Case(BF16, 2, 200, 300, 4, 4, 80, causal=True, bias_shape=(2, 4, 1, 300), bias_grad=True),
-    "d112_full_bias": Case(BF16, 1, 257, 264, 4, 2, 112, bias_shape=(1, 4, 257, 264), bias_grad=True),
+    "d112_full_bias": Case(BF16, 1, 257, 264, 4, 2, 112, bias_shape=(1, 4, 257, 264), bias_dtype=BF16,
+                           bias_grad=True),
     "d72_gqa_causal_fp16": Case(torch.float16, 1, 300, 517, 6, 2, 72, causal=True),
     "d32_plain": Case(BF16, 2, 129, 300, 4, 4, 32),
     "d160_gqa_causal": Case(BF16, 1, 300, 517, 4, 2, 160, causal=True),
