@@ -52,6 +52,13 @@ CASES = {
     "key_bias_shared": Case(BF16, 2, 150, 150, 4, 2, 128, bias_shape=(1, 1, 1, 150), bias_grad=True),
     "key_bias_fp32_inf": Case(BF16, 1, 160, 160, 2, 2, 128, causal=True, bias_shape=(1, 2, 1, 160),
                               bias_dtype=torch.float32, bias_grad=True, bias_neg_inf=0.1, bias_finfo_min=0.1),
+    # an fp32 key bias constant over its keys (one element expanded): its gradient's terms cancel
+    # to 0 (softmax is invariant to a row's constant), which fp32 sums keep; rows with no key too
+    "key_bias_fp32_const_over_keys": Case(BF16, 1, 24, 5, 1, 1, 128, window=(2, 3), bias_shape=(1, 1, 5),
+                                          bias_dtype=torch.float32, bias_grad=True, bias_layout="expanded"),
+    "key_bias_fp32_const_over_keys_many": Case(BF16, 2, 300, 260, 4, 2, 128, causal=True,
+                                               bias_shape=(4, 1, 260), bias_dtype=torch.float32,
+                                               bias_grad=True, bias_layout="expanded"),
     # a query-broadcast mask, alone and with a key bias without its gradient
     "key_mask": Case(BF16, 2, 129, 300, 4, 4, 128, mask_shape=(2, 1, 1, 300), mask_density=0.5),
     "key_mask_bias_no_grad": Case(BF16, 1, 257, 257, 4, 4, 128, causal=True, mask_shape=(1, 4, 1, 257),
@@ -92,6 +99,8 @@ CASES = {
     "d112_full_bias": Case(BF16, 1, 257, 264, 4, 2, 112, bias_shape=(1, 4, 257, 264), bias_dtype=BF16,
                            bias_grad=True),
     "d72_gqa_causal_fp16": Case(torch.float16, 1, 300, 517, 6, 2, 72, causal=True),
+    "d72_key_bias_fp32_const_over_keys": Case(BF16, 1, 24, 5, 1, 1, 72, window=(2, 3), bias_shape=(1, 1, 5),
+                                              bias_dtype=torch.float32, bias_grad=True, bias_layout="expanded"),
     "d32_plain": Case(BF16, 2, 129, 300, 4, 4, 32),
     "d160_gqa_causal": Case(BF16, 1, 300, 517, 4, 2, 160, causal=True),
 }

@@ -39,7 +39,9 @@
 // The score transform and P / dS are the general Hopper kernel's (bwd_common.h): the same
 // numerics, exactly. A query-broadcast dbias's column sums (the variant Tile::kColSum) are one
 // more product, dS^T times a tile of ones (as the general kernel's bias fast path), issued before
-// dV and added to a shared row after dK's wait (dbias_colsum_sm90.h).
+// dV and added to a shared row after dK's wait (dbias_colsum_sm90.h); an fp32 bias's are summed
+// in fp32 from dS before its 16-bit rounding instead (as the general kernel's fp32-bias path), so
+// that a gradient whose terms cancel keeps its zero.
 // Buffers: P has one buffer (read only by its own consumer's dV product, complete at that
 // consumer's wait; at head dim 256 two, as dS: both consumers' dV products read all of it), dS
 // two (a dQ product of block t, which reads both consumers' halves, or the writer's dbias store,
@@ -134,6 +136,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   const int tb = packed ? 0 : b;
   const bool want_dq = a.dq_accum != nullptr;
   constexpr bool colsum = Tile::kColSum;  // (the launch picks the variant: a.dbias_mode == kDbColSum)
+  constexpr int kColSumRows = Tile::kColSumRows;
   // A full bias's gradient: dS's tiles stored by the dQ writer (which then runs without dQ too).
   const bool dbias_tiles = Tile::kFullBias && a.dbias != nullptr && a.dbias_mode == kDbDirect;
   const bool writer = want_dq || dbias_tiles;
@@ -187,7 +190,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       bwd_query_block_range(seq.window(), n0, kBlockN, kBlockM, m_lo, m_hi);
     }
     if constexpr (colsum) {
-      for (int i = threadIdx.x; i < kBlockN; i += Tile::kNThreads) ss.colsum[i] = 0.f;
+      for (int i = threadIdx.x; i < kColSumRows * kBlockN; i += Tile::kNThreads) ss.colsum[i] = 0.f;
       // (the column-sum product's B operand, published to wgmma by this fence and the barriers
       // before the first product)
       for (int i = threadIdx.x; i < cute::cosize(typename Tile::SmemLayoutOnes{}); i += Tile::kNThreads)
@@ -621,7 +624,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
   const int cols_valid = min(kBlockN, seq.len_k() - n0);
   auto consumers_sync = [] { NamedBarrier::sync(kConsumerThreads, Bar::kColSum); };
   auto colsum_flush = [&](int h) {
-    colsum_flush_smem<Element, kBlockN, 1, kConsumerThreads>(
+    colsum_flush_smem<Element, kBlockN, kColSumRows, kConsumerThreads>(
         a, ss.colsum.data(), read_again(ss.cta_b), h, n0, walk_cols_valid(), ctid, consumers_sync);
   };
 
@@ -817,6 +820,11 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       }
       gemm_wait<0>(acc_dp);
       bwd_p_ds(s_rc, dp_rc, row_m, row_log2l, delta);
+      // An fp32 bias's column sums from dS in fp32 (each warp its own row of them); a 16-bit
+      // bias's come from the product below.
+      if constexpr (colsum) {
+        if (f.bias_fp32) colsum_add_smem<kBlockN, kColSumRows>(dp_rc, tScS_rc, ss.colsum.data(), ctid);
+      }
       // (the gate's gradients read the stage's rows once the products are issued)
       if constexpr (!Tile::kGate) pipe_rows.consumer_release(read);
 
@@ -846,7 +854,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       // staged for its writer while dK still runs; the column sums are added once dK is done.
       typename Tile::TiledMmaColSum mma_cs;
       Tensor acc_cs = partition_fragment_C(mma_cs, Shape<Int<kBlockN>, _8>{});
-      if constexpr (colsum) {
+      if (colsum && !f.bias_fp32) {
         auto wg_cs = mma_cs.get_thread_slice(wg_thread0);
         Tensor tCSrdSt = wg_cs.partition_fragment_A(sdSt_at(buf));
         Tensor tCSrOnes =
@@ -952,7 +960,7 @@ __global__ void __launch_bounds__(Tile::kNThreads, 1) bwd_ws_kernel_sm90(const _
       }
       gemm_wait<0>(acc_dk);
       warpgroup_fence_operand(acc_dv);
-      if constexpr (colsum) {
+      if (colsum && !f.bias_fp32) {
         warpgroup_fence_operand(acc_cs);
         colsum_acc_add_smem(acc_cs, ss.colsum.data(), ctid);
       }

@@ -71,6 +71,7 @@ struct BwdWsTile {
   // (TiledMmaColSum). A variant of its own: in the kernel without a dbias, a run-time test
   // around the product and its accumulator cost 4 % (registers the loop had used otherwise).
   static constexpr bool kColSum = kColSum_;
+  static constexpr int kColSumRows = 4;  // the shared rows of the column sums (SharedStorage::colsum)
   static_assert(!kColSum || kKeyRows, "column sums: key rows only");
   // Gated attention's gate (gate_sm90.h, gate_grads_sm90.h): each query block's alpha rows with
   // its statistics, the key block's delta rows with the key rows (kKeyRows: the gate beside
@@ -250,7 +251,9 @@ struct BwdWsTile {
     // (unused buffers below: a few bytes, without the swizzle's alignment)
     alignas(kFullBias ? 1024 : 16) cute::array_aligned<Element, kBiasElems, kFullBias ? 1024 : 16> bias;
     RowStage rows[kStages];
-    cute::array_aligned<float, kColSum ? kBlockN : 4, 16> colsum;
+    // dbias's column sums: row 0 the product's, rows 0-3 an fp32 bias's (one a warp of a
+    // consumer, the consumers' key halves side by side), summed by the flush.
+    cute::array_aligned<float, kColSum ? kColSumRows * kBlockN : 4, 16> colsum;
     // The gate's column sums of G alpha: one row per warp of a consumer (its 16 query rows),
     // the consumers' key halves side by side (gate_grads_sm90).
     cute::array_aligned<float, kGate ? 4 * kBlockN : 4, 16> gate_col;
