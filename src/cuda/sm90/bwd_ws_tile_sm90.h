@@ -68,8 +68,9 @@ struct BwdWsTile {
   static constexpr bool kWindows = kScores == BwdWsScores::kWindows;
   static constexpr bool kFullBias = kScores == BwdWsScores::kFullBias;
   // Key rows with a query-broadcast dbias (kDbColSum): its column sums, by one more product
-  // (TiledMmaColSum) for a 16-bit bias, from dS in fp32 for an fp32 one. A variant of its own: in the kernel without a dbias, a run-time test
-  // around the product and its accumulator cost 4 % (registers the loop had used otherwise).
+  // (TiledMmaColSum) for a 16-bit bias, from dS in fp32 for an fp32 one. A variant of its own: in
+  // the kernel without a dbias, a run-time test around the product and its accumulator cost 4 %
+  // (registers the loop had used otherwise).
   static constexpr bool kColSum = kColSum_;
   static constexpr int kColSumRows = 4;  // the shared rows of the column sums (SharedStorage::colsum)
   static_assert(!kColSum || kKeyRows, "column sums: key rows only");
