@@ -13,6 +13,7 @@
 #include "cuda/sm90/enabled.h"
 #include "cuda/sm90/tma_views.h"
 #include "cuda/common/stream_buffer.h"
+#include "cuda/sm80/bwd_tile.h"
 
 namespace dmattn::cuda::sm90 {
 
@@ -50,10 +51,10 @@ inline bool bwd_ws_dbias_tiles_ok(const BwdArgs& a) {
 inline bool bwd_ws_supports(const BwdArgs& a) {
   // (read on every call, so that one process can compare both kernels: the tests do)
   const FwdArgs& f = a.f;
-  // (the instantiation a head dim runs on, as the sm80-class kernels' bins: any multiple of 8 up
-  // to it -- TMA fills Q, K, V and dO's columns past head_dim with zeros, gathered rows are
+  // (the instantiation a head dim runs on, the sm80-class kernels' bins: any multiple of 8 up to
+  // it -- TMA fills Q, K, V and dO's columns past head_dim with zeros, gathered rows are
   // zero-filled alike, and dQ's TMA adds and dK / dV's stores stop at head_dim)
-  const int hd = f.head_dim <= 0 ? 0 : f.head_dim <= 64 ? 64 : f.head_dim <= 128 ? 128 : f.head_dim <= 256 ? 256 : 0;
+  const int hd = bwd_instantiated_head_dim(int(f.head_dim));
   if (env_switched_off("DMATTN_BWD_SM90_WS") || hd == 0 || f.softcap != 0.f) return false;
   if (hd == 256 && (bwd_ws_scores(f) != BwdWsScores::kPlain || f.gate.alpha != nullptr)) return false;
   if (a.fold_batch || a.fold_heads) return false;
