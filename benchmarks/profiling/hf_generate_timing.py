@@ -12,8 +12,11 @@ decoding steps attend to the top 2048 keys of the cache by dt_states). Every row
   tokens/s   batch * new / the whole generate() call (prefill included);
   decode/s   batch * (new - 1) / (time of generate(new) - time of generate(1)): the decoding
              steps alone, where the attention reads the cache.
-Median of --runs timed calls after one warm-up call. Also checks that dmattn's greedy tokens
-equal sdpa's for the first row (reported, not asserted: bf16 near-ties can part them).
+Median of --runs timed calls after one warm-up call. Also reports how many of the first row's
+greedy tokens equal eager's, for sdpa and dmattn (eager's tokens from one untimed call unless
+--eager times it; reported, not asserted: bf16 near-ties can part them). Eager is the reference:
+transformers' Doge under sdpa does not compute eager's attention (its logits differ from eager's
+by far more than rounding), dmattn's do within bf16 rounding.
     PYTHONPATH=python python3 benchmarks/profiling/hf_generate_timing.py [--batch 1,8] [--prompt 8192]
         [--new 64] [--models llama,doge] [--cache dynamic|static] [--eager] [--json FILE]
 """
@@ -55,7 +58,9 @@ def generate_s(model, ids, new: int, runs: int, cache: str):
         torch.cuda.synchronize()
         return time.perf_counter() - t0, out
 
-    call()  # warm-up
+    warm = call()  # warm-up (with runs=0 the only call, and its result)
+    if runs == 0:
+        return warm
     timed = [call() for _ in range(runs)]
     return statistics.median(t for t, _ in timed), timed[0][1]
 
@@ -99,9 +104,16 @@ def main():
                 print(f"{name:<6} B={batch:<2} {impl:<7} {row['tokens_s']:9.1f} tokens/s  "
                       f"{row['decode_tokens_s']:9.1f} decode tokens/s  ({full:.3f} s)", flush=True)
                 torch.cuda.empty_cache()
-            if "sdpa" in tokens and "dmattn" in tokens:
-                same = int((tokens["sdpa"] == tokens["dmattn"]).cumprod(0).sum())
-                print(f"{name:<6} B={batch:<2} greedy tokens equal to sdpa's: first {same} of {args.new}", flush=True)
+            if "eager" not in tokens:  # (the reference's tokens, untimed)
+                model.set_attn_implementation("eager")
+                with torch.no_grad():
+                    _, out = generate_s(model, ids, args.new, 0, args.cache)
+                tokens["eager"] = out[0, args.prompt:]
+                torch.cuda.empty_cache()
+            same = {impl: int((tokens[impl] == tokens["eager"]).cumprod(0).sum()) for impl in ("sdpa", "dmattn")
+                    if impl in tokens}
+            print(f"{name:<6} B={batch:<2} greedy tokens equal to eager's, first row: "
+                  + ", ".join(f"{impl} first {n} of {args.new}" for impl, n in same.items()), flush=True)
         del model
         torch.cuda.empty_cache()
     if args.json:

@@ -33,7 +33,7 @@ from ._op_utils import records_no_gradient
 from .ops import (_GLUE_DTYPES, _call_op, attention_backward, attention_forward, forward_with_grad, gather_key_rows,
                   native_glue_available, scatter_key_rows, select_topk_positions, supports_key_positions)
 
-__all__ = ["KeySet", "mask_key_set", "topk_key_set", "attention_over_key_set", "force_path"]
+__all__ = ["KeySet", "mask_key_set", "topk_key_set", "attention_over_key_set", "force_path", "path_forced"]
 
 # dmattn.attention gathers by itself only when at most this fraction of the keys is kept by
 # any (batch, head) (the dense path's masked keys cost about as much as kept ones), and only
@@ -63,6 +63,13 @@ def force_path(path: Optional[str]) -> Iterator[None]:
         yield
     finally:
         _forced = previous
+
+
+def path_forced() -> bool:
+    """Whether force_path pins the path (tests and benchmarks): the routes that would take a
+    masked or top-k call elsewhere by themselves (the decode direct route, attention_topk's
+    native forms) then leave it to the general path's choice."""
+    return _forced is not None
 
 
 class KeySet(NamedTuple):

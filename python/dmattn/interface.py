@@ -192,10 +192,12 @@ def attention(
 
     A mask (and bias) without a query dimension, e.g. (B, H, 1, Sk), that keeps at most half
     of Sk >= 128 keys runs on the gathered kept keys only (same results; one host sync to
-    count them; not under torch.compile): docs/semantics.md, "Gather path".
+    count them; not under torch.compile), unless the decode kernel takes the call (a few
+    query rows without a gradient on CUDA: it reads the mask in place, no sync):
+    docs/semantics.md, "Gather path".
     """
-    if mask is None and gate is None and windows is None and not gate_threshold:
-        direct = _direct_decode(q, k, v, bias, causal, window, scale, softcap, return_lse)
+    if gate is None and windows is None and not gate_threshold:
+        direct = _direct_decode(q, k, v, mask, bias, causal, window, scale, softcap, return_lse)
         if direct is not None:
             return direct
     return attention_on(q, k, v, mask, bias, None, causal=causal, window=window, scale=scale,
@@ -204,20 +206,26 @@ def attention(
                         gate_adaptive=gate_adaptive)
 
 
-def _direct_decode(q, k, v, bias, causal, window, scale, softcap, return_lse):
+def _direct_decode(q, k, v, mask, bias, causal, window, scale, softcap, return_lse):
     """An inference call of a few query rows (a decoding step) straight onto the decode kernel,
     as the checked route below would run it (dmattn::fwd's body takes the decode kernel with the
-    same split count): CUDA tensors, no mask (a key mask may take the gather path), no gradient
-    to record, eager mode, shapes the kernel takes. The native call validates every tensor,
-    naming it as the checked route does, and allocates the outputs: the checked route's Python
-    layers are host time that the GPU waits for when a step starts from idle. None where the
-    call takes the checked route (attention_with_kvcache's direct route likewise)."""
-    splits = direct_decode_splits(q, k, v, (bias,), AUTO_MAX_ROWS)
+    same split count): CUDA tensors, no gradient to record, eager mode, shapes the kernel takes.
+    The native call validates every tensor, naming it as the checked route does, and allocates
+    the outputs: the checked route's Python layers are host time that the GPU waits for when a
+    step starts from idle. A key mask is read in place by the kernel, as the checked route's
+    dense path reads it: gathering the keys it keeps (the checked route's choice where it keeps
+    at most half of them) would cost each step a host synchronization to count them, and the
+    step's overlap with the host. None where the call takes the checked route (also where
+    gather.force_path pins a masked call's path; attention_with_kvcache's direct route
+    likewise)."""
+    if mask is not None and gather.path_forced():
+        return None
+    splits = direct_decode_splits(q, k, v, (mask, bias), AUTO_MAX_ROWS)
     if not splits or not decode_enabled():
         return None
     left, right, scale, softcap = _parse_options(window, scale, softcap)
     q, k, v = _decode_rows(q), _decode_rows(k), _decode_rows(v)
-    out, lse = _run_decode(q, k, v, None, bias, bool(causal), left, right, scale, softcap, None, None, splits,
+    out, lse = _run_decode(q, k, v, mask, bias, bool(causal), left, right, scale, softcap, None, None, splits,
                            want_lse=return_lse)
     return (out, lse) if return_lse else out
 

@@ -152,7 +152,7 @@ def _native_form(q, k, v, bias, keep: int) -> bool:
     training): no path forced and indexed keys on, eager mode on plain tensors, CUDA, 16-bit
     q / k / v with unit stride along D, a (1 or B, 1 or Hkv, 1, Sk) bias of a 16/32-bit float
     dtype, no mask (the caller's test), keep < Sk."""
-    if gather._forced is not None or not gather.INDEXED_KEYS:
+    if gather.path_forced() or not gather.INDEXED_KEYS:
         return False
     if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and type(bias) is Tensor):
         return False

@@ -74,7 +74,12 @@ CHILD = textwrap.dedent(r"""
     bias = torch.randn(2, 8, 1, 96, generator=g).to(bf16)
     key_bias = torch.randn(2, 2, 1, 96, generator=g).to(bf16)
     mask = torch.rand(2, 1, 1, 96, generator=g) > 0.3
-    named.update(q=q, q4=q4, k=k, v=v, k_hf=k_hf, lens=lens, bias=bias, key_bias=key_bias, mask=mask)
+    # 256 keys, about 1 in 8 kept: the checked route would gather them (one host synchronization)
+    k_long = torch.randn(2, 256, 2, 64, generator=g).to(bf16)
+    v_long = torch.randn(2, 256, 2, 64, generator=g).to(bf16)
+    sparse_mask = torch.rand(2, 1, 1, 256, generator=g) > 0.875
+    named.update(q=q, q4=q4, k=k, v=v, k_hf=k_hf, lens=lens, bias=bias, key_bias=key_bias, mask=mask,
+                 k_long=k_long, v_long=v_long, sparse_mask=sparse_mask)
 
     def run(fn, direct):
         # direct False: the checked route (the direct routes' tests answer "not mine")
@@ -105,6 +110,9 @@ CHILD = textwrap.dedent(r"""
         "kvcache hf layout": lambda: dmattn.attention_with_kvcache(q, k_hf, k_hf, cache_seqlens=lens),
         "attention": lambda: dmattn.attention(q, k, v),
         "attention bias lse": lambda: dmattn.attention(q4, k, v, bias=bias, causal=True, return_lse=True),
+        "attention mask": lambda: dmattn.attention(q, k, v, mask),
+        "flash_dmattn_func mask bias": lambda: dmattn.flash_dmattn_func(q4, k, v, mask, bias, is_causal=True),
+        "attention sparse mask": lambda: dmattn.attention(q, k_long, v_long, sparse_mask),
         "decode_step": lambda: decode.decode_step(q, k_hf, k_hf, None, None, True, None, 0.0),
         "decode_step mask bias": lambda: decode.decode_step(q4, k, v, mask, bias, False, 0.5, 3.0),
         "topk step": lambda: dmattn.attention_topk(q, k, v, key_bias, 32, causal=True, per_query=True),
@@ -138,6 +146,9 @@ CHILD = textwrap.dedent(r"""
         results["subclass"] = answered(lambda: dmattn.attention_with_kvcache(
             torch.nn.Parameter(q, requires_grad=False), k, v, cache_seqlens=lens))
         results["usual"] = answered(lambda: dmattn.attention_with_kvcache(q, k, v, cache_seqlens=lens))
+        import dmattn.gather as gather
+        with gather.force_path("gather"):
+            results["path forced"] = answered(lambda: dmattn.attention(q, k_long, v_long, sparse_mask))
     json.dump(results, sys.stdout)
 """)
 
@@ -151,10 +162,11 @@ def _routes():
 def test_direct_routes_call_the_native_decode_as_the_checked_routes():
     results = _routes()
     for name in ("kvcache", "kvcache lse bias window", "kvcache mask", "kvcache hf layout", "attention",
-                 "attention bias lse", "decode_step", "decode_step mask bias"):
+                 "attention bias lse", "attention mask", "flash_dmattn_func mask bias", "decode_step",
+                 "decode_step mask bias"):
         (direct, direct_calls), (checked, checked_calls) = results[name]
         assert direct == "ran" and len(direct_calls) == 1, (name, direct, direct_calls)
-        if name == "attention":
+        if name in ("attention", "attention mask"):
             # (dmattn::fwd's body always asks for the lse; the direct route, without return_lse,
             # leaves it to the native call's workspace)
             assert checked_calls[0][4] == ["tensor", [2, 8, 1], "torch.float32"] and direct_calls[0][4] is None
@@ -170,11 +182,16 @@ def test_direct_routes_call_the_native_decode_as_the_checked_routes():
     assert kvcache_call[1:4] == ["q", "k", "v"] and kvcache_call[12] == "lens", kvcache_call
     assert results["kvcache hf layout"][0][1][0][2:4] == ["k_hf", "k_hf"]
     assert results["decode_step"][0][1][0][2:4] == ["k_hf", "k_hf"]
+    # A mask that keeps few of many keys: the decode kernel reads it in place (one native call, no
+    # host synchronization to count the kept keys, as the checked route's gather would need).
+    (direct, direct_calls), _ = results["attention sparse mask"]
+    assert direct == "ran" and len(direct_calls) == 1, direct_calls
+    assert direct_calls[0][1:6] == ["q", "k_long", "v_long", None, "sparse_mask"], direct_calls
 
 
 def test_direct_routes_leave_other_calls():
     results = _routes()
     # (the direct route's split count: 0, or no answer where an earlier test declined)
-    for name in ("gradient", "gradient, attention", "int lengths", "float32", "rows", "subclass"):
+    for name in ("gradient", "gradient, attention", "int lengths", "float32", "rows", "subclass", "path forced"):
         assert not any(results[name]), (name, results[name])
     assert results["usual"] == [4]

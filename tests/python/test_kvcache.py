@@ -448,6 +448,33 @@ def test_gpu_cuda_graph_capture():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("entry", ["attention", "flash_dmattn_func"])
+def test_gpu_sparse_key_mask_decodes_without_sync(entry):
+    """A decoding step whose key mask keeps few of many keys (where a training-sized call
+    gathers them after one host synchronization) runs on the decode kernel, the mask read in
+    place: no synchronization (torch's sync debug mode raises on one), the reference's result."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 1, 8, 128, generator=g).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(2, 4096, 2, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    mask = (torch.rand(2, 1, 1, 4096, generator=g) > 0.9).to("cuda")
+    bias = torch.randn(2, 8, 1, 4096, generator=g).to("cuda", torch.bfloat16)
+
+    def call():
+        if entry == "attention":
+            return dmattn.attention(q, k, v, mask, bias, return_lse=True)
+        return dmattn.flash_dmattn_func(q, k, v, mask, bias, return_attn_probs=True)[:2]
+
+    call()  # (first call: the split count's query and the module's load, outside the check)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, lse = call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    check_against_reference(q, k, v, mask, bias, out, lse)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("seqlen_q,heads_kv", [(1, 8), (1, 2), (4, 8), (2, 4), (16, 2)])
 def test_gpu_attention_takes_decode_kernel(monkeypatch, seqlen_q, heads_kv):
     """dmattn.attention with a short Sq on CUDA (the decode kernels, the default) against the
