@@ -67,6 +67,8 @@ class Row:
     provider: str
     fwd_ms: float = math.nan
     fwdbwd_ms: float = math.nan
+    fwd_b2b_ms: float = math.nan  # (calls issued back to back: the host's time hidden)
+    fwdbwd_b2b_ms: float = math.nan
     fwd_tflops: float = math.nan
     fwdbwd_tflops: float = math.nan
     peak_mem_gib: float = math.nan

@@ -88,11 +88,12 @@ def fmt(v, spec: str) -> str:
 def format_table(results: dict) -> str:
     ratios = speedups(results)
     what = "forward" if _fwd_only(results["rows"]) else "fwd+bwd"
-    lines = [f"dmattn benchmark on {results['device']} (torch {results['torch']}; median ms; "
-             f"TFLOP/s in FlashAttention's convention; 'vs best peer' = best peer's {what} time / "
-             f"dmattn's)", ""]
-    header = ["config", "provider", "fwd ms", "fwd+bwd ms", "fwd TF/s", "f+b TF/s", "peak GiB",
-              "vs best peer", "check / note"]
+    lines = [f"dmattn benchmark on {results['device']} (torch {results['torch']}; median ms of single "
+             f"calls, each from an idle device (host time included); 'back to back': the mean of calls "
+             f"issued without waiting; TFLOP/s in FlashAttention's convention, of the first; 'vs best peer' = best "
+             f"peer's {what} time / dmattn's)", ""]
+    header = ["config", "provider", "fwd ms", "fwd+bwd ms", "back to back fwd / f+b", "fwd TF/s", "f+b TF/s",
+              "peak GiB", "vs best peer", "check / note"]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join("---" for _ in header) + "|")
     for r in results["rows"]:
@@ -100,7 +101,8 @@ def format_table(results: dict) -> str:
         if r["provider"] == DMATTN and r["config"] in ratios:
             value, peer = ratios[r["config"]]
             ratio = f"**{value:.2f}x** ({peer})"
-        cells = [r["config"], r["provider"], fmt(r["fwd_ms"], ".2f"), fmt(r["fwdbwd_ms"], ".2f"),
+        b2b = f"{fmt(r.get('fwd_b2b_ms'), '.2f')} / {fmt(r.get('fwdbwd_b2b_ms'), '.2f')}"
+        cells = [r["config"], r["provider"], fmt(r["fwd_ms"], ".2f"), fmt(r["fwdbwd_ms"], ".2f"), b2b,
                  fmt(r["fwd_tflops"], ".3f"), fmt(r["fwdbwd_tflops"], ".3f"),
                  fmt(r["peak_mem_gib"], ".2f"), ratio, r.get("check") or r.get("note") or ""]
         lines.append("| " + " | ".join(cells) + " |")

@@ -1,5 +1,6 @@
-"""One configuration through every provider that supports it: forward and fwd+bwd times, peak
-memory, and the check of dmattn's row (run_config).
+"""One configuration through every provider that supports it: forward and fwd+bwd times (each
+call from an idle GPU, and calls back to back), peak memory, and the check of dmattn's row
+(run_config).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from . import report
 from .check import check
 from .config import Config, Inputs, Row, make_inputs
 from .providers import providers_for
-from .timing import time_ms
+from .timing import back_to_back_ms, time_ms
 
 
 def fwd_bwd(run: Callable, x: Inputs) -> Callable[[], List[torch.Tensor]]:
@@ -49,6 +50,7 @@ def run_config(cfg: Config, device: str, warmup: int, iters: int, providers: Opt
                 torch.cuda.reset_peak_memory_stats()
             with torch.no_grad():
                 row.fwd_ms = time_ms(lambda: run(), device, warmup, iters)
+                row.fwd_b2b_ms = back_to_back_ms(lambda: run(), iters, device)
             row.fwd_tflops = cfg.flops(False) / (row.fwd_ms * 1e-3) / 1e12
             if fwd_only:
                 if name == "dmattn":
@@ -57,6 +59,7 @@ def run_config(cfg: Config, device: str, warmup: int, iters: int, providers: Opt
                 continue
             step = fwd_bwd(run, x)
             row.fwdbwd_ms = time_ms(step, device, warmup, iters)
+            row.fwdbwd_b2b_ms = back_to_back_ms(step, iters, device)
             if device == "cuda":
                 row.peak_mem_gib = torch.cuda.max_memory_allocated() / 2**30
             row.fwdbwd_tflops = cfg.flops(True) / (row.fwdbwd_ms * 1e-3) / 1e12
@@ -69,7 +72,8 @@ def run_config(cfg: Config, device: str, warmup: int, iters: int, providers: Opt
             row.note = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:80]}"
             if name == "dmattn" and row.fwd_ms == row.fwd_ms:
                 dm_row = (row, run)  # the forward ran: still check it
-        log(f"    {name}: fwd {report.fmt(row.fwd_ms, '.2f')} ms, fwd+bwd {report.fmt(row.fwdbwd_ms, '.2f')} ms"
+        log(f"    {name}: fwd {report.fmt(row.fwd_ms, '.2f')} ms, fwd+bwd {report.fmt(row.fwdbwd_ms, '.2f')} ms "
+            f"(back to back {report.fmt(row.fwd_b2b_ms, '.2f')} / {report.fmt(row.fwdbwd_b2b_ms, '.2f')})"
             + (f" ({row.note})" if row.note else ""))
         rows.append(row)
     if dm_row is not None:

@@ -63,11 +63,18 @@ def time_ms(fn: Callable[[], object], device: str, warmup: int, iters: int,
     return statistics.median(times)
 
 
-def back_to_back_ms(fn: Callable[[], object], iters: int) -> float:
+def back_to_back_ms(fn: Callable[[], object], iters: int, device: str = "cuda") -> float:
     """Mean time of fn over `iters` runs issued back to back between two CUDA events (the host
     runs ahead while the GPU is busy: launch latency hidden, as in FlashAttention's and Triton's
-    timing loops); time_ms, the headline figure, waits for the GPU before each run instead."""
+    timing loops); time_ms, the headline figure, waits for the GPU before each run instead. On
+    another device the wall clock of the loop (there the two figures differ by the clock's and
+    the loop's costs alone)."""
     fn()
+    if device != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / iters
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
