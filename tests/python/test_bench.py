@@ -69,6 +69,43 @@ def test_main_writes_table_json_and_plots(tmp_path, capsys):
     assert os.path.exists(out / "speedup.png")
 
 
+def test_rounds_report_each_rows_median():
+    from dmattn.bench.config import Row
+    from dmattn.bench.rounds import merge_rounds
+
+    nan = float("nan")
+
+    def row(provider, fwdbwd, b2b, check="ok", note="", peak=1.0):
+        return Row("a", provider, fwd_ms=1.0, fwdbwd_ms=fwdbwd, fwd_b2b_ms=0.5, fwdbwd_b2b_ms=b2b,
+                   fwd_tflops=10.0, fwdbwd_tflops=35.0 / fwdbwd if fwdbwd == fwdbwd else nan,
+                   peak_mem_gib=peak, check=check, note=note)
+
+    rounds = [[row("dmattn", 2.0, 1.0), row("p", 4.0, 3.0)],
+              [row("dmattn", 3.0, 0.9, check="FAIL out", peak=2.0), row("p", nan, nan, note="OOM")],
+              [row("dmattn", 2.2, 1.1), row("p", 5.0, 4.0)]]
+    merged, per_round = merge_rounds(rounds)
+    mine, peer = merged
+    assert (mine.fwdbwd_ms, mine.fwdbwd_b2b_ms) == (2.2, 1.0)  # the medians, not one round's
+    assert mine.fwdbwd_tflops == pytest.approx(35.0 / 2.2)  # the work over the median time
+    assert mine.check == "FAIL out" and mine.peak_mem_gib == 2.0  # a failed round is not hidden
+    assert peer.fwdbwd_ms == 4.5 and peer.note == "OOM"  # the rounds that measured it
+    assert per_round[("a", "dmattn")]["fwdbwd_ms"] == [2.0, 3.0, 2.2]
+
+
+def test_main_rounds(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = bench.main(["--device", "cpu", "--quick", "--suite", "varlen", "--warmup", "0", "--iters", "1",
+                     "--rounds", "2", "--no-plots", "--out", str(out)])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "[round 2/2, 2/2]" in err
+    results = json.loads((out / "results.json").read_text())
+    assert results["rounds"] == 2
+    for r in results["rows"]:
+        assert len(r["per_round"]["fwdbwd_ms"]) == 2
+    assert "the median of 2 rounds" in (out / "table.md").read_text()
+
+
 def test_cuda_graph_of_refuses_no_repeat():
     from dmattn.bench import cuda_graph_of
     with pytest.raises(ValueError, match="repeat"):

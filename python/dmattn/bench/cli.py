@@ -3,12 +3,14 @@
     python -m dmattn.bench                         # every suite; or: dmattn-bench
     python -m dmattn.bench --suite dense,topk      # suites: dense, bias, topk, varlen, gqa, long, fsa
     python -m dmattn.bench --quick --out results/  # fewer, smaller configurations
+    python -m dmattn.bench --suite fsa --rounds 3  # each row: the median of three rounds
 
 Every row runs the same inputs through each provider that supports the configuration,
 checks dmattn's output and its rows' q / alpha gradients against a float64 reference on a
 slice of query rows (and every gradient for finiteness and against the peer), and reports the
-median time and TFLOP/s (FlashAttention's convention: forward 4*B*H*Sq*Sk*D, halved when
-causal; fwd+bwd 3.5x).
+median time of single calls, each from an idle device (host time included, as a user's first
+call sees it), the mean of calls issued back to back, and TFLOP/s (FlashAttention's
+convention: forward 4*B*H*Sq*Sk*D, halved when causal; fwd+bwd 3.5x).
 The table (with dmattn's speed against the best peer of each row and a summary line), a JSON
 file and PNG plots go to one folder (bench-results/<date>-<device>/ unless --out says), named
 at the end.
@@ -29,6 +31,7 @@ import torch
 from .._lib import cuda_available
 from . import report
 from .config import Row
+from .rounds import merge_rounds
 from .run import run_config
 from .suites import SUITES, cpu_configs, gpu_configs, select_configs
 
@@ -54,6 +57,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--filter", help="only configurations whose name contains this regex")
     ap.add_argument("--providers", help="only providers whose name contains this regex (dmattn always runs)")
     ap.add_argument("--fwd-only", action="store_true", help="time the forward pass only")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every configuration this many times; each row reports the median of its rounds")
     args = ap.parse_args(argv)
     device = args.device
     if device == "auto":
@@ -71,6 +76,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error(str(e))
     if not configs:
         ap.error("no configuration matches --suite / --filter on this device")
+    if args.rounds < 1:
+        ap.error(f"--rounds: expected an int >= 1, got {args.rounds}")
     device_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     if device == "cuda" and not cuda_available():
         print("note: this dmattn build has no CUDA backend; showing the peers only", file=sys.stderr)
@@ -81,15 +88,26 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(line, file=sys.stderr, flush=True)
 
     log(f"dmattn benchmark on {device_name}: {len(configs)} configurations, "
-        f"median of {iters} after {warmup} warm-up(s); results go to {out_dir}/")
-    rows: List[Row] = []
+        f"median of {iters} after {warmup} warm-up(s)"
+        + (f", {args.rounds} rounds (each row: the median of its rounds)" if args.rounds > 1 else "")
+        + f"; results go to {out_dir}/")
+    rounds: List[List[Row]] = []
     start = time.perf_counter()
-    for n, cfg in enumerate(configs, 1):
-        log(f"[{n}/{len(configs)}] {cfg.name} ({time.perf_counter() - start:.0f} s elapsed)")
-        rows.extend(run_config(cfg, device, warmup, iters, args.providers, args.fwd_only, log))
-
-    results = report.results_dict(device_name, [asdict(c) for c in configs], [asdict(r) for r in rows],
-                                  command=" ".join(["python -m dmattn.bench"] + list(argv if argv is not None else sys.argv[1:])))
+    for r in range(args.rounds):
+        rows: List[Row] = []
+        for n, cfg in enumerate(configs, 1):
+            which = f"round {r + 1}/{args.rounds}, " if args.rounds > 1 else ""
+            log(f"[{which}{n}/{len(configs)}] {cfg.name} ({time.perf_counter() - start:.0f} s elapsed)")
+            rows.extend(run_config(cfg, device, warmup, iters, args.providers, args.fwd_only, log))
+        rounds.append(rows)
+    rows, per_round = merge_rounds(rounds)
+    row_dicts = [asdict(r) for r in rows]
+    if args.rounds > 1:
+        for d in row_dicts:
+            d["per_round"] = per_round[(d["config"], d["provider"])]
+    results = report.results_dict(device_name, [asdict(c) for c in configs], row_dicts,
+                                  command=" ".join(["python -m dmattn.bench"] + list(argv if argv is not None else sys.argv[1:])),
+                                  rounds=args.rounds)
     table = report.format_table(results)
     print(table)
     written = report.write_results(results, table, out_dir, extra_json=args.json)

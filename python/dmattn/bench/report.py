@@ -17,7 +17,8 @@ from typing import Dict, List, Optional, Tuple
 DMATTN = "dmattn"
 
 
-def results_dict(device_name: str, configs: List[dict], rows: List[dict], command: str = "") -> dict:
+def results_dict(device_name: str, configs: List[dict], rows: List[dict], command: str = "",
+                 rounds: int = 1) -> dict:
     import torch
 
     from .. import __version__
@@ -30,13 +31,18 @@ def results_dict(device_name: str, configs: List[dict], rows: List[dict], comman
         "torch": torch.__version__,
         "dmattn": __version__,
         "command": command,
+        "rounds": rounds,
         "configs": configs,
         "rows": [{k: _nan_to_none(v) for k, v in r.items()} for r in rows],
     }
 
 
 def _nan_to_none(v):
-    """NaN (no time) as JSON null: strict JSON has no NaN."""
+    """NaN (no time) as JSON null, also inside a row's per-round lists: strict JSON has no NaN."""
+    if isinstance(v, dict):
+        return {k: _nan_to_none(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_nan_to_none(x) for x in v]
     return None if isinstance(v, float) and v != v else v
 
 
@@ -88,7 +94,10 @@ def fmt(v, spec: str) -> str:
 def format_table(results: dict) -> str:
     ratios = speedups(results)
     what = "forward" if _fwd_only(results["rows"]) else "fwd+bwd"
-    lines = [f"dmattn benchmark on {results['device']} (torch {results['torch']}; median ms of single "
+    rounds = results.get("rounds", 1)
+    lines = [f"dmattn benchmark on {results['device']} (torch {results['torch']}; "
+             + (f"the median of {rounds} rounds of " if rounds > 1 else "")
+             + f"median ms of single "
              f"calls, each from an idle device (host time included); 'back to back': the mean of calls "
              f"issued without waiting; TFLOP/s in FlashAttention's convention, of the first; 'vs best peer' = best "
              f"peer's {what} time / dmattn's)", ""]
