@@ -12,7 +12,9 @@ per_query=True: Doge's per-query causal top-k), gate (gated attention, logsigmoi
 `--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats`
 `-k regex:ws_kernel`). bf16, H=16, D=128 unless told (--h, --d);
 --fwd profiles the forward alone; with the bias case, --bias-fp32 keeps the bias in fp32 and
---key-padding adds a key padding mask (B,1,1,S; the second sequence's last S / 5 keys). Random
+--key-padding adds a key padding mask (B,1,1,S; the second sequence's last S / 5 keys); --window N
+keeps each query's last N keys (window (N - 1, 0): the short rows whose query tiles' fixed cost
+docs/design.md measures in "Windows with sinks in the warp-specialized kernels"). Random
 inputs; one warm-up step (so that ncu's first captured launches are not the first ever), then
 the profiled step.
 """
@@ -35,6 +37,7 @@ def main() -> None:
     ap.add_argument("--fwd", action="store_true", help="the forward alone (no gradients)")
     ap.add_argument("--bias-fp32", action="store_true", help="bias case: the bias in fp32")
     ap.add_argument("--key-padding", action="store_true", help="bias case: with a key padding mask")
+    ap.add_argument("--window", type=int, default=0, help="each query's last N keys (with --causal)")
     args = ap.parse_args()
     B, S, H, D = args.b, args.s, args.h, args.d
     dev, dt = "cuda", torch.bfloat16
@@ -58,7 +61,8 @@ def main() -> None:
         if args.case in ("topk", "perquery"):
             out = dmattn.attention_topk(q, k, v, bias, S // 4, causal=True, per_query=args.case == "perquery")
         else:
-            out = dmattn.attention(q, k, v, mask, bias, causal=args.causal, gate=gate)
+            window = (args.window - 1, 0) if args.window > 0 else (-1, -1)
+            out = dmattn.attention(q, k, v, mask, bias, causal=args.causal, gate=gate, window=window)
         if not args.fwd:
             torch.autograd.grad(out, leaves, dout)
 
