@@ -24,7 +24,7 @@ from torch import Tensor
 from ._lib import check_cuda_index, lib
 from ._op_utils import _aligned_rows, _cuda_layout, _is_compiling, _no_dispatch_layers, _scale_arg
 
-__all__ = ["maybe_decode_forward", "direct_decode_splits", "varlen_decode_splits", "varlen_decode_forward", "decode_enabled",
+__all__ = ["maybe_decode_forward", "fwd_decode_splits", "direct_decode_splits", "varlen_decode_splits", "varlen_decode_forward", "decode_enabled",
            "decode_rows_fit", "gathered_decode", "gathered_decode_splits", "native_allocates", "AUTO_MAX_ROWS",
            "KVCACHE_MAX_ROWS", "KERNEL_DTYPES"]
 
@@ -135,12 +135,18 @@ def decode_enabled() -> bool:
     return os.environ.get("DMATTN_DECODE", "1") != "0"
 
 
+def fwd_decode_splits(q: Tensor, k: Tensor) -> int:
+    """The key splits with which dmattn::fwd's body takes the decode kernel for q (B, Sq, H, D)
+    against k (B, Sk, Hkv, D) (CUDA, short Sq), 0 where it takes the general kernels."""
+    if not decode_enabled() or k.dim() != 4 or q.dim() != 4:
+        return 0
+    return _decode_splits(q, k.shape[2], k.shape[1], AUTO_MAX_ROWS)
+
+
 def maybe_decode_forward(q, k, v, mask, bias, causal, window_left, window_right, scale,
                          softcap) -> Optional[Tuple[Tensor, Tensor]]:
     """(out, lse) from the decode kernel when dmattn::fwd should take it (CUDA, short Sq), else None."""
-    if not decode_enabled() or k.dim() != 4 or q.dim() != 4:
-        return None
-    splits = _decode_splits(q, k.shape[2], k.shape[1], AUTO_MAX_ROWS)
+    splits = fwd_decode_splits(q, k)
     if splits == 0:
         return None
     return _run_decode(q, _cuda_layout(k), _cuda_layout(v), mask, bias, causal, window_left, window_right, scale,

@@ -30,6 +30,7 @@ from torch import Tensor
 from .masks import (bias_over_keys, cached_index_tensor, dynamic_mask, host_reads_allowed, selection_key,
                     selection_shape)
 from ._op_utils import records_no_gradient
+from .decode_kernel import fwd_decode_splits
 from .ops import (_GLUE_DTYPES, _call_op, attention_backward, attention_forward, forward_with_grad, gather_key_rows,
                   native_glue_available, scatter_key_rows, select_topk_positions, supports_key_positions)
 
@@ -148,7 +149,9 @@ def mask_key_set(q: Tensor, k: Tensor, mask: Optional[Tensor], bias: Optional[Te
     """dmattn.attention's choice: the key set of ``mask`` when the gather path applies and
     pays off, else None (dense path). Deciding needs the largest kept count, i.e. one host
     synchronization, and is skipped under torch.compile and while a CUDA graph is captured
-    (always dense there: a synchronization would break the capture)."""
+    (always dense there: a synchronization would break the capture), and for an inference call
+    the decode kernel takes (a decoding step: the kernel reads the mask in place, and the
+    synchronization would cost each step its overlap with the host)."""
     if _forced == "dense" or mask is None or not host_reads_allowed(q):
         return None
     if mask.dtype != torch.bool or not _same_device(q, mask, bias) or not _gather_allowed(q, k, deterministic):
@@ -158,7 +161,7 @@ def mask_key_set(q: Tensor, k: Tensor, mask: Optional[Tensor], bias: Optional[Te
     kept = _key_side_view(mask, batch, heads, heads_kv, num_keys)
     if kept is None or (bias is not None and _key_side_view(bias, batch, heads, heads_kv, num_keys) is None):
         return None
-    if _forced is None and num_keys < _MIN_KEYS:
+    if _forced is None and (num_keys < _MIN_KEYS or (records_no_gradient(q, k, bias) and fwd_decode_splits(q, k))):
         return None
     width = int(kept.sum(dim=-1).max())  # the host synchronization
     if _forced is None and width > _MAX_KEPT_FRACTION * num_keys:

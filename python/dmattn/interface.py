@@ -212,12 +212,10 @@ def _direct_decode(q, k, v, mask, bias, causal, window, scale, softcap, return_l
     same split count): CUDA tensors, no gradient to record, eager mode, shapes the kernel takes.
     The native call validates every tensor, naming it as the checked route does, and allocates
     the outputs: the checked route's Python layers are host time that the GPU waits for when a
-    step starts from idle. A key mask is read in place by the kernel, as the checked route's
-    dense path reads it: gathering the keys it keeps (the checked route's choice where it keeps
-    at most half of them) would cost each step a host synchronization to count them, and the
-    step's overlap with the host. None where the call takes the checked route (also where
-    gather.force_path pins a masked call's path; attention_with_kvcache's direct route
-    likewise)."""
+    step starts from idle. A key mask is read in place by the kernel, as on the checked route
+    (gather.mask_key_set gathers no keys for such a call). None where the call takes the checked
+    route (also where gather.force_path pins a masked call's path; attention_with_kvcache's
+    direct route likewise)."""
     if mask is not None and gather.path_forced():
         return None
     splits = direct_decode_splits(q, k, v, (mask, bias), AUTO_MAX_ROWS)

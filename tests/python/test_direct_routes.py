@@ -162,11 +162,11 @@ def _routes():
 def test_direct_routes_call_the_native_decode_as_the_checked_routes():
     results = _routes()
     for name in ("kvcache", "kvcache lse bias window", "kvcache mask", "kvcache hf layout", "attention",
-                 "attention bias lse", "attention mask", "flash_dmattn_func mask bias", "decode_step",
-                 "decode_step mask bias"):
+                 "attention bias lse", "attention mask", "flash_dmattn_func mask bias", "attention sparse mask",
+                 "decode_step", "decode_step mask bias"):
         (direct, direct_calls), (checked, checked_calls) = results[name]
         assert direct == "ran" and len(direct_calls) == 1, (name, direct, direct_calls)
-        if name in ("attention", "attention mask"):
+        if name in ("attention", "attention mask", "attention sparse mask"):
             # (dmattn::fwd's body always asks for the lse; the direct route, without return_lse,
             # leaves it to the native call's workspace)
             assert checked_calls[0][4] == ["tensor", [2, 8, 1], "torch.float32"] and direct_calls[0][4] is None
@@ -182,8 +182,8 @@ def test_direct_routes_call_the_native_decode_as_the_checked_routes():
     assert kvcache_call[1:4] == ["q", "k", "v"] and kvcache_call[12] == "lens", kvcache_call
     assert results["kvcache hf layout"][0][1][0][2:4] == ["k_hf", "k_hf"]
     assert results["decode_step"][0][1][0][2:4] == ["k_hf", "k_hf"]
-    # A mask that keeps few of many keys: the decode kernel reads it in place (one native call, no
-    # host synchronization to count the kept keys, as the checked route's gather would need).
+    # A mask that keeps few of many keys: the decode kernel reads it in place on both routes (one
+    # native call; no host synchronization to count the kept keys, which a gather would need).
     (direct, direct_calls), _ = results["attention sparse mask"]
     assert direct == "ran" and len(direct_calls) == 1, direct_calls
     assert direct_calls[0][1:6] == ["q", "k_long", "v_long", None, "sparse_mask"], direct_calls
