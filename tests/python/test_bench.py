@@ -106,6 +106,12 @@ def test_main_rounds(tmp_path, capsys):
     assert "the median of 2 rounds" in (out / "table.md").read_text()
 
 
+def test_main_refuses_no_rounds(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--quick", "--suite", "varlen", "--rounds", "0", "--no-plots"])
+    assert "--rounds: expected an int >= 1, got 0" in capsys.readouterr().err
+
+
 def test_cuda_graph_of_refuses_no_repeat():
     from dmattn.bench import cuda_graph_of
     with pytest.raises(ValueError, match="repeat"):
