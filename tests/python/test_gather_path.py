@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import dmattn
-from dmattn import gather
+from dmattn import decode_kernel, gather
 from dmattn.ops import supports_key_positions
 from reference import check_against_reference
 
@@ -223,6 +223,12 @@ def test_automatic_choice(device):
     key_bias = torch.randn(B, H, 1, 256, generator=gen).to(device)
     gathers = supports_key_positions(device)
     assert gathers  # both backends read key positions
+    # An inference call that the decode kernel takes reads the mask in place and never gathers
+    # (no host synchronization on a decoding step); the choice below is a training call's.
+    decodes = decode_kernel.fwd_decode_splits(q, k) > 0
+    with torch.no_grad():
+        assert (gather.mask_key_set(q, k, sparse, key_bias, False) is not None) == (gathers and not decodes)
+    q = q.detach().requires_grad_()
 
     key_set = gather.mask_key_set(q, k, sparse, key_bias, False)
     assert (key_set is not None) == gathers
