@@ -384,14 +384,17 @@ def flash_dmattn_func(
     return_attn_probs=True returns (out, lse, None): like flash-dmattn, the probabilities
     themselves are never materialized.
     """
-    out, lse = attention(
+    # The lse only where it is returned: a decoding step's call then allocates and converts one
+    # tensor less before its launch (host time that an idle GPU waits for).
+    result = attention(
         query, key, value, attn_mask, attn_bias,
         causal=bool(is_causal) if is_causal is not None else False,
         scale=softmax_scale,
         softcap=0.0 if softcap is None else softcap,
         deterministic=bool(deterministic) if deterministic is not None else False,
-        return_lse=True,
+        return_lse=bool(return_attn_probs),
     )
     if return_attn_probs:
+        out, lse = result
         return out, lse, None
-    return out
+    return result

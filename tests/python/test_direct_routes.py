@@ -166,10 +166,12 @@ def test_direct_routes_call_the_native_decode_as_the_checked_routes():
                  "decode_step", "decode_step mask bias"):
         (direct, direct_calls), (checked, checked_calls) = results[name]
         assert direct == "ran" and len(direct_calls) == 1, (name, direct, direct_calls)
-        if name in ("attention", "attention mask", "attention sparse mask"):
-            # (dmattn::fwd's body always asks for the lse; the direct route, without return_lse,
-            # leaves it to the native call's workspace)
-            assert checked_calls[0][4] == ["tensor", [2, 8, 1], "torch.float32"] and direct_calls[0][4] is None
+        if name in ("attention", "attention mask", "attention sparse mask", "flash_dmattn_func mask bias"):
+            # (dmattn::fwd's body always asks for the lse; the direct route, without return_lse
+            # -- flash_dmattn_func's without return_attn_probs -- leaves it to the native call's
+            # workspace)
+            rows = 4 if name.startswith("flash_dmattn_func") else 1  # (q4: four query rows)
+            assert checked_calls[0][4] == ["tensor", [2, 8, rows], "torch.float32"] and direct_calls[0][4] is None
             checked_calls[0][4] = None
         assert direct_calls == checked_calls, (name, direct_calls, checked_calls)
     # attention_topk's checked route ends in the general gather path (the same bits, other calls):
