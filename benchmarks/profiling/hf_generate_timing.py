@@ -12,7 +12,8 @@ decoding steps attend to the top 2048 keys of the cache by dt_states). Every row
   tokens/s   batch * new / the whole generate() call (prefill included);
   decode/s   batch * (new - 1) / (time of generate(new) - time of generate(1)): the decoding
              steps alone, where the attention reads the cache.
-Median of --runs timed calls after one warm-up call. Also reports how many of the first row's
+Median of --runs timed rounds after one warm-up call of each implementation; the rounds take the
+implementations in alternating order, so that a machine's drift falls on all alike. Also reports how many of the first row's
 greedy tokens equal eager's, for sdpa and dmattn (eager's tokens from one untimed call unless
 --eager times it; reported, not asserted: bf16 near-ties can part them). Eager is the reference:
 transformers' Doge under sdpa does not compute eager's attention (its logits differ from eager's
@@ -47,22 +48,36 @@ def build(name: str, prompt: int, new: int):
     return model.to(device="cuda", dtype=torch.bfloat16).eval()
 
 
-def generate_s(model, ids, new: int, runs: int, cache: str):
+def generate_call(model, ids, new: int, cache: str):
+    """(seconds, output ids) of one greedy generate() call, from a synchronized GPU to its end."""
     options = dict(cache_implementation="static") if cache == "static" else {}
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                         min_new_tokens=new, do_sample=False, pad_token_id=0, **options)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, out
 
-    def call():
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                             min_new_tokens=new, do_sample=False, pad_token_id=0, **options)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0, out
 
-    warm = call()  # warm-up (with runs=0 the only call, and its result)
-    if runs == 0:
-        return warm
-    timed = [call() for _ in range(runs)]
-    return statistics.median(t for t, _ in timed), timed[0][1]
+def timed_rounds(model, ids, impls, new: int, runs: int, cache: str):
+    """{impl: (median seconds of generate(new), of generate(1), first output)}: each
+    implementation warmed up once, then ``runs`` rounds that take the implementations in
+    alternating order (a machine's drift over the rounds falls on all of them alike)."""
+    times = {impl: ([], []) for impl in impls}
+    outputs = {}
+    for impl in impls:
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            _, outputs[impl] = generate_call(model, ids, new, cache)
+            generate_call(model, ids, 1, cache)
+    for r in range(runs):
+        for impl in (impls if r % 2 == 0 else impls[::-1]):
+            model.set_attn_implementation(impl)
+            with torch.no_grad():
+                times[impl][0].append(generate_call(model, ids, new, cache)[0])
+                times[impl][1].append(generate_call(model, ids, 1, cache)[0])
+    return {impl: (statistics.median(full), statistics.median(first), outputs[impl])
+            for impl, (full, first) in times.items()}
 
 
 def main():
@@ -76,6 +91,8 @@ def main():
     ap.add_argument("--eager", action="store_true", help="also time attn_implementation='eager'")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if args.runs < 1:
+        ap.error(f"--runs: expected >= 1, got {args.runs}")
     register()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, prompt {args.prompt}, new {args.new}, "
           f"{args.cache} cache")
@@ -87,27 +104,24 @@ def main():
             ids = torch.randint(1, 32000, (batch, args.prompt), device="cuda",
                                 generator=torch.Generator(device="cuda").manual_seed(batch))
             tokens = {}
-            for impl in impls:
-                model.set_attn_implementation(impl)
-                try:
-                    with torch.no_grad():
-                        full, out = generate_s(model, ids, args.new, args.runs, args.cache)
-                        first, _ = generate_s(model, ids, 1, args.runs, args.cache)
-                except torch.cuda.OutOfMemoryError:
-                    print(f"{name:<6} B={batch:<2} {impl:<7} out of memory", flush=True)
-                    torch.cuda.empty_cache()
-                    continue
+            try:
+                timed = timed_rounds(model, ids, impls, args.new, args.runs, args.cache)
+            except torch.cuda.OutOfMemoryError:
+                print(f"{name:<6} B={batch:<2} out of memory", flush=True)
+                torch.cuda.empty_cache()
+                continue
+            for impl, (full, first, out) in timed.items():
                 tokens[impl] = out[0, args.prompt:]
                 row = dict(model=name, batch=batch, impl=impl, cache=args.cache, tokens_s=batch * args.new / full,
                            decode_tokens_s=batch * (args.new - 1) / (full - first), generate_s=full)
                 rows.append(row)
                 print(f"{name:<6} B={batch:<2} {impl:<7} {row['tokens_s']:9.1f} tokens/s  "
                       f"{row['decode_tokens_s']:9.1f} decode tokens/s  ({full:.3f} s)", flush=True)
-                torch.cuda.empty_cache()
+            torch.cuda.empty_cache()
             if "eager" not in tokens:  # (the reference's tokens, untimed)
                 model.set_attn_implementation("eager")
                 with torch.no_grad():
-                    _, out = generate_s(model, ids, args.new, 0, args.cache)
+                    _, out = generate_call(model, ids, args.new, args.cache)
                 tokens["eager"] = out[0, args.prompt:]
                 torch.cuda.empty_cache()
             same = {impl: int((tokens[impl] == tokens["eager"]).cumprod(0).sum()) for impl in ("sdpa", "dmattn")
