@@ -48,6 +48,7 @@ def build(name: str, prompt: int, new: int):
     return model.to(device="cuda", dtype=torch.bfloat16).eval()
 
 
+@torch.no_grad()
 def generate_call(model, ids, new: int, cache: str):
     """(seconds, output ids) of one greedy generate() call, from a synchronized GPU to its end."""
     options = dict(cache_implementation="static") if cache == "static" else {}
@@ -60,22 +61,20 @@ def generate_call(model, ids, new: int, cache: str):
 
 
 def timed_rounds(model, ids, impls, new: int, runs: int, cache: str):
-    """{impl: (median seconds of generate(new), of generate(1), first output)}: each
+    """{impl: (median seconds of generate(new), of generate(1), the warm-up's output)}: each
     implementation warmed up once, then ``runs`` rounds that take the implementations in
     alternating order (a machine's drift over the rounds falls on all of them alike)."""
     times = {impl: ([], []) for impl in impls}
     outputs = {}
     for impl in impls:
         model.set_attn_implementation(impl)
-        with torch.no_grad():
-            _, outputs[impl] = generate_call(model, ids, new, cache)
-            generate_call(model, ids, 1, cache)
+        _, outputs[impl] = generate_call(model, ids, new, cache)
+        generate_call(model, ids, 1, cache)
     for r in range(runs):
         for impl in (impls if r % 2 == 0 else impls[::-1]):
             model.set_attn_implementation(impl)
-            with torch.no_grad():
-                times[impl][0].append(generate_call(model, ids, new, cache)[0])
-                times[impl][1].append(generate_call(model, ids, 1, cache)[0])
+            times[impl][0].append(generate_call(model, ids, new, cache)[0])
+            times[impl][1].append(generate_call(model, ids, 1, cache)[0])
     return {impl: (statistics.median(full), statistics.median(first), outputs[impl])
             for impl, (full, first) in times.items()}
 
@@ -120,8 +119,7 @@ def main():
             torch.cuda.empty_cache()
             if "eager" not in tokens:  # (the reference's tokens, untimed)
                 model.set_attn_implementation("eager")
-                with torch.no_grad():
-                    _, out = generate_call(model, ids, args.new, args.cache)
+                _, out = generate_call(model, ids, args.new, args.cache)
                 tokens["eager"] = out[0, args.prompt:]
                 torch.cuda.empty_cache()
             same = {impl: int((tokens[impl] == tokens["eager"]).cumprod(0).sum()) for impl in ("sdpa", "dmattn")
