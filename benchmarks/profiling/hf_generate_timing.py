@@ -13,11 +13,11 @@ decoding steps attend to the top 2048 keys of the cache by dt_states). Every row
   decode/s   batch * (new - 1) / (time of generate(new) - time of generate(1)): the decoding
              steps alone, where the attention reads the cache.
 Median of --runs timed rounds after one warm-up call of each implementation; the rounds take the
-implementations in alternating order, so that a machine's drift falls on all alike. Also reports how many of the first row's
-greedy tokens equal eager's, for sdpa and dmattn (eager's tokens from one untimed call unless
---eager times it; reported, not asserted: bf16 near-ties can part them). Eager is the reference:
-transformers' Doge under sdpa does not compute eager's attention (its logits differ from eager's
-by far more than rounding), dmattn's do within bf16 rounding.
+implementations in alternating order, so that a machine's drift falls on all alike. Also reports
+how many of the first row's greedy tokens equal eager's, for sdpa and dmattn (eager's tokens from
+one untimed call unless --eager times it; reported, not asserted: bf16 near-ties can part them).
+Eager is the reference: transformers' Doge under sdpa does not compute eager's attention (its
+logits differ from eager's by far more than rounding), dmattn's do within bf16 rounding.
     PYTHONPATH=python python3 benchmarks/profiling/hf_generate_timing.py [--batch 1,8] [--prompt 8192]
         [--new 64] [--models llama,doge] [--cache dynamic|static] [--eager] [--json FILE]
 """

@@ -22,9 +22,9 @@ def _median(values: List[float]) -> float:
 
 def merge_rounds(rounds: List[List[Row]]) -> Tuple[List[Row], Dict[Tuple[str, str], Dict[str, List[float]]]]:
     """One row per (config, provider), in the order the rounds first give them: the last round's
-    row with its times the medians over the rounds and its TFLOP/s scaled to them; the check is the first round's that failed, else the last
-    round's; a note is the first round's that has one; peak memory the largest. Also returns each
-    row's per-round times."""
+    row with its times the medians over the rounds and its TFLOP/s scaled to them; the check is
+    the first round's that failed, else the last round's; a note is the first round's that has
+    one; peak memory the largest. Also returns each row's per-round times."""
     by_key: Dict[Tuple[str, str], List[Row]] = {}
     for rows in rounds:
         for row in rows:
